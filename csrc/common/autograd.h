@@ -1,0 +1,46 @@
+// Pieces every loss's C++ autograd function shares.
+//
+// The forward computes the gradient for an upstream gradient of 1 and saves it; the backward hands it on
+// after `_scale_grad_` (an op, so that AOTAutograd traces it) scales it by the real upstream gradient. The
+// saved gradient is scaled in place, so a second backward through the same graph (retain_graph=True) would
+// scale it twice: that is refused with a clear error instead.
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+
+namespace rl_losses {
+
+inline c10::OperatorHandle find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+// True when the forward must produce the gradient: grad mode is on and the logits require it.
+inline bool logits_need_grad(const at::Tensor& logits) {
+  return at::GradMode::is_enabled() && logits.requires_grad();
+}
+
+inline void save_fused_grad(torch::autograd::AutogradContext* ctx, const at::Tensor& grad) {
+  ctx->save_for_backward({grad});
+  ctx->saved_data["consumed"] = false;
+}
+
+inline at::Tensor take_fused_grad(torch::autograd::AutogradContext* ctx, const at::Tensor& grad_output,
+                                  const char* op) {
+  TORCH_CHECK(!ctx->saved_data["consumed"].toBool(), op,
+              ": backward was already run through this loss; its gradient is computed in the forward and "
+              "scaled in place, so a second backward (retain_graph=True) is not supported: call the loss again");
+  ctx->saved_data["consumed"] = true;
+  at::Tensor grad = ctx->get_saved_variables()[0];
+  static const auto scale = find_op("rl_losses::_scale_grad_").typed<void(const at::Tensor&, const at::Tensor&)>();
+  scale.call(grad, grad_output);
+  return grad;
+}
+
+// inplace_backward mutates the logits below autograd: bump their version so that any other autograd node
+// that saved them fails loudly instead of reading the gradient as logits.
+inline void mark_overwritten(const at::Tensor& logits) {
+  logits.unsafeGetTensorImpl()->bump_version();
+}
+
+}  // namespace rl_losses

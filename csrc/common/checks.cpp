@@ -1,0 +1,110 @@
+#include "common/checks.h"
+
+#include <ATen/TensorUtils.h>
+
+#include <cmath>
+
+namespace rl_losses {
+
+FlatLogits check_and_flatten(const char* op, const at::Tensor& logits, const at::Tensor& target,
+                             int64_t vocab_start, int64_t vocab_size) {
+  TORCH_CHECK(logits.defined() && at::isFloatingType(logits.scalar_type()), op,
+              ": logits must be a floating-point tensor (float32, float64, bfloat16 or float16), got ",
+              logits.defined() ? c10::toString(logits.scalar_type()) : "undefined");
+  TORCH_CHECK(logits.dim() >= 1, op, ": logits must have at least 1 dimension (…, vocab), got a 0-dim tensor");
+  TORCH_CHECK(logits.size(-1) == 0 || logits.stride(-1) == 1, op,
+              ": logits must have a unit stride in the vocabulary (last) dimension, got stride ",
+              logits.stride(-1));
+  TORCH_CHECK(target.defined() && at::isIntegralType(target.scalar_type(), /*includeBool=*/false), op,
+              ": target must be an integer tensor of label ids (int32 or int64), got ",
+              target.defined() ? c10::toString(target.scalar_type()) : "undefined");
+  TORCH_CHECK(target.scalar_type() == at::kInt || target.scalar_type() == at::kLong, op,
+              ": target must be int32 or int64, got ", target.scalar_type());
+  TORCH_CHECK(target.device() == logits.device(), op, ": target is on ", target.device(), " but logits is on ",
+              logits.device());
+  const auto batch = logits.sizes().slice(0, logits.dim() - 1);
+  TORCH_CHECK(target.sizes() == batch, op, ": target has shape ", target.sizes(),
+              " but logits has batch shape ", batch, " (logits shape ", logits.sizes(), ")");
+  const int64_t v = logits.size(-1);
+  TORCH_CHECK(v >= 1 || target.numel() == 0, op, ": logits has an empty vocabulary dimension (shape ",
+              logits.sizes(), ")");
+  TORCH_CHECK(vocab_start >= 0, op, ": vocab_start must be >= 0, got ", vocab_start);
+  const int64_t total = vocab_size < 0 ? vocab_start + v : vocab_size;
+  TORCH_CHECK(total >= vocab_start + v, op, ": vocab_size ", vocab_size, " is smaller than vocab_start + the ",
+              "logits' vocabulary shard (", vocab_start, " + ", v, ")");
+  FlatLogits f;
+  f.n_rows = target.numel();
+  f.vocab = v;
+  f.vocab_total = total;
+  // A view keeps `inplace_backward` meaningful and avoids an N×V copy; only batch dims that cannot be
+  // merged into one uniform row stride force a copy.
+  auto view = f.n_rows == 0 ? std::optional<at::Tensor>(logits.reshape({0, v}))
+                            : [&]() -> std::optional<at::Tensor> {
+    const int64_t shape[2] = {f.n_rows, v};
+    auto strides = at::detail::computeStride(logits.sizes(), logits.strides(), at::IntArrayRef(shape));
+    if (!strides) return std::nullopt;
+    return logits.as_strided({f.n_rows, v}, *strides);
+  }();
+  f.is_view = view.has_value();
+  f.logits2d = view ? *view : logits.reshape({f.n_rows, v}).contiguous();
+  f.target1d = target.reshape({f.n_rows}).contiguous();
+  return f;
+}
+
+at::Tensor check_per_token(const char* op, const char* name, const at::Tensor& t, const at::Tensor& target,
+                           at::ScalarType dtype) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), op, ": ", name, " must be a floating-point tensor, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.device() == target.device(), op, ": ", name, " is on ", t.device(), " but logits is on ",
+              target.device());
+  TORCH_CHECK(t.sizes() == target.sizes(), op, ": ", name, " has shape ", t.sizes(),
+              " but target has shape ", target.sizes());
+  return t.reshape({-1}).to(dtype).contiguous();
+}
+
+at::Tensor check_per_token_int(const char* op, const char* name, const at::Tensor& t, const at::Tensor& target) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK(at::isIntegralType(t.scalar_type(), false), op, ": ", name, " must be an integer tensor, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.device() == target.device(), op, ": ", name, " is on ", t.device(), " but logits is on ",
+              target.device());
+  TORCH_CHECK(t.sizes() == target.sizes(), op, ": ", name, " has shape ", t.sizes(),
+              " but target has shape ", target.sizes());
+  return t.reshape({-1}).to(at::kLong).contiguous();
+}
+
+void check_scale(const char* op, double scale) {
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, op, ": logits_scale_factor must be finite and > 0, got ", scale);
+}
+
+void check_divisor(const char* op, std::optional<double> divisor) {
+  TORCH_CHECK(!divisor || (std::isfinite(*divisor) && *divisor > 0), op, ": divisor must be finite and > 0, got ",
+              divisor ? *divisor : 0.0);
+}
+
+void check_epsilons(const char* op, double epsilon_low, double epsilon_high) {
+  TORCH_CHECK(std::isfinite(epsilon_low) && epsilon_low >= 0 && epsilon_low < 1, op,
+              ": epsilon_low must be in [0, 1), got ", epsilon_low);
+  TORCH_CHECK(std::isfinite(epsilon_high) && epsilon_high >= 0, op, ": epsilon_high must be >= 0, got ",
+              epsilon_high);
+}
+
+void check_row_stats(const char* op, const std::optional<at::Tensor>& row_stats, const FlatLogits& f) {
+  if (!row_stats) return;
+  const auto& s = *row_stats;
+  TORCH_CHECK(s.dim() == 2 && s.size(0) == f.n_rows && s.size(1) == 5, op,
+              ": row_stats must have shape (", f.n_rows, ", 5), got ", s.sizes());
+  TORCH_CHECK(s.scalar_type() == (f.logits2d.scalar_type() == at::kDouble ? at::kDouble : at::kFloat), op,
+              ": row_stats must be float32 (float64 for float64 logits), got ", s.scalar_type());
+  TORCH_CHECK(s.device() == f.logits2d.device(), op, ": row_stats is on ", s.device(), " but logits is on ",
+              f.logits2d.device());
+  TORCH_CHECK(s.is_contiguous(), op, ": row_stats must be contiguous");
+}
+
+at::Tensor divisor_tensor(std::optional<double> divisor, const at::Tensor& fallback, at::ScalarType dtype) {
+  if (divisor) return at::full({}, *divisor, fallback.options().dtype(dtype));
+  return fallback.to(dtype).clamp_min(1);
+}
+
+}  // namespace rl_losses

@@ -1,0 +1,41 @@
+// Input validation shared by every op: one function per concern, messages that name the argument, the
+// expected and the actual value (SPEC §4).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+
+namespace rl_losses {
+
+// The flattened problem every op works on: (N, V_loc) logits with unit column stride and a uniform row
+// stride (a view when the batch dims allow one, a copy otherwise), and (N,) contiguous labels.
+struct FlatLogits {
+  at::Tensor logits2d;  // (N, V_loc)
+  at::Tensor target1d;  // (N,)
+  bool is_view;         // logits2d shares the logits' storage
+  int64_t n_rows;
+  int64_t vocab;        // V_loc
+  int64_t vocab_total;  // V of the whole vocabulary
+};
+
+FlatLogits check_and_flatten(const char* op, const at::Tensor& logits, const at::Tensor& target,
+                             int64_t vocab_start, int64_t vocab_size);
+
+// A per-token float tensor (advantages, old log-probs, …): same shape as `target`, floating, same device.
+// Returns it flattened, contiguous, in `dtype`.
+at::Tensor check_per_token(const char* op, const char* name, const at::Tensor& t, const at::Tensor& target,
+                           at::ScalarType dtype);
+at::Tensor check_per_token_int(const char* op, const char* name, const at::Tensor& t, const at::Tensor& target);
+
+void check_scale(const char* op, double scale);
+void check_divisor(const char* op, std::optional<double> divisor);
+void check_epsilons(const char* op, double epsilon_low, double epsilon_high);
+void check_row_stats(const char* op, const std::optional<at::Tensor>& row_stats, const FlatLogits& f);
+
+// The divisor D as a 0-dim tensor on the logits' device: the given value, or `fallback` (computed on the
+// device, clamped to >= 1 so that an all-masked batch gives 0 rather than 0/0). No host synchronisation.
+at::Tensor divisor_tensor(std::optional<double> divisor, const at::Tensor& fallback, at::ScalarType dtype);
+
+}  // namespace rl_losses

@@ -1,0 +1,261 @@
+// The per-token math of every loss, written once and called by the CPU loops and the CUDA kernels alike,
+// so that CPU/CUDA parity comes from construction. Everything here is fp32 (fp64 for fp64 inputs on the CPU)
+// and free of torch headers beyond the host/device macro. SPEC.md sections are cited where a formula lives.
+#pragma once
+
+#include <c10/macros/Macros.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+// Unrolling hint that both nvcc and the host compiler understand.
+#if defined(__CUDACC__)
+#define RL_LOSSES_UNROLL _Pragma("unroll")
+#else
+#define RL_LOSSES_UNROLL _Pragma("GCC unroll 16")
+#endif
+
+namespace rl_losses {
+
+// Accumulation type: fp32 for fp32/bf16/fp16 logits, fp64 for fp64 logits (CPU reference-grade tests).
+template <typename scalar_t>
+struct acc_type {
+  using type = float;
+};
+template <>
+struct acc_type<double> {
+  using type = double;
+};
+
+template <typename T>
+C10_HOST_DEVICE inline T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
+
+// exp(x) for x <= 0 in float without libm: Cody-Waite reduction x = n·ln2 + r, |r| <= ln2/2, a degree-6
+// polynomial for e^r (Cephes' expf coefficients, about 1 ulp) and 2^n built in the exponent bits. It has no
+// branch and no call, so the CPU row loops vectorise; it is what makes them beat eager PyTorch.
+inline float exp_nonpos_poly(float x) {
+  const float xc = x < -87.0f ? -87.0f : x;  // keeps 2^n normal; the result is then flushed to 0 below
+  const float magic = 12582912.0f;           // 1.5·2^23: adding it rounds to an integer in the low bits
+  const float t = xc * 1.44269504088896341f + magic;
+  const float n = t - magic;
+  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+// exp of a non-positive argument (x - max): the hardware approximation on the GPU (2 ulp, and the inputs
+// are bounded above by 0, so no overflow), the vectorisable polynomial on the CPU; fp64 uses libm.
+template <typename T>
+C10_HOST_DEVICE inline T exp_nonpos(T x) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (sizeof(T) == 4) {
+    return __expf(x);
+  } else {
+    return ::exp(x);
+  }
+#else
+  if constexpr (sizeof(T) == 4) {
+    return exp_nonpos_poly(x);
+  } else {
+    return std::exp(x);
+  }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Online softmax statistics of one row (or one shard of a row) of scaled logits x = s*z.
+// `max` and `sumexp` form the usual online log-sum-exp pair; `sum_px` is Σ exp(x-max)·x (for the entropy),
+// `sum_x` is Σ x (for label smoothing), `label` the label's scaled logit (0 where this row/shard has none).
+// Partial states combine associatively, which is what the CUDA block reduction and the tensor-parallel
+// all-reduce both rely on.
+// ---------------------------------------------------------------------------------------------------------
+template <typename T>
+struct RowStats {
+  T max;
+  T sumexp;
+  T sum_px;
+  T sum_x;
+  T label;
+
+  static constexpr int kFields = 5;
+
+  C10_HOST_DEVICE static RowStats empty() {
+    return {neg_inf<T>(), T(0), T(0), T(0), T(0)};
+  }
+
+  // Fold a chunk of K values whose max is `chunk_max` into the state: one rescale per chunk, not per value.
+  template <bool kEntropy, bool kSmoothing, int K>
+  C10_HOST_DEVICE void add_chunk(const T (&x)[K]) {
+    T chunk_max = x[0];
+RL_LOSSES_UNROLL
+    for (int i = 1; i < K; ++i) chunk_max = x[i] > chunk_max ? x[i] : chunk_max;
+    if (chunk_max > max) {
+      // max == -inf only before the first finite value: then the old sums are 0 and the factor is moot.
+      const T factor = max == neg_inf<T>() ? T(0) : exp_nonpos(max - chunk_max);
+      sumexp *= factor;
+      if (kEntropy) sum_px *= factor;
+      max = chunk_max;
+    }
+    if (max == neg_inf<T>()) return;  // every value so far is -inf: nothing to add
+RL_LOSSES_UNROLL
+    for (int i = 0; i < K; ++i) {
+      const T e = exp_nonpos(x[i] - max);
+      sumexp += e;
+      // e == 0 for x == -inf: skip so that 0 * -inf never makes a NaN.
+      if (kEntropy) sum_px += e > T(0) ? e * x[i] : T(0);
+      if (kSmoothing) sum_x += x[i];
+    }
+  }
+
+  template <bool kEntropy, bool kSmoothing>
+  C10_HOST_DEVICE void add(T x) {
+    T one[1] = {x};
+    add_chunk<kEntropy, kSmoothing, 1>(one);
+  }
+
+  C10_HOST_DEVICE static RowStats combine(const RowStats& a, const RowStats& b) {
+    if (a.max == neg_inf<T>()) return {b.max, b.sumexp, b.sum_px, a.sum_x + b.sum_x, a.label + b.label};
+    if (b.max == neg_inf<T>()) return {a.max, a.sumexp, a.sum_px, a.sum_x + b.sum_x, a.label + b.label};
+    const T m = a.max > b.max ? a.max : b.max;
+    const T fa = exp_nonpos(a.max - m), fb = exp_nonpos(b.max - m);
+    return {m, a.sumexp * fa + b.sumexp * fb, a.sum_px * fa + b.sum_px * fb, a.sum_x + b.sum_x,
+            a.label + b.label};
+  }
+
+  C10_HOST_DEVICE T lse() const { return max + ::log(sumexp); }
+  // H = lse - Σ p·x (SPEC §1).
+  C10_HOST_DEVICE T entropy() const { return lse() - sum_px / sumexp; }
+};
+
+// The gradient of every loss here w.r.t. the scaled logits of a row has the form
+//     dL/dx_j = a·p_j + c + b·[j == y]
+// and the kernels write s·(that) as dL/dz_j. Each op only supplies (a, b, c) per row.
+template <typename T>
+struct GradCoef {
+  T a;
+  T b;
+  T c;
+};
+
+// ---------------------------------------------------------------------------------------------------------
+// Cross-entropy and z-loss (SPEC §2.1), one labelled row with weight w = m_t·g/D:
+//   ℓ = λ[(1−ε)(lse − x_y) + ε(lse − Σx/V)] + ζ·lse²
+//   ∂ℓ/∂x_j = λ[p_j − (1−ε)[j=y] − ε/V] + 2ζ·lse·p_j
+// λ = 1 for cross-entropy, λ = 0 for the z-loss alone.
+// ---------------------------------------------------------------------------------------------------------
+template <typename T>
+struct CrossEntropyOptions {
+  T label_weight;     // λ
+  T label_smoothing;  // ε
+  T z_loss_factor;    // ζ
+  T vocab_size;       // V of the whole (global) vocabulary
+};
+
+template <typename T>
+C10_HOST_DEVICE inline T cross_entropy_loss(const CrossEntropyOptions<T>& o, T lse, T x_label, T sum_x) {
+  const T nll = lse - x_label;
+  const T smooth = lse - sum_x / o.vocab_size;
+  return o.label_weight * ((T(1) - o.label_smoothing) * nll + o.label_smoothing * smooth) +
+         o.z_loss_factor * lse * lse;
+}
+
+template <typename T>
+C10_HOST_DEVICE inline GradCoef<T> cross_entropy_grad(const CrossEntropyOptions<T>& o, T lse, T w) {
+  return {w * (o.label_weight + T(2) * o.z_loss_factor * lse), -w * o.label_weight * (T(1) - o.label_smoothing),
+          -w * o.label_weight * o.label_smoothing / o.vocab_size};
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Policy-gradient pieces shared by GRPO (per token) and GSPO (per document), SPEC §2.2-2.3.
+// ---------------------------------------------------------------------------------------------------------
+template <typename T>
+struct ClipOptions {
+  T epsilon_low;
+  T epsilon_high;
+  T delta;  // two-sided clip; +inf when not used
+};
+
+// −min( min(r, δ)·A , clip(r, 1−ε_l, 1+ε_h)·A )
+template <typename T>
+C10_HOST_DEVICE inline T clipped_surrogate_loss(const ClipOptions<T>& o, T ratio, T advantage) {
+  const T lo = T(1) - o.epsilon_low, hi = T(1) + o.epsilon_high;
+  const T clipped = ratio < lo ? lo : (ratio > hi ? hi : ratio);
+  const T capped = ratio < o.delta ? ratio : o.delta;
+  const T s1 = capped * advantage, s2 = clipped * advantage;
+  return -(s1 < s2 ? s1 : s2);
+}
+
+// c(r, A): the factor of A through which the surrogate still depends on r (0 where a clip is active).
+template <typename T>
+C10_HOST_DEVICE inline T clip_coefficient(const ClipOptions<T>& o, T ratio, T advantage) {
+  const T pos = advantage > T(0) ? advantage : T(0);
+  const T neg = advantage < T(0) ? advantage : T(0);
+  const T c = (ratio <= T(1) + o.epsilon_high ? pos : T(0)) + (ratio >= T(1) - o.epsilon_low ? neg : T(0));
+  return ratio <= o.delta ? c : T(0);
+}
+
+// Clipped-fraction flags of SPEC §2.4.
+template <typename T>
+C10_HOST_DEVICE inline bool clipped_low(const ClipOptions<T>& o, T ratio, T advantage) {
+  return ratio < T(1) - o.epsilon_low && advantage < T(0);
+}
+template <typename T>
+C10_HOST_DEVICE inline bool clipped_high(const ClipOptions<T>& o, T ratio, T advantage) {
+  return ratio > T(1) + o.epsilon_high && advantage > T(0);
+}
+
+// k3 estimator of KL(π || q) from the log-ratio d = log q − log π: exp(d) − d − 1 (≥ 0, exact 0 at d = 0).
+template <typename T>
+C10_HOST_DEVICE inline T k3(T log_ratio) {
+  // expm1 keeps the small-|d| case accurate: exp(d) − 1 − d without cancellation of the leading 1.
+  return ::expm1(log_ratio) - log_ratio;
+}
+
+// GRPO, one token: loss ℓ_t and the coefficient of (p − onehot) in ∂ℓ_t/∂x (before the weight w_t/D).
+template <typename T>
+struct GrpoOptions {
+  ClipOptions<T> clip;
+  T beta;  // k3 penalty towards ref_log_probs; 0 disables it
+};
+
+template <typename T>
+struct PolicyToken {
+  T loss;   // ℓ_t
+  T coef;   // ∂ℓ_t/∂lp_t · (−1): the gradient w.r.t. x is coef·(p − onehot)
+  T ratio;  // r_t
+};
+
+template <typename T>
+C10_HOST_DEVICE inline PolicyToken<T> grpo_token(const GrpoOptions<T>& o, T log_prob, T old_log_prob,
+                                                 T advantage, T ref_log_prob) {
+  const T ratio = ::exp(log_prob - old_log_prob);
+  T loss = clipped_surrogate_loss(o.clip, ratio, advantage);
+  T coef = clip_coefficient(o.clip, ratio, advantage) * ratio;
+  if (o.beta != T(0)) {
+    const T d = ref_log_prob - log_prob;
+    loss += o.beta * k3(d);
+    coef += o.beta * ::expm1(d);  // −β(1 − exp(q − lp))
+  }
+  return {loss, coef, ratio};
+}
+
+// GSPO, one document: f_s and the per-token factor c(R, Ā)·R (SPEC §2.3).
+template <typename T>
+C10_HOST_DEVICE inline PolicyToken<T> gspo_document(const ClipOptions<T>& o, T log_ratio_sum, T advantage) {
+  const T ratio = ::exp(log_ratio_sum);
+  return {clipped_surrogate_loss(o, ratio, advantage), clip_coefficient(o, ratio, advantage) * ratio, ratio};
+}
+
+}  // namespace rl_losses

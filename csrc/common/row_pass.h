@@ -1,0 +1,122 @@
+// The one pass over the vocabulary that every op is built from.
+//
+// For each row t of the flattened logits (N rows, V_loc columns of this rank's vocabulary shard):
+//   1. statistics: online max / sum-exp / Σp·x / Σx of x = s·z, and the label's logit      (kStats)
+//      — or, when they were computed before (tensor parallelism, GSPO), read from `stats_in`;
+//   2. the op's epilogue turns the statistics into its per-row outputs and the gradient coefficients
+//      (a, b, c) of dL/dx_j = a·p_j + c + b·[j = y]  (math.h);
+//   3. the gradient dL/dz_j = s·(a·p_j + c + b·[j = y]) is written once                    (kGrad).
+// CE and GRPO run 1-3 in one kernel (one read of the logits from DRAM, one write of the gradient);
+// GSPO runs 1, a per-document step, then 3. The CPU and CUDA back-ends implement this same contract.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "common/math.h"
+
+namespace rl_losses {
+
+// Host-side description of one row pass. Tensors are already validated and 2-D (N, V_loc) / 1-D (N).
+struct RowPassArgs {
+  at::Tensor logits;    // (N, V_loc), any row stride, unit column stride
+  at::Tensor target;    // (N,) int32/int64 global label ids; negative = no label
+  at::Tensor stats_in;  // (N, 5) accumulation dtype, or undefined: compute the statistics
+  at::Tensor grad;      // (N, V_loc) unit column stride, or undefined: no gradient
+  double scale = 1.0;   // logits_scale_factor s
+  int64_t vocab_start = 0;   // global id of this shard's column 0
+  int64_t vocab_total = 0;   // V of the whole vocabulary (label range check)
+  bool entropy = false;      // accumulate Σp·x
+  bool smoothing = false;    // accumulate Σx
+
+  bool compute_stats() const { return !stats_in.defined(); }
+  bool write_grad() const { return grad.defined(); }
+};
+
+// Raw view the kernels see: plain pointers and sizes, no torch types.
+template <typename scalar_t, typename label_t, typename acc_t>
+struct RowPassView {
+  const scalar_t* logits;
+  int64_t row_stride;
+  const label_t* target;
+  const acc_t* stats_in;
+  scalar_t* grad;
+  int64_t grad_row_stride;
+  int64_t n_rows;
+  int64_t vocab;  // V_loc
+  int64_t vocab_start;
+  int64_t vocab_total;
+  acc_t scale;
+};
+
+template <typename scalar_t, typename label_t, typename acc_t>
+inline RowPassView<scalar_t, label_t, acc_t> make_view(const RowPassArgs& a) {
+  RowPassView<scalar_t, label_t, acc_t> v;
+  v.logits = a.logits.const_data_ptr<scalar_t>();
+  v.row_stride = a.logits.stride(0);
+  v.target = a.target.const_data_ptr<label_t>();
+  v.stats_in = a.stats_in.defined() ? a.stats_in.const_data_ptr<acc_t>() : nullptr;
+  v.grad = a.grad.defined() ? a.grad.data_ptr<scalar_t>() : nullptr;
+  v.grad_row_stride = a.grad.defined() ? a.grad.stride(0) : 0;
+  v.n_rows = a.logits.size(0);
+  v.vocab = a.logits.size(1);
+  v.vocab_start = a.vocab_start;
+  v.vocab_total = a.vocab_total;
+  v.scale = static_cast<acc_t>(a.scale);
+  return v;
+}
+
+// Epilogue that stores the raw statistics (N, 5): max, sumexp, sum_px, sum_x, label. Used by the
+// statistics-only pass (tensor-parallel forward, GSPO pass 1). No gradient.
+template <typename acc_t>
+struct StoreStatsEpilogue {
+  acc_t* out;
+  C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t /*label*/, const RowStats<acc_t>& st) const {
+    acc_t* o = out + row * RowStats<acc_t>::kFields;
+    o[0] = st.max;
+    o[1] = st.sumexp;
+    o[2] = st.sum_px;
+    o[3] = st.sum_x;
+    o[4] = st.label;
+    return {acc_t(0), acc_t(0), acc_t(0)};
+  }
+};
+
+template <typename acc_t>
+C10_HOST_DEVICE inline RowStats<acc_t> load_stats(const acc_t* stats, int64_t row) {
+  const acc_t* s = stats + row * RowStats<acc_t>::kFields;
+  return {s[0], s[1], s[2], s[3], s[4]};
+}
+
+// Epilogue for a gradient pass whose per-row coefficient was computed elsewhere (GSPO): the gradient is
+// coef_t·(p − onehot), i.e. (a, b, c) = (coef, −coef, 0).
+template <typename acc_t>
+struct PolicyCoefEpilogue {
+  const acc_t* coef;
+  C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t, const RowStats<acc_t>&) const {
+    const acc_t c = coef[row];
+    return {c, -c, acc_t(0)};
+  }
+};
+
+// Dispatch over the logits dtype (fp32/fp64/bf16/fp16) and the label dtype (int32/int64).
+// (AT_DISPATCH needs a literal name; error messages carry the op name through TORCH_CHECKs elsewhere.)
+#define RL_LOSSES_DISPATCH_LOGITS(DTYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, DTYPE, "rl_losses", __VA_ARGS__)
+
+#define RL_LOSSES_DISPATCH_LABELS(DTYPE, NAME, ...)                                    \
+  [&] {                                                                                 \
+    if ((DTYPE) == at::kInt) {                                                          \
+      using label_t = int32_t;                                                          \
+      return __VA_ARGS__();                                                             \
+    }                                                                                   \
+    TORCH_CHECK((DTYPE) == at::kLong, NAME, ": target must be int32 or int64, got ", DTYPE); \
+    using label_t = int64_t;                                                            \
+    return __VA_ARGS__();                                                               \
+  }()
+
+// The accumulation dtype of the per-row outputs for given logits: fp64 for fp64, fp32 otherwise.
+inline at::ScalarType acc_dtype(at::ScalarType logits_dtype) {
+  return logits_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+}  // namespace rl_losses

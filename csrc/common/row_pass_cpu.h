@@ -1,0 +1,85 @@
+// CPU back-end of the row pass (row_pass.h): at::parallel_for over rows, two sweeps per row (statistics,
+// then gradient), fp32 (fp64) accumulation, inner loops written so that the compiler vectorises them.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#include "common/row_pass.h"
+
+namespace rl_losses {
+
+template <typename scalar_t, typename label_t, bool kEntropy, bool kSmoothing, typename Epilogue>
+void row_pass_cpu_typed(const RowPassArgs& args, const Epilogue& epi) {
+  using acc_t = typename acc_type<scalar_t>::type;
+  const auto v = make_view<scalar_t, label_t, acc_t>(args);
+  const bool stats = args.compute_stats(), grad = args.write_grad();
+  constexpr int kChunk = 16;
+  // Rows are independent; a grain of a few rows keeps the scheduling cost far below one row's work.
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(v.vocab, 1));
+  at::parallel_for(0, v.n_rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const scalar_t* x = v.logits + row * v.row_stride;
+      const int64_t label = static_cast<int64_t>(v.target[row]);
+      TORCH_CHECK(label < v.vocab_total, "target: label ", label, " at row ", row, " is out of range for ",
+                  "vocab_size ", v.vocab_total);
+      const int64_t local = label - v.vocab_start;
+      const bool has_label = label >= 0 && local >= 0 && local < v.vocab;
+      RowStats<acc_t> st;
+      if (stats) {
+        st = RowStats<acc_t>::empty();
+        int64_t j = 0;
+        for (; j + kChunk <= v.vocab; j += kChunk) {
+          acc_t chunk[kChunk];
+          for (int i = 0; i < kChunk; ++i) chunk[i] = static_cast<acc_t>(x[j + i]) * v.scale;
+          st.template add_chunk<kEntropy, kSmoothing, kChunk>(chunk);
+        }
+        for (; j < v.vocab; ++j) st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(x[j]) * v.scale);
+        st.label = has_label ? static_cast<acc_t>(x[local]) * v.scale : acc_t(0);
+      } else {
+        st = load_stats(v.stats_in, row);
+      }
+      const GradCoef<acc_t> coef = epi(row, label, st);
+      if (!grad) continue;
+      scalar_t* g = v.grad + row * v.grad_row_stride;
+      if (coef.a == acc_t(0) && coef.b == acc_t(0) && coef.c == acc_t(0)) {
+        std::fill(g, g + v.vocab, scalar_t(0));  // masked row: exact zeros, no exp of a possibly -inf lse
+        continue;
+      }
+      const acc_t lse = st.lse();
+      const acc_t sa = v.scale * coef.a, sc = v.scale * coef.c;
+      for (int64_t k = 0; k < v.vocab; ++k) {
+        const acc_t p = exp_nonpos(static_cast<acc_t>(x[k]) * v.scale - lse);
+        g[k] = static_cast<scalar_t>(sa * p + sc);
+      }
+      // The label term is added after the vectorised sweep rather than tested per element.
+      if (has_label) {
+        const acc_t p = exp_nonpos(static_cast<acc_t>(x[local]) * v.scale - lse);
+        g[local] = static_cast<scalar_t>(sa * p + sc + v.scale * coef.b);
+      }
+    }
+  });
+}
+
+// Entry point: dispatch on dtypes and on the statistics flags.
+template <typename Epilogue_for>
+void row_pass_cpu(const RowPassArgs& args, const char* name, Epilogue_for&& make_epilogue) {
+  RL_LOSSES_DISPATCH_LOGITS(args.logits.scalar_type(), name, [&] {
+    using acc_t = typename acc_type<scalar_t>::type;
+    const auto epi = make_epilogue(static_cast<acc_t*>(nullptr));
+    RL_LOSSES_DISPATCH_LABELS(args.target.scalar_type(), name, [&] {
+      if (args.entropy && args.smoothing) {
+        row_pass_cpu_typed<scalar_t, label_t, true, true>(args, epi);
+      } else if (args.entropy) {
+        row_pass_cpu_typed<scalar_t, label_t, true, false>(args, epi);
+      } else if (args.smoothing) {
+        row_pass_cpu_typed<scalar_t, label_t, false, true>(args, epi);
+      } else {
+        row_pass_cpu_typed<scalar_t, label_t, false, false>(args, epi);
+      }
+    });
+  });
+}
+
+}  // namespace rl_losses

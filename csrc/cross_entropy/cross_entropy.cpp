@@ -1,0 +1,68 @@
+#include "cross_entropy/cross_entropy.h"
+
+#include <cmath>
+
+#include "common/checks.h"
+
+namespace rl_losses {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
+    const at::Tensor& logits, const at::Tensor& target, double logits_scale_factor, double label_smoothing,
+    double z_loss_factor, double label_weight, const std::string& reduction, std::optional<double> divisor,
+    const std::optional<at::Tensor>& row_stats, int64_t vocab_start, int64_t vocab_size, bool compute_grad,
+    bool inplace, CrossEntropyBackend backend) {
+  constexpr const char* op = "cross_entropy";
+  const FlatLogits f = check_and_flatten(op, logits, target, vocab_start, vocab_size);
+  check_scale(op, logits_scale_factor);
+  TORCH_CHECK(std::isfinite(label_smoothing) && label_smoothing >= 0 && label_smoothing < 1, op,
+              ": label_smoothing must be in [0, 1), got ", label_smoothing);
+  TORCH_CHECK(std::isfinite(z_loss_factor) && z_loss_factor >= 0, op, ": z_loss_factor must be >= 0, got ",
+              z_loss_factor);
+  TORCH_CHECK(reduction == "mean" || reduction == "sum" || reduction == "none", op,
+              ": reduction must be 'mean', 'sum' or 'none', got '", reduction, "'");
+  check_divisor(op, divisor);
+  check_row_stats(op, row_stats, f);
+  TORCH_CHECK(!inplace || f.is_view, op, ": inplace_backward needs logits whose batch dimensions flatten to ",
+              "one row stride (got shape ", logits.sizes(), ", strides ", logits.strides(), ")");
+
+  const auto acc = acc_dtype(logits.scalar_type());
+  const auto opts = logits.options().dtype(acc);
+  const at::Tensor labelled = f.target1d.ge(0);
+  at::Tensor d;
+  if (reduction == "none") {
+    TORCH_CHECK(!divisor, op, ": divisor has no meaning with reduction='none'");
+    d = at::ones({}, opts);
+  } else if (reduction == "sum") {
+    d = divisor_tensor(divisor, at::ones({}, opts), acc);
+  } else {
+    d = divisor_tensor(divisor, labelled.sum(), acc);
+  }
+
+  CrossEntropyRows rows{{label_weight, label_smoothing, z_loss_factor, static_cast<double>(f.vocab_total)},
+                        d, at::empty({f.n_rows}, opts), at::empty({f.n_rows}, opts)};
+  RowPassArgs args;
+  args.logits = f.logits2d;
+  args.target = f.target1d;
+  if (row_stats) args.stats_in = *row_stats;
+  args.scale = logits_scale_factor;
+  args.vocab_start = vocab_start;
+  args.vocab_total = f.vocab_total;
+  args.smoothing = label_smoothing != 0 && label_weight != 0;
+  at::Tensor grad;
+  if (inplace) {
+    args.grad = f.logits2d;
+    grad = logits;
+  } else if (compute_grad) {
+    args.grad = at::empty({f.n_rows, f.vocab}, logits.options());
+    grad = args.grad.view(logits.sizes());
+  } else {
+    grad = at::empty({0}, logits.options());  // no gradient asked for: an empty placeholder
+  }
+  if (f.n_rows > 0) backend(args, rows);
+
+  const auto batch = target.sizes();
+  at::Tensor loss = reduction == "none" ? rows.row_loss.view(batch) : rows.row_loss.sum();
+  return {loss, rows.lse.view(batch), grad};
+}
+
+}  // namespace rl_losses

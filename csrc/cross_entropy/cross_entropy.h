@@ -1,0 +1,83 @@
+// Cross-entropy from labels, with label smoothing and z-loss (SPEC §2.1): the row-pass epilogue and the
+// device-independent forward that the CPU and CUDA registrations share.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "common/row_pass.h"
+
+namespace rl_losses {
+
+template <typename acc_t>
+struct CrossEntropyEpilogue {
+  CrossEntropyOptions<acc_t> opt;
+  const acc_t* divisor;  // 0-dim: D (1 for reduction "none")
+  acc_t* row_loss;       // (N,) m_t·ℓ_t / D
+  acc_t* lse;            // (N,)
+
+  C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t label, const RowStats<acc_t>& st) const {
+    const acc_t l = st.lse();
+    lse[row] = l;
+    if (label < 0) {  // no label: no loss, zero gradient
+      row_loss[row] = acc_t(0);
+      return {acc_t(0), acc_t(0), acc_t(0)};
+    }
+    const acc_t inv_d = acc_t(1) / *divisor;
+    row_loss[row] = cross_entropy_loss(opt, l, st.label, st.sum_x) * inv_d;
+    return cross_entropy_grad(opt, l, inv_d);
+  }
+};
+
+// What the back-end fills: row_loss and lse (N,), and the gradient when args.grad is defined.
+struct CrossEntropyRows {
+  CrossEntropyOptions<double> opt;
+  at::Tensor divisor;
+  at::Tensor row_loss;
+  at::Tensor lse;
+};
+
+using CrossEntropyBackend = void (*)(const RowPassArgs&, const CrossEntropyRows&);
+
+// Shared forward: validation, flattening, divisor, back-end call, reduction.
+// Returns (loss, lse, grad); grad is written into `grad_out` when given (inplace_backward), else allocated
+// when compute_grad, else undefined.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
+    const at::Tensor& logits, const at::Tensor& target, double logits_scale_factor, double label_smoothing,
+    double z_loss_factor, double label_weight, const std::string& reduction, std::optional<double> divisor,
+    const std::optional<at::Tensor>& row_stats, int64_t vocab_start, int64_t vocab_size, bool compute_grad,
+    bool inplace, CrossEntropyBackend backend);
+
+// The registered forward ops of one back-end (its .cpp/.cu file registers these with its row function).
+template <CrossEntropyBackend kBackend>
+struct CrossEntropyOps {
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
+      const at::Tensor& logits, const at::Tensor& target, double s, double eps, double z, double lw,
+      c10::string_view reduction, std::optional<double> d, const std::optional<at::Tensor>& stats, int64_t vs,
+      int64_t vn, bool compute_grad) {
+    return cross_entropy_forward(logits, target, s, eps, z, lw, std::string(reduction), d, stats, vs, vn,
+                                 compute_grad, false, kBackend);
+  }
+  static std::tuple<at::Tensor, at::Tensor> forward_inplace(
+      const at::Tensor& logits, const at::Tensor& target, double s, double eps, double z, double lw,
+      c10::string_view reduction, std::optional<double> d, const std::optional<at::Tensor>& stats, int64_t vs,
+      int64_t vn) {
+    auto out = cross_entropy_forward(logits, target, s, eps, z, lw, std::string(reduction), d, stats, vs, vn,
+                                     true, true, kBackend);
+    return {std::get<0>(out), std::get<1>(out)};
+  }
+};
+
+// Builds the epilogue for accumulation type acc_t (the back-ends call this inside their dtype dispatch).
+template <typename acc_t>
+CrossEntropyEpilogue<acc_t> make_cross_entropy_epilogue(const CrossEntropyRows& rows) {
+  const auto& o = rows.opt;
+  return {{acc_t(o.label_weight), acc_t(o.label_smoothing), acc_t(o.z_loss_factor), acc_t(o.vocab_size)},
+          rows.divisor.const_data_ptr<acc_t>(), rows.row_loss.data_ptr<acc_t>(), rows.lse.data_ptr<acc_t>()};
+}
+
+}  // namespace rl_losses

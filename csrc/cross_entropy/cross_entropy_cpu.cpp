@@ -1,0 +1,23 @@
+// CPU registration of the cross-entropy forward ops.
+#include <torch/library.h>
+
+#include "common/row_pass_cpu.h"
+#include "cross_entropy/cross_entropy.h"
+
+namespace rl_losses {
+namespace {
+
+void rows_cpu(const RowPassArgs& args, const CrossEntropyRows& rows) {
+  row_pass_cpu(args, "cross_entropy", [&](auto* tag) {
+    return make_cross_entropy_epilogue<std::remove_pointer_t<decltype(tag)>>(rows);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
+  m.impl("_cross_entropy_forward", &CrossEntropyOps<rows_cpu>::forward);
+  m.impl("_cross_entropy_forward_inplace", &CrossEntropyOps<rows_cpu>::forward_inplace);
+}
+
+}  // namespace rl_losses

@@ -1,0 +1,48 @@
+// Every schema of the rl_losses namespace, in one place. Back-end kernels are registered in their own files
+// (`*_cpu.cpp` for CPU, `*_cuda.cu` for CUDA), the autograd kernels in `*_autograd.cpp`, and the fake
+// (meta) kernels in python/rl_losses/_fake.py.
+//
+// Conventions:
+//   * Public ops (`cross_entropy`, `grpo`, `gspo`, `row_stats`) take the tensors positionally and every
+//     option by keyword, with the defaults of SPEC.md.
+//   * `_<op>_forward` computes the loss, the per-row outputs and — when asked — the gradient in the same
+//     pass; `_<op>_forward_inplace` writes the gradient into the logits' own storage (inplace_backward).
+//   * `_scale_grad_` is the backward of every loss: it scales the gradient computed in the forward by the
+//     upstream gradient, in place, and does nothing (decided on the device) when that is 1.
+//   * `row_stats`/`vocab_start`/`vocab_size` are the hooks of vocabulary (tensor) parallelism: a loss op given
+//     `row_stats` (all-reduced over the TP group) skips its own statistics pass and writes this shard's
+//     gradient.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// An empty Python module: importing rl_losses._C loads this library, whose static initialisers register
+// the ops with the dispatcher. No pybind11 is needed for ops.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(rl_losses, m) {
+  // ---- shared ---------------------------------------------------------------------------------------
+  m.def(
+      "row_stats(Tensor logits, Tensor target, *, float logits_scale_factor=1.0, int vocab_start=0, "
+      "int vocab_size=-1, bool entropy=False, bool smoothing=False) -> Tensor");
+  m.def("_scale_grad_(Tensor(a!) grad, Tensor grad_output) -> ()");
+
+  // ---- cross-entropy (SPEC §2.1); label_weight=0 with z_loss_factor>0 is the z-loss alone -----------
+#define RL_LOSSES_CE_ARGS                                                                                     \
+  "float logits_scale_factor, float label_smoothing, float z_loss_factor, float label_weight, str reduction, " \
+  "float? divisor, Tensor? row_stats, int vocab_start, int vocab_size"
+  m.def(
+      "cross_entropy(Tensor logits, Tensor target, *, float logits_scale_factor=1.0, float label_smoothing=0.0, "
+      "float z_loss_factor=0.0, float label_weight=1.0, str reduction=\"mean\", float? divisor=None, "
+      "bool inplace_backward=False, Tensor? row_stats=None, int vocab_start=0, int vocab_size=-1) "
+      "-> (Tensor loss, Tensor lse)");
+  m.def("_cross_entropy_forward(Tensor logits, Tensor target, " RL_LOSSES_CE_ARGS
+        ", bool compute_grad) -> (Tensor loss, Tensor lse, Tensor grad)");
+  m.def("_cross_entropy_forward_inplace(Tensor(a!) logits, Tensor target, " RL_LOSSES_CE_ARGS
+        ") -> (Tensor loss, Tensor lse)");
+#undef RL_LOSSES_CE_ARGS
+}

@@ -1,0 +1,172 @@
+"""Pure-PyTorch implementation of every op (SPEC §2), differentiable through ordinary autograd.
+
+It is the ground truth of the tests (called on float64 inputs) and the ``use_cuda_kernel=False`` path of the
+configs. It shares no code with the C++/CUDA ops: every formula is written again here from the SPEC, in the
+plainest PyTorch. It materialises N×V temporaries freely; it is not meant to be fast.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class PolicyLossOutput(NamedTuple):
+    """What the policy losses return. ``loss`` is the differentiable scalar; the rest are detached metrics.
+
+    new_logprobs: mean over documents of each document's mean log-prob of the label (token mean without
+        documents). clipped_fraction_low/high: fraction of labelled tokens (GRPO) or documents (GSPO) whose
+        ratio is clipped below (r < 1-ε_l, A < 0) / above (r > 1+ε_h, A > 0). kl_old: mean k3 estimate of
+        KL(new || old) per labelled token (GRPO) or per document on the sequence ratio (GSPO). entropy: mean
+        entropy over labelled tokens, or None when not requested. log_probs: per-token log-prob of the label
+        (0 where unlabelled). ratio_mean: mean ratio over labelled tokens / documents. document_ratios: R_s
+        per document (GSPO), else None.
+    """
+
+    loss: torch.Tensor
+    new_logprobs: torch.Tensor
+    clipped_fraction_low: torch.Tensor
+    clipped_fraction_high: torch.Tensor
+    kl_old: torch.Tensor
+    entropy: torch.Tensor | None
+    log_probs: torch.Tensor
+    ratio_mean: torch.Tensor
+    document_ratios: torch.Tensor | None = None
+
+
+def _work_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _scaled(logits: torch.Tensor, logits_scale_factor: float) -> torch.Tensor:
+    return logits.to(_work_dtype(logits)) * logits_scale_factor
+
+
+def _label_logprob(logp: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    mask = target >= 0
+    lp = logp.gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(mask, lp, torch.zeros_like(lp))
+
+
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
+
+
+def cross_entropy(logits, target, *, logits_scale_factor=1.0, label_smoothing=0.0, z_loss_factor=0.0,
+                  reduction="mean", divisor=None):
+    x = _scaled(logits, logits_scale_factor)
+    mask = target >= 0
+    lse = torch.logsumexp(x, dim=-1)
+    x_label = x.gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    per_token = ((1 - label_smoothing) * (lse - x_label) + label_smoothing * (lse - x.mean(-1))
+                 + z_loss_factor * lse**2)
+    per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
+    if reduction == "none":
+        return per_token
+    if divisor is None:
+        divisor = mask.sum().clamp_min(1) if reduction == "mean" else 1
+    return per_token.sum() / divisor
+
+
+def z_loss(logits, *, loss_mask=None, logits_scale_factor=1.0, divisor=None):
+    lse = torch.logsumexp(_scaled(logits, logits_scale_factor), dim=-1)
+    mask = torch.ones_like(lse, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
+    per_token = torch.where(mask, lse**2, torch.zeros_like(lse))
+    if divisor is None:
+        divisor = mask.sum().clamp_min(1)
+    return per_token.sum() / divisor
+
+
+def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    return log_ratio.exp() - log_ratio - 1
+
+
+def grpo_loss(logits, target, advantages, old_log_probs, *, epsilon_low=0.2, epsilon_high=0.2, delta=None,
+              ref_log_probs=None, beta=0.0, loss_weights=None, divisor=None, logits_scale_factor=1.0,
+              label_counts=None, compute_entropy=False) -> PolicyLossOutput:
+    """SPEC §2.2, per-token clipped ratio; see PolicyLossOutput for the metrics."""
+    logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
+    mask = target >= 0
+    maskf = mask.to(logp.dtype)
+    lp = _label_logprob(logp, target)
+    adv = advantages.to(logp.dtype)
+    old = old_log_probs.to(logp.dtype)
+    ratio = torch.exp(lp - old)
+    capped = ratio if delta is None else ratio.clamp(max=delta)
+    per_token = -torch.minimum(capped * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
+    if beta != 0.0:
+        per_token = per_token + beta * _k3(ref_log_probs.to(logp.dtype) - lp)
+    weights = maskf if loss_weights is None else torch.where(mask, loss_weights.to(logp.dtype), 0.0)
+    if divisor is None:
+        divisor = mask.sum().clamp_min(1)
+    loss = (weights * per_token).sum() / divisor
+
+    with torch.no_grad():
+        n_lab = mask.sum().clamp_min(1)
+        counts = maskf if label_counts is None else label_counts.to(logp.dtype).clamp_min(1)
+        doc_weight = torch.where(mask, 1 / counts, 0.0)
+        new_logprobs = (doc_weight * lp).sum() / doc_weight.sum().clamp_min(1e-30)
+        low = ((ratio < 1 - epsilon_low) & (adv < 0) & mask).sum() / n_lab
+        high = ((ratio > 1 + epsilon_high) & (adv > 0) & mask).sum() / n_lab
+        kl_old = (torch.where(mask, _k3(old - lp), 0.0)).sum() / n_lab
+        entropy = (torch.where(mask, _entropy(logp), 0.0)).sum() / n_lab if compute_entropy else None
+        ratio_mean = torch.where(mask, ratio, 0.0).sum() / n_lab
+    return PolicyLossOutput(loss, new_logprobs.detach(), low.to(logp.dtype), high.to(logp.dtype), kl_old,
+                            entropy, lp.detach(), ratio_mean)
+
+
+def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_documents=None,
+              label_counts=None, epsilon_low=0.2, epsilon_high=0.2, weighting="document",
+              token_advantages=False, divisor=None, logits_scale_factor=1.0,
+              compute_entropy=False) -> PolicyLossOutput:
+    """SPEC §2.3, sequence-level geometric-mean ratio over packed documents (vectorised with index_add)."""
+    logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
+    dt = logp.dtype
+    doc = document_index.reshape(-1).long()
+    mask = ((target >= 0).reshape(-1)) & (doc >= 0)
+    maskf = mask.to(dt)
+    lp = _label_logprob(logp, target).reshape(-1)
+    adv = advantages.reshape(-1).to(dt)
+    old = old_log_probs.reshape(-1).to(dt)
+    if num_documents is None:
+        num_documents = int(doc.max().item()) + 1 if doc.numel() > 0 else 0
+    safe_doc = torch.where(doc >= 0, doc, 0)
+    if label_counts is None:
+        per_doc_count = torch.zeros(num_documents, dtype=dt, device=lp.device).index_add_(0, safe_doc, maskf)
+        counts = per_doc_count[safe_doc]
+    else:
+        counts = label_counts.reshape(-1).to(dt)
+    u = torch.where(mask, 1 / counts.clamp_min(1), 0.0)
+    zeros = torch.zeros(num_documents, dtype=dt, device=lp.device)
+    log_ratio = zeros.index_add(0, safe_doc, u * (lp - old))
+    adv_mean = zeros.index_add(0, safe_doc, (u * adv).detach())
+    has_label = zeros.index_add(0, safe_doc, maskf) > 0
+    ratio = log_ratio.exp()
+    if token_advantages:
+        # GSPO-token: the sequence ratio (with stop-gradient on everything but the token's own log-prob)
+        # times each token's own advantage, averaged with the same weights u.
+        tok_ratio = (lp - lp.detach()).exp() * ratio[safe_doc].detach()
+        f_tok = -torch.minimum(tok_ratio * adv, tok_ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
+        f = zeros.index_add(0, safe_doc, u * f_tok)
+    else:
+        f = -torch.minimum(ratio * adv_mean, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv_mean)
+    f = torch.where(has_label, f, 0.0)
+    if weighting == "token":
+        doc_counts = zeros.scatter_reduce(0, safe_doc[mask], counts[mask], "amax", include_self=False)
+        f = f * doc_counts
+    if divisor is None:
+        divisor = has_label.sum().clamp_min(1)
+    loss = f.sum() / divisor
+
+    with torch.no_grad():
+        n_docs = has_label.sum().clamp_min(1)
+        new_logprobs = zeros.index_add(0, safe_doc, u * lp).sum() / n_docs
+        low = ((ratio < 1 - epsilon_low) & (adv_mean < 0) & has_label).sum() / n_docs
+        high = ((ratio > 1 + epsilon_high) & (adv_mean > 0) & has_label).sum() / n_docs
+        kl_old = torch.where(has_label, _k3(-log_ratio), 0.0).sum() / n_docs
+        n_lab = mask.sum().clamp_min(1)
+        entropy = (torch.where(mask, _entropy(logp).reshape(-1), 0.0)).sum() / n_lab if compute_entropy else None
+        ratio_mean = torch.where(has_label, ratio, 0.0).sum() / n_docs
+    return PolicyLossOutput(loss, new_logprobs, low.to(dt), high.to(dt), kl_old, entropy,
+                            lp.detach().reshape(target.shape), ratio_mean, ratio.detach())

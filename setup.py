@@ -1,0 +1,84 @@
+"""Build rl_losses._C: the C++ ops (always) and their CUDA kernels (when torch has CUDA and nvcc exists).
+
+RL_LOSSES_CUDA=1 forces the CUDA build (an error if it cannot), RL_LOSSES_CUDA=0 forces a CPU-only build;
+unset, CUDA is built when torch was built with it and nvcc is found. The choice is printed. CUDA targets
+sm_90 (H100/H200) plus whatever TORCH_CUDA_ARCH_LIST asks for.
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+import torch
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def want_cuda() -> bool:
+    flag = os.environ.get("RL_LOSSES_CUDA", "").strip()
+    available = torch.version.cuda is not None and CUDA_HOME is not None
+    if flag == "1":
+        if not available:
+            raise RuntimeError(
+                f"RL_LOSSES_CUDA=1 but torch.version.cuda={torch.version.cuda} and CUDA_HOME={CUDA_HOME}: "
+                "install a CUDA build of torch and the CUDA toolkit (nvcc)")
+        return True
+    if flag == "0":
+        return False
+    return available
+
+
+def cuda_arch_flags() -> list[str]:
+    # sm_90 always (the H100/H200 this project is tuned for); TORCH_CUDA_ARCH_LIST adds more through
+    # torch's own handling, which reads the variable when it is set.
+    flags = ["-gencode=arch=compute_90,code=sm_90"]
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    return flags
+
+
+def cuda_library_includes() -> list[str]:
+    # ATen's CUDA headers include cuSPARSE/cuBLAS headers; a minimal toolkit may lack them while torch's own
+    # pip CUDA wheels (nvidia-*) ship them. Add those include folders when they exist.
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return sorted(d for p in nvidia.__path__ for d in glob.glob(os.path.join(p, "*", "include")))
+
+
+use_cuda = want_cuda()
+print(f"rl_losses: building {'CPU + CUDA' if use_cuda else 'CPU-only'} extension "
+      f"(torch {torch.__version__}, torch.version.cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME})")
+
+sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+define_macros = []  # py_limited_api=True below defines Py_LIMITED_API
+# No -std flag: torch.utils.cpp_extension picks the standard its headers need (C++17 or C++20).
+extra = {"cxx": ["-O3"]}
+include_dirs = [os.path.join(ROOT, "csrc")]
+if use_cuda:
+    sources += sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
+    extra["nvcc"] = ["-O3", "--expt-relaxed-constexpr", "-lineinfo",
+                     "-Xptxas=-warn-spills"] + cuda_arch_flags()
+    define_macros.append(("RL_LOSSES_WITH_CUDA", "1"))
+    include_dirs += cuda_library_includes()
+    Ext = CUDAExtension
+else:
+    Ext = CppExtension
+
+ext = Ext(
+    name="rl_losses._C",
+    sources=sources,
+    include_dirs=include_dirs,
+    extra_compile_args=extra,
+    define_macros=define_macros,
+    py_limited_api=True,
+)
+
+setup(
+    packages=find_packages("python"),
+    package_dir={"": "python"},
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)
