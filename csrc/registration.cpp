@@ -45,4 +45,53 @@ TORCH_LIBRARY(rl_losses, m) {
   m.def("_cross_entropy_forward_inplace(Tensor(a!) logits, Tensor target, " RL_LOSSES_CE_ARGS
         ") -> (Tensor loss, Tensor lse)");
 #undef RL_LOSSES_CE_ARGS
+
+  // ---- GRPO (SPEC §2.2) -----------------------------------------------------------------------------
+  // Outputs after the loss are detached metrics (SPEC §2.4); `entropy` is 0 unless compute_entropy.
+#define RL_LOSSES_POLICY_OUTS                                                                           \
+  "(Tensor loss, Tensor new_logprobs, Tensor clipped_fraction_low, Tensor clipped_fraction_high, "     \
+  "Tensor kl_old, Tensor entropy, Tensor log_probs, Tensor ratio_mean"
+#define RL_LOSSES_GRPO_ARGS                                                                                    \
+  "Tensor? ref_log_probs, Tensor? loss_weights, Tensor? label_counts, float epsilon_low, float epsilon_high, " \
+  "float? delta, float beta, float? divisor, float logits_scale_factor, bool compute_entropy, "                \
+  "Tensor? row_stats, int vocab_start, int vocab_size"
+  m.def(
+      "grpo(Tensor logits, Tensor target, Tensor advantages, Tensor old_log_probs, *, Tensor? ref_log_probs=None, "
+      "Tensor? loss_weights=None, Tensor? label_counts=None, float epsilon_low=0.2, float epsilon_high=0.2, "
+      "float? delta=None, float beta=0.0, float? divisor=None, float logits_scale_factor=1.0, "
+      "bool compute_entropy=False, bool inplace_backward=False, Tensor? row_stats=None, int vocab_start=0, "
+      "int vocab_size=-1) -> " RL_LOSSES_POLICY_OUTS ")");
+  m.def("_grpo_forward(Tensor logits, Tensor target, Tensor advantages, Tensor old_log_probs, " RL_LOSSES_GRPO_ARGS
+        ", bool compute_grad) -> " RL_LOSSES_POLICY_OUTS ", Tensor grad)");
+  m.def("_grpo_forward_inplace(Tensor(a!) logits, Tensor target, Tensor advantages, Tensor old_log_probs, "
+        RL_LOSSES_GRPO_ARGS ") -> " RL_LOSSES_POLICY_OUTS ")");
+#undef RL_LOSSES_GRPO_ARGS
+
+  // ---- GSPO (SPEC §2.3) -----------------------------------------------------------------------------
+  // `document_sums` (num_documents, 3: Σu(lp−old), Σu·A, labelled-token count), when given, replaces the
+  // op's own per-document sums: the sequence-data-parallel layer all-reduces them over its group. Extra
+  // outputs: document_ratios R_s (num_documents,).
+#define RL_LOSSES_GSPO_ARGS                                                                                   \
+  "int? num_documents, Tensor? label_counts, float epsilon_low, float epsilon_high, str weighting, "          \
+  "bool token_advantages, float? divisor, float logits_scale_factor, bool compute_entropy, Tensor? row_stats, " \
+  "Tensor? document_sums, int vocab_start, int vocab_size"
+  m.def(
+      "gspo(Tensor logits, Tensor target, Tensor advantages, Tensor old_log_probs, Tensor document_index, *, "
+      "int? num_documents=None, Tensor? label_counts=None, float epsilon_low=0.2, float epsilon_high=0.2, "
+      "str weighting=\"document\", bool token_advantages=False, float? divisor=None, "
+      "float logits_scale_factor=1.0, bool compute_entropy=False, bool inplace_backward=False, "
+      "Tensor? row_stats=None, Tensor? document_sums=None, int vocab_start=0, int vocab_size=-1) -> "
+      RL_LOSSES_POLICY_OUTS ", Tensor document_ratios)");
+  m.def("_gspo_forward(Tensor logits, Tensor target, Tensor advantages, Tensor old_log_probs, "
+        "Tensor document_index, " RL_LOSSES_GSPO_ARGS ", bool compute_grad) -> " RL_LOSSES_POLICY_OUTS
+        ", Tensor document_ratios, Tensor grad)");
+  m.def("_gspo_forward_inplace(Tensor(a!) logits, Tensor target, Tensor advantages, Tensor old_log_probs, "
+        "Tensor document_index, " RL_LOSSES_GSPO_ARGS ") -> " RL_LOSSES_POLICY_OUTS ", Tensor document_ratios)");
+  // The per-document sums of one rank (for the sequence-data-parallel all-reduce), from this rank's
+  // per-token log-probs: (num_documents, 3) as described above.
+  m.def(
+      "gspo_document_sums(Tensor log_probs, Tensor target, Tensor advantages, Tensor old_log_probs, "
+      "Tensor document_index, Tensor label_counts, int num_documents) -> Tensor");
+#undef RL_LOSSES_GSPO_ARGS
+#undef RL_LOSSES_POLICY_OUTS
 }

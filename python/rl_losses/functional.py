@@ -96,9 +96,90 @@ def z_loss(logits: torch.Tensor, *, loss_mask: torch.Tensor | None = None, logit
     return loss
 
 
-def grpo_loss(*args, **kwargs):  # defined with the GRPO op
-    raise NotImplementedError
+def _policy_output(out, compute_entropy: bool, document_ratios=None) -> PolicyLossOutput:
+    loss, new_lp, low, high, kl_old, entropy, log_probs, ratio_mean = out[:8]
+    return PolicyLossOutput(loss, new_lp, low, high, kl_old, entropy if compute_entropy else None, log_probs,
+                            ratio_mean, document_ratios)
 
 
-def gspo_loss(*args, **kwargs):  # defined with the GSPO op
-    raise NotImplementedError
+def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor,
+              *, epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
+              ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
+              loss_weights: torch.Tensor | None = None, divisor: float | None = None,
+              logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
+              compute_entropy: bool = False, inplace_backward: bool = False, tp_group=None) -> PolicyLossOutput:
+    """GRPO: per-token clipped importance ratio (SPEC §2.2), fused with its metrics (SPEC §2.4).
+
+    Args:
+        logits: (..., V) float32/bfloat16/float16/float64 (this rank's shard under ``tp_group``).
+        target: (...) int64/int32 label ids, negative = no label.
+        advantages, old_log_probs: (...) float, per token.
+        epsilon_low/epsilon_high: clip range [1-ε_l, 1+ε_h]. delta: optional two-sided clip (> 1+ε_h).
+        ref_log_probs: (...) float, with ``beta`` > 0: k3 KL penalty towards the reference policy.
+        loss_weights: (...) float per-token weights w_t (default: the label mask), e.g. mask/|o_i| for the
+            sequence mean of token means. divisor: D (default: the number of labelled tokens).
+        label_counts: (...) the labelled-token count of each token's document; only used by the
+            ``new_logprobs`` metric (mean over documents of each document's mean log-prob).
+        compute_entropy: also return the mean entropy over labelled tokens.
+        inplace_backward: write the gradient into ``logits``.
+    Returns: PolicyLossOutput (``loss`` is differentiable; the rest are detached metrics).
+    """
+    if tp_group is not None:
+        from rl_losses import distributed
+
+        return distributed.grpo_loss(logits, target, advantages, old_log_probs, tp_group=tp_group,
+                                     epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+                                     ref_log_probs=ref_log_probs, beta=beta, loss_weights=loss_weights,
+                                     divisor=_divisor(divisor), logits_scale_factor=logits_scale_factor,
+                                     label_counts=label_counts, compute_entropy=compute_entropy,
+                                     inplace_backward=inplace_backward)
+    _check_labels("grpo", target, logits.shape[-1])
+    out = _ops.grpo(logits, target, advantages, old_log_probs, ref_log_probs=ref_log_probs,
+                    loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
+                    epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
+                    logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
+                    inplace_backward=inplace_backward)
+    return _policy_output(out, compute_entropy)
+
+
+def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor,
+              document_index: torch.Tensor, *, num_documents: int | None = None,
+              label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+              weighting: str = "document", token_advantages: bool = False, divisor: float | None = None,
+              logits_scale_factor: float = 1.0, compute_entropy: bool = False, inplace_backward: bool = False,
+              tp_group=None, sdp_group=None) -> PolicyLossOutput:
+    """GSPO: sequence-level geometric-mean ratio over packed documents (SPEC §2.3) with its metrics.
+
+    Args:
+        logits: (..., V) float; target: (...) int labels, negative = no label.
+        advantages, old_log_probs: (...) float per token (advantages are averaged per document).
+        document_index: (...) int, 0-based document of each token; negative = padding (ignored).
+        num_documents: size of the per-document buffers (default max(document_index)+1, which synchronises).
+        label_counts: (...) labelled-token count of each token's whole document (default: counted).
+        weighting: "document" (each document weighs 1) or "token" (each weighs its labelled-token count).
+        token_advantages: GSPO-token: each token's own advantage inside the sequence ratio.
+        divisor: D (default: documents holding at least one labelled token).
+        sdp_group: sequence-data-parallel group over which documents are split (rl_losses.distributed).
+    Returns: PolicyLossOutput with ``document_ratios`` (num_documents,) set.
+    """
+    if tp_group is not None or sdp_group is not None:
+        from rl_losses import distributed
+
+        return distributed.gspo_loss(logits, target, advantages, old_log_probs, document_index,
+                                     tp_group=tp_group, sdp_group=sdp_group, num_documents=num_documents,
+                                     label_counts=label_counts, epsilon_low=epsilon_low,
+                                     epsilon_high=epsilon_high, weighting=weighting,
+                                     token_advantages=token_advantages, divisor=_divisor(divisor),
+                                     logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
+                                     inplace_backward=inplace_backward)
+    _check_labels("gspo", target, logits.shape[-1])
+    if document_index.is_cuda and _check_inputs_enabled() and num_documents is not None and document_index.numel():
+        high = int(document_index.max())
+        if high >= num_documents:
+            raise ValueError(f"gspo: document_index holds {high} but num_documents is {num_documents}")
+    out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
+                    label_counts=label_counts, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                    weighting=weighting, token_advantages=token_advantages, divisor=_divisor(divisor),
+                    logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
+                    inplace_backward=inplace_backward)
+    return _policy_output(out, compute_entropy, document_ratios=out[8])
