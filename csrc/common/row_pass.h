@@ -12,6 +12,8 @@
 
 #include <ATen/ATen.h>
 
+#include <type_traits>
+
 #include "common/math.h"
 
 namespace rl_losses {
@@ -65,10 +67,33 @@ inline RowPassView<scalar_t, label_t, acc_t> make_view(const RowPassArgs& a) {
   return v;
 }
 
+// Every epilogue declares which optional statistics it can consume (kMayUseEntropy, kMayUseSmoothing) and
+// in which pass shapes it is used — with statistics read from `stats_in` (kMayReadStats), with a gradient
+// (kMayWriteGrad) — so that only those kernel variants are compiled. `go` is called with std::true_type/false_type flags.
+template <typename Epi, typename Go>
+void dispatch_stat_flags(const RowPassArgs& args, Go&& go) {
+  using T = std::true_type;
+  using F = std::false_type;
+  TORCH_CHECK(!args.entropy || Epi::kMayUseEntropy, "rl_losses: internal error: entropy not supported here");
+  TORCH_CHECK(!args.smoothing || Epi::kMayUseSmoothing, "rl_losses: internal error: smoothing not supported here");
+  if constexpr (Epi::kMayUseEntropy && Epi::kMayUseSmoothing) {
+    if (args.entropy && args.smoothing) return go(T{}, T{});
+  }
+  if constexpr (Epi::kMayUseEntropy) {
+    if (args.entropy) return go(T{}, F{});
+  }
+  if constexpr (Epi::kMayUseSmoothing) {
+    if (args.smoothing) return go(F{}, T{});
+  }
+  return go(F{}, F{});
+}
+
 // Epilogue that stores the raw statistics (N, 5): max, sumexp, sum_px, sum_x, label. Used by the
 // statistics-only pass (tensor-parallel forward, GSPO pass 1). No gradient.
 template <typename acc_t>
 struct StoreStatsEpilogue {
+  static constexpr bool kMayUseEntropy = true, kMayUseSmoothing = true;
+  static constexpr bool kMayReadStats = false, kMayWriteGrad = false;
   acc_t* out;
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t /*label*/, const RowStats<acc_t>& st) const {
     acc_t* o = out + row * RowStats<acc_t>::kFields;
@@ -91,6 +116,8 @@ C10_HOST_DEVICE inline RowStats<acc_t> load_stats(const acc_t* stats, int64_t ro
 // coef_t·(p − onehot), i.e. (a, b, c) = (coef, −coef, 0).
 template <typename acc_t>
 struct PolicyCoefEpilogue {
+  static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = false;
+  static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
   const acc_t* coef;
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t, const RowStats<acc_t>&) const {
     const acc_t c = coef[row];

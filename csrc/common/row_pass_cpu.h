@@ -68,16 +68,11 @@ void row_pass_cpu(const RowPassArgs& args, const char* name, Epilogue_for&& make
   RL_LOSSES_DISPATCH_LOGITS(args.logits.scalar_type(), name, [&] {
     using acc_t = typename acc_type<scalar_t>::type;
     const auto epi = make_epilogue(static_cast<acc_t*>(nullptr));
+    using Epi = std::decay_t<decltype(epi)>;
     RL_LOSSES_DISPATCH_LABELS(args.target.scalar_type(), name, [&] {
-      if (args.entropy && args.smoothing) {
-        row_pass_cpu_typed<scalar_t, label_t, true, true>(args, epi);
-      } else if (args.entropy) {
-        row_pass_cpu_typed<scalar_t, label_t, true, false>(args, epi);
-      } else if (args.smoothing) {
-        row_pass_cpu_typed<scalar_t, label_t, false, true>(args, epi);
-      } else {
-        row_pass_cpu_typed<scalar_t, label_t, false, false>(args, epi);
-      }
+      dispatch_stat_flags<Epi>(args, [&](auto entropy, auto smoothing) {
+        row_pass_cpu_typed<scalar_t, label_t, decltype(entropy)::value, decltype(smoothing)::value>(args, epi);
+      });
     });
   });
 }

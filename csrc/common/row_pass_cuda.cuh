@@ -160,20 +160,24 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
   auto stream = at::cuda::getCurrentCUDAStream();
   constexpr int kUnroll = 4;
   const bool stats = args.compute_stats(), grad = args.write_grad();
-#define RL_LOSSES_LAUNCH(S, G)                                                                          \
-  row_pass_kernel<kThreads, kUnroll, scalar_t, label_t, acc_t, S, G, kEntropy, kSmoothing, Epilogue> \
-      <<<grid, kThreads, 0, stream>>>(v, epi)
-  if (stats && grad) {
-    RL_LOSSES_LAUNCH(true, true);
-  } else if (stats) {
-    RL_LOSSES_LAUNCH(true, false);
-  } else if (grad) {
-    RL_LOSSES_LAUNCH(false, true);
-  } else {
-    RL_LOSSES_LAUNCH(false, false);
+  auto launch = [&](auto s, auto g) {
+    row_pass_kernel<kThreads, kUnroll, scalar_t, label_t, acc_t, decltype(s)::value, decltype(g)::value, kEntropy,
+                    kSmoothing, Epilogue><<<grid, kThreads, 0, stream>>>(v, epi);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  // Only the pass shapes the epilogue can be used in are compiled (see row_pass.h).
+  TORCH_CHECK((stats || Epilogue::kMayReadStats) && (!grad || Epilogue::kMayWriteGrad),
+              "rl_losses: internal error: unsupported row-pass shape");
+  if constexpr (Epilogue::kMayWriteGrad) {
+    if (stats && grad) return launch(T{}, T{});
+    if constexpr (Epilogue::kMayReadStats) {
+      if (grad) return launch(F{}, T{});
+    }
   }
-#undef RL_LOSSES_LAUNCH
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (stats) return launch(T{}, F{});
+  if constexpr (Epilogue::kMayReadStats) launch(F{}, F{});
 }
 
 // Entry point: dispatch on dtypes, statistics flags and block size (by the shard width).
@@ -196,17 +200,7 @@ void row_pass_cuda(const RowPassArgs& args, const char* name, Epilogue_for&& mak
           launch_row_pass<1024, scalar_t, label_t, acc_t, kE, kS, Epi>(args, epi);
         }
       };
-      using T = std::true_type;
-      using F = std::false_type;
-      if (args.entropy && args.smoothing) {
-        go(T{}, T{});
-      } else if (args.entropy) {
-        go(T{}, F{});
-      } else if (args.smoothing) {
-        go(F{}, T{});
-      } else {
-        go(F{}, F{});
-      }
+      dispatch_stat_flags<Epi>(args, go);
     });
   });
 }

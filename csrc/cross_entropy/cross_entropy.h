@@ -15,6 +15,8 @@ namespace rl_losses {
 
 template <typename acc_t>
 struct CrossEntropyEpilogue {
+  static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = true;
+  static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
   CrossEntropyOptions<acc_t> opt;
   const acc_t* divisor;  // 0-dim: D (1 for reduction "none")
   acc_t* row_loss;       // (N,) m_t·ℓ_t / D

@@ -17,5 +17,8 @@ from rl_losses.functional import (  # noqa: F401
     gspo_loss,
     z_loss,
 )
+from rl_losses import config, losses, packing  # noqa: F401  (configs, loss modules, document packing)
+from rl_losses.config import LanguageModelLossConfig  # noqa: F401
+from rl_losses.packing import Document, pack_documents  # noqa: F401
 
 __version__ = "0.1.0"

@@ -51,3 +51,67 @@ def _cross_entropy_forward(logits, target, s, eps, z, lw, reduction, divisor, ro
 def _cross_entropy_forward_inplace(logits, target, s, eps, z, lw, reduction, divisor, row_stats, vocab_start,
                                    vocab_size):
     return _ce_outputs(logits, target, reduction)
+
+
+def _policy_outputs(logits, target, num_documents=None):
+    acc = _acc(logits.dtype)
+    scalars = [logits.new_empty([], dtype=acc) for _ in range(6)]  # loss, new_lp, low, high, kl_old, entropy
+    log_probs = logits.new_empty(_batch(target), dtype=acc)
+    out = scalars + [log_probs, logits.new_empty([], dtype=acc)]
+    if num_documents is not None:
+        out.append(logits.new_empty([num_documents], dtype=acc))
+    return out
+
+
+def _grad(logits, compute_grad):
+    return (torch.empty_like(logits, memory_format=torch.contiguous_format) if compute_grad
+            else logits.new_empty([0]))
+
+
+@register_fake("rl_losses::grpo")
+def _grpo(logits, target, advantages, old_log_probs, **kwargs):
+    return tuple(_policy_outputs(logits, target))
+
+
+@register_fake("rl_losses::_grpo_forward")
+def _grpo_forward(logits, target, advantages, old_log_probs, *args):
+    return tuple(_policy_outputs(logits, target) + [_grad(logits, args[-1])])
+
+
+@register_fake("rl_losses::_grpo_forward_inplace")
+def _grpo_forward_inplace(logits, target, advantages, old_log_probs, *args):
+    return tuple(_policy_outputs(logits, target))
+
+
+def _num_documents(num_documents, document_sums):
+    if num_documents is not None:
+        return num_documents
+    if document_sums is not None:
+        return document_sums.shape[0]
+    # max(document_index) + 1: known only from the data.
+    return torch.library.get_ctx().new_dynamic_size()
+
+
+@register_fake("rl_losses::gspo")
+def _gspo(logits, target, advantages, old_log_probs, document_index, *, num_documents=None, document_sums=None,
+          **kwargs):
+    return tuple(_policy_outputs(logits, target, _num_documents(num_documents, document_sums)))
+
+
+# _gspo_forward(logits, target, advantages, old_log_probs, document_index, num_documents, label_counts, ε_l, ε_h,
+#   weighting, token_advantages, divisor, s, compute_entropy, row_stats, document_sums, vocab_start, vocab_size
+#   [, compute_grad])
+@register_fake("rl_losses::_gspo_forward")
+def _gspo_forward(logits, target, advantages, old_log_probs, document_index, num_documents, *args):
+    n_docs = _num_documents(num_documents, args[9])
+    return tuple(_policy_outputs(logits, target, n_docs) + [_grad(logits, args[-1])])
+
+
+@register_fake("rl_losses::_gspo_forward_inplace")
+def _gspo_forward_inplace(logits, target, advantages, old_log_probs, document_index, num_documents, *args):
+    return tuple(_policy_outputs(logits, target, _num_documents(num_documents, args[9])))
+
+
+@register_fake("rl_losses::gspo_document_sums")
+def _gspo_document_sums(log_probs, target, advantages, old_log_probs, document_index, label_counts, num_documents):
+    return log_probs.new_empty([num_documents, 3])

@@ -107,12 +107,12 @@ def grpo_loss(logits, target, advantages, old_log_probs, *, epsilon_low=0.2, eps
         counts = maskf if label_counts is None else label_counts.to(logp.dtype).clamp_min(1)
         doc_weight = torch.where(mask, 1 / counts, 0.0)
         new_logprobs = (doc_weight * lp).sum() / doc_weight.sum().clamp_min(1e-30)
-        low = ((ratio < 1 - epsilon_low) & (adv < 0) & mask).sum() / n_lab
-        high = ((ratio > 1 + epsilon_high) & (adv > 0) & mask).sum() / n_lab
+        low = ((ratio < 1 - epsilon_low) & (adv < 0) & mask).to(logp.dtype).sum() / n_lab
+        high = ((ratio > 1 + epsilon_high) & (adv > 0) & mask).to(logp.dtype).sum() / n_lab
         kl_old = (torch.where(mask, _k3(old - lp), 0.0)).sum() / n_lab
         entropy = (torch.where(mask, _entropy(logp), 0.0)).sum() / n_lab if compute_entropy else None
         ratio_mean = torch.where(mask, ratio, 0.0).sum() / n_lab
-    return PolicyLossOutput(loss, new_logprobs.detach(), low.to(logp.dtype), high.to(logp.dtype), kl_old,
+    return PolicyLossOutput(loss, new_logprobs.detach(), low, high, kl_old,
                             entropy, lp.detach(), ratio_mean)
 
 
@@ -162,11 +162,11 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
     with torch.no_grad():
         n_docs = has_label.sum().clamp_min(1)
         new_logprobs = zeros.index_add(0, safe_doc, u * lp).sum() / n_docs
-        low = ((ratio < 1 - epsilon_low) & (adv_mean < 0) & has_label).sum() / n_docs
-        high = ((ratio > 1 + epsilon_high) & (adv_mean > 0) & has_label).sum() / n_docs
+        low = ((ratio < 1 - epsilon_low) & (adv_mean < 0) & has_label).to(dt).sum() / n_docs
+        high = ((ratio > 1 + epsilon_high) & (adv_mean > 0) & has_label).to(dt).sum() / n_docs
         kl_old = torch.where(has_label, _k3(-log_ratio), 0.0).sum() / n_docs
         n_lab = mask.sum().clamp_min(1)
         entropy = (torch.where(mask, _entropy(logp).reshape(-1), 0.0)).sum() / n_lab if compute_entropy else None
         ratio_mean = torch.where(has_label, ratio, 0.0).sum() / n_docs
-    return PolicyLossOutput(loss, new_logprobs, low.to(dt), high.to(dt), kl_old, entropy,
+    return PolicyLossOutput(loss, new_logprobs, low, high, kl_old, entropy,
                             lp.detach().reshape(target.shape), ratio_mean, ratio.detach())

@@ -1,0 +1,119 @@
+// Autograd (and no-autograd) kernels of the public loss ops: cross_entropy, grpo, gspo.
+//
+// The three share one shape, so they share one kernel, written once over the op's schema:
+//   * the only differentiable input is `logits` (argument 0) and the only differentiable output is the
+//     loss (output 0); every other output is a detached metric;
+//   * `rl_losses::<op>` = `rl_losses::_<op>_forward(<the same arguments without inplace_backward>,
+//     compute_grad)` returning (outputs..., grad), or `_<op>_forward_inplace(...)` writing the gradient into
+//     the logits when inplace_backward;
+//   * the gradient is computed in the forward (for an upstream gradient of 1) when grad mode is on and the
+//     logits require it, saved, and scaled in the backward by the `_scale_grad_` op (common/autograd.h).
+// Being boxed, the kernel reads argument positions from the schema, so a new loss with this shape needs no
+// autograd code at all: register it below.
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+#include "common/autograd.h"
+
+namespace rl_losses {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Calls the forward op with `args` (the public op's arguments, logits first, inplace_backward removed).
+std::vector<at::Tensor> call_forward(const std::string& name, std::vector<c10::IValue> args, bool need_grad,
+                                     bool inplace) {
+  const auto op = find_op(("rl_losses::_" + name + (inplace ? "_forward_inplace" : "_forward")).c_str());
+  if (!inplace) args.emplace_back(need_grad);
+  op.callBoxed(args);
+  std::vector<at::Tensor> out;
+  out.reserve(args.size());
+  for (auto& v : args) out.push_back(v.toTensor());
+  return out;
+}
+
+class FusedLossFunction : public torch::autograd::Function<FusedLossFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, const std::string& name,
+                               std::vector<c10::IValue> rest, bool need_grad, bool inplace) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    rest.insert(rest.begin(), logits);
+    std::vector<at::Tensor> out = call_forward(name, std::move(rest), need_grad, need_grad && inplace);
+    at::Tensor grad;
+    if (need_grad && inplace) {
+      mark_overwritten(logits);
+      grad = logits;
+    } else {
+      grad = out.back();
+      out.pop_back();
+    }
+    if (need_grad) save_fused_grad(ctx, grad);
+    ctx->saved_data["name"] = name;
+    ctx->mark_non_differentiable(variable_list(out.begin() + 1, out.end()));
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const std::string name = ctx->saved_data["name"].toStringRef();
+    return {take_fused_grad(ctx, grad_outputs[0], name.c_str()), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+// Splits the boxed stack of a public op into (logits, other arguments, inplace_backward).
+struct PublicArgs {
+  std::string name;
+  at::Tensor logits;
+  std::vector<c10::IValue> rest;
+  bool inplace;
+};
+
+PublicArgs pop_public_args(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  std::vector<c10::IValue> args(stack->end() - n, stack->end());
+  torch::jit::drop(*stack, n);
+  const auto idx = schema.argumentIndexWithName("inplace_backward");
+  TORCH_INTERNAL_ASSERT(idx.has_value(), schema.name(), " has no inplace_backward argument");
+  PublicArgs p;
+  p.name = schema.name().substr(schema.name().find("::") + 2);
+  p.inplace = args[*idx].toBool();
+  args.erase(args.begin() + *idx);
+  p.logits = args[0].toTensor();
+  p.rest.assign(args.begin() + 1, args.end());
+  return p;
+}
+
+void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  PublicArgs p = pop_public_args(op, stack);
+  const bool need_grad = logits_need_grad(p.logits);
+  for (auto& t : FusedLossFunction::apply(p.logits, p.name, std::move(p.rest), need_grad, p.inplace))
+    stack->emplace_back(std::move(t));
+}
+
+// Without autograd (inference mode, or called below the Autograd key): the forward alone, no gradient.
+void no_grad_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  PublicArgs p = pop_public_args(op, stack);
+  p.rest.insert(p.rest.begin(), p.logits);
+  std::vector<at::Tensor> out = call_forward(p.name, std::move(p.rest), false, false);
+  out.pop_back();  // the empty gradient placeholder
+  for (auto& t : out) stack->emplace_back(std::move(t));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rl_losses, Autograd, m) {
+  for (const char* name : {"cross_entropy", "grpo", "gspo"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
+}
+
+TORCH_LIBRARY_IMPL(rl_losses, CompositeExplicitAutograd, m) {
+  for (const char* name : {"cross_entropy", "grpo", "gspo"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_grad_kernel>());
+}
+
+}  // namespace rl_losses

@@ -1,0 +1,95 @@
+#include "grpo/grpo.h"
+
+#include <cmath>
+#include <limits>
+
+#include "common/checks.h"
+
+namespace rl_losses {
+
+std::vector<at::Tensor> grpo_forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& advantages,
+                                     const at::Tensor& old_log_probs, const std::optional<at::Tensor>& ref_log_probs,
+                                     const std::optional<at::Tensor>& loss_weights,
+                                     const std::optional<at::Tensor>& label_counts, double epsilon_low,
+                                     double epsilon_high, std::optional<double> delta, double beta,
+                                     std::optional<double> divisor, double logits_scale_factor, bool compute_entropy,
+                                     const std::optional<at::Tensor>& row_stats, int64_t vocab_start,
+                                     int64_t vocab_size, bool compute_grad, bool inplace, GrpoBackend backend) {
+  constexpr const char* op = "grpo";
+  const FlatLogits f = check_and_flatten(op, logits, target, vocab_start, vocab_size);
+  check_scale(op, logits_scale_factor);
+  check_epsilons(op, epsilon_low, epsilon_high);
+  TORCH_CHECK(!delta || (std::isfinite(*delta) && *delta > 1 + epsilon_high), op,
+              ": delta must exceed 1 + epsilon_high = ", 1 + epsilon_high, ", got ", delta ? *delta : 0.0);
+  TORCH_CHECK(std::isfinite(beta) && beta >= 0, op, ": beta must be >= 0, got ", beta);
+  TORCH_CHECK(beta == 0 || ref_log_probs.has_value(), op, ": beta = ", beta, " > 0 needs ref_log_probs");
+  check_divisor(op, divisor);
+  check_row_stats(op, row_stats, f);
+  TORCH_CHECK(!inplace || f.is_view, op, ": inplace_backward needs logits whose batch dimensions flatten to one ",
+              "row stride (got shape ", logits.sizes(), ", strides ", logits.strides(), ")");
+
+  const auto acc = acc_dtype(logits.scalar_type());
+  const auto opts = logits.options().dtype(acc);
+  GrpoRows rows;
+  rows.opt = {{epsilon_low, epsilon_high, delta ? *delta : std::numeric_limits<double>::infinity()}, beta};
+  rows.advantages = check_per_token(op, "advantages", advantages, target, acc);
+  rows.old_log_probs = check_per_token(op, "old_log_probs", old_log_probs, target, acc);
+  if (beta != 0) rows.ref_log_probs = check_per_token(op, "ref_log_probs", *ref_log_probs, target, acc);
+  if (loss_weights) rows.loss_weights = check_per_token(op, "loss_weights", *loss_weights, target, acc);
+  at::Tensor counts;
+  if (label_counts) {
+    TORCH_CHECK(label_counts->device() == logits.device() && label_counts->sizes() == target.sizes(), op,
+                ": label_counts must have the target's shape ", target.sizes(), " and device ", logits.device(),
+                ", got ", label_counts->sizes(), " on ", label_counts->device());
+    counts = label_counts->reshape({-1}).to(acc);
+  }
+  const at::Tensor mask = f.target1d.ge(0).to(acc);
+  rows.divisor = divisor_tensor(divisor, mask.sum(), acc);
+  rows.out = at::empty({f.n_rows, kGrpoFields}, opts);
+  rows.entropy = compute_entropy;
+
+  RowPassArgs args;
+  args.logits = f.logits2d;
+  args.target = f.target1d;
+  if (row_stats) args.stats_in = *row_stats;
+  args.scale = logits_scale_factor;
+  args.vocab_start = vocab_start;
+  args.vocab_total = f.vocab_total;
+  args.entropy = compute_entropy && !row_stats;
+  at::Tensor grad;
+  if (inplace) {
+    args.grad = f.logits2d;
+    grad = logits;
+  } else if (compute_grad) {
+    args.grad = at::empty({f.n_rows, f.vocab}, logits.options());
+    grad = args.grad.view(logits.sizes());
+  } else {
+    grad = at::empty({0}, logits.options());
+  }
+  if (f.n_rows > 0) {
+    backend(args, rows);
+  } else {
+    rows.out.zero_();
+  }
+
+  // Metrics (SPEC §2.4) from one column-sum of the per-token outputs: no extra pass over the vocabulary.
+  const at::Tensor sums = rows.out.sum(0);
+  const at::Tensor n_labelled = mask.sum().clamp_min(1);
+  const at::Tensor lp = rows.out.select(1, kGrpoLogProb);
+  // new_logprobs: mean over documents of each document's mean log-prob; with no label_counts every labelled
+  // token is its own "document" and this is the token mean.
+  const at::Tensor doc_w = counts.defined() ? mask / counts.clamp_min(1) : mask;
+  const at::Tensor new_lp = (doc_w * lp).sum() / doc_w.sum().clamp_min(1e-30);
+  const auto batch = target.sizes();
+  return {sums[kGrpoLoss],
+          new_lp,
+          sums[kGrpoLow] / n_labelled,
+          sums[kGrpoHigh] / n_labelled,
+          sums[kGrpoKlOld] / n_labelled,
+          sums[kGrpoEntropy] / n_labelled,
+          lp.contiguous().view(batch),
+          sums[kGrpoRatio] / n_labelled,
+          grad};
+}
+
+}  // namespace rl_losses

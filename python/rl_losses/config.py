@@ -1,0 +1,288 @@
+"""Configuration classes of the loss heads, mirroring Fast-LLM's ``fast_llm/layers/language_model/loss/config.py``.
+
+Each config is a frozen dataclass validated on construction (``ValueError``/``TypeError`` naming the class, the
+field and the bad value; ``dataclasses.replace`` validates again), registered under a ``type`` name, buildable
+from a dict / YAML with a ``type`` key and serialised back by ``to_dict()``; ``get_loss(name=...)`` builds the
+``nn.Module`` of ``rl_losses.losses``.
+
+    cfg = LanguageModelLossConfig.from_dict({"type": "grpo", "epsilon_high": 0.28, "beta": 0.04})
+    loss_fn = cfg.get_loss(name="grpo")
+    loss, metrics = loss_fn(logits, batch)
+
+Differences from Fast-LLM, on purpose: ``use_triton`` is ``use_cuda_kernel`` (``use_triton`` in a dict is read as
+an alias); GRPO and GSPO are two types (``grpo``, ``gspo``) rather than ``policy_loss`` inside one; a sampling
+temperature T is ``logits_scale_factor = 1/T``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from typing import Any, ClassVar
+
+if typing.TYPE_CHECKING:
+    from rl_losses.losses import LanguageModelLoss
+
+# type name -> concrete config class, filled by ``LanguageModelLossConfig.__init_subclass__``.
+_REGISTRY: dict[str, type[LanguageModelLossConfig]] = {}
+
+METRICS_LEVELS = ("none", "basic", "with_entropy")
+GRPO_NORMALIZATIONS = ("token", "sequence", "document", "dr_grpo")
+GSPO_WEIGHTINGS = ("document", "token")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LanguageModelLossConfig:
+    """Base of every loss config (abstract: build a concrete one with ``from_dict`` or its class).
+
+    weight: factor applied to the loss returned by the module (>= 0).
+    logits_scale_factor: s > 0; the softmax is over s·logits (a sampling temperature T is s = 1/T).
+    use_cuda_kernel: None: the extension's op whenever it supports the logits' device (the CPU always, CUDA when
+        the extension was built with its CUDA kernels), else the pure-PyTorch reference; True: require the CUDA
+        kernel (an error on CPU tensors or a CPU-only build); False: the pure-PyTorch reference.
+    """
+
+    type_name: ClassVar[str | None] = None  # the ``type`` key; None for abstract configs
+
+    weight: float = 1.0
+    logits_scale_factor: float = 1.0
+    use_cuda_kernel: bool | None = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("type_name")
+        if name is not None:
+            _REGISTRY[name] = cls
+
+    def __post_init__(self):
+        if self.type_name is None:
+            raise TypeError(f"{type(self).__name__} is abstract; use one of the types {sorted(_REGISTRY)} "
+                            f"(e.g. LanguageModelLossConfig.from_dict({{'type': 'grpo'}}))")
+        self._validate()
+
+    # ---- validation -------------------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        self._check_float("weight", low=0.0)
+        self._check_float("logits_scale_factor", low=0.0, low_inclusive=False)
+        self._check_optional_bool("use_cuda_kernel")
+
+    def _fail(self, field: str, expected: str, error: type[Exception] = ValueError) -> typing.NoReturn:
+        raise error(f"{type(self).__name__}.{field} must be {expected}, got {getattr(self, field)!r}")
+
+    def _check_float(self, field: str, *, low: float | None = None, high: float | None = None,
+                     low_inclusive: bool = True, high_inclusive: bool = True, optional: bool = False) -> None:
+        value = getattr(self, field)
+        if value is None and optional:
+            return
+        # bool is an int subclass: reject it explicitly so that `weight: true` is not read as 1.0.
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self._fail(field, "a number" + (" or None" if optional else ""), TypeError)
+        value = float(value)
+        lo = "" if low is None else f"{'>=' if low_inclusive else '>'} {low}"
+        hi = "" if high is None else f"{'<=' if high_inclusive else '<'} {high}"
+        expected = "a finite number" + (f" {lo}" if lo else "") + (" and" if lo and hi else "") + (f" {hi}" if hi else "")
+        if (not math.isfinite(value)
+                or (low is not None and (value < low or (value == low and not low_inclusive)))
+                or (high is not None and (value > high or (value == high and not high_inclusive)))):
+            self._fail(field, expected)
+        object.__setattr__(self, field, value)  # normalise ints to floats so to_dict() round-trips exactly
+
+    def _check_optional_bool(self, field: str) -> None:
+        if getattr(self, field) is not None and not isinstance(getattr(self, field), bool):
+            self._fail(field, "True, False or None", TypeError)
+
+    def _check_bool(self, field: str) -> None:
+        if not isinstance(getattr(self, field), bool):
+            self._fail(field, "True or False", TypeError)
+
+    def _check_choice(self, field: str, choices: tuple[str, ...]) -> None:
+        if getattr(self, field) not in choices:
+            self._fail(field, f"one of {list(choices)}")
+
+    # ---- (de)serialisation ------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> LanguageModelLossConfig:
+        """Build a config from a dict holding a ``type`` key (optional when called on a concrete class)."""
+        if isinstance(config, LanguageModelLossConfig):
+            config = config.to_dict()
+        if not isinstance(config, dict):
+            raise TypeError(f"{cls.__name__}.from_dict expects a dict, got {type(config).__name__}")
+        config = dict(config)
+        type_name = config.pop("type", cls.type_name)
+        if type_name is None:
+            raise ValueError(f"{cls.__name__}.from_dict: missing key 'type' (one of {sorted(_REGISTRY)})")
+        if type_name not in _REGISTRY:
+            raise ValueError(f"{cls.__name__}.from_dict: unknown type {type_name!r} (one of {sorted(_REGISTRY)})")
+        target = _REGISTRY[type_name]
+        if not issubclass(target, cls):
+            raise ValueError(f"{cls.__name__}.from_dict: type {type_name!r} builds a {target.__name__}, "
+                             f"which is not a {cls.__name__}")
+        if "use_triton" in config:  # Fast-LLM's name of the switch
+            if "use_cuda_kernel" in config:
+                raise ValueError(f"{target.__name__}: give either 'use_triton' (Fast-LLM's alias) or "
+                                 f"'use_cuda_kernel', not both")
+            config["use_cuda_kernel"] = config.pop("use_triton")
+        fields = {f.name for f in dataclasses.fields(target)}
+        unknown = sorted(set(config) - fields)
+        if unknown:
+            raise ValueError(f"{target.__name__}: unknown field(s) {unknown} (known: {sorted(fields)})")
+        return target(**config)
+
+    @classmethod
+    def from_yaml(cls, source: str | os.PathLike) -> LanguageModelLossConfig:
+        """Build a config from a YAML file path or a YAML string (a mapping with a ``type`` key). Needs PyYAML."""
+        try:
+            import yaml
+        except ImportError as e:
+            raise ImportError("LanguageModelLossConfig.from_yaml needs PyYAML (pip install pyyaml)") from e
+        if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source
+                                                and os.path.isfile(source)):
+            with open(source) as f:
+                source = f.read()
+        return cls.from_dict(yaml.safe_load(source))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a plain dict with its ``type`` key; ``from_dict(cfg.to_dict()) == cfg``."""
+        return {"type": self.type_name, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+
+    # ---- building the module ----------------------------------------------------------------------------------
+    @property
+    def loss_class(self) -> type[LanguageModelLoss]:
+        raise NotImplementedError
+
+    def get_loss(self, name: str | None = None, *, tp_group=None) -> LanguageModelLoss:
+        """The loss module; ``name`` prefixes its metrics (default: the type name).
+
+        tp_group: vocabulary-parallel process group (the extension's path only; see rl_losses.distributed).
+        """
+        return self.loss_class(self, name=self.type_name if name is None else name, tp_group=tp_group)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LanguageModelLabelEntropyLossConfig(LanguageModelLossConfig):
+    """Cross-entropy from labels (type ``label``), SPEC §2.1.
+
+    loss_type: only "cross_entropy" (Fast-LLM's forward/reverse KL need a teacher distribution, not labels).
+    label_smoothing: ε in [0, 1). z_loss_factor: ζ >= 0 (adds ζ·lse² per labelled token).
+    """
+
+    type_name: ClassVar[str] = "label"
+
+    loss_type: str = "cross_entropy"
+    label_smoothing: float = 0.0
+    z_loss_factor: float = 0.0
+
+    def _validate(self) -> None:
+        super()._validate()
+        self._check_choice("loss_type", ("cross_entropy",))
+        self._check_float("label_smoothing", low=0.0, high=1.0, high_inclusive=False)
+        self._check_float("z_loss_factor", low=0.0)
+
+    @property
+    def loss_class(self):
+        from rl_losses.losses import LanguageModelLabelEntropyLoss
+
+        return LanguageModelLabelEntropyLoss
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LanguageModelZLossConfig(LanguageModelLossConfig):
+    """Z-loss alone (type ``z_loss``): Σ_t mask_t·lse_t² / Σ_t mask_t (mask: the batch's ``loss_mask``)."""
+
+    type_name: ClassVar[str] = "z_loss"
+
+    @property
+    def loss_class(self):
+        from rl_losses.losses import LanguageModelZLoss
+
+        return LanguageModelZLoss
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
+    """Shared options of the policy-gradient losses (abstract).
+
+    epsilon_low: ε_l in [0, 1): the ratio is clipped below at 1 - ε_l. epsilon_high: ε_h >= 0: clipped above at
+        1 + ε_h (DAPO's clip-higher: ε_h > ε_l).
+    metrics: "none" (only ``<name>_new_logprobs``), "basic" (adds the clipped fractions, KL(new||old), ratio,
+        advantage and token statistics; no extra pass over the vocabulary) or "with_entropy" (adds the mean
+        entropy, fused into the kernel's pass).
+    """
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    metrics: str = "none"
+
+    def _validate(self) -> None:
+        super()._validate()
+        self._check_float("epsilon_low", low=0.0, high=1.0, high_inclusive=False)
+        self._check_float("epsilon_high", low=0.0)
+        self._check_choice("metrics", METRICS_LEVELS)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LanguageModelGRPOLossConfig(LanguageModelPolicyGradientLossConfig):
+    """GRPO (type ``grpo``): per-token clipped importance ratio, SPEC §2.2.
+
+    delta: optional two-sided clip of the ratio (> 1 + epsilon_high), as in Liger/TRL.
+    beta: k3 KL penalty towards the reference policy (>= 0; > 0 needs ``ref_log_probs`` in the batch).
+    loss_normalization: how tokens are weighted and what divides the sum (the loss types of TRL / verl):
+        "token"    w = mask,            D = num_labels_in_batch  (Fast-LLM, TRL dapo/bnpo, verl token-mean)
+        "sequence" w = mask/|o_i|,      D = num_documents_in_batch (GRPO paper, TRL grpo, verl seq-mean-token-mean)
+        "document" w = mask,            D = num_documents_in_batch (Fast-LLM's normalize_by_documents)
+        "dr_grpo"  w = mask,            D = num_documents_in_batch · max_completion_length (Dr. GRPO)
+    max_completion_length: the constant of "dr_grpo" (required there, unused otherwise).
+    """
+
+    type_name: ClassVar[str] = "grpo"
+
+    delta: float | None = None
+    beta: float = 0.0
+    loss_normalization: str = "token"
+    max_completion_length: int | None = None
+
+    def _validate(self) -> None:
+        super()._validate()
+        self._check_float("delta", optional=True)
+        if self.delta is not None and self.delta <= 1.0 + self.epsilon_high:
+            self._fail("delta", f"> 1 + epsilon_high = {1.0 + self.epsilon_high}")
+        self._check_float("beta", low=0.0)
+        self._check_choice("loss_normalization", GRPO_NORMALIZATIONS)
+        m = self.max_completion_length
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            self._fail("max_completion_length", "a positive int or None")
+        if self.loss_normalization == "dr_grpo" and m is None:
+            self._fail("max_completion_length", "a positive int when loss_normalization='dr_grpo'")
+
+    @property
+    def loss_class(self):
+        from rl_losses.losses import LanguageModelGRPOLoss
+
+        return LanguageModelGRPOLoss
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LanguageModelGSPOLossConfig(LanguageModelPolicyGradientLossConfig):
+    """GSPO (type ``gspo``): sequence-level geometric-mean ratio over packed documents, SPEC §2.3.
+
+    weighting: "document" (each document weighs 1; Fast-LLM #517/#522) or "token" (each document weighs its
+        labelled-token count; Fast-LLM #544). Either way D = num_documents_in_batch, as in Fast-LLM.
+    token_advantages: GSPO-token (TRL's ``sequence_token``): each token's own advantage inside the sequence ratio.
+    """
+
+    type_name: ClassVar[str] = "gspo"
+
+    weighting: str = "document"
+    token_advantages: bool = False
+
+    def _validate(self) -> None:
+        super()._validate()
+        self._check_choice("weighting", GSPO_WEIGHTINGS)
+        self._check_bool("token_advantages")
+
+    @property
+    def loss_class(self):
+        from rl_losses.losses import LanguageModelGSPOLoss
+
+        return LanguageModelGSPOLoss

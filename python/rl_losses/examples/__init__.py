@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m rl_losses.examples.train`` trains a small policy with GRPO or GSPO."""

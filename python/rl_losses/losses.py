@@ -1,0 +1,261 @@
+"""Loss modules built from ``rl_losses.config``: ``forward(logits, batch) -> (weighted loss, metrics)``.
+
+The batch is a dict with Fast-LLM's keys (``LanguageModelLossKwargs``); ``rl_losses.packing.pack_documents``
+builds one. Each module picks its implementation per call from ``config.use_cuda_kernel`` and the logits'
+device (``LanguageModelLoss.uses_kernel``): the extension's op (``rl_losses.functional``) or the pure-PyTorch
+reference (``rl_losses.reference``); both take the same options and return the same ``PolicyLossOutput``.
+
+Metrics are detached 0-dim tensors (never ``.item()``: logging decides when to synchronise), named like
+Fast-LLM's: ``<name>`` (the unweighted loss), ``<name>_new_logprobs``, and with ``metrics="basic"`` or
+``"with_entropy"``: ``_old_logprobs``, ``_ratio_new_old``, ``_kl_new_old``, ``_clipped_ratio_fraction``
+(``_low`` / ``_high``), ``_advantage``, ``_max_advantage``, ``_min_advantage``, ``_num_tokens``, GSPO's
+``_num_segments``, and ``_entropy``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rl_losses import functional, reference
+from rl_losses.config import (
+    LanguageModelGRPOLossConfig,
+    LanguageModelGSPOLossConfig,
+    LanguageModelLabelEntropyLossConfig,
+    LanguageModelLossConfig,
+    LanguageModelPolicyGradientLossConfig,
+    LanguageModelZLossConfig,
+)
+
+Batch = dict[str, Any]
+
+
+class LanguageModelLossKwargs:
+    """The batch keys the modules read (Fast-LLM's names, plus ``ref_log_probs``, ``loss_mask``, ``num_documents``).
+
+    Per-token tensors have the logits' batch shape (...,); counts may be ints or 0-dim tensors.
+    """
+
+    labels = "labels"  # int64/int32 next-token targets, negative = no label
+    advantages = "advantages"  # float, per token
+    old_log_probabilities = "old_log_probabilities"  # float, log-prob of the label under the sampling policy
+    ref_log_probs = "ref_log_probs"  # float, under the reference policy (GRPO with beta > 0)
+    label_counts = "label_counts"  # int/float, labelled-token count of each token's document
+    document_index = "document_index"  # int, 0-based document of each token, negative = padding (GSPO)
+    num_documents = "num_documents"  # int, size of the per-document buffers (GSPO; default max(index) + 1)
+    num_labels_in_batch = "num_labels_in_batch"  # token-mean divisor (global under data parallelism)
+    num_documents_in_batch = "num_documents_in_batch"  # document-mean divisor (global under data parallelism)
+    loss_mask = "loss_mask"  # bool, tokens the z-loss covers
+
+
+def _require(batch: Batch, key: str, owner: str) -> Any:
+    if batch.get(key) is None:
+        raise ValueError(f"{owner}: the batch has no {key!r} (keys given: {sorted(batch)})")
+    return batch[key]
+
+
+class LanguageModelLoss(torch.nn.Module):
+    """Base of the loss modules: the implementation switch, the weight and the metric naming.
+
+    Args:
+        config: the (validated) config this module was built from.
+        name: prefix of the metric names.
+        tp_group: vocabulary-parallel process group, forwarded to the extension's op (not the reference).
+    """
+
+    def __init__(self, config: LanguageModelLossConfig, *, name: str, tp_group=None):
+        super().__init__()
+        self.config = config
+        self.name = name
+        self.tp_group = tp_group
+        if tp_group is not None and config.use_cuda_kernel is False:
+            raise ValueError(f"{type(self).__name__} {name!r}: tp_group needs the extension's op, but "
+                             f"use_cuda_kernel=False selects the pure-PyTorch reference, which has no tp_group")
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, config={self.config}"
+
+    def uses_kernel(self, logits: torch.Tensor) -> bool:
+        """Whether this call runs the extension's op (True) or the pure-PyTorch reference (False)."""
+        choice = self.config.use_cuda_kernel
+        if choice is False:
+            return False
+        if choice is True:
+            problems = []
+            if logits.device.type != "cuda":
+                problems.append(f"the logits are on {logits.device}, not a CUDA device")
+            if not functional.cuda_kernels_available():
+                problems.append("rl_losses was built without its CUDA kernels (a CPU-only build; rebuild with "
+                                "RL_LOSSES_CUDA=1 on a machine with nvcc)")
+            if problems:
+                raise RuntimeError(f"{type(self).__name__} {self.name!r}: use_cuda_kernel=True requires the CUDA "
+                                   f"kernel, but {' and '.join(problems)}. Set use_cuda_kernel=None to use the "
+                                   f"extension wherever it runs, or False for the pure-PyTorch reference.")
+            return True
+        # None: the extension runs on the CPU always, on "meta" through its fake kernels, on CUDA when built so.
+        device = logits.device.type
+        return device in ("cpu", "meta") or (device == "cuda" and functional.cuda_kernels_available())
+
+    def forward(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Args:
+            logits: (..., V) float32/bfloat16/float16/float64 (this rank's vocabulary shard under tp_group).
+            batch: per-token tensors of shape (...,) and counts, keyed as in LanguageModelLossKwargs.
+        Returns: (config.weight · loss) as a differentiable float32 (float64 for float64 logits) scalar, and the
+            metrics dict of detached 0-dim tensors, ``{name: loss, ...}`` (the loss there is unweighted).
+        """
+        kernel = self.uses_kernel(logits)
+        loss, metrics = self._forward(logits, batch, kernel)
+        metrics = {self.name: loss.detach(), **metrics}
+        return (loss if self.config.weight == 1.0 else loss * self.config.weight), metrics
+
+    def _forward(self, logits, batch, kernel) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def _options(self, kernel: bool) -> dict[str, Any]:
+        # Options only the extension's op takes.
+        return {"tp_group": self.tp_group} if kernel else {}
+
+
+class LanguageModelLabelEntropyLoss(LanguageModelLoss):
+    """Cross-entropy from ``labels``, divided by ``num_labels_in_batch`` (default: the labelled tokens here)."""
+
+    config: LanguageModelLabelEntropyLossConfig
+
+    def _forward(self, logits, batch, kernel):
+        labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
+        fn = functional.cross_entropy if kernel else reference.cross_entropy
+        loss = fn(logits, labels, logits_scale_factor=self.config.logits_scale_factor,
+                  label_smoothing=self.config.label_smoothing, z_loss_factor=self.config.z_loss_factor,
+                  divisor=batch.get(LanguageModelLossKwargs.num_labels_in_batch), **self._options(kernel))
+        return loss, {}
+
+
+class LanguageModelZLoss(LanguageModelLoss):
+    """Z-loss Σ_t mask_t·lse_t² / Σ_t mask_t over the batch's ``loss_mask`` (every token when absent)."""
+
+    config: LanguageModelZLossConfig
+
+    def _forward(self, logits, batch, kernel):
+        fn = functional.z_loss if kernel else reference.z_loss
+        loss = fn(logits, loss_mask=batch.get(LanguageModelLossKwargs.loss_mask),
+                  logits_scale_factor=self.config.logits_scale_factor, **self._options(kernel))
+        return loss, {}
+
+
+class LanguageModelPolicyGradientLoss(LanguageModelLoss):
+    """Shared inputs and metrics of GRPO and GSPO."""
+
+    config: LanguageModelPolicyGradientLossConfig
+
+    def _policy_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(_require(batch, key, self.name) for key in (
+            LanguageModelLossKwargs.labels, LanguageModelLossKwargs.advantages,
+            LanguageModelLossKwargs.old_log_probabilities))
+
+    def _metrics(self, out: functional.PolicyLossOutput, batch: Batch, mask: torch.Tensor,
+                 num_segments: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        n = self.name
+        metrics = {f"{n}_new_logprobs": out.new_logprobs}
+        if self.config.metrics == "none":
+            return metrics
+        metrics.update({
+            f"{n}_ratio_new_old": out.ratio_mean,
+            f"{n}_kl_new_old": out.kl_old,
+            f"{n}_clipped_ratio_fraction": out.clipped_fraction_low + out.clipped_fraction_high,
+            f"{n}_clipped_ratio_fraction_low": out.clipped_fraction_low,
+            f"{n}_clipped_ratio_fraction_high": out.clipped_fraction_high,
+        })
+        # Per-token statistics of the inputs, weighted like new_logprobs (each document weighs 1 when the
+        # label counts are known); O(N) work, no pass over the vocabulary.
+        with torch.no_grad():
+            dtype = out.new_logprobs.dtype
+            advantages = batch[LanguageModelLossKwargs.advantages].to(dtype)
+            old = batch[LanguageModelLossKwargs.old_log_probabilities].to(dtype)
+            counts = batch.get(LanguageModelLossKwargs.label_counts)
+            weight = mask.to(dtype) if counts is None else mask / counts.to(dtype).clamp_min(1)
+            total = weight.sum().clamp_min(1e-30)
+            metrics[f"{n}_old_logprobs"] = (weight * old).sum() / total
+            metrics[f"{n}_advantage"] = (weight * advantages).sum() / total
+            if mask.numel() > 0:  # where(), not advantages[mask]: boolean indexing synchronises on CUDA
+                metrics[f"{n}_max_advantage"] = torch.where(mask, advantages, -torch.inf).amax()
+                metrics[f"{n}_min_advantage"] = torch.where(mask, advantages, torch.inf).amin()
+            metrics[f"{n}_num_tokens"] = mask.sum()
+            if num_segments is not None:
+                metrics[f"{n}_num_segments"] = num_segments
+        if out.entropy is not None:
+            metrics[f"{n}_entropy"] = out.entropy
+        return metrics
+
+
+class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
+    """GRPO (SPEC §2.2); ``config.loss_normalization`` chooses the token weights and the divisor."""
+
+    config: LanguageModelGRPOLossConfig
+
+    def _num_documents(self, batch: Batch, mask: torch.Tensor):
+        # The document-mean divisor: given, or counted from the label counts / document index of this batch.
+        if batch.get(LanguageModelLossKwargs.num_documents_in_batch) is not None:
+            return batch[LanguageModelLossKwargs.num_documents_in_batch]
+        if batch.get(LanguageModelLossKwargs.label_counts) is not None:
+            # Each labelled document's tokens carry 1/N each: the sum is the number of labelled documents.
+            return (mask / batch[LanguageModelLossKwargs.label_counts].clamp_min(1)).sum().round().clamp_min(1)
+        if batch.get(LanguageModelLossKwargs.document_index) is not None:
+            index = batch[LanguageModelLossKwargs.document_index]
+            return index[mask & (index >= 0)].unique().numel() or 1
+        raise ValueError(f"{self.name}: loss_normalization={self.config.loss_normalization!r} divides by the number "
+                         f"of documents: give 'num_documents_in_batch', 'label_counts' or 'document_index' in the "
+                         f"batch (keys given: {sorted(batch)})")
+
+    def _forward(self, logits, batch, kernel):
+        labels, advantages, old_log_probs = self._policy_inputs(batch)
+        cfg = self.config
+        mask = labels >= 0
+        loss_weights = None
+        if cfg.loss_normalization == "token":
+            divisor = batch.get(LanguageModelLossKwargs.num_labels_in_batch)
+        else:
+            divisor = self._num_documents(batch, mask)
+            if cfg.loss_normalization == "sequence":
+                counts = _require(batch, LanguageModelLossKwargs.label_counts, self.name)
+                loss_weights = mask / counts.to(advantages.dtype).clamp_min(1)
+            elif cfg.loss_normalization == "dr_grpo":
+                divisor = divisor * cfg.max_completion_length
+        ref_log_probs = None
+        if cfg.beta > 0:
+            ref_log_probs = _require(batch, LanguageModelLossKwargs.ref_log_probs, f"{self.name} (beta > 0)")
+        fn = functional.grpo_loss if kernel else reference.grpo_loss
+        out = fn(logits, labels, advantages, old_log_probs, epsilon_low=cfg.epsilon_low,
+                 epsilon_high=cfg.epsilon_high, delta=cfg.delta, ref_log_probs=ref_log_probs, beta=cfg.beta,
+                 loss_weights=loss_weights, divisor=divisor, logits_scale_factor=cfg.logits_scale_factor,
+                 label_counts=batch.get(LanguageModelLossKwargs.label_counts),
+                 compute_entropy=cfg.metrics == "with_entropy", **self._options(kernel))
+        return out.loss, self._metrics(out, batch, mask)
+
+
+class LanguageModelGSPOLoss(LanguageModelPolicyGradientLoss):
+    """GSPO (SPEC §2.3) over the packed documents of ``document_index``, divided by ``num_documents_in_batch``
+    (default: the documents holding at least one labelled token)."""
+
+    config: LanguageModelGSPOLossConfig
+
+    def _forward(self, logits, batch, kernel):
+        labels, advantages, old_log_probs = self._policy_inputs(batch)
+        document_index = _require(batch, LanguageModelLossKwargs.document_index, self.name)
+        cfg = self.config
+        fn = functional.gspo_loss if kernel else reference.gspo_loss
+        out = fn(logits, labels, advantages, old_log_probs, document_index,
+                 num_documents=batch.get(LanguageModelLossKwargs.num_documents),
+                 label_counts=batch.get(LanguageModelLossKwargs.label_counts), epsilon_low=cfg.epsilon_low,
+                 epsilon_high=cfg.epsilon_high, weighting=cfg.weighting, token_advantages=cfg.token_advantages,
+                 divisor=batch.get(LanguageModelLossKwargs.num_documents_in_batch),
+                 logits_scale_factor=cfg.logits_scale_factor, compute_entropy=cfg.metrics == "with_entropy",
+                 **self._options(kernel))
+        mask = (labels >= 0) & (document_index >= 0)
+        num_segments = None
+        if cfg.metrics != "none":
+            with torch.no_grad():  # documents holding a labelled token (scatter, no boolean indexing: no sync)
+                ratios = out.document_ratios
+                index = torch.where(mask, document_index, 0).reshape(-1).long()
+                hits = torch.zeros_like(ratios).index_add_(0, index, mask.reshape(-1).to(ratios.dtype))
+                num_segments = (hits > 0).sum()
+        return out.loss, self._metrics(out, batch, mask, num_segments)
