@@ -69,12 +69,29 @@ void row_pass_cpu(const RowPassArgs& args, const char* name, Epilogue_for&& make
     using acc_t = typename acc_type<scalar_t>::type;
     const auto epi = make_epilogue(static_cast<acc_t*>(nullptr));
     using Epi = std::decay_t<decltype(epi)>;
-    RL_LOSSES_DISPATCH_LABELS(args.target.scalar_type(), name, [&] {
-      dispatch_stat_flags<Epi>(args, [&](auto entropy, auto smoothing) {
-        row_pass_cpu_typed<scalar_t, label_t, decltype(entropy)::value, decltype(smoothing)::value>(args, epi);
-      });
+    dispatch_stat_flags<Epi>(args, [&](auto entropy, auto smoothing) {
+      row_pass_cpu_typed<scalar_t, int64_t, decltype(entropy)::value, decltype(smoothing)::value>(args, epi);
     });
   });
 }
+
+}  // namespace rl_losses
+
+namespace rl_losses {
+
+// The CPU runner: what an op's back-end-independent code needs from a device (see gspo.h).
+struct CpuRunner {
+  template <typename MakeEpilogue>
+  static void row_pass(const RowPassArgs& args, const char* name, MakeEpilogue&& make) {
+    row_pass_cpu(args, name, std::forward<MakeEpilogue>(make));
+  }
+  // f(i) for i in [0, n): the O(N) and O(S) steps between the row passes.
+  template <typename F>
+  static void for_each(int64_t n, const F& f) {
+    at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) f(i);
+    });
+  }
+};
 
 }  // namespace rl_losses

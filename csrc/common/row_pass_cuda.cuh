@@ -185,25 +185,54 @@ template <typename Epilogue_for>
 void row_pass_cuda(const RowPassArgs& args, const char* name, Epilogue_for&& make_epilogue) {
   if (args.logits.size(0) == 0) return;
   const c10::cuda::OptionalCUDAGuard guard(args.logits.device());
-  RL_LOSSES_DISPATCH_LOGITS(args.logits.scalar_type(), name, [&] {
-    using acc_t = typename acc_type<scalar_t>::type;
-    const auto epi = make_epilogue(static_cast<acc_t*>(nullptr));
-    using Epi = std::decay_t<decltype(epi)>;
-    RL_LOSSES_DISPATCH_LABELS(args.target.scalar_type(), name, [&] {
+  TORCH_CHECK(args.logits.scalar_type() != at::kDouble, name,
+              ": the CUDA kernels take float32, bfloat16 or float16 logits, got float64 (use the CPU for float64)");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, args.logits.scalar_type(), "rl_losses", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {  // not compiled for fp64 (rejected above)
+      using acc_t = float;
+      const auto epi = make_epilogue(static_cast<acc_t*>(nullptr));
+      using Epi = std::decay_t<decltype(epi)>;
       // Small vocabularies get a smaller block so that threads are not idle; 1024 otherwise.
       const bool small = args.logits.size(1) <= 4096;
-      auto go = [&](auto entropy, auto smoothing) {
+      dispatch_stat_flags<Epi>(args, [&](auto entropy, auto smoothing) {
         constexpr bool kE = decltype(entropy)::value, kS = decltype(smoothing)::value;
         if (small) {
-          launch_row_pass<128, scalar_t, label_t, acc_t, kE, kS, Epi>(args, epi);
+          launch_row_pass<128, scalar_t, int64_t, acc_t, kE, kS, Epi>(args, epi);
         } else {
-          launch_row_pass<1024, scalar_t, label_t, acc_t, kE, kS, Epi>(args, epi);
+          launch_row_pass<1024, scalar_t, int64_t, acc_t, kE, kS, Epi>(args, epi);
         }
-      };
-      dispatch_stat_flags<Epi>(args, go);
-    });
+      });
+    }
   });
 }
 
 }  // namespace cuda
+}  // namespace rl_losses
+
+namespace rl_losses {
+namespace cuda {
+
+template <typename F>
+__global__ void for_each_kernel(int64_t n, F f) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) f(i);
+}
+
+}  // namespace cuda
+
+// The CUDA runner: what an op's back-end-independent code needs from a device (see gspo.h).
+struct CudaRunner {
+  template <typename MakeEpilogue>
+  static void row_pass(const RowPassArgs& args, const char* name, MakeEpilogue&& make) {
+    cuda::row_pass_cuda(args, name, std::forward<MakeEpilogue>(make));
+  }
+  template <typename F>
+  static void for_each(int64_t n, const F& f) {
+    if (n == 0) return;
+    constexpr int kThreads = 256;
+    const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 65535);
+    cuda::for_each_kernel<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(n, f);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
+
 }  // namespace rl_losses

@@ -217,7 +217,8 @@ class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
             divisor = self._num_documents(batch, mask)
             if cfg.loss_normalization == "sequence":
                 counts = _require(batch, LanguageModelLossKwargs.label_counts, self.name)
-                loss_weights = mask / counts.to(advantages.dtype).clamp_min(1)
+                # In the op's working precision (fp32, fp64 for fp64 logits): 1/|o_i| is not exact in fp32.
+                loss_weights = mask / counts.to(torch.promote_types(logits.dtype, torch.float32)).clamp_min(1)
             elif cfg.loss_normalization == "dr_grpo":
                 divisor = divisor * cfg.max_completion_length
         ref_log_probs = None

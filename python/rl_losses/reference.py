@@ -169,4 +169,4 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
         entropy = (torch.where(mask, _entropy(logp).reshape(-1), 0.0)).sum() / n_lab if compute_entropy else None
         ratio_mean = torch.where(has_label, ratio, 0.0).sum() / n_docs
     return PolicyLossOutput(loss, new_logprobs, low, high, kl_old, entropy,
-                            lp.detach().reshape(target.shape), ratio_mean, ratio.detach())
+                            torch.where(mask, lp, 0.0).detach().reshape(target.shape), ratio_mean, ratio.detach())

@@ -1,0 +1,356 @@
+"""Side-by-side GPU benchmark of the loss heads, fwd+bwd as a user runs them (issue 6).
+
+    python3 benchmarks/bench_gpu.py --quick --out OUT [--time-budget S]   # headline shape + a few
+    python3 benchmarks/bench_gpu.py --out OUT                              # the whole grid
+    python3 benchmarks/bench_gpu.py --dry-run --out /tmp/x                 # CPU, tiny shapes: checks the logic
+
+Per (op, shape, provider): the median of >= 20 CUDA-event-timed fwd+bwd runs after warm-up, effective GB/s
+over the minimal bytes (CE/GRPO 2·N·V·bytes, GSPO 3·N·V·bytes), % of the device-to-device copy bandwidth
+measured in the same run, the extra peak memory over the inputs, the speed-up of rl_losses over each peer,
+and a check that the peer computes the same loss (and first gradient rows) as the first provider.
+Jobs run in priority order (headline shape first) and the JSON/CSV are rewritten after each job, so a run
+cut short by --time-budget or a kill still leaves every finished number. The printed table comes last.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+
+if "--dry-run" in sys.argv:
+    # Liger's Triton kernels run on the CPU through Triton's interpreter (must be set before triton loads).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cases  # noqa: E402
+import report  # noqa: E402
+
+HEADLINE = (16384, 128256)
+GRID = [(n, v) for n in (4096, 16384, 32768) for v in (32000, 128256, 151936, 262144)]
+QUICK_SHAPES = [(16384, 32000), (16384, 262144), (4096, 128256), (32768, 128256)]
+QUICK_OPS = ["ce", "grpo"]
+MAIN_PROVIDERS = ["rl_losses", "rl_losses_inplace", "torch_eager", "liger", "liger_inplace"]
+GRID_PROVIDERS = ["rl_losses", "rl_losses_inplace", "torch_eager", "liger"]
+# Dry run: tiny shapes, sequence/document lengths divided by 32 (2048 -> 64, 64 -> 2).
+DRY = {"headline": (128, 1000), "grid": [(64, 300), (128, 300), (64, 1000), (128, 1000)],
+       "quick": [(128, 300), (64, 1000)], "seq_scale": 32}
+GRAD_ROWS = 4  # gradient rows compared across providers
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+class Timer:
+    """Milliseconds of each of `reps` calls of fn: CUDA events around each call (no sync between calls, so
+    launch overhead hides behind device work as in training); a host clock on the CPU (the dry run)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def __call__(self, fn, reps: int) -> list[float]:
+        if not self.cuda:
+            out = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                fn()
+                out.append((time.perf_counter() - t) * 1e3)
+            return out
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for s, e in zip(starts, ends):
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def copy_ceiling(device, timer: Timer, nbytes: int, reps: int = 30) -> dict:
+    """Device-to-device copy bandwidth, bytes read + written over the median time (the memory ceiling)."""
+    src = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)  # random, never zeros
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    timer.sync()
+    ms = statistics.median(timer(lambda: dst.copy_(src), reps))
+    del src, dst
+    return {"bytes": nbytes, "ms": ms, "gbps": 2 * nbytes / ms / 1e6}
+
+
+def peak_extra_bytes(step, device) -> int | None:
+    """Peak allocated bytes during one fwd+bwd over what was allocated before it (the inputs and any state);
+    the gradient handed to the LM head (cases.GradSink) counts: it is part of what the op costs."""
+    if device.type != "cuda":
+        return None
+    cases.GradSink.last = None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+# ------------------------------------------------------------------------------------------------ one job
+
+def run_job(op, n, v, provider, args, device, timer, refs, ceiling_gbps) -> dict:
+    itemsize = torch.empty((), dtype=args.dtype).element_size()
+    logits_bytes = n * v * itemsize
+    row = {"op": op.name, "n": n, "v": v, "dtype": str(args.dtype).replace("torch.", ""),
+           "provider": provider.name, "min_bytes": op.passes * logits_bytes}
+    key = (op.name, n, v)
+    seq_len = max(1, op.seq_len // args.seq_scale)
+    s = loss = None
+    try:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+            if 2 * logits_bytes > free:  # the logits and their gradient alone do not fit
+                row["skipped"] = f"does not fit: 2 x {logits_bytes / 2**30:.1f} GiB > {free / 2**30:.1f} GiB free"
+                return row
+        inp = cases.make_inputs(op, n, v, args.dtype, device, zlib.crc32(repr(key).encode()), seq_len)
+        s = provider.prepare(op, inp)
+        del inp
+
+        def step():
+            cases.GradSink.last = None  # the previous step's gradient is consumed and gone
+            provider.loss(op, s, cases.head_output(s["base"])).backward()
+
+        # First call on fresh inputs: the correctness check (and, for torch.compile, the compile).
+        t0 = time.perf_counter()
+        cases.GradSink.last = None
+        loss = provider.loss(op, s, cases.head_output(s["base"]))
+        loss.backward()
+        timer.sync()
+        row["first_call_s"] = round(time.perf_counter() - t0, 3)
+        row["loss"] = float(loss)
+        grad = provider.grad_rows(s, GRAD_ROWS)
+        loss = None
+        if key not in refs:
+            refs[key] = (provider.name, row["loss"], grad, provider.bf16_loss)
+            row["check"], row["check_detail"] = "ref", f"first provider of the case ({provider.name})"
+        else:
+            ref_name, ref_loss, ref_grad, ref_loose = refs[key]
+            ok, detail = cases.check_agreement(row["loss"], grad, ref_loss, ref_grad, ref_loose or provider.bf16_loss)
+            row["check"], row["check_detail"] = ("ok" if ok else "MISMATCH"), f"{detail} (vs {ref_name})"
+        for _ in range(args.warmup):
+            step()
+        extra = peak_extra_bytes(step, device)
+        if extra is not None:
+            row["extra_peak_mib"] = round(extra / 2**20, 1)
+            row["extra_peak_x_logits"] = round(extra / logits_bytes, 3)
+        timer.sync()
+        times = timer(step, args.reps)
+        ms = statistics.median(times)
+        q = statistics.quantiles(times, n=5) if len(times) >= 2 else [ms] * 4
+        row.update(ms=round(ms, 4), ms_p20=round(q[0], 4), ms_p80=round(q[3], 4), reps=len(times),
+                   times_ms=[round(t, 4) for t in times])
+        row["gbps"] = round(row["min_bytes"] / ms / 1e6, 1)
+        row["pct_ceiling"] = round(100 * row["gbps"] / ceiling_gbps, 1) if ceiling_gbps else None
+    except torch.cuda.OutOfMemoryError as e:
+        row["error"] = "OOM: " + str(e).splitlines()[0][:120]
+    except Exception as e:  # noqa: BLE001  (one provider failing must not stop the run)
+        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+    finally:
+        s = loss = cases.GradSink.last = None  # noqa: F841
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ plan
+
+def plan_jobs(args) -> list[tuple[str, int, int, str]]:
+    """(op, N, V, provider) in priority order: the headline shape first, so a cut-short run still has it."""
+    head, grid, quick = (DRY["headline"], DRY["grid"], DRY["quick"]) if args.dry_run else (HEADLINE, GRID, QUICK_SHAPES)
+    ops = list(cases.OPS)
+    jobs = [(o, *head, p) for o in ops for p in MAIN_PROVIDERS]
+    if args.compile != "none":
+        jobs += [("ce", *head, "torch_compile")]
+    if args.quick:
+        extra = [(o, *sh) for o in QUICK_OPS for sh in quick]
+    else:
+        extra = [(o, *sh) for sh in grid if sh != head for o in ops]
+    grid_provs = GRID_PROVIDERS + (["torch_compile"] if args.compile == "all" else [])
+    jobs += [(o, n, v, p) for o, n, v in extra for p in grid_provs]
+    if args.compile != "none":
+        jobs += [(o, *head, "torch_compile") for o in ops if o != "ce"]
+    if args.shapes:
+        keep = {tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")}
+        extra_shapes = [sh for sh in keep if sh != head and not any((n, v) == sh for _, n, v, _ in jobs)]
+        jobs += [(o, *sh, p) for sh in extra_shapes for o in ops for p in grid_provs]
+        jobs = [j for j in jobs if (j[1], j[2]) in keep]
+    if args.ops:
+        jobs = [j for j in jobs if j[0] in args.ops.split(",")]
+    if args.providers:
+        jobs = [j for j in jobs if j[3] in args.providers.split(",")]
+    seen, out = set(), []
+    for j in jobs:
+        if j not in seen:
+            seen.add(j)
+            out.append(j)
+    return out
+
+
+def collect_meta(args, device) -> dict:
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "python": platform.python_version(),
+            "torch": torch.__version__, "torch_cuda": torch.version.cuda, "dtype": str(args.dtype),
+            "liger_kernel": cases.liger_version(), "reps": args.reps, "warmup": args.warmup,
+            "definition_notes": cases.DEFINITION_NOTES}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        meta["triton"] = None
+    try:
+        meta["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                     timeout=10).stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        meta["git"] = None
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        meta.update(device=p.name, sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}",
+                    memory_gib=round(p.total_memory / 2**30, 1), l2_mib=getattr(p, "L2_cache_size", 0) / 2**20)
+    else:
+        meta["device"] = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return meta
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/out/gpu", help="folder for bench.json/.csv/.png and table.md")
+    ap.add_argument("--quick", action="store_true", help="headline shape (all ops) + 4 shapes for CE and GRPO")
+    ap.add_argument("--ops", help=f"comma list of {','.join(cases.OPS)}")
+    ap.add_argument("--shapes", help="comma list of NxV, e.g. 16384x128256,4096x32000 (restricts the plan)")
+    ap.add_argument("--providers", help=f"comma list of {','.join(cases.PROVIDER_ORDER)}")
+    ap.add_argument("--compile", choices=["none", "headline", "all"], default="headline",
+                    help="shapes that also run torch.compile (each compile costs tens of seconds)")
+    ap.add_argument("--reps", type=int, default=25, help="timed runs per job (median reported)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed runs after the first (checked) call")
+    ap.add_argument("--time-budget", type=float, default=None, help="seconds; jobs that would not fit are skipped")
+    ap.add_argument("--copy-gib", type=float, default=1.0, help="size of the copy-ceiling buffer")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Liger through TRITON_INTERPRET")
+    args = ap.parse_args(argv)
+    args.dtype = getattr(torch, args.dtype)
+    args.seq_scale = DRY["seq_scale"] if args.dry_run else 1
+    if args.dry_run:
+        args.reps, args.warmup, args.copy_gib = min(args.reps, 3), min(args.warmup, 1), 1 / 16
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.time()
+    if not args.dry_run and not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device (use --dry-run on a CPU machine)", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    os.makedirs(args.out, exist_ok=True)
+    timer = Timer(device)
+    meta = collect_meta(args, device)
+    print(f"bench_gpu: {meta['device']} · torch {meta['torch']} (CUDA {meta['torch_cuda']}) · triton "
+          f"{meta['triton']} · liger-kernel {meta['liger_kernel']} · {meta['date']}", flush=True)
+    copy0 = copy_ceiling(device, timer, int(args.copy_gib * 2**30))
+    meta["copy_start"] = copy0
+    meta["copy_ceiling_gbps"] = copy0["gbps"]
+    print(f"copy ceiling: {copy0['gbps']:.0f} GB/s (read+write of {copy0['bytes'] / 2**30:.2f} GiB in "
+          f"{copy0['ms']:.3f} ms)", flush=True)
+
+    providers, unavailable = {}, {}
+    for name in cases.PROVIDER_ORDER:
+        try:
+            providers[name] = cases.build_provider(name)
+        except Exception as e:  # noqa: BLE001
+            unavailable[name] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
+    meta["unavailable"] = unavailable
+    if "rl_losses" in providers:
+        meta["rl_losses_cuda_kernels"] = providers["rl_losses"].rl.cuda_kernels_available()
+    if "liger" in providers:
+        from liger_kernel.ops import LigerCrossEntropyFunction
+
+        meta["liger_ce_impl"] = LigerCrossEntropyFunction.__module__
+    for name, why in unavailable.items():
+        print(f"  {name}: {why}", flush=True)
+
+    jobs = plan_jobs(args)
+    print(f"{len(jobs)} jobs planned" + (f", time budget {args.time_budget:.0f} s" if args.time_budget else ""),
+          flush=True)
+    rows, refs = [], {}
+    json_path, csv_path = os.path.join(args.out, "bench.json"), os.path.join(args.out, "bench.csv")
+    for op_name, n, v, pname in jobs:
+        op = cases.OPS[op_name]
+        base = {"op": op_name, "n": n, "v": v, "provider": pname}
+        elapsed = time.time() - t_start
+        need = 75 if pname == "torch_compile" else 6  # rough seconds a job takes (compiles are the long ones)
+        if pname in unavailable:
+            row = dict(base, skipped=unavailable[pname])
+        elif args.time_budget and elapsed + need > args.time_budget:
+            row = dict(base, skipped="time budget")
+        elif not providers[pname].supports(op):
+            continue
+        else:
+            row = run_job(op, n, v, providers[pname], args, device, timer, refs, meta["copy_ceiling_gbps"])
+        rows.append(row)
+        report.add_speedups(rows, lambda p, o: cases.counterpart(p, cases.OPS[o]))
+        report.write_json(json_path, meta, rows)
+        report.write_csv(csv_path, rows)
+        status = row.get("error") or row.get("skipped")
+        if row.get("ms") is not None:
+            mem = "-" if row.get("extra_peak_mib") is None else f"+{row['extra_peak_mib']:.0f} MiB"
+            status = f"{row['ms']:.3f} ms {row['gbps']:.0f} GB/s {row['pct_ceiling']}% {mem} {row['check']}"
+            if row.get("check") == "MISMATCH":
+                status += f" ({row['check_detail']})"
+        if row.get("skipped") != "time budget":
+            print(f"[{time.time() - t_start:6.1f}s] {op_name} {n}x{v} {pname}: {status}", flush=True)
+
+    copy1 = copy_ceiling(device, timer, int(args.copy_gib * 2**30))
+    meta["copy_end"] = copy1
+    meta["total_s"] = round(time.time() - t_start, 1)
+    skipped = sum(1 for r in rows if r.get("skipped") == "time budget")
+    report.write_json(json_path, meta, rows)
+    report.write_csv(csv_path, rows)
+    why_no_plot = report.plot(os.path.join(args.out, "bench.png"), rows, meta, list(cases.OPS), cases.PROVIDER_ORDER)
+
+    head = DRY["headline"] if args.dry_run else HEADLINE
+    order = {p: i for i, p in enumerate(cases.PROVIDER_ORDER)}
+    key = lambda r: (list(cases.OPS).index(r["op"]), r["n"] * r["v"], r["n"], order.get(r["provider"], 99))  # noqa
+    shown = sorted((r for r in rows if r.get("skipped") != "time budget"), key=key)
+    headline = [r for r in shown if (r["n"], r["v"]) == head]
+    others = [r for r in shown if (r["n"], r["v"]) != head]
+    notes = "\n".join(f"- {x}" for x in cases.DEFINITION_NOTES)
+    header = (f"{meta['device']} · {meta['date']} · torch {meta['torch']} · liger-kernel {meta['liger_kernel']}\n"
+              f"command: {meta['command']}\ncopy ceiling: {copy0['gbps']:.0f} GB/s at start, {copy1['gbps']:.0f} "
+              f"GB/s at end (the start value is the 100% of %ceil)\n")
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(f"# bench_gpu results\n\n{header}\n## Headline N x V = {head[0]} x {head[1]}\n\n```\n"
+                f"{report.format_table(headline, with_shape=False)}\n```\n\n## Other shapes\n\n```\n"
+                f"{report.format_table(others)}\n```\n\n## Definitions\n\n{notes}\n")
+    print("\nDefinitions:\n" + notes)
+    if others:
+        print("\nOther shapes:\n" + report.format_table(others))
+    print(f"\nwrote {args.out}/bench.json, bench.csv, table.md" + ("" if why_no_plot else ", bench.png")
+          + (f" ({why_no_plot})" if why_no_plot else "") + f"; {meta['total_s']} s"
+          + (f"; {skipped} jobs skipped for the time budget" if skipped else ""))
+    print(f"\n{header}Headline N x V = {head[0]} x {head[1]}, {meta['dtype']}, fwd+bwd "
+          f"(rl_losses speed-up = peer ms / rl_losses ms):\n" + report.format_table(headline, with_shape=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

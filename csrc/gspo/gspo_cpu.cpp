@@ -1,0 +1,22 @@
+// CPU registration of the GSPO ops.
+#include <torch/library.h>
+
+#include "common/row_pass_cpu.h"
+#include "gspo/gspo.h"
+
+namespace rl_losses {
+namespace {
+constexpr GspoBackend kCpu = GspoBackendImpl<CpuRunner>::backend();
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
+  m.impl("_gspo_forward", &GspoOps<kCpu>::forward);
+  m.impl("_gspo_forward_inplace", &GspoOps<kCpu>::forward_inplace);
+}
+
+// Pure ATen, the same on every device.
+TORCH_LIBRARY_IMPL(rl_losses, CompositeExplicitAutograd, m) {
+  m.impl("gspo_document_sums", &gspo_document_sums);
+}
+
+}  // namespace rl_losses

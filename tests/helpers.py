@@ -1,0 +1,84 @@
+"""Helpers shared by the loss tests: random inputs, float64 label log-probs, gradient comparison, and a
+gradcheck that works with the ops' one-backward-per-forward contract."""
+import pytest
+import torch
+
+from conftest import DEVICES, assert_close
+
+requires_cuda = pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the extension's CUDA kernels")
+
+
+def param_id(value):
+    """Readable test ids: float32, 16x8, ..."""
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, tuple):
+        return "x".join(map(str, value))
+    return None
+
+
+def make_logits(shape, vocab, dtype, device, *, std=2.0):
+    return (torch.randn(*shape, vocab, device=device) * std).to(dtype)
+
+
+def make_target(shape, vocab, device, *, masked=0.5, dtype=torch.int64):
+    """Labels in [0, V) with a fraction `masked` replaced by assorted negative values (all mean "no label")."""
+    target = torch.randint(0, vocab, shape, device=device)
+    negatives = torch.tensor([-100, -1, -7, -100], device=device)
+    drop = torch.rand(shape, device=device) < masked
+    target = torch.where(drop, negatives[torch.randint(0, len(negatives), shape, device=device)], target)
+    return target.to(dtype)
+
+
+def label_log_probs64(logits, target, logits_scale_factor=1.0):
+    """float64 log-probability of each token's label (0 where unlabelled), from the logits as given."""
+    logp = torch.log_softmax(logits.detach().double() * logits_scale_factor, dim=-1)
+    lp = logp.gather(-1, target.long().clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(target >= 0, lp, 0.0)
+
+
+def assert_grad_close(actual, expected, dtype, *, natural_scale=0.0, scale=1.0):
+    """Compare a gradient with the float64 reference, relative to max(largest reference entry, natural_scale).
+
+    Gradients scale with s·g/D; comparing them relative to their size makes one tolerance per dtype mean the
+    same thing at every vocabulary size, divisor and upstream gradient. `natural_scale` (s·|g|/D for the
+    cross-entropy) is the floor where the reference entries are all much smaller than that size (V = 1, where
+    p - onehot = 0 and only the z-loss part is left), so that fp32 cancellation of order ulp(s·g/D) passes.
+    """
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.dtype == dtype, f"gradient dtype {actual.dtype}, expected the logits dtype {dtype}"
+    assert torch.isfinite(actual.double()).all(), "non-finite gradient"
+    norm = max(expected.abs().max().item() if expected.numel() else 0.0, natural_scale, 1e-300)
+    assert_close(actual.double().cpu() / norm, expected.double().cpu() / norm, dtype, scale=scale)
+
+
+class _FreshGraphPerBackward(torch.autograd.Function):
+    """Runs `fn` again (forward and backward) for every backward call.
+
+    The ops compute their gradient in the forward and scale it in place in the backward, so they refuse a
+    second backward through one graph (a documented RuntimeError), while gradcheck computes its analytical
+    Jacobian with repeated backwards through one output. Through this wrapper gradcheck's finite differences
+    still run on the op's forward and its analytical Jacobian still comes from the op's own backward, with one
+    fresh graph per vector-Jacobian product.
+    """
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            fresh = x.detach().requires_grad_()
+            (grad,) = torch.autograd.grad(ctx.fn(fresh), fresh, grad_output)
+        return grad, None
+
+
+def gradcheck_fresh(fn, x):
+    """torch.autograd.gradcheck of fn at x (float64), one graph per backward (see _FreshGraphPerBackward)."""
+    return torch.autograd.gradcheck(lambda t: _FreshGraphPerBackward.apply(t, fn), (x,), eps=1e-6, atol=1e-7,
+                                    rtol=1e-5)

@@ -1,0 +1,559 @@
+"""Tests of the GRPO op (issue 3, SPEC §2.2 and §2.4): loss, gradient and metrics.
+
+The op is compared with rl_losses.reference.grpo_loss in float64 (on logits rounded to the test dtype first),
+and its conventions are checked against formulas written out here: TRL's loss_type="grpo" and Helion's GRPO
+example. Clip decisions are tested on ratios placed 1e-3 inside or outside each bound, never on it.
+"""
+import math
+
+import pytest
+import torch
+
+import rl_losses
+from rl_losses import reference
+
+from conftest import TOLERANCES, assert_close
+from helpers import (assert_grad_close, gradcheck_fresh, label_log_probs64, make_logits, make_target,
+                     param_id as _id, requires_cuda)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = [(64,), (16, 8)]
+_ops = torch.ops.rl_losses
+METRICS = ("new_logprobs", "clipped_fraction_low", "clipped_fraction_high", "kl_old", "log_probs", "ratio_mean")
+
+
+# ---- inputs, runs and comparisons -------------------------------------------------------------------------
+def make_inputs(shape, vocab, dtype, device, *, masked=0.5, logits_scale_factor=1.0, spread=0.3):
+    """Logits, labels, per-token advantages, and old / reference log-probs near the current ones.
+
+    old = lp + N(0, spread²) puts the ratios on both sides of the default clip range [0.8, 1.2].
+    """
+    logits = make_logits(shape, vocab, dtype, device)
+    target = make_target(shape, vocab, device, masked=masked)
+    lp = label_log_probs64(logits, target, logits_scale_factor)
+    advantages = torch.randn(shape, device=device)
+    old_log_probs = (lp + spread * torch.randn(shape, device=device, dtype=torch.float64)).float()
+    ref_log_probs = (lp + 0.2 * torch.randn(shape, device=device, dtype=torch.float64)).float()
+    return logits, target, advantages, old_log_probs, ref_log_probs
+
+
+def run_op(logits, target, advantages, old_log_probs, upstream=1.0, **kwargs):
+    x = logits.detach().clone().requires_grad_()
+    out = rl_losses.grpo_loss(x, target, advantages, old_log_probs, **kwargs)
+    (out.loss * upstream).backward()
+    return out, x.grad
+
+
+def _to64(value):
+    return value.double() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+def run_reference(logits, target, advantages, old_log_probs, upstream=1.0, **kwargs):
+    x = logits.detach().double().requires_grad_()
+    out = reference.grpo_loss(x, target.long(), advantages.double(), old_log_probs.double(),
+                              **{k: _to64(v) for k, v in kwargs.items()})
+    (out.loss * upstream).backward()
+    return out, x.grad
+
+
+def natural_scale(target, advantages, upstream, *, logits_scale_factor=1.0, divisor=None, loss_weights=None,
+                  **_):
+    """s·|g|·max|w·A|/D: the size of the largest gradient row coefficient (before the ratio)."""
+    mask = target >= 0
+    weights = mask.double() if loss_weights is None else torch.where(mask, loss_weights.double(), 0.0)
+    if divisor is None:
+        divisor = max(int(mask.sum()), 1)
+    size = (weights * advantages.double()).abs().max().item() if weights.numel() else 0.0
+    return logits_scale_factor * abs(upstream) * size / divisor
+
+
+def assert_outputs_close(out, ref, dtype, *, compute_entropy=False):
+    """Loss and every metric of SPEC §2.4 against the reference."""
+    assert out.loss.dim() == 0
+    assert_close(out.loss.detach(), ref.loss.detach(), dtype, msg="loss")
+    for name in METRICS:
+        actual, expected = getattr(out, name), getattr(ref, name)
+        assert not actual.requires_grad, f"{name} must be detached"
+        assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
+        assert_close(actual, expected, dtype, msg=f"metric {name}")
+    if compute_entropy:
+        assert_close(out.entropy, ref.entropy, dtype, msg="metric entropy")
+    else:
+        assert out.entropy is None
+
+
+def check_against_reference(logits, target, advantages, old_log_probs, upstream=1.0, **kwargs):
+    dtype = logits.dtype
+    out, grad = run_op(logits, target, advantages, old_log_probs, upstream, **kwargs)
+    ref, ref_grad = run_reference(logits, target, advantages, old_log_probs, upstream, **kwargs)
+    assert_outputs_close(out, ref, dtype, compute_entropy=kwargs.get("compute_entropy", False))
+    assert_grad_close(grad, ref_grad, dtype,
+                      natural_scale=natural_scale(target, advantages, upstream, **kwargs))
+    assert torch.count_nonzero(grad[target < 0]) == 0, "unlabelled tokens must get a zero gradient"
+    return out, grad
+
+
+# ---- Fast-LLM's grid --------------------------------------------------------------------------------------
+# (options, upstream gradient g)
+OPTIONS = {
+    "plain": ({}, 1.0),
+    "scaled": ({"logits_scale_factor": 0.6}, 1.7),
+    "epsilons": ({"epsilon_low": 0.1, "epsilon_high": 0.3}, -0.5),
+    "entropy": ({"logits_scale_factor": 1.3, "compute_entropy": True}, 2.0),
+}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=_id)
+@pytest.mark.parametrize("vocab", [256, 500, 1000])
+def test_matches_reference(vocab, shape, dtype, option, device):
+    kwargs, upstream = OPTIONS[option]
+    inputs = make_inputs(shape, vocab, dtype, device, logits_scale_factor=kwargs.get("logits_scale_factor", 1.0))
+    logits, target, advantages, old_log_probs, _ = inputs
+    check_against_reference(logits, target, advantages, old_log_probs, upstream, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize("shape", [(4,), (2, 3)], ids=_id)
+def test_large_vocab(shape, dtype, device):
+    # V = 32000 with few rows: the looped-vocabulary path of Fast-LLM's grid, cheap on a CPU.
+    kwargs = dict(logits_scale_factor=1 / 0.9, beta=0.04, compute_entropy=True)
+    logits, target, advantages, old_log_probs, ref_log_probs = make_inputs(
+        shape, 32000, dtype, device, masked=0.3, logits_scale_factor=kwargs["logits_scale_factor"])
+    check_against_reference(logits, target, advantages, old_log_probs, 1.3, ref_log_probs=ref_log_probs, **kwargs)
+
+
+# ---- every option -----------------------------------------------------------------------------------------
+def _feature_kwargs(feature, target, ref_log_probs):
+    shape, device = target.shape, target.device
+    mask = (target >= 0).float()
+    lengths = mask.sum(-1, keepdim=True)
+    label_counts = lengths.expand(shape).clamp_min(1)  # each row is one document
+    features = {
+        "beta": dict(beta=0.04, ref_log_probs=ref_log_probs),
+        "beta_large": dict(beta=0.5, ref_log_probs=ref_log_probs),
+        "delta": dict(delta=1.3, epsilon_high=0.25),
+        "weights": dict(loss_weights=torch.rand(shape, device=device) * 2),  # nonzero on unlabelled tokens too
+        "sequence_mean_weights": dict(loss_weights=mask / lengths.clamp_min(1), divisor=float(shape[0])),
+        "divisor": dict(divisor=100.0),
+        "label_counts": dict(label_counts=label_counts),
+        "everything": dict(beta=0.1, ref_log_probs=ref_log_probs, delta=1.4, epsilon_low=0.15, epsilon_high=0.3,
+                           loss_weights=torch.rand(shape, device=device), divisor=57.0, label_counts=label_counts,
+                           logits_scale_factor=0.8, compute_entropy=True),
+    }
+    return features[feature]
+
+
+FEATURES = ["beta", "beta_large", "delta", "weights", "sequence_mean_weights", "divisor", "label_counts",
+            "everything"]
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_options(feature, dtype, device):
+    shape, vocab = (16, 8), 500
+    logits, target, advantages, old_log_probs, ref_log_probs = make_inputs(shape, vocab, dtype, device,
+                                                                           spread=0.4)
+    kwargs = _feature_kwargs(feature, target, ref_log_probs)
+    if "logits_scale_factor" in kwargs:  # keep the ratios near 1 at this scale
+        lp = label_log_probs64(logits, target, kwargs["logits_scale_factor"])
+        old_log_probs = (lp + 0.4 * torch.randn(shape, device=device, dtype=torch.float64)).float()
+    check_against_reference(logits, target, advantages, old_log_probs, -1.3, **kwargs)
+
+
+def test_float64(device):
+    logits, target, advantages, old_log_probs, ref_log_probs = make_inputs((16, 8), 300, torch.float64, device)
+    check_against_reference(logits, target, advantages, old_log_probs, 0.7, ref_log_probs=ref_log_probs,
+                            beta=0.04, delta=1.5, compute_entropy=True, logits_scale_factor=1.1)
+
+
+def test_label_counts_metric_is_mean_of_document_means(device):
+    # SPEC §2.4: new_logprobs is the mean over documents of each document's mean log-prob (Fast-LLM's metric),
+    # the plain token mean without label_counts.
+    shape, vocab = (8, 12), 200
+    logits, target, advantages, old_log_probs, _ = make_inputs(shape, vocab, torch.float32, device)
+    target[2] = -100  # a row with no label is no document
+    mask = target >= 0
+    counts = mask.sum(-1, keepdim=True).expand(shape)
+    lp = label_log_probs64(logits, target)
+    documents = [lp[i][mask[i]].mean() for i in range(shape[0]) if mask[i].any()]
+    with torch.no_grad():
+        by_document = rl_losses.grpo_loss(logits, target, advantages, old_log_probs, label_counts=counts)
+        by_token = rl_losses.grpo_loss(logits, target, advantages, old_log_probs)
+    assert_close(by_document.new_logprobs, torch.stack(documents).mean(), torch.float32)
+    assert_close(by_token.new_logprobs, lp[mask].mean(), torch.float32)
+
+
+@pytest.mark.parametrize("label_dtype", [torch.int32, torch.int64], ids=_id)
+def test_label_dtypes(label_dtype, device):
+    logits, target, advantages, old_log_probs, _ = make_inputs((16, 8), 300, torch.float32, device)
+    check_against_reference(logits, target.to(label_dtype), advantages, old_log_probs, 1.2)
+
+
+def test_non_contiguous_logits(device):
+    big = make_logits((16, 8), 311, torch.float32, device)
+    logits = big[..., :300]
+    target = make_target((16, 8), 300, device)
+    lp = label_log_probs64(logits, target)
+    old_log_probs = (lp + 0.3 * torch.randn((16, 8), device=device, dtype=torch.float64)).float()
+    advantages = torch.randn((16, 8), device=device)
+    x = big.detach().clone().requires_grad_()
+    out = rl_losses.grpo_loss(x[..., :300], target, advantages, old_log_probs)
+    (out.loss * 1.5).backward()
+    ref, ref_grad = run_reference(logits, target, advantages, old_log_probs, 1.5)
+    assert_outputs_close(out, ref, torch.float32)
+    assert_grad_close(x.grad[..., :300], ref_grad, torch.float32)
+    assert torch.count_nonzero(x.grad[..., 300:]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
+def test_inplace_backward(dtype, device):
+    logits, target, advantages, old_log_probs, ref_log_probs = make_inputs((16, 8), 300, dtype, device)
+    kwargs = dict(beta=0.04, ref_log_probs=ref_log_probs, delta=1.6)
+    leaf = logits.clone().requires_grad_()
+    work = leaf.clone()  # a non-leaf copy that the op may overwrite
+    out = rl_losses.grpo_loss(work, target, advantages, old_log_probs, inplace_backward=True, **kwargs)
+    (out.loss * 1.9).backward()
+    ref, ref_grad = run_reference(logits, target, advantages, old_log_probs, 1.9, **kwargs)
+    assert_outputs_close(out, ref, dtype)
+    assert_grad_close(leaf.grad, ref_grad, dtype, natural_scale=natural_scale(target, advantages, 1.9))
+    assert torch.equal(work.detach(), leaf.grad)  # the gradient lives in the logits' storage
+
+
+# ---- masking ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_masked_rows(dtype, device):
+    logits, target, advantages, old_log_probs, ref_log_probs = make_inputs((16, 8), 256, dtype, device)
+    target[[0, 5, 11]] = -100  # whole sequences without a label
+    out, grad = check_against_reference(logits, target, advantages, old_log_probs, 1.4, beta=0.04,
+                                        ref_log_probs=ref_log_probs, compute_entropy=True)
+    assert torch.count_nonzero(grad[[0, 5, 11]]) == 0
+
+
+@pytest.mark.parametrize("with_options", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_all_masked(dtype, with_options, device):
+    logits, target, advantages, old_log_probs, ref_log_probs = make_inputs((16, 8), 100, dtype, device,
+                                                                           masked=1.0)
+    kwargs = dict(beta=0.04, ref_log_probs=ref_log_probs, delta=2.0, label_counts=torch.zeros_like(advantages),
+                  loss_weights=torch.ones_like(advantages), compute_entropy=True) if with_options else {}
+    out, grad = run_op(logits, target, advantages, old_log_probs, 1.5, **kwargs)
+    assert out.loss.item() == 0.0
+    assert torch.equal(grad, torch.zeros_like(grad))
+    for name in METRICS + (("entropy",) if with_options else ()):
+        value = getattr(out, name)
+        assert torch.isfinite(value).all(), f"{name} is not finite on an all-masked batch"
+    assert torch.equal(out.log_probs, torch.zeros_like(out.log_probs))
+
+
+# ---- clip bounds ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("use_delta", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_ratios_next_to_each_clip_bound(dtype, use_delta, device):
+    """Ratios 1e-3 inside or outside 1-ε_l, 1+ε_h (and δ): the clip decisions, the clipped fractions and which
+    tokens get a gradient follow from the design alone; loss and gradient also match the reference."""
+    eps_low, eps_high, delta = 0.2, 0.28, 1.6
+    n, vocab, margin = 96, 300, 1e-3
+    logits = make_logits((n,), vocab, dtype, device)
+    target = torch.randint(0, vocab, (n,), device=device)
+    designed = [1 - eps_low - margin, 1 - eps_low + margin, 1 + eps_high - margin, 1 + eps_high + margin]
+    if use_delta:
+        designed += [delta - margin, delta + margin]
+    ratio = torch.tensor(designed, dtype=torch.float64, device=device).repeat(n // len(designed) + 1)[:n]
+    ratio = ratio[torch.randperm(n, device=device)]
+    sign = torch.where(torch.arange(n, device=device) % 2 == 0, 1.0, -1.0)[torch.randperm(n, device=device)]
+    advantages = (sign * (0.5 + torch.rand(n, device=device))).float()
+    # old = lp - log(ratio), from the op's own detached log-probs, so that its ratios land on the design.
+    with torch.no_grad():
+        lp = rl_losses.grpo_loss(logits, target, advantages, torch.zeros_like(advantages)).log_probs
+    old_log_probs = (lp.double() - ratio.log()).float()
+    kwargs = dict(epsilon_low=eps_low, epsilon_high=eps_high, delta=delta if use_delta else None)
+
+    out, grad = check_against_reference(logits, target, advantages, old_log_probs, 1.0, **kwargs)
+    positive, negative = advantages > 0, advantages < 0
+    low = (ratio < 1 - eps_low) & negative
+    high = (ratio > 1 + eps_high) & positive
+    assert out.clipped_fraction_low.item() == pytest.approx(low.sum().item() / n)
+    assert out.clipped_fraction_high.item() == pytest.approx(high.sum().item() / n)
+    assert out.ratio_mean.item() == pytest.approx(ratio.mean().item(), rel=1e-5)
+    # c_t = 0 (no gradient) where a clip is active: SPEC §2.2.
+    no_grad_expected = low | high | ((ratio > delta) if use_delta else torch.zeros_like(low))
+    has_grad = grad.double().abs().sum(-1) > 0
+    assert torch.equal(has_grad, ~no_grad_expected)
+
+
+# ---- a long row count -------------------------------------------------------------------------------------
+def test_many_rows(device):
+    # N > 65535: more rows than a CUDA grid's y/z dimension can hold.
+    shape, vocab = (70000,), 8
+    logits, target, advantages, old_log_probs, ref_log_probs = make_inputs(shape, vocab, torch.float32, device)
+    check_against_reference(logits, target, advantages, old_log_probs, 1.1, ref_log_probs=ref_log_probs,
+                            beta=0.04)
+
+
+# ---- conventions of other implementations -----------------------------------------------------------------
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_trl_loss_type_grpo(beta, device):
+    """TRL's GRPOTrainer, loss_type="grpo": the mean over sequences of each sequence's mean per-token loss,
+    per_token_loss = -min(r·A, clip(r, 1-ε_l, 1+ε_h)·A) + β·k3 with the advantage per sequence. The op gives it
+    with loss_weights = mask / |o_i| and divisor = B."""
+    batch, length, vocab = 6, 10, 64
+    eps_low, eps_high = 0.2, 0.28
+    logits = make_logits((batch, length), vocab, torch.float64, device)
+    completion_ids = torch.randint(0, vocab, (batch, length), device=device)
+    lengths = torch.tensor([10, 7, 1, 4, 9, 0], device=device)  # the last sequence is empty
+    completion_mask = (torch.arange(length, device=device) < lengths[:, None]).double()
+    advantages = torch.randn(batch, device=device, dtype=torch.float64)
+    lp_now = label_log_probs64(logits, completion_ids)
+    old = lp_now + 0.3 * torch.randn(batch, length, device=device, dtype=torch.float64)
+    ref = lp_now + 0.2 * torch.randn(batch, length, device=device, dtype=torch.float64)
+
+    # The TRL formula, written out.
+    x = logits.detach().clone().requires_grad_()
+    per_token_logps = torch.log_softmax(x, -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    coef_1 = torch.exp(per_token_logps - old)
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    per_token_loss = -torch.min(coef_1 * advantages.unsqueeze(1), coef_2 * advantages.unsqueeze(1))
+    if beta != 0.0:
+        per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+        per_token_loss = per_token_loss + beta * per_token_kl
+    trl_loss = ((per_token_loss * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1.0)).mean()
+    trl_loss.backward()
+
+    target = torch.where(completion_mask > 0, completion_ids, -100)
+    y = logits.detach().clone().requires_grad_()
+    out = rl_losses.grpo_loss(y, target, advantages[:, None].expand(batch, length).contiguous(), old,
+                              epsilon_low=eps_low, epsilon_high=eps_high, beta=beta,
+                              ref_log_probs=ref if beta else None,
+                              loss_weights=completion_mask / completion_mask.sum(-1, keepdim=True).clamp(min=1.0),
+                              divisor=float(batch))
+    out.loss.backward()
+    assert_close(out.loss.detach(), trl_loss.detach(), torch.float64)
+    assert_grad_close(y.grad, x.grad, torch.float64)
+
+
+def test_helion_grpo_example_convention(device):
+    """Helion's GRPO example (examples/grpo_loss.py: temperature 0.9, β = 0.04, ε_low 0.2, ε_high 0.4, one
+    advantage per sequence, completion mask). Its reference formula, written out below, gives per token
+        loss = -min(r·A, clip(r)·A)·mask + β·k3(ref - lp)·mask,   kl = k3(ref - lp)·mask,
+        is_clipped = (r·A < clip(r)·A).
+    The op's per-token loss is read with a one-hot loss weight and divisor 1, its per-token KL from β·k3 with
+    A = 0, its per-token clip decision from the clipped fractions of a batch with one labelled token.
+    (Helion drops the last logit row of each sequence; the logits here are already the L kept rows.)
+    """
+    batch, length, vocab = 3, 5, 64
+    temperature, beta, eps_low, eps_high = 0.9, 0.04, 0.2, 0.4
+    logits = make_logits((batch, length), vocab, torch.float32, device)
+    completion_ids = torch.randint(0, vocab, (batch, length), device=device)
+    completion_mask = (torch.rand(batch, length, device=device) < 0.8).float()
+    seq_advantages = torch.randn(batch, device=device)
+    lp = label_log_probs64(logits, completion_ids, 1 / temperature)
+    old = (lp + 0.35 * torch.randn(batch, length, device=device, dtype=torch.float64)).float()
+    ref = (lp + 0.2 * torch.randn(batch, length, device=device, dtype=torch.float64)).float()
+
+    # Helion's reference formula, in float64.
+    logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+    per_token_logps = logp.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    coef_1 = torch.exp(per_token_logps - old.double())
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    loss1 = coef_1 * seq_advantages.double().unsqueeze(1)
+    loss2 = coef_2 * seq_advantages.double().unsqueeze(1)
+    mask64 = completion_mask.double()
+    per_token_kl = (torch.exp(ref.double() - per_token_logps) - (ref.double() - per_token_logps) - 1) * mask64
+    helion_loss = -torch.min(loss1, loss2) * mask64 + beta * per_token_kl
+    helion_is_clipped = loss1 < loss2
+
+    target = torch.where(completion_mask > 0, completion_ids, -100)
+    advantages = seq_advantages[:, None].expand(batch, length).contiguous()
+    common = dict(logits_scale_factor=1 / temperature, epsilon_low=eps_low, epsilon_high=eps_high,
+                  ref_log_probs=ref)
+    for i in range(batch):
+        for t in range(length):
+            one_hot = torch.zeros(batch, length, device=device)
+            one_hot[i, t] = 1.0
+            only = torch.full_like(target, -100)
+            only[i, t] = completion_ids[i, t]
+            with torch.no_grad():
+                loss = rl_losses.grpo_loss(logits, target, advantages, old, beta=beta, loss_weights=one_hot,
+                                           divisor=1.0, **common).loss
+                kl = rl_losses.grpo_loss(logits, target, torch.zeros_like(advantages), old, beta=beta,
+                                         loss_weights=one_hot, divisor=1.0, **common).loss / beta
+                single = rl_losses.grpo_loss(logits, only, advantages, old, **common)
+            where = f"token ({i}, {t})"
+            assert_close(loss, helion_loss[i, t], torch.float32, msg=f"per-token loss at {where}")
+            assert_close(kl, per_token_kl[i, t], torch.float32, msg=f"per-token kl at {where}")
+            if completion_mask[i, t] == 0:
+                continue
+            # The op counts the tokens whose clipped term is the smaller one (loss2 < loss1: TRL's
+            # is_low/high_clipped); Helion's is_clipped marks the opposite strict inequality. Outside the
+            # clip range with A != 0 exactly one of the two holds; inside it neither does.
+            op_clipped = (single.clipped_fraction_low + single.clipped_fraction_high).item() > 0
+            assert op_clipped == bool(loss2[i, t] < loss1[i, t]), where
+            outside = not (1 - eps_low <= coef_1[i, t].item() <= 1 + eps_high)
+            assert bool(helion_is_clipped[i, t]) == (outside and seq_advantages[i].item() != 0 and not op_clipped)
+
+
+# ---- autograd contract, gradcheck, opcheck, compile -------------------------------------------------------
+def test_second_backward_raises(device):
+    logits, target, advantages, old_log_probs, _ = make_inputs((8,), 20, torch.float32, device, masked=0.2)
+    x = logits.clone().requires_grad_()
+    out = rl_losses.grpo_loss(x, target, advantages, old_log_probs)
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.loss.backward()
+
+
+def _tiny_inputs(device):
+    """Tiny float64 inputs whose ratios sit at least 0.05 away from every clip bound used below, so that the
+    finite differences of gradcheck never cross one."""
+    shape, vocab = (3, 2), 5
+    logits = torch.randn(*shape, vocab, dtype=torch.float64, device=device)
+    target = torch.tensor([[1, -100], [4, 0], [2, 3]], device=device)
+    lp = label_log_probs64(logits, target, 1.3)
+    log_ratio = torch.tensor([[0.6, 0.0], [-0.05, 0.3], [-0.6, 0.05]], dtype=torch.float64, device=device)
+    old_log_probs = lp - log_ratio  # ratios 1.82, 0.95, 1.35, 0.55, 1.05 around [0.8, 1.2] and delta = 1.5
+    advantages = torch.tensor([[1.0, 0.5], [-0.7, 1.2], [-1.5, 0.8]], dtype=torch.float64, device=device)
+    ref_log_probs = lp + 0.3
+    return logits, target, advantages, old_log_probs, ref_log_probs
+
+
+@pytest.mark.parametrize("case", ["plain", "beta_delta", "weights_divisor"])
+def test_gradcheck(case, device):
+    logits, target, advantages, old, ref = _tiny_inputs(device)
+    kwargs = {
+        "plain": dict(logits_scale_factor=1.3),
+        "beta_delta": dict(logits_scale_factor=1.3, beta=0.1, ref_log_probs=ref, delta=1.5),
+        "weights_divisor": dict(logits_scale_factor=1.3, loss_weights=torch.rand_like(advantages), divisor=2.5),
+    }[case]
+    x = logits.clone().requires_grad_()
+    assert gradcheck_fresh(lambda t: rl_losses.grpo_loss(t, target, advantages, old, **kwargs).loss, x)
+
+
+def _opcheck_cases(device):
+    logits, target, advantages, old, ref = make_inputs((6, 2), 11, torch.float32, device, masked=0.3)
+    leaf = logits.clone().requires_grad_()
+    weights = torch.rand_like(advantages)
+    counts = torch.full_like(advantages, 2.0)
+    # _grpo_forward(logits, target, advantages, old, ref, weights, label_counts, ε_l, ε_h, δ, β, divisor, s,
+    #               compute_entropy, row_stats, vocab_start, vocab_size[, compute_grad])
+    positional = (ref, weights, counts, 0.2, 0.25, 1.5, 0.04, None, 1.1, True, None, 0, -1)
+    return {
+        "grpo": (_ops.grpo.default, (leaf, target, advantages, old), {}),
+        "grpo_options": (_ops.grpo.default, (leaf, target, advantages, old),
+                         dict(ref_log_probs=ref, beta=0.04, delta=1.5, loss_weights=weights, label_counts=counts,
+                              divisor=3.0, logits_scale_factor=1.1, compute_entropy=True)),
+        "grpo_no_grad": (_ops.grpo.default, (logits, target, advantages, old), {}),
+        "grpo_inplace": (_ops.grpo.default, (leaf.detach().clone().requires_grad_(), target, advantages, old),
+                         dict(inplace_backward=True)),
+        "_grpo_forward": (_ops._grpo_forward.default, (logits, target, advantages, old) + positional + (True,), {}),
+        "_grpo_forward_no_grad": (_ops._grpo_forward.default,
+                                  (logits, target, advantages, old) + positional + (False,), {}),
+        "_grpo_forward_inplace": (_ops._grpo_forward_inplace.default,
+                                  (logits.clone(), target, advantages, old) + positional, {}),
+    }
+
+
+@pytest.mark.parametrize("case", ["grpo", "grpo_options", "grpo_no_grad", "grpo_inplace", "_grpo_forward",
+                                  "_grpo_forward_no_grad", "_grpo_forward_inplace"])
+def test_opcheck(case, device):
+    op, args, kwargs = _opcheck_cases(device)[case]
+    torch.library.opcheck(op, args, kwargs)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph(backend, device):
+    def fn(x, target, advantages, old, ref):
+        out = rl_losses.grpo_loss(x * 2, target, advantages, old, ref_log_probs=ref, beta=0.04, delta=1.5,
+                                  logits_scale_factor=0.5)
+        return out.loss, out.kl_old, out.log_probs
+
+    compiled = torch.compile(fn, fullgraph=True, backend=backend, dynamic=False)
+    logits, target, advantages, old, ref = make_inputs((16, 8), 129, torch.float32, device)
+    results = []
+    for f in (fn, compiled):
+        x = logits.clone().requires_grad_()
+        loss, kl_old, log_probs = f(x, target, advantages, old, ref)
+        (loss * 1.7).backward()
+        results.append((loss.detach(), kl_old, log_probs, x.grad))
+    for eager, comp in zip(*results):
+        assert_close(comp, eager, torch.float32)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_cpu_matches_cuda(dtype):
+    logits, target, advantages, old, ref = make_inputs((16, 8), 1000, dtype, "cpu")
+    kwargs = dict(ref_log_probs=ref, beta=0.04, delta=1.5, compute_entropy=True, logits_scale_factor=1.1)
+    cpu, cpu_grad = run_op(logits, target, advantages, old, 1.3, **kwargs)
+    cuda_kwargs = dict(kwargs, ref_log_probs=ref.cuda())
+    gpu, gpu_grad = run_op(logits.cuda(), target.cuda(), advantages.cuda(), old.cuda(), 1.3, **cuda_kwargs)
+    assert_outputs_close(gpu, cpu, dtype, compute_entropy=True)
+    assert_grad_close(gpu_grad.cpu(), cpu_grad.cpu(), dtype)
+
+
+# ---- bad input --------------------------------------------------------------------------------------------
+def _bad_call(case, device):
+    """(callable, regex the message must match: the argument and, where there is one, the bad value)."""
+    logits, target, advantages, old, ref = make_inputs((4, 3), 7, torch.float32, device, masked=0.0)
+    grpo = rl_losses.grpo_loss
+    short = torch.zeros(4, 2, device=device)
+    cases = {
+        "target_shape": (lambda: grpo(logits, target[:, :2], advantages, old), "target has shape"),
+        "advantages_shape": (lambda: grpo(logits, target, short, old), "advantages has shape"),
+        "old_log_probs_shape": (lambda: grpo(logits, target, advantages, short), "old_log_probs has shape"),
+        "ref_log_probs_shape": (lambda: grpo(logits, target, advantages, old, beta=0.1, ref_log_probs=short),
+                                "ref_log_probs has shape"),
+        "loss_weights_shape": (lambda: grpo(logits, target, advantages, old, loss_weights=short),
+                               "loss_weights has shape"),
+        "label_counts_shape": (lambda: grpo(logits, target, advantages, old, label_counts=short),
+                               "label_counts has shape"),
+        "advantages_int": (lambda: grpo(logits, target, advantages.long(), old),
+                           "advantages must be a floating-point tensor"),
+        "old_log_probs_int": (lambda: grpo(logits, target, advantages, old.long()),
+                              "old_log_probs must be a floating-point tensor"),
+        "delta_below": (lambda: grpo(logits, target, advantages, old, delta=1.1), r"delta.*1\.1"),
+        "delta_on_bound": (lambda: grpo(logits, target, advantages, old, delta=1.3, epsilon_high=0.3),
+                           r"delta.*1\.3"),
+        "epsilon_low_negative": (lambda: grpo(logits, target, advantages, old, epsilon_low=-0.1),
+                                 r"epsilon_low.*-0\.1"),
+        "epsilon_low_one": (lambda: grpo(logits, target, advantages, old, epsilon_low=1.0), "epsilon_low"),
+        "epsilon_high_negative": (lambda: grpo(logits, target, advantages, old, epsilon_high=-0.1),
+                                  r"epsilon_high.*-0\.1"),
+        "beta_without_ref": (lambda: grpo(logits, target, advantages, old, beta=0.1), "ref_log_probs"),
+        "scale_zero": (lambda: grpo(logits, target, advantages, old, logits_scale_factor=0.0),
+                       "logits_scale_factor must be finite and > 0, got 0"),
+        "divisor_zero": (lambda: grpo(logits, target, advantages, old, divisor=0.0),
+                         "divisor must be finite and > 0, got 0"),
+        "int_logits": (lambda: grpo(logits.long(), target, advantages, old),
+                       "logits must be a floating-point tensor"),
+        "target_float": (lambda: grpo(logits, target.float(), advantages, old), "target must be an integer tensor"),
+    }
+    return cases[case]
+
+
+BAD_CASES = ["target_shape", "advantages_shape", "old_log_probs_shape", "ref_log_probs_shape",
+             "loss_weights_shape", "label_counts_shape", "advantages_int", "old_log_probs_int", "delta_below",
+             "delta_on_bound", "epsilon_low_negative", "epsilon_low_one", "epsilon_high_negative",
+             "beta_without_ref", "scale_zero", "divisor_zero", "int_logits", "target_float"]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_input(case, device):
+    call, message = _bad_call(case, device)
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        call()
+
+
+def test_label_out_of_range_cpu():
+    logits, target, advantages, old, _ = make_inputs((4,), 7, torch.float32, "cpu", masked=0.0)
+    target[2] = 7
+    with pytest.raises(RuntimeError, match="label 7 .*out of range for vocab_size 7"):
+        rl_losses.grpo_loss(logits.requires_grad_(), target, advantages, old)
+
+
+@requires_cuda
+def test_device_mismatch():
+    logits, target, advantages, old, _ = make_inputs((4,), 7, torch.float32, "cuda", masked=0.0)
+    with pytest.raises((RuntimeError, ValueError), match="advantages is on cpu"):
+        rl_losses.grpo_loss(logits, target, advantages.cpu(), old)
