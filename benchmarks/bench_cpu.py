@@ -9,8 +9,8 @@ resident-set high-water mark (getrusage ru_maxrss), which sees every allocation 
 It is exact when the run raises the high-water mark (the usual case: every N x V buffer is mmap'ed by glibc
 and returned on free, so the mark is the live peak); otherwise it is an upper bound, flagged "<=". The
 gradient handed back (cases.GradSink) counts, as on the GPU. Time: the median of --reps runs after
---warmup, host clock (perf_counter), torch's default intra-op threads. Every provider's loss and first
-gradient rows are checked against the first provider's. GRPO/GSPO rows show the op's error until the op
+--warmup, host clock (perf_counter), torch's intra-op threads (--threads, default torch's). Every provider's
+loss and first gradient rows are checked against the first provider's. GRPO/GSPO rows show the op's error until the op
 exists on the CPU; the script picks them up as soon as they work.
 """
 from __future__ import annotations
@@ -47,6 +47,8 @@ def _maxrss_bytes() -> int:
 def worker(args) -> dict:
     """One (op, provider) in this process: memory of the first full call, then the timing."""
     op = cases.OPS[args.op]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out = {"op": args.op, "provider": args.provider, "n": args.n, "v": args.v, "threads": torch.get_num_threads()}
     provider = cases.build_provider(args.provider)
 
@@ -86,7 +88,8 @@ def worker(args) -> dict:
 
 def run_worker(args, op: str, provider: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", op, provider, "--n", str(args.n), "--v",
-           str(args.v), "--reps", str(args.reps), "--warmup", str(args.warmup), "--seed", str(args.seed)]
+           str(args.v), "--reps", str(args.reps), "--warmup", str(args.warmup), "--seed", str(args.seed),
+           "--threads", str(args.threads)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -105,7 +108,8 @@ def format_rows(rows: list[dict]) -> str:
         if r.get("error"):
             body.append([r["op"], r["provider"], r["error"][:70], "", "", ""])
             continue
-        mem = f"{'' if r['exact'] else '<='}{r['extra_peak_mib']:.0f} ({r['extra_peak_x_logits']:.2f}x)"
+        mib, x = max(0.0, r["extra_peak_mib"]), max(0.0, r["extra_peak_x_logits"])  # -0: counter rounding
+        mem = f"{'' if r['exact'] else '<='}{mib:.0f} ({x:.2f}x)"
         sp = "-" if r.get("speedup_of_rl") is None else f"{r['speedup_of_rl']:.2f}x"
         body.append([r["op"], r["provider"], f"{r['ms']:.2f}", mem, sp, r.get("check", "-")])
     widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
@@ -124,19 +128,26 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per (op, provider) subprocess")
     ap.add_argument("--out", help="folder for bench_cpu.json")
     ap.add_argument("--worker", nargs=2, metavar=("OP", "PROVIDER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         args.op, args.provider = args.worker
-        print(json.dumps(worker(args)))
+        try:
+            print(json.dumps(worker(args)))
+        except Exception as e:  # noqa: BLE001  (report the op's own error, e.g. not implemented yet)
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            print(json.dumps({"op": args.op, "provider": args.provider, "error": f"{type(e).__name__}: {msg}"}))
         return 0
 
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": " ".join(["python"] + sys.argv), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "n": args.n, "v": args.v,
-            "dtype": "float32", "reps": args.reps, "warmup": args.warmup}
+            "load_avg_start": os.getloadavg(),
+            "command": " ".join(["python"] + sys.argv), "torch": torch.__version__,
+            "threads": args.threads or torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "n": args.n, "v": args.v, "dtype": "float32", "reps": args.reps,
+            "warmup": args.warmup}
     print(f"bench_cpu: N={args.n} V={args.v} fp32 fwd+bwd · {meta['cores']} cores, {meta['threads']} torch threads "
           f"· torch {meta['torch']} · {meta['date']}", flush=True)
     rows = []
@@ -161,12 +172,14 @@ def main(argv=None) -> int:
         base = next((b for b in rows if b["op"] == r["op"] and b["provider"] == "rl_losses" and b.get("ms")), None)
         if base and r.get("ms") and not r["provider"].startswith("rl_losses"):
             r["speedup_of_rl"] = round(r["ms"] / base["ms"], 2)
+    meta["load_avg_end"] = os.getloadavg()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_cpu.json"), "w") as f:
             json.dump({"meta": meta, "results": rows}, f, indent=1)
     print(f"\n{meta['date']} · {meta['cpu']}, {meta['cores']} cores ({meta['threads']} torch threads) · torch "
-          f"{meta['torch']}\nN={args.n} V={args.v} fp32, fwd+bwd, median of {args.reps} · extra peak = resident-set "
+          f"{meta['torch']} · load average {meta['load_avg_start'][0]:.1f} -> {meta['load_avg_end'][0]:.1f}"
+          f"\nN={args.n} V={args.v} fp32, fwd+bwd, median of {args.reps} · extra peak = resident-set "
           f"high-water mark over the inputs (subprocess per row)\n" + format_rows(rows))
     return 0
 

@@ -85,7 +85,6 @@ def copy_ceiling(device, timer: Timer, nbytes: int, reps: int = 30) -> dict:
         dst.copy_(src)
     timer.sync()
     ms = statistics.median(timer(lambda: dst.copy_(src), reps))
-    del src, dst
     return {"bytes": nbytes, "ms": ms, "gbps": 2 * nbytes / ms / 1e6}
 
 
@@ -171,6 +170,25 @@ def run_job(op, n, v, provider, args, device, timer, refs, ceiling_gbps) -> dict
     return row
 
 
+def cuda_alive() -> bool:
+    """False once the CUDA context is lost (an illegal access or a device-side assert is sticky)."""
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device="cuda").add_(1).item() == 2.0
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def restart_without(args, t_start: float, pair: str) -> None:
+    """Go on in a fresh process (a lost CUDA context cannot be recovered in this one): --resume keeps every
+    finished row, --exclude drops the (provider:op) that broke the context."""
+    argv = [a for a in sys.argv[1:]]
+    argv += ["--resume", "--exclude", pair, "--t0", repr(t_start)]
+    print(f"CUDA context lost in {pair}: restarting in a fresh process without it", flush=True)
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, os.path.abspath(__file__)] + argv)
+
+
 # ------------------------------------------------------------------------------------------------ plan
 
 def plan_jobs(args) -> list[tuple[str, int, int, str]]:
@@ -246,6 +264,11 @@ def parse_args(argv=None):
     ap.add_argument("--copy-gib", type=float, default=1.0, help="size of the copy-ceiling buffer")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Liger through TRITON_INTERPRET")
+    ap.add_argument("--list", action="store_true", help="print the planned jobs and exit")
+    # Set by restart_without() after a lost CUDA context:
+    ap.add_argument("--resume", action="store_true", help="keep the rows of OUT/bench.json and skip their jobs")
+    ap.add_argument("--exclude", action="append", default=[], help="provider:op pairs not to run again")
+    ap.add_argument("--t0", type=float, help="start time of the first process (for --time-budget)")
     args = ap.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
     args.seq_scale = DRY["seq_scale"] if args.dry_run else 1
@@ -256,19 +279,40 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    t_start = time.time()
+    t_start = args.t0 or time.time()
+    if args.list:
+        for j in plan_jobs(args):
+            print(*j)
+        return 0
     if not args.dry_run and not torch.cuda.is_available():
         print("bench_gpu: no CUDA device (use --dry-run on a CPU machine)", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.dry_run else "cuda")
     os.makedirs(args.out, exist_ok=True)
     timer = Timer(device)
-    meta = collect_meta(args, device)
+    json_path, csv_path = os.path.join(args.out, "bench.json"), os.path.join(args.out, "bench.csv")
+    rows, refs, done = [], {}, set()
+    if args.resume and os.path.exists(json_path):
+        import json
+
+        with open(json_path) as f:
+            saved = json.load(f)
+        meta, rows = saved["meta"], saved["results"]
+        meta["restarts"] = meta.get("restarts", []) + args.exclude[-1:]
+        for r in rows:
+            done.add((r["op"], r["n"], r["v"], r["provider"]))
+            if r.get("check") == "ref":  # resumed checks compare the loss only (gradient rows are not saved)
+                refs[(r["op"], r["n"], r["v"])] = (r["provider"], r["loss"], None, False)
+        copy0 = meta["copy_start"]
+    else:
+        meta = collect_meta(args, device)
+        copy0 = None
     print(f"bench_gpu: {meta['device']} · torch {meta['torch']} (CUDA {meta['torch_cuda']}) · triton "
           f"{meta['triton']} · liger-kernel {meta['liger_kernel']} · {meta['date']}", flush=True)
-    copy0 = copy_ceiling(device, timer, int(args.copy_gib * 2**30))
-    meta["copy_start"] = copy0
-    meta["copy_ceiling_gbps"] = copy0["gbps"]
+    if copy0 is None:
+        copy0 = copy_ceiling(device, timer, int(args.copy_gib * 2**30))
+        meta["copy_start"] = copy0
+        meta["copy_ceiling_gbps"] = copy0["gbps"]
     print(f"copy ceiling: {copy0['gbps']:.0f} GB/s (read+write of {copy0['bytes'] / 2**30:.2f} GiB in "
           f"{copy0['ms']:.3f} ms)", flush=True)
 
@@ -291,14 +335,16 @@ def main(argv=None) -> int:
     jobs = plan_jobs(args)
     print(f"{len(jobs)} jobs planned" + (f", time budget {args.time_budget:.0f} s" if args.time_budget else ""),
           flush=True)
-    rows, refs = [], {}
-    json_path, csv_path = os.path.join(args.out, "bench.json"), os.path.join(args.out, "bench.csv")
     for op_name, n, v, pname in jobs:
         op = cases.OPS[op_name]
         base = {"op": op_name, "n": n, "v": v, "provider": pname}
         elapsed = time.time() - t_start
         need = 75 if pname == "torch_compile" else 6  # rough seconds a job takes (compiles are the long ones)
-        if pname in unavailable:
+        if (op_name, n, v, pname) in done:
+            continue
+        if f"{pname}:{op_name}" in args.exclude:
+            row = dict(base, skipped="excluded: an earlier job of this provider and op lost the CUDA context")
+        elif pname in unavailable:
             row = dict(base, skipped=unavailable[pname])
         elif args.time_budget and elapsed + need > args.time_budget:
             row = dict(base, skipped="time budget")
@@ -318,6 +364,8 @@ def main(argv=None) -> int:
                 status += f" ({row['check_detail']})"
         if row.get("skipped") != "time budget":
             print(f"[{time.time() - t_start:6.1f}s] {op_name} {n}x{v} {pname}: {status}", flush=True)
+        if row.get("error") and device.type == "cuda" and not cuda_alive() and len(args.exclude) < 8:
+            restart_without(args, t_start, f"{pname}:{op_name}")
 
     copy1 = copy_ceiling(device, timer, int(args.copy_gib * 2**30))
     meta["copy_end"] = copy1

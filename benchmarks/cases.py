@@ -166,7 +166,8 @@ class Provider:
         return True
 
     def prepare(self, op: OpSpec, inp: dict) -> dict:
-        s = dict(inp, base=inp.pop("logits").requires_grad_(True))
+        s = dict(inp)
+        s["base"] = s.pop("logits").requires_grad_(True)
         return s
 
     def loss(self, op: OpSpec, s: dict, logits: torch.Tensor) -> torch.Tensor:

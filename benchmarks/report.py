@@ -53,7 +53,7 @@ def _row_cells(r: dict, with_shape: bool) -> list[str]:
     status = r.get("error") or r.get("skipped")
     cells = [r["op"]] + ([f"{r['n']}x{r['v']}"] if with_shape else []) + [r["provider"]]
     if status and r.get("ms") is None:
-        return cells + [str(status)[:60], "", "", "", "", ""]
+        return cells + ["-"] * 5 + [str(status)[:90]]
     mem = "-" if r.get("extra_peak_mib") is None else f"{r['extra_peak_mib']:.0f} ({r['extra_peak_x_logits']:.2f}x)"
     sp = "-" if r.get("speedup_of_rl") is None else f"{r['speedup_of_rl']:.2f}x"
     chk = r.get("check") or "-"

@@ -33,6 +33,7 @@ def run_op(fn, logits, target, upstream=1.0, **kwargs):
     """The op's loss and gradient on a fresh leaf copy of `logits` with the same strides."""
     x = torch.empty_strided(logits.shape, logits.stride(), dtype=logits.dtype, device=logits.device)
     x = x.copy_(logits.detach()).requires_grad_()
+    assert x.stride() == logits.stride()
     loss = fn(x, target, **kwargs)
     _backward(loss, upstream)
     return loss.detach(), x.grad
@@ -178,8 +179,9 @@ def _layout(name, shape, vocab, dtype, device):
         return make_logits(shape, vocab + 13, dtype, device)[..., :vocab]
     if name == "offset":  # same, starting at column 5
         return make_logits(shape, vocab + 13, dtype, device)[..., 5:5 + vocab]
-    if name == "every_other_row":  # row stride 2V
-        return make_logits((2 * shape[0],) + shape[1:], vocab, dtype, device)[::2]
+    if name == "every_other_row":  # 2-D, row stride 2V
+        n_rows = shape[0] * shape[1]
+        return make_logits((2 * n_rows,), vocab, dtype, device)[::2]
     if name == "transposed_batch":  # batch dims that cannot be merged into one row stride (the copy path)
         return make_logits(shape[::-1], vocab, dtype, device).transpose(0, 1)
     raise ValueError(name)

@@ -23,7 +23,8 @@ DOC_METRICS = ("new_logprobs", "clipped_fraction_low", "clipped_fraction_high", 
 def loop_reference(logits, target, advantages, old_log_probs, document_index, *, num_documents=None,
                    label_counts=None, epsilon_low=0.2, epsilon_high=0.2, weighting="document",
                    token_advantages=False, divisor=None, logits_scale_factor=1.0, compute_entropy=False):
-    """SPEC §2.3 in float64, one document at a time. `logits` may require grad (the loss is differentiable).
+    """SPEC §2.3 in float64, one document at a time. `logits` may require grad (the loss is differentiable
+    through the per-token log-probs).
 
     Returns a dict with the loss, the metrics of SPEC §2.4, the per-token log-probs and the per-document
     ratios (None for documents without a labelled token, where the SPEC leaves R_s free).
@@ -34,32 +35,36 @@ def loop_reference(logits, target, advantages, old_log_probs, document_index, *,
     docs = document_index.reshape(-1).tolist()
     adv = advantages.reshape(-1).double()
     old = old_log_probs.reshape(-1).double()
-    counts = None if label_counts is None else label_counts.reshape(-1).double()
+    token_lp = logp.gather(1, target.reshape(-1, 1).long().clamp_min(0)).squeeze(1)
     if num_documents is None:
         num_documents = max(docs) + 1 if docs else 0
     tokens_of = [[] for _ in range(num_documents)]
     for t, d in enumerate(docs):
-        if d >= 0:
+        if d >= 0 and labels[t] >= 0:
             tokens_of[d].append(t)
 
+    # Each document's labelled tokens, gathered once and split per document (cheap to differentiate).
+    order = torch.tensor([t for tokens in tokens_of for t in tokens], dtype=torch.long, device=logp.device)
+    sizes = [len(tokens) for tokens in tokens_of]
+    counts = (label_counts.reshape(-1).double() if label_counts is not None
+              else torch.tensor([float(len(tokens_of[d])) if d >= 0 else 0.0 for d in docs], device=logp.device,
+                                dtype=torch.float64))
+    per_doc = zip(*(v[order].split(sizes) for v in (token_lp, old, adv, counts)))
+
     doc_losses, doc_ratios, doc_mean_lp, low, high, kl = [], [], [], [], [], []
-    for s in range(num_documents):
-        labelled = [t for t in tokens_of[s] if labels[t] >= 0]
-        if not labelled:  # a document without a labelled token contributes nothing
+    for s, (lp, old_s, adv_s, n) in enumerate(per_doc):
+        if not sizes[s]:  # a document without a labelled token contributes nothing
             doc_ratios.append(None)
             continue
-        idx = torch.tensor(labelled, device=logp.device)
-        lp = logp[idx, torch.tensor([labels[t] for t in labelled], device=logp.device)]
-        n = counts[idx] if counts is not None else torch.full_like(lp, float(len(labelled)))
         u = 1.0 / n.clamp_min(1.0)
-        log_ratio = (u * (lp - old[idx])).sum()
+        log_ratio = (u * (lp - old_s)).sum()
         ratio = log_ratio.exp()
-        mean_adv = (u * adv[idx]).sum()
+        mean_adv = (u * adv_s).sum()
         if token_advantages:
-            # Each token's own advantage in the sequence ratio; the token's gradient flows through its own lp.
+            # Each token's own advantage in the sequence ratio; its gradient flows through its own lp only.
             tok_ratio = (lp - lp.detach()).exp() * ratio.detach()
             clipped = tok_ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
-            f = (u * -torch.minimum(tok_ratio * adv[idx], clipped * adv[idx])).sum()
+            f = (u * -torch.minimum(tok_ratio * adv_s, clipped * adv_s)).sum()
         else:
             f = -torch.minimum(ratio * mean_adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * mean_adv)
         if weighting == "token":
@@ -68,8 +73,8 @@ def loop_reference(logits, target, advantages, old_log_probs, document_index, *,
         r = ratio.detach()
         doc_ratios.append(r)
         doc_mean_lp.append((u * lp).sum().detach())
-        low.append(bool(r < 1 - epsilon_low) and bool(mean_adv < 0))
-        high.append(bool(r > 1 + epsilon_high) and bool(mean_adv > 0))
+        low.append(r.item() < 1 - epsilon_low and mean_adv.item() < 0)
+        high.append(r.item() > 1 + epsilon_high and mean_adv.item() > 0)
         kl.append((-log_ratio).exp().detach() + log_ratio.detach() - 1)
 
     n_docs = len(doc_losses)
@@ -326,8 +331,10 @@ def test_tiny_clip_range(dtype, device):
 
 # ---- options ----------------------------------------------------------------------------------------------
 def _packed(device, shape=(8, 16)):
-    lengths = [11, 30, 4, 25, 19, 22, 17]
-    return document_index_from_lengths(lengths, shape[0] * shape[1], device).view(shape)
+    """Seven documents of 4 to 30 tokens filling a (8, 16) batch, or five random ones for another shape."""
+    n_tokens = shape[0] * shape[1]
+    lengths = [11, 30, 4, 25, 19, 22, 17] if shape == (8, 16) else random_lengths(n_tokens, 5)
+    return document_index_from_lengths(lengths, n_tokens, device).view(shape)
 
 
 @pytest.mark.parametrize("weighting", ["document", "token"])
@@ -352,21 +359,47 @@ def test_token_advantages(dtype, device):
     check(logits, target, advantages, old, doc, 0.8, token_advantages=True)
 
 
+@pytest.mark.parametrize("weighting", ["document", "token"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
-def test_explicit_counts_and_divisor(dtype, device):
-    """num_documents larger than needed, label_counts as the SDP layer passes them (each token's whole
-    document's count, here larger than the local count for documents 2 and 4, as if part of them lived on
-    another rank), and an explicit divisor."""
+def test_explicit_counts_and_divisor(dtype, weighting, device):
+    """num_documents larger than needed (documents 7-9 are empty), label_counts given (each token's whole
+    document's labelled count) and an explicit divisor."""
     doc = _packed(device)
     logits, target, advantages, old = make_inputs(doc.shape, 256, dtype, device, doc)
-    labelled = (target >= 0) & (doc >= 0)
-    local_counts = torch.zeros(10, device=device).index_add_(0, doc[labelled], torch.ones_like(doc[labelled],
-                                                                                         dtype=torch.float))
-    global_counts = local_counts + torch.tensor([0, 0, 3, 0, 5, 0, 0, 0, 0, 0], device=device)
-    label_counts = global_counts[doc.clamp_min(0)]
-    for weighting in ("document", "token"):
-        check(logits, target, advantages, old, doc, 1.1, num_documents=10, label_counts=label_counts,
-              divisor=12.5, weighting=weighting)
+    labelled = ((target >= 0) & (doc >= 0)).float()
+    label_counts = torch.zeros(10, device=device).index_add_(0, doc.flatten(), labelled.flatten())[doc]
+    check(logits, target, advantages, old, doc, 1.1, num_documents=10, label_counts=label_counts, divisor=12.5,
+          weighting=weighting)
+
+
+@pytest.mark.parametrize("weighting", ["document", "token"])
+def test_split_documents_sum_to_the_whole(weighting, device):
+    """SPEC §3 at the op level: a batch cut in two "ranks" (rows 0-3 and 4-7, documents crossing the cut),
+    each given the whole documents' label_counts and the summed per-document sums (gspo_document_sums), gives
+    losses that add up to the single-call loss, and gradients that are its two halves."""
+    doc = _packed(device)
+    n_docs = int(doc.max()) + 1
+    logits, target, advantages, old = make_inputs(doc.shape, 256, torch.float64, device, doc)
+    labelled = ((target >= 0) & (doc >= 0)).double()
+    label_counts = torch.zeros(n_docs, device=device, dtype=torch.float64).index_add_(
+        0, doc.flatten(), labelled.flatten())[doc]
+    whole, whole_grad = run_loop_reference(logits, target, advantages, old, doc, 1.0, weighting=weighting)
+    halves = [slice(0, 4), slice(4, 8)]
+    with torch.no_grad():
+        sums = sum(_ops.gspo_document_sums(label_log_probs64(logits[h], target[h]), target[h], advantages[h],
+                                           old[h], doc[h], label_counts[h], n_docs) for h in halves)
+    losses, grads = [], []
+    for h in halves:
+        x = logits[h].clone().requires_grad_()
+        out = _ops.gspo(x, target[h], advantages[h], old[h], doc[h], num_documents=n_docs,
+                        label_counts=label_counts[h], document_sums=sums, weighting=weighting)
+        out[0].backward()
+        losses.append(out[0].detach())
+        grads.append(x.grad)
+        assert_close(out[8][[r is not None for r in whole["document_ratios"]]],
+                     torch.stack([r for r in whole["document_ratios"] if r is not None]), torch.float64)
+    assert_close(losses[0] + losses[1], whole["loss"].detach(), torch.float64)
+    assert_grad_close(torch.cat(grads), whole_grad, torch.float64)
 
 
 def test_float64(device):
@@ -456,7 +489,9 @@ def test_gradcheck(case, device):
     shift = torch.tensor([[0.4, 0.4, 0.0, 0.0], [0.0, -0.5, -0.5, 0.0]], dtype=torch.float64, device=device)
     old = lp - shift + torch.tensor([[0.1, -0.1, 0.0, 0.02], [-0.02, 0.05, -0.05, 0.0]], dtype=torch.float64,
                                     device=device)
-    advantages = torch.tensor([[-1.0, -0.6, -0.3, 0.8], [-0.4, 1.2, 0.6, 2.0]], dtype=torch.float64,
+    # Constant within each document, so that GSPO-token's gradient (through each token's own log-prob only)
+    # is the derivative of its loss value too, as gradcheck requires.
+    advantages = torch.tensor([[-0.8, -0.8, 0.5, 0.5], [0.5, 0.9, 0.9, 2.0]], dtype=torch.float64,
                               device=device)
     kwargs = {"document": {}, "token": {"weighting": "token"}, "token_advantages": {"token_advantages": True}}[case]
     x = logits.clone().requires_grad_()
@@ -559,7 +594,7 @@ def _bad_call(case, device):
         "old_log_probs_shape": (lambda: gspo(logits, target, advantages, old[:, :2], doc),
                                 "old_log_probs has shape"),
         "label_counts_shape": (lambda: gspo(logits, target, advantages, old, doc, label_counts=old[:, :2]),
-                               "label_counts has shape"),
+                               r"label_counts.*shape"),
         "advantages_int": (lambda: gspo(logits, target, advantages.long(), old, doc),
                            "advantages must be a floating-point tensor"),
         "target_shape": (lambda: gspo(logits, target[:, :2], advantages, old, doc), "target has shape"),

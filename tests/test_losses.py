@@ -80,15 +80,16 @@ def set_old_log_probs(batch, logits, scale):
     batch["old_log_probabilities"] = (lp - batch["_log_ratio"]).float()
 
 
-def expected_loss(cfg, logits, batch):
-    """The reference op with the options the module should pass (written independently of rl_losses.losses)."""
+def expected_loss(cfg, logits, batch, ops=reference):
+    """``ops`` (the reference or the functional ops) called with the options the module should pass, written
+    independently of rl_losses.losses. Returns the loss and the PolicyLossOutput (None for label / z_loss)."""
     t, s = cfg.type_name, cfg.logits_scale_factor
     labels, adv, old = batch["labels"], batch["advantages"], batch.get("old_log_probabilities")
     if t == "label":
-        return reference.cross_entropy(logits, labels, logits_scale_factor=s, label_smoothing=cfg.label_smoothing,
-                                       z_loss_factor=cfg.z_loss_factor, divisor=batch["num_labels_in_batch"]), None
+        return ops.cross_entropy(logits, labels, logits_scale_factor=s, label_smoothing=cfg.label_smoothing,
+                                 z_loss_factor=cfg.z_loss_factor, divisor=batch["num_labels_in_batch"]), None
     if t == "z_loss":
-        return reference.z_loss(logits, loss_mask=batch["loss_mask"], logits_scale_factor=s), None
+        return ops.z_loss(logits, loss_mask=batch["loss_mask"], logits_scale_factor=s), None
     common = dict(epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, logits_scale_factor=s,
                   compute_entropy=cfg.metrics == "with_entropy")
     n_docs = batch["num_documents_in_batch"]
@@ -98,14 +99,13 @@ def expected_loss(cfg, logits, batch):
                                   "dr_grpo": n_docs * (cfg.max_completion_length or 0)}[cfg.loss_normalization]
         if cfg.loss_normalization == "sequence":
             weights = mask / batch["label_counts"].clamp_min(1)
-        out = reference.grpo_loss(logits, labels, adv, old, delta=cfg.delta, beta=cfg.beta,
-                                  ref_log_probs=batch["ref_log_probs"] if cfg.beta else None, loss_weights=weights,
-                                  divisor=divisor, label_counts=batch["label_counts"], **common)
+        out = ops.grpo_loss(logits, labels, adv, old, delta=cfg.delta, beta=cfg.beta,
+                            ref_log_probs=batch["ref_log_probs"] if cfg.beta else None, loss_weights=weights,
+                            divisor=divisor, label_counts=batch["label_counts"], **common)
     else:
-        out = reference.gspo_loss(logits, labels, adv, old, batch["document_index"],
-                                  num_documents=batch["num_documents"], label_counts=batch["label_counts"],
-                                  weighting=cfg.weighting, token_advantages=cfg.token_advantages, divisor=n_docs,
-                                  **common)
+        out = ops.gspo_loss(logits, labels, adv, old, batch["document_index"], num_documents=batch["num_documents"],
+                            label_counts=batch["label_counts"], weighting=cfg.weighting,
+                            token_advantages=cfg.token_advantages, divisor=n_docs, **common)
     return out.loss, out
 
 
@@ -184,29 +184,10 @@ def test_module_matches_functional(device, config):
     logits, batch = make_batch(device, torch.float32)
     set_old_log_probs(batch, logits, cfg.logits_scale_factor)
     loss, metrics = cfg.get_loss(name="head")(logits, batch)
-    s = cfg.logits_scale_factor
-    if cfg.type_name == "label":
-        want = functional.cross_entropy(logits, batch["labels"], logits_scale_factor=s, divisor=batch[
-            "num_labels_in_batch"], label_smoothing=cfg.label_smoothing, z_loss_factor=cfg.z_loss_factor)
-    elif cfg.type_name == "z_loss":
-        want = functional.z_loss(logits, loss_mask=batch["loss_mask"], logits_scale_factor=s)
-    else:
-        common = dict(epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, logits_scale_factor=s,
-                      label_counts=batch["label_counts"], compute_entropy=cfg.metrics == "with_entropy")
-        if cfg.type_name == "grpo":
-            if cfg.loss_normalization != "token":
-                pytest.skip("the normalisations are covered by test_grpo_normalizations")
-            out = functional.grpo_loss(logits, batch["labels"], batch["advantages"], batch["old_log_probabilities"],
-                                       delta=cfg.delta, beta=cfg.beta, divisor=batch["num_labels_in_batch"],
-                                       ref_log_probs=batch["ref_log_probs"] if cfg.beta else None, **common)
-        else:
-            out = functional.gspo_loss(logits, batch["labels"], batch["advantages"], batch["old_log_probabilities"],
-                                       batch["document_index"], num_documents=batch["num_documents"],
-                                       weighting=cfg.weighting, token_advantages=cfg.token_advantages,
-                                       divisor=batch["num_documents_in_batch"], **common)
-        want = out.loss
-        torch.testing.assert_close(metrics["head_new_logprobs"], out.new_logprobs, rtol=0, atol=0)
+    want, out = expected_loss(cfg, logits, batch, ops=functional)
     torch.testing.assert_close(loss, want * cfg.weight, rtol=1e-6, atol=0)
+    for key, value in expected_metrics(cfg, out, batch, "head").items():
+        torch.testing.assert_close(metrics[key].double(), value.double(), rtol=1e-6, atol=1e-7, msg=key)
 
 
 @pytest.mark.parametrize("normalization", ["token", "sequence", "document", "dr_grpo"])

@@ -79,9 +79,9 @@ class LanguageModelLossConfig:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             self._fail(field, "a number" + (" or None" if optional else ""), TypeError)
         value = float(value)
-        lo = "" if low is None else f"{'>=' if low_inclusive else '>'} {low}"
-        hi = "" if high is None else f"{'<=' if high_inclusive else '<'} {high}"
-        expected = "a finite number" + (f" {lo}" if lo else "") + (" and" if lo and hi else "") + (f" {hi}" if hi else "")
+        bounds = ([] if low is None else [f"{'>=' if low_inclusive else '>'} {low}"]) + (
+            [] if high is None else [f"{'<=' if high_inclusive else '<'} {high}"])
+        expected = " ".join(["a finite number", " and ".join(bounds)]).strip()
         if (not math.isfinite(value)
                 or (low is not None and (value < low or (value == low and not low_inclusive)))
                 or (high is not None and (value > high or (value == high and not high_inclusive)))):

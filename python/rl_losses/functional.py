@@ -22,9 +22,10 @@ def _check_inputs_enabled() -> bool:
     return os.environ.get("RL_LOSSES_CHECK_INPUTS", "0") not in ("", "0")
 
 
-def _check_labels(name: str, target: torch.Tensor, vocab_size: int) -> None:
-    if target.is_cuda and target.numel() > 0 and _check_inputs_enabled():
-        high = int(target.max())
+def _check_labels(name: str, target: torch.Tensor, logits: torch.Tensor) -> None:
+    # (Shape and dtype errors are the op's to report; this only adds the opt-in CUDA range check.)
+    if target.is_cuda and target.numel() > 0 and logits.dim() >= 1 and _check_inputs_enabled():
+        high, vocab_size = int(target.max()), logits.shape[-1]
         if high >= vocab_size:
             raise ValueError(f"{name}: target holds label {high} but the vocabulary has {vocab_size} entries")
 
@@ -60,7 +61,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, logits_scale_fa
                                          label_smoothing=label_smoothing, z_loss_factor=z_loss_factor,
                                          reduction=reduction, divisor=_divisor(divisor),
                                          inplace_backward=inplace_backward)
-    _check_labels("cross_entropy", target, logits.shape[-1])
+    _check_labels("cross_entropy", target, logits)
     loss, _ = _ops.cross_entropy(logits, target, logits_scale_factor=logits_scale_factor,
                                  label_smoothing=label_smoothing, z_loss_factor=z_loss_factor,
                                  reduction=reduction, divisor=_divisor(divisor), inplace_backward=inplace_backward)
@@ -133,7 +134,7 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
                                      divisor=_divisor(divisor), logits_scale_factor=logits_scale_factor,
                                      label_counts=label_counts, compute_entropy=compute_entropy,
                                      inplace_backward=inplace_backward)
-    _check_labels("grpo", target, logits.shape[-1])
+    _check_labels("grpo", target, logits)
     out = _ops.grpo(logits, target, advantages, old_log_probs, ref_log_probs=ref_log_probs,
                     loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
                     epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
@@ -172,7 +173,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
                                      token_advantages=token_advantages, divisor=_divisor(divisor),
                                      logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
                                      inplace_backward=inplace_backward)
-    _check_labels("gspo", target, logits.shape[-1])
+    _check_labels("gspo", target, logits)
     if document_index.is_cuda and _check_inputs_enabled() and num_documents is not None and document_index.numel():
         high = int(document_index.max())
         if high >= num_documents:

@@ -143,21 +143,21 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
     adv_mean = zeros.index_add(0, safe_doc, (u * adv).detach())
     has_label = zeros.index_add(0, safe_doc, maskf) > 0
     ratio = log_ratio.exp()
+    # Each token carries its share κ_t·f(R_s, A) of its document's loss, κ_t = u_t ("document": the shares of a
+    # document sum to f_s) or m_t ("token": they sum to N_s·f_s). With label_counts that are only part of a
+    # document (it is split over sequence-data-parallel ranks), a call's loss is its tokens' share.
     if token_advantages:
-        # GSPO-token: the sequence ratio (with stop-gradient on everything but the token's own log-prob)
-        # times each token's own advantage, averaged with the same weights u.
+        # GSPO-token: each token's own advantage, and a ratio whose gradient flows through its own log-prob.
         tok_ratio = (lp - lp.detach()).exp() * ratio[safe_doc].detach()
-        f_tok = -torch.minimum(tok_ratio * adv, tok_ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
-        f = zeros.index_add(0, safe_doc, u * f_tok)
+        tok_adv = adv
     else:
-        f = -torch.minimum(ratio * adv_mean, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv_mean)
-    f = torch.where(has_label, f, 0.0)
-    if weighting == "token":
-        doc_counts = zeros.scatter_reduce(0, safe_doc[mask], counts[mask], "amax", include_self=False)
-        f = f * doc_counts
+        tok_ratio = ratio[safe_doc]
+        tok_adv = adv_mean[safe_doc]
+    f_tok = -torch.minimum(tok_ratio * tok_adv, tok_ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * tok_adv)
+    kappa = maskf if weighting == "token" else u
     if divisor is None:
         divisor = has_label.sum().clamp_min(1)
-    loss = f.sum() / divisor
+    loss = (kappa * f_tok).sum() / divisor
 
     with torch.no_grad():
         n_docs = has_label.sum().clamp_min(1)

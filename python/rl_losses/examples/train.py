@@ -7,7 +7,7 @@ group into advantages, packs the documents with ``rl_losses.pack_documents`` and
 built from ``rl_losses.config`` (``--updates-per-batch`` gradient steps per sampled batch, so the importance
 ratios move away from 1 and the clipping matters).
 
-    python -m rl_losses.examples.train --loss gspo --steps 200      # or: python examples/train_policy.py
+    python -m rl_losses.examples.train --loss gspo --steps 300 --seed 0   # or: python examples/train_policy.py
 
 Writes ``metrics.csv`` and ``reward.png`` (when matplotlib is importable) to ``--out``.
 """
@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import rl_losses
 from rl_losses import Document, LanguageModelLossConfig, pack_documents
 
 NUM_DIGITS = 10
@@ -191,31 +190,44 @@ def plot_rewards(rows: list[dict], path: Path, title: str) -> bool:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--loss", choices=["grpo", "gspo"], default="grpo")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--loss", choices=["grpo", "gspo"], default="grpo", help="policy loss")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model and the loss run")
     p.add_argument("--use-cuda-kernel", nargs="?", const="true", default="auto", choices=["auto", "true", "false"],
                    help="auto: the extension's op wherever it runs; true (or the bare flag): require the CUDA "
                         "kernel; false: the pure-PyTorch reference")
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--steps", type=int, default=300, help="sampling + update rounds")
+    p.add_argument("--seed", type=int, default=0, help="seeds the model, the prompts and the sampling")
+    p.add_argument("--prompts-per-step", type=int, default=16, help="prompts (groups) per step")
     p.add_argument("--group-size", type=int, default=8, help="completions sampled per prompt")
     p.add_argument("--updates-per-batch", type=int, default=2, help="gradient steps per sampled batch")
-    p.add_argument("--min-digits", type=int, default=2)
-    p.add_argument("--max-digits", type=int, default=5)
+    p.add_argument("--min-digits", type=int, default=2, help="shortest prompt")
+    p.add_argument("--max-digits", type=int, default=5, help="longest prompt")
     p.add_argument("--sequence-length", type=int, default=64, help="tokens per packed row")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--epsilon-low", type=float, default=0.2)
-    p.add_argument("--epsilon-high", type=float, default=0.28)
-    p.add_argument("--eval-prompts", type=int, default=256)
-    p.add_argument("--out", type=Path, default=Path("examples/out"))
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
+    p.add_argument("--epsilon-low", type=float, default=0.2, help="clip below at 1 - epsilon_low")
+    p.add_argument("--epsilon-high", type=float, default=0.28, help="clip above at 1 + epsilon_high")
+    p.add_argument("--eval-prompts", type=int, default=256, help="held-out prompts, decoded greedily")
+    p.add_argument("--out", type=Path, default=Path("examples/out"), help="where metrics.csv and reward.png go")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads: the model is too small to gain from intra-op parallelism, and extra "
+                        "threads slow it down badly when other work shares the cores")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return train(args)
+    finally:
+        torch.set_num_threads(threads)  # main() may be called from a larger program (or a test)
+
+
+def train(args: argparse.Namespace) -> dict:
+    """The training loop; returns the start/end rewards, the run time and the per-step metric rows."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
     device = torch.device(args.device)
