@@ -167,7 +167,7 @@ def main(argv=None) -> int:
                     r["check"], r["check_detail"] = ("ok" if ok else "MISMATCH"), f"{detail} (vs {ref[0]})"
             rows.append(r)
             print(f"  {op} {prov}: " + (r.get("error") or f"{r['ms']:.2f} ms, +{r['extra_peak_mib']:.0f} MiB, "
-                                                          f"{r['check']}"), flush=True)
+                                                          f"{r['check']} {r.get('check_detail', '')}"), flush=True)
     for r in rows:
         base = next((b for b in rows if b["op"] == r["op"] and b["provider"] == "rl_losses" and b.get("ms")), None)
         if base and r.get("ms") and not r["provider"].startswith("rl_losses"):

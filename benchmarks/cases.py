@@ -11,6 +11,7 @@ rows agree with the first provider's.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 
@@ -114,6 +115,13 @@ def make_inputs(op: OpSpec, n: int, v: int, dtype: torch.dtype, device, seed: in
     g = torch.Generator(device=device).manual_seed(seed)
     logits = torch.randn(n, v, device=device, dtype=dtype, generator=g)
     target = torch.randint(0, v, (n,), device=device, generator=g)
+    # The first rows, those the cross-provider check compares, get confident labels (p_y about 0, 1/2, 0.9,
+    # 0.99, as in a trained model): with N(0, 1) logits alone p_y ~ 1/V and an error in the label term of
+    # the gradient would not show.
+    k = min(4, n)
+    odds = torch.tensor([0.0, 1.0, 9.0, 99.0][:k], dtype=torch.float64)
+    boost = torch.where(odds > 0, math.log(v) + 0.5 + odds.clamp_min(1e-300).log(), torch.zeros_like(odds))
+    logits[torch.arange(k, device=device), target[:k]] += boost.to(device=device, dtype=dtype)
     inp = {"logits": logits, "target": target, "n": n, "v": v, "seq_len": seq_len, "num_seqs": b}
     if op.kind != "ce":
         lp = label_logprobs(logits, target)

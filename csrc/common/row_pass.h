@@ -125,7 +125,7 @@ struct PolicyCoefEpilogue {
   }
 };
 
-// Dispatch over the logits dtype: fp32/bf16/fp16 everywhere, fp64 on the CPU only (reference-grade tests).
+// Dispatch over the logits dtype: fp32/bf16/fp16, and fp64 (reference-grade tests; fp32 math becomes fp64).
 // (AT_DISPATCH needs a literal name; the ops' own checks have already named the argument.)
 #define RL_LOSSES_DISPATCH_LOGITS(DTYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, DTYPE, "rl_losses", __VA_ARGS__)

@@ -12,10 +12,14 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <cstdlib>
+
 #include "common/row_pass.h"
 
 namespace rl_losses {
 namespace cuda {
+
+constexpr int kDefaultRowCacheKB = 200;
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
@@ -78,7 +82,10 @@ __global__ void __launch_bounds__(kThreads) row_pass_kernel(RowPassView<scalar_t
         }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-          if (i0 + u * kThreads < n_vec) {
+          const int64_t i = i0 + u * kThreads;
+          // Each thread later re-reads exactly the vectors it cached: no barrier needed for the cache.
+          if (kCache && i < cache_vecs) cache[i] = buf[u];
+          if (i < n_vec) {
             acc_t chunk[kVec];
 #pragma unroll
             for (int k = 0; k < kVec; ++k) chunk[k] = static_cast<acc_t>(buf[u].v[k]) * v.scale;
@@ -126,7 +133,11 @@ __global__ void __launch_bounds__(kThreads) row_pass_kernel(RowPassView<scalar_t
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
             const int64_t i = i0 + u * kThreads;
-            if (i < n_vec) buf[u] = xv[i];
+            if (kCache && i < cache_vecs) {
+              buf[u] = cache[i];
+            } else if (i < n_vec) {
+              buf[u] = xv[i];
+            }
           }
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
@@ -149,20 +160,43 @@ __global__ void __launch_bounds__(kThreads) row_pass_kernel(RowPassView<scalar_t
   }
 }
 
+// Bytes of a row the fused kernel keeps in shared memory. RL_LOSSES_ROW_CACHE_KB overrides the default
+// (a tuning knob, read once per process); see benchmarks/NOTES.md for how the default was chosen.
+inline int64_t row_cache_bytes() {
+  static const int64_t bytes = [] {
+    const char* env = std::getenv("RL_LOSSES_ROW_CACHE_KB");
+    return (env ? std::atoll(env) : int64_t(kDefaultRowCacheKB)) * 1024;
+  }();
+  return bytes;
+}
+
 template <int kThreads, typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing,
           typename Epilogue>
 void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
   const auto v = make_view<scalar_t, label_t, acc_t>(args);
   const auto* props = at::cuda::getCurrentDeviceProperties();
-  // A persistent-style grid: enough blocks to fill every SM a few times over, each looping over rows.
-  const int64_t max_blocks = static_cast<int64_t>(props->multiProcessorCount) * (2048 / kThreads);
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(v.n_rows, max_blocks)));
   auto stream = at::cuda::getCurrentCUDAStream();
   constexpr int kUnroll = 4;
   const bool stats = args.compute_stats(), grad = args.write_grad();
   auto launch = [&](auto s, auto g) {
-    row_pass_kernel<kThreads, kUnroll, scalar_t, label_t, acc_t, decltype(s)::value, decltype(g)::value, kEntropy,
-                    kSmoothing, Epilogue><<<grid, kThreads, 0, stream>>>(v, epi);
+    constexpr bool kS = decltype(s)::value, kG = decltype(g)::value;
+    auto* kernel =
+        &row_pass_kernel<kThreads, kUnroll, scalar_t, label_t, acc_t, kS, kG, kEntropy, kSmoothing, Epilogue>;
+    // Shared-memory row cache (fused passes only): as much of a row as fits the budget.
+    const int64_t row_vecs = v.vocab * static_cast<int64_t>(sizeof(scalar_t)) / 16;
+    const int64_t budget = std::min<int64_t>(row_cache_bytes(), props->sharedMemPerBlockOptin - 2048);
+    const int64_t cache_vecs = (kS && kG) ? std::min<int64_t>(row_vecs, budget / 16) : 0;
+    const size_t smem = static_cast<size_t>(cache_vecs) * 16;
+    if (smem > 48 * 1024) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    }
+    // A persistent grid: as many blocks as fit on every SM at once (threads and shared memory), each looping
+    // over rows.
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+    const int64_t max_blocks = static_cast<int64_t>(props->multiProcessorCount) * std::max(per_sm, 1);
+    const dim3 grid(static_cast<unsigned>(std::min<int64_t>(v.n_rows, max_blocks)));
+    kernel<<<grid, kThreads, smem, stream>>>(v, epi, cache_vecs);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   using T = std::true_type;
@@ -185,24 +219,20 @@ template <typename Epilogue_for>
 void row_pass_cuda(const RowPassArgs& args, const char* name, Epilogue_for&& make_epilogue) {
   if (args.logits.size(0) == 0) return;
   const c10::cuda::OptionalCUDAGuard guard(args.logits.device());
-  TORCH_CHECK(args.logits.scalar_type() != at::kDouble, name,
-              ": the CUDA kernels take float32, bfloat16 or float16 logits, got float64 (use the CPU for float64)");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, args.logits.scalar_type(), "rl_losses", [&] {
-    if constexpr (!std::is_same_v<scalar_t, double>) {  // not compiled for fp64 (rejected above)
-      using acc_t = float;
-      const auto epi = make_epilogue(static_cast<acc_t*>(nullptr));
-      using Epi = std::decay_t<decltype(epi)>;
-      // Small vocabularies get a smaller block so that threads are not idle; 1024 otherwise.
-      const bool small = args.logits.size(1) <= 4096;
-      dispatch_stat_flags<Epi>(args, [&](auto entropy, auto smoothing) {
-        constexpr bool kE = decltype(entropy)::value, kS = decltype(smoothing)::value;
-        if (small) {
-          launch_row_pass<128, scalar_t, int64_t, acc_t, kE, kS, Epi>(args, epi);
-        } else {
-          launch_row_pass<1024, scalar_t, int64_t, acc_t, kE, kS, Epi>(args, epi);
-        }
-      });
-    }
+  RL_LOSSES_DISPATCH_LOGITS(args.logits.scalar_type(), name, [&] {
+    using acc_t = typename acc_type<scalar_t>::type;
+    const auto epi = make_epilogue(static_cast<acc_t*>(nullptr));
+    using Epi = std::decay_t<decltype(epi)>;
+    // Small vocabularies get a smaller block so that threads are not idle; 1024 otherwise.
+    const bool small = args.logits.size(1) <= 4096;
+    dispatch_stat_flags<Epi>(args, [&](auto entropy, auto smoothing) {
+      constexpr bool kE = decltype(entropy)::value, kS = decltype(smoothing)::value;
+      if (small) {
+        launch_row_pass<128, scalar_t, int64_t, acc_t, kE, kS, Epi>(args, epi);
+      } else {
+        launch_row_pass<1024, scalar_t, int64_t, acc_t, kE, kS, Epi>(args, epi);
+      }
+    });
   });
 }
 
