@@ -1,13 +1,10 @@
-// CUDA registration of `row_stats` and `_scale_grad_`.
-#include <torch/library.h>
-
+// CUDA back-ends of `row_stats` and `_scale_grad_` (registered in csrc/cuda_registration.cpp).
 #include "common/row_pass_cuda.cuh"
 #include "common/row_stats.h"
 
 namespace rl_losses {
-namespace {
 
-void stats_cuda(const RowPassArgs& args, const at::Tensor& out) {
+void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out) {
   cuda::row_pass_cuda(args, "row_stats", [&](auto* tag) {
     using acc_t = std::remove_pointer_t<decltype(tag)>;
     return StoreStatsEpilogue<acc_t>{out.data_ptr<acc_t>()};
@@ -19,21 +16,17 @@ void stats_cuda(const RowPassArgs& args, const at::Tensor& out) {
 template <typename scalar_t, typename g_t>
 __global__ void scale_rows_kernel(scalar_t* grad, int64_t n_rows, int64_t cols, int64_t row_stride,
                                   const g_t* g_ptr) {
-  const float g = static_cast<float>(*g_ptr);
-  if (g == 1.0f) return;
+  using acc_t = typename acc_type<scalar_t>::type;  // fp64 gradients are scaled in fp64
+  const acc_t g = static_cast<acc_t>(*g_ptr);
+  if (g == acc_t(1)) return;
   for (int64_t row = blockIdx.x; row < n_rows; row += gridDim.x) {
     scalar_t* r = grad + row * row_stride;
-    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) r[j] = static_cast<scalar_t>(static_cast<float>(r[j]) * g);
+    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) r[j] = static_cast<scalar_t>(static_cast<acc_t>(r[j]) * g);
   }
 }
 
-void scale_grad_cuda(const at::Tensor& grad, const at::Tensor& grad_output) {
-  if (grad.numel() == 0) return;
-  if (grad_output.numel() != 1 || grad_output.dim() != 0) {
-    grad.mul_(grad_output.unsqueeze(-1));
-    return;
-  }
-  TORCH_CHECK(grad_output.is_cuda(), "_scale_grad_: grad_output must be on the gradient's device");
+// grad_output: a 0-dim tensor on the gradient's device (checked by the caller).
+void scale_grad_cuda_scalar(const at::Tensor& grad, const at::Tensor& grad_output) {
   const c10::cuda::OptionalCUDAGuard guard(grad.device());
   const int64_t cols = grad.size(-1);
   at::Tensor g2 = grad.view({-1, cols});
@@ -49,13 +42,6 @@ void scale_grad_cuda(const at::Tensor& grad, const at::Tensor& grad_output) {
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) {
-  m.impl("row_stats", &row_stats_op<stats_cuda>);
-  m.impl("_scale_grad_", &scale_grad_cuda);
 }
 
 }  // namespace rl_losses

@@ -11,6 +11,8 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/row_pass.h"
@@ -123,27 +125,30 @@ std::vector<at::Tensor> gspo_forward(const at::Tensor& logits, const at::Tensor&
                                      const std::optional<at::Tensor>& document_sums, int64_t vocab_start,
                                      int64_t vocab_size, bool compute_grad, bool inplace, const GspoBackend& backend);
 
-template <const GspoBackend& kBackend>
+// The registered forward ops, given a back-end (the CPU and CUDA registrations bind it).
+using GspoOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                               at::Tensor, at::Tensor>;
+using GspoOutputsAndGrad = decltype(std::tuple_cat(std::declval<GspoOutputs>(), std::declval<std::tuple<at::Tensor>>()));
+
+template <const GspoBackend& (*kBackend)()>
 struct GspoOps {
   using Opt = std::optional<at::Tensor>;
-  using T9 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                        at::Tensor, at::Tensor>;
-  using T10 = decltype(std::tuple_cat(std::declval<T9>(), std::declval<std::tuple<at::Tensor>>()));
-  static T10 forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv, const at::Tensor& old,
-                     const at::Tensor& doc, std::optional<int64_t> n_docs, const Opt& counts, double el, double eh,
-                     c10::string_view weighting, bool token_adv, std::optional<double> d, double s, bool entropy,
-                     const Opt& stats, const Opt& sums, int64_t vs, int64_t vn, bool compute_grad) {
+  static GspoOutputsAndGrad forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
+                                    const at::Tensor& old, const at::Tensor& doc, std::optional<int64_t> n_docs,
+                                    const Opt& counts, double el, double eh, c10::string_view weighting,
+                                    bool token_adv, std::optional<double> d, double s, bool entropy, const Opt& stats,
+                                    const Opt& sums, int64_t vs, int64_t vn, bool compute_grad) {
     auto o = gspo_forward(logits, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d,
-                          s, entropy, stats, sums, vs, vn, compute_grad, false, kBackend);
+                          s, entropy, stats, sums, vs, vn, compute_grad, false, kBackend());
     return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9]};
   }
-  static T9 forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
-                            const at::Tensor& old, const at::Tensor& doc, std::optional<int64_t> n_docs,
-                            const Opt& counts, double el, double eh, c10::string_view weighting, bool token_adv,
-                            std::optional<double> d, double s, bool entropy, const Opt& stats, const Opt& sums,
-                            int64_t vs, int64_t vn) {
+  static GspoOutputs forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
+                                     const at::Tensor& old, const at::Tensor& doc, std::optional<int64_t> n_docs,
+                                     const Opt& counts, double el, double eh, c10::string_view weighting,
+                                     bool token_adv, std::optional<double> d, double s, bool entropy,
+                                     const Opt& stats, const Opt& sums, int64_t vs, int64_t vn) {
     auto o = gspo_forward(logits, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d,
-                          s, entropy, stats, sums, vs, vn, true, true, kBackend);
+                          s, entropy, stats, sums, vs, vn, true, true, kBackend());
     return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8]};
   }
 };

@@ -6,12 +6,17 @@
 
 namespace rl_losses {
 namespace {
-constexpr GspoBackend kCpu = GspoBackendImpl<CpuRunner>::backend();
+
+const GspoBackend& gspo_backend_cpu() {
+  static constexpr GspoBackend backend = GspoBackendImpl<CpuRunner>::backend();
+  return backend;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
-  m.impl("_gspo_forward", &GspoOps<kCpu>::forward);
-  m.impl("_gspo_forward_inplace", &GspoOps<kCpu>::forward_inplace);
+  m.impl("_gspo_forward", &GspoOps<gspo_backend_cpu>::forward);
+  m.impl("_gspo_forward_inplace", &GspoOps<gspo_backend_cpu>::forward_inplace);
 }
 
 // Pure ATen, the same on every device.

@@ -1,17 +1,12 @@
-// CUDA registration of the GSPO ops.
-#include <torch/library.h>
-
+// CUDA back-end of GSPO (registered in csrc/cuda_registration.cpp).
 #include "common/row_pass_cuda.cuh"
 #include "gspo/gspo.h"
 
 namespace rl_losses {
-namespace {
-constexpr GspoBackend kCuda = GspoBackendImpl<CudaRunner>::backend();
-}  // namespace
 
-TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) {
-  m.impl("_gspo_forward", &GspoOps<kCuda>::forward);
-  m.impl("_gspo_forward_inplace", &GspoOps<kCuda>::forward_inplace);
+const GspoBackend& gspo_backend_cuda() {
+  static constexpr GspoBackend backend = GspoBackendImpl<CudaRunner>::backend();
+  return backend;
 }
 
 }  // namespace rl_losses

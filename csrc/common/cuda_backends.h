@@ -1,0 +1,20 @@
+// The CUDA back-ends, defined in the *_cuda.cu files and registered by csrc/cuda_registration.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "common/row_pass.h"
+
+namespace rl_losses {
+
+struct CrossEntropyRows;
+struct GrpoRows;
+struct GspoBackend;
+
+void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out);
+void scale_grad_cuda_scalar(const at::Tensor& grad, const at::Tensor& grad_output);
+void cross_entropy_rows_cuda(const RowPassArgs& args, const CrossEntropyRows& rows);
+void grpo_rows_cuda(const RowPassArgs& args, const GrpoRows& rows);
+const GspoBackend& gspo_backend_cuda();
+
+}  // namespace rl_losses

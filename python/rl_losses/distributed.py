@@ -1,0 +1,264 @@
+"""Vocabulary-parallel (``tp_group``) and sequence-data-parallel (``sdp_group``) losses (SPEC §3, issue 7).
+
+The functional wrappers (``rl_losses.cross_entropy``, ``z_loss``, ``grpo_loss``, ``gspo_loss``) route here
+when given a process group; these functions can also be called directly, e.g. for uneven vocabulary shards.
+
+Design: a thin Python layer around the ops. The C++ ops do all the per-row and per-token math and take the
+cross-rank pieces as plain (non-differentiable) tensor inputs — ``row_stats``/``vocab_start``/``vocab_size``
+on every loss, ``document_sums`` on GSPO (csrc/registration.cpp) —; this file only runs the collectives
+between the ops, with plain ``torch.distributed`` calls (NCCL for CUDA tensors, gloo for CPU tensors).
+Why not collectives inside the C++ ops: a schema cannot carry a ProcessGroup without tying the library to
+c10d internals, the fake kernels would have to model the communication, and torch.compile could not see it.
+Here instead:
+  * autograd: the ops take the all-reduced statistics / document sums as inputs and compute this rank's
+    whole gradient themselves, so no gradient ever flows through a collective (the statistics are computed
+    from ``logits.detach()``), and each rank's gradient is written in the op's one gradient pass;
+  * torch.compile: Dynamo rewrites the in-place ``dist.all_reduce`` calls into traceable functional
+    collectives (``torch.distributed._functional_collectives``), so a compiled loss keeps one graph
+    (``fullgraph=True`` is tested on gloo, tests/test_distributed.py). The host-side checks below are skipped
+    while compiling, and under ``sdp_group`` ``num_documents`` must then be given (see below);
+  * CUDA graphs: NCCL collectives on the current stream are capturable, and nothing here synchronises
+    with the host when ``divisor`` / ``num_documents`` are given and the opt-in input checks are off
+    (benchmarks/bench_tp.py tries a capture on 2 GPUs).
+
+Tensor parallelism (every loss). Each rank holds a contiguous vocabulary shard ``[vocab_start, vocab_start +
+V_loc)`` of the logits; labels are global ids. Per row, ``row_stats`` gives this shard's (max, Σexp(x−max),
+Σexp(x−max)·x, Σx, label logit) (csrc/common/math.h: RowStats); two collectives make them global:
+all-reduce MAX of the max, then one all-reduce SUM of the other four columns, the first two rescaled by
+exp(local max − global max). The loss op, given these statistics, skips its own statistics pass and writes
+this shard's gradient; the loss and every metric come out identical on every rank of the group. The
+gradient each rank gets is that of the (global) loss w.r.t. its own shard: the column-parallel lm_head's
+usual all-reduce of the hidden-state gradient completes the backward.
+Shards: by default the shards are even — rank r of the group holds columns [r·V_loc, (r+1)·V_loc) and
+V = world·V_loc — which costs nothing extra; a mismatch of shard widths is caught on the CPU (and on CUDA
+with RL_LOSSES_CHECK_INPUTS=1) by two extra numbers in the MAX all-reduce and reported on every rank.
+Uneven shards (V not divisible by the group size) are supported by passing this rank's ``vocab_start`` and
+the global ``vocab_size`` (both, and the shards must tile [0, V)): no all-gather of shard widths, and so no
+host synchronisation, is ever needed.
+
+Sequence-data parallelism (GSPO). A document's tokens may live on several ranks (document ids are global:
+the same id on every rank for a split document). Each rank computes its tokens' log-probs from the row
+statistics, then ONE all-reduce SUM over the group of a (num_documents [+1], 4) buffer carries, per document,
+Σm(lp−old)·w, Σm·A·w, Σm (the labelled count) and Σm·lp·w (for the new_logprobs metric), with w = 1/N_t when
+``label_counts`` are given, and w = 1 otherwise — then the counts are only known after the sum, and the
+first, second and fourth columns are divided by them after it (exact: N_s is constant over a document); an
+extra row carries Σm·H and Σm for the entropy metric. The op then runs with these ``document_sums``, the
+global per-token ``label_counts`` and the row statistics (so it reads the logits only once more, for the
+gradient). Its default divisor is the number of documents with a labelled token over the group, read from
+the summed count column. Each rank's loss covers its own tokens: the SUM of the rank losses equals the
+single-process loss, and each rank's gradient is that of the global loss w.r.t. its own logits (what a
+data-parallel SUM of the weight gradients expects). The metrics (new_logprobs, clipped fractions, kl_old,
+ratio_mean, entropy, document_ratios) are the global values, identical on every rank; ``log_probs`` is per
+local token. ``num_documents`` defaults to the group's max(document_index)+1, which costs one more small
+all-reduce and a host synchronisation: pass it to avoid both.
+Both groups together: the tensor-parallel statistics first, then the sequence-data-parallel sums.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rl_losses.functional import PolicyLossOutput, _check_inputs_enabled, _divisor, _policy_output
+
+_ops = torch.ops.rl_losses
+
+
+# ---- tensor parallelism ------------------------------------------------------------------------------------
+def _vocab_shard(op: str, logits: torch.Tensor, tp_group, vocab_start, vocab_size) -> tuple[int, int, bool]:
+    """(vocab_start, vocab_size, assumed_even) of this rank's shard."""
+    if (vocab_start is None) != (vocab_size is None):
+        raise ValueError(f"{op}: pass both vocab_start and vocab_size (uneven vocabulary shards) or neither (even "
+                         f"shards), got vocab_start={vocab_start}, vocab_size={vocab_size}")
+    if vocab_start is not None:
+        return int(vocab_start), int(vocab_size), False
+    rank, world = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    if rank < 0:
+        raise ValueError(f"{op}: this process is not a member of tp_group")
+    width = logits.shape[-1]
+    return rank * width, world * width, True
+
+
+def _host_checks(t: torch.Tensor) -> bool:
+    # Checks that read a collective's result on the host: free on the CPU, a synchronisation on CUDA (opt-in),
+    # and impossible inside a compiled graph.
+    return not torch.compiler.is_compiling() and (t.device.type == "cpu" or _check_inputs_enabled())
+
+
+def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, *, logits_scale_factor: float,
+                 vocab_start: int, vocab_size: int, even: bool, entropy: bool = False,
+                 smoothing: bool = False) -> torch.Tensor:
+    """The row statistics of the whole vocabulary, (N, 5) float32 (float64 for float64 logits), identical on
+    every rank of ``tp_group``, from this rank's shard. Two collectives: MAX, then one SUM of 4 columns."""
+    stats = _ops.row_stats(logits.detach(), target, logits_scale_factor=logits_scale_factor,
+                           vocab_start=vocab_start, vocab_size=vocab_size, entropy=entropy,
+                           smoothing=smoothing).reshape(-1, 5)
+    n_rows = stats.shape[0]
+    local_max = stats[:, 0]
+    check = even and _host_checks(stats)
+    if check:
+        # Two more numbers in the MAX: the widest shard and (negated) the narrowest.
+        width = float(logits.shape[-1])
+        global_max = torch.cat([local_max, local_max.new_tensor([width, -width])])
+    else:
+        global_max = local_max.clone()  # contiguous, and the collective writes into it
+    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+    if check:
+        widest, narrowest = int(global_max[n_rows].item()), int(-global_max[n_rows + 1].item())
+        if widest != narrowest:
+            raise ValueError(f"{op}: the vocabulary shards of tp_group are uneven (from {narrowest} to {widest} "
+                             f"columns); pass this rank's vocab_start and the global vocab_size to "
+                             f"rl_losses.distributed.{op}")
+        global_max = global_max[:n_rows]
+    # A shard whose values are all -inf has sums 0; guard its factor (exp(-inf - -inf) would be NaN).
+    factor = torch.where(local_max == float("-inf"), 0.0, torch.exp(local_max - global_max))
+    sums = torch.stack([stats[:, 1] * factor, stats[:, 2] * factor, stats[:, 3], stats[:, 4]], dim=1)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+    return torch.cat([global_max.unsqueeze(1), sums], dim=1)
+
+
+def _tp_setup(op, logits, target, tp_group, logits_scale_factor, vocab_start, vocab_size, *, entropy=False,
+              smoothing=False):
+    """(row_stats, vocab_start, vocab_size) for the op: all-reduced over tp_group when one is given."""
+    if tp_group is None:
+        if vocab_start is not None or vocab_size is not None:
+            raise ValueError(f"{op}: vocab_start/vocab_size describe a tp_group shard, but tp_group is None")
+        return None, 0, -1
+    start, total, even = _vocab_shard(op, logits, tp_group, vocab_start, vocab_size)
+    stats = tp_row_stats(op, logits, target, tp_group, logits_scale_factor=logits_scale_factor,
+                         vocab_start=start, vocab_size=total, even=even, entropy=entropy, smoothing=smoothing)
+    return stats, start, total
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, tp_group, logits_scale_factor: float = 1.0,
+                  label_smoothing: float = 0.0, z_loss_factor: float = 0.0, label_weight: float = 1.0,
+                  reduction: str = "mean", divisor: float | None = None, inplace_backward: bool = False,
+                  vocab_start: int | None = None, vocab_size: int | None = None) -> torch.Tensor:
+    """Vocabulary-parallel cross-entropy / z-loss (SPEC §2.1, §3); see rl_losses.cross_entropy.
+
+    Args:
+        logits: (..., V_loc) this rank's contiguous shard of the vocabulary; target: (...) global label ids.
+        tp_group: the vocabulary-parallel process group.
+        label_weight: 1 for cross-entropy, 0 for the z-loss alone (rl_losses.z_loss).
+        vocab_start, vocab_size: this shard's first global column and the global V, for uneven shards
+            (default: even shards, rank·V_loc and world·V_loc).
+    Returns: the loss, identical on every rank; backward gives this rank's shard of the gradient.
+    """
+    stats, start, total = _tp_setup("cross_entropy", logits, target, tp_group, logits_scale_factor, vocab_start,
+                                    vocab_size, smoothing=label_smoothing != 0 and label_weight != 0)
+    loss, _ = _ops.cross_entropy(logits, target, logits_scale_factor=logits_scale_factor,
+                                 label_smoothing=label_smoothing, z_loss_factor=z_loss_factor,
+                                 label_weight=label_weight, reduction=reduction, divisor=_divisor(divisor),
+                                 inplace_backward=inplace_backward, row_stats=stats, vocab_start=start,
+                                 vocab_size=total)
+    return loss
+
+
+def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor,
+              *, tp_group, epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
+              ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
+              loss_weights: torch.Tensor | None = None, divisor: float | None = None,
+              logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
+              compute_entropy: bool = False, inplace_backward: bool = False, vocab_start: int | None = None,
+              vocab_size: int | None = None) -> PolicyLossOutput:
+    """Vocabulary-parallel GRPO (SPEC §2.2, §3); see rl_losses.grpo_loss, and cross_entropy above for the
+    shard arguments. The loss and metrics are identical on every rank of ``tp_group``."""
+    stats, start, total = _tp_setup("grpo_loss", logits, target, tp_group, logits_scale_factor, vocab_start,
+                                    vocab_size, entropy=compute_entropy)
+    out = _ops.grpo(logits, target, advantages, old_log_probs, ref_log_probs=ref_log_probs,
+                    loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
+                    epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
+                    logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
+                    inplace_backward=inplace_backward, row_stats=stats, vocab_start=start, vocab_size=total)
+    return _policy_output(out, compute_entropy)
+
+
+# ---- sequence-data parallelism (GSPO) ----------------------------------------------------------------------
+def _group_num_documents(document_index: torch.Tensor, sdp_group) -> int:
+    # max(document_index) + 1 over the group: one small all-reduce and a host synchronisation.
+    local = document_index.max() + 1 if document_index.numel() else document_index.new_zeros(())
+    local = local.reshape(1).to(torch.int64).clamp_min(0)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=sdp_group)
+    return int(local.item())
+
+
+def _sdp_document_sums(stats, target, advantages, old_log_probs, document_index, label_counts, num_documents,
+                       sdp_group, compute_entropy):
+    """(document_sums (S, 3), per-token global label counts, new_logprobs, entropy) summed over sdp_group."""
+    lse = stats[:, 0] + torch.log(stats[:, 1])
+    labelled = target.reshape(-1) >= 0
+    log_probs = torch.where(labelled, stats[:, 4] - lse, 0.0)
+    counts_given = label_counts is not None
+    # gspo_document_sums validates the per-token inputs (shapes, dtypes, devices) against target.
+    counts_in = label_counts if counts_given else torch.ones(target.shape, dtype=stats.dtype, device=stats.device)
+    local = _ops.gspo_document_sums(log_probs.view(target.shape), target, advantages, old_log_probs,
+                                    document_index, counts_in, num_documents)
+    doc = document_index.reshape(-1).to(torch.int64)
+    mask = (labelled & (doc >= 0)).to(stats.dtype)
+    safe_doc = torch.where(doc >= 0, doc, 0)
+    weight = mask / counts_in.reshape(-1).to(stats.dtype).clamp_min(1)
+    lp_sums = torch.zeros(num_documents, dtype=stats.dtype, device=stats.device).index_add_(0, safe_doc,
+                                                                                           weight * log_probs)
+    payload = torch.cat([local, lp_sums.unsqueeze(1)], dim=1)
+    if compute_entropy:
+        entropy = torch.where(mask > 0, lse - stats[:, 2] / stats[:, 1], 0.0)
+        zero = entropy.new_zeros(())
+        payload = torch.cat([payload, torch.stack([entropy.sum(), mask.sum(), zero, zero]).unsqueeze(0)])
+    if payload.numel():
+        dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=sdp_group)
+    docs = payload[:num_documents]
+    count = docs[:, 2]
+    if not counts_given:
+        # The sums were taken with w = 1: divide by the document's (now global) labelled count.
+        scale = 1 / count.clamp_min(1)
+        docs = torch.stack([docs[:, 0] * scale, docs[:, 1] * scale, count, docs[:, 3] * scale], dim=1)
+        label_counts = count.index_select(0, safe_doc).view(target.shape)
+    n_docs = (count > 0).sum().clamp_min(1)
+    new_logprobs = docs[:, 3].sum() / n_docs
+    entropy = payload[num_documents, 0] / payload[num_documents, 1].clamp_min(1) if compute_entropy else None
+    return docs[:, :3].contiguous(), label_counts, new_logprobs, entropy
+
+
+def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor,
+              document_index: torch.Tensor, *, tp_group=None, sdp_group=None, num_documents: int | None = None,
+              label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+              weighting: str = "document", token_advantages: bool = False, divisor: float | None = None,
+              logits_scale_factor: float = 1.0, compute_entropy: bool = False, inplace_backward: bool = False,
+              vocab_start: int | None = None, vocab_size: int | None = None) -> PolicyLossOutput:
+    """GSPO over a vocabulary-parallel and/or sequence-data-parallel group (SPEC §2.3, §3); see
+    rl_losses.gspo_loss, and cross_entropy above for the shard arguments.
+
+    Under ``sdp_group``: ``document_index`` holds global document ids; ``label_counts`` (when given) are the
+    counts of each token's whole document over the group; ``num_documents`` (the global number) defaults to
+    the group's max(document_index)+1 (a host synchronisation). The loss is this rank's tokens' share (the
+    sum over the group is the loss); the metrics are the group's.
+    """
+    op = "gspo_loss"
+    stats, start, total = _tp_setup(op, logits, target, tp_group, logits_scale_factor, vocab_start, vocab_size,
+                                    entropy=compute_entropy)
+    options = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, weighting=weighting,
+                   token_advantages=token_advantages, divisor=_divisor(divisor),
+                   logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
+                   inplace_backward=inplace_backward, vocab_start=start, vocab_size=total)
+    if sdp_group is None:
+        out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
+                        label_counts=label_counts, row_stats=stats, **options)
+        return _policy_output(out, compute_entropy, document_ratios=out[8])
+
+    if stats is None:  # no tensor parallelism: this rank's statistics are the whole vocabulary's
+        stats = _ops.row_stats(logits.detach(), target, logits_scale_factor=logits_scale_factor,
+                               entropy=compute_entropy).reshape(-1, 5)
+    if num_documents is None:
+        if torch.compiler.is_compiling():
+            raise ValueError(f"{op}: under sdp_group and torch.compile, pass num_documents (its default needs a "
+                             f"host synchronisation)")
+        num_documents = _group_num_documents(document_index, sdp_group)
+    if num_documents < 0:
+        raise ValueError(f"{op}: num_documents must be >= 0, got {num_documents}")
+    sums, counts, new_logprobs, entropy = _sdp_document_sums(stats, target, advantages, old_log_probs,
+                                                             document_index, label_counts, num_documents,
+                                                             sdp_group, compute_entropy)
+    out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
+                    label_counts=counts, row_stats=stats, document_sums=sums, **options)
+    # The op's new_logprobs and entropy cover this rank's tokens only: replace them by the group's.
+    result = _policy_output(out, compute_entropy, document_ratios=out[8])
+    return result._replace(new_logprobs=new_logprobs, entropy=entropy)
