@@ -30,8 +30,14 @@ from rl_losses import distributed as rl_dist
 from conftest import assert_close
 from helpers import assert_grad_close, label_log_probs64
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+# CPU tensors over gloo (CI); RL_LOSSES_DIST_BACKEND=nccl runs the same cases on CUDA tensors, one GPU per
+# rank (the worlds larger than the GPU count are skipped), e.g. on 2 GPUs:
+#     RL_LOSSES_DIST_BACKEND=nccl python -m pytest tests/test_distributed.py -q
+BACKEND = os.environ.get("RL_LOSSES_DIST_BACKEND", "gloo")
+DEVICE = "cuda" if BACKEND == "nccl" else "cpu"
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not (dist.is_nccl_available() if BACKEND == "nccl" else dist.is_gloo_available()),
+    reason=f"needs torch.distributed with {BACKEND}")
 
 INIT_TIMEOUT_S = 60  # init_process_group and every collective
 WORLD_TIMEOUT_S = 240  # a whole world: start, all its cases, exit
@@ -248,8 +254,8 @@ def _local(case: Case, inputs: dict, tp_rank: int, sdp_rank: int) -> tuple[dict,
     rows = slice(cuts[sdp_rank], cuts[sdp_rank + 1]) if case.sdp > 1 else slice(0, seq)
     vcuts = case.vocab_cuts or tuple(range(0, case.vocab + 1, case.vocab // case.tp))
     cols = slice(vcuts[tp_rank], vcuts[tp_rank + 1]) if case.tp > 1 else slice(0, case.vocab)
-    local = {k: v[..., rows].contiguous() for k, v in inputs.items() if k != "logits"}
-    local["logits"] = inputs["logits"][..., rows, cols].contiguous()
+    local = {k: v[..., rows].contiguous().to(DEVICE) for k, v in inputs.items() if k != "logits"}
+    local["logits"] = inputs["logits"][..., rows, cols].contiguous().to(DEVICE)
     return local, rows, cols
 
 
@@ -279,7 +285,11 @@ def _worker(rank: int, world: int, workdir: str, names: list) -> None:
     try:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own connections on the loopback interface only
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world,
+        if DEVICE == "cuda":
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+            os.environ["RL_LOSSES_CHECK_INPUTS"] = "1"  # the host-side checks that the bad-input cases expect
+            torch.cuda.set_device(rank)
+        dist.init_process_group(BACKEND, init_method=f"file://{workdir}/store", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
         cases = {name: CASES[name] for name in names}
         groups = _groups(world, sorted({(c.tp, c.sdp) for c in cases.values()}))
@@ -304,7 +314,7 @@ def _worker(rank: int, world: int, workdir: str, names: list) -> None:
                 except (ValueError, RuntimeError) as e:
                     results[name] = dict(error=f"{type(e).__name__}: {e}")
                 continue
-            results[name] = run_loss(case, local, local["logits"], **group_kwargs)
+            results[name] = {k: v.cpu() for k, v in run_loss(case, local, local["logits"], **group_kwargs).items()}
         torch.save(results, os.path.join(workdir, f"rank{rank}.pt"))
         dist.barrier()
         dist.destroy_process_group()
@@ -353,6 +363,8 @@ _WORLDS: dict = {}
 
 def world_results(world: int) -> list:
     """Every case of this world size, run once per test session (the first test that needs it)."""
+    if DEVICE == "cuda" and world > torch.cuda.device_count():
+        pytest.skip(f"a world of {world} needs {world} GPUs, {torch.cuda.device_count()} found")
     if world not in _WORLDS:
         names = [name for name, case in CASES.items() if case.world == world]
         try:
@@ -398,7 +410,9 @@ def test_matches_single_process(name):
     case = CASES[name]
     results = world_results(case.world)
     inputs = make_inputs(name, case)
-    expected = run_loss(dataclasses.replace(case, compile=False), inputs, inputs["logits"])
+    on_device = {k: v.to(DEVICE) for k, v in inputs.items()}
+    expected = {k: v.cpu() for k, v in run_loss(dataclasses.replace(case, compile=False), on_device,
+                                                on_device["logits"]).items()}
     dtype, scale = case.dtype, _tolerance_scale(case)
     shares = gspo_token_shares(case, inputs, expected) if case.sdp > 1 else None
     losses = {}

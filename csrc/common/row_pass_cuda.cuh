@@ -19,9 +19,8 @@
 namespace rl_losses {
 namespace cuda {
 
-// Two blocks of 1024 threads must stay resident per SM (a single one leaves the fused kernel latency-bound:
-// measured 2x slower on an H100), so each block's row cache gets a little under half of the 228 KB.
-constexpr int kDefaultRowCacheKB = 96;
+// Off by default: on an H100 no cache size beat none (benchmarks/NOTES.md); RL_LOSSES_ROW_CACHE_KB tunes it.
+constexpr int kDefaultRowCacheKB = 0;
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
@@ -49,7 +48,7 @@ __device__ inline RowStats<acc_t> block_combine(RowStats<acc_t> s, RowStats<acc_
 
 template <int kThreads, int kUnroll, typename scalar_t, typename label_t, typename acc_t, bool kStats,
           bool kGrad, bool kEntropy, bool kSmoothing, typename Epilogue>
-__global__ void __launch_bounds__(kThreads, 2048 / kThreads) row_pass_kernel(RowPassView<scalar_t, label_t, acc_t> v,
+__global__ void __launch_bounds__(kThreads) row_pass_kernel(RowPassView<scalar_t, label_t, acc_t> v,
                                                             Epilogue epi, int64_t cache_vecs) {
   constexpr int kVec = 16 / sizeof(scalar_t);  // elements per 16-byte access
   using VecT = Pack<scalar_t, kVec>;
@@ -186,8 +185,7 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
   const bool stats = args.compute_stats(), grad = args.write_grad();
   auto launch = [&](auto s, auto g) {
     constexpr bool kS = decltype(s)::value, kG = decltype(g)::value;
-    // Loads in flight per thread: fewer in the fused kernel, whose two passes need more registers.
-    constexpr int kUnroll = (kS && kG) ? 2 : 4;
+    constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
     auto* kernel =
         &row_pass_kernel<kThreads, kUnroll, scalar_t, label_t, acc_t, kS, kG, kEntropy, kSmoothing, Epilogue>;
     // Shared-memory row cache (fused passes only): as much of a row as fits the budget.
@@ -198,11 +196,9 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
     if (smem > 48 * 1024) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     }
-    // A persistent grid: as many blocks as fit on every SM at once (threads and shared memory), each looping
-    // over rows.
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
-    const int64_t max_blocks = static_cast<int64_t>(props->multiProcessorCount) * std::max(per_sm, 1);
+    // Grid: a full SM's worth of threads per SM, each block looping over rows. (Sizing it by the occupancy
+    // calculator instead, i.e. one resident 1024-thread block per SM, measured 1.7x slower on an H100.)
+    const int64_t max_blocks = static_cast<int64_t>(props->multiProcessorCount) * (2048 / kThreads);
     const dim3 grid(static_cast<unsigned>(std::min<int64_t>(v.n_rows, max_blocks)));
     kernel<<<grid, kThreads, smem, stream>>>(v, epi, cache_vecs);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

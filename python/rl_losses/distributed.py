@@ -101,7 +101,8 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
         global_max = torch.cat([local_max, local_max.new_tensor([width, -width])])
     else:
         global_max = local_max.clone()  # contiguous, and the collective writes into it
-    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+    if global_max.numel():  # (every rank of the group holds the same rows: all skip, or none)
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
     if check:
         widest, narrowest = int(global_max[n_rows].item()), int(-global_max[n_rows + 1].item())
         if widest != narrowest:
@@ -112,7 +113,8 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
     # A shard whose values are all -inf has sums 0; guard its factor (exp(-inf - -inf) would be NaN).
     factor = torch.where(local_max == float("-inf"), 0.0, torch.exp(local_max - global_max))
     sums = torch.stack([stats[:, 1] * factor, stats[:, 2] * factor, stats[:, 3], stats[:, 4]], dim=1)
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+    if sums.numel():
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
     return torch.cat([global_max.unsqueeze(1), sums], dim=1)
 
 
@@ -124,6 +126,12 @@ def _tp_setup(op, logits, target, tp_group, logits_scale_factor, vocab_start, vo
             raise ValueError(f"{op}: vocab_start/vocab_size describe a tp_group shard, but tp_group is None")
         return None, 0, -1
     start, total, even = _vocab_shard(op, logits, tp_group, vocab_start, vocab_size)
+    if target.is_cuda and target.numel() and _check_inputs_enabled() and not torch.compiler.is_compiling():
+        # The opt-in CUDA range check of the functional wrappers, against the global vocabulary (the CPU
+        # kernels always check).
+        high = int(target.max())
+        if high >= total:
+            raise ValueError(f"{op}: target holds label {high}, out of range for the vocabulary of {total} entries")
     stats = tp_row_stats(op, logits, target, tp_group, logits_scale_factor=logits_scale_factor,
                          vocab_start=start, vocab_size=total, even=even, entropy=entropy, smoothing=smoothing)
     return stats, start, total
@@ -254,6 +262,11 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         num_documents = _group_num_documents(document_index, sdp_group)
     if num_documents < 0:
         raise ValueError(f"{op}: num_documents must be >= 0, got {num_documents}")
+    if document_index.is_cuda and document_index.numel() and _check_inputs_enabled() and \
+            not torch.compiler.is_compiling():
+        high = int(document_index.max())  # opt-in on CUDA, as in rl_losses.gspo_loss; the CPU op always checks
+        if high >= num_documents:
+            raise ValueError(f"{op}: document_index holds {high} but num_documents is {num_documents}")
     sums, counts, new_logprobs, entropy = _sdp_document_sums(stats, target, advantages, old_log_probs,
                                                              document_index, label_counts, num_documents,
                                                              sdp_group, compute_entropy)
