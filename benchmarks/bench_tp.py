@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import platform
@@ -88,11 +89,11 @@ class Timer:
     def elapsed(self, start, end) -> float:
         return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
 
-    def __call__(self, fn, reps: int, warmup: int) -> list[float]:
+    def __call__(self, fn, reps: int, warmup: int, *, barrier: bool = True) -> list[float]:
         for _ in range(warmup):
             fn()
         self.sync()
-        if dist.is_initialized():
+        if barrier:  # start the ranks together
             dist.barrier()
         marks = []
         for _ in range(reps):
@@ -351,7 +352,7 @@ def time_op(op, rank, world, device, timer, args) -> dict:
             y.grad = None
             call(op, inp, y, options)[0].backward()
 
-        row["single_gpu_ms"] = statistics.median(timer(single, args.reps, args.warmup))
+        row["single_gpu_ms"] = statistics.median(timer(single, args.reps, args.warmup, barrier=False))
         del y
         if timer.cuda:
             torch.cuda.empty_cache()
@@ -407,6 +408,7 @@ def write(result: dict, out: str, *, echo: bool) -> None:
 
 
 def worker(rank: int, args, workdir: str) -> None:
+    faulthandler.dump_traceback_later(args.timeout - 15, exit=False)  # where a stuck rank is, before the kill
     try:
         cuda = not args.dry_run
         if cuda:

@@ -1,6 +1,7 @@
-"""Compare settings of the fused kernel's shared-memory row cache (RL_LOSSES_ROW_CACHE_KB) on one GPU.
+"""Compare launch settings of the fused row kernel on one GPU: RL_LOSSES_ROW_CACHE_KB (shared-memory row
+cache) and RL_LOSSES_ROW_GRID (persistent, or one block per row), given as KB[:grid] settings.
 
-Each setting runs in its own process (the knob is read once per process). Per setting: median ms of
+Each setting runs in its own process (the knobs are read once per process). Per setting: median ms of
 fwd+bwd of cross-entropy and GRPO at the given shapes (bf16), as a fraction of the device-to-device copy
 ceiling measured in the same process over the minimal bytes (read logits once + write the gradient once).
 
@@ -41,9 +42,21 @@ def child(shapes, reps):
         target = torch.randint(0, v, (n,), device="cuda")
         adv = torch.randn(n, device="cuda")
         old = torch.randn(n, device="cuda") - 10
+        def run(loss_fn):
+            def fn():
+                logits.grad = None  # a fresh gradient each time: no accumulation pass
+                loss_fn().backward()
+            return fn
+
+        def split_ce():
+            # statistics pass, then the gradient pass (the tensor-parallel path with one rank)
+            stats = torch.ops.rl_losses.row_stats(logits.detach(), target)
+            return torch.ops.rl_losses.cross_entropy(logits, target, row_stats=stats)[0]
+
         ops = {
-            "ce": lambda: rl_losses.cross_entropy(logits, target).backward(),
-            "grpo": lambda: rl_losses.grpo_loss(logits, target, adv, old, divisor=float(n)).loss.backward(),
+            "ce": run(lambda: rl_losses.cross_entropy(logits, target)),
+            "ce_split": run(split_ce),
+            "grpo": run(lambda: rl_losses.grpo_loss(logits, target, adv, old, divisor=float(n)).loss),
         }
         for name, fn in ops.items():
             ms = timed(fn)
@@ -66,7 +79,8 @@ def main():
         return child(shapes, args.reps)
     print(f"{'cache KB':>8} {'op':>5} {'N':>6} {'V':>7} {'ms':>7} {'GB/s':>6} {'%ceil':>6}")
     for kb in args.settings.split(","):
-        env = dict(os.environ, RL_LOSSES_ROW_CACHE_KB=kb)
+        cache_kb, _, grid = kb.partition(":")
+        env = dict(os.environ, RL_LOSSES_ROW_CACHE_KB=cache_kb, RL_LOSSES_ROW_GRID=grid or "persistent")
         r = subprocess.run([sys.executable, __file__, "--child", "--shapes", args.shapes, "--reps", str(args.reps)],
                            env=env, capture_output=True, text=True)
         lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]

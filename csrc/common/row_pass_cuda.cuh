@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <cstdlib>
+#include <string>
 
 #include "common/row_pass.h"
 
@@ -198,7 +199,12 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
     }
     // Grid: a full SM's worth of threads per SM, each block looping over rows. (Sizing it by the occupancy
     // calculator instead, i.e. one resident 1024-thread block per SM, measured 1.7x slower on an H100.)
-    const int64_t max_blocks = static_cast<int64_t>(props->multiProcessorCount) * (2048 / kThreads);
+    static const bool one_block_per_row = [] {
+      const char* env = std::getenv("RL_LOSSES_ROW_GRID");  // tuning knob: "rows" or "persistent" (default)
+      return env && std::string(env) == "rows";
+    }();
+    const int64_t max_blocks = one_block_per_row ? v.n_rows
+                                                 : static_cast<int64_t>(props->multiProcessorCount) * (2048 / kThreads);
     const dim3 grid(static_cast<unsigned>(std::min<int64_t>(v.n_rows, max_blocks)));
     kernel<<<grid, kThreads, smem, stream>>>(v, epi, cache_vecs);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

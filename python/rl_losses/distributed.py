@@ -63,6 +63,46 @@ from rl_losses.functional import PolicyLossOutput, _check_inputs_enabled, _divis
 _ops = torch.ops.rl_losses
 
 
+# ---- shared ------------------------------------------------------------------------------------------------
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _host_checks(t: torch.Tensor) -> bool:
+    # Checks that read a value on the host: free on the CPU, a synchronisation on CUDA (opt-in through
+    # RL_LOSSES_CHECK_INPUTS, as in the functional wrappers), impossible inside a compiled graph.
+    return not torch.compiler.is_compiling() and (t.device.type == "cpu" or _check_inputs_enabled())
+
+
+# Bad input must never hang the other ranks in a collective (SPEC §4). When the host checks are on, an error
+# raised by this rank's local work before a collective is not raised at once: the rank joins the collective
+# with a failure flag in the buffer, and after it every rank of the group raises — the failing rank its own
+# error, the others _peer_failed. Without the checks (CUDA by default), data errors are device-side asserts
+# and the host-side errors left (shapes, dtypes) are the same on every rank.
+def _caught(e: Exception, checked: bool) -> Exception:
+    if not checked or isinstance(e, dist.DistError):
+        raise e
+    return e
+
+
+def _raise_if_failed(op: str, group_name: str, failed: bool, error: Exception | None) -> None:
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"{op}: another rank of {group_name} failed on its input (its own error says why); "
+                         f"this rank stops too")
+
+
+def _check_labels(op: str, target: torch.Tensor, vocab_size: int) -> None:
+    # The opt-in CUDA range check of the functional wrappers, against the global vocabulary (the CPU kernels
+    # always check).
+    if target.is_cuda and target.numel() and _host_checks(target):
+        high = int(target.max())
+        if high >= vocab_size:
+            raise ValueError(f"{op}: target holds label {high}, out of range for the vocabulary of {vocab_size} "
+                             f"entries")
+
+
 # ---- tensor parallelism ------------------------------------------------------------------------------------
 def _vocab_shard(op: str, logits: torch.Tensor, tp_group, vocab_start, vocab_size) -> tuple[int, int, bool]:
     """(vocab_start, vocab_size, assumed_even) of this rank's shard."""
@@ -78,37 +118,40 @@ def _vocab_shard(op: str, logits: torch.Tensor, tp_group, vocab_start, vocab_siz
     return rank * width, world * width, True
 
 
-def _host_checks(t: torch.Tensor) -> bool:
-    # Checks that read a collective's result on the host: free on the CPU, a synchronisation on CUDA (opt-in),
-    # and impossible inside a compiled graph.
-    return not torch.compiler.is_compiling() and (t.device.type == "cpu" or _check_inputs_enabled())
-
-
 def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, *, logits_scale_factor: float,
                  vocab_start: int, vocab_size: int, even: bool, entropy: bool = False,
                  smoothing: bool = False) -> torch.Tensor:
     """The row statistics of the whole vocabulary, (N, 5) float32 (float64 for float64 logits), identical on
-    every rank of ``tp_group``, from this rank's shard. Two collectives: MAX, then one SUM of 4 columns."""
-    stats = _ops.row_stats(logits.detach(), target, logits_scale_factor=logits_scale_factor,
-                           vocab_start=vocab_start, vocab_size=vocab_size, entropy=entropy,
-                           smoothing=smoothing).reshape(-1, 5)
+    every rank of ``tp_group``, from this rank's shard. Two collectives: MAX, then one SUM of 4 columns.
+
+    With the host checks on, the MAX carries three more numbers: the widest shard, the narrowest (negated) —
+    shards assumed even that are not are reported on every rank — and the failure flag."""
+    checked = _host_checks(logits)
+    error = None
+    try:
+        _check_labels(op, target, vocab_size)
+        stats = _ops.row_stats(logits.detach(), target, logits_scale_factor=logits_scale_factor,
+                               vocab_start=vocab_start, vocab_size=vocab_size, entropy=entropy,
+                               smoothing=smoothing).reshape(-1, 5)
+    except (RuntimeError, ValueError) as e:
+        error = _caught(e, checked)
+        stats = torch.zeros(target.numel(), 5, dtype=_acc(logits.dtype), device=logits.device)
     n_rows = stats.shape[0]
     local_max = stats[:, 0]
-    check = even and _host_checks(stats)
-    if check:
-        # Two more numbers in the MAX: the widest shard and (negated) the narrowest.
+    if checked:
         width = float(logits.shape[-1])
-        global_max = torch.cat([local_max, local_max.new_tensor([width, -width])])
+        global_max = torch.cat([local_max, local_max.new_tensor([width, -width, float(error is not None)])])
     else:
         global_max = local_max.clone()  # contiguous, and the collective writes into it
     if global_max.numel():  # (every rank of the group holds the same rows: all skip, or none)
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-    if check:
-        widest, narrowest = int(global_max[n_rows].item()), int(-global_max[n_rows + 1].item())
-        if widest != narrowest:
-            raise ValueError(f"{op}: the vocabulary shards of tp_group are uneven (from {narrowest} to {widest} "
-                             f"columns); pass this rank's vocab_start and the global vocab_size to "
+    if checked:
+        widest, narrowest, failed = global_max[n_rows:].tolist()
+        if even and widest != -narrowest:
+            raise ValueError(f"{op}: the vocabulary shards of tp_group are uneven (from {int(-narrowest)} to "
+                             f"{int(widest)} columns); pass this rank's vocab_start and the global vocab_size to "
                              f"rl_losses.distributed.{op}")
+        _raise_if_failed(op, "tp_group", failed > 0, error)
         global_max = global_max[:n_rows]
     # A shard whose values are all -inf has sums 0; guard its factor (exp(-inf - -inf) would be NaN).
     factor = torch.where(local_max == float("-inf"), 0.0, torch.exp(local_max - global_max))
@@ -126,12 +169,6 @@ def _tp_setup(op, logits, target, tp_group, logits_scale_factor, vocab_start, vo
             raise ValueError(f"{op}: vocab_start/vocab_size describe a tp_group shard, but tp_group is None")
         return None, 0, -1
     start, total, even = _vocab_shard(op, logits, tp_group, vocab_start, vocab_size)
-    if target.is_cuda and target.numel() and _check_inputs_enabled() and not torch.compiler.is_compiling():
-        # The opt-in CUDA range check of the functional wrappers, against the global vocabulary (the CPU
-        # kernels always check).
-        high = int(target.max())
-        if high >= total:
-            raise ValueError(f"{op}: target holds label {high}, out of range for the vocabulary of {total} entries")
     stats = tp_row_stats(op, logits, target, tp_group, logits_scale_factor=logits_scale_factor,
                          vocab_start=start, vocab_size=total, even=even, entropy=entropy, smoothing=smoothing)
     return stats, start, total
@@ -189,41 +226,32 @@ def _group_num_documents(document_index: torch.Tensor, sdp_group) -> int:
     return int(local.item())
 
 
-def _sdp_document_sums(stats, target, advantages, old_log_probs, document_index, label_counts, num_documents,
-                       sdp_group, compute_entropy):
-    """(document_sums (S, 3), per-token global label counts, new_logprobs, entropy) summed over sdp_group."""
+def _sdp_local_sums(op, stats, target, advantages, old_log_probs, document_index, label_counts, num_documents,
+                    compute_entropy, checked) -> torch.Tensor:
+    """This rank's share of the SDP all-reduce: (num_documents [+1], 4), see the module comment."""
+    if checked and document_index.numel():
+        high = int(document_index.max())
+        if high >= num_documents:
+            raise ValueError(f"{op}: document_index holds {high} but num_documents is {num_documents}")
     lse = stats[:, 0] + torch.log(stats[:, 1])
     labelled = target.reshape(-1) >= 0
     log_probs = torch.where(labelled, stats[:, 4] - lse, 0.0)
-    counts_given = label_counts is not None
     # gspo_document_sums validates the per-token inputs (shapes, dtypes, devices) against target.
-    counts_in = label_counts if counts_given else torch.ones(target.shape, dtype=stats.dtype, device=stats.device)
-    local = _ops.gspo_document_sums(log_probs.view(target.shape), target, advantages, old_log_probs,
-                                    document_index, counts_in, num_documents)
+    counts = label_counts if label_counts is not None else torch.ones(target.shape, dtype=stats.dtype,
+                                                                      device=stats.device)
+    sums = _ops.gspo_document_sums(log_probs.view(target.shape), target, advantages, old_log_probs,
+                                   document_index, counts, num_documents)
     doc = document_index.reshape(-1).to(torch.int64)
     mask = (labelled & (doc >= 0)).to(stats.dtype)
-    safe_doc = torch.where(doc >= 0, doc, 0)
-    weight = mask / counts_in.reshape(-1).to(stats.dtype).clamp_min(1)
-    lp_sums = torch.zeros(num_documents, dtype=stats.dtype, device=stats.device).index_add_(0, safe_doc,
-                                                                                           weight * log_probs)
-    payload = torch.cat([local, lp_sums.unsqueeze(1)], dim=1)
+    weight = mask / counts.reshape(-1).to(stats.dtype).clamp_min(1)
+    lp_sums = torch.zeros(num_documents, dtype=stats.dtype, device=stats.device).index_add_(
+        0, torch.where(doc >= 0, doc, 0), weight * log_probs)
+    payload = torch.cat([sums, lp_sums.unsqueeze(1)], dim=1)
     if compute_entropy:
         entropy = torch.where(mask > 0, lse - stats[:, 2] / stats[:, 1], 0.0)
         zero = entropy.new_zeros(())
         payload = torch.cat([payload, torch.stack([entropy.sum(), mask.sum(), zero, zero]).unsqueeze(0)])
-    if payload.numel():
-        dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=sdp_group)
-    docs = payload[:num_documents]
-    count = docs[:, 2]
-    if not counts_given:
-        # The sums were taken with w = 1: divide by the document's (now global) labelled count.
-        scale = 1 / count.clamp_min(1)
-        docs = torch.stack([docs[:, 0] * scale, docs[:, 1] * scale, count, docs[:, 3] * scale], dim=1)
-        label_counts = count.index_select(0, safe_doc).view(target.shape)
-    n_docs = (count > 0).sum().clamp_min(1)
-    new_logprobs = docs[:, 3].sum() / n_docs
-    entropy = payload[num_documents, 0] / payload[num_documents, 1].clamp_min(1) if compute_entropy else None
-    return docs[:, :3].contiguous(), label_counts, new_logprobs, entropy
+    return payload
 
 
 def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor,
@@ -241,20 +269,17 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     sum over the group is the loss); the metrics are the group's.
     """
     op = "gspo_loss"
-    stats, start, total = _tp_setup(op, logits, target, tp_group, logits_scale_factor, vocab_start, vocab_size,
-                                    entropy=compute_entropy)
+    tp = (op, logits, target, tp_group, logits_scale_factor, vocab_start, vocab_size)
     options = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, weighting=weighting,
                    token_advantages=token_advantages, divisor=_divisor(divisor),
                    logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                   inplace_backward=inplace_backward, vocab_start=start, vocab_size=total)
+                   inplace_backward=inplace_backward)
     if sdp_group is None:
+        stats, start, total = _tp_setup(*tp, entropy=compute_entropy)
         out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
-                        label_counts=label_counts, row_stats=stats, **options)
+                        label_counts=label_counts, row_stats=stats, vocab_start=start, vocab_size=total, **options)
         return _policy_output(out, compute_entropy, document_ratios=out[8])
 
-    if stats is None:  # no tensor parallelism: this rank's statistics are the whole vocabulary's
-        stats = _ops.row_stats(logits.detach(), target, logits_scale_factor=logits_scale_factor,
-                               entropy=compute_entropy).reshape(-1, 5)
     if num_documents is None:
         if torch.compiler.is_compiling():
             raise ValueError(f"{op}: under sdp_group and torch.compile, pass num_documents (its default needs a "
@@ -262,16 +287,39 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         num_documents = _group_num_documents(document_index, sdp_group)
     if num_documents < 0:
         raise ValueError(f"{op}: num_documents must be >= 0, got {num_documents}")
-    if document_index.is_cuda and document_index.numel() and _check_inputs_enabled() and \
-            not torch.compiler.is_compiling():
-        high = int(document_index.max())  # opt-in on CUDA, as in rl_losses.gspo_loss; the CPU op always checks
-        if high >= num_documents:
-            raise ValueError(f"{op}: document_index holds {high} but num_documents is {num_documents}")
-    sums, counts, new_logprobs, entropy = _sdp_document_sums(stats, target, advantages, old_log_probs,
-                                                             document_index, label_counts, num_documents,
-                                                             sdp_group, compute_entropy)
+    # This rank's local work, up to the SDP all-reduce (the TP statistics first when there is a tp_group).
+    checked = _host_checks(logits)
+    error = None
+    try:
+        stats, start, total = _tp_setup(*tp, entropy=compute_entropy)
+        if stats is None:  # no tensor parallelism: this rank's statistics are the whole vocabulary's
+            _check_labels(op, target, logits.shape[-1])
+            stats = _ops.row_stats(logits.detach(), target, logits_scale_factor=logits_scale_factor,
+                                   entropy=compute_entropy).reshape(-1, 5)
+        payload = _sdp_local_sums(op, stats, target, advantages, old_log_probs, document_index, label_counts,
+                                  num_documents, compute_entropy, checked)
+    except (RuntimeError, ValueError) as e:
+        error = _caught(e, checked)
+        payload = torch.zeros(num_documents + compute_entropy, 4, dtype=_acc(logits.dtype), device=logits.device)
+    if checked:
+        payload = torch.cat([payload, payload.new_tensor([[float(error is not None), 0, 0, 0]])])
+    if payload.numel():
+        dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=sdp_group)
+    if checked:
+        _raise_if_failed(op, "sdp_group", payload[-1, 0].item() > 0, error)
+
+    docs, count = payload[:num_documents], payload[:num_documents, 2]
+    doc = document_index.reshape(-1).to(torch.int64)
+    if label_counts is None:
+        # The sums were taken with w = 1: divide by each document's (now global) labelled count.
+        scale = 1 / count.clamp_min(1)
+        docs = torch.stack([docs[:, 0] * scale, docs[:, 1] * scale, count, docs[:, 3] * scale], dim=1)
+        label_counts = count.index_select(0, torch.where(doc >= 0, doc, 0)).view(target.shape)
     out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
-                    label_counts=counts, row_stats=stats, document_sums=sums, **options)
-    # The op's new_logprobs and entropy cover this rank's tokens only: replace them by the group's.
+                    label_counts=label_counts, row_stats=stats, document_sums=docs[:, :3].contiguous(),
+                    vocab_start=start, vocab_size=total, **options)
+    # The op's new_logprobs and entropy cover this rank's tokens only: the group's come from the all-reduce.
+    new_logprobs = docs[:, 3].sum() / (count > 0).sum().clamp_min(1)
+    entropy = payload[num_documents, 0] / payload[num_documents, 1].clamp_min(1) if compute_entropy else None
     result = _policy_output(out, compute_entropy, document_ratios=out[8])
     return result._replace(new_logprobs=new_logprobs, entropy=entropy)
