@@ -54,11 +54,14 @@ print(f"rl_losses: building {'CPU + CUDA' if use_cuda else 'CPU-only'} extension
 sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
 define_macros = []  # py_limited_api=True below defines Py_LIMITED_API
 # No -std flag: torch.utils.cpp_extension picks the standard its headers need (C++17 or C++20).
-extra = {"cxx": ["-O3"]}
+# The std::string ABI must match torch's: a mismatch only shows when an error message crosses into libc10
+# (every TORCH_CHECK failure then crashed the process instead of raising). Recent torch no longer passes it.
+abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+extra = {"cxx": ["-O3", abi]}
 include_dirs = [os.path.join(ROOT, "csrc")]
 if use_cuda:
     sources += sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
-    extra["nvcc"] = ["-O3", "--expt-relaxed-constexpr", "-lineinfo",
+    extra["nvcc"] = ["-O3", abi, "--expt-relaxed-constexpr", "-lineinfo",
                      "-Xptxas=-warn-spills"] + cuda_arch_flags()
     define_macros.append(("RL_LOSSES_WITH_CUDA", "1"))
     include_dirs += cuda_library_includes()

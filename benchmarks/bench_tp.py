@@ -341,7 +341,7 @@ def time_op(op, rank, world, device, timer, args) -> dict:
            "step_ms": statistics.median(total), "comm_in_situ_ms": statistics.median(comm_in_situ),
            "comm_alone_ms": statistics.median(comm_alone), "stats_pass_ms": statistics.median(stats_alone),
            "comm_bytes": n * 5 * 4}
-    del x, shard
+    x = shard = None  # free this rank's shard and its gradient before the single-GPU run
     # Rank 0: the single-GPU op on the whole vocabulary, for comparison (rank 1 waits at the barrier).
     if rank == 0:
         full = (2.0 * torch.randn(n, v, generator=g, device=device)).to(dtype)

@@ -254,7 +254,9 @@ def run_loss(case: Case, inputs: dict, logits: torch.Tensor, **group_kwargs) -> 
         fn = torch.compile(lambda c, i, t, **kw: call_loss(c, i, t, **kw), fullgraph=True, backend="aot_eager",
                            dynamic=False)
     loss, metrics = fn(case, inputs, x, **group_kwargs)
-    (loss * UPSTREAM).backward() if loss.dim() == 0 else loss.backward(torch.full_like(loss, UPSTREAM))
+    loss.backward(torch.full_like(loss, UPSTREAM))
+    if case.inplace:  # the gradient was written into the logits' own storage
+        assert torch.equal(x.detach(), leaf.grad), "inplace_backward: the logits do not hold the gradient"
     return dict(loss=loss.detach(), grad=leaf.grad, **metrics)
 
 

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <type_traits>
 
@@ -33,6 +34,20 @@ struct RowPassArgs {
   bool compute_stats() const { return !stats_in.defined(); }
   bool write_grad() const { return grad.defined(); }
 };
+
+// On CUDA, a loss that needs its gradient runs the statistics pass as its own kernel, then the epilogue and
+// the gradient in a second one (as tensor parallelism does), rather than both in one kernel: the fused
+// kernel's second sweep of a row missed L2 and it measured 1.6x slower on an H100 (7.3 vs 4.7 ms at
+// N=16384, V=128256 bf16; benchmarks/NOTES.md). The CPU keeps the fused pass (a row stays in its cache).
+inline void split_stats_pass_on_cuda(RowPassArgs& args) {
+  if (!args.logits.is_cuda() || !args.write_grad() || !args.compute_stats()) return;
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("rl_losses::row_stats", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, int64_t, int64_t, bool,
+                                               bool)>();
+  args.stats_in = op.call(args.logits, args.target, args.scale, args.vocab_start, args.vocab_total, args.entropy,
+                          args.smoothing);
+}
 
 // Raw view the kernels see: plain pointers and sizes, no torch types.
 template <typename scalar_t, typename label_t, typename acc_t>

@@ -58,7 +58,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
   } else {
     grad = at::empty({0}, logits.options());  // no gradient asked for: an empty placeholder
   }
-  if (f.n_rows > 0) backend(args, rows);
+  if (f.n_rows > 0) {
+    split_stats_pass_on_cuda(args);
+    backend(args, rows);
+  }
 
   const auto batch = target.sizes();
   at::Tensor loss = reduction == "none" ? rows.row_loss.view(batch) : rows.row_loss.sum();

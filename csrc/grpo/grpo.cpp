@@ -67,6 +67,7 @@ std::vector<at::Tensor> grpo_forward(const at::Tensor& logits, const at::Tensor&
     grad = at::empty({0}, logits.options());
   }
   if (f.n_rows > 0) {
+    split_stats_pass_on_cuda(args);
     backend(args, rows);
   } else {
     rows.out.zero_();

@@ -15,8 +15,9 @@ Here instead:
     from ``logits.detach()``), and each rank's gradient is written in the op's one gradient pass;
   * torch.compile: Dynamo rewrites the in-place ``dist.all_reduce`` calls into traceable functional
     collectives (``torch.distributed._functional_collectives``), so a compiled loss keeps one graph
-    (``fullgraph=True`` is tested on gloo, tests/test_distributed.py). The host-side checks below are skipped
-    while compiling, and under ``sdp_group`` ``num_documents`` must then be given (see below);
+    (``fullgraph=True`` with aot_eager is tested on gloo in tests/test_distributed.py; inductor was checked by
+    hand). The host-side checks below are skipped while compiling, and under ``sdp_group`` ``num_documents``
+    must then be given (see below);
   * CUDA graphs: NCCL collectives on the current stream are capturable, and nothing here synchronises
     with the host when ``divisor`` / ``num_documents`` are given and the opt-in input checks are off
     (benchmarks/bench_tp.py tries a capture on 2 GPUs).
@@ -26,15 +27,18 @@ V_loc)`` of the logits; labels are global ids. Per row, ``row_stats`` gives this
 Σexp(x−max)·x, Σx, label logit) (csrc/common/math.h: RowStats); two collectives make them global:
 all-reduce MAX of the max, then one all-reduce SUM of the other four columns, the first two rescaled by
 exp(local max − global max). The loss op, given these statistics, skips its own statistics pass and writes
-this shard's gradient; the loss and every metric come out identical on every rank of the group. The
+this shard's gradient; the loss and every metric come out identical on every rank of the group. (So
+cross-entropy and GRPO read their shard twice, statistics then loss and gradient, where one device reads the
+logits once: the statistics must be global before any gradient entry can be written.) The
 gradient each rank gets is that of the (global) loss w.r.t. its own shard: the column-parallel lm_head's
 usual all-reduce of the hidden-state gradient completes the backward.
 Shards: by default the shards are even — rank r of the group holds columns [r·V_loc, (r+1)·V_loc) and
-V = world·V_loc — which costs nothing extra; a mismatch of shard widths is caught on the CPU (and on CUDA
-with RL_LOSSES_CHECK_INPUTS=1) by two extra numbers in the MAX all-reduce and reported on every rank.
+V = world·V_loc — which costs nothing extra; shards of different widths are then caught on the CPU (and on
+CUDA with RL_LOSSES_CHECK_INPUTS=1) by two extra numbers in the MAX all-reduce and reported on every rank.
 Uneven shards (V not divisible by the group size) are supported by passing this rank's ``vocab_start`` and
-the global ``vocab_size`` (both, and the shards must tile [0, V)): no all-gather of shard widths, and so no
-host synchronisation, is ever needed.
+the global ``vocab_size`` (both; the shards must tile [0, V)): chosen over an all-gather of the shard widths
+at every call, which would cost a collective and a host synchronisation (and caching it per group could
+deadlock when only some ranks' widths change).
 
 Sequence-data parallelism (GSPO). A document's tokens may live on several ranks (document ids are global:
 the same id on every rank for a split document). Each rank computes its tokens' log-probs from the row
@@ -52,6 +56,12 @@ ratio_mean, entropy, document_ratios) are the global values, identical on every 
 local token. ``num_documents`` defaults to the group's max(document_index)+1, which costs one more small
 all-reduce and a host synchronisation: pass it to avoid both.
 Both groups together: the tensor-parallel statistics first, then the sequence-data-parallel sums.
+
+Bad input (SPEC §4: an error, never a hang): under sdp_group the ranks hold different tokens, so a bad label
+or document id may fail on one rank only, before a collective the others are already waiting in. With the
+host checks on (CPU tensors; CUDA with RL_LOSSES_CHECK_INPUTS=1), the failing rank still joins the
+collective, with a failure flag in its buffer, and then every rank raises: the failing one its own error,
+the others "another rank of <group> failed". The flag rides in the buffer of a collective made anyway.
 """
 from __future__ import annotations
 
@@ -77,8 +87,8 @@ def _host_checks(t: torch.Tensor) -> bool:
 # Bad input must never hang the other ranks in a collective (SPEC §4). When the host checks are on, an error
 # raised by this rank's local work before a collective is not raised at once: the rank joins the collective
 # with a failure flag in the buffer, and after it every rank of the group raises — the failing rank its own
-# error, the others _peer_failed. Without the checks (CUDA by default), data errors are device-side asserts
-# and the host-side errors left (shapes, dtypes) are the same on every rank.
+# error, the others a ValueError naming the group. Without the checks (CUDA by default), data errors are
+# device-side asserts, and the host-side errors left (shapes, dtypes) are the same on every rank in practice.
 def _caught(e: Exception, checked: bool) -> Exception:
     if not checked or isinstance(e, dist.DistError):
         raise e
