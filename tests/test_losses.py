@@ -187,7 +187,7 @@ def test_module_matches_functional(device, config):
     want, out = expected_loss(cfg, logits, batch, ops=functional)
     torch.testing.assert_close(loss, want * cfg.weight, rtol=1e-6, atol=0)
     for key, value in expected_metrics(cfg, out, batch, "head").items():
-        torch.testing.assert_close(metrics[key].double(), value.double(), rtol=1e-6, atol=1e-7, msg=key)
+        torch.testing.assert_close(metrics[key].double().cpu(), value.double().cpu(), rtol=1e-6, atol=1e-7, msg=key)
 
 
 @pytest.mark.parametrize("normalization", ["token", "sequence", "document", "dr_grpo"])
