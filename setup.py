@@ -69,11 +69,18 @@ if use_cuda:
 else:
     Ext = CppExtension
 
+# Link libstdc++ dynamically even where the toolchain's driver adds -static-libstdc++ (the GPU machine's does):
+# listed explicitly, the shared library resolves the symbols before the static archive is consulted. A private
+# static copy inside the extension has an uninitialised locale, and formatting any error message with a
+# number then crashed the process (std::ostream::operator<<(double) inside _C.so) instead of raising.
+extra_link_args = ["-lstdc++"]
+
 ext = Ext(
     name="rl_losses._C",
     sources=sources,
     include_dirs=include_dirs,
     extra_compile_args=extra,
+    extra_link_args=extra_link_args,
     define_macros=define_macros,
     py_limited_api=True,
 )
