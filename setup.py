@@ -6,6 +6,7 @@ sm_90 (H100/H200) plus whatever TORCH_CUDA_ARCH_LIST asks for.
 """
 import glob
 import os
+import subprocess
 
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
@@ -69,18 +70,36 @@ if use_cuda:
 else:
     Ext = CppExtension
 
-# Link libstdc++ dynamically even where the toolchain's driver adds -static-libstdc++ (the GPU machine's does):
-# listed explicitly, the shared library resolves the symbols before the static archive is consulted. A private
-# static copy inside the extension has an uninitialised locale, and formatting any error message with a
-# number then crashed the process (std::ostream::operator<<(double) inside _C.so) instead of raising.
-extra_link_args = ["-lstdc++"]
+
+def avoid_static_libstdcxx() -> None:
+    """Build with the system compiler when $CXX's driver links libstdc++ statically (the GPU machine's CC/CXX
+    do). A private static copy inside the extension has an uninitialised locale: formatting any error message
+    with a number then crashed the process (std::ostream::operator<<(double) inside _C.so) instead of raising.
+    """
+    cxx = os.environ.get("CXX")
+    if not cxx:
+        return
+    try:
+        out = subprocess.run([cxx, "-###", "-shared", "-x", "c++", "/dev/null", "-o", "/dev/null"],
+                             capture_output=True, text=True, timeout=30).stderr
+    except (OSError, subprocess.SubprocessError):
+        return
+    if "-static-libstdc++" in out or "libstdc++.a" in out or "-Bstatic -lstdc++" in out:
+        if os.path.exists("/usr/bin/g++") and os.path.exists("/usr/bin/gcc"):
+            print(f"rl_losses: {cxx} links libstdc++ statically; building with /usr/bin/gcc and /usr/bin/g++")
+            os.environ["CC"], os.environ["CXX"] = "/usr/bin/gcc", "/usr/bin/g++"
+        else:
+            print(f"rl_losses: WARNING: {cxx} links libstdc++ statically; errors raised by the ops may crash. "
+                  "Set CC/CXX to a compiler that links it dynamically.")
+
+
+avoid_static_libstdcxx()
 
 ext = Ext(
     name="rl_losses._C",
     sources=sources,
     include_dirs=include_dirs,
     extra_compile_args=extra,
-    extra_link_args=extra_link_args,
     define_macros=define_macros,
     py_limited_api=True,
 )
