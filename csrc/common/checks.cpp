@@ -103,6 +103,31 @@ void check_row_stats(const char* op, const std::optional<at::Tensor>& row_stats,
   TORCH_CHECK(s.is_contiguous(), op, ": row_stats must be contiguous");
 }
 
+RowPassArgs make_row_pass_args(const FlatLogits& f, double logits_scale_factor, int64_t vocab_start) {
+  RowPassArgs args;
+  args.logits = f.logits2d;
+  args.target = f.target1d;
+  args.scale = logits_scale_factor;
+  args.vocab_start = vocab_start;
+  args.vocab_total = f.vocab_total;
+  return args;
+}
+
+at::Tensor attach_grad(const char* op, RowPassArgs& args, const FlatLogits& f, const at::Tensor& logits,
+                       bool compute_grad, bool inplace) {
+  if (inplace) {
+    TORCH_CHECK(f.is_view, op, ": inplace_backward needs logits whose batch dimensions flatten to one row ",
+                "stride (got shape ", logits.sizes(), ", strides ", logits.strides(), ")");
+    args.grad = f.logits2d;
+    return logits;
+  }
+  if (compute_grad) {
+    args.grad = at::empty({f.n_rows, f.vocab}, logits.options());
+    return args.grad.view(logits.sizes());
+  }
+  return at::empty({0}, logits.options());
+}
+
 at::Tensor divisor_tensor(std::optional<double> divisor, const at::Tensor& fallback, at::ScalarType dtype) {
   if (divisor) return at::full({}, *divisor, fallback.options().dtype(dtype));
   return fallback.to(dtype).clamp_min(1);

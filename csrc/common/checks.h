@@ -7,6 +7,8 @@
 #include <optional>
 #include <string>
 
+#include "common/row_pass.h"
+
 namespace rl_losses {
 
 // The flattened problem every op works on: (N, V_loc) logits with unit column stride and a uniform row
@@ -33,6 +35,15 @@ void check_scale(const char* op, double scale);
 void check_divisor(const char* op, std::optional<double> divisor);
 void check_epsilons(const char* op, double epsilon_low, double epsilon_high);
 void check_row_stats(const char* op, const std::optional<at::Tensor>& row_stats, const FlatLogits& f);
+
+// The row pass over the flattened logits, before an op sets its optional parts (statistics, flags, grad).
+RowPassArgs make_row_pass_args(const FlatLogits& f, double logits_scale_factor, int64_t vocab_start);
+
+// Where the gradient goes: the logits' own storage (inplace_backward), a new (N, V_loc) buffer
+// (compute_grad), or nowhere. Sets args.grad and returns what the op returns as its gradient (an empty
+// placeholder when none is computed).
+at::Tensor attach_grad(const char* op, RowPassArgs& args, const FlatLogits& f, const at::Tensor& logits,
+                       bool compute_grad, bool inplace);
 
 // The divisor D as a 0-dim tensor on the logits' device: the given value, or `fallback` (computed on the
 // device, clamped to >= 1 so that an all-masked batch gives 0 rather than 0/0). No host synchronisation.

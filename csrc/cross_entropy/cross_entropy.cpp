@@ -22,8 +22,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
               ": reduction must be 'mean', 'sum' or 'none', got '", reduction, "'");
   check_divisor(op, divisor);
   check_row_stats(op, row_stats, f);
-  TORCH_CHECK(!inplace || f.is_view, op, ": inplace_backward needs logits whose batch dimensions flatten to ",
-              "one row stride (got shape ", logits.sizes(), ", strides ", logits.strides(), ")");
 
   const auto acc = acc_dtype(logits.scalar_type());
   const auto opts = logits.options().dtype(acc);
@@ -40,24 +38,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
 
   CrossEntropyRows rows{{label_weight, label_smoothing, z_loss_factor, static_cast<double>(f.vocab_total)},
                         d, at::empty({f.n_rows}, opts), at::empty({f.n_rows}, opts)};
-  RowPassArgs args;
-  args.logits = f.logits2d;
-  args.target = f.target1d;
+  RowPassArgs args = make_row_pass_args(f, logits_scale_factor, vocab_start);
   if (row_stats) args.stats_in = *row_stats;
-  args.scale = logits_scale_factor;
-  args.vocab_start = vocab_start;
-  args.vocab_total = f.vocab_total;
   args.smoothing = label_smoothing != 0 && label_weight != 0;
-  at::Tensor grad;
-  if (inplace) {
-    args.grad = f.logits2d;
-    grad = logits;
-  } else if (compute_grad) {
-    args.grad = at::empty({f.n_rows, f.vocab}, logits.options());
-    grad = args.grad.view(logits.sizes());
-  } else {
-    grad = at::empty({0}, logits.options());  // no gradient asked for: an empty placeholder
-  }
+  const at::Tensor grad = attach_grad(op, args, f, logits, compute_grad, inplace);
   if (f.n_rows > 0) {
     split_stats_pass_on_cuda(args);
     backend(args, rows);

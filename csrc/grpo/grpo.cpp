@@ -25,8 +25,6 @@ std::vector<at::Tensor> grpo_forward(const at::Tensor& logits, const at::Tensor&
   TORCH_CHECK(beta == 0 || ref_log_probs.has_value(), op, ": beta = ", beta, " > 0 needs ref_log_probs");
   check_divisor(op, divisor);
   check_row_stats(op, row_stats, f);
-  TORCH_CHECK(!inplace || f.is_view, op, ": inplace_backward needs logits whose batch dimensions flatten to one ",
-              "row stride (got shape ", logits.sizes(), ", strides ", logits.strides(), ")");
 
   const auto acc = acc_dtype(logits.scalar_type());
   const auto opts = logits.options().dtype(acc);
@@ -48,24 +46,10 @@ std::vector<at::Tensor> grpo_forward(const at::Tensor& logits, const at::Tensor&
   rows.out = at::empty({f.n_rows, kGrpoFields}, opts);
   rows.entropy = compute_entropy;
 
-  RowPassArgs args;
-  args.logits = f.logits2d;
-  args.target = f.target1d;
+  RowPassArgs args = make_row_pass_args(f, logits_scale_factor, vocab_start);
   if (row_stats) args.stats_in = *row_stats;
-  args.scale = logits_scale_factor;
-  args.vocab_start = vocab_start;
-  args.vocab_total = f.vocab_total;
   args.entropy = compute_entropy && !row_stats;
-  at::Tensor grad;
-  if (inplace) {
-    args.grad = f.logits2d;
-    grad = logits;
-  } else if (compute_grad) {
-    args.grad = at::empty({f.n_rows, f.vocab}, logits.options());
-    grad = args.grad.view(logits.sizes());
-  } else {
-    grad = at::empty({0}, logits.options());
-  }
+  const at::Tensor grad = attach_grad(op, args, f, logits, compute_grad, inplace);
   if (f.n_rows > 0) {
     split_stats_pass_on_cuda(args);
     backend(args, rows);

@@ -52,8 +52,6 @@ std::vector<at::Tensor> gspo_forward(const at::Tensor& logits, const at::Tensor&
   check_row_stats(op, row_stats, f);
   TORCH_CHECK(weighting == "document" || weighting == "token", op,
               ": weighting must be 'document' or 'token', got '", weighting, "'");
-  TORCH_CHECK(!inplace || f.is_view, op, ": inplace_backward needs logits whose batch dimensions flatten to one ",
-              "row stride (got shape ", logits.sizes(), ", strides ", logits.strides(), ")");
   const auto acc = acc_dtype(logits.scalar_type());
   const auto opts = logits.options().dtype(acc);
   const at::Tensor adv = check_per_token(op, "advantages", advantages, target, acc);
@@ -84,12 +82,7 @@ std::vector<at::Tensor> gspo_forward(const at::Tensor& logits, const at::Tensor&
   }
 
   // Pass 1: row statistics (unless given, e.g. all-reduced over the tensor-parallel group).
-  RowPassArgs args;
-  args.logits = f.logits2d;
-  args.target = f.target1d;
-  args.scale = logits_scale_factor;
-  args.vocab_start = vocab_start;
-  args.vocab_total = f.vocab_total;
+  RowPassArgs args = make_row_pass_args(f, logits_scale_factor, vocab_start);
   at::Tensor stats;
   if (row_stats) {
     stats = *row_stats;
@@ -131,16 +124,7 @@ std::vector<at::Tensor> gspo_forward(const at::Tensor& logits, const at::Tensor&
                  coef);
 
   // Pass 2: the gradient.
-  at::Tensor grad;
-  if (inplace) {
-    args.grad = f.logits2d;
-    grad = logits;
-  } else if (compute_grad) {
-    args.grad = at::empty({f.n_rows, f.vocab}, logits.options());
-    grad = args.grad.view(logits.sizes());
-  } else {
-    grad = at::empty({0}, logits.options());
-  }
+  const at::Tensor grad = attach_grad(op, args, f, logits, compute_grad, inplace);
   if (args.grad.defined() && f.n_rows > 0) {
     args.stats_in = stats;
     backend.grad(args, coef);
