@@ -72,25 +72,29 @@ else:
 
 
 def avoid_static_libstdcxx() -> None:
-    """Build with the system compiler when $CXX's driver links libstdc++ statically (the GPU machine's CC/CXX
-    do). A private static copy inside the extension has an uninitialised locale: formatting any error message
-    with a number then crashed the process (std::ostream::operator<<(double) inside _C.so) instead of raising.
+    """Build with the system compiler when $CXX would link libstdc++ statically. The GPU machine's CXX
+    (a wrapper around its own gcc) finds only a static libstdc++.a on its search path; a private static copy
+    inside the extension has an uninitialised locale, and formatting any error message with a number then
+    crashed the process (std::ostream::operator<<(double) inside _C.so) instead of raising.
     """
+    def shared_libstdcxx(compiler: str) -> bool:
+        try:
+            out = subprocess.run([compiler, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                                 timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return True  # cannot tell: leave the user's choice alone
+        return os.path.isabs(out) and os.path.exists(out)
+
     cxx = os.environ.get("CXX")
-    if not cxx:
+    if not cxx or shared_libstdcxx(cxx):
         return
-    try:
-        out = subprocess.run([cxx, "-###", "-shared", "-x", "c++", "/dev/null", "-o", "/dev/null"],
-                             capture_output=True, text=True, timeout=30).stderr
-    except (OSError, subprocess.SubprocessError):
-        return
-    if "-static-libstdc++" in out or "libstdc++.a" in out or "-Bstatic -lstdc++" in out:
-        if os.path.exists("/usr/bin/g++") and os.path.exists("/usr/bin/gcc"):
-            print(f"rl_losses: {cxx} links libstdc++ statically; building with /usr/bin/gcc and /usr/bin/g++")
-            os.environ["CC"], os.environ["CXX"] = "/usr/bin/gcc", "/usr/bin/g++"
-        else:
-            print(f"rl_losses: WARNING: {cxx} links libstdc++ statically; errors raised by the ops may crash. "
-                  "Set CC/CXX to a compiler that links it dynamically.")
+    if os.path.exists("/usr/bin/g++") and shared_libstdcxx("/usr/bin/g++"):
+        print(f"rl_losses: {cxx} finds no shared libstdc++ (it would link it statically); "
+              "building with /usr/bin/gcc and /usr/bin/g++")
+        os.environ["CC"], os.environ["CXX"] = "/usr/bin/gcc", "/usr/bin/g++"
+    else:
+        print(f"rl_losses: WARNING: {cxx} would link libstdc++ statically; errors raised by the ops may crash. "
+              "Set CC/CXX to a compiler that links it dynamically.")
 
 
 avoid_static_libstdcxx()
