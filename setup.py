@@ -58,7 +58,10 @@ define_macros = []  # py_limited_api=True below defines Py_LIMITED_API
 # The std::string ABI must match torch's: a mismatch only shows when an error message crosses into libc10
 # (every TORCH_CHECK failure then crashed the process instead of raising). Recent torch no longer passes it.
 abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-extra = {"cxx": ["-O3", abi]}
+# -fopenmp: at::parallel_for is a header template compiled into this library; without OpenMP its pragma is
+# ignored and the CPU kernels run on one thread. It also honours the `omp simd` marks on the CPU row loops.
+# -fno-trapping-math (as torch itself is built): lets GCC vectorise the polynomial exp in those loops.
+extra = {"cxx": ["-O3", "-fopenmp", "-fno-trapping-math", abi]}
 include_dirs = [os.path.join(ROOT, "csrc")]
 if use_cuda:
     sources += sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
@@ -104,6 +107,7 @@ ext = Ext(
     sources=sources,
     include_dirs=include_dirs,
     extra_compile_args=extra,
+    extra_link_args=["-fopenmp"],
     define_macros=define_macros,
     py_limited_api=True,
 )
