@@ -75,6 +75,13 @@ at::Tensor check_per_token_int(const char* op, const char* name, const at::Tenso
   return t.reshape({-1}).to(at::kLong).contiguous();
 }
 
+at::Tensor check_label_counts(const char* op, const at::Tensor& t, const at::Tensor& target, at::ScalarType dtype) {
+  TORCH_CHECK(t.device() == target.device() && t.sizes() == target.sizes(), op,
+              ": label_counts must have the target's shape ", target.sizes(), " and device ", target.device(),
+              ", got ", t.sizes(), " on ", t.device());
+  return t.reshape({-1}).to(dtype);
+}
+
 void check_scale(const char* op, double scale) {
   TORCH_CHECK(std::isfinite(scale) && scale > 0, op, ": logits_scale_factor must be finite and > 0, got ", scale);
 }

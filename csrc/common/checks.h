@@ -31,6 +31,9 @@ at::Tensor check_per_token(const char* op, const char* name, const at::Tensor& t
                            at::ScalarType dtype);
 at::Tensor check_per_token_int(const char* op, const char* name, const at::Tensor& t, const at::Tensor& target);
 
+// label_counts (integer or float): the target's shape and device; returned flattened in `dtype`.
+at::Tensor check_label_counts(const char* op, const at::Tensor& t, const at::Tensor& target, at::ScalarType dtype);
+
 void check_scale(const char* op, double scale);
 void check_divisor(const char* op, std::optional<double> divisor);
 void check_epsilons(const char* op, double epsilon_low, double epsilon_high);

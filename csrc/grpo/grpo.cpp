@@ -36,10 +36,7 @@ std::vector<at::Tensor> grpo_forward(const at::Tensor& logits, const at::Tensor&
   if (loss_weights) rows.loss_weights = check_per_token(op, "loss_weights", *loss_weights, target, acc);
   at::Tensor counts;
   if (label_counts) {
-    TORCH_CHECK(label_counts->device() == logits.device() && label_counts->sizes() == target.sizes(), op,
-                ": label_counts must have the target's shape ", target.sizes(), " and device ", logits.device(),
-                ", got ", label_counts->sizes(), " on ", label_counts->device());
-    counts = label_counts->reshape({-1}).to(acc);
+    counts = check_label_counts(op, *label_counts, target, acc);
   }
   const at::Tensor mask = f.target1d.ge(0).to(acc);
   rows.divisor = divisor_tensor(divisor, mask.sum(), acc);

@@ -101,10 +101,7 @@ std::vector<at::Tensor> gspo_forward(const at::Tensor& logits, const at::Tensor&
   const at::Tensor safe_doc = at::where(doc.ge(0), doc, at::zeros_like(doc));
   at::Tensor counts;
   if (label_counts) {
-    TORCH_CHECK(label_counts->device() == logits.device() && label_counts->sizes() == target.sizes(), op,
-                ": label_counts must have the target's shape ", target.sizes(), " and device ", logits.device(),
-                ", got ", label_counts->sizes(), " on ", label_counts->device());
-    counts = label_counts->reshape({-1}).to(acc);
+    counts = check_label_counts(op, *label_counts, target, acc);
   } else {
     counts = at::zeros({n_docs}, opts).index_add_(0, safe_doc, mask).index_select(0, safe_doc);
   }
