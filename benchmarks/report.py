@@ -21,13 +21,13 @@ def write_json(path: str, meta: dict, rows: list[dict]) -> None:
     os.replace(tmp, path)  # a run killed mid-write still leaves the previous complete file
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
+def write_csv(path: str, rows: list[dict], fields: list[str] = CSV_FIELDS) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: r.get(k) for k in CSV_FIELDS})
+            w.writerow({k: r.get(k) for k in fields})
     os.replace(tmp, path)
 
 
@@ -64,7 +64,11 @@ def _row_cells(r: dict, with_shape: bool) -> list[str]:
 def format_table(rows: list[dict], with_shape: bool = True) -> str:
     head = ["op"] + (["N x V"] if with_shape else []) + ["provider", "ms", "GB/s", "%ceil", "extra MiB (x logits)",
                                                         "rl_losses speed-up", "check"]
-    body = [_row_cells(r, with_shape) for r in rows]
+    return text_table(head, [_row_cells(r, with_shape) for r in rows])
+
+
+def text_table(head: list[str], body: list[list]) -> str:
+    """Columns padded to their widest cell, ' | ' between them, a rule under the header."""
     widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
     line = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([line(head), "-+-".join("-" * w for w in widths)] + [line(b) for b in body])

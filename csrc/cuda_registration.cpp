@@ -13,6 +13,7 @@
 #include "cross_entropy/cross_entropy.h"
 #include "grpo/grpo.h"
 #include "gspo/gspo.h"
+#include "linear/linear.h"
 
 namespace rl_losses {
 namespace {
@@ -39,6 +40,10 @@ TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) {
   m.impl("_grpo_forward_inplace", &GrpoOps<grpo_rows_cuda>::forward_inplace);
   m.impl("_gspo_forward", &GspoOps<gspo_backend_cuda>::forward);
   m.impl("_gspo_forward_inplace", &GspoOps<gspo_backend_cuda>::forward_inplace);
+  m.impl("_linear_cross_entropy_forward",
+         &LinearCrossEntropyOp<cross_entropy_rows_cuda, accumulate_weight_grad_cuda>::forward);
+  m.impl("_linear_grpo_forward", &LinearGrpoOp<grpo_rows_cuda, accumulate_weight_grad_cuda>::forward);
+  m.impl("_linear_gspo_forward", &LinearGspoOp<gspo_backend_cuda, accumulate_weight_grad_cuda>::forward);
 }
 
 }  // namespace rl_losses

@@ -9,6 +9,10 @@
 //     pass; `_<op>_forward_inplace` writes the gradient into the logits' own storage (inplace_backward).
 //   * `_scale_grad_` is the backward of every loss: it scales the gradient computed in the forward by the
 //     upstream gradient, in place, and does nothing (decided on the device) when that is 1.
+//   * The fused-linear ops `linear_<op>` take `hidden (..., H)` and `weight (V, H)` (and a keyword `bias`)
+//     in place of the logits, with the options of the logits op (no inplace_backward, no tensor-parallel
+//     hooks) plus `chunk_size` (rows of logits alive at once); `_linear_<op>_forward(<the same arguments>,
+//     output_mask)` returns their outputs followed by grad_hidden, grad_weight, grad_bias (linear/).
 //   * `row_stats`/`vocab_start`/`vocab_size` are the hooks of vocabulary (tensor) parallelism: a loss op given
 //     `row_stats` (all-reduced over the TP group) skips its own statistics pass and writes this shard's
 //     gradient.
@@ -93,5 +97,40 @@ TORCH_LIBRARY(rl_losses, m) {
       "gspo_document_sums(Tensor log_probs, Tensor target, Tensor advantages, Tensor old_log_probs, "
       "Tensor document_index, Tensor label_counts, int num_documents) -> Tensor");
 #undef RL_LOSSES_GSPO_ARGS
+
+  // ---- fused lm_head: the same losses from hidden states (linear/linear_source.h) --------------------
+#define RL_LOSSES_LINEAR_GRADS "Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias"
+  m.def(
+      "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, *, Tensor? bias=None, "
+      "float logits_scale_factor=1.0, float label_smoothing=0.0, float z_loss_factor=0.0, float label_weight=1.0, "
+      "str reduction=\"mean\", float? divisor=None, int? chunk_size=None) -> (Tensor loss, Tensor lse)");
+  m.def(
+      "_linear_cross_entropy_forward(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
+      "float logits_scale_factor, float label_smoothing, float z_loss_factor, float label_weight, str reduction, "
+      "float? divisor, int? chunk_size, bool[3] output_mask) -> (Tensor loss, Tensor lse, " RL_LOSSES_LINEAR_GRADS ")");
+  m.def(
+      "linear_grpo(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor old_log_probs, *, "
+      "Tensor? bias=None, Tensor? ref_log_probs=None, Tensor? loss_weights=None, Tensor? label_counts=None, "
+      "float epsilon_low=0.2, float epsilon_high=0.2, float? delta=None, float beta=0.0, float? divisor=None, "
+      "float logits_scale_factor=1.0, bool compute_entropy=False, int? chunk_size=None) -> " RL_LOSSES_POLICY_OUTS ")");
+  m.def(
+      "_linear_grpo_forward(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor old_log_probs, "
+      "Tensor? bias, Tensor? ref_log_probs, Tensor? loss_weights, Tensor? label_counts, float epsilon_low, "
+      "float epsilon_high, float? delta, float beta, float? divisor, float logits_scale_factor, "
+      "bool compute_entropy, int? chunk_size, bool[3] output_mask) -> " RL_LOSSES_POLICY_OUTS ", "
+      RL_LOSSES_LINEAR_GRADS ")");
+  m.def(
+      "linear_gspo(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor old_log_probs, "
+      "Tensor document_index, *, Tensor? bias=None, int? num_documents=None, Tensor? label_counts=None, "
+      "float epsilon_low=0.2, float epsilon_high=0.2, str weighting=\"document\", bool token_advantages=False, "
+      "float? divisor=None, float logits_scale_factor=1.0, bool compute_entropy=False, int? chunk_size=None) -> "
+      RL_LOSSES_POLICY_OUTS ", Tensor document_ratios)");
+  m.def(
+      "_linear_gspo_forward(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor old_log_probs, "
+      "Tensor document_index, Tensor? bias, int? num_documents, Tensor? label_counts, float epsilon_low, "
+      "float epsilon_high, str weighting, bool token_advantages, float? divisor, float logits_scale_factor, "
+      "bool compute_entropy, int? chunk_size, bool[3] output_mask) -> " RL_LOSSES_POLICY_OUTS ", "
+      "Tensor document_ratios, " RL_LOSSES_LINEAR_GRADS ")");
+#undef RL_LOSSES_LINEAR_GRADS
 #undef RL_LOSSES_POLICY_OUTS
 }

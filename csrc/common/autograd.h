@@ -15,26 +15,30 @@ inline c10::OperatorHandle find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
-// True when the forward must produce the gradient: grad mode is on and the logits require it.
-inline bool logits_need_grad(const at::Tensor& logits) {
-  return at::GradMode::is_enabled() && logits.requires_grad();
+// True when the forward must produce the gradient w.r.t. `t`: grad mode is on and `t` requires it.
+inline bool input_needs_grad(const at::Tensor& t) {
+  return at::GradMode::is_enabled() && t.requires_grad();
 }
 
-inline void save_fused_grad(torch::autograd::AutogradContext* ctx, const at::Tensor& grad) {
-  ctx->save_for_backward({grad});
+// `grads`: the gradients w.r.t. the differentiable inputs, computed in the forward (undefined: not needed).
+inline void save_fused_grads(torch::autograd::AutogradContext* ctx, const std::vector<at::Tensor>& grads) {
+  ctx->save_for_backward(grads);
   ctx->saved_data["consumed"] = false;
 }
 
-inline at::Tensor take_fused_grad(torch::autograd::AutogradContext* ctx, const at::Tensor& grad_output,
-                                  const char* op) {
+// The saved gradients, scaled in place by the upstream gradient (undefined ones stay undefined).
+inline std::vector<at::Tensor> take_fused_grads(torch::autograd::AutogradContext* ctx, const at::Tensor& grad_output,
+                                                const char* op) {
   TORCH_CHECK(!ctx->saved_data["consumed"].toBool(), op,
               ": backward was already run through this loss; its gradient is computed in the forward and "
               "scaled in place, so a second backward (retain_graph=True) is not supported: call the loss again");
   ctx->saved_data["consumed"] = true;
-  at::Tensor grad = ctx->get_saved_variables()[0];
   static const auto scale = find_op("rl_losses::_scale_grad_").typed<void(const at::Tensor&, const at::Tensor&)>();
-  scale.call(grad, grad_output);
-  return grad;
+  std::vector<at::Tensor> grads = ctx->get_saved_variables();
+  for (const auto& g : grads) {
+    if (g.defined()) scale.call(g, grad_output);
+  }
+  return grads;
 }
 
 // inplace_backward mutates the logits below autograd: bump their version so that any other autograd node

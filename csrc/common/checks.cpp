@@ -6,6 +6,21 @@
 
 namespace rl_losses {
 
+at::Tensor check_target(const char* op, const at::Tensor& target, const at::Tensor& input, const char* input_name) {
+  TORCH_CHECK(target.defined() && at::isIntegralType(target.scalar_type(), /*includeBool=*/false), op,
+              ": target must be an integer tensor of label ids (int32 or int64), got ",
+              target.defined() ? c10::toString(target.scalar_type()) : "undefined");
+  TORCH_CHECK(target.scalar_type() == at::kInt || target.scalar_type() == at::kLong, op,
+              ": target must be int32 or int64, got ", target.scalar_type());
+  TORCH_CHECK(target.device() == input.device(), op, ": target is on ", target.device(), " but ", input_name,
+              " is on ", input.device());
+  const auto batch = input.sizes().slice(0, input.dim() - 1);
+  TORCH_CHECK(target.sizes() == batch, op, ": target has shape ", target.sizes(), " but ", input_name,
+              " has batch shape ", batch, " (", input_name, " shape ", input.sizes(), ")");
+  // int64 labels only in the kernels: converting an int32 target is O(N) and halves the compiled kernels.
+  return target.reshape({-1}).to(at::kLong).contiguous();
+}
+
 FlatLogits check_and_flatten(const char* op, const at::Tensor& logits, const at::Tensor& target,
                              int64_t vocab_start, int64_t vocab_size) {
   TORCH_CHECK(logits.defined() && at::isFloatingType(logits.scalar_type()), op,
@@ -15,16 +30,7 @@ FlatLogits check_and_flatten(const char* op, const at::Tensor& logits, const at:
   TORCH_CHECK(logits.size(-1) == 0 || logits.stride(-1) == 1, op,
               ": logits must have a unit stride in the vocabulary (last) dimension, got stride ",
               logits.stride(-1));
-  TORCH_CHECK(target.defined() && at::isIntegralType(target.scalar_type(), /*includeBool=*/false), op,
-              ": target must be an integer tensor of label ids (int32 or int64), got ",
-              target.defined() ? c10::toString(target.scalar_type()) : "undefined");
-  TORCH_CHECK(target.scalar_type() == at::kInt || target.scalar_type() == at::kLong, op,
-              ": target must be int32 or int64, got ", target.scalar_type());
-  TORCH_CHECK(target.device() == logits.device(), op, ": target is on ", target.device(), " but logits is on ",
-              logits.device());
-  const auto batch = logits.sizes().slice(0, logits.dim() - 1);
-  TORCH_CHECK(target.sizes() == batch, op, ": target has shape ", target.sizes(),
-              " but logits has batch shape ", batch, " (logits shape ", logits.sizes(), ")");
+  at::Tensor target1d = check_target(op, target, logits, "logits");
   const int64_t v = logits.size(-1);
   TORCH_CHECK(v >= 1 || target.numel() == 0, op, ": logits has an empty vocabulary dimension (shape ",
               logits.sizes(), ")");
@@ -35,7 +41,9 @@ FlatLogits check_and_flatten(const char* op, const at::Tensor& logits, const at:
   FlatLogits f;
   f.n_rows = target.numel();
   f.vocab = v;
+  f.vocab_start = vocab_start;
   f.vocab_total = total;
+  f.options = logits.options();
   // A view keeps `inplace_backward` meaningful and avoids an N×V copy; only batch dims that cannot be
   // merged into one uniform row stride force a copy.
   auto view = f.n_rows == 0 ? std::optional<at::Tensor>(logits.reshape({0, v}))
@@ -47,8 +55,7 @@ FlatLogits check_and_flatten(const char* op, const at::Tensor& logits, const at:
   }();
   f.is_view = view.has_value();
   f.logits2d = view ? *view : logits.reshape({f.n_rows, v}).contiguous();
-  // int64 labels only in the kernels: converting an int32 target is O(N) and halves the compiled kernels.
-  f.target1d = target.reshape({f.n_rows}).to(at::kLong).contiguous();
+  f.target1d = target1d;
   return f;
 }
 
@@ -103,36 +110,20 @@ void check_row_stats(const char* op, const std::optional<at::Tensor>& row_stats,
   const auto& s = *row_stats;
   TORCH_CHECK(s.dim() == 2 && s.size(0) == f.n_rows && s.size(1) == 5, op,
               ": row_stats must have shape (", f.n_rows, ", 5), got ", s.sizes());
-  TORCH_CHECK(s.scalar_type() == (f.logits2d.scalar_type() == at::kDouble ? at::kDouble : at::kFloat), op,
+  TORCH_CHECK(s.scalar_type() == acc_dtype(f.options.dtype().toScalarType()), op,
               ": row_stats must be float32 (float64 for float64 logits), got ", s.scalar_type());
-  TORCH_CHECK(s.device() == f.logits2d.device(), op, ": row_stats is on ", s.device(), " but logits is on ",
-              f.logits2d.device());
+  TORCH_CHECK(s.device() == f.options.device(), op, ": row_stats is on ", s.device(), " but logits is on ",
+              f.options.device());
   TORCH_CHECK(s.is_contiguous(), op, ": row_stats must be contiguous");
 }
 
-RowPassArgs make_row_pass_args(const FlatLogits& f, double logits_scale_factor, int64_t vocab_start) {
+RowPassArgs make_row_pass_args(const FlatLogits& f, double logits_scale_factor) {
   RowPassArgs args;
-  args.logits = f.logits2d;
   args.target = f.target1d;
   args.scale = logits_scale_factor;
-  args.vocab_start = vocab_start;
+  args.vocab_start = f.vocab_start;
   args.vocab_total = f.vocab_total;
   return args;
-}
-
-at::Tensor attach_grad(const char* op, RowPassArgs& args, const FlatLogits& f, const at::Tensor& logits,
-                       bool compute_grad, bool inplace) {
-  if (inplace) {
-    TORCH_CHECK(f.is_view, op, ": inplace_backward needs logits whose batch dimensions flatten to one row ",
-                "stride (got shape ", logits.sizes(), ", strides ", logits.strides(), ")");
-    args.grad = f.logits2d;
-    return logits;
-  }
-  if (compute_grad) {
-    args.grad = at::empty({f.n_rows, f.vocab}, logits.options());
-    return args.grad.view(logits.sizes());
-  }
-  return at::empty({0}, logits.options());
 }
 
 at::Tensor divisor_tensor(std::optional<double> divisor, const at::Tensor& fallback, at::ScalarType dtype) {

@@ -14,13 +14,19 @@ namespace rl_losses {
 // The flattened problem every op works on: (N, V_loc) logits with unit column stride and a uniform row
 // stride (a view when the batch dims allow one, a copy otherwise), and (N,) contiguous labels.
 struct FlatLogits {
-  at::Tensor logits2d;  // (N, V_loc)
+  at::Tensor logits2d;  // (N, V_loc); undefined for the fused-linear ops, whose logits exist a chunk at a time
   at::Tensor target1d;  // (N,)
   bool is_view;         // logits2d shares the logits' storage
   int64_t n_rows;
   int64_t vocab;        // V_loc
+  int64_t vocab_start;  // global id of column 0
   int64_t vocab_total;  // V of the whole vocabulary
+  at::TensorOptions options;  // the logits' dtype and device
 };
+
+// The labels: integer ids shaped like `input`'s batch dims (all but the last), on its device; returned
+// flattened, contiguous, int64.
+at::Tensor check_target(const char* op, const at::Tensor& target, const at::Tensor& input, const char* input_name);
 
 FlatLogits check_and_flatten(const char* op, const at::Tensor& logits, const at::Tensor& target,
                              int64_t vocab_start, int64_t vocab_size);
@@ -39,14 +45,9 @@ void check_divisor(const char* op, std::optional<double> divisor);
 void check_epsilons(const char* op, double epsilon_low, double epsilon_high);
 void check_row_stats(const char* op, const std::optional<at::Tensor>& row_stats, const FlatLogits& f);
 
-// The row pass over the flattened logits, before an op sets its optional parts (statistics, flags, grad).
-RowPassArgs make_row_pass_args(const FlatLogits& f, double logits_scale_factor, int64_t vocab_start);
-
-// Where the gradient goes: the logits' own storage (inplace_backward), a new (N, V_loc) buffer
-// (compute_grad), or nowhere. Sets args.grad and returns what the op returns as its gradient (an empty
-// placeholder when none is computed).
-at::Tensor attach_grad(const char* op, RowPassArgs& args, const FlatLogits& f, const at::Tensor& logits,
-                       bool compute_grad, bool inplace);
+// A row pass over the flattened problem, before an op sets its optional parts (statistics, flags) and its
+// RowSource sets the logits and the gradient.
+RowPassArgs make_row_pass_args(const FlatLogits& f, double logits_scale_factor);
 
 // The divisor D as a 0-dim tensor on the logits' device: the given value, or `fallback` (computed on the
 // device, clamped to >= 1 so that an all-masked batch gives 0 rather than 0/0). No host synchronisation.

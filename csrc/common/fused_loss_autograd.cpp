@@ -10,9 +10,16 @@
 //     logits require it, saved, and scaled in the backward by the `_scale_grad_` op (common/autograd.h).
 // Being boxed, the kernel reads argument positions from the schema, so a new loss with this shape needs no
 // autograd code at all: register it below.
+//
+// The fused-linear ops (linear_cross_entropy, linear_grpo, linear_gspo) have the same shape with three
+// differentiable inputs, hidden (argument 0), weight (1) and the optional `bias`: `_linear_<op>_forward(<the
+// public arguments>, output_mask)` returns (outputs..., grad_hidden, grad_weight, grad_bias), computing the
+// gradients that output_mask asks for.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <array>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -51,7 +58,7 @@ class FusedLossFunction : public torch::autograd::Function<FusedLossFunction> {
       grad = out.back();
       out.pop_back();
     }
-    if (need_grad) save_fused_grad(ctx, grad);
+    if (need_grad) save_fused_grads(ctx, {grad});
     ctx->saved_data["name"] = name;
     ctx->mark_non_differentiable(variable_list(out.begin() + 1, out.end()));
     return out;
@@ -59,7 +66,7 @@ class FusedLossFunction : public torch::autograd::Function<FusedLossFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const std::string name = ctx->saved_data["name"].toStringRef();
-    return {take_fused_grad(ctx, grad_outputs[0], name.c_str()), at::Tensor(), at::Tensor(), at::Tensor(),
+    return {take_fused_grads(ctx, grad_outputs[0], name.c_str())[0], at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor()};
   }
 };
@@ -90,7 +97,7 @@ PublicArgs pop_public_args(const c10::OperatorHandle& op, torch::jit::Stack* sta
 
 void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   PublicArgs p = pop_public_args(op, stack);
-  const bool need_grad = logits_need_grad(p.logits);
+  const bool need_grad = input_needs_grad(p.logits);
   for (auto& t : FusedLossFunction::apply(p.logits, p.name, std::move(p.rest), need_grad, p.inplace))
     stack->emplace_back(std::move(t));
 }
@@ -104,16 +111,96 @@ void no_grad_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
   for (auto& t : out) stack->emplace_back(std::move(t));
 }
 
+// ---- fused-linear ops ---------------------------------------------------------------------------------
+std::vector<at::Tensor> call_linear_forward(const std::string& name, std::vector<c10::IValue> args,
+                                            std::array<bool, 3> mask) {
+  const auto op = find_op(("rl_losses::_" + name + "_forward").c_str());
+  args.emplace_back(c10::List<bool>({mask[0], mask[1], mask[2]}));
+  op.callBoxed(args);
+  std::vector<at::Tensor> out;
+  out.reserve(args.size());
+  for (auto& v : args) out.push_back(v.toTensor());
+  return out;
+}
+
+class LinearLossFunction : public torch::autograd::Function<LinearLossFunction> {
+ public:
+  // hidden, weight, bias are the differentiable inputs (an optional bias: autograd tracks it when given);
+  // `args` is the whole public argument list, passed on to the forward op.
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, const std::string& name,
+                               std::vector<c10::IValue> args, std::array<bool, 3> mask) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::vector<at::Tensor> out = call_linear_forward(name, std::move(args), mask);
+    std::vector<at::Tensor> grads(out.end() - 3, out.end());
+    out.resize(out.size() - 3);
+    for (int i = 0; i < 3; ++i) {
+      if (!mask[i]) grads[i] = at::Tensor();
+    }
+    save_fused_grads(ctx, grads);
+    ctx->saved_data["name"] = name;
+    ctx->mark_non_differentiable(variable_list(out.begin() + 1, out.end()));
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const std::string name = ctx->saved_data["name"].toStringRef();
+    std::vector<at::Tensor> grads = take_fused_grads(ctx, grad_outputs[0], name.c_str());
+    return {grads[0], grads[1], grads[2], at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct LinearArgs {
+  std::string name;
+  std::vector<c10::IValue> args;
+  at::Tensor hidden, weight;
+  std::optional<at::Tensor> bias;
+};
+
+LinearArgs pop_linear_args(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  LinearArgs p;
+  p.args.assign(stack->end() - n, stack->end());
+  torch::jit::drop(*stack, n);
+  p.name = schema.name().substr(schema.name().find("::") + 2);
+  p.hidden = p.args[0].toTensor();
+  p.weight = p.args[1].toTensor();
+  const auto idx = schema.argumentIndexWithName("bias");
+  TORCH_INTERNAL_ASSERT(idx.has_value(), schema.name(), " has no bias argument");
+  if (!p.args[*idx].isNone()) p.bias = p.args[*idx].toTensor();
+  return p;
+}
+
+void linear_autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  LinearArgs p = pop_linear_args(op, stack);
+  const std::array<bool, 3> mask{input_needs_grad(p.hidden), input_needs_grad(p.weight),
+                                 p.bias && input_needs_grad(*p.bias)};
+  for (auto& t : LinearLossFunction::apply(p.hidden, p.weight, p.bias, p.name, std::move(p.args), mask))
+    stack->emplace_back(std::move(t));
+}
+
+void linear_no_grad_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  LinearArgs p = pop_linear_args(op, stack);
+  std::vector<at::Tensor> out = call_linear_forward(p.name, std::move(p.args), {false, false, false});
+  out.resize(out.size() - 3);  // the empty gradient placeholders
+  for (auto& t : out) stack->emplace_back(std::move(t));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, Autograd, m) {
   for (const char* name : {"cross_entropy", "grpo", "gspo"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
+  for (const char* name : {"linear_cross_entropy", "linear_grpo", "linear_gspo"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&linear_autograd_kernel>());
 }
 
 TORCH_LIBRARY_IMPL(rl_losses, CompositeExplicitAutograd, m) {
   for (const char* name : {"cross_entropy", "grpo", "gspo"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_grad_kernel>());
+  for (const char* name : {"linear_cross_entropy", "linear_grpo", "linear_gspo"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&linear_no_grad_kernel>());
 }
 
 }  // namespace rl_losses

@@ -6,8 +6,9 @@
 //   2. the op's epilogue turns the statistics into its per-row outputs and the gradient coefficients
 //      (a, b, c) of dL/dx_j = a·p_j + c + b·[j = y]  (math.h);
 //   3. the gradient dL/dz_j = s·(a·p_j + c + b·[j = y]) is written once                    (kGrad).
-// CE and GRPO run 1-3 in one kernel (one read of the logits from DRAM, one write of the gradient);
-// GSPO runs 1, a per-document step, then 3. The CPU and CUDA back-ends implement this same contract.
+// CE and GRPO run 1-3 in one pass: one read of the logits from DRAM, one write of the gradient (on CUDA
+// where a row fits a thread-block cluster's shared memory; split_stats_pass_on_cuda says what runs
+// otherwise). GSPO runs 1, a per-document step, then 3. The CPU and CUDA back-ends implement this contract.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -30,17 +31,31 @@ struct RowPassArgs {
   int64_t vocab_total = 0;   // V of the whole vocabulary (label range check)
   bool entropy = false;      // accumulate Σp·x
   bool smoothing = false;    // accumulate Σx
+  // The epilogue's index of row 0: the rows are a chunk of a larger batch (the fused-linear ops), whose
+  // per-token arrays the epilogue indexes globally. Logits, target, stats_in and grad are the chunk's own.
+  int64_t row_offset = 0;
 
   bool compute_stats() const { return !stats_in.defined(); }
   bool write_grad() const { return grad.defined(); }
 };
 
-// On CUDA, a loss that needs its gradient runs the statistics pass as its own kernel, then the epilogue and
-// the gradient in a second one (as tensor parallelism does), rather than both in one kernel: the fused
-// kernel's second sweep of a row missed L2 and it measured 1.6x slower on an H100 (7.3 vs 4.7 ms at
-// N=16384, V=128256 bf16; benchmarks/NOTES.md). The CPU keeps the fused pass (a row stays in its cache).
+#ifdef RL_LOSSES_WITH_CUDA
+// Whether the CUDA back-end runs this pass, statistics and gradient, as one kernel that reads each row once
+// (the cluster kernel of row_pass_cuda.cuh). Defined in common/row_stats_cuda.cu, so CUDA builds only.
+bool cuda_fuses_row_pass(const RowPassArgs& args);
+#endif
+
+// On CUDA, a loss that needs its gradient runs the statistics and the gradient in one kernel where
+// cuda_fuses_row_pass says so. Elsewhere (rows too long for a cluster's shared memory, unaligned rows,
+// RL_LOSSES_ROW_KERNEL=split) it runs the statistics pass as its own kernel first, then the epilogue and the
+// gradient in a second one (as tensor parallelism does): one block per row re-reading its row for the
+// gradient misses L2 and measured 1.6x slower than this split on an H100 (7.3 vs 4.7 ms at N=16384,
+// V=128256 bf16; benchmarks/NOTES.md). The CPU keeps the fused pass (a row stays in its cache).
 inline void split_stats_pass_on_cuda(RowPassArgs& args) {
   if (!args.logits.is_cuda() || !args.write_grad() || !args.compute_stats()) return;
+#ifdef RL_LOSSES_WITH_CUDA
+  if (cuda_fuses_row_pass(args)) return;
+#endif
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("rl_losses::row_stats", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, int64_t, int64_t, bool,
@@ -62,6 +77,7 @@ struct RowPassView {
   int64_t vocab;  // V_loc
   int64_t vocab_start;
   int64_t vocab_total;
+  int64_t row_offset;
   acc_t scale;
 };
 
@@ -78,6 +94,7 @@ inline RowPassView<scalar_t, label_t, acc_t> make_view(const RowPassArgs& a) {
   v.vocab = a.logits.size(1);
   v.vocab_start = a.vocab_start;
   v.vocab_total = a.vocab_total;
+  v.row_offset = a.row_offset;
   v.scale = static_cast<acc_t>(a.scale);
   return v;
 }

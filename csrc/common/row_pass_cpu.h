@@ -71,7 +71,7 @@ void row_pass_cpu_typed(const RowPassArgs& args, const Epilogue& epi) {
       } else {
         st = load_stats(v.stats_in, row);
       }
-      const GradCoef<acc_t> coef = epi(row, label, st);
+      const GradCoef<acc_t> coef = epi(row + v.row_offset, label, st);
       if (!grad) continue;
       scalar_t* g = v.grad + row * v.grad_row_stride;
       if (coef.a == acc_t(0) && coef.b == acc_t(0) && coef.c == acc_t(0)) {

@@ -1,9 +1,17 @@
 // CUDA back-end of the row pass (row_pass.h).
 //
-// One thread block per row (grid-stride over rows). Pass 1 streams the row once with 16-byte loads, several
-// in flight per thread, folding them into an online softmax state; a block reduction combines the states;
-// thread 0 runs the op's epilogue; pass 2 re-reads the row (it is still in L2: a block's row is at most a
-// few hundred KB and only ~2 rows per SM are in flight) and writes the gradient with 16-byte stores.
+// Two kernels, both persistent (each block or cluster loops over rows), with 16-byte global accesses, an
+// online softmax state per thread (math.h) and a block reduction:
+// - row_cluster_kernel, for the fused shape (statistics and gradient in one launch: CE, GRPO): a cluster of
+//   C CTAs per row, each holding its slice of the row in shared memory, so that the logits are read from
+//   DRAM once and the gradient is written once (2 passes of memory traffic). The CTAs' statistics are
+//   combined over distributed shared memory (sm_90). It applies when a row fits in C <= 8 slices of at most
+//   kClusterSliceBytes and the rows are 16-byte aligned (row_cluster_size); split_stats_pass_on_cuda
+//   (row_pass.h) gives every other fused call a statistics launch of its own first.
+// - row_pass_kernel, one block per row, for the statistics-only and gradient-only shapes (tensor
+//   parallelism, GSPO, the split path): each reads the row once, and the gradient pass writes it once. A
+//   fused call that reaches it anyway (no resident cluster fits) re-reads the row for its gradient: correct,
+//   but the re-read misses L2 (benchmarks/NOTES.md).
 // Row offsets are 64-bit. Labels >= vocab_total trip a device-side assert (as PyTorch's own losses do);
 // the opt-in host check in Python reports them as a Python error instead.
 #pragma once
@@ -11,17 +19,26 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
+#include <cooperative_groups.h>
 
 #include <cstdlib>
-#include <string>
+#include <cstring>
 
 #include "common/row_pass.h"
 
 namespace rl_losses {
 namespace cuda {
 
-// Off by default: on an H100 no cache size beat none (benchmarks/NOTES.md); RL_LOSSES_ROW_CACHE_KB tunes it.
-constexpr int kDefaultRowCacheKB = 0;
+// Shared-memory bytes of one CTA's slice of a row in the cluster kernel. 64 KB lets 3 CTAs share an SM
+// (3 x 64 KB plus their static shared memory fit the 228 KB of an H100/H200 SM), so one CTA's cluster
+// barriers hide behind the others' loads and stores. A bf16 row of 262144 is 8 such slices.
+constexpr int64_t kClusterSliceBytes = 64 * 1024;
+constexpr int kMaxClusterSize = 8;  // the portable limit of cudaLaunchAttributeClusterDimension
+constexpr int kClusterThreads = 256;
+// CTAs per SM the kernel's registers must allow: 3 caps them at 65536 / (3 x 256) = 85 per thread (80
+// allocated), where the fp32 math fits without spills; fp64 (reference-grade tests) needs more and gets 2.
+template <typename acc_t>
+constexpr int kClusterCtasPerSm = sizeof(acc_t) == 8 ? 2 : 3;
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
@@ -47,17 +64,47 @@ __device__ inline RowStats<acc_t> block_combine(RowStats<acc_t> s, RowStats<acc_
   return s;
 }
 
+// Folds one 16-byte vector of raw logits into the state (x = s·z).
+template <bool kEntropy, bool kSmoothing, typename acc_t, typename scalar_t, int kVec>
+__device__ inline void add_vec(RowStats<acc_t>& st, const Pack<scalar_t, kVec>& z, acc_t scale) {
+  acc_t chunk[kVec];
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) chunk[k] = static_cast<acc_t>(z.v[k]) * scale;
+  st.template add_chunk<kEntropy, kSmoothing, kVec>(chunk);
+}
+
+// dL/dz_j = s·(a·p_j + c + b·[j = label]) of one element, given the row's coefficients and lse.
+template <typename scalar_t, typename acc_t>
+struct GradOf {
+  acc_t sa, sb, sc, scale, lse;
+  int64_t label;  // the label's column in the caller's indexing; out of range when the row has none here
+  bool zero;      // a = b = c = 0 (a masked row): exact zeros, never exp of a -inf lse
+
+  __device__ GradOf(const GradCoef<acc_t>& coef, acc_t lse_, acc_t scale_, int64_t label_)
+      : sa(scale_ * coef.a),
+        sb(scale_ * coef.b),
+        sc(scale_ * coef.c),
+        scale(scale_),
+        lse(lse_),
+        label(label_),
+        zero(coef.a == acc_t(0) && coef.b == acc_t(0) && coef.c == acc_t(0)) {}
+
+  __device__ scalar_t operator()(scalar_t z, int64_t j) const {
+    if (zero) return scalar_t(0);
+    const acc_t p = exp_nonpos(static_cast<acc_t>(z) * scale - lse);
+    return static_cast<scalar_t>(sa * p + sc + (j == label ? sb : acc_t(0)));
+  }
+};
+
+// One block per row: kStats streams the row (kUnroll 16-byte loads in flight per thread) into the block's
+// statistics, else they are read from stats_in; thread 0 runs the epilogue; kGrad then streams the row again
+// and writes the gradient. The row may start anywhere: an unaligned head and a tail go element by element.
 template <int kThreads, int kUnroll, typename scalar_t, typename label_t, typename acc_t, bool kStats,
           bool kGrad, bool kEntropy, bool kSmoothing, typename Epilogue>
 __global__ void __launch_bounds__(kThreads) row_pass_kernel(RowPassView<scalar_t, label_t, acc_t> v,
-                                                            Epilogue epi, int64_t cache_vecs) {
+                                                            Epilogue epi) {
   constexpr int kVec = 16 / sizeof(scalar_t);  // elements per 16-byte access
   using VecT = Pack<scalar_t, kVec>;
-  // Fused passes keep the first `cache_vecs` vectors of the row in shared memory, so that pass 2 reads
-  // them from there instead of L2/DRAM; the rest is re-read from global memory (mostly L2 hits).
-  extern __shared__ __align__(16) unsigned char row_cache_raw[];
-  VecT* cache = reinterpret_cast<VecT*>(row_cache_raw);
-  constexpr bool kCache = kStats && kGrad;
   __shared__ RowStats<acc_t> scratch[32];
   __shared__ GradCoef<acc_t> coef_shared;
   __shared__ acc_t lse_shared;
@@ -89,15 +136,7 @@ __global__ void __launch_bounds__(kThreads) row_pass_kernel(RowPassView<scalar_t
         }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-          const int64_t i = i0 + u * kThreads;
-          // Each thread later re-reads exactly the vectors it cached: no barrier needed for the cache.
-          if (kCache && i < cache_vecs) cache[i] = buf[u];
-          if (i < n_vec) {
-            acc_t chunk[kVec];
-#pragma unroll
-            for (int k = 0; k < kVec; ++k) chunk[k] = static_cast<acc_t>(buf[u].v[k]) * v.scale;
-            st.template add_chunk<kEntropy, kSmoothing, kVec>(chunk);
-          }
+          if (i0 + u * kThreads < n_vec) add_vec<kEntropy, kSmoothing>(st, buf[u], v.scale);
         }
       }
       for (int64_t j = tail + threadIdx.x; j < v.vocab; j += kThreads)
@@ -112,22 +151,14 @@ __global__ void __launch_bounds__(kThreads) row_pass_kernel(RowPassView<scalar_t
       } else {
         st = load_stats(v.stats_in, row);
       }
-      coef_shared = epi(row, label, st);
+      coef_shared = epi(row + v.row_offset, label, st);
       lse_shared = st.lse();
     }
     __syncthreads();
 
     if constexpr (kGrad) {
-      const GradCoef<acc_t> coef = coef_shared;
-      const acc_t lse = lse_shared;
+      const GradOf<scalar_t, acc_t> grad_of(coef_shared, lse_shared, v.scale, local);
       scalar_t* g = v.grad + row * v.grad_row_stride;
-      const bool zero = coef.a == acc_t(0) && coef.b == acc_t(0) && coef.c == acc_t(0);
-      const acc_t sa = v.scale * coef.a, sc = v.scale * coef.c, sb = v.scale * coef.b;
-      auto grad_of = [&](scalar_t z, int64_t j) -> scalar_t {
-        if (zero) return scalar_t(0);  // masked row: exact zeros, never exp of a -inf lse
-        const acc_t p = exp_nonpos(static_cast<acc_t>(z) * v.scale - lse);
-        return static_cast<scalar_t>(sa * p + sc + (j == local ? sb : acc_t(0)));
-      };
       // The vector path needs the gradient row to share the logits row's alignment (true for contiguous
       // logits and a contiguous gradient); otherwise the row is written element by element.
       const bool same_align = (reinterpret_cast<uintptr_t>(g) % 16) == (reinterpret_cast<uintptr_t>(x) % 16);
@@ -140,11 +171,7 @@ __global__ void __launch_bounds__(kThreads) row_pass_kernel(RowPassView<scalar_t
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
             const int64_t i = i0 + u * kThreads;
-            if (kCache && i < cache_vecs) {
-              buf[u] = cache[i];
-            } else if (i < n_vec) {
-              buf[u] = xv[i];
-            }
+            if (i < n_vec) buf[u] = xv[i];
           }
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
@@ -167,14 +194,210 @@ __global__ void __launch_bounds__(kThreads) row_pass_kernel(RowPassView<scalar_t
   }
 }
 
-// Bytes of a row the fused kernel keeps in shared memory. RL_LOSSES_ROW_CACHE_KB overrides the default
-// (a tuning knob, read once per process); see benchmarks/NOTES.md for how the default was chosen.
-inline int64_t row_cache_bytes() {
-  static const int64_t bytes = [] {
-    const char* env = std::getenv("RL_LOSSES_ROW_CACHE_KB");
-    return (env ? std::atoll(env) : int64_t(kDefaultRowCacheKB)) * 1024;
+// 16-byte copy from global to shared memory that does not pass through registers (cp.async, sm_80+; L2
+// only), and the waits for the groups of such copies a thread has committed.
+__device__ inline void cp_async_16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ inline void cp_async_wait() {  // until at most kPending of this thread's groups are in flight
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Fused statistics, epilogue and gradient (CE, GRPO) with a cluster of C CTAs per row, C = the cluster's
+// size (1 to 8). CTA rank r owns the columns [r·slice, min(V, (r+1)·slice)) of every row and keeps them in
+// shared memory from their load to their gradient, so that the logits are read from DRAM once. Per row:
+//   1. each thread copies its 16-byte vectors of the slice into shared memory with cp.async, all of them
+//      in flight at once (in two groups: it folds the first half into its online softmax state while the
+//      second lands); the block reduces the states; thread 0 adds the label's logit (if the label is in
+//      this slice) and publishes the CTA's state in `partial`;
+//   2. cluster barrier; warp 0 of rank 0 combines the C states over distributed shared memory (a fixed
+//      shuffle tree, so the result does not depend on timing), lane 0 runs the epilogue once and publishes
+//      (a, b, c) and lse;
+//   3. cluster barrier; every CTA reads them from rank 0 and writes the gradient of its slice from shared
+//      memory. In place (grad == logits) is safe: a CTA writes only its own slice, after reading all of it.
+// The copies go to shared memory directly because registers are the scarce resource here: 3 CTAs of 256
+// threads per SM leave 85 per thread, and holding even 8 bf16 vectors per thread in registers spilled.
+// Each thread copies, and later reads back, only the vectors i ≡ threadIdx.x (mod kThreads) of the slice
+// (the partial last vector included), so the next row may overwrite the buffer without a block barrier:
+// a thread's reads of a vector feed its gradient stores, which are issued before the copy that overwrites it.
+// The two cluster barriers order every other shared access: rank 0 reads `partial` only between barriers 1
+// and 2 of a row, and every CTA reads the coefficients only between barrier 2 and the next row's barrier 1,
+// so one buffer of each suffices.
+template <int kThreads, typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing,
+          typename Epilogue>
+__global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
+    row_cluster_kernel(RowPassView<scalar_t, label_t, acc_t> v, Epilogue epi, int slice_vecs) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  CUDA_KERNEL_ASSERT(false && "rl_losses: thread-block clusters need sm_90");  // not launched there
+#else
+  constexpr int kVec = 16 / sizeof(scalar_t);
+  using VecT = Pack<scalar_t, kVec>;
+  const auto cluster = cooperative_groups::this_cluster();
+  const int n_ctas = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
+  extern __shared__ __align__(16) unsigned char slice_raw[];
+  VecT* slice = reinterpret_cast<VecT*>(slice_raw);
+  __shared__ RowStats<acc_t> scratch[32];
+  __shared__ RowStats<acc_t> partial;      // this CTA's statistics of the row
+  __shared__ GradCoef<acc_t> coef_shared;  // rank 0's copy is the one read
+  __shared__ acc_t lse_shared;
+
+  // This CTA's columns: n_full whole vectors, then rem < kVec elements (the row's end, in the last CTA only).
+  const int64_t begin = static_cast<int64_t>(rank) * slice_vecs * kVec;
+  const int n_elems = static_cast<int>(
+      std::max<int64_t>(0, std::min<int64_t>(v.vocab - begin, static_cast<int64_t>(slice_vecs) * kVec)));
+  const int n_full = n_elems / kVec, rem = n_elems % kVec;
+  const bool owns_rem = rem != 0 && static_cast<int>(threadIdx.x) == n_full % kThreads;
+  // The copies are committed in two groups, whole vectors per thread each: the first half is folded while
+  // the second lands.
+  const int half = std::min(n_full, (n_full + 2 * kThreads - 1) / (2 * kThreads) * kThreads);
+
+  for (int64_t row = blockIdx.x / n_ctas; row < v.n_rows; row += gridDim.x / n_ctas) {
+    const scalar_t* x = v.logits + row * v.row_stride + begin;
+    const VecT* xv = reinterpret_cast<const VecT*>(x);
+    for (int i = threadIdx.x; i < half; i += kThreads) cp_async_16(&slice[i], &xv[i]);
+    cp_async_commit();
+    for (int i = half + threadIdx.x; i < n_full; i += kThreads) cp_async_16(&slice[i], &xv[i]);
+    cp_async_commit();
+    const int64_t label = static_cast<int64_t>(v.target[row]);
+    const int64_t local = label - v.vocab_start - begin;  // the label's column within this slice
+    const bool has_label = label >= 0 && local >= 0 && local < n_elems;
+
+    RowStats<acc_t> st = RowStats<acc_t>::empty();
+    if (owns_rem) {
+      VecT part;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        if (k < rem) {
+          part.v[k] = x[n_full * kVec + k];
+          st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(part.v[k]) * v.scale);
+        }
+      }
+      slice[n_full] = part;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (h == 0) {
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+#pragma unroll 2
+      for (int i = threadIdx.x + (h == 0 ? 0 : half); i < (h == 0 ? half : n_full); i += kThreads) {
+        add_vec<kEntropy, kSmoothing>(st, slice[i], v.scale);
+      }
+    }
+    st = block_combine(st, scratch);  // its barrier also makes the whole slice visible to thread 0
+    if (threadIdx.x == 0) {
+      st.label = has_label ? static_cast<acc_t>(reinterpret_cast<const scalar_t*>(slice)[local]) * v.scale
+                           : acc_t(0);
+      partial = st;
+    }
+    cluster.sync();
+    if (rank == 0 && threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      RowStats<acc_t> all = lane < n_ctas ? *cluster.map_shared_rank(&partial, lane) : RowStats<acc_t>::empty();
+      for (int m = kMaxClusterSize / 2; m > 0; m >>= 1) all = RowStats<acc_t>::combine(all, shfl_xor(all, m));
+      if (lane == 0) {
+        CUDA_KERNEL_ASSERT(label < v.vocab_total && "rl_losses: a target label is >= the vocabulary size");
+        coef_shared = epi(row + v.row_offset, label, all);
+        lse_shared = all.lse();
+      }
+    }
+    cluster.sync();
+
+    const GradOf<scalar_t, acc_t> grad_of(*cluster.map_shared_rank(&coef_shared, 0),
+                                          *cluster.map_shared_rank(&lse_shared, 0), v.scale,
+                                          has_label ? local : int64_t(-1));
+    VecT* gv = reinterpret_cast<VecT*>(v.grad + row * v.grad_row_stride + begin);
+#pragma unroll 2
+    for (int i = threadIdx.x; i < n_full; i += kThreads) {
+      const VecT z = slice[i];
+      VecT out;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) out.v[k] = grad_of(z.v[k], i * kVec + k);
+      gv[i] = out;
+    }
+    if (owns_rem) {
+      const VecT z = slice[n_full];
+      scalar_t* g = reinterpret_cast<scalar_t*>(gv + n_full);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        if (k < rem) g[k] = grad_of(z.v[k], n_full * kVec + k);
+      }
+    }
+  }
+  cluster.sync();  // no CTA exits while a peer may still read its shared memory (rank 0's coefficients)
+#endif
+}
+
+// 16-byte vectors in each CTA's slice when a row of `vocab` elements of `elem_bytes` is split over n_ctas.
+inline int64_t cluster_slice_vecs(int64_t vocab, int64_t elem_bytes, int n_ctas) {
+  const int64_t per_cta = (vocab + n_ctas - 1) / n_ctas;
+  const int64_t vec = 16 / elem_bytes;
+  return (per_cta + vec - 1) / vec;
+}
+
+// The cluster size row_cluster_kernel runs these arguments with: the smallest power of two whose slices fit
+// kClusterSliceBytes; 0 where it does not apply: not the fused shape, a device older than sm_90, rows of the
+// logits or the gradient not 16-byte aligned, a row larger than kMaxClusterSize slices, or
+// RL_LOSSES_ROW_KERNEL=split (forces the statistics kernel + gradient kernel path, for comparison; read once).
+inline int row_cluster_size(const RowPassArgs& args) {
+  static const bool force_split = [] {
+    const char* env = std::getenv("RL_LOSSES_ROW_KERNEL");
+    return env != nullptr && std::strcmp(env, "split") == 0;
   }();
-  return bytes;
+  if (force_split || !args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return 0;
+  const int64_t elem = args.logits.element_size();
+  auto rows_aligned = [&](const at::Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && (t.stride(0) * elem) % 16 == 0;
+  };
+  if (!rows_aligned(args.logits) || !rows_aligned(args.grad)) return 0;
+  if (at::cuda::getDeviceProperties(args.logits.get_device())->major < 9) return 0;
+  for (int c = 1; c <= kMaxClusterSize; c *= 2) {
+    if (cluster_slice_vecs(args.logits.size(1), elem, c) * 16 <= kClusterSliceBytes) return c;
+  }
+  return 0;
+}
+
+// Launches row_cluster_kernel where it applies; returns false otherwise.
+template <typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing, typename Epilogue>
+bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
+  const int n_ctas = row_cluster_size(args);
+  if (n_ctas == 0) return false;
+  auto* kernel = &row_cluster_kernel<kClusterThreads, scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue>;
+  const auto v = make_view<scalar_t, label_t, acc_t>(args);
+  const int slice_vecs = static_cast<int>(cluster_slice_vecs(v.vocab, sizeof(scalar_t), n_ctas));
+  const size_t smem = static_cast<size_t>(slice_vecs) * 16;
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  // All of the SM's unified L1/shared memory as shared memory, so that 3 slices fit (the kernel's loads
+  // bypass L1 anyway).
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  cudaLaunchAttribute cluster_dim;
+  cluster_dim.id = cudaLaunchAttributeClusterDimension;
+  cluster_dim.val.clusterDim.x = static_cast<unsigned>(n_ctas);
+  cluster_dim.val.clusterDim.y = 1;
+  cluster_dim.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(n_ctas));
+  cfg.blockDim = dim3(kClusterThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = at::cuda::getCurrentCUDAStream();
+  cfg.attrs = &cluster_dim;
+  cfg.numAttrs = 1;
+  // Persistent grid: as many clusters as can be resident at once, each looping over rows. (A cluster cannot
+  // span GPCs, so this can be fewer than SMs x CTAs per SM / C; any more would wait for a second wave.)
+  int max_clusters = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg));
+  if (max_clusters == 0) return false;
+  cfg.gridDim = dim3(static_cast<unsigned>(n_ctas * std::min<int64_t>(v.n_rows, max_clusters)));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, v, epi, slice_vecs));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
 }
 
 template <int kThreads, typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing,
@@ -189,24 +412,11 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
     constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
     auto* kernel =
         &row_pass_kernel<kThreads, kUnroll, scalar_t, label_t, acc_t, kS, kG, kEntropy, kSmoothing, Epilogue>;
-    // Shared-memory row cache (fused passes only): as much of a row as fits the budget.
-    const int64_t row_vecs = v.vocab * static_cast<int64_t>(sizeof(scalar_t)) / 16;
-    const int64_t budget = std::min<int64_t>(row_cache_bytes(), props->sharedMemPerBlockOptin - 2048);
-    const int64_t cache_vecs = (kS && kG) ? std::min<int64_t>(row_vecs, budget / 16) : 0;
-    const size_t smem = static_cast<size_t>(cache_vecs) * 16;
-    if (smem > 48 * 1024) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    }
-    // Grid: a full SM's worth of threads per SM, each block looping over rows. (Sizing it by the occupancy
-    // calculator instead, i.e. one resident 1024-thread block per SM, measured 1.7x slower on an H100.)
-    static const bool one_block_per_row = [] {
-      const char* env = std::getenv("RL_LOSSES_ROW_GRID");  // tuning knob: "rows" or "persistent" (default)
-      return env && std::string(env) == "rows";
-    }();
-    const int64_t max_blocks = one_block_per_row ? v.n_rows
-                                                 : static_cast<int64_t>(props->multiProcessorCount) * (2048 / kThreads);
+    // Grid: a full SM's worth of threads per SM, each block looping over rows. (One resident 1024-thread
+    // block per SM measured 1.7x slower on an H100.)
+    const int64_t max_blocks = static_cast<int64_t>(props->multiProcessorCount) * (2048 / kThreads);
     const dim3 grid(static_cast<unsigned>(std::min<int64_t>(v.n_rows, max_blocks)));
-    kernel<<<grid, kThreads, smem, stream>>>(v, epi, cache_vecs);
+    kernel<<<grid, kThreads, 0, stream>>>(v, epi);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   using T = std::true_type;
@@ -215,7 +425,10 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
   TORCH_CHECK((stats || Epilogue::kMayReadStats) && (!grad || Epilogue::kMayWriteGrad),
               "rl_losses: internal error: unsupported row-pass shape");
   if constexpr (Epilogue::kMayWriteGrad) {
-    if (stats && grad) return launch(T{}, T{});
+    if (stats && grad) {
+      if (launch_row_cluster<scalar_t, label_t, acc_t, kEntropy, kSmoothing>(args, epi)) return;
+      return launch(T{}, T{});
+    }
     if constexpr (Epilogue::kMayReadStats) {
       if (grad) return launch(F{}, T{});
     }

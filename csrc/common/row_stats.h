@@ -19,7 +19,8 @@ at::Tensor row_stats_op(const at::Tensor& logits, const at::Tensor& target, doub
   const FlatLogits f = check_and_flatten(op, logits, target, vocab_start, vocab_size);
   check_scale(op, logits_scale_factor);
   at::Tensor out = at::empty({f.n_rows, 5}, logits.options().dtype(acc_dtype(logits.scalar_type())));
-  RowPassArgs args = make_row_pass_args(f, logits_scale_factor, vocab_start);
+  RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
+  args.logits = f.logits2d;
   args.entropy = entropy;
   args.smoothing = smoothing;
   if (f.n_rows > 0) kBackend(args, out);

@@ -1,8 +1,11 @@
-// CUDA back-ends of `row_stats` and `_scale_grad_` (registered in csrc/cuda_registration.cpp).
+// CUDA back-ends of `row_stats` and `_scale_grad_` (registered in csrc/cuda_registration.cpp), and the
+// CUDA side of split_stats_pass_on_cuda (row_pass.h).
 #include "common/row_pass_cuda.cuh"
 #include "common/row_stats.h"
 
 namespace rl_losses {
+
+bool cuda_fuses_row_pass(const RowPassArgs& args) { return cuda::row_cluster_size(args) != 0; }
 
 void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out) {
   cuda::row_pass_cuda(args, "row_stats", [&](auto* tag) {

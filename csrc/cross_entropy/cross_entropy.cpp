@@ -6,13 +6,14 @@
 
 namespace rl_losses {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
-    const at::Tensor& logits, const at::Tensor& target, double logits_scale_factor, double label_smoothing,
-    double z_loss_factor, double label_weight, const std::string& reduction, std::optional<double> divisor,
-    const std::optional<at::Tensor>& row_stats, int64_t vocab_start, int64_t vocab_size, bool compute_grad,
-    bool inplace, CrossEntropyBackend backend) {
-  constexpr const char* op = "cross_entropy";
-  const FlatLogits f = check_and_flatten(op, logits, target, vocab_start, vocab_size);
+std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(RowSource& src, const at::Tensor& target,
+                                                         double logits_scale_factor, double label_smoothing,
+                                                         double z_loss_factor, double label_weight,
+                                                         const std::string& reduction, std::optional<double> divisor,
+                                                         const std::optional<at::Tensor>& row_stats,
+                                                         CrossEntropyBackend backend) {
+  const char* op = src.op();
+  const FlatLogits& f = src.flat();
   check_scale(op, logits_scale_factor);
   TORCH_CHECK(std::isfinite(label_smoothing) && label_smoothing >= 0 && label_smoothing < 1, op,
               ": label_smoothing must be in [0, 1), got ", label_smoothing);
@@ -23,8 +24,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
   check_divisor(op, divisor);
   check_row_stats(op, row_stats, f);
 
-  const auto acc = acc_dtype(logits.scalar_type());
-  const auto opts = logits.options().dtype(acc);
+  const auto opts = src.acc_options();
+  const auto acc = opts.dtype().toScalarType();
   const at::Tensor labelled = f.target1d.ge(0);
   at::Tensor d;
   if (reduction == "none") {
@@ -38,18 +39,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
 
   CrossEntropyRows rows{{label_weight, label_smoothing, z_loss_factor, static_cast<double>(f.vocab_total)},
                         d, at::empty({f.n_rows}, opts), at::empty({f.n_rows}, opts)};
-  RowPassArgs args = make_row_pass_args(f, logits_scale_factor, vocab_start);
+  RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
   if (row_stats) args.stats_in = *row_stats;
   args.smoothing = label_smoothing != 0 && label_weight != 0;
-  const at::Tensor grad = attach_grad(op, args, f, logits, compute_grad, inplace);
   if (f.n_rows > 0) {
-    split_stats_pass_on_cuda(args);
-    backend(args, rows);
+    src.run(args, src.wants_grad(), [&](RowPassArgs& a) {
+      split_stats_pass_on_cuda(a);
+      backend(a, rows);
+    });
   }
 
   const auto batch = target.sizes();
   at::Tensor loss = reduction == "none" ? rows.row_loss.view(batch) : rows.row_loss.sum();
-  return {loss, rows.lse.view(batch), grad};
+  return {loss, rows.lse.view(batch)};
 }
 
 }  // namespace rl_losses

@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "common/row_pass.h"
+#include "common/row_source.h"
 
 namespace rl_losses {
 
@@ -45,14 +46,14 @@ struct CrossEntropyRows {
 
 using CrossEntropyBackend = void (*)(const RowPassArgs&, const CrossEntropyRows&);
 
-// Shared forward: validation, flattening, divisor, back-end call, reduction.
-// Returns (loss, lse, grad); grad is written into `grad_out` when given (inplace_backward), else allocated
-// when compute_grad, else undefined.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
-    const at::Tensor& logits, const at::Tensor& target, double logits_scale_factor, double label_smoothing,
-    double z_loss_factor, double label_weight, const std::string& reduction, std::optional<double> divisor,
-    const std::optional<at::Tensor>& row_stats, int64_t vocab_start, int64_t vocab_size, bool compute_grad,
-    bool inplace, CrossEntropyBackend backend);
+// Shared forward over any row source: validation, divisor, back-end call, reduction. Returns (loss, lse);
+// the gradient, when the source wants one, is the source's (src.grads()).
+std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(RowSource& src, const at::Tensor& target,
+                                                         double logits_scale_factor, double label_smoothing,
+                                                         double z_loss_factor, double label_weight,
+                                                         const std::string& reduction, std::optional<double> divisor,
+                                                         const std::optional<at::Tensor>& row_stats,
+                                                         CrossEntropyBackend backend);
 
 // The registered forward ops of one back-end (its .cpp/.cu file registers these with its row function).
 template <CrossEntropyBackend kBackend>
@@ -61,16 +62,16 @@ struct CrossEntropyOps {
       const at::Tensor& logits, const at::Tensor& target, double s, double eps, double z, double lw,
       c10::string_view reduction, std::optional<double> d, const std::optional<at::Tensor>& stats, int64_t vs,
       int64_t vn, bool compute_grad) {
-    return cross_entropy_forward(logits, target, s, eps, z, lw, std::string(reduction), d, stats, vs, vn,
-                                 compute_grad, false, kBackend);
+    LogitsSource src("cross_entropy", logits, target, vs, vn, compute_grad, false);
+    auto [loss, lse] = cross_entropy_forward(src, target, s, eps, z, lw, std::string(reduction), d, stats, kBackend);
+    return {loss, lse, src.grads()[0]};
   }
   static std::tuple<at::Tensor, at::Tensor> forward_inplace(
       const at::Tensor& logits, const at::Tensor& target, double s, double eps, double z, double lw,
       c10::string_view reduction, std::optional<double> d, const std::optional<at::Tensor>& stats, int64_t vs,
       int64_t vn) {
-    auto out = cross_entropy_forward(logits, target, s, eps, z, lw, std::string(reduction), d, stats, vs, vn,
-                                     true, true, kBackend);
-    return {std::get<0>(out), std::get<1>(out)};
+    LogitsSource src("cross_entropy", logits, target, vs, vn, false, true);
+    return cross_entropy_forward(src, target, s, eps, z, lw, std::string(reduction), d, stats, kBackend);
   }
 };
 

@@ -7,16 +7,15 @@
 
 namespace rl_losses {
 
-std::vector<at::Tensor> grpo_forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& advantages,
+std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, const at::Tensor& advantages,
                                      const at::Tensor& old_log_probs, const std::optional<at::Tensor>& ref_log_probs,
                                      const std::optional<at::Tensor>& loss_weights,
                                      const std::optional<at::Tensor>& label_counts, double epsilon_low,
                                      double epsilon_high, std::optional<double> delta, double beta,
                                      std::optional<double> divisor, double logits_scale_factor, bool compute_entropy,
-                                     const std::optional<at::Tensor>& row_stats, int64_t vocab_start,
-                                     int64_t vocab_size, bool compute_grad, bool inplace, GrpoBackend backend) {
-  constexpr const char* op = "grpo";
-  const FlatLogits f = check_and_flatten(op, logits, target, vocab_start, vocab_size);
+                                     const std::optional<at::Tensor>& row_stats, GrpoBackend backend) {
+  const char* op = src.op();
+  const FlatLogits& f = src.flat();
   check_scale(op, logits_scale_factor);
   check_epsilons(op, epsilon_low, epsilon_high);
   TORCH_CHECK(!delta || (std::isfinite(*delta) && *delta > 1 + epsilon_high), op,
@@ -26,8 +25,8 @@ std::vector<at::Tensor> grpo_forward(const at::Tensor& logits, const at::Tensor&
   check_divisor(op, divisor);
   check_row_stats(op, row_stats, f);
 
-  const auto acc = acc_dtype(logits.scalar_type());
-  const auto opts = logits.options().dtype(acc);
+  const auto opts = src.acc_options();
+  const auto acc = opts.dtype().toScalarType();
   GrpoRows rows;
   rows.opt = {{epsilon_low, epsilon_high, delta ? *delta : std::numeric_limits<double>::infinity()}, beta};
   rows.advantages = check_per_token(op, "advantages", advantages, target, acc);
@@ -43,13 +42,14 @@ std::vector<at::Tensor> grpo_forward(const at::Tensor& logits, const at::Tensor&
   rows.out = at::empty({f.n_rows, kGrpoFields}, opts);
   rows.entropy = compute_entropy;
 
-  RowPassArgs args = make_row_pass_args(f, logits_scale_factor, vocab_start);
+  RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
   if (row_stats) args.stats_in = *row_stats;
   args.entropy = compute_entropy && !row_stats;
-  const at::Tensor grad = attach_grad(op, args, f, logits, compute_grad, inplace);
   if (f.n_rows > 0) {
-    split_stats_pass_on_cuda(args);
-    backend(args, rows);
+    src.run(args, src.wants_grad(), [&](RowPassArgs& a) {
+      split_stats_pass_on_cuda(a);
+      backend(a, rows);
+    });
   } else {
     rows.out.zero_();
   }
@@ -70,8 +70,7 @@ std::vector<at::Tensor> grpo_forward(const at::Tensor& logits, const at::Tensor&
           sums[kGrpoKlOld] / n_labelled,
           sums[kGrpoEntropy] / n_labelled,
           lp.contiguous().view(batch),
-          sums[kGrpoRatio] / n_labelled,
-          grad};
+          sums[kGrpoRatio] / n_labelled};
 }
 
 }  // namespace rl_losses

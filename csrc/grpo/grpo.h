@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/row_pass.h"
+#include "common/row_source.h"
 
 namespace rl_losses {
 
@@ -70,15 +71,14 @@ GrpoEpilogue<acc_t> make_grpo_epilogue(const GrpoRows& r) {
 
 using GrpoBackend = void (*)(const RowPassArgs&, const GrpoRows&);
 
-// Returns the 8 outputs of the `grpo` schema followed by the gradient (see cross_entropy_forward).
-std::vector<at::Tensor> grpo_forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& advantages,
+// Returns the 8 outputs of the `grpo` schema; the gradient, when the source wants one, is the source's.
+std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, const at::Tensor& advantages,
                                      const at::Tensor& old_log_probs, const std::optional<at::Tensor>& ref_log_probs,
                                      const std::optional<at::Tensor>& loss_weights,
                                      const std::optional<at::Tensor>& label_counts, double epsilon_low,
                                      double epsilon_high, std::optional<double> delta, double beta,
                                      std::optional<double> divisor, double logits_scale_factor, bool compute_entropy,
-                                     const std::optional<at::Tensor>& row_stats, int64_t vocab_start,
-                                     int64_t vocab_size, bool compute_grad, bool inplace, GrpoBackend backend);
+                                     const std::optional<at::Tensor>& row_stats, GrpoBackend backend);
 
 using T8 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using T9 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
@@ -86,22 +86,21 @@ using T9 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor
 
 template <GrpoBackend kBackend>
 struct GrpoOps {
+  using Opt = std::optional<at::Tensor>;
   static T9 forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv, const at::Tensor& old,
-                    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& w,
-                    const std::optional<at::Tensor>& counts, double el, double eh, std::optional<double> delta,
-                    double beta, std::optional<double> d, double s, bool entropy,
-                    const std::optional<at::Tensor>& stats, int64_t vs, int64_t vn, bool compute_grad) {
-    auto o = grpo_forward(logits, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, stats, vs, vn,
-                          compute_grad, false, kBackend);
-    return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8]};
+                    const Opt& ref, const Opt& w, const Opt& counts, double el, double eh, std::optional<double> delta,
+                    double beta, std::optional<double> d, double s, bool entropy, const Opt& stats, int64_t vs,
+                    int64_t vn, bool compute_grad) {
+    LogitsSource src("grpo", logits, target, vs, vn, compute_grad, false);
+    auto o = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, stats, kBackend);
+    return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], src.grads()[0]};
   }
   static T8 forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
-                            const at::Tensor& old, const std::optional<at::Tensor>& ref,
-                            const std::optional<at::Tensor>& w, const std::optional<at::Tensor>& counts, double el,
+                            const at::Tensor& old, const Opt& ref, const Opt& w, const Opt& counts, double el,
                             double eh, std::optional<double> delta, double beta, std::optional<double> d, double s,
-                            bool entropy, const std::optional<at::Tensor>& stats, int64_t vs, int64_t vn) {
-    auto o = grpo_forward(logits, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, stats, vs, vn,
-                          true, true, kBackend);
+                            bool entropy, const Opt& stats, int64_t vs, int64_t vn) {
+    LogitsSource src("grpo", logits, target, vs, vn, false, true);
+    auto o = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, stats, kBackend);
     return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]};
   }
 };

@@ -35,25 +35,24 @@ at::Tensor gspo_document_sums(const at::Tensor& log_probs, const at::Tensor& tar
   return at::zeros({num_documents, kGspoSums}, lp.options()).index_add_(0, safe, values);
 }
 
-std::vector<at::Tensor> gspo_forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& advantages,
+std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, const at::Tensor& advantages,
                                      const at::Tensor& old_log_probs, const at::Tensor& document_index,
                                      std::optional<int64_t> num_documents,
                                      const std::optional<at::Tensor>& label_counts, double epsilon_low,
                                      double epsilon_high, const std::string& weighting, bool token_advantages,
                                      std::optional<double> divisor, double logits_scale_factor, bool compute_entropy,
                                      const std::optional<at::Tensor>& row_stats,
-                                     const std::optional<at::Tensor>& document_sums, int64_t vocab_start,
-                                     int64_t vocab_size, bool compute_grad, bool inplace, const GspoBackend& backend) {
-  constexpr const char* op = "gspo";
-  const FlatLogits f = check_and_flatten(op, logits, target, vocab_start, vocab_size);
+                                     const std::optional<at::Tensor>& document_sums, const GspoBackend& backend) {
+  const char* op = src.op();
+  const FlatLogits& f = src.flat();
   check_scale(op, logits_scale_factor);
   check_epsilons(op, epsilon_low, epsilon_high);
   check_divisor(op, divisor);
   check_row_stats(op, row_stats, f);
   TORCH_CHECK(weighting == "document" || weighting == "token", op,
               ": weighting must be 'document' or 'token', got '", weighting, "'");
-  const auto acc = acc_dtype(logits.scalar_type());
-  const auto opts = logits.options().dtype(acc);
+  const auto opts = src.acc_options();
+  const auto acc = opts.dtype().toScalarType();
   const at::Tensor adv = check_per_token(op, "advantages", advantages, target, acc);
   const at::Tensor old = check_per_token(op, "old_log_probs", old_log_probs, target, acc);
   const at::Tensor doc = check_per_token_int(op, "document_index", document_index, target);
@@ -75,21 +74,21 @@ std::vector<at::Tensor> gspo_forward(const at::Tensor& logits, const at::Tensor&
   }
   if (document_sums) {
     TORCH_CHECK(document_sums->dim() == 2 && document_sums->size(0) == n_docs && document_sums->size(1) == kGspoSums &&
-                    document_sums->scalar_type() == acc && document_sums->device() == logits.device(),
-                op, ": document_sums must be (", n_docs, ", ", int(kGspoSums), ") ", acc, " on ", logits.device(),
+                    document_sums->scalar_type() == acc && document_sums->device() == opts.device(),
+                op, ": document_sums must be (", n_docs, ", ", int(kGspoSums), ") ", acc, " on ", opts.device(),
                 ", got ", document_sums->sizes(), " ", document_sums->scalar_type(), " on ",
                 document_sums->device());
   }
 
   // Pass 1: row statistics (unless given, e.g. all-reduced over the tensor-parallel group).
-  RowPassArgs args = make_row_pass_args(f, logits_scale_factor, vocab_start);
+  RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
   at::Tensor stats;
   if (row_stats) {
     stats = *row_stats;
   } else {
     stats = at::empty({f.n_rows, 5}, opts);
     args.entropy = compute_entropy;
-    if (f.n_rows > 0) backend.stats(args, stats);
+    if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.stats(a, stats); });
     args.entropy = false;
   }
 
@@ -121,10 +120,9 @@ std::vector<at::Tensor> gspo_forward(const at::Tensor& logits, const at::Tensor&
                  coef);
 
   // Pass 2: the gradient.
-  const at::Tensor grad = attach_grad(op, args, f, logits, compute_grad, inplace);
-  if (args.grad.defined() && f.n_rows > 0) {
+  if (src.wants_grad() && f.n_rows > 0) {
     args.stats_in = stats;
-    backend.grad(args, coef);
+    src.run(args, true, [&](RowPassArgs& a) { backend.grad(a, coef); });
   }
 
   // Metrics (SPEC §2.4).
@@ -139,8 +137,7 @@ std::vector<at::Tensor> gspo_forward(const at::Tensor& logits, const at::Tensor&
           compute_entropy ? entropy.sum() / mask.sum().clamp_min(1) : at::zeros({}, opts),
           lp.view(target.sizes()),
           (ratios * has).sum() / n_labelled_docs,
-          ratios.contiguous(),
-          grad};
+          ratios.contiguous()};
 }
 
 }  // namespace rl_losses

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/row_pass.h"
+#include "common/row_source.h"
 
 namespace rl_losses {
 
@@ -114,16 +115,15 @@ at::Tensor gspo_document_sums(const at::Tensor& log_probs, const at::Tensor& tar
                               const at::Tensor& old_log_probs, const at::Tensor& document_index,
                               const at::Tensor& label_counts, int64_t num_documents);
 
-// The 9 outputs of the `gspo` schema followed by the gradient.
-std::vector<at::Tensor> gspo_forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& advantages,
+// The 9 outputs of the `gspo` schema; the gradient, when the source wants one, is the source's.
+std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, const at::Tensor& advantages,
                                      const at::Tensor& old_log_probs, const at::Tensor& document_index,
                                      std::optional<int64_t> num_documents,
                                      const std::optional<at::Tensor>& label_counts, double epsilon_low,
                                      double epsilon_high, const std::string& weighting, bool token_advantages,
                                      std::optional<double> divisor, double logits_scale_factor, bool compute_entropy,
                                      const std::optional<at::Tensor>& row_stats,
-                                     const std::optional<at::Tensor>& document_sums, int64_t vocab_start,
-                                     int64_t vocab_size, bool compute_grad, bool inplace, const GspoBackend& backend);
+                                     const std::optional<at::Tensor>& document_sums, const GspoBackend& backend);
 
 // The registered forward ops, given a back-end (the CPU and CUDA registrations bind it).
 using GspoOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
@@ -138,17 +138,19 @@ struct GspoOps {
                                     const Opt& counts, double el, double eh, c10::string_view weighting,
                                     bool token_adv, std::optional<double> d, double s, bool entropy, const Opt& stats,
                                     const Opt& sums, int64_t vs, int64_t vn, bool compute_grad) {
-    auto o = gspo_forward(logits, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d,
-                          s, entropy, stats, sums, vs, vn, compute_grad, false, kBackend());
-    return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9]};
+    LogitsSource src("gspo", logits, target, vs, vn, compute_grad, false);
+    auto o = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d, s,
+                          entropy, stats, sums, kBackend());
+    return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], src.grads()[0]};
   }
   static GspoOutputs forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
                                      const at::Tensor& old, const at::Tensor& doc, std::optional<int64_t> n_docs,
                                      const Opt& counts, double el, double eh, c10::string_view weighting,
                                      bool token_adv, std::optional<double> d, double s, bool entropy,
                                      const Opt& stats, const Opt& sums, int64_t vs, int64_t vn) {
-    auto o = gspo_forward(logits, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d,
-                          s, entropy, stats, sums, vs, vn, true, true, kBackend());
+    LogitsSource src("gspo", logits, target, vs, vn, false, true);
+    auto o = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d, s,
+                          entropy, stats, sums, kBackend());
     return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8]};
   }
 };

@@ -1,8 +1,9 @@
-// CPU registration of the GSPO ops.
+// CPU registration of the GSPO ops (from logits and from hidden states).
 #include <torch/library.h>
 
 #include "common/row_pass_cpu.h"
 #include "gspo/gspo.h"
+#include "linear/linear.h"
 
 namespace rl_losses {
 namespace {
@@ -17,6 +18,7 @@ const GspoBackend& gspo_backend_cpu() {
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   m.impl("_gspo_forward", &GspoOps<gspo_backend_cpu>::forward);
   m.impl("_gspo_forward_inplace", &GspoOps<gspo_backend_cpu>::forward_inplace);
+  m.impl("_linear_gspo_forward", &LinearGspoOp<gspo_backend_cpu, accumulate_weight_grad_cpu>::forward);
 }
 
 // Pure ATen, the same on every device.

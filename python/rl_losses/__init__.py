@@ -2,7 +2,8 @@
 
 The ops live in ``torch.ops.rl_losses`` (C++/CUDA, loaded from ``rl_losses._C``); this package adds the
 functional wrappers (``rl_losses.cross_entropy``, ``rl_losses.z_loss``, ``rl_losses.grpo_loss``,
-``rl_losses.gspo_loss``), a pure-PyTorch reference (``rl_losses.reference``) and Fast-LLM-style configs and
+``rl_losses.gspo_loss``; ``rl_losses.linear_*``: the same from hidden states and the lm_head weight, without
+materialising the logits), a pure-PyTorch reference (``rl_losses.reference``) and Fast-LLM-style configs and
 loss modules (``rl_losses.config``).
 """
 import torch  # noqa: F401  (must load before the library, which links against it)
@@ -15,6 +16,9 @@ from rl_losses.functional import (  # noqa: F401
     cuda_kernels_available,
     grpo_loss,
     gspo_loss,
+    linear_cross_entropy,
+    linear_grpo_loss,
+    linear_gspo_loss,
     z_loss,
 )
 from rl_losses import config, losses, packing  # noqa: F401  (configs, loss modules, document packing)

@@ -115,3 +115,49 @@ def _gspo_forward_inplace(logits, target, advantages, old_log_probs, document_in
 @register_fake("rl_losses::gspo_document_sums")
 def _gspo_document_sums(log_probs, target, advantages, old_log_probs, document_index, label_counts, num_documents):
     return log_probs.new_empty([num_documents, 3])
+
+
+# ---- fused lm_head: outputs as the logits ops', with the hidden states' dtype and device ------------------------
+def _linear_grads(hidden, weight, bias, output_mask):
+    def grad(t, wanted):
+        return torch.empty_like(t, memory_format=torch.contiguous_format) if wanted and t is not None \
+            else hidden.new_empty([0])
+    return [grad(hidden, output_mask[0]), grad(weight, output_mask[1]), grad(bias, output_mask[2])]
+
+
+@register_fake("rl_losses::linear_cross_entropy")
+def _linear_cross_entropy(hidden, weight, target, *, reduction="mean", **kwargs):
+    return _ce_outputs(hidden, target, reduction)
+
+
+# _linear_cross_entropy_forward(hidden, weight, target, bias, s, ε, ζ, label_weight, reduction, divisor,
+#   chunk_size, output_mask)
+@register_fake("rl_losses::_linear_cross_entropy_forward")
+def _linear_cross_entropy_forward(hidden, weight, target, bias, s, eps, z, lw, reduction, divisor, chunk_size,
+                                  output_mask):
+    return (*_ce_outputs(hidden, target, reduction), *_linear_grads(hidden, weight, bias, output_mask))
+
+
+@register_fake("rl_losses::linear_grpo")
+def _linear_grpo(hidden, weight, target, advantages, old_log_probs, **kwargs):
+    return tuple(_policy_outputs(hidden, target))
+
+
+@register_fake("rl_losses::_linear_grpo_forward")
+def _linear_grpo_forward(hidden, weight, target, advantages, old_log_probs, bias, *args):
+    return tuple(_policy_outputs(hidden, target) + _linear_grads(hidden, weight, bias, args[-1]))
+
+
+@register_fake("rl_losses::linear_gspo")
+def _linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, *, num_documents=None,
+                 **kwargs):
+    return tuple(_policy_outputs(hidden, target, _num_documents(num_documents, None)))
+
+
+# _linear_gspo_forward(hidden, weight, target, advantages, old_log_probs, document_index, bias, num_documents,
+#   ... , output_mask)
+@register_fake("rl_losses::_linear_gspo_forward")
+def _linear_gspo_forward(hidden, weight, target, advantages, old_log_probs, document_index, bias, num_documents,
+                         *args):
+    out = _policy_outputs(hidden, target, _num_documents(num_documents, None))
+    return tuple(out + _linear_grads(hidden, weight, bias, args[-1]))

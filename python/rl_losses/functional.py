@@ -184,3 +184,68 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
                     logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
                     inplace_backward=inplace_backward)
     return _policy_output(out, compute_entropy, document_ratios=out[8])
+
+
+# ---- fused lm_head -------------------------------------------------------------------------------------------
+_LINEAR_ARGS_DOC = """
+    Args:
+        hidden: (..., H) float32/bfloat16/float16/float64 hidden states (the lm_head's input).
+        weight: (V, H) the lm_head weight, same dtype and device; bias: optional (V,).
+        chunk_size: rows of logits computed at a time (default: as many as fit 512 MiB of logits). Peak extra
+            memory is one (chunk_size, V) block of logits plus, when the weight needs a gradient, its
+            (V, H) float32 accumulator.
+    The logits are ``hidden @ weight.T + bias``; they and their gradient are never materialised whole.
+    Differentiable w.r.t. hidden, weight and bias (the gradients are computed in the forward, chunk by chunk).
+"""
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
+                         bias: torch.Tensor | None = None, logits_scale_factor: float = 1.0,
+                         label_smoothing: float = 0.0, z_loss_factor: float = 0.0, reduction: str = "mean",
+                         divisor: float | None = None, chunk_size: int | None = None) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits (see cross_entropy).
+    ``reduction="none"`` is available without gradients only (the weight gradient is summed over tokens)."""
+    loss, _ = _ops.linear_cross_entropy(hidden, weight, target, bias=bias, logits_scale_factor=logits_scale_factor,
+                                        label_smoothing=label_smoothing, z_loss_factor=z_loss_factor,
+                                        reduction=reduction, divisor=_divisor(divisor), chunk_size=chunk_size)
+    return loss
+
+
+def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
+                     old_log_probs: torch.Tensor, *, bias: torch.Tensor | None = None, epsilon_low: float = 0.2,
+                     epsilon_high: float = 0.2, delta: float | None = None,
+                     ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
+                     loss_weights: torch.Tensor | None = None, divisor: float | None = None,
+                     logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
+                     compute_entropy: bool = False, chunk_size: int | None = None) -> PolicyLossOutput:
+    """GRPO of ``hidden @ weight.T (+ bias)`` without materialising the logits (see grpo_loss)."""
+    out = _ops.linear_grpo(hidden, weight, target, advantages, old_log_probs, bias=bias, ref_log_probs=ref_log_probs,
+                           loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
+                           epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
+                           logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
+                           chunk_size=chunk_size)
+    return _policy_output(out, compute_entropy)
+
+
+def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
+                     old_log_probs: torch.Tensor, document_index: torch.Tensor, *, bias: torch.Tensor | None = None,
+                     num_documents: int | None = None, label_counts: torch.Tensor | None = None,
+                     epsilon_low: float = 0.2, epsilon_high: float = 0.2, weighting: str = "document",
+                     token_advantages: bool = False, divisor: float | None = None, logits_scale_factor: float = 1.0,
+                     compute_entropy: bool = False, chunk_size: int | None = None) -> PolicyLossOutput:
+    """GSPO of ``hidden @ weight.T (+ bias)`` without materialising the logits (see gspo_loss). The logits are
+    computed twice, chunk by chunk: once for the per-document ratios, once for the gradient."""
+    if document_index.is_cuda and _check_inputs_enabled() and num_documents is not None and document_index.numel():
+        high = int(document_index.max())
+        if high >= num_documents:
+            raise ValueError(f"linear_gspo: document_index holds {high} but num_documents is {num_documents}")
+    out = _ops.linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, bias=bias,
+                           num_documents=num_documents, label_counts=label_counts, epsilon_low=epsilon_low,
+                           epsilon_high=epsilon_high, weighting=weighting, token_advantages=token_advantages,
+                           divisor=_divisor(divisor), logits_scale_factor=logits_scale_factor,
+                           compute_entropy=compute_entropy, chunk_size=chunk_size)
+    return _policy_output(out, compute_entropy, document_ratios=out[8])
+
+
+for _f in (linear_cross_entropy, linear_grpo_loss, linear_gspo_loss):
+    _f.__doc__ += _LINEAR_ARGS_DOC

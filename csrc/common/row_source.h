@@ -1,0 +1,63 @@
+// Where an op's row passes find the logits and where the gradient goes.
+//
+// Every loss is written once against this interface, for two kinds of input:
+//   * LogitsSource: the (..., V) logits the user passed; one pass over all rows, the gradient written into
+//     a new (N, V) buffer or into the logits themselves (inplace_backward);
+//   * LinearSource (linear/linear_source.h): logits = hidden @ weight.T (+ bias), computed a chunk of rows
+//     at a time; each chunk's gradient is written over the chunk and at once turned into grad_hidden,
+//     grad_weight and grad_bias by GEMMs, so no more than one chunk of logits ever exists.
+// A pass sees the rows of one chunk: args.logits, target, stats_in and grad are the chunk's, while the
+// epilogue indexes its per-token arrays globally through args.row_offset (row_pass.h).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <vector>
+
+#include "common/checks.h"
+#include "common/row_pass.h"
+
+namespace rl_losses {
+
+class RowSource {
+ public:
+  using Pass = std::function<void(RowPassArgs&)>;
+  virtual ~RowSource() = default;
+
+  // The public op's name, for error messages.
+  const char* op() const { return op_; }
+  const FlatLogits& flat() const { return f_; }
+  // The accumulation dtype of the per-row outputs, on the logits' device.
+  at::TensorOptions acc_options() const { return f_.options.dtype(acc_dtype(f_.options.dtype().toScalarType())); }
+  // Whether the op must compute its gradient (the caller asked for it).
+  bool wants_grad() const { return wants_grad_; }
+
+  // Runs `pass` over every row, chunk by chunk. With `with_grad`, each pass writes dL/dlogits of its rows
+  // (for an upstream gradient of 1) into args.grad, and the source turns it into the op's gradients.
+  virtual void run(const RowPassArgs& args, bool with_grad, const Pass& pass) = 0;
+  // The op's gradient outputs (empty placeholders where none was computed), once, after the passes.
+  virtual std::vector<at::Tensor> grads() = 0;
+
+ protected:
+  RowSource(const char* op, FlatLogits f, bool wants_grad) : op_(op), f_(std::move(f)), wants_grad_(wants_grad) {}
+  const char* op_;
+  FlatLogits f_;
+  bool wants_grad_;
+};
+
+class LogitsSource final : public RowSource {
+ public:
+  // Validates and flattens the logits (check_and_flatten). The gradient goes into the logits' own storage
+  // (inplace), a new buffer (compute_grad), or nowhere.
+  LogitsSource(const char* op, const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
+               int64_t vocab_size, bool compute_grad, bool inplace);
+  void run(const RowPassArgs& args, bool with_grad, const Pass& pass) override;
+  std::vector<at::Tensor> grads() override { return {grad_}; }
+
+ private:
+  at::Tensor grad2d_;  // (N, V_loc) where the passes write, or undefined
+  at::Tensor grad_;    // what the op returns: shaped like the logits, or an empty placeholder
+};
+
+}  // namespace rl_losses
