@@ -31,16 +31,20 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Calls the forward op with `args` (the public op's arguments, logits first, inplace_backward removed).
-std::vector<at::Tensor> call_forward(const std::string& name, std::vector<c10::IValue> args, bool need_grad,
-                                     bool inplace) {
-  const auto op = find_op(("rl_losses::_" + name + (inplace ? "_forward_inplace" : "_forward")).c_str());
-  if (!inplace) args.emplace_back(need_grad);
-  op.callBoxed(args);
+// Calls rl_losses::<op> with a boxed argument list; returns its (all tensor) outputs.
+std::vector<at::Tensor> call_boxed(const std::string& op, std::vector<c10::IValue> args) {
+  find_op(("rl_losses::" + op).c_str()).callBoxed(args);
   std::vector<at::Tensor> out;
   out.reserve(args.size());
   for (auto& v : args) out.push_back(v.toTensor());
   return out;
+}
+
+// Calls the forward op with `args` (the public op's arguments, logits first, inplace_backward removed).
+std::vector<at::Tensor> call_forward(const std::string& name, std::vector<c10::IValue> args, bool need_grad,
+                                     bool inplace) {
+  if (!inplace) args.emplace_back(need_grad);
+  return call_boxed("_" + name + (inplace ? "_forward_inplace" : "_forward"), std::move(args));
 }
 
 class FusedLossFunction : public torch::autograd::Function<FusedLossFunction> {
@@ -114,13 +118,8 @@ void no_grad_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
 // ---- fused-linear ops ---------------------------------------------------------------------------------
 std::vector<at::Tensor> call_linear_forward(const std::string& name, std::vector<c10::IValue> args,
                                             std::array<bool, 3> mask) {
-  const auto op = find_op(("rl_losses::_" + name + "_forward").c_str());
   args.emplace_back(c10::List<bool>({mask[0], mask[1], mask[2]}));
-  op.callBoxed(args);
-  std::vector<at::Tensor> out;
-  out.reserve(args.size());
-  for (auto& v : args) out.push_back(v.toTensor());
-  return out;
+  return call_boxed("_" + name + "_forward", std::move(args));
 }
 
 class LinearLossFunction : public torch::autograd::Function<LinearLossFunction> {

@@ -35,13 +35,13 @@ GemmEx cublas_gemm_ex() {
 
 }  // namespace
 
-// acc (V, H) fp32 += grad_chunk.T @ hidden_chunk with bf16/fp16 inputs: one cuBLAS GEMM reading the inputs
+// acc (V, H) fp32 (+)= grad_chunk.T @ hidden_chunk with bf16/fp16 inputs: one cuBLAS GEMM reading the inputs
 // in their own dtype and accumulating into the fp32 output (beta = 1). ATen's addmm cannot do this: its
 // output and addend must have the inputs' dtype, which would force a bf16 accumulator or fp32 input copies.
-void accumulate_weight_grad_cuda(const at::Tensor& acc, const at::Tensor& grad_chunk,
-                                 const at::Tensor& hidden_chunk) {
+void accumulate_weight_grad_cuda(const at::Tensor& acc, const at::Tensor& grad_chunk, const at::Tensor& hidden_chunk,
+                                 bool overwrite) {
   if (grad_chunk.scalar_type() == acc.scalar_type()) {
-    acc.addmm_(grad_chunk.t(), hidden_chunk);
+    acc.addmm_(grad_chunk.t(), hidden_chunk, /*beta=*/overwrite ? 0 : 1);
     return;
   }
   TORCH_INTERNAL_ASSERT(acc.scalar_type() == at::kFloat && acc.is_contiguous() && grad_chunk.is_contiguous() &&
@@ -51,13 +51,13 @@ void accumulate_weight_grad_cuda(const at::Tensor& acc, const at::Tensor& grad_c
   const c10::cuda::CUDAGuard guard(acc.device());
   const cudaDataType in_type = grad_chunk.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
   TORCH_INTERNAL_ASSERT(grad_chunk.scalar_type() == at::kBFloat16 || grad_chunk.scalar_type() == at::kHalf);
-  const float one = 1.0f;
+  const float one = 1.0f, beta = overwrite ? 0.0f : 1.0f;
   // cuBLAS is column-major: the row-major acc (V, H) is acc^T (H, V) = hidden^T (H, rows) @ grad (rows, V),
   // where hidden^T is hidden as stored (lda = H) and grad is the transpose of its storage (ldb = V).
   const cublasStatus_t status = cublas_gemm_ex()(
       at::cuda::getCurrentCUDABlasHandle(), CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(hidden), static_cast<int>(vocab),
       static_cast<int>(rows), &one, hidden_chunk.const_data_ptr(), in_type, static_cast<int>(hidden),
-      grad_chunk.const_data_ptr(), in_type, static_cast<int>(vocab), &one, acc.data_ptr(), CUDA_R_32F,
+      grad_chunk.const_data_ptr(), in_type, static_cast<int>(vocab), &beta, acc.data_ptr(), CUDA_R_32F,
       static_cast<int>(hidden), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "linear ops: cublasGemmEx failed with status ", static_cast<int>(status),
               " (weight gradient, ", vocab, " x ", hidden, " from ", rows, " rows)");

@@ -4,9 +4,10 @@
 
 namespace rl_losses {
 
-void accumulate_weight_grad_cpu(const at::Tensor& acc, const at::Tensor& grad_chunk, const at::Tensor& hidden_chunk) {
+void accumulate_weight_grad_cpu(const at::Tensor& acc, const at::Tensor& grad_chunk, const at::Tensor& hidden_chunk,
+                                bool overwrite) {
   const auto t = acc.scalar_type();
-  acc.addmm_(grad_chunk.t().to(t), hidden_chunk.to(t));
+  acc.addmm_(grad_chunk.t().to(t), hidden_chunk.to(t), /*beta=*/overwrite ? 0 : 1);
 }
 
 int64_t default_chunk_rows(int64_t n_rows, int64_t vocab, int64_t element_size) {
@@ -70,7 +71,7 @@ LinearSource::LinearSource(const char* op, const at::Tensor& hidden, const at::T
                       : default_chunk_rows(f_.n_rows, f_.vocab, hidden.element_size());
   const auto acc = hidden.options().dtype(acc_dtype(hidden.scalar_type()));
   if (mask_[0]) grad_hidden_ = at::empty_like(hidden_);
-  if (mask_[1]) grad_weight_acc_ = at::zeros(weight.sizes(), acc);
+  if (mask_[1]) grad_weight_acc_ = at::empty(weight.sizes(), acc);
   if (mask_[2]) grad_bias_acc_ = at::zeros({f_.vocab}, acc);
 }
 
@@ -98,13 +99,17 @@ void LinearSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass
       at::Tensor out = grad_hidden_.narrow(0, r0, rows);
       at::mm_out(out, logits, weight_);
     }
-    if (mask_[1]) accumulate_weight_grad_(grad_weight_acc_, logits, h);
+    if (mask_[1]) {
+      accumulate_weight_grad_(grad_weight_acc_, logits, h, !weight_grad_written_);
+      weight_grad_written_ = true;
+    }
     if (mask_[2]) grad_bias_acc_.add_(logits.sum({0}, false, grad_bias_acc_.scalar_type()));
   }
 }
 
 std::vector<at::Tensor> LinearSource::grads() {
   const auto none = at::empty({0}, hidden_.options());
+  if (mask_[1] && !weight_grad_written_) grad_weight_acc_.zero_();  // no rows
   std::vector<at::Tensor> out{mask_[0] ? grad_hidden_.view(hidden_shape_) : none,
                               mask_[1] ? grad_weight_acc_.to(weight_.scalar_type()) : none,
                               mask_[2] ? grad_bias_acc_.to(bias_.scalar_type()) : none};

@@ -25,12 +25,16 @@
 
 namespace rl_losses {
 
-// acc (V, H) += grad_chunk.T (V, n) @ hidden_chunk (n, H); acc is fp32 (fp64 for fp64 inputs), the chunks
-// are in the input dtype. One implementation per device (linear_source.cpp: ATen; linear_cuda.cpp: cuBLAS
+// acc (V, H) += grad_chunk.T (V, n) @ hidden_chunk (n, H), or = when `overwrite` (the first chunk: saves
+// zeroing the accumulator and reading it back); acc is fp32 (fp64 for fp64 inputs), the chunks are in the
+// input dtype. One implementation per device (linear_source.cpp: ATen; linear_cuda.cpp: cuBLAS
 // with a fp32 output).
-using WeightGradFn = void (*)(const at::Tensor& acc, const at::Tensor& grad_chunk, const at::Tensor& hidden_chunk);
-void accumulate_weight_grad_cpu(const at::Tensor& acc, const at::Tensor& grad_chunk, const at::Tensor& hidden_chunk);
-void accumulate_weight_grad_cuda(const at::Tensor& acc, const at::Tensor& grad_chunk, const at::Tensor& hidden_chunk);
+using WeightGradFn = void (*)(const at::Tensor& acc, const at::Tensor& grad_chunk, const at::Tensor& hidden_chunk,
+                              bool overwrite);
+void accumulate_weight_grad_cpu(const at::Tensor& acc, const at::Tensor& grad_chunk, const at::Tensor& hidden_chunk,
+                                bool overwrite);
+void accumulate_weight_grad_cuda(const at::Tensor& acc, const at::Tensor& grad_chunk, const at::Tensor& hidden_chunk,
+                                 bool overwrite);
 
 // The default number of rows per chunk: as many as fit kDefaultChunkBytes of logits, a multiple of 128
 // (GEMM tiles) when that is at least 128, at most N.
@@ -57,6 +61,7 @@ class LinearSource final : public RowSource {
   int64_t chunk_;
   WeightGradFn accumulate_weight_grad_;
   at::Tensor grad_hidden_, grad_weight_acc_, grad_bias_acc_;
+  bool weight_grad_written_ = false;  // grad_weight_acc_ holds a sum (it starts uninitialised)
 };
 
 }  // namespace rl_losses
