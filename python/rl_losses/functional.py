@@ -30,6 +30,14 @@ def _check_labels(name: str, target: torch.Tensor, logits: torch.Tensor) -> None
             raise ValueError(f"{name}: target holds label {high} but the vocabulary has {vocab_size} entries")
 
 
+def _check_document_ids(name: str, document_index: torch.Tensor, num_documents: int | None) -> None:
+    # The opt-in CUDA range check of document ids (the CPU kernels always check).
+    if document_index.is_cuda and _check_inputs_enabled() and num_documents is not None and document_index.numel():
+        high = int(document_index.max())
+        if high >= num_documents:
+            raise ValueError(f"{name}: document_index holds {high} but num_documents is {num_documents}")
+
+
 def _divisor(divisor) -> float | None:
     if divisor is None:
         return None
@@ -174,10 +182,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
                                      logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
                                      inplace_backward=inplace_backward)
     _check_labels("gspo", target, logits)
-    if document_index.is_cuda and _check_inputs_enabled() and num_documents is not None and document_index.numel():
-        high = int(document_index.max())
-        if high >= num_documents:
-            raise ValueError(f"gspo: document_index holds {high} but num_documents is {num_documents}")
+    _check_document_ids("gspo", document_index, num_documents)
     out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
                     label_counts=label_counts, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                     weighting=weighting, token_advantages=token_advantages, divisor=_divisor(divisor),
@@ -235,10 +240,7 @@ def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                      compute_entropy: bool = False, chunk_size: int | None = None) -> PolicyLossOutput:
     """GSPO of ``hidden @ weight.T (+ bias)`` without materialising the logits (see gspo_loss). The logits are
     computed twice, chunk by chunk: once for the per-document ratios, once for the gradient."""
-    if document_index.is_cuda and _check_inputs_enabled() and num_documents is not None and document_index.numel():
-        high = int(document_index.max())
-        if high >= num_documents:
-            raise ValueError(f"linear_gspo: document_index holds {high} but num_documents is {num_documents}")
+    _check_document_ids("linear_gspo", document_index, num_documents)
     out = _ops.linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, bias=bias,
                            num_documents=num_documents, label_counts=label_counts, epsilon_low=epsilon_low,
                            epsilon_high=epsilon_high, weighting=weighting, token_advantages=token_advantages,
