@@ -74,6 +74,36 @@ C10_HOST_DEVICE inline T exp_nonpos(T x) {
 #endif
 }
 
+// exp(a·z − b) where a·z <= b: every exponential of the row loops has this form (exp(x − max) in the
+// statistics, p = exp(s·z − lse) in the gradient). On the GPU in fp32 it is one FFMA feeding the hardware
+// 2^x, with a and b pre-scaled by log2(e) once per row; that halves the instructions per logit against
+// __expf(a·z − b), which matters because the fused kernels run close to the SM's issue rate. Elsewhere it is
+// exp_nonpos of the difference.
+template <typename T>
+struct ExpAffine {
+  T a, b;
+
+  C10_HOST_DEVICE ExpAffine(T a_, T b_) : a(a_), b(b_) {
+#if defined(__CUDA_ARCH__)
+    if constexpr (sizeof(T) == 4) {
+      a *= T(1.4426950408889634);
+      b *= T(1.4426950408889634);
+    }
+#endif
+  }
+
+  C10_HOST_DEVICE T operator()(T z) const {
+#if defined(__CUDA_ARCH__)
+    if constexpr (sizeof(T) == 4) {
+      float y;
+      asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(fmaf(z, a, -b)));
+      return y;
+    }
+#endif
+    return exp_nonpos(a * z - b);
+  }
+};
+
 // ---------------------------------------------------------------------------------------------------------
 // Online softmax statistics of one row (or one shard of a row) of scaled logits x = s*z.
 // `max` and `sumexp` form the usual online log-sum-exp pair; `sum_px` is Σ exp(x-max)·x (for the entropy),
@@ -99,8 +129,10 @@ struct RowStats {
   template <bool kEntropy, bool kSmoothing, int K>
   C10_HOST_DEVICE void add_chunk(const T (&x)[K]) {
     T chunk_max = x[0];
+    // fmax is one instruction on the GPU (a compare and a select otherwise); a NaN it skips here still
+    // reaches the sums below.
 RL_LOSSES_UNROLL
-    for (int i = 1; i < K; ++i) chunk_max = x[i] > chunk_max ? x[i] : chunk_max;
+    for (int i = 1; i < K; ++i) chunk_max = ::fmax(chunk_max, x[i]);
     if (chunk_max > max) {
       // max == -inf only before the first finite value: then the old sums are 0 and the factor is moot.
       const T factor = max == neg_inf<T>() ? T(0) : exp_nonpos(max - chunk_max);
@@ -109,9 +141,10 @@ RL_LOSSES_UNROLL
       max = chunk_max;
     }
     if (max == neg_inf<T>()) return;  // every value so far is -inf: nothing to add
+    const ExpAffine<T> exp_shifted(T(1), max);
 RL_LOSSES_UNROLL
     for (int i = 0; i < K; ++i) {
-      const T e = exp_nonpos(x[i] - max);
+      const T e = exp_shifted(x[i]);
       sumexp += e;
       // e == 0 for x == -inf: skip so that 0 * -inf never makes a NaN.
       if (kEntropy) sum_px += e > T(0) ? e * x[i] : T(0);
