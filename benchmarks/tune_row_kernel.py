@@ -1,5 +1,6 @@
 """The fused CUDA row kernels side by side on one GPU: the cluster kernel (statistics and gradient in one
-launch, each row read once from DRAM) against RL_LOSSES_ROW_KERNEL=split (a statistics launch, then the
+launch, each row read once from DRAM; two slice buffers per CTA where they fit) against
+RL_LOSSES_ROW_KERNEL=cluster1 (one buffer) and RL_LOSSES_ROW_KERNEL=split (a statistics launch, then the
 gradient launch re-reading the row), with a device-to-device copy of the same bytes as the ceiling.
 
 Each kernel runs in its own process (the knob is read once per process). Per vocabulary size: cross-entropy
@@ -7,8 +8,8 @@ fwd+bwd at N x V bf16, CUDA-event timing, median of --reps after warm-up; GB/s o
 2·N·V·2 (read the logits once, write the gradient once); % of the copy ceiling measured on the same bytes in
 the same process. Before timing, a correctness check against torch (fp32 log_softmax): the loss, and every
 element of the gradient, out of place (into a buffer prefilled with NaN) and in place; plus small cases that
-reach the other paths (a row end inside a 16-byte vector, clusters of 2, fp32/fp16, rows not 16-byte
-aligned, which take the split path). Exit status 1 if a check fails.
+reach the other paths (a row end inside a 16-byte vector, clusters of 4 and 16, fp32/fp16, rows not 16-byte
+aligned or too long, which take the split path). Exit status 1 if a check fails.
 
     python3 benchmarks/tune_row_kernel.py                      # N=16384, V in {32000, 128256, 151936, 262144}
     python3 benchmarks/tune_row_kernel.py --vocabs 128256 --reps 50
@@ -19,19 +20,22 @@ import os
 import subprocess
 import sys
 
-KERNELS = ("cluster", "split")  # values of RL_LOSSES_ROW_KERNEL; anything but "split" is the default path
-SLICE_BYTES, MAX_CLUSTER = 64 * 1024, 8  # mirror kClusterSliceBytes / kMaxClusterSize (row_pass_cuda.cuh)
+# Values of RL_LOSSES_ROW_KERNEL: the default cluster kernel (2 stages where they fit), the cluster kernel with
+# 1 stage, and the statistics kernel + gradient kernel path.
+KERNELS = ("cluster", "cluster1", "split")
+CTA_BYTES, MAX_CLUSTER = 64 * 1024, 16  # mirror kClusterCtaBytes / kMaxClusterSize (row_pass_cuda.cuh)
 
 
-def cluster_size(v, elem_bytes):
-    """The cluster size the CUDA launcher picks for contiguous rows (for the table only)."""
-    c = 1
-    while c <= MAX_CLUSTER:
-        per_cta = -(-v // c)
-        if -(-per_cta * elem_bytes // 16) * 16 <= SLICE_BYTES:
-            return c
-        c *= 2
-    return 0
+def cluster_shape(v, elem_bytes, max_stages=2):
+    """(CTAs per row, stages) the CUDA launcher tries first for contiguous rows (for the table only)."""
+    for stages in range(max_stages, 0, -1):
+        c = 1
+        while c <= MAX_CLUSTER:
+            per_cta = -(-v // c)
+            if -(-per_cta * elem_bytes // 16) * 16 * stages <= CTA_BYTES:
+                return c, stages
+            c *= 2
+    return 0, 0
 
 
 def child(args):
@@ -103,13 +107,15 @@ def child(args):
 
     # Small cases for the other paths: (N, V, row stride, dtype). A row end inside a 16-byte vector reaches
     # the cluster kernel only in place (a new gradient is contiguous, so its rows are then unaligned).
-    for n, v, stride, dtype in [(300, 50257, 50264, torch.bfloat16),    # C=2, row end inside a vector
-                                (200, 100003, 100004, torch.float32),  # C=8, fp32, row end inside a vector
+    # (C x S: CTAs per row x stages with 2 stages allowed; in the cluster1 run, 1 stage.)
+    for n, v, stride, dtype in [(300, 50257, 50264, torch.bfloat16),    # 4x2 (2x1), row end inside a vector
+                                (200, 100003, 100004, torch.float32),  # 16x2 (8x1), fp32, row end in a vector
                                 (257, 3, 8, torch.bfloat16),           # no whole vector in the row
                                 (64, 7, 8, torch.float32),
                                 (128, 4096, 4096, torch.float16),
                                 (96, 769, 769, torch.float32),         # rows not 16-byte aligned: split path
-                                (50, 262144, 262144, torch.float32)]:  # too long for 8 slices: split path
+                                (50, 262144, 262144, torch.float32),   # 16x1 in both runs
+                                (40, 300000, 300000, torch.float32)]:  # too long for 16 slices: split path
         logits = torch.randn(n, stride, device=dev, dtype=dtype, generator=gen)[:, :v].mul_(2)
         target = torch.randint(0, v, (n,), device=dev, generator=gen)
         (lo, go), (li, gi) = run_checks(logits, target)
@@ -179,12 +185,13 @@ def main():
             failed |= not row["ok"]
 
     print(f"\ncross-entropy fwd+bwd, N={args.n}, bf16, median of {args.reps}; GB/s over 2*N*V*2 bytes; "
-          f"%copy = of a copy of the same bytes (C: cluster size for contiguous rows)")
-    print(f"{'V':>7} {'C':>2} {'kernel':>8} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'copy ms':>8} {'copy GB/s':>9}")
+          f"%copy = of a copy of the same bytes (CxS: CTAs per row x stages of the cluster kernel)")
+    print(f"{'V':>7} {'kernel':>8} {'CxS':>5} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'copy ms':>8} {'copy GB/s':>9}")
     for v in args.vocabs:
         for kernel, res in results.items():
             row = next(r for r in res["rows"] if r["V"] == v)
-            print(f"{v:>7} {cluster_size(v, 2):>2} {kernel:>8} {row['ms']:8.3f} {row['GBps']:7.0f} {row['pct']:6.1f} "
+            c, st = cluster_shape(v, 2, 1 if kernel == "cluster1" else 2) if kernel != "split" else ("-", "-")
+            print(f"{v:>7} {kernel:>8} {f'{c}x{st}':>5} {row['ms']:8.3f} {row['GBps']:7.0f} {row['pct']:6.1f} "
                   f"{row['copy_ms']:8.3f} {row['copy_GBps']:9.0f}")
     sys.exit(1 if failed else 0)
 

@@ -5,8 +5,8 @@
 // - row_cluster_kernel, for the fused shape (statistics and gradient in one launch: CE, GRPO): a cluster of
 //   C CTAs per row, each holding its slice of the row in shared memory, so that the logits are read from
 //   DRAM once and the gradient is written once (2 passes of memory traffic). The CTAs' statistics are
-//   combined over distributed shared memory (sm_90). It applies when a row fits in C <= 8 slices of at most
-//   kClusterSliceBytes and the rows are 16-byte aligned (row_cluster_size); split_stats_pass_on_cuda
+//   combined over distributed shared memory (sm_90). It applies when a row fits in C <= 16 slices of at
+//   most kClusterCtaBytes and the rows are 16-byte aligned (row_cluster_shapes); split_stats_pass_on_cuda
 //   (row_pass.h) gives every other fused call a statistics launch of its own first.
 // - row_pass_kernel, one block per row, for the statistics-only and gradient-only shapes (tensor
 //   parallelism, GSPO, the split path): each reads the row once, and the gradient pass writes it once. A
@@ -25,17 +25,19 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "common/row_pass.h"
 
 namespace rl_losses {
 namespace cuda {
 
-// Shared-memory bytes of one CTA's slice of a row in the cluster kernel. 64 KB lets 3 CTAs share an SM
-// (3 x 64 KB plus their static shared memory fit the 228 KB of an H100/H200 SM), so one CTA's cluster
-// barriers hide behind the others' loads and stores. A bf16 row of 262144 is 8 such slices.
-constexpr int64_t kClusterSliceBytes = 64 * 1024;
-constexpr int kMaxClusterSize = 8;  // the portable limit of cudaLaunchAttributeClusterDimension
+// Shared-memory bytes of one CTA's slice buffers (all its stages) in the cluster kernel. 64 KB lets 3 CTAs
+// share an SM (3 x 64 KB plus their static shared memory fit the 228 KB of an H100/H200 SM), so one CTA's
+// cluster barriers hide behind the others' loads and stores. Two 32 KB stages hold a bf16 row of 128256 in
+// 8 CTAs, of 262144 in 16.
+constexpr int64_t kClusterCtaBytes = 64 * 1024;
+constexpr int kMaxClusterSize = 16;  // 8 is portable; H100/H200 allow 16 (NonPortableClusterSizeAllowed)
 constexpr int kClusterThreads = 256;
 // CTAs per SM the kernel's registers must allow: 3 caps them at 65536 / (3 x 256) = 85 per thread (80
 // allocated), where the fp32 math fits without spills; fp64 (reference-grade tests) needs more and gets 2.
@@ -244,42 +246,61 @@ __global__ void __launch_bounds__(kThreads) row_pass_kernel(RowPassView<scalar_t
   }
 }
 
-// 16-byte copy from global to shared memory that does not pass through registers (cp.async, sm_80+; L2
-// only), and the waits for the groups of such copies a thread has committed.
-__device__ inline void cp_async_16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+// Bulk copies from global to shared memory by the copy engine (cp.async.bulk, sm_90), completing on an
+// mbarrier that counts the bytes still to land. One thread issues a whole slice; every thread then waits on
+// the barrier's phase. (Per-thread 16-byte cp.async copies made L2 serve about twice the read sectors
+// that DRAM delivered.)
+__device__ inline unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ inline void mbarrier_init(uint64_t* bar) {  // one arrival per phase: the issuing thread's
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)) : "memory");
 }
-__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ inline void cp_async_wait() {  // until at most kPending of this thread's groups are in flight
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+// Arrive on the barrier and announce `bytes` of copies that complete its current phase.
+__device__ inline void mbarrier_arrive_expect(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ inline void mbarrier_wait(uint64_t* bar, unsigned phase) {
+  unsigned done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(phase)
+        : "memory");
+  }
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global `src` to this CTA's `dst`.
+__device__ inline void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
 }
 
 // Fused statistics, epilogue and gradient (CE, GRPO) with a cluster of C CTAs per row, C = the cluster's
-// size (1 to 8). CTA rank r owns the columns [r·slice, min(V, (r+1)·slice)) of every row and keeps them in
+// size (1 to 16). CTA rank r owns the columns [r·slice, min(V, (r+1)·slice)) of every row and keeps them in
 // shared memory from their load to their gradient, so that the logits are read from DRAM once. Per row:
-//   1. each thread copies its 16-byte vectors of the slice into shared memory with cp.async, all of them
-//      in flight at once (in two groups: it folds the first half into its online softmax state while the
-//      second lands); the block reduces the states; thread 0 adds the label's logit (if the label is in
-//      this slice) and publishes the CTA's state in `partial`;
+//   1. the slice arrives in shared memory by bulk copy; each thread folds its 16-byte vectors into an online
+//      softmax state and the block reduces them; thread 0 adds the label's logit (if the label is in this slice) and
+//      publishes the CTA's state in `partial`;
 //   2. cluster barrier; warp 0 of rank 0 combines the C states over distributed shared memory (a fixed
 //      shuffle tree, so the result does not depend on timing), lane 0 runs the epilogue once and publishes
 //      (a, b, c) and lse;
 //   3. cluster barrier; every CTA reads them from rank 0 and writes the gradient of its slice from shared
 //      memory. In place (grad == logits) is safe: a CTA writes only its own slice, after reading all of it.
+// With 2 stages (two slice buffers), the copy of the CTA's next row is issued before step 1, so that every
+// CTA has a slice in flight through its reduction, barriers and gradient stores; with 1 stage, the copy of a
+// row is issued when the previous row is done. A block barrier before each copy keeps it from overwriting a
+// buffer some thread still reads (the gradient of two rows back, or of the last row with 1 stage).
 // The copies go to shared memory directly because registers are the scarce resource here: 3 CTAs of 256
-// threads per SM leave 85 per thread, and holding even 8 bf16 vectors per thread in registers spilled.
-// Each thread copies, and later reads back, only the vectors i ≡ threadIdx.x (mod kThreads) of the slice
-// (the partial last vector included), so the next row may overwrite the buffer without a block barrier:
-// a thread's reads of a vector feed its gradient stores, which are issued before the copy that overwrites it.
-// The two cluster barriers order every other shared access: rank 0 reads `partial` only between barriers 1
-// and 2 of a row, and every CTA reads the coefficients only between barrier 2 and the next row's barrier 1,
-// so one buffer of each suffices.
+// threads per SM leave 85 per thread. The partial last vector of a row is loaded by one thread and stored
+// at the end of the slice, beyond the copied bytes. The two cluster barriers order the other shared
+// accesses: rank 0 reads `partial` only between barriers 1 and 2 of a row, and every CTA reads the
+// coefficients only between barrier 2 and the next row's barrier 1, so one copy of each suffices.
 template <int kThreads, typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing,
           typename Epilogue>
 __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
-    row_cluster_kernel(RowPassView<scalar_t, label_t, acc_t> v, Epilogue epi, int slice_vecs) {
+    row_cluster_kernel(RowPassView<scalar_t, label_t, acc_t> v, Epilogue epi, int slice_vecs, int stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   CUDA_KERNEL_ASSERT(false && "rl_losses: thread-block clusters need sm_90");  // not launched there
 #else
@@ -288,11 +309,12 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
   const auto cluster = cooperative_groups::this_cluster();
   const int n_ctas = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
   extern __shared__ __align__(16) unsigned char slice_raw[];
-  VecT* slice = reinterpret_cast<VecT*>(slice_raw);
+  VecT* const buffers = reinterpret_cast<VecT*>(slice_raw);  // `stages` buffers of slice_vecs vectors
   __shared__ RowStats<acc_t> scratch[32];
   __shared__ RowStats<acc_t> partial;      // this CTA's statistics of the row
   __shared__ GradCoef<acc_t> coef_shared;  // rank 0's copy is the one read
   __shared__ acc_t lse_shared;
+  __shared__ uint64_t landed[2];  // one mbarrier per buffer: its slice has arrived
 
   // This CTA's columns: n_full whole vectors, then rem < kVec elements (the row's end, in the last CTA only).
   const int64_t begin = static_cast<int64_t>(rank) * slice_vecs * kVec;
@@ -300,17 +322,40 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
       std::max<int64_t>(0, std::min<int64_t>(v.vocab - begin, static_cast<int64_t>(slice_vecs) * kVec)));
   const int n_full = n_elems / kVec, rem = n_elems % kVec;
   const bool owns_rem = rem != 0 && static_cast<int>(threadIdx.x) == n_full % kThreads;
-  // The copies are committed in two groups, whole vectors per thread each: the first half is folded while
-  // the second lands.
-  const int half = std::min(n_full, (n_full + 2 * kThreads - 1) / (2 * kThreads) * kThreads);
+  const int64_t row_step = gridDim.x / n_ctas;
 
-  for (int64_t row = blockIdx.x / n_ctas; row < v.n_rows; row += gridDim.x / n_ctas) {
+  if (threadIdx.x == 0) {
+    mbarrier_init(&landed[0]);
+    mbarrier_init(&landed[1]);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  // Thread 0 copies this CTA's whole vectors of `row` into buffer b, in pieces of at most 16 KB.
+  auto fetch = [&](int64_t row, int b) {
+    if (threadIdx.x != 0 || n_full == 0) return;
+    const char* src = reinterpret_cast<const char*>(v.logits + row * v.row_stride + begin);
+    char* dst = reinterpret_cast<char*>(buffers + b * slice_vecs);
+    const unsigned bytes = static_cast<unsigned>(n_full) * 16;
+    mbarrier_arrive_expect(&landed[b], bytes);
+    for (unsigned off = 0; off < bytes; off += 16384) {
+      bulk_copy_to_shared(dst + off, src + off, std::min(16384u, bytes - off), &landed[b]);
+    }
+  };
+
+  int64_t row = blockIdx.x / n_ctas;
+  if (stages == 2 && row < v.n_rows) fetch(row, 0);
+  for (int it = 0; row < v.n_rows; row += row_step, ++it) {
+    const int b = stages == 2 ? it & 1 : 0;
+    VecT* const slice = buffers + b * slice_vecs;
+    __syncthreads();  // every thread is done reading the buffer the next copy overwrites
+    if (stages == 2) {
+      if (row + row_step < v.n_rows) fetch(row + row_step, b ^ 1);
+    } else {
+      fetch(row, 0);
+    }
+    // The phase of buffer b this row waits for: its uses so far, mod 2.
+    if (n_full != 0) mbarrier_wait(&landed[b], static_cast<unsigned>(stages == 2 ? (it >> 1) & 1 : it & 1));
     const scalar_t* x = v.logits + row * v.row_stride + begin;
-    const VecT* xv = reinterpret_cast<const VecT*>(x);
-    for (int i = threadIdx.x; i < half; i += kThreads) cp_async_16(&slice[i], &xv[i]);
-    cp_async_commit();
-    for (int i = half + threadIdx.x; i < n_full; i += kThreads) cp_async_16(&slice[i], &xv[i]);
-    cp_async_commit();
     const int64_t label = static_cast<int64_t>(v.target[row]);
     const int64_t local = label - v.vocab_start - begin;  // the label's column within this slice
     const bool has_label = label >= 0 && local >= 0 && local < n_elems;
@@ -327,17 +372,9 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
       }
       store_vec(&slice[n_full], part);
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (h == 0) {
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
 #pragma unroll 2
-      for (int i = threadIdx.x + (h == 0 ? 0 : half); i < (h == 0 ? half : n_full); i += kThreads) {
-        add_vec<kEntropy, kSmoothing>(st, load_vec(&slice[i]), v.scale);
-      }
+    for (int i = threadIdx.x; i < n_full; i += kThreads) {
+      add_vec<kEntropy, kSmoothing>(st, load_vec(&slice[i]), v.scale);
     }
     st = block_combine(st, scratch);  // its barrier also makes the whole slice visible to thread 0
     if (threadIdx.x == 0) {
@@ -386,64 +423,85 @@ inline int64_t cluster_slice_vecs(int64_t vocab, int64_t elem_bytes, int n_ctas)
   return (per_cta + vec - 1) / vec;
 }
 
-// The cluster size row_cluster_kernel runs these arguments with: the smallest power of two whose slices fit
-// kClusterSliceBytes; 0 where it does not apply: not the fused shape, a device older than sm_90, rows of the
-// logits or the gradient not 16-byte aligned, a row larger than kMaxClusterSize slices, or
-// RL_LOSSES_ROW_KERNEL=split (forces the statistics kernel + gradient kernel path, for comparison; read once).
-inline int row_cluster_size(const RowPassArgs& args) {
-  static const bool force_split = [] {
+struct ClusterShape {
+  int ctas = 0;    // CTAs per row; 0: the cluster kernel does not apply
+  int stages = 0;  // slice buffers per CTA
+};
+
+// The shapes row_cluster_kernel may run these arguments with, best first: 2 stages with the smallest power
+// of two of CTAs whose slices fit kClusterCtaBytes twice, then 1 stage likewise (the launcher takes the first
+// one the device can make resident). None where the kernel does not apply: not the fused shape, a device
+// older than sm_90, rows of the logits or the gradient not 16-byte aligned, a row longer than
+// kMaxClusterSize slices, or RL_LOSSES_ROW_KERNEL=split (the statistics kernel + gradient kernel path) or
+// =cluster1 (1 stage only), for comparison; read once.
+inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
+  static const int max_stages = [] {
     const char* env = std::getenv("RL_LOSSES_ROW_KERNEL");
-    return env != nullptr && std::strcmp(env, "split") == 0;
+    if (env != nullptr && std::strcmp(env, "split") == 0) return 0;
+    if (env != nullptr && std::strcmp(env, "cluster1") == 0) return 1;
+    return 2;
   }();
-  if (force_split || !args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return 0;
+  std::vector<ClusterShape> shapes;
+  if (max_stages == 0 || !args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return shapes;
   const int64_t elem = args.logits.element_size();
   auto rows_aligned = [&](const at::Tensor& t) {
     return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && (t.stride(0) * elem) % 16 == 0;
   };
-  if (!rows_aligned(args.logits) || !rows_aligned(args.grad)) return 0;
-  if (at::cuda::getDeviceProperties(args.logits.get_device())->major < 9) return 0;
-  for (int c = 1; c <= kMaxClusterSize; c *= 2) {
-    if (cluster_slice_vecs(args.logits.size(1), elem, c) * 16 <= kClusterSliceBytes) return c;
+  if (!rows_aligned(args.logits) || !rows_aligned(args.grad)) return shapes;
+  if (at::cuda::getDeviceProperties(args.logits.get_device())->major < 9) return shapes;
+  for (int stages = max_stages; stages >= 1; --stages) {
+    for (int c = 1; c <= kMaxClusterSize; c *= 2) {
+      if (cluster_slice_vecs(args.logits.size(1), elem, c) * 16 * stages <= kClusterCtaBytes) {
+        shapes.push_back({c, stages});
+        break;
+      }
+    }
   }
-  return 0;
+  return shapes;
 }
 
 // Launches row_cluster_kernel where it applies; returns false otherwise.
 template <typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing, typename Epilogue>
 bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
-  const int n_ctas = row_cluster_size(args);
-  if (n_ctas == 0) return false;
   auto* kernel = &row_cluster_kernel<kClusterThreads, scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue>;
   const auto v = make_view<scalar_t, label_t, acc_t>(args);
-  const int slice_vecs = static_cast<int>(cluster_slice_vecs(v.vocab, sizeof(scalar_t), n_ctas));
-  const size_t smem = static_cast<size_t>(slice_vecs) * 16;
-  C10_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  // All of the SM's unified L1/shared memory as shared memory, so that 3 slices fit (the kernel's loads
-  // bypass L1 anyway).
-  C10_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  cudaLaunchAttribute cluster_dim;
-  cluster_dim.id = cudaLaunchAttributeClusterDimension;
-  cluster_dim.val.clusterDim.x = static_cast<unsigned>(n_ctas);
-  cluster_dim.val.clusterDim.y = 1;
-  cluster_dim.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(n_ctas));
-  cfg.blockDim = dim3(kClusterThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = at::cuda::getCurrentCUDAStream();
-  cfg.attrs = &cluster_dim;
-  cfg.numAttrs = 1;
-  // Persistent grid: as many clusters as can be resident at once, each looping over rows. (A cluster cannot
-  // span GPCs, so this can be fewer than SMs x CTAs per SM / C; any more would wait for a second wave.)
-  int max_clusters = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg));
-  if (max_clusters == 0) return false;
-  cfg.gridDim = dim3(static_cast<unsigned>(n_ctas * std::min<int64_t>(v.n_rows, max_clusters)));
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, v, epi, slice_vecs));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return true;
+  for (const ClusterShape shape : row_cluster_shapes(args)) {
+    const int slice_vecs = static_cast<int>(cluster_slice_vecs(v.vocab, sizeof(scalar_t), shape.ctas));
+    const size_t smem = static_cast<size_t>(slice_vecs) * 16 * shape.stages;
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    // All of the SM's unified L1/shared memory as shared memory, so that 3 CTAs' buffers fit (the kernel's
+    // loads bypass L1 anyway); clusters of 16 are beyond the portable 8.
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        cudaSharedmemCarveoutMaxShared));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    cudaLaunchAttribute cluster_dim;
+    cluster_dim.id = cudaLaunchAttributeClusterDimension;
+    cluster_dim.val.clusterDim.x = static_cast<unsigned>(shape.ctas);
+    cluster_dim.val.clusterDim.y = 1;
+    cluster_dim.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(shape.ctas));
+    cfg.blockDim = dim3(kClusterThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = at::cuda::getCurrentCUDAStream();
+    cfg.attrs = &cluster_dim;
+    cfg.numAttrs = 1;
+    // Persistent grid: as many clusters as can be resident at once, each looping over rows. (A cluster
+    // cannot span GPCs, so this can be fewer than SMs x CTAs per SM / C; any more would wait for a second
+    // wave.) A shape the device cannot make resident at all gives 0 (or an error): try the next.
+    int max_clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();  // clear it: the next shape or the fallback path runs instead
+      continue;
+    }
+    if (max_clusters == 0) continue;
+    cfg.gridDim = dim3(static_cast<unsigned>(shape.ctas * std::min<int64_t>(v.n_rows, max_clusters)));
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, v, epi, slice_vecs, shape.stages));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return true;
+  }
+  return false;
 }
 
 template <int kThreads, typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing,

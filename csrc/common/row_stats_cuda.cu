@@ -5,7 +5,7 @@
 
 namespace rl_losses {
 
-bool cuda_fuses_row_pass(const RowPassArgs& args) { return cuda::row_cluster_size(args) != 0; }
+bool cuda_fuses_row_pass(const RowPassArgs& args) { return !cuda::row_cluster_shapes(args).empty(); }
 
 void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out) {
   cuda::row_pass_cuda(args, "row_stats", [&](auto* tag) {
