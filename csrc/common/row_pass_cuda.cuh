@@ -277,26 +277,48 @@ __device__ inline void bulk_copy_to_shared(void* dst, const void* src, unsigned 
                : "memory");
 }
 
+// Writes `value` into `dst` of the cluster's CTA `rank` (dst: this CTA's address of the same variable) and
+// counts its bytes on that CTA's mbarrier `bar` (st.async, sm_90): no fence, no cluster barrier.
+template <typename T>
+__device__ inline void send_to_rank(T* dst, const T& value, uint64_t* bar, unsigned rank) {
+  static_assert(sizeof(T) % 4 == 0, "sent as 32-bit words");
+  unsigned words[sizeof(T) / 4];
+  memcpy(words, &value, sizeof(T));
+  unsigned remote_dst, remote_bar;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote_dst) : "r"(smem_addr(dst)), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote_bar) : "r"(smem_addr(bar)), "r"(rank));
+#pragma unroll
+  for (int k = 0; k < static_cast<int>(sizeof(T) / 4); ++k) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(
+                     remote_dst + 4 * k),
+                 "r"(words[k]), "r"(remote_bar)
+                 : "memory");
+  }
+}
+
 // Fused statistics, epilogue and gradient (CE, GRPO) with a cluster of C CTAs per row, C = the cluster's
 // size (1 to 16). CTA rank r owns the columns [r·slice, min(V, (r+1)·slice)) of every row and keeps them in
 // shared memory from their load to their gradient, so that the logits are read from DRAM once. Per row:
 //   1. the slice arrives in shared memory by bulk copy; each thread folds its 16-byte vectors into an online
-//      softmax state and the block reduces them; thread 0 adds the label's logit (if the label is in this slice) and
-//      publishes the CTA's state in `partial`;
-//   2. cluster barrier; warp 0 of rank 0 combines the C states over distributed shared memory (a fixed
-//      shuffle tree, so the result does not depend on timing), lane 0 runs the epilogue once and publishes
-//      (a, b, c) and lse;
-//   3. cluster barrier; every CTA reads them from rank 0 and writes the gradient of its slice from shared
-//      memory. In place (grad == logits) is safe: a CTA writes only its own slice, after reading all of it.
+//      softmax state and the block reduces them; with the label's logit (if the label is in this slice) the
+//      CTA's state is sent to every CTA of the cluster (st.async into a slot of their `gathered`, counted on
+//      an mbarrier there);
+//   2. once all C states have landed, warp 0 of every CTA combines them (in rank order, by a fixed shuffle
+//      tree: every CTA gets the same bits) and lane 0 runs the epilogue; every CTA's epilogue writes the
+//      same per-row outputs, which is cheaper than a second round of messages from one CTA;
+//   3. every CTA writes the gradient of its slice from shared memory. In place (grad == logits) is safe: a
+//      CTA writes only its own slice, after reading all of it.
+// No cluster barrier per row: a cluster barrier orders memory, so it waited for every thread's outstanding
+// gradient stores (Nsight Compute: membar + barrier stalls were 40% of the warps' cycles).
 // With 2 stages (two slice buffers), the copy of the CTA's next row is issued before step 1, so that every
 // CTA has a slice in flight through its reduction, barriers and gradient stores; with 1 stage, the copy of a
 // row is issued when the previous row is done. A block barrier before each copy keeps it from overwriting a
 // buffer some thread still reads (the gradient of two rows back, or of the last row with 1 stage).
 // The copies go to shared memory directly because registers are the scarce resource here: 3 CTAs of 256
 // threads per SM leave 85 per thread. The partial last vector of a row is loaded by one thread and stored
-// at the end of the slice, beyond the copied bytes. The two cluster barriers order the other shared
-// accesses: rank 0 reads `partial` only between barriers 1 and 2 of a row, and every CTA reads the
-// coefficients only between barrier 2 and the next row's barrier 1, so one copy of each suffices.
+// at the end of the slice, beyond the copied bytes. A slot of `gathered` is rewritten two rows later, which
+// a peer can reach only after this CTA has sent it the next row's state, i.e. after this CTA's block barrier
+// that follows warp 0's reads of the slot.
 template <int kThreads, typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing,
           typename Epilogue>
 __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
@@ -311,8 +333,11 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
   extern __shared__ __align__(16) unsigned char slice_raw[];
   VecT* const buffers = reinterpret_cast<VecT*>(slice_raw);  // `stages` buffers of slice_vecs vectors
   __shared__ RowStats<acc_t> scratch[32];
-  __shared__ RowStats<acc_t> partial;      // this CTA's statistics of the row
-  __shared__ GradCoef<acc_t> coef_shared;  // rank 0's copy is the one read
+  // Every CTA's statistics of a row, by rank, in a slot per row parity, and an mbarrier per slot that
+  // completes when all n_ctas have landed.
+  __shared__ RowStats<acc_t> gathered[2][kMaxClusterSize];
+  __shared__ uint64_t gathered_full[2];
+  __shared__ GradCoef<acc_t> coef_shared;
   __shared__ acc_t lse_shared;
   __shared__ uint64_t landed[2];  // one mbarrier per buffer: its slice has arrived
 
@@ -327,9 +352,11 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
   if (threadIdx.x == 0) {
     mbarrier_init(&landed[0]);
     mbarrier_init(&landed[1]);
+    mbarrier_init(&gathered_full[0]);
+    mbarrier_init(&gathered_full[1]);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  cluster.sync();  // every CTA's barriers are initialised before any peer sends to them
   // Thread 0 copies this CTA's whole vectors of `row` into buffer b, in pieces of at most 16 KB.
   auto fetch = [&](int64_t row, int b) {
     if (threadIdx.x != 0 || n_full == 0) return;
@@ -376,16 +403,18 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     for (int i = threadIdx.x; i < n_full; i += kThreads) {
       add_vec<kEntropy, kSmoothing>(st, load_vec(&slice[i]), v.scale);
     }
-    st = block_combine(st, scratch);  // its barrier also makes the whole slice visible to thread 0
-    if (threadIdx.x == 0) {
+    st = block_combine(st, scratch);  // its barrier also makes the whole slice visible to every thread
+    const int q = it & 1;            // the row's slot in `gathered`
+    if (threadIdx.x == 0) mbarrier_arrive_expect(&gathered_full[q], n_ctas * static_cast<unsigned>(sizeof(st)));
+    if (threadIdx.x < n_ctas) {  // thread t sends this CTA's statistics to rank t
       st.label = has_label ? static_cast<acc_t>(reinterpret_cast<const scalar_t*>(slice)[local]) * v.scale
                            : acc_t(0);
-      partial = st;
+      send_to_rank(&gathered[q][rank], st, &gathered_full[q], threadIdx.x);
     }
-    cluster.sync();
-    if (rank == 0 && threadIdx.x < 32) {
+    if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
-      RowStats<acc_t> all = lane < n_ctas ? *cluster.map_shared_rank(&partial, lane) : RowStats<acc_t>::empty();
+      mbarrier_wait(&gathered_full[q], static_cast<unsigned>((it >> 1) & 1));
+      RowStats<acc_t> all = lane < n_ctas ? gathered[q][lane] : RowStats<acc_t>::empty();
       for (int m = kMaxClusterSize / 2; m > 0; m >>= 1) all = RowStats<acc_t>::combine(all, shfl_xor(all, m));
       if (lane == 0) {
         CUDA_KERNEL_ASSERT(label < v.vocab_total && "rl_losses: a target label is >= the vocabulary size");
@@ -393,11 +422,9 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
         lse_shared = all.lse();
       }
     }
-    cluster.sync();
+    __syncthreads();
 
-    const GradOf<scalar_t, acc_t> grad_of(*cluster.map_shared_rank(&coef_shared, 0),
-                                          *cluster.map_shared_rank(&lse_shared, 0), v.scale,
-                                          has_label ? local : int64_t(-1));
+    const GradOf<scalar_t, acc_t> grad_of(coef_shared, lse_shared, v.scale, has_label ? local : int64_t(-1));
     VecT* gv = reinterpret_cast<VecT*>(v.grad + row * v.grad_row_stride + begin);
 #pragma unroll 2
     for (int i = threadIdx.x; i < n_full; i += kThreads) {
@@ -412,7 +439,7 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
       }
     }
   }
-  cluster.sync();  // no CTA exits while a peer may still read its shared memory (rank 0's coefficients)
+  cluster.sync();  // no CTA exits while a peer may still write into its shared memory
 #endif
 }
 
