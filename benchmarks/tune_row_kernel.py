@@ -1,7 +1,6 @@
 """The fused CUDA row kernels side by side on one GPU: the cluster kernel (statistics and gradient in one
-launch, each row read once from DRAM; two slice buffers per CTA where they fit) against
-RL_LOSSES_ROW_KERNEL=cluster1 (one buffer) and RL_LOSSES_ROW_KERNEL=split (a statistics launch, then the
-gradient launch re-reading the row), with a device-to-device copy of the same bytes as the ceiling.
+launch, each row read once from DRAM) against RL_LOSSES_ROW_KERNEL=cluster2 (two slice buffers per CTA)
+and RL_LOSSES_ROW_KERNEL=split (a statistics launch, then the gradient launch re-reading the row), with a device-to-device copy of the same bytes as the ceiling.
 
 Each kernel runs in its own process (the knob is read once per process). Per vocabulary size: cross-entropy
 fwd+bwd at N x V bf16, CUDA-event timing, median of --reps after warm-up; GB/s over the minimal bytes
@@ -22,11 +21,11 @@ import sys
 
 # Values of RL_LOSSES_ROW_KERNEL: the default cluster kernel (2 stages where they fit), the cluster kernel with
 # 1 stage, and the statistics kernel + gradient kernel path.
-KERNELS = ("cluster", "cluster1", "split")
+KERNELS = ("cluster", "cluster2", "split")
 CTA_BYTES, MAX_CLUSTER = 64 * 1024, 16  # mirror kClusterCtaBytes / kMaxClusterSize (row_pass_cuda.cuh)
 
 
-def cluster_shape(v, elem_bytes, max_stages=2):
+def cluster_shape(v, elem_bytes, max_stages=1):
     """(CTAs per row, stages) the CUDA launcher tries first for contiguous rows (for the table only)."""
     for stages in range(max_stages, 0, -1):
         c = 1
@@ -107,9 +106,9 @@ def child(args):
 
     # Small cases for the other paths: (N, V, row stride, dtype). A row end inside a 16-byte vector reaches
     # the cluster kernel only in place (a new gradient is contiguous, so its rows are then unaligned).
-    # (C x S: CTAs per row x stages with 2 stages allowed; in the cluster1 run, 1 stage.)
-    for n, v, stride, dtype in [(300, 50257, 50264, torch.bfloat16),    # 4x2 (2x1), row end inside a vector
-                                (200, 100003, 100004, torch.float32),  # 16x2 (8x1), fp32, row end in a vector
+    # (C x S: CTAs per row x stages; in the cluster2 run, 2 stages where they fit.)
+    for n, v, stride, dtype in [(300, 50257, 50264, torch.bfloat16),    # 2x1 (4x2), row end inside a vector
+                                (200, 100003, 100004, torch.float32),  # 8x1 (16x2), fp32, row end in a vector
                                 (257, 3, 8, torch.bfloat16),           # no whole vector in the row
                                 (64, 7, 8, torch.float32),
                                 (128, 4096, 4096, torch.float16),
@@ -190,7 +189,7 @@ def main():
     for v in args.vocabs:
         for kernel, res in results.items():
             row = next(r for r in res["rows"] if r["V"] == v)
-            c, st = cluster_shape(v, 2, 1 if kernel == "cluster1" else 2) if kernel != "split" else ("-", "-")
+            c, st = cluster_shape(v, 2, 2 if kernel == "cluster2" else 1) if kernel != "split" else ("-", "-")
             print(f"{v:>7} {kernel:>8} {f'{c}x{st}':>5} {row['ms']:8.3f} {row['GBps']:7.0f} {row['pct']:6.1f} "
                   f"{row['copy_ms']:8.3f} {row['copy_GBps']:9.0f}")
     sys.exit(1 if failed else 0)

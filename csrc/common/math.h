@@ -125,14 +125,17 @@ struct RowStats {
     return {neg_inf<T>(), T(0), T(0), T(0), T(0)};
   }
 
-  // Fold a chunk of K values whose max is `chunk_max` into the state: one rescale per chunk, not per value.
+  // Fold a chunk of K raw logits z (x = s·z, s > 0) into the state: one max and one rescale per chunk, and
+  // per value one FFMA into the exponential (ExpAffine), with no multiply by s of its own. s > 0 (checked
+  // by every op) makes max(s·z) = s·max(z) exactly, rounding being monotonic.
   template <bool kEntropy, bool kSmoothing, int K>
-  C10_HOST_DEVICE void add_chunk(const T (&x)[K]) {
-    T chunk_max = x[0];
+  C10_HOST_DEVICE void add_chunk(const T (&z)[K], T s) {
+    T z_max = z[0];
     // fmax is one instruction on the GPU (a compare and a select otherwise); a NaN it skips here still
     // reaches the sums below.
 RL_LOSSES_UNROLL
-    for (int i = 1; i < K; ++i) chunk_max = ::fmax(chunk_max, x[i]);
+    for (int i = 1; i < K; ++i) z_max = ::fmax(z_max, z[i]);
+    const T chunk_max = s * z_max;
     if (chunk_max > max) {
       // max == -inf only before the first finite value: then the old sums are 0 and the factor is moot.
       const T factor = max == neg_inf<T>() ? T(0) : exp_nonpos(max - chunk_max);
@@ -141,21 +144,22 @@ RL_LOSSES_UNROLL
       max = chunk_max;
     }
     if (max == neg_inf<T>()) return;  // every value so far is -inf: nothing to add
-    const ExpAffine<T> exp_shifted(T(1), max);
+    const ExpAffine<T> exp_shifted(s, max);
 RL_LOSSES_UNROLL
     for (int i = 0; i < K; ++i) {
-      const T e = exp_shifted(x[i]);
+      const T e = exp_shifted(z[i]);
       sumexp += e;
       // e == 0 for x == -inf: skip so that 0 * -inf never makes a NaN.
-      if (kEntropy) sum_px += e > T(0) ? e * x[i] : T(0);
-      if (kSmoothing) sum_x += x[i];
+      if (kEntropy) sum_px += e > T(0) ? e * (s * z[i]) : T(0);
+      if (kSmoothing) sum_x += s * z[i];
     }
   }
 
+  // One raw logit z (x = s·z).
   template <bool kEntropy, bool kSmoothing>
-  C10_HOST_DEVICE void add(T x) {
-    T one[1] = {x};
-    add_chunk<kEntropy, kSmoothing, 1>(one);
+  C10_HOST_DEVICE void add(T z, T s) {
+    T one[1] = {z};
+    add_chunk<kEntropy, kSmoothing, 1>(one, s);
   }
 
   C10_HOST_DEVICE static RowStats combine(const RowStats& a, const RowStats& b) {

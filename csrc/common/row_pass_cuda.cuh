@@ -88,17 +88,22 @@ __device__ inline RowStats<acc_t> block_combine(RowStats<acc_t> s, RowStats<acc_
   return s;
 }
 
-// Folds one 16-byte vector of raw logits into the state (x = s·z).
-template <bool kEntropy, bool kSmoothing, typename acc_t, typename scalar_t, int kVec>
-__device__ inline void add_vec(RowStats<acc_t>& st, const Pack<scalar_t, kVec>& z, acc_t scale) {
-  acc_t chunk[kVec];
+// Folds N 16-byte vectors of raw logits (x = s·z) into the state as one chunk: one max and one rescale test
+// per N·kVec logits.
+template <bool kEntropy, bool kSmoothing, typename acc_t, typename scalar_t, int kVec, int N>
+__device__ inline void add_vecs(RowStats<acc_t>& st, const Pack<scalar_t, kVec> (&z)[N], acc_t scale) {
+  acc_t chunk[N * kVec];
 #pragma unroll
-  for (int k = 0; k < kVec; ++k) chunk[k] = static_cast<acc_t>(z.v[k]) * scale;
-  st.template add_chunk<kEntropy, kSmoothing, kVec>(chunk);
+  for (int n = 0; n < N; ++n) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) chunk[n * kVec + k] = static_cast<acc_t>(z[n].v[k]);
+  }
+  st.template add_chunk<kEntropy, kSmoothing, N * kVec>(chunk, scale);
 }
 
-// dL/dz_j = s·(a·p_j + c + b·[j = label]), p_j = exp(s·z_j − lse), given the row's coefficients and lse:
-// of one element, or of a 16-byte vector whose first column is j0 (the label tested once per vector).
+// dL/dz_j = s·(a·p_j + c + b·[j = label]), p_j = exp(s·z_j − lse), given the row's coefficients and lse: of
+// one element, or of a 16-byte vector without the label term. The kernels rewrite the label's element
+// afterwards (the thread that wrote its vector, so in order): a test per row instead of one per element.
 template <typename scalar_t, typename acc_t>
 struct GradOf {
   acc_t sa, sb, sc;
@@ -120,7 +125,7 @@ struct GradOf {
   }
 
   template <int kVec>
-  __device__ Pack<scalar_t, kVec> operator()(const Pack<scalar_t, kVec>& z, int64_t j0) const {
+  __device__ Pack<scalar_t, kVec> operator()(const Pack<scalar_t, kVec>& z) const {
     Pack<scalar_t, kVec> out;
     if (zero) {
 #pragma unroll
@@ -130,10 +135,6 @@ struct GradOf {
     acc_t g[kVec];
 #pragma unroll
     for (int k = 0; k < kVec; ++k) g[k] = sa * p_of(static_cast<acc_t>(z.v[k])) + sc;
-    if (static_cast<uint64_t>(label - j0) < static_cast<uint64_t>(kVec)) {  // the label is in this vector
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) g[k] += j0 + k == label ? sb : acc_t(0);
-    }
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
 #pragma unroll
       for (int k = 0; k < kVec; k += 2) {  // one cvt.rn.bf16x2.f32 per pair
@@ -182,7 +183,7 @@ __global__ void __launch_bounds__(kThreads) row_pass_kernel(RowPassView<scalar_t
     if constexpr (kStats) {
       st = RowStats<acc_t>::empty();
       for (int64_t j = threadIdx.x; j < head; j += kThreads)
-        st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(x[j]) * v.scale);
+        st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(x[j]), v.scale);
       const VecT* xv = reinterpret_cast<const VecT*>(x + head);
       // kUnroll independent 16-byte loads are issued before any is used, to keep enough bytes in flight.
       for (int64_t i0 = threadIdx.x; i0 < n_vec; i0 += kThreads * kUnroll) {
@@ -194,11 +195,14 @@ __global__ void __launch_bounds__(kThreads) row_pass_kernel(RowPassView<scalar_t
         }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-          if (i0 + u * kThreads < n_vec) add_vec<kEntropy, kSmoothing>(st, buf[u], v.scale);
+          if (i0 + u * kThreads < n_vec) {
+            const VecT one[1] = {buf[u]};
+            add_vecs<kEntropy, kSmoothing>(st, one, v.scale);
+          }
         }
       }
       for (int64_t j = tail + threadIdx.x; j < v.vocab; j += kThreads)
-        st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(x[j]) * v.scale);
+        st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(x[j]), v.scale);
       st = block_combine(st, scratch);
     }
 
@@ -222,6 +226,10 @@ __global__ void __launch_bounds__(kThreads) row_pass_kernel(RowPassView<scalar_t
       const bool same_align = (reinterpret_cast<uintptr_t>(g) % 16) == (reinterpret_cast<uintptr_t>(x) % 16);
       if (same_align) {
         for (int64_t j = threadIdx.x; j < head; j += kThreads) g[j] = grad_of(x[j], j);
+        // The thread that writes the label's vector keeps its logit first (in place, the vector overwrites it).
+        const bool label_vec_mine = has_label && local >= head && local < tail &&
+                                    (local - head) / kVec % kThreads == static_cast<int64_t>(threadIdx.x);
+        const scalar_t z_label = label_vec_mine ? x[local] : scalar_t(0);
         const VecT* xv = reinterpret_cast<const VecT*>(x + head);
         VecT* gv = reinterpret_cast<VecT*>(g + head);
         for (int64_t i0 = threadIdx.x; i0 < n_vec; i0 += kThreads * kUnroll) {
@@ -234,9 +242,10 @@ __global__ void __launch_bounds__(kThreads) row_pass_kernel(RowPassView<scalar_t
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
             const int64_t i = i0 + u * kThreads;
-            if (i < n_vec) store_vec(&gv[i], grad_of(buf[u], head + i * kVec));
+            if (i < n_vec) store_vec(&gv[i], grad_of(buf[u]));
           }
         }
+        if (label_vec_mine) g[local] = grad_of(z_label, local);
         for (int64_t j = tail + threadIdx.x; j < v.vocab; j += kThreads) g[j] = grad_of(x[j], j);
       } else {
         for (int64_t j = threadIdx.x; j < v.vocab; j += kThreads) g[j] = grad_of(x[j], j);
@@ -394,14 +403,19 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
       for (int k = 0; k < kVec; ++k) {
         if (k < rem) {
           part.v[k] = x[n_full * kVec + k];
-          st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(part.v[k]) * v.scale);
+          st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(part.v[k]), v.scale);
         }
       }
       store_vec(&slice[n_full], part);
     }
-#pragma unroll 2
-    for (int i = threadIdx.x; i < n_full; i += kThreads) {
-      add_vec<kEntropy, kSmoothing>(st, load_vec(&slice[i]), v.scale);
+    int i = threadIdx.x;
+    for (; i + kThreads < n_full; i += 2 * kThreads) {  // two vectors per chunk
+      const VecT two[2] = {load_vec(&slice[i]), load_vec(&slice[i + kThreads])};
+      add_vecs<kEntropy, kSmoothing>(st, two, v.scale);
+    }
+    if (i < n_full) {
+      const VecT one[1] = {load_vec(&slice[i])};
+      add_vecs<kEntropy, kSmoothing>(st, one, v.scale);
     }
     st = block_combine(st, scratch);  // its barrier also makes the whole slice visible to every thread
     const int q = it & 1;            // the row's slot in `gathered`
@@ -427,8 +441,9 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     const GradOf<scalar_t, acc_t> grad_of(coef_shared, lse_shared, v.scale, has_label ? local : int64_t(-1));
     VecT* gv = reinterpret_cast<VecT*>(v.grad + row * v.grad_row_stride + begin);
 #pragma unroll 2
-    for (int i = threadIdx.x; i < n_full; i += kThreads) {
-      store_vec(&gv[i], grad_of(load_vec(&slice[i]), static_cast<int64_t>(i) * kVec));
+    for (int i = threadIdx.x; i < n_full; i += kThreads) store_vec(&gv[i], grad_of(load_vec(&slice[i])));
+    if (has_label && local < n_full * kVec && local / kVec % kThreads == threadIdx.x) {
+      reinterpret_cast<scalar_t*>(gv)[local] = grad_of(reinterpret_cast<const scalar_t*>(slice)[local], local);
     }
     if (owns_rem) {
       const VecT z = load_vec(&slice[n_full]);
@@ -455,18 +470,19 @@ struct ClusterShape {
   int stages = 0;  // slice buffers per CTA
 };
 
-// The shapes row_cluster_kernel may run these arguments with, best first: 2 stages with the smallest power
-// of two of CTAs whose slices fit kClusterCtaBytes twice, then 1 stage likewise (the launcher takes the first
-// one the device can make resident). None where the kernel does not apply: not the fused shape, a device
-// older than sm_90, rows of the logits or the gradient not 16-byte aligned, a row longer than
-// kMaxClusterSize slices, or RL_LOSSES_ROW_KERNEL=split (the statistics kernel + gradient kernel path) or
-// =cluster1 (1 stage only), for comparison; read once.
+// The shapes row_cluster_kernel may run these arguments with, best first: the smallest power of two of CTAs
+// whose slices fit kClusterCtaBytes, with 1 stage (the launcher takes the first shape the device can make
+// resident). RL_LOSSES_ROW_KERNEL=cluster2 puts 2 stages first (two buffers of half the size: measured
+// slower, as it doubles C), =split turns the kernel off (the statistics kernel + gradient kernel path); both
+// for comparison, read once. None where the kernel does not apply: not the fused shape, a device older
+// than sm_90, rows of the logits or the gradient not 16-byte aligned, a row longer than kMaxClusterSize
+// slices.
 inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
   static const int max_stages = [] {
     const char* env = std::getenv("RL_LOSSES_ROW_KERNEL");
     if (env != nullptr && std::strcmp(env, "split") == 0) return 0;
-    if (env != nullptr && std::strcmp(env, "cluster1") == 0) return 1;
-    return 2;
+    if (env != nullptr && std::strcmp(env, "cluster2") == 0) return 2;
+    return 1;
   }();
   std::vector<ClusterShape> shapes;
   if (max_stages == 0 || !args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return shapes;
