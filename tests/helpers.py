@@ -82,3 +82,18 @@ def gradcheck_fresh(fn, x):
     """torch.autograd.gradcheck of fn at x (float64), one graph per backward (see _FreshGraphPerBackward)."""
     return torch.autograd.gradcheck(lambda t: _FreshGraphPerBackward.apply(t, fn), (x,), eps=1e-6, atol=1e-7,
                                     rtol=1e-5)
+
+
+def assert_compiled_matches_eager(fn, logits, *args, backend):
+    """fn(x, *args) returns the loss, or a tuple whose first item is the loss; under torch.compile
+    (fullgraph, static shapes) its outputs and the gradient of 1.7·loss w.r.t. x must match eager's."""
+    compiled = torch.compile(fn, fullgraph=True, backend=backend, dynamic=False)
+    results = []
+    for f in (fn, compiled):
+        x = logits.clone().requires_grad_()
+        out = f(x, *args)
+        loss, *rest = out if isinstance(out, tuple) else (out,)
+        (loss * 1.7).backward()
+        results.append((loss.detach(), *rest, x.grad))
+    for eager, comp in zip(*results):
+        assert_close(comp, eager, torch.float32)

@@ -12,8 +12,8 @@ import rl_losses
 from rl_losses import reference
 
 from conftest import TOLERANCES, assert_close
-from helpers import (assert_grad_close, gradcheck_fresh, make_logits, make_target, param_id as _id,
-                     requires_cuda)
+from helpers import (assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh, make_logits, make_target,
+                     param_id as _id, requires_cuda)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 VOCABS = [1, 7, 256, 500, 769, 32000, 50257]
@@ -441,20 +441,10 @@ def _compiled_case(kind):
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("kind", ["mean", "none"])
 def test_compile_fullgraph(kind, backend, device):
-    fn = _compiled_case(kind)
-    compiled = torch.compile(fn, fullgraph=True, backend=backend, dynamic=False)
     logits = make_logits((16, 8), 129, torch.float32, device)
     target = make_target((16, 8), 129, device)
     extra = (torch.randn(16, 8, device=device),) if kind == "none" else ()
-    results = []
-    for f in (fn, compiled):
-        x = logits.clone().requires_grad_()
-        out = f(x, target, *extra)
-        (out * 1.7).backward()
-        results.append((out.detach(), x.grad))
-    (eager_out, eager_grad), (comp_out, comp_grad) = results
-    assert_close(comp_out, eager_out, torch.float32)
-    assert_close(comp_grad, eager_grad, torch.float32)
+    assert_compiled_matches_eager(_compiled_case(kind), logits, target, *extra, backend=backend)
 
 
 # ---- CPU == CUDA ------------------------------------------------------------------------------------------

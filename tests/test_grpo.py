@@ -11,8 +11,8 @@ import rl_losses
 from rl_losses import reference
 
 from conftest import assert_close
-from helpers import (assert_grad_close, gradcheck_fresh, label_log_probs64, make_logits, make_target,
-                     param_id as _id, requires_cuda)
+from helpers import (assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh, label_log_probs64,
+                     make_logits, make_target, param_id as _id, requires_cuda)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(64,), (16, 8)]
@@ -466,16 +466,8 @@ def test_compile_fullgraph(backend, device):
                                   logits_scale_factor=0.5)
         return out.loss, out.kl_old, out.log_probs
 
-    compiled = torch.compile(fn, fullgraph=True, backend=backend, dynamic=False)
     logits, target, advantages, old, ref = make_inputs((16, 8), 129, torch.float32, device)
-    results = []
-    for f in (fn, compiled):
-        x = logits.clone().requires_grad_()
-        loss, kl_old, log_probs = f(x, target, advantages, old, ref)
-        (loss * 1.7).backward()
-        results.append((loss.detach(), kl_old, log_probs, x.grad))
-    for eager, comp in zip(*results):
-        assert_close(comp, eager, torch.float32)
+    assert_compiled_matches_eager(fn, logits, target, advantages, old, ref, backend=backend)
 
 
 @requires_cuda

@@ -11,8 +11,8 @@ import rl_losses
 from rl_losses import reference
 
 from conftest import assert_close
-from helpers import (assert_grad_close, gradcheck_fresh, label_log_probs64, make_logits, make_target,
-                     param_id as _id, requires_cuda)
+from helpers import (assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh, label_log_probs64,
+                     make_logits, make_target, param_id as _id, requires_cuda)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _ops = torch.ops.rl_losses
@@ -547,16 +547,8 @@ def test_compile_fullgraph(backend, device):
                                   logits_scale_factor=0.5, weighting="token")
         return out.loss, out.kl_old, out.document_ratios
 
-    compiled = torch.compile(fn, fullgraph=True, backend=backend, dynamic=False)
     logits, target, advantages, old = make_inputs(doc.shape, 129, torch.float32, device, doc)
-    results = []
-    for f in (fn, compiled):
-        x = logits.clone().requires_grad_()
-        loss, kl_old, ratios = f(x, target, advantages, old, doc)
-        (loss * 1.7).backward()
-        results.append((loss.detach(), kl_old, ratios, x.grad))
-    for eager, comp in zip(*results):
-        assert_close(comp, eager, torch.float32)
+    assert_compiled_matches_eager(fn, logits, target, advantages, old, doc, backend=backend)
 
 
 @requires_cuda

@@ -323,3 +323,21 @@ def test_peak_memory_is_one_chunk_not_the_logits():
     budget = grads + chunk * vocab * 2 + vocab * hidden_size * 4 + 64 * n + (8 << 20)
     assert extra <= budget, f"extra peak {extra / 2**20:.0f} MiB > budget {budget / 2**20:.0f} MiB"
     assert extra < n * vocab * 2, "the logits were materialised"
+
+
+@requires_cuda
+@pytest.mark.parametrize("op", ["ce", "grpo", "gspo"])
+def test_label_out_of_range_cuda_opt_in_check(monkeypatch, op):
+    """RL_LOSSES_CHECK_INPUTS=1: a label >= weight.shape[0] is a Python error, not a device-side assert."""
+    monkeypatch.setenv("RL_LOSSES_CHECK_INPUTS", "1")
+    hidden, weight, _ = make_linear((4,), 8, 7, torch.float32, "cuda")
+    target = torch.tensor([0, 7, -100, 6], device="cuda")
+    advantages, old = torch.randn(4, device="cuda"), torch.randn(4, device="cuda")
+    calls = {
+        "ce": lambda: rl_losses.linear_cross_entropy(hidden, weight, target),
+        "grpo": lambda: rl_losses.linear_grpo_loss(hidden, weight, target, advantages, old),
+        "gspo": lambda: rl_losses.linear_gspo_loss(hidden, weight, target, advantages, old,
+                                                   torch.zeros(4, dtype=torch.long, device="cuda"), num_documents=1),
+    }
+    with pytest.raises(ValueError, match="target holds label 7 but the vocabulary has 7 entries"):
+        calls[op]()

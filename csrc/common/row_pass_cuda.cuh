@@ -33,9 +33,9 @@ namespace rl_losses {
 namespace cuda {
 
 // Shared-memory bytes of one CTA's slice buffers (all its stages) in the cluster kernel. 64 KB lets 3 CTAs
-// share an SM (3 x 64 KB plus their static shared memory fit the 228 KB of an H100/H200 SM), so one CTA's
-// cluster barriers hide behind the others' loads and stores. Two 32 KB stages hold a bf16 row of 128256 in
-// 8 CTAs, of 262144 in 16.
+// share an SM (3 x 64 KB plus their static shared memory fit the 228 KB of an H100/H200 SM), so that one
+// CTA's wait for its slice hides behind the others' work. One 64 KB stage holds a bf16 row of 128256 in 4
+// CTAs, of 262144 in 8; an fp32 row of 262144 in 16.
 constexpr int64_t kClusterCtaBytes = 64 * 1024;
 constexpr int kMaxClusterSize = 16;  // 8 is portable; H100/H200 allow 16 (NonPortableClusterSizeAllowed)
 constexpr int kClusterThreads = 256;
@@ -319,10 +319,11 @@ __device__ inline void send_to_rank(T* dst, const T& value, uint64_t* bar, unsig
 //      CTA writes only its own slice, after reading all of it.
 // No cluster barrier per row: a cluster barrier orders memory, so it waited for every thread's outstanding
 // gradient stores (Nsight Compute: membar + barrier stalls were 40% of the warps' cycles).
-// With 2 stages (two slice buffers), the copy of the CTA's next row is issued before step 1, so that every
-// CTA has a slice in flight through its reduction, barriers and gradient stores; with 1 stage, the copy of a
-// row is issued when the previous row is done. A block barrier before each copy keeps it from overwriting a
-// buffer some thread still reads (the gradient of two rows back, or of the last row with 1 stage).
+// With 1 stage (the default), the copy of a row is issued when the previous row is done; with 2 stages (two
+// slice buffers of half the size: measured slower, as C doubles), the copy of the CTA's next row is issued
+// before step 1. A block barrier before each copy keeps it from overwriting a buffer some thread still reads
+// (the gradient of the last row with 1 stage, of two rows back with 2). This launch loop's structure is kept
+// as measured: an equivalent rewrite without the stage option ran 10% slower (benchmarks/NOTES.md, v8b).
 // The copies go to shared memory directly because registers are the scarce resource here: 3 CTAs of 256
 // threads per SM leave 85 per thread. The partial last vector of a row is loaded by one thread and stored
 // at the end of the slice, beyond the copied bytes. A slot of `gathered` is rewritten two rows later, which

@@ -1,6 +1,32 @@
 #include "common/row_source.h"
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include <cstdint>
+
 namespace rl_losses {
+
+namespace {
+
+// Asks Linux for transparent huge pages under a new CPU gradient buffer, before anything touches it
+// (madvise(MADV_HUGEPAGE) on its whole 2 MB pages; a hint, honoured where the kernel's THP mode is "madvise"
+// or "always"). First-touching a fresh N × V buffer 4 KB at a time cost about as much as the row pass that
+// writes it (262 MB: 185 ms of page faults and zeroing against 91 ms with huge pages, 2 cores).
+void advise_huge_pages(const at::Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHugePage = uintptr_t(2) << 20;
+  if (!t.is_cpu() || t.nbytes() < 4 * kHugePage) return;
+  const auto start = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  const uintptr_t begin = (start + kHugePage - 1) & ~(kHugePage - 1), end = (start + t.nbytes()) & ~(kHugePage - 1);
+  if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)t;
+#endif
+}
+
+}  // namespace
 
 LogitsSource::LogitsSource(const char* op, const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
                            int64_t vocab_size, bool compute_grad, bool inplace)
@@ -12,6 +38,7 @@ LogitsSource::LogitsSource(const char* op, const at::Tensor& logits, const at::T
     grad_ = logits;
   } else if (compute_grad) {
     grad2d_ = at::empty({f_.n_rows, f_.vocab}, logits.options());
+    advise_huge_pages(grad2d_);
     grad_ = grad2d_.view(logits.sizes());
   } else {
     grad_ = at::empty({0}, logits.options());

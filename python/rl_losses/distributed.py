@@ -68,7 +68,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rl_losses.functional import PolicyLossOutput, _check_inputs_enabled, _divisor, _policy_output
+from rl_losses.functional import PolicyLossOutput, _check_inputs_enabled, _check_labels, _divisor, _policy_output
 
 _ops = torch.ops.rl_losses
 
@@ -101,16 +101,6 @@ def _raise_if_failed(op: str, group_name: str, failed: bool, error: Exception | 
     if failed:
         raise ValueError(f"{op}: another rank of {group_name} failed on its input (its own error says why); "
                          f"this rank stops too")
-
-
-def _check_labels(op: str, target: torch.Tensor, vocab_size: int) -> None:
-    # The opt-in CUDA range check of the functional wrappers, against the global vocabulary (the CPU kernels
-    # always check).
-    if target.is_cuda and target.numel() and _host_checks(target):
-        high = int(target.max())
-        if high >= vocab_size:
-            raise ValueError(f"{op}: target holds label {high}, out of range for the vocabulary of {vocab_size} "
-                             f"entries")
 
 
 # ---- tensor parallelism ------------------------------------------------------------------------------------

@@ -22,12 +22,18 @@ def _check_inputs_enabled() -> bool:
     return os.environ.get("RL_LOSSES_CHECK_INPUTS", "0") not in ("", "0")
 
 
-def _check_labels(name: str, target: torch.Tensor, logits: torch.Tensor) -> None:
-    # (Shape and dtype errors are the op's to report; this only adds the opt-in CUDA range check.)
-    if target.is_cuda and target.numel() > 0 and logits.dim() >= 1 and _check_inputs_enabled():
-        high, vocab_size = int(target.max()), logits.shape[-1]
+def _check_labels(name: str, target: torch.Tensor, vocab_size: int | None) -> None:
+    # The opt-in CUDA range check of labels against the (global) vocabulary size; None: the op reports the
+    # shape error. It reads a value on the host, so it is skipped inside a compiled graph.
+    if (vocab_size is not None and target.is_cuda and target.numel() > 0 and _check_inputs_enabled()
+            and not torch.compiler.is_compiling()):
+        high = int(target.max())
         if high >= vocab_size:
             raise ValueError(f"{name}: target holds label {high} but the vocabulary has {vocab_size} entries")
+
+
+def _vocab_size(t: torch.Tensor, dim: int) -> int | None:
+    return t.shape[dim] if t.dim() >= 1 else None
 
 
 def _check_document_ids(name: str, document_index: torch.Tensor, num_documents: int | None) -> None:
@@ -69,7 +75,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, logits_scale_fa
                                          label_smoothing=label_smoothing, z_loss_factor=z_loss_factor,
                                          reduction=reduction, divisor=_divisor(divisor),
                                          inplace_backward=inplace_backward)
-    _check_labels("cross_entropy", target, logits)
+    _check_labels("cross_entropy", target, _vocab_size(logits, -1))
     loss, _ = _ops.cross_entropy(logits, target, logits_scale_factor=logits_scale_factor,
                                  label_smoothing=label_smoothing, z_loss_factor=z_loss_factor,
                                  reduction=reduction, divisor=_divisor(divisor), inplace_backward=inplace_backward)
@@ -142,7 +148,7 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
                                      divisor=_divisor(divisor), logits_scale_factor=logits_scale_factor,
                                      label_counts=label_counts, compute_entropy=compute_entropy,
                                      inplace_backward=inplace_backward)
-    _check_labels("grpo", target, logits)
+    _check_labels("grpo", target, _vocab_size(logits, -1))
     out = _ops.grpo(logits, target, advantages, old_log_probs, ref_log_probs=ref_log_probs,
                     loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
                     epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
@@ -181,7 +187,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
                                      token_advantages=token_advantages, divisor=_divisor(divisor),
                                      logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
                                      inplace_backward=inplace_backward)
-    _check_labels("gspo", target, logits)
+    _check_labels("gspo", target, _vocab_size(logits, -1))
     _check_document_ids("gspo", document_index, num_documents)
     out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
                     label_counts=label_counts, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
@@ -210,6 +216,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                          divisor: float | None = None, chunk_size: int | None = None) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits (see cross_entropy).
     ``reduction="none"`` is available without gradients only (the weight gradient is summed over tokens)."""
+    _check_labels("linear_cross_entropy", target, _vocab_size(weight, 0))
     loss, _ = _ops.linear_cross_entropy(hidden, weight, target, bias=bias, logits_scale_factor=logits_scale_factor,
                                         label_smoothing=label_smoothing, z_loss_factor=z_loss_factor,
                                         reduction=reduction, divisor=_divisor(divisor), chunk_size=chunk_size)
@@ -224,6 +231,7 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                      logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
                      compute_entropy: bool = False, chunk_size: int | None = None) -> PolicyLossOutput:
     """GRPO of ``hidden @ weight.T (+ bias)`` without materialising the logits (see grpo_loss)."""
+    _check_labels("linear_grpo", target, _vocab_size(weight, 0))
     out = _ops.linear_grpo(hidden, weight, target, advantages, old_log_probs, bias=bias, ref_log_probs=ref_log_probs,
                            loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
                            epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
@@ -240,6 +248,7 @@ def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                      compute_entropy: bool = False, chunk_size: int | None = None) -> PolicyLossOutput:
     """GSPO of ``hidden @ weight.T (+ bias)`` without materialising the logits (see gspo_loss). The logits are
     computed twice, chunk by chunk: once for the per-document ratios, once for the gradient."""
+    _check_labels("linear_gspo", target, _vocab_size(weight, 0))
     _check_document_ids("linear_gspo", document_index, num_documents)
     out = _ops.linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, bias=bias,
                            num_documents=num_documents, label_counts=label_counts, epsilon_low=epsilon_low,
