@@ -1,6 +1,7 @@
 """The fused CUDA row kernels side by side on one GPU: the cluster kernel (statistics and gradient in one
 launch, each row read once from DRAM) against RL_LOSSES_ROW_KERNEL=cluster2 (two slice buffers per CTA)
-and RL_LOSSES_ROW_KERNEL=split (a statistics launch, then the gradient launch re-reading the row), with a device-to-device copy of the same bytes as the ceiling.
+and RL_LOSSES_ROW_KERNEL=split (a statistics launch, then the gradient launch re-reading the row), with a
+device-to-device copy of the same bytes as the ceiling.
 
 Each kernel runs in its own process (the knob is read once per process). Per vocabulary size: cross-entropy
 fwd+bwd at N x V bf16, CUDA-event timing, median of --reps after warm-up; GB/s over the minimal bytes
@@ -19,8 +20,8 @@ import os
 import subprocess
 import sys
 
-# Values of RL_LOSSES_ROW_KERNEL: the default cluster kernel (2 stages where they fit), the cluster kernel with
-# 1 stage, and the statistics kernel + gradient kernel path.
+# Values of RL_LOSSES_ROW_KERNEL: the default cluster kernel (1 stage), the cluster kernel with 2 stages where
+# they fit, and the statistics kernel + gradient kernel path.
 KERNELS = ("cluster", "cluster2", "split")
 CTA_BYTES, MAX_CLUSTER = 64 * 1024, 16  # mirror kClusterCtaBytes / kMaxClusterSize (row_pass_cuda.cuh)
 
