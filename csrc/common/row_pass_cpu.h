@@ -1,11 +1,13 @@
 // CPU back-end of the row pass (row_pass.h): at::parallel_for over rows, two sweeps per row (statistics,
-// then gradient), fp32 (fp64) accumulation, inner loops written so that the compiler vectorises them.
+// then gradient), fp32 (fp64) accumulation, inner loops written so that the compiler vectorises them (at the
+// machine's widest vector ISA: cpu_isa.h).
 #pragma once
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 
+#include "common/cpu_isa.h"
 #include "common/row_pass.h"
 
 // Lets the compiler vectorise a loop it would otherwise leave scalar (the polynomial exp's float-to-int
@@ -57,42 +59,44 @@ void row_pass_cpu_typed(const RowPassArgs& args, const Epilogue& epi) {
   // Rows are independent; a grain of a few rows keeps the scheduling cost far below one row's work.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(v.vocab, 1));
   at::parallel_for(0, v.n_rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const scalar_t* x = v.logits + row * v.row_stride;
-      const int64_t label = static_cast<int64_t>(v.target[row]);
-      TORCH_CHECK(label < v.vocab_total, "target: label ", label, " at row ", row, " is out of range for ",
-                  "vocab_size ", v.vocab_total);
-      const int64_t local = label - v.vocab_start;
-      const bool has_label = label >= 0 && local >= 0 && local < v.vocab;
-      RowStats<acc_t> st;
-      if (stats) {
-        st = row_stats_cpu<kEntropy, kSmoothing>(x, v.vocab, v.scale);
-        st.label = has_label ? static_cast<acc_t>(x[local]) * v.scale : acc_t(0);
-      } else {
-        st = load_stats(v.stats_in, row);
+    run_vectorised([&] {
+      for (int64_t row = begin; row < end; ++row) {
+        const scalar_t* x = v.logits + row * v.row_stride;
+        const int64_t label = static_cast<int64_t>(v.target[row]);
+        TORCH_CHECK(label < v.vocab_total, "target: label ", label, " at row ", row, " is out of range for ",
+                    "vocab_size ", v.vocab_total);
+        const int64_t local = label - v.vocab_start;
+        const bool has_label = label >= 0 && local >= 0 && local < v.vocab;
+        RowStats<acc_t> st;
+        if (stats) {
+          st = row_stats_cpu<kEntropy, kSmoothing>(x, v.vocab, v.scale);
+          st.label = has_label ? static_cast<acc_t>(x[local]) * v.scale : acc_t(0);
+        } else {
+          st = load_stats(v.stats_in, row);
+        }
+        const GradCoef<acc_t> coef = epi(row + v.row_offset, label, st);
+        if (!grad) continue;
+        scalar_t* g = v.grad + row * v.grad_row_stride;
+        if (coef.a == acc_t(0) && coef.b == acc_t(0) && coef.c == acc_t(0)) {
+          std::fill(g, g + v.vocab, scalar_t(0));  // masked row: exact zeros, no exp of a possibly -inf lse
+          continue;
+        }
+        const acc_t lse = st.lse();
+        const acc_t scale = v.scale, sa = v.scale * coef.a, sc = v.scale * coef.c;
+        const int64_t n = v.vocab;  // locals: loads through `v` inside the loop would block vectorisation
+        RL_LOSSES_SIMD
+        for (int64_t k = 0; k < n; ++k) {
+          const acc_t p = exp_nonpos(static_cast<acc_t>(x[k]) * scale - lse);
+          g[k] = static_cast<scalar_t>(sa * p + sc);
+        }
+        // The label term is added after the vectorised sweep rather than tested per element. Its logit comes
+        // from the statistics, not from x: with inplace_backward, x[local] already holds the gradient.
+        if (has_label) {
+          const acc_t p = exp_nonpos(st.label - lse);
+          g[local] = static_cast<scalar_t>(sa * p + sc + v.scale * coef.b);
+        }
       }
-      const GradCoef<acc_t> coef = epi(row + v.row_offset, label, st);
-      if (!grad) continue;
-      scalar_t* g = v.grad + row * v.grad_row_stride;
-      if (coef.a == acc_t(0) && coef.b == acc_t(0) && coef.c == acc_t(0)) {
-        std::fill(g, g + v.vocab, scalar_t(0));  // masked row: exact zeros, no exp of a possibly -inf lse
-        continue;
-      }
-      const acc_t lse = st.lse();
-      const acc_t scale = v.scale, sa = v.scale * coef.a, sc = v.scale * coef.c;
-      const int64_t n = v.vocab;  // locals: loads through `v` inside the loop would block vectorisation
-      RL_LOSSES_SIMD
-      for (int64_t k = 0; k < n; ++k) {
-        const acc_t p = exp_nonpos(static_cast<acc_t>(x[k]) * scale - lse);
-        g[k] = static_cast<scalar_t>(sa * p + sc);
-      }
-      // The label term is added after the vectorised sweep rather than tested per element. Its logit comes
-      // from the statistics, not from x: with inplace_backward, x[local] already holds the gradient.
-      if (has_label) {
-        const acc_t p = exp_nonpos(st.label - lse);
-        g[local] = static_cast<scalar_t>(sa * p + sc + v.scale * coef.b);
-      }
-    }
+    });
   });
 }
 
