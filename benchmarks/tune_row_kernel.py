@@ -1,7 +1,7 @@
 """The fused CUDA row kernels side by side on one GPU: the cluster kernel (statistics and gradient in one
-launch, each row read once from DRAM) against RL_LOSSES_ROW_KERNEL=cluster2 (two slice buffers per CTA)
-and RL_LOSSES_ROW_KERNEL=split (a statistics launch, then the gradient launch re-reading the row), with a
-device-to-device copy of the same bytes as the ceiling.
+launch, each row read once from DRAM) against RL_LOSSES_ROW_KERNEL=cluster_whole (each slice waited for
+whole), =cluster2 (two slice buffers per CTA) and =split (a statistics launch, then the gradient launch
+re-reading the row), with a device-to-device copy of the same bytes as the ceiling.
 
 Each kernel runs in its own process (the knob is read once per process). Per vocabulary size: cross-entropy
 fwd+bwd at N x V bf16, CUDA-event timing, median of --reps after warm-up; GB/s over the minimal bytes
@@ -20,9 +20,10 @@ import os
 import subprocess
 import sys
 
-# Values of RL_LOSSES_ROW_KERNEL: the default cluster kernel (1 stage), the cluster kernel with 2 stages where
-# they fit, and the statistics kernel + gradient kernel path.
-KERNELS = ("cluster", "cluster2", "split")
+# Values of RL_LOSSES_ROW_KERNEL: the default cluster kernel (1 stage, a slice's statistics started piece by
+# piece as it lands), the same waiting for the whole slice, the cluster kernel with 2 stages where they fit,
+# and the statistics kernel + gradient kernel path.
+KERNELS = ("cluster", "cluster_whole", "cluster2", "split")
 CTA_BYTES, MAX_CLUSTER = 64 * 1024, 16  # mirror kClusterCtaBytes / kMaxClusterSize (row_pass_cuda.cuh)
 
 

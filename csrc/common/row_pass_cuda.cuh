@@ -38,7 +38,12 @@ namespace cuda {
 // CTAs, of 262144 in 8; an fp32 row of 262144 in 16.
 constexpr int64_t kClusterCtaBytes = 64 * 1024;
 constexpr int kMaxClusterSize = 16;  // 8 is portable; H100/H200 allow 16 (NonPortableClusterSizeAllowed)
+// A slice arrives in pieces of kClusterPieceBytes, each on its own mbarrier, so that the statistics start
+// on the first piece while the others are still in flight.
+constexpr int kClusterPieceBytes = 16 * 1024;
+constexpr int kClusterMaxPieces = static_cast<int>(kClusterCtaBytes / kClusterPieceBytes);
 constexpr int kClusterThreads = 256;
+static_assert(kClusterPieceBytes / 16 % (2 * kClusterThreads) == 0, "a statistics chunk must not straddle pieces");
 // CTAs per SM the kernel's registers must allow: 3 caps them at 65536 / (3 x 256) = 85 per thread (80
 // allocated), where the fp32 math fits without spills; fp64 (reference-grade tests) needs more and gets 2.
 template <typename acc_t>
@@ -308,10 +313,10 @@ __device__ inline void send_to_rank(T* dst, const T& value, uint64_t* bar, unsig
 // Fused statistics, epilogue and gradient (CE, GRPO) with a cluster of C CTAs per row, C = the cluster's
 // size (1 to 16). CTA rank r owns the columns [r·slice, min(V, (r+1)·slice)) of every row and keeps them in
 // shared memory from their load to their gradient, so that the logits are read from DRAM once. Per row:
-//   1. the slice arrives in shared memory by bulk copy; each thread folds its 16-byte vectors into an online
-//      softmax state and the block reduces them; with the label's logit (if the label is in this slice) the
-//      CTA's state is sent to every CTA of the cluster (st.async into a slot of their `gathered`, counted on
-//      an mbarrier there);
+//   1. the slice arrives in shared memory by bulk copy, in pieces; each thread folds its 16-byte vectors
+//      into an online softmax state (a piece as soon as it has landed) and the block reduces them; with the
+//      label's logit (if the label is in this slice) the CTA's state is sent to every CTA of the cluster
+//      (st.async into a slot of their `gathered`, counted on an mbarrier there);
 //   2. once all C states have landed, warp 0 of every CTA combines them (in rank order, by a fixed shuffle
 //      tree: every CTA gets the same bits) and lane 0 runs the epilogue; every CTA's epilogue writes the
 //      same per-row outputs, which is cheaper than a second round of messages from one CTA;
@@ -332,7 +337,8 @@ __device__ inline void send_to_rank(T* dst, const T& value, uint64_t* bar, unsig
 template <int kThreads, typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing,
           typename Epilogue>
 __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
-    row_cluster_kernel(RowPassView<scalar_t, label_t, acc_t> v, Epilogue epi, int slice_vecs, int stages) {
+    row_cluster_kernel(RowPassView<scalar_t, label_t, acc_t> v, Epilogue epi, int slice_vecs, int stages,
+                       int piece_vecs) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   CUDA_KERNEL_ASSERT(false && "rl_losses: thread-block clusters need sm_90");  // not launched there
 #else
@@ -349,7 +355,8 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
   __shared__ uint64_t gathered_full[2];
   __shared__ GradCoef<acc_t> coef_shared;
   __shared__ acc_t lse_shared;
-  __shared__ uint64_t landed[2];  // one mbarrier per buffer: its slice has arrived
+  // One mbarrier per piece of each buffer: that piece of the slice has arrived.
+  __shared__ uint64_t landed[2][kClusterMaxPieces];
 
   // This CTA's columns: n_full whole vectors, then rem < kVec elements (the row's end, in the last CTA only).
   const int64_t begin = static_cast<int64_t>(rank) * slice_vecs * kVec;
@@ -358,24 +365,31 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
   const int n_full = n_elems / kVec, rem = n_elems % kVec;
   const bool owns_rem = rem != 0 && static_cast<int>(threadIdx.x) == n_full % kThreads;
   const int64_t row_step = gridDim.x / n_ctas;
+  const int n_pieces = (n_full + piece_vecs - 1) / piece_vecs;
 
   if (threadIdx.x == 0) {
-    mbarrier_init(&landed[0]);
-    mbarrier_init(&landed[1]);
+    for (int p = 0; p < kClusterMaxPieces; ++p) {
+      mbarrier_init(&landed[0][p]);
+      mbarrier_init(&landed[1][p]);
+    }
     mbarrier_init(&gathered_full[0]);
     mbarrier_init(&gathered_full[1]);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   cluster.sync();  // every CTA's barriers are initialised before any peer sends to them
-  // Thread 0 copies this CTA's whole vectors of `row` into buffer b, in pieces of at most 16 KB.
+  // Thread 0 copies this CTA's whole vectors of `row` into buffer b: piece p (piece_vecs vectors) completes
+  // landed[b][p], in copies of at most 16 KB.
   auto fetch = [&](int64_t row, int b) {
-    if (threadIdx.x != 0 || n_full == 0) return;
+    if (threadIdx.x != 0) return;
     const char* src = reinterpret_cast<const char*>(v.logits + row * v.row_stride + begin);
     char* dst = reinterpret_cast<char*>(buffers + b * slice_vecs);
-    const unsigned bytes = static_cast<unsigned>(n_full) * 16;
-    mbarrier_arrive_expect(&landed[b], bytes);
-    for (unsigned off = 0; off < bytes; off += 16384) {
-      bulk_copy_to_shared(dst + off, src + off, std::min(16384u, bytes - off), &landed[b]);
+    for (int p = 0; p < n_pieces; ++p) {
+      const unsigned start = static_cast<unsigned>(p * piece_vecs) * 16,
+                     end = static_cast<unsigned>(std::min(n_full, (p + 1) * piece_vecs)) * 16;
+      mbarrier_arrive_expect(&landed[b][p], end - start);
+      for (unsigned off = start; off < end; off += 16384) {
+        bulk_copy_to_shared(dst + off, src + off, std::min(16384u, end - off), &landed[b][p]);
+      }
     }
   };
 
@@ -390,8 +404,15 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     } else {
       fetch(row, 0);
     }
-    // The phase of buffer b this row waits for: its uses so far, mod 2.
-    if (n_full != 0) mbarrier_wait(&landed[b], static_cast<unsigned>(stages == 2 ? (it >> 1) & 1 : it & 1));
+    // The phase of buffer b's barriers this row waits for: its uses so far, mod 2. A thread waits for a
+    // piece before its first vector there (its vectors i, i + kThreads of a chunk share a piece).
+    const unsigned phase = static_cast<unsigned>(stages == 2 ? (it >> 1) & 1 : it & 1);
+    int waited = -1;
+    auto wait_piece = [&](int i) {
+      const int p = i / piece_vecs;
+      if (p != waited) mbarrier_wait(&landed[b][p], phase);
+      waited = p;
+    };
     const scalar_t* x = v.logits + row * v.row_stride + begin;
     const int64_t label = static_cast<int64_t>(v.target[row]);
     const int64_t local = label - v.vocab_start - begin;  // the label's column within this slice
@@ -411,10 +432,12 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     }
     int i = threadIdx.x;
     for (; i + kThreads < n_full; i += 2 * kThreads) {  // two vectors per chunk
+      wait_piece(i);
       const VecT two[2] = {load_vec(&slice[i]), load_vec(&slice[i + kThreads])};
       add_vecs<kEntropy, kSmoothing>(st, two, v.scale);
     }
     if (i < n_full) {
+      wait_piece(i);
       const VecT one[1] = {load_vec(&slice[i])};
       add_vecs<kEntropy, kSmoothing>(st, one, v.scale);
     }
@@ -422,6 +445,7 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     const int q = it & 1;            // the row's slot in `gathered`
     if (threadIdx.x == 0) mbarrier_arrive_expect(&gathered_full[q], n_ctas * static_cast<unsigned>(sizeof(st)));
     if (threadIdx.x < n_ctas) {  // thread t sends this CTA's statistics to rank t
+      if (has_label && local < n_full * kVec) wait_piece(static_cast<int>(local / kVec));  // it may be another's
       st.label = has_label ? static_cast<acc_t>(reinterpret_cast<const scalar_t*>(slice)[local]) * v.scale
                            : acc_t(0);
       send_to_rank(&gathered[q][rank], st, &gathered_full[q], threadIdx.x);
@@ -467,24 +491,27 @@ inline int64_t cluster_slice_vecs(int64_t vocab, int64_t elem_bytes, int n_ctas)
 }
 
 struct ClusterShape {
-  int ctas = 0;    // CTAs per row; 0: the cluster kernel does not apply
-  int stages = 0;  // slice buffers per CTA
+  int ctas = 0;        // CTAs per row; 0: the cluster kernel does not apply
+  int stages = 0;      // slice buffers per CTA
+  int piece_bytes = 0;  // a slice arrives in pieces of this many bytes, each waited for on its own
 };
 
 // The shapes row_cluster_kernel may run these arguments with, best first: the smallest power of two of CTAs
 // whose slices fit kClusterCtaBytes, with 1 stage (the launcher takes the first shape the device can make
 // resident). RL_LOSSES_ROW_KERNEL=cluster2 puts 2 stages first (two buffers of half the size: measured
-// slower, as it doubles C), =split turns the kernel off (the statistics kernel + gradient kernel path); both
-// for comparison, read once. None where the kernel does not apply: not the fused shape, a device older
+// slower, as it doubles C), =cluster_whole waits for the whole slice before its statistics instead of
+// piece by piece, =split turns the kernel off (the statistics kernel + gradient kernel path); all for
+// comparison, read once. None where the kernel does not apply: not the fused shape, a device older
 // than sm_90, rows of the logits or the gradient not 16-byte aligned, a row longer than kMaxClusterSize
 // slices.
 inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
-  static const int max_stages = [] {
-    const char* env = std::getenv("RL_LOSSES_ROW_KERNEL");
-    if (env != nullptr && std::strcmp(env, "split") == 0) return 0;
-    if (env != nullptr && std::strcmp(env, "cluster2") == 0) return 2;
-    return 1;
-  }();
+  static const char* const env = std::getenv("RL_LOSSES_ROW_KERNEL");
+  static const int max_stages = env == nullptr                    ? 1
+                                : std::strcmp(env, "split") == 0    ? 0
+                                : std::strcmp(env, "cluster2") == 0 ? 2
+                                                                    : 1;
+  static const int piece_bytes =
+      env != nullptr && std::strcmp(env, "cluster_whole") == 0 ? static_cast<int>(kClusterCtaBytes) : kClusterPieceBytes;
   std::vector<ClusterShape> shapes;
   if (max_stages == 0 || !args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return shapes;
   const int64_t elem = args.logits.element_size();
@@ -496,7 +523,7 @@ inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
   for (int stages = max_stages; stages >= 1; --stages) {
     for (int c = 1; c <= kMaxClusterSize; c *= 2) {
       if (cluster_slice_vecs(args.logits.size(1), elem, c) * 16 * stages <= kClusterCtaBytes) {
-        shapes.push_back({c, stages});
+        shapes.push_back({c, stages, piece_bytes});
         break;
       }
     }
@@ -541,7 +568,7 @@ bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
     }
     if (max_clusters == 0) continue;
     cfg.gridDim = dim3(static_cast<unsigned>(shape.ctas * std::min<int64_t>(v.n_rows, max_clusters)));
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, v, epi, slice_vecs, shape.stages));
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, v, epi, slice_vecs, shape.stages, shape.piece_bytes / 16));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return true;
   }
