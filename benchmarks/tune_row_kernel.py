@@ -1,7 +1,8 @@
 """The fused CUDA row kernels side by side on one GPU: the cluster kernel (statistics and gradient in one
-launch, each row read once from DRAM) against RL_LOSSES_ROW_KERNEL=cluster_whole (each slice waited for
-whole), =cluster2 (two slice buffers per CTA) and =split (a statistics launch, then the gradient launch
-re-reading the row), with a device-to-device copy of the same bytes as the ceiling.
+launch, each row read once from DRAM) against RL_LOSSES_ROW_KERNEL=cluster_pow2 (a power of two of CTAs
+per row), =cluster_whole (each slice waited for whole), =cluster2 (two slice buffers per CTA) and =split (a
+statistics launch, then the gradient launch re-reading the row), with a device-to-device copy of the same
+bytes as the ceiling.
 
 Each kernel runs in its own process (the knob is read once per process). Per vocabulary size: cross-entropy
 fwd+bwd at N x V bf16, CUDA-event timing, median of --reps after warm-up; GB/s over the minimal bytes
@@ -20,14 +21,15 @@ import os
 import subprocess
 import sys
 
-# Values of RL_LOSSES_ROW_KERNEL: the default cluster kernel (1 stage, a slice's statistics started piece by
-# piece as it lands), the same waiting for the whole slice, the cluster kernel with 2 stages where they fit,
-# and the statistics kernel + gradient kernel path.
-KERNELS = ("cluster", "cluster_whole", "cluster2", "split")
+# Values of RL_LOSSES_ROW_KERNEL: the default cluster kernel (the fewest CTAs per row, 1 stage, a slice's
+# statistics started piece by piece as it lands), the same with a power of two of CTAs, the same waiting for
+# the whole slice, the cluster kernel with 2 stages where they fit, and the statistics kernel + gradient
+# kernel path.
+KERNELS = ("cluster", "cluster_pow2", "cluster_whole", "cluster2", "split")
 CTA_BYTES, MAX_CLUSTER = 64 * 1024, 16  # mirror kClusterCtaBytes / kMaxClusterSize (row_pass_cuda.cuh)
 
 
-def cluster_shape(v, elem_bytes, max_stages=1):
+def cluster_shape(v, elem_bytes, max_stages=1, pow2=False):
     """(CTAs per row, stages) the CUDA launcher tries first for contiguous rows (for the table only)."""
     for stages in range(max_stages, 0, -1):
         c = 1
@@ -35,7 +37,7 @@ def cluster_shape(v, elem_bytes, max_stages=1):
             per_cta = -(-v // c)
             if -(-per_cta * elem_bytes // 16) * 16 * stages <= CTA_BYTES:
                 return c, stages
-            c *= 2
+            c = 2 * c if pow2 else c + 1
     return 0, 0
 
 
@@ -187,12 +189,13 @@ def main():
 
     print(f"\ncross-entropy fwd+bwd, N={args.n}, bf16, median of {args.reps}; GB/s over 2*N*V*2 bytes; "
           f"%copy = of a copy of the same bytes (CxS: CTAs per row x stages of the cluster kernel)")
-    print(f"{'V':>7} {'kernel':>8} {'CxS':>5} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'copy ms':>8} {'copy GB/s':>9}")
+    print(f"{'V':>7} {'kernel':>13} {'CxS':>5} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'copy ms':>8} {'copy GB/s':>9}")
     for v in args.vocabs:
         for kernel, res in results.items():
             row = next(r for r in res["rows"] if r["V"] == v)
-            c, st = cluster_shape(v, 2, 2 if kernel == "cluster2" else 1) if kernel != "split" else ("-", "-")
-            print(f"{v:>7} {kernel:>8} {f'{c}x{st}':>5} {row['ms']:8.3f} {row['GBps']:7.0f} {row['pct']:6.1f} "
+            c, st = (cluster_shape(v, 2, 2 if kernel == "cluster2" else 1, kernel == "cluster_pow2")
+                     if kernel != "split" else ("-", "-"))
+            print(f"{v:>7} {kernel:>13} {f'{c}x{st}':>5} {row['ms']:8.3f} {row['GBps']:7.0f} {row['pct']:6.1f} "
                   f"{row['copy_ms']:8.3f} {row['copy_GBps']:9.0f}")
     sys.exit(1 if failed else 0)
 

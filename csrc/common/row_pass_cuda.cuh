@@ -496,12 +496,12 @@ struct ClusterShape {
   int piece_bytes = 0;  // a slice arrives in pieces of this many bytes, each waited for on its own
 };
 
-// The shapes row_cluster_kernel may run these arguments with, best first: the smallest power of two of CTAs
-// whose slices fit kClusterCtaBytes, with 1 stage (the launcher takes the first shape the device can make
-// resident). RL_LOSSES_ROW_KERNEL=cluster2 puts 2 stages first (two buffers of half the size: measured
-// slower, as it doubles C), =cluster_whole waits for the whole slice before its statistics instead of
-// piece by piece, =split turns the kernel off (the statistics kernel + gradient kernel path); all for
-// comparison, read once. None where the kernel does not apply: not the fused shape, a device older
+// The shapes row_cluster_kernel may run these arguments with, best first: the fewest CTAs (1 to 16) whose
+// slices fit kClusterCtaBytes, with 1 stage (the launcher takes the first shape the device can make
+// resident). For comparison, read once, RL_LOSSES_ROW_KERNEL=cluster_pow2 takes the smallest power of two
+// of CTAs instead, =cluster_whole waits for the whole slice before its statistics instead of piece by
+// piece, =cluster2 puts 2 stages first (two buffers of half the size: measured slower, as it doubles C),
+// =split turns the kernel off (the statistics kernel + gradient kernel path). None where the kernel does not apply: not the fused shape, a device older
 // than sm_90, rows of the logits or the gradient not 16-byte aligned, a row longer than kMaxClusterSize
 // slices.
 inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
@@ -510,8 +510,10 @@ inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
                                 : std::strcmp(env, "split") == 0    ? 0
                                 : std::strcmp(env, "cluster2") == 0 ? 2
                                                                     : 1;
-  static const int piece_bytes =
-      env != nullptr && std::strcmp(env, "cluster_whole") == 0 ? static_cast<int>(kClusterCtaBytes) : kClusterPieceBytes;
+  static const int piece_bytes = env != nullptr && std::strcmp(env, "cluster_whole") == 0
+                                      ? static_cast<int>(kClusterCtaBytes)
+                                      : kClusterPieceBytes;
+  static const bool pow2 = env != nullptr && std::strcmp(env, "cluster_pow2") == 0;
   std::vector<ClusterShape> shapes;
   if (max_stages == 0 || !args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return shapes;
   const int64_t elem = args.logits.element_size();
@@ -521,7 +523,7 @@ inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
   if (!rows_aligned(args.logits) || !rows_aligned(args.grad)) return shapes;
   if (at::cuda::getDeviceProperties(args.logits.get_device())->major < 9) return shapes;
   for (int stages = max_stages; stages >= 1; --stages) {
-    for (int c = 1; c <= kMaxClusterSize; c *= 2) {
+    for (int c = 1; c <= kMaxClusterSize; c = pow2 ? 2 * c : c + 1) {
       if (cluster_slice_vecs(args.logits.size(1), elem, c) * 16 * stages <= kClusterCtaBytes) {
         shapes.push_back({c, stages, piece_bytes});
         break;
