@@ -499,7 +499,7 @@ struct ClusterShape {
 // The shapes row_cluster_kernel may run these arguments with, best first: the fewest CTAs (1 to 16) whose
 // slices fit kClusterCtaBytes, with 1 stage (the launcher takes the first shape the device can make
 // resident). For comparison, read once, RL_LOSSES_ROW_KERNEL=cluster_pow2 takes the smallest power of two
-// of CTAs instead, =cluster_whole waits for the whole slice before its statistics instead of piece by
+// of CTAs instead, =cluster48 slices of at most 48 KB (4 CTAs per SM), =cluster_whole waits for the whole slice before its statistics instead of piece by
 // piece, =cluster2 puts 2 stages first (two buffers of half the size: measured slower, as it doubles C),
 // =split turns the kernel off (the statistics kernel + gradient kernel path). None where the kernel does not apply: not the fused shape, a device older
 // than sm_90, rows of the logits or the gradient not 16-byte aligned, a row longer than kMaxClusterSize
@@ -514,6 +514,7 @@ inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
                                       ? static_cast<int>(kClusterCtaBytes)
                                       : kClusterPieceBytes;
   static const bool pow2 = env != nullptr && std::strcmp(env, "cluster_pow2") == 0;
+  static const int64_t cta_bytes = env != nullptr && std::strcmp(env, "cluster48") == 0 ? 48 * 1024 : kClusterCtaBytes;
   std::vector<ClusterShape> shapes;
   if (max_stages == 0 || !args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return shapes;
   const int64_t elem = args.logits.element_size();
@@ -524,7 +525,7 @@ inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
   if (at::cuda::getDeviceProperties(args.logits.get_device())->major < 9) return shapes;
   for (int stages = max_stages; stages >= 1; --stages) {
     for (int c = 1; c <= kMaxClusterSize; c = pow2 ? 2 * c : c + 1) {
-      if (cluster_slice_vecs(args.logits.size(1), elem, c) * 16 * stages <= kClusterCtaBytes) {
+      if (cluster_slice_vecs(args.logits.size(1), elem, c) * 16 * stages <= cta_bytes) {
         shapes.push_back({c, stages, piece_bytes});
         break;
       }
@@ -548,18 +549,25 @@ bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                         cudaSharedmemCarveoutMaxShared));
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    cudaLaunchAttribute cluster_dim;
-    cluster_dim.id = cudaLaunchAttributeClusterDimension;
-    cluster_dim.val.clusterDim.x = static_cast<unsigned>(shape.ctas);
-    cluster_dim.val.clusterDim.y = 1;
-    cluster_dim.val.clusterDim.z = 1;
+    cudaLaunchAttribute attrs[2];
+    attrs[0].id = cudaLaunchAttributeClusterDimension;
+    attrs[0].val.clusterDim.x = static_cast<unsigned>(shape.ctas);
+    attrs[0].val.clusterDim.y = 1;
+    attrs[0].val.clusterDim.z = 1;
+    static const bool balance = [] {
+      const char* env = std::getenv("RL_LOSSES_ROW_KERNEL");
+      return env != nullptr && std::strcmp(env, "cluster_lb") == 0;
+    }();
+    attrs[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
+    attrs[1].val.clusterSchedulingPolicyPreference =
+        balance ? cudaClusterSchedulingPolicyLoadBalancing : cudaClusterSchedulingPolicyDefault;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(static_cast<unsigned>(shape.ctas));
     cfg.blockDim = dim3(kClusterThreads);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = at::cuda::getCurrentCUDAStream();
-    cfg.attrs = &cluster_dim;
-    cfg.numAttrs = 1;
+    cfg.attrs = attrs;
+    cfg.numAttrs = 2;
     // Persistent grid: as many clusters as can be resident at once, each looping over rows. (A cluster
     // cannot span GPCs, so this can be fewer than SMs x CTAs per SM / C; any more would wait for a second
     // wave.) A shape the device cannot make resident at all gives 0 (or an error): try the next.
