@@ -22,11 +22,12 @@ import subprocess
 import sys
 
 # Values of RL_LOSSES_ROW_KERNEL: the default cluster kernel (the fewest CTAs per row, 1 stage, a slice's
-# statistics started piece by piece as it lands), the same with a power of two of CTAs, with 48 KB slices
+# statistics started piece by piece as it lands), the same kernel in a cooperative launch exchanging the
+# statistics through global memory, the same with a power of two of CTAs, with 48 KB slices
 # (4 CTAs per SM), with the load-balancing cluster scheduling policy, the same waiting for
 # the whole slice, the cluster kernel with 2 stages where they fit, and the statistics kernel + gradient
 # kernel path.
-KERNELS = ("cluster", "cluster_pow2", "cluster48", "cluster_lb", "cluster_whole", "cluster2", "split")
+KERNELS = ("cluster", "coop", "cluster_pow2", "cluster48", "cluster_lb", "cluster_whole", "cluster2", "split")
 CTA_BYTES, MAX_CLUSTER = 64 * 1024, 16  # mirror kClusterCtaBytes / kMaxClusterSize (row_pass_cuda.cuh)
 
 
