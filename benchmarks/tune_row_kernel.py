@@ -13,7 +13,7 @@ reach the other paths (a row end inside a 16-byte vector, clusters of 4 and 16, 
 aligned or too long, which take the split path). Exit status 1 if a check fails.
 
     python3 benchmarks/tune_row_kernel.py                      # N=16384, V in {32000, 128256, 151936, 262144}
-    python3 benchmarks/tune_row_kernel.py --vocabs 128256 --reps 50
+    python3 benchmarks/tune_row_kernel.py --vocabs 128256 --reps 50 --kernels cluster,split
 """
 import argparse
 import json
@@ -22,22 +22,20 @@ import subprocess
 import sys
 
 # Values of RL_LOSSES_ROW_KERNEL: the default cluster kernel (the fewest CTAs per row, 1 stage, a slice's
-# statistics started piece by piece as it lands), the same kernel in a cooperative launch exchanging the
-# statistics through global memory, the same with a power of two of CTAs, with 48 KB slices
-# (4 CTAs per SM), with the load-balancing cluster scheduling policy, the same waiting for
+# statistics started piece by piece as it lands), the same with a power of two of CTAs, the same waiting for
 # the whole slice, the cluster kernel with 2 stages where they fit, and the statistics kernel + gradient
 # kernel path.
-KERNELS = ("cluster", "coop", "cluster_pow2", "cluster48", "cluster_lb", "cluster_whole", "cluster2", "split")
+KERNELS = ("cluster", "cluster_pow2", "cluster_whole", "cluster2", "split")
 CTA_BYTES, MAX_CLUSTER = 64 * 1024, 16  # mirror kClusterCtaBytes / kMaxClusterSize (row_pass_cuda.cuh)
 
 
-def cluster_shape(v, elem_bytes, max_stages=1, pow2=False, cta_bytes=CTA_BYTES):
+def cluster_shape(v, elem_bytes, max_stages=1, pow2=False):
     """(CTAs per row, stages) the CUDA launcher tries first for contiguous rows (for the table only)."""
     for stages in range(max_stages, 0, -1):
         c = 1
         while c <= MAX_CLUSTER:
             per_cta = -(-v // c)
-            if -(-per_cta * elem_bytes // 16) * 16 * stages <= cta_bytes:
+            if -(-per_cta * elem_bytes // 16) * 16 * stages <= CTA_BYTES:
                 return c, stages
             c = 2 * c if pow2 else c + 1
     return 0, 0
@@ -196,8 +194,7 @@ def main():
     for v in args.vocabs:
         for kernel, res in results.items():
             row = next(r for r in res["rows"] if r["V"] == v)
-            c, st = (cluster_shape(v, 2, 2 if kernel == "cluster2" else 1, kernel == "cluster_pow2",
-                                   48 * 1024 if kernel == "cluster48" else CTA_BYTES)
+            c, st = (cluster_shape(v, 2, 2 if kernel == "cluster2" else 1, kernel == "cluster_pow2")
                      if kernel != "split" else ("-", "-"))
             print(f"{v:>7} {kernel:>13} {f'{c}x{st}':>5} {row['ms']:8.3f} {row['GBps']:7.0f} {row['pct']:6.1f} "
                   f"{row['copy_ms']:8.3f} {row['copy_GBps']:9.0f}")

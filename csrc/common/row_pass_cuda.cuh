@@ -310,18 +310,6 @@ __device__ inline void send_to_rank(T* dst, const T& value, uint64_t* bar, unsig
   }
 }
 
-__device__ inline unsigned load_acquire(const unsigned* p) {
-  unsigned value;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(value) : "l"(p) : "memory");
-  return value;
-}
-// A state another CTA wrote, read from L2 (not from this SM's L1, which is not coherent).
-template <typename acc_t>
-__device__ inline RowStats<acc_t> load_cg(const RowStats<acc_t>* p) {
-  const acc_t* f = reinterpret_cast<const acc_t*>(p);
-  return {__ldcg(f), __ldcg(f + 1), __ldcg(f + 2), __ldcg(f + 3), __ldcg(f + 4)};
-}
-
 // Fused statistics, epilogue and gradient (CE, GRPO) with a cluster of C CTAs per row, C = the cluster's
 // size (1 to 16). CTA rank r owns the columns [r·slice, min(V, (r+1)·slice)) of every row and keeps them in
 // shared memory from their load to their gradient, so that the logits are read from DRAM once. Per row:
@@ -350,19 +338,14 @@ template <int kThreads, typename scalar_t, typename label_t, typename acc_t, boo
           typename Epilogue>
 __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     row_cluster_kernel(RowPassView<scalar_t, label_t, acc_t> v, Epilogue epi, int slice_vecs, int stages,
-                       int piece_vecs, RowStats<acc_t>* exchange, unsigned* arrived, int group_ctas) {
+                       int piece_vecs) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   CUDA_KERNEL_ASSERT(false && "rl_losses: thread-block clusters need sm_90");  // not launched there
 #else
   constexpr int kVec = 16 / sizeof(scalar_t);
   using VecT = Pack<scalar_t, kVec>;
   const auto cluster = cooperative_groups::this_cluster();
-  // Statistics exchanged through global memory (`exchange`, counted by `arrived`) among groups of
-  // group_ctas consecutive CTAs of a cooperative launch, or through the cluster's shared memory.
-  const bool via_global = exchange != nullptr;
-  const int n_ctas = via_global ? group_ctas : static_cast<int>(cluster.num_blocks());
-  const int rank = via_global ? static_cast<int>(blockIdx.x) % n_ctas : static_cast<int>(cluster.block_rank());
-  const int64_t group = blockIdx.x / n_ctas;
+  const int n_ctas = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
   extern __shared__ __align__(16) unsigned char slice_raw[];
   VecT* const buffers = reinterpret_cast<VecT*>(slice_raw);  // `stages` buffers of slice_vecs vectors
   __shared__ RowStats<acc_t> scratch[32];
@@ -393,11 +376,7 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     mbarrier_init(&gathered_full[1]);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  if (via_global) {
-    __syncthreads();
-  } else {
-    cluster.sync();  // every CTA's barriers are initialised before any peer sends to them
-  }
+  cluster.sync();  // every CTA's barriers are initialised before any peer sends to them
   // Thread 0 copies this CTA's whole vectors of `row` into buffer b: piece p (piece_vecs vectors) completes
   // landed[b][p], in copies of at most 16 KB.
   auto fetch = [&](int64_t row, int b) {
@@ -464,32 +443,17 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     }
     st = block_combine(st, scratch);  // its barrier also makes the whole slice visible to every thread
     const int q = it & 1;            // the row's slot in `gathered`
-    if (threadIdx.x == 0 && !via_global) {
-      mbarrier_arrive_expect(&gathered_full[q], n_ctas * static_cast<unsigned>(sizeof(st)));
-    }
-    if (threadIdx.x < (via_global ? 1 : n_ctas)) {  // thread t sends this CTA's statistics to rank t
+    if (threadIdx.x == 0) mbarrier_arrive_expect(&gathered_full[q], n_ctas * static_cast<unsigned>(sizeof(st)));
+    if (threadIdx.x < n_ctas) {  // thread t sends this CTA's statistics to rank t
       if (has_label && local < n_full * kVec) wait_piece(static_cast<int>(local / kVec));  // it may be another's
       st.label = has_label ? static_cast<acc_t>(reinterpret_cast<const scalar_t*>(slice)[local]) * v.scale
                            : acc_t(0);
-      if (via_global) {
-        exchange[(group * 2 + q) * n_ctas + rank] = st;
-        __threadfence();
-        atomicAdd(&arrived[group], 1u);
-      } else {
-        send_to_rank(&gathered[q][rank], st, &gathered_full[q], threadIdx.x);
-      }
+      send_to_rank(&gathered[q][rank], st, &gathered_full[q], threadIdx.x);
     }
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
-      RowStats<acc_t> all = RowStats<acc_t>::empty();
-      if (via_global) {
-        while (load_acquire(&arrived[group]) < static_cast<unsigned>(n_ctas) * (it + 1)) {
-        }
-        if (lane < n_ctas) all = load_cg(&exchange[(group * 2 + q) * n_ctas + lane]);
-      } else {
-        mbarrier_wait(&gathered_full[q], static_cast<unsigned>((it >> 1) & 1));
-        if (lane < n_ctas) all = gathered[q][lane];
-      }
+      mbarrier_wait(&gathered_full[q], static_cast<unsigned>((it >> 1) & 1));
+      RowStats<acc_t> all = lane < n_ctas ? gathered[q][lane] : RowStats<acc_t>::empty();
       for (int m = kMaxClusterSize / 2; m > 0; m >>= 1) all = RowStats<acc_t>::combine(all, shfl_xor(all, m));
       if (lane == 0) {
         CUDA_KERNEL_ASSERT(label < v.vocab_total && "rl_losses: a target label is >= the vocabulary size");
@@ -515,7 +479,7 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
       }
     }
   }
-  if (!via_global) cluster.sync();  // no CTA exits while a peer may still write into its shared memory
+  cluster.sync();  // no CTA exits while a peer may still write into its shared memory
 #endif
 }
 
@@ -535,7 +499,7 @@ struct ClusterShape {
 // The shapes row_cluster_kernel may run these arguments with, best first: the fewest CTAs (1 to 16) whose
 // slices fit kClusterCtaBytes, with 1 stage (the launcher takes the first shape the device can make
 // resident). For comparison, read once, RL_LOSSES_ROW_KERNEL=cluster_pow2 takes the smallest power of two
-// of CTAs instead, =cluster48 slices of at most 48 KB (4 CTAs per SM), =cluster_whole waits for the whole slice before its statistics instead of piece by
+// of CTAs instead, =cluster_whole waits for the whole slice before its statistics instead of piece by
 // piece, =cluster2 puts 2 stages first (two buffers of half the size: measured slower, as it doubles C),
 // =split turns the kernel off (the statistics kernel + gradient kernel path). None where the kernel does not apply: not the fused shape, a device older
 // than sm_90, rows of the logits or the gradient not 16-byte aligned, a row longer than kMaxClusterSize
@@ -550,7 +514,6 @@ inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
                                       ? static_cast<int>(kClusterCtaBytes)
                                       : kClusterPieceBytes;
   static const bool pow2 = env != nullptr && std::strcmp(env, "cluster_pow2") == 0;
-  static const int64_t cta_bytes = env != nullptr && std::strcmp(env, "cluster48") == 0 ? 48 * 1024 : kClusterCtaBytes;
   std::vector<ClusterShape> shapes;
   if (max_stages == 0 || !args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return shapes;
   const int64_t elem = args.logits.element_size();
@@ -561,7 +524,7 @@ inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
   if (at::cuda::getDeviceProperties(args.logits.get_device())->major < 9) return shapes;
   for (int stages = max_stages; stages >= 1; --stages) {
     for (int c = 1; c <= kMaxClusterSize; c = pow2 ? 2 * c : c + 1) {
-      if (cluster_slice_vecs(args.logits.size(1), elem, c) * 16 * stages <= cta_bytes) {
+      if (cluster_slice_vecs(args.logits.size(1), elem, c) * 16 * stages <= kClusterCtaBytes) {
         shapes.push_back({c, stages, piece_bytes});
         break;
       }
@@ -585,52 +548,18 @@ bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                         cudaSharedmemCarveoutMaxShared));
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    cudaLaunchAttribute attrs[2];
-    attrs[0].id = cudaLaunchAttributeClusterDimension;
-    attrs[0].val.clusterDim.x = static_cast<unsigned>(shape.ctas);
-    attrs[0].val.clusterDim.y = 1;
-    attrs[0].val.clusterDim.z = 1;
-    static const bool balance = [] {
-      const char* env = std::getenv("RL_LOSSES_ROW_KERNEL");
-      return env != nullptr && std::strcmp(env, "cluster_lb") == 0;
-    }();
-    attrs[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
-    attrs[1].val.clusterSchedulingPolicyPreference =
-        balance ? cudaClusterSchedulingPolicyLoadBalancing : cudaClusterSchedulingPolicyDefault;
+    cudaLaunchAttribute cluster_dim;
+    cluster_dim.id = cudaLaunchAttributeClusterDimension;
+    cluster_dim.val.clusterDim.x = static_cast<unsigned>(shape.ctas);
+    cluster_dim.val.clusterDim.y = 1;
+    cluster_dim.val.clusterDim.z = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(static_cast<unsigned>(shape.ctas));
     cfg.blockDim = dim3(kClusterThreads);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = at::cuda::getCurrentCUDAStream();
-    cfg.attrs = attrs;
-    cfg.numAttrs = 2;
-    static const bool coop = [] {
-      const char* env = std::getenv("RL_LOSSES_ROW_KERNEL");
-      return env != nullptr && std::strcmp(env, "coop") == 0;
-    }();
-    if (coop) {
-      // Groups of C consecutive CTAs of a cooperative launch (all resident at once, so a CTA may wait for
-      // its group's statistics), exchanging them through global memory: every CTA slot of the GPU is used,
-      // where clusters, which cannot span GPCs, leave some empty.
-      int per_sm = 0;
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kClusterThreads, smem));
-      const int64_t groups = std::min<int64_t>(
-          v.n_rows, static_cast<int64_t>(per_sm) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount /
-                        shape.ctas);
-      if (groups == 0) continue;
-      const auto acc_opts = args.logits.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
-      at::Tensor exchange = at::empty({groups * 2 * shape.ctas * RowStats<acc_t>::kFields}, acc_opts);
-      at::Tensor arrived = at::zeros({groups}, args.logits.options().dtype(at::kInt));
-      attrs[0].id = cudaLaunchAttributeCooperative;
-      attrs[0].val.cooperative = 1;
-      cfg.numAttrs = 1;
-      cfg.gridDim = dim3(static_cast<unsigned>(shape.ctas * groups));
-      C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, v, epi, slice_vecs, shape.stages, shape.piece_bytes / 16,
-                                        reinterpret_cast<RowStats<acc_t>*>(exchange.data_ptr<acc_t>()),
-                                        reinterpret_cast<unsigned*>(arrived.data_ptr<int>()), shape.ctas));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      return true;
-    }
+    cfg.attrs = &cluster_dim;
+    cfg.numAttrs = 1;
     // Persistent grid: as many clusters as can be resident at once, each looping over rows. (A cluster
     // cannot span GPCs, so this can be fewer than SMs x CTAs per SM / C; any more would wait for a second
     // wave.) A shape the device cannot make resident at all gives 0 (or an error): try the next.
@@ -641,8 +570,7 @@ bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
     }
     if (max_clusters == 0) continue;
     cfg.gridDim = dim3(static_cast<unsigned>(shape.ctas * std::min<int64_t>(v.n_rows, max_clusters)));
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, v, epi, slice_vecs, shape.stages, shape.piece_bytes / 16,
-                                      static_cast<RowStats<acc_t>*>(nullptr), static_cast<unsigned*>(nullptr), 0));
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, v, epi, slice_vecs, shape.stages, shape.piece_bytes / 16));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return true;
   }
