@@ -49,11 +49,17 @@ GRAD_ROWS = 4  # gradient rows compared across providers
 # ------------------------------------------------------------------------------------------------ timing
 
 class Timer:
-    """Milliseconds of each of `reps` calls of fn: CUDA events around each call (no sync between calls, so
-    launch overhead hides behind device work as in training); a host clock on the CPU (the dry run)."""
+    """Milliseconds of each of `reps` calls of fn: CUDA events around each call, on a GPU that the host is
+    ahead of, as in a training step (the model's forward has queued work before the loss is called): the
+    stream is first held by a sleep kernel long enough for the host to queue all `reps` calls, so that the
+    events time the device work of each call, not the Python and launch overhead around it (which at N=4096,
+    V=32000 is about twice the kernels' time). A call that synchronises with the host still waits, as it
+    would in training. `host_ms`: the host's time per call while queueing. On the CPU (the dry run): a host
+    clock."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.host_ms = None
 
     def sync(self):
         if self.cuda:
@@ -69,12 +75,34 @@ class Timer:
             return out
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()  # one call's host time, to size the sleep
+        one_ms = (time.perf_counter() - t) * 1e3
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(min(2.0 * reps * one_ms + 1.0, 2000.0) * self.cycles_per_ms()))
+        t = time.perf_counter()
         for s, e in zip(starts, ends):
             s.record()
             fn()
             e.record()
+        self.host_ms = (time.perf_counter() - t) * 1e3 / reps
         torch.cuda.synchronize()
         return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+    _cycles_per_ms = None
+
+    @classmethod
+    def cycles_per_ms(cls) -> float:
+        """Clock cycles of torch.cuda._sleep per millisecond, measured once."""
+        if cls._cycles_per_ms is None:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(10_000_000)
+            b.record()
+            torch.cuda.synchronize()
+            cls._cycles_per_ms = 10_000_000 / a.elapsed_time(b)
+        return cls._cycles_per_ms
 
 
 def copy_ceiling(device, timer: Timer, nbytes: int, reps: int = 30) -> dict:
@@ -156,6 +184,8 @@ def run_job(op, n, v, provider, args, device, timer, refs, ceiling_gbps) -> dict
         q = statistics.quantiles(times, n=5) if len(times) >= 2 else [ms] * 4
         row.update(ms=round(ms, 4), ms_p20=round(q[0], 4), ms_p80=round(q[3], 4), reps=len(times),
                    times_ms=[round(t, 4) for t in times])
+        if timer.host_ms is not None:
+            row["host_ms"] = round(timer.host_ms, 4)
         row["gbps"] = round(row["min_bytes"] / ms / 1e6, 1)
         row["pct_ceiling"] = round(100 * row["gbps"] / ceiling_gbps, 1) if ceiling_gbps else None
     except torch.cuda.OutOfMemoryError as e:
