@@ -25,17 +25,17 @@ import sys
 # statistics started piece by piece as it lands), the same with a power of two of CTAs, the same waiting for
 # the whole slice, the cluster kernel with 2 stages where they fit, and the statistics kernel + gradient
 # kernel path.
-KERNELS = ("cluster", "cluster_pow2", "cluster_whole", "cluster2", "split")
+KERNELS = ("cluster", "cluster96", "cluster_pow2", "cluster_whole", "cluster2", "split")
 CTA_BYTES, MAX_CLUSTER = 64 * 1024, 16  # mirror kClusterCtaBytes / kMaxClusterSize (row_pass_cuda.cuh)
 
 
-def cluster_shape(v, elem_bytes, max_stages=1, pow2=False):
+def cluster_shape(v, elem_bytes, max_stages=1, pow2=False, cta_bytes=CTA_BYTES):
     """(CTAs per row, stages) the CUDA launcher tries first for contiguous rows (for the table only)."""
     for stages in range(max_stages, 0, -1):
         c = 1
         while c <= MAX_CLUSTER:
             per_cta = -(-v // c)
-            if -(-per_cta * elem_bytes // 16) * 16 * stages <= CTA_BYTES:
+            if -(-per_cta * elem_bytes // 16) * 16 * stages <= cta_bytes:
                 return c, stages
             c = 2 * c if pow2 else c + 1
     return 0, 0
@@ -194,7 +194,8 @@ def main():
     for v in args.vocabs:
         for kernel, res in results.items():
             row = next(r for r in res["rows"] if r["V"] == v)
-            c, st = (cluster_shape(v, 2, 2 if kernel == "cluster2" else 1, kernel == "cluster_pow2")
+            c, st = (cluster_shape(v, 2, 2 if kernel == "cluster2" else 1, kernel == "cluster_pow2",
+                                   96 * 1024 if kernel == "cluster96" else CTA_BYTES)
                      if kernel != "split" else ("-", "-"))
             print(f"{v:>7} {kernel:>13} {f'{c}x{st}':>5} {row['ms']:8.3f} {row['GBps']:7.0f} {row['pct']:6.1f} "
                   f"{row['copy_ms']:8.3f} {row['copy_GBps']:9.0f}")

@@ -41,7 +41,7 @@ constexpr int kMaxClusterSize = 16;  // 8 is portable; H100/H200 allow 16 (NonPo
 // A slice arrives in pieces of kClusterPieceBytes, each on its own mbarrier, so that the statistics start
 // on the first piece while the others are still in flight.
 constexpr int kClusterPieceBytes = 16 * 1024;
-constexpr int kClusterMaxPieces = static_cast<int>(kClusterCtaBytes / kClusterPieceBytes);
+constexpr int kClusterMaxPieces = 6;  // up to 96 KB slices (RL_LOSSES_ROW_KERNEL=cluster96)
 constexpr int kClusterThreads = 256;
 static_assert(kClusterPieceBytes / 16 % (2 * kClusterThreads) == 0, "a statistics chunk must not straddle pieces");
 // CTAs per SM the kernel's registers must allow: 3 caps them at 65536 / (3 x 256) = 85 per thread (80
@@ -514,6 +514,7 @@ inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
                                       ? static_cast<int>(kClusterCtaBytes)
                                       : kClusterPieceBytes;
   static const bool pow2 = env != nullptr && std::strcmp(env, "cluster_pow2") == 0;
+  static const int64_t cta_bytes = env != nullptr && std::strcmp(env, "cluster96") == 0 ? 96 * 1024 : kClusterCtaBytes;
   std::vector<ClusterShape> shapes;
   if (max_stages == 0 || !args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return shapes;
   const int64_t elem = args.logits.element_size();
@@ -524,7 +525,7 @@ inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
   if (at::cuda::getDeviceProperties(args.logits.get_device())->major < 9) return shapes;
   for (int stages = max_stages; stages >= 1; --stages) {
     for (int c = 1; c <= kMaxClusterSize; c = pow2 ? 2 * c : c + 1) {
-      if (cluster_slice_vecs(args.logits.size(1), elem, c) * 16 * stages <= kClusterCtaBytes) {
+      if (cluster_slice_vecs(args.logits.size(1), elem, c) * 16 * stages <= cta_bytes) {
         shapes.push_back({c, stages, piece_bytes});
         break;
       }
