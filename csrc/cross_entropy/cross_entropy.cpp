@@ -26,7 +26,6 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(RowSource& src, const a
 
   const auto opts = src.acc_options();
   const auto acc = opts.dtype().toScalarType();
-  const at::Tensor labelled = f.target1d.ge(0);
   at::Tensor d;
   if (reduction == "none") {
     TORCH_CHECK(!divisor, op, ": divisor has no meaning with reduction='none'");
@@ -34,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(RowSource& src, const a
   } else if (reduction == "sum") {
     d = divisor_tensor(divisor, at::ones({}, opts), acc);
   } else {
-    d = divisor_tensor(divisor, labelled.sum(), acc);
+    d = divisor_tensor(divisor, at::sum(f.target1d.ge(0), acc), acc);  // the labelled tokens, counted in acc
   }
 
   CrossEntropyRows rows{{label_weight, label_smoothing, z_loss_factor, static_cast<double>(f.vocab_total)},

@@ -37,8 +37,8 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
   if (label_counts) {
     counts = check_label_counts(op, *label_counts, target, acc);
   }
-  const at::Tensor mask = f.target1d.ge(0).to(acc);
-  rows.divisor = divisor_tensor(divisor, mask.sum(), acc);
+  const at::Tensor n_labelled = at::sum(f.target1d.ge(0), acc).clamp_min(1);
+  rows.divisor = divisor ? divisor_tensor(divisor, n_labelled, acc) : n_labelled;
   rows.out = at::empty({f.n_rows, kGrpoFields}, opts);
   rows.entropy = compute_entropy;
 
@@ -55,13 +55,19 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
   }
 
   // Metrics (SPEC §2.4) from one column-sum of the per-token outputs: no extra pass over the vocabulary.
+  // (Each small op here is a CUDA kernel of 2-3 us, which adds up at small shapes: the count above serves as
+  // divisor and denominator, and unlabelled rows hold zeros, so a token mean is a column sum over it.)
   const at::Tensor sums = rows.out.sum(0);
-  const at::Tensor n_labelled = mask.sum().clamp_min(1);
   const at::Tensor lp = rows.out.select(1, kGrpoLogProb);
   // new_logprobs: mean over documents of each document's mean log-prob; with no label_counts every labelled
   // token is its own "document" and this is the token mean.
-  const at::Tensor doc_w = counts.defined() ? mask / counts.clamp_min(1) : mask;
-  const at::Tensor new_lp = (doc_w * lp).sum() / doc_w.sum().clamp_min(1e-30);
+  at::Tensor new_lp;
+  if (counts.defined()) {
+    const at::Tensor doc_w = f.target1d.ge(0).to(acc) / counts.clamp_min(1);
+    new_lp = (doc_w * lp).sum() / doc_w.sum().clamp_min(1e-30);
+  } else {
+    new_lp = sums[kGrpoLogProb] / n_labelled;
+  }
   const auto batch = target.sizes();
   return {sums[kGrpoLoss],
           new_lp,
