@@ -126,9 +126,12 @@ RowPassArgs make_row_pass_args(const FlatLogits& f, double logits_scale_factor) 
   return args;
 }
 
-at::Tensor divisor_tensor(std::optional<double> divisor, const at::Tensor& fallback, at::ScalarType dtype) {
-  if (divisor) return at::full({}, *divisor, fallback.options().dtype(dtype));
-  return fallback.to(dtype).clamp_min(1);
+at::Tensor divisor_tensor(std::optional<double> divisor, const at::Tensor& count) {
+  return divisor ? at::full({}, *divisor, count.options()) : count;
+}
+
+at::Tensor labelled_count(const at::Tensor& target1d, at::ScalarType dtype) {
+  return at::sum(target1d.ge(0), dtype).clamp_min(1);
 }
 
 }  // namespace rl_losses

@@ -49,8 +49,12 @@ void check_row_stats(const char* op, const std::optional<at::Tensor>& row_stats,
 // RowSource sets the logits and the gradient.
 RowPassArgs make_row_pass_args(const FlatLogits& f, double logits_scale_factor);
 
-// The divisor D as a 0-dim tensor on the logits' device: the given value, or `fallback` (computed on the
-// device, clamped to >= 1 so that an all-masked batch gives 0 rather than 0/0). No host synchronisation.
-at::Tensor divisor_tensor(std::optional<double> divisor, const at::Tensor& fallback, at::ScalarType dtype);
+// The divisor D as a 0-dim tensor on the logits' device: the given value, or `count` (computed on the device,
+// already >= 1 so that an all-masked batch gives 0 rather than 0/0; its dtype is D's). No host synchronisation.
+at::Tensor divisor_tensor(std::optional<double> divisor, const at::Tensor& count);
+
+// The number of labelled tokens (target >= 0) as a 0-dim `dtype` tensor, at least 1: the default divisor of a
+// token mean and the metrics' denominator.
+at::Tensor labelled_count(const at::Tensor& target1d, at::ScalarType dtype);
 
 }  // namespace rl_losses

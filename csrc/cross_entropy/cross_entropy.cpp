@@ -31,9 +31,9 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(RowSource& src, const a
     TORCH_CHECK(!divisor, op, ": divisor has no meaning with reduction='none'");
     d = at::ones({}, opts);
   } else if (reduction == "sum") {
-    d = divisor_tensor(divisor, at::ones({}, opts), acc);
+    d = divisor_tensor(divisor, at::ones({}, opts));
   } else {
-    d = divisor_tensor(divisor, at::sum(f.target1d.ge(0), acc), acc);  // the labelled tokens, counted in acc
+    d = divisor_tensor(divisor, labelled_count(f.target1d, acc));
   }
 
   CrossEntropyRows rows{{label_weight, label_smoothing, z_loss_factor, static_cast<double>(f.vocab_total)},

@@ -37,8 +37,8 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
   if (label_counts) {
     counts = check_label_counts(op, *label_counts, target, acc);
   }
-  const at::Tensor n_labelled = at::sum(f.target1d.ge(0), acc).clamp_min(1);
-  rows.divisor = divisor ? divisor_tensor(divisor, n_labelled, acc) : n_labelled;
+  const at::Tensor n_labelled = labelled_count(f.target1d, acc);
+  rows.divisor = divisor_tensor(divisor, n_labelled);
   rows.out = at::empty({f.n_rows, kGrpoFields}, opts);
   rows.entropy = compute_entropy;
 

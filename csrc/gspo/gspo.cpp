@@ -113,7 +113,7 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
   backend.documents(clip, sums, doc_out);
   const at::Tensor doc_totals = doc_out.sum(0);
   const at::Tensor n_labelled_docs = doc_totals[kGspoHasLabel].clamp_min(1);
-  const at::Tensor d = divisor_tensor(divisor, doc_totals[kGspoHasLabel], acc);
+  const at::Tensor d = divisor_tensor(divisor, n_labelled_docs);
   const at::Tensor token_loss = at::empty({f.n_rows}, opts);
   const at::Tensor coef = at::empty({f.n_rows}, opts);
   backend.tokens(clip, sums, safe_doc, mask, counts, adv, d, token_advantages, weighting == "token", token_loss,
