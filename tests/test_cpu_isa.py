@@ -10,8 +10,8 @@ import torch
 
 # Widths in ATen's order; a machine supports a prefix of them (ATen refuses to go above what the CPU has).
 WIDTHS = ["DEFAULT", "AVX2", "AVX512"]
-SUPPORTED = WIDTHS[: WIDTHS.index(torch.backends.cpu.get_cpu_capability()) + 1] \
-    if torch.backends.cpu.get_cpu_capability() in WIDTHS else ["DEFAULT"]
+_WIDEST = torch.backends.cpu.get_cpu_capability()
+SUPPORTED = WIDTHS[: WIDTHS.index(_WIDEST) + 1] if _WIDEST in WIDTHS else ["DEFAULT"]
 
 # The child: CE (label smoothing and z-loss: the Σx statistic), GRPO (entropy: the Σp·x statistic) and GSPO
 # (the statistics and gradient as two passes) on odd shapes, so that every loop has a vector remainder, in

@@ -41,7 +41,8 @@ constexpr int kMaxClusterSize = 16;  // 8 is portable; H100/H200 allow 16 (NonPo
 // A slice arrives in pieces of kClusterPieceBytes, each on its own mbarrier, so that the statistics start
 // on the first piece while the others are still in flight.
 constexpr int kClusterPieceBytes = 16 * 1024;
-constexpr int kClusterMaxPieces = 6;  // up to 96 KB slices (RL_LOSSES_ROW_KERNEL=cluster96)
+constexpr int64_t kClusterCta96Bytes = 96 * 1024;  // the slices of RL_LOSSES_ROW_KERNEL=cluster96, the largest
+constexpr int kClusterMaxPieces = static_cast<int>(kClusterCta96Bytes / kClusterPieceBytes);
 constexpr int kClusterThreads = 256;
 static_assert(kClusterPieceBytes / 16 % (2 * kClusterThreads) == 0, "a statistics chunk must not straddle pieces");
 // CTAs per SM the kernel's registers must allow: 3 caps them at 65536 / (3 x 256) = 85 per thread (80
@@ -499,11 +500,11 @@ struct ClusterShape {
 // The shapes row_cluster_kernel may run these arguments with, best first: the fewest CTAs (1 to 16) whose
 // slices fit kClusterCtaBytes, with 1 stage (the launcher takes the first shape the device can make
 // resident). For comparison, read once, RL_LOSSES_ROW_KERNEL=cluster_pow2 takes the smallest power of two
-// of CTAs instead, =cluster_whole waits for the whole slice before its statistics instead of piece by
-// piece, =cluster2 puts 2 stages first (two buffers of half the size: measured slower, as it doubles C),
-// =split turns the kernel off (the statistics kernel + gradient kernel path). None where the kernel does not apply: not the fused shape, a device older
-// than sm_90, rows of the logits or the gradient not 16-byte aligned, a row longer than kMaxClusterSize
-// slices.
+// of CTAs instead, =cluster96 slices of up to 96 KB (2 CTAs per SM), =cluster_whole waits for the whole
+// slice before its statistics instead of piece by piece, =cluster2 puts 2 stages first (two buffers of half
+// the size: measured slower, as it doubles C), =split turns the kernel off (the statistics kernel + gradient
+// kernel path). None where the kernel does not apply: not the fused shape, a device older than sm_90, rows
+// of the logits or the gradient not 16-byte aligned, a row longer than kMaxClusterSize slices.
 inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
   static const char* const env = std::getenv("RL_LOSSES_ROW_KERNEL");
   static const int max_stages = env == nullptr                    ? 1
@@ -514,7 +515,8 @@ inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
                                       ? static_cast<int>(kClusterCtaBytes)
                                       : kClusterPieceBytes;
   static const bool pow2 = env != nullptr && std::strcmp(env, "cluster_pow2") == 0;
-  static const int64_t cta_bytes = env != nullptr && std::strcmp(env, "cluster96") == 0 ? 96 * 1024 : kClusterCtaBytes;
+  static const int64_t cta_bytes =
+      env != nullptr && std::strcmp(env, "cluster96") == 0 ? kClusterCta96Bytes : kClusterCtaBytes;
   std::vector<ClusterShape> shapes;
   if (max_stages == 0 || !args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return shapes;
   const int64_t elem = args.logits.element_size();
