@@ -36,13 +36,14 @@ TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) {
   m.impl("_scale_grad_", &scale_grad_cuda);
   m.impl("_cross_entropy_forward", &CrossEntropyOps<cross_entropy_rows_cuda>::forward);
   m.impl("_cross_entropy_forward_inplace", &CrossEntropyOps<cross_entropy_rows_cuda>::forward_inplace);
-  m.impl("_grpo_forward", &GrpoOps<grpo_rows_cuda>::forward);
-  m.impl("_grpo_forward_inplace", &GrpoOps<grpo_rows_cuda>::forward_inplace);
+  m.impl("_grpo_forward", &GrpoOps<grpo_backend_cuda>::forward);
+  m.impl("_grpo_forward_inplace", &GrpoOps<grpo_backend_cuda>::forward_inplace);
   m.impl("_gspo_forward", &GspoOps<gspo_backend_cuda>::forward);
   m.impl("_gspo_forward_inplace", &GspoOps<gspo_backend_cuda>::forward_inplace);
+  m.impl("gspo_document_sums", &GspoOps<gspo_backend_cuda>::document_sums);
   m.impl("_linear_cross_entropy_forward",
          &LinearCrossEntropyOp<cross_entropy_rows_cuda, accumulate_weight_grad_cuda>::forward);
-  m.impl("_linear_grpo_forward", &LinearGrpoOp<grpo_rows_cuda, accumulate_weight_grad_cuda>::forward);
+  m.impl("_linear_grpo_forward", &LinearGrpoOp<grpo_backend_cuda, accumulate_weight_grad_cuda>::forward);
   m.impl("_linear_gspo_forward", &LinearGspoOp<gspo_backend_cuda, accumulate_weight_grad_cuda>::forward);
 }
 

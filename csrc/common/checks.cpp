@@ -4,6 +4,11 @@
 
 #include <cmath>
 
+#include "common/row_stats.h"
+#ifdef RL_LOSSES_WITH_CUDA
+#include "common/cuda_backends.h"
+#endif
+
 namespace rl_losses {
 
 at::Tensor check_target(const char* op, const at::Tensor& target, const at::Tensor& input, const char* input_name) {
@@ -86,7 +91,7 @@ at::Tensor check_label_counts(const char* op, const at::Tensor& t, const at::Ten
   TORCH_CHECK(t.device() == target.device() && t.sizes() == target.sizes(), op,
               ": label_counts must have the target's shape ", target.sizes(), " and device ", target.device(),
               ", got ", t.sizes(), " on ", t.device());
-  return t.reshape({-1}).to(dtype);
+  return t.reshape({-1}).to(dtype).contiguous();
 }
 
 void check_scale(const char* op, double scale) {
@@ -126,12 +131,16 @@ RowPassArgs make_row_pass_args(const FlatLogits& f, double logits_scale_factor) 
   return args;
 }
 
-at::Tensor divisor_tensor(std::optional<double> divisor, const at::Tensor& count) {
-  return divisor ? at::full({}, *divisor, count.options()) : count;
-}
-
 at::Tensor labelled_count(const at::Tensor& target1d, at::ScalarType dtype) {
-  return at::sum(target1d.ge(0), dtype).clamp_min(1);
+  at::Tensor out = at::empty({}, target1d.options().dtype(dtype));
+#ifdef RL_LOSSES_WITH_CUDA
+  if (target1d.is_cuda()) {
+    labelled_count_cuda(target1d, out);
+    return out;
+  }
+#endif
+  labelled_count_cpu(target1d, out);
+  return out;
 }
 
 }  // namespace rl_losses

@@ -37,7 +37,7 @@ at::Tensor check_per_token(const char* op, const char* name, const at::Tensor& t
                            at::ScalarType dtype);
 at::Tensor check_per_token_int(const char* op, const char* name, const at::Tensor& t, const at::Tensor& target);
 
-// label_counts (integer or float): the target's shape and device; returned flattened in `dtype`.
+// label_counts (integer or float): the target's shape and device; returned flattened, contiguous, in `dtype`.
 at::Tensor check_label_counts(const char* op, const at::Tensor& t, const at::Tensor& target, at::ScalarType dtype);
 
 void check_scale(const char* op, double scale);
@@ -49,12 +49,8 @@ void check_row_stats(const char* op, const std::optional<at::Tensor>& row_stats,
 // RowSource sets the logits and the gradient.
 RowPassArgs make_row_pass_args(const FlatLogits& f, double logits_scale_factor);
 
-// The divisor D as a 0-dim tensor on the logits' device: the given value, or `count` (computed on the device,
-// already >= 1 so that an all-masked batch gives 0 rather than 0/0; its dtype is D's). No host synchronisation.
-at::Tensor divisor_tensor(std::optional<double> divisor, const at::Tensor& count);
-
 // The number of labelled tokens (target >= 0) as a 0-dim `dtype` tensor, at least 1: the default divisor of a
-// token mean and the metrics' denominator.
+// token mean and the metrics' denominator. One reduction on the target's device, no host synchronisation.
 at::Tensor labelled_count(const at::Tensor& target1d, at::ScalarType dtype);
 
 }  // namespace rl_losses

@@ -8,13 +8,14 @@
 namespace rl_losses {
 
 struct CrossEntropyRows;
-struct GrpoRows;
+struct GrpoBackend;
 struct GspoBackend;
 
+void labelled_count_cuda(const at::Tensor& target1d, const at::Tensor& out);
 void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out);
 void scale_grad_cuda_scalar(const at::Tensor& grad, const at::Tensor& grad_output);
 void cross_entropy_rows_cuda(const RowPassArgs& args, const CrossEntropyRows& rows);
-void grpo_rows_cuda(const RowPassArgs& args, const GrpoRows& rows);
+const GrpoBackend& grpo_backend_cuda();
 const GspoBackend& gspo_backend_cuda();
 
 }  // namespace rl_losses

@@ -15,6 +15,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <type_traits>
+#include <vector>
 
 #include "common/math.h"
 
@@ -154,6 +155,47 @@ struct PolicyCoefEpilogue {
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t, const RowStats<acc_t>&) const {
     const acc_t c = coef[row];
     return {c, -c, acc_t(0)};
+  }
+};
+
+// A reduction for a runner's sum_then (CpuRunner, CudaRunner): kTerms values per index i, `terms(i, v)`,
+// summed over i; then `finish(sums)` once, on the device. It replaces a column sum and the small ops after
+// it, each a kernel launch of its own.
+//
+// The labelled-token count (target >= 0), at least 1, so that an all-masked batch gives 0 rather than 0/0.
+template <typename T>
+struct LabelledCount {
+  using acc_t = T;
+  static constexpr int kTerms = 1;
+  const int64_t* target;
+  acc_t* out;  // 0-dim
+  C10_HOST_DEVICE void terms(int64_t i, acc_t* v) const { v[0] = target[i] >= 0 ? acc_t(1) : acc_t(0); }
+  C10_HOST_DEVICE void finish(const acc_t* s) const { *out = s[0] > acc_t(1) ? s[0] : acc_t(1); }
+};
+
+// The scalar outputs of GRPO and GSPO (SPEC §2.4), in schema order, written by their finishing reductions:
+// 0-dim tensors of the accumulation dtype, and their pointers for the device.
+enum PolicyScalar : int { kPolicyLoss = 0, kPolicyNewLogProbs, kPolicyClipLow, kPolicyClipHigh, kPolicyKlOld,
+                          kPolicyEntropy, kPolicyRatioMean, kPolicyScalars };
+template <typename acc_t>
+struct PolicyScalarPtrs {
+  acc_t* p[kPolicyScalars];
+};
+struct PolicyScalarOutputs {
+  at::Tensor t[kPolicyScalars];
+  explicit PolicyScalarOutputs(const at::TensorOptions& options) {
+    for (auto& x : t) x = at::empty({}, options);
+  }
+  template <typename acc_t>
+  PolicyScalarPtrs<acc_t> ptrs() const {
+    PolicyScalarPtrs<acc_t> out;
+    for (int k = 0; k < kPolicyScalars; ++k) out.p[k] = t[k].data_ptr<acc_t>();
+    return out;
+  }
+  // The schema's outputs: these with the per-token log-probs between entropy and ratio_mean.
+  std::vector<at::Tensor> with_log_probs(const at::Tensor& log_probs) const {
+    return {t[kPolicyLoss], t[kPolicyNewLogProbs], t[kPolicyClipLow], t[kPolicyClipHigh],
+            t[kPolicyKlOld], t[kPolicyEntropy], log_probs,         t[kPolicyRatioMean]};
   }
 };
 

@@ -130,6 +130,20 @@ struct CpuRunner {
       for (int64_t i = begin; i < end; ++i) f(i);
     });
   }
+  // r.finish(s) once, with s[k] = Σ_{i < n} of r.terms(i)[k] (see row_pass.h): summed in order, in fp64.
+  template <typename R>
+  static void sum_then(int64_t n, const R& r) {
+    using acc_t = typename R::acc_t;
+    double s[R::kTerms] = {};
+    for (int64_t i = 0; i < n; ++i) {
+      acc_t v[R::kTerms];
+      r.terms(i, v);
+      for (int k = 0; k < R::kTerms; ++k) s[k] += static_cast<double>(v[k]);
+    }
+    acc_t out[R::kTerms];
+    for (int k = 0; k < R::kTerms; ++k) out[k] = static_cast<acc_t>(s[k]);
+    r.finish(out);
+  }
 };
 
 }  // namespace rl_losses

@@ -29,4 +29,14 @@ at::Tensor row_stats_op(const at::Tensor& logits, const at::Tensor& target, doub
   return out.view(shape);
 }
 
+// labelled_count (checks.h) on one device: `out` a 0-dim floating tensor.
+template <typename Runner>
+void labelled_count_on(const at::Tensor& target1d, const at::Tensor& out) {
+  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "labelled_count", [&] {
+    Runner::sum_then(target1d.numel(),
+                     LabelledCount<scalar_t>{target1d.const_data_ptr<int64_t>(), out.data_ptr<scalar_t>()});
+  });
+}
+void labelled_count_cpu(const at::Tensor& target1d, const at::Tensor& out);
+
 }  // namespace rl_losses

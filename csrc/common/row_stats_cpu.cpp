@@ -28,6 +28,10 @@ void scale_grad_cpu(const at::Tensor& grad, const at::Tensor& grad_output) {
 
 }  // namespace
 
+void labelled_count_cpu(const at::Tensor& target1d, const at::Tensor& out) {
+  labelled_count_on<CpuRunner>(target1d, out);
+}
+
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   m.impl("row_stats", &row_stats_op<stats_cpu>);
   m.impl("_scale_grad_", &scale_grad_cpu);

@@ -7,6 +7,11 @@ namespace rl_losses {
 
 bool cuda_fuses_row_pass(const RowPassArgs& args) { return !cuda::row_cluster_shapes(args).empty(); }
 
+void labelled_count_cuda(const at::Tensor& target1d, const at::Tensor& out) {
+  const c10::cuda::OptionalCUDAGuard guard(out.device());
+  labelled_count_on<CudaRunner>(target1d, out);
+}
+
 void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out) {
   cuda::row_pass_cuda(args, "row_stats", [&](auto* tag) {
     using acc_t = std::remove_pointer_t<decltype(tag)>;

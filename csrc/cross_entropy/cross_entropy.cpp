@@ -30,10 +30,10 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(RowSource& src, const a
   if (reduction == "none") {
     TORCH_CHECK(!divisor, op, ": divisor has no meaning with reduction='none'");
     d = at::ones({}, opts);
-  } else if (reduction == "sum") {
-    d = divisor_tensor(divisor, at::ones({}, opts));
+  } else if (divisor || reduction == "sum") {
+    d = at::full({}, divisor.value_or(1.0), opts);
   } else {
-    d = divisor_tensor(divisor, labelled_count(f.target1d, acc));
+    d = labelled_count(f.target1d, acc);
   }
 
   CrossEntropyRows rows{{label_weight, label_smoothing, z_loss_factor, static_cast<double>(f.vocab_total)},

@@ -8,16 +8,17 @@
 namespace rl_losses {
 namespace {
 
-void rows_cpu(const RowPassArgs& args, const GrpoRows& rows) {
-  row_pass_cpu(args, "grpo", [&](auto* tag) { return make_grpo_epilogue<std::remove_pointer_t<decltype(tag)>>(rows); });
+const GrpoBackend& grpo_backend_cpu() {
+  static constexpr GrpoBackend backend = GrpoBackendImpl<CpuRunner>::backend();
+  return backend;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
-  m.impl("_grpo_forward", &GrpoOps<rows_cpu>::forward);
-  m.impl("_grpo_forward_inplace", &GrpoOps<rows_cpu>::forward_inplace);
-  m.impl("_linear_grpo_forward", &LinearGrpoOp<rows_cpu, accumulate_weight_grad_cpu>::forward);
+  m.impl("_grpo_forward", &GrpoOps<grpo_backend_cpu>::forward);
+  m.impl("_grpo_forward_inplace", &GrpoOps<grpo_backend_cpu>::forward_inplace);
+  m.impl("_linear_grpo_forward", &LinearGrpoOp<grpo_backend_cpu, accumulate_weight_grad_cpu>::forward);
 }
 
 }  // namespace rl_losses

@@ -1,12 +1,12 @@
-// CUDA back-end of GRPO: the row function (registered in csrc/cuda_registration.cpp).
+// CUDA back-end of GRPO: the row pass and the metrics reduction (registered in csrc/cuda_registration.cpp).
 #include "common/row_pass_cuda.cuh"
 #include "grpo/grpo.h"
 
 namespace rl_losses {
 
-void grpo_rows_cuda(const RowPassArgs& args, const GrpoRows& rows) {
-  cuda::row_pass_cuda(args, "grpo",
-                      [&](auto* tag) { return make_grpo_epilogue<std::remove_pointer_t<decltype(tag)>>(rows); });
+const GrpoBackend& grpo_backend_cuda() {
+  static constexpr GrpoBackend backend = GrpoBackendImpl<CudaRunner>::backend();
+  return backend;
 }
 
 }  // namespace rl_losses

@@ -8,31 +8,34 @@ namespace rl_losses {
 
 namespace {
 
-// Labelled and not padding: the tokens that count (m_t of SPEC §2.3, with padding folded in).
-at::Tensor token_mask(const at::Tensor& target1d, const at::Tensor& doc, at::ScalarType acc) {
-  return at::logical_and(target1d.ge(0), doc.ge(0)).to(acc);
+// GspoTokenTerms over every token, then their sums per document (this rank's): g.local_sums.
+void sum_document_terms(GspoState& g, const GspoBackend& backend) {
+  const auto opts = g.advantages.options();
+  const int64_t n = g.target.numel();
+  g.safe_document = at::empty({n}, g.document.options());
+  g.terms = at::empty({n, kGspoSums}, opts);
+  backend.token_terms(g);
+  g.local_sums = at::zeros({g.num_documents, kGspoSums}, opts).index_add_(0, g.safe_document, g.terms);
 }
 
 }  // namespace
 
 at::Tensor gspo_document_sums(const at::Tensor& log_probs, const at::Tensor& target, const at::Tensor& advantages,
                               const at::Tensor& old_log_probs, const at::Tensor& document_index,
-                              const at::Tensor& label_counts, int64_t num_documents) {
+                              const at::Tensor& label_counts, int64_t num_documents, const GspoBackend& backend) {
   constexpr const char* op = "gspo_document_sums";
   TORCH_CHECK(num_documents >= 0, op, ": num_documents must be >= 0, got ", num_documents);
   const auto acc = log_probs.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor lp = check_per_token(op, "log_probs", log_probs, target, acc);
-  const at::Tensor adv = check_per_token(op, "advantages", advantages, target, acc);
-  const at::Tensor old = check_per_token(op, "old_log_probs", old_log_probs, target, acc);
-  const at::Tensor doc = check_per_token_int(op, "document_index", document_index, target);
-  TORCH_CHECK(label_counts.sizes() == target.sizes(), op, ": label_counts has shape ", label_counts.sizes(),
-              " but target has shape ", target.sizes());
-  const at::Tensor mask = token_mask(target.reshape({-1}), doc, acc);
-  const at::Tensor u = mask / label_counts.reshape({-1}).to(acc).clamp_min(1);
-  const at::Tensor values = at::stack({u * (lp - old), u * adv, mask}, 1);
-  // Padding (negative ids) carries zero values; send it to document 0 rather than out of range.
-  const at::Tensor safe = at::where(doc.ge(0), doc, at::zeros_like(doc));
-  return at::zeros({num_documents, kGspoSums}, lp.options()).index_add_(0, safe, values);
+  GspoState g;
+  g.num_documents = num_documents;
+  g.log_probs = check_per_token(op, "log_probs", log_probs, target, acc);
+  g.target = check_per_token_int(op, "target", target, target);
+  g.advantages = check_per_token(op, "advantages", advantages, target, acc);
+  g.old_log_probs = check_per_token(op, "old_log_probs", old_log_probs, target, acc);
+  g.document = check_per_token_int(op, "document_index", document_index, target);
+  g.label_counts = check_label_counts(op, label_counts, target, acc);
+  sum_document_terms(g, backend);
+  return g.local_sums;
 }
 
 std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, const at::Tensor& advantages,
@@ -53,9 +56,16 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
               ": weighting must be 'document' or 'token', got '", weighting, "'");
   const auto opts = src.acc_options();
   const auto acc = opts.dtype().toScalarType();
-  const at::Tensor adv = check_per_token(op, "advantages", advantages, target, acc);
-  const at::Tensor old = check_per_token(op, "old_log_probs", old_log_probs, target, acc);
-  const at::Tensor doc = check_per_token_int(op, "document_index", document_index, target);
+  GspoState g;
+  g.clip = {epsilon_low, epsilon_high, std::numeric_limits<double>::infinity()};
+  g.target = f.target1d;
+  g.advantages = check_per_token(op, "advantages", advantages, target, acc);
+  g.old_log_probs = check_per_token(op, "old_log_probs", old_log_probs, target, acc);
+  g.document = check_per_token_int(op, "document_index", document_index, target);
+  if (label_counts) g.label_counts = check_label_counts(op, *label_counts, target, acc);
+  g.divisor = divisor;
+  g.token_advantages = token_advantages;
+  g.token_weighting = weighting == "token";
 
   // The number of documents: given, implied by document_sums, or max(document_index) + 1 (which
   // synchronises with the device: pass num_documents to avoid it).
@@ -65,79 +75,61 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
   } else if (document_sums) {
     n_docs = document_sums->size(0);
   } else {
-    n_docs = f.n_rows > 0 ? std::max<int64_t>(doc.max().item<int64_t>() + 1, 0) : 0;
+    n_docs = f.n_rows > 0 ? std::max<int64_t>(g.document.max().item<int64_t>() + 1, 0) : 0;
   }
   TORCH_CHECK(n_docs >= 0, op, ": num_documents must be >= 0, got ", n_docs);
-  if (!doc.is_cuda() && f.n_rows > 0) {
-    const int64_t high = doc.max().item<int64_t>();  // CPU: no device to synchronise with
+  if (!g.document.is_cuda() && f.n_rows > 0) {
+    const int64_t high = g.document.max().item<int64_t>();  // CPU: no device to synchronise with
     TORCH_CHECK(high < n_docs, op, ": document_index holds ", high, " but num_documents is ", n_docs);
   }
+  g.num_documents = n_docs;
   if (document_sums) {
     TORCH_CHECK(document_sums->dim() == 2 && document_sums->size(0) == n_docs && document_sums->size(1) == kGspoSums &&
                     document_sums->scalar_type() == acc && document_sums->device() == opts.device(),
                 op, ": document_sums must be (", n_docs, ", ", int(kGspoSums), ") ", acc, " on ", opts.device(),
                 ", got ", document_sums->sizes(), " ", document_sums->scalar_type(), " on ",
                 document_sums->device());
+    g.given_sums = document_sums->contiguous();
   }
 
   // Pass 1: row statistics (unless given, e.g. all-reduced over the tensor-parallel group).
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
-  at::Tensor stats;
   if (row_stats) {
-    stats = *row_stats;
+    g.stats = *row_stats;
   } else {
-    stats = at::empty({f.n_rows, 5}, opts);
+    g.stats = at::empty({f.n_rows, 5}, opts);
     args.entropy = compute_entropy;
-    if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.stats(a, stats); });
+    if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.stats(a, g.stats); });
     args.entropy = false;
   }
 
-  // Per token: log-probs (and entropy); per document: the sums, unless given (SDP all-reduce).
-  const at::Tensor mask = token_mask(f.target1d, doc, acc);
-  const at::Tensor lp = at::empty({f.n_rows}, opts);
-  const at::Tensor entropy = compute_entropy ? at::empty({f.n_rows}, opts) : at::Tensor();
-  backend.log_probs(stats, mask, lp, entropy);
-  const at::Tensor safe_doc = at::where(doc.ge(0), doc, at::zeros_like(doc));
-  at::Tensor counts;
-  if (label_counts) {
-    counts = check_label_counts(op, *label_counts, target, acc);
-  } else {
-    counts = at::zeros({n_docs}, opts).index_add_(0, safe_doc, mask).index_select(0, safe_doc);
-  }
-  const at::Tensor sums = document_sums ? *document_sums
-                                        : gspo_document_sums(lp, f.target1d, adv, old, doc, counts, n_docs);
-
-  // Per document: ratio and metrics; then per token: loss share and gradient coefficient.
-  const ClipOptions<double> clip{epsilon_low, epsilon_high, std::numeric_limits<double>::infinity()};
-  const at::Tensor doc_out = at::empty({n_docs, kGspoDocFields}, opts);
-  backend.documents(clip, sums, doc_out);
-  const at::Tensor doc_totals = doc_out.sum(0);
-  const at::Tensor n_labelled_docs = doc_totals[kGspoHasLabel].clamp_min(1);
-  const at::Tensor d = divisor_tensor(divisor, n_labelled_docs);
-  const at::Tensor token_loss = at::empty({f.n_rows}, opts);
-  const at::Tensor coef = at::empty({f.n_rows}, opts);
-  backend.tokens(clip, sums, safe_doc, mask, counts, adv, d, token_advantages, weighting == "token", token_loss,
-                 coef);
+  // Between the passes, a fixed few launches of O(N + S) work (on a GPU each costs 2-3 us, which small
+  // shapes feel): the per-token log-probs and document terms, their sums per document, each document's ratio
+  // and metrics and their totals (with D), then each token's loss share and gradient coefficient.
+  g.log_probs = at::empty({f.n_rows}, opts);
+  if (compute_entropy) g.entropy = at::empty({f.n_rows}, opts);
+  sum_document_terms(g, backend);
+  g.sums = at::empty({n_docs, kGspoSums}, opts);
+  g.fields = at::empty({n_docs, kGspoDocFields}, opts);
+  g.ratios = at::empty({n_docs}, opts);
+  g.totals = at::empty({kGspoTotals}, opts);
+  backend.documents(g);
+  g.token_out = at::empty({f.n_rows, kGspoTokenFields}, opts);
+  g.coef = at::empty({f.n_rows}, opts);
+  backend.tokens(g);
 
   // Pass 2: the gradient.
   if (src.wants_grad() && f.n_rows > 0) {
-    args.stats_in = stats;
-    src.run(args, true, [&](RowPassArgs& a) { backend.grad(a, coef); });
+    args.stats_in = g.stats;
+    src.run(args, true, [&](RowPassArgs& a) { backend.grad(a, g.coef); });
   }
 
-  // Metrics (SPEC §2.4).
-  const at::Tensor u = mask / counts.clamp_min(1);
-  const at::Tensor ratios = doc_out.select(1, kGspoRatio);
-  const at::Tensor has = doc_out.select(1, kGspoHasLabel);
-  return {token_loss.sum(),
-          (u * lp).sum() / n_labelled_docs,
-          doc_totals[kGspoLow] / n_labelled_docs,
-          doc_totals[kGspoHigh] / n_labelled_docs,
-          doc_totals[kGspoKlOld] / n_labelled_docs,
-          compute_entropy ? entropy.sum() / mask.sum().clamp_min(1) : at::zeros({}, opts),
-          lp.view(target.sizes()),
-          (ratios * has).sum() / n_labelled_docs,
-          ratios.contiguous()};
+  // Metrics (SPEC §2.4), one reduction over the tokens.
+  const PolicyScalarOutputs scalars(opts);
+  backend.metrics(g, scalars);
+  std::vector<at::Tensor> out = scalars.with_log_probs(g.log_probs.view(target.sizes()));
+  out.push_back(g.ratios);
+  return out;
 }
 
 }  // namespace rl_losses

@@ -22,98 +22,210 @@ namespace rl_losses {
 
 // Columns of the per-document sums (the SDP all-reduce payload).
 enum GspoSum : int { kGspoLogRatio = 0, kGspoAdvantage, kGspoCount, kGspoSums };
-// Columns of the per-document metrics.
-enum GspoDocField : int { kGspoRatio = 0, kGspoLow, kGspoHigh, kGspoKlOld, kGspoHasLabel, kGspoDocFields };
+// Columns of the per-document metrics, summed over the documents.
+enum GspoDocField : int { kGspoLow = 0, kGspoHigh, kGspoKlOld, kGspoHasLabel, kGspoLabelledRatio, kGspoDocFields };
+// After those sums: the labelled-document count (>= 1) and the divisor D.
+enum GspoTotal : int { kGspoLabelledDocs = kGspoDocFields, kGspoDivisor, kGspoTotals };
+// Columns of the per-token outputs summed for the metrics.
+enum GspoTokenField : int { kGspoTokenLoss = 0, kGspoTokenLogProb, kGspoTokenEntropy, kGspoTokenLabelled,
+                            kGspoTokenFields };
 
-// Per token: the label's log-prob (and entropy) from the row statistics; 0 where masked.
+// Everything between the two row passes, as tensors of the accumulation dtype (int64 for ids): the inputs,
+// then what each step writes. Optional ones are undefined when absent.
+struct GspoState {
+  ClipOptions<double> clip;
+  int64_t num_documents;
+  at::Tensor stats;          // (N, 5) row statistics; undefined: log_probs is an input (gspo_document_sums)
+  at::Tensor target, document, advantages, old_log_probs;  // (N,)
+  at::Tensor label_counts;   // (N,) or undefined: each document's labelled tokens on this rank
+  at::Tensor given_sums;     // (S, kGspoSums) document_sums (the SDP all-reduce), or undefined
+  std::optional<double> divisor;
+  bool token_advantages = false, token_weighting = false;
+  // GspoTokenTerms
+  at::Tensor log_probs, entropy, safe_document, terms;  // (N,), (N,) or undefined, (N,), (N, kGspoSums)
+  at::Tensor local_sums;                                // (S, kGspoSums): the terms summed per document
+  // GspoDocumentStep, GspoDocumentTotals
+  at::Tensor sums, fields, ratios, totals;  // (S, kGspoSums), (S, kGspoDocFields), (S,), (kGspoTotals,)
+  // GspoTokenStep
+  at::Tensor token_out, coef;  // (N, kGspoTokenFields), (N,)
+};
+
+// Per token: m_t (labelled, not padding), its log-prob from the row statistics (and entropy) unless given,
+// its document with padding sent to document 0 (its terms are zero), and its terms of the document sums:
+// u_t·(lp_t − old_t), u_t·A_t, m_t, with u_t = m_t / N_t when label_counts gives N_t, else u_t = m_t (the
+// document step divides by the count once the document is summed).
 template <typename acc_t>
-struct GspoLogProbStep {
-  const acc_t* stats;  // (N, 5)
-  const acc_t* mask;   // (N,)
-  acc_t* log_probs;    // (N,)
-  acc_t* entropy;      // (N,) or null
+struct GspoTokenTerms {
+  const acc_t* stats;  // (N, 5), or null: log_probs holds the log-probs already
+  const int64_t* target;
+  const int64_t* document;
+  const acc_t* advantages;
+  const acc_t* old_log_probs;
+  const acc_t* label_counts;  // or null
+  int64_t num_documents;
+  acc_t* log_probs;
+  acc_t* entropy;  // or null
+  int64_t* safe_document;
+  acc_t* terms;  // (N, kGspoSums)
   C10_HOST_DEVICE void operator()(int64_t i) const {
-    const RowStats<acc_t> st = load_stats(stats, i);
-    const bool on = mask[i] != acc_t(0);
-    log_probs[i] = on ? st.label - st.lse() : acc_t(0);
-    if (entropy) entropy[i] = on ? st.entropy() : acc_t(0);
+    const int64_t s = document[i];
+#if defined(__CUDA_ARCH__)
+    // The CPU checks the range up front; on the device an out-of-range id must not index past a buffer.
+    CUDA_KERNEL_ASSERT(s < num_documents && "rl_losses: a document index is >= num_documents");
+#endif
+    const bool on = target[i] >= 0 && s >= 0;
+    acc_t lp;
+    if (stats != nullptr) {
+      const RowStats<acc_t> st = load_stats(stats, i);
+      lp = on ? st.label - st.lse() : acc_t(0);
+      log_probs[i] = lp;
+      if (entropy != nullptr) entropy[i] = on ? st.entropy() : acc_t(0);
+    } else {
+      lp = log_probs[i];
+    }
+    acc_t u = acc_t(0);
+    if (on) u = label_counts == nullptr ? acc_t(1) : acc_t(1) / (label_counts[i] > acc_t(1) ? label_counts[i] : acc_t(1));
+    acc_t* t = terms + i * kGspoSums;
+    t[kGspoLogRatio] = on ? u * (lp - old_log_probs[i]) : acc_t(0);
+    t[kGspoAdvantage] = on ? u * advantages[i] : acc_t(0);
+    t[kGspoCount] = on ? acc_t(1) : acc_t(0);
+    safe_document[i] = s >= 0 ? s : 0;
   }
 };
 
-// Per document: R_s and the metrics of SPEC §2.4.
+// Per document: the sums the loss uses (document_sums if given, else this rank's, divided by the document's
+// count when the terms were not), R_s, and the metrics of SPEC §2.4.
 template <typename acc_t>
 struct GspoDocumentStep {
   ClipOptions<acc_t> clip;
-  const acc_t* sums;  // (S, kGspoSums)
-  acc_t* out;         // (S, kGspoDocFields)
+  const acc_t* local;  // (S, kGspoSums)
+  const acc_t* given;  // (S, kGspoSums) or null
+  bool divide;
+  acc_t* sums;    // (S, kGspoSums)
+  acc_t* fields;  // (S, kGspoDocFields)
+  acc_t* ratios;  // (S,)
   C10_HOST_DEVICE void operator()(int64_t s) const {
-    const acc_t* d = sums + s * kGspoSums;
-    acc_t* o = out + s * kGspoDocFields;
+    acc_t d[kGspoSums];
+    for (int k = 0; k < kGspoSums; ++k) d[k] = (given != nullptr ? given : local)[s * kGspoSums + k];
+    if (given == nullptr && divide) {
+      const acc_t count = d[kGspoCount] > acc_t(1) ? d[kGspoCount] : acc_t(1);
+      d[kGspoLogRatio] /= count;
+      d[kGspoAdvantage] /= count;
+    }
+    for (int k = 0; k < kGspoSums; ++k) sums[s * kGspoSums + k] = d[k];
     const bool has = d[kGspoCount] > acc_t(0);
     const acc_t ratio = ::exp(d[kGspoLogRatio]);
-    o[kGspoRatio] = ratio;
+    ratios[s] = ratio;
+    acc_t* o = fields + s * kGspoDocFields;
     o[kGspoLow] = has && clipped_low(clip, ratio, d[kGspoAdvantage]) ? acc_t(1) : acc_t(0);
     o[kGspoHigh] = has && clipped_high(clip, ratio, d[kGspoAdvantage]) ? acc_t(1) : acc_t(0);
     o[kGspoKlOld] = has ? k3(-d[kGspoLogRatio]) : acc_t(0);
     o[kGspoHasLabel] = has ? acc_t(1) : acc_t(0);
+    o[kGspoLabelledRatio] = has ? ratio : acc_t(0);
+  }
+};
+
+// Over the documents (a runner's sum_then): the metric sums, the labelled-document count and D.
+template <typename T>
+struct GspoDocumentTotals {
+  using acc_t = T;
+  static constexpr int kTerms = kGspoDocFields;
+  const acc_t* fields;
+  bool has_divisor;
+  acc_t divisor;
+  acc_t* totals;  // (kGspoTotals,)
+  C10_HOST_DEVICE void terms(int64_t s, acc_t* v) const {
+    for (int k = 0; k < kTerms; ++k) v[k] = fields[s * kGspoDocFields + k];
+  }
+  C10_HOST_DEVICE void finish(const acc_t* sum) const {
+    for (int k = 0; k < kTerms; ++k) totals[k] = sum[k];
+    const acc_t n = sum[kGspoHasLabel] > acc_t(1) ? sum[kGspoHasLabel] : acc_t(1);
+    totals[kGspoLabelledDocs] = n;
+    totals[kGspoDivisor] = has_divisor ? divisor : n;
   }
 };
 
 // Per token: its share of the loss, κ_t·f(R_s, A)/D, and its gradient coefficient κ_t·c(R_s, A)·R_s/D, with
 // A = Ā_s (or A_t for GSPO-token) and κ_t = u_t (weighting "document") or m_t ("token"). Summing the shares
-// of a document's tokens gives f_s (or N_s·f_s) because Σ u_t = 1 over the whole document.
+// of a document's tokens gives f_s (or N_s·f_s) because Σ u_t = 1 over the whole document. Also the
+// per-token terms of the metrics: u_t·lp_t, the entropy, m_t.
 template <typename acc_t>
 struct GspoTokenStep {
   ClipOptions<acc_t> clip;
-  const acc_t* sums;        // (S, kGspoSums)
-  const int64_t* document;  // (N,)
-  const acc_t* mask;        // (N,)
-  const acc_t* counts;      // (N,) N_t
-  const acc_t* advantages;  // (N,)
-  const acc_t* divisor;     // 0-dim
+  const acc_t* sums;          // (S, kGspoSums)
+  const acc_t* local;         // (S, kGspoSums): the counts N_t when label_counts is null
+  const int64_t* target;      // (N,)
+  const int64_t* document;    // (N,)
+  const acc_t* label_counts;  // (N,) or null
+  const acc_t* advantages;    // (N,)
+  const acc_t* log_probs;     // (N,)
+  const acc_t* entropy;       // (N,) or null
+  const acc_t* totals;        // (kGspoTotals,)
   bool token_advantages;
   bool token_weighting;
-  int64_t num_documents;
-  acc_t* loss;  // (N,)
+  acc_t* out;   // (N, kGspoTokenFields)
   acc_t* coef;  // (N,)
   C10_HOST_DEVICE void operator()(int64_t i) const {
-    if (mask[i] == acc_t(0)) {
-      loss[i] = acc_t(0);
+    acc_t* o = out + i * kGspoTokenFields;
+    const int64_t s = document[i];
+    if (target[i] < 0 || s < 0) {
+      for (int k = 0; k < kGspoTokenFields; ++k) o[k] = acc_t(0);
       coef[i] = acc_t(0);
       return;
     }
-    const int64_t s = document[i];
-#if defined(__CUDA_ARCH__)
-    // The CPU checks the range up front; on the device an out-of-range id must not read past the buffer.
-    CUDA_KERNEL_ASSERT(s < num_documents && "rl_losses: a document index is >= num_documents");
-#endif
     const acc_t* d = sums + s * kGspoSums;
-    const acc_t count = counts[i] > acc_t(1) ? counts[i] : acc_t(1);
-    const acc_t kappa = (token_weighting ? acc_t(1) : acc_t(1) / count) / *divisor;
+    const acc_t n_t = label_counts != nullptr ? label_counts[i] : local[s * kGspoSums + kGspoCount];
+    const acc_t count = n_t > acc_t(1) ? n_t : acc_t(1);
+    const acc_t kappa = (token_weighting ? acc_t(1) : acc_t(1) / count) / totals[kGspoDivisor];
     const acc_t adv = token_advantages ? advantages[i] : d[kGspoAdvantage];
     const PolicyToken<acc_t> t = gspo_document(clip, d[kGspoLogRatio], adv);
-    loss[i] = kappa * t.loss;
+    o[kGspoTokenLoss] = kappa * t.loss;
+    o[kGspoTokenLogProb] = log_probs[i] / count;
+    o[kGspoTokenEntropy] = entropy != nullptr ? entropy[i] : acc_t(0);
+    o[kGspoTokenLabelled] = acc_t(1);
     coef[i] = kappa * t.coef;
   }
 };
 
-// The back-end: the two row passes and the three O(N + S) steps, on one device.
+// Over the tokens (a runner's sum_then): the scalar outputs.
+template <typename T>
+struct GspoMetrics {
+  using acc_t = T;
+  static constexpr int kTerms = kGspoTokenFields;
+  const acc_t* out;     // (N, kGspoTokenFields)
+  const acc_t* totals;  // (kGspoTotals,)
+  bool entropy;
+  PolicyScalarPtrs<acc_t> dst;
+  C10_HOST_DEVICE void terms(int64_t i, acc_t* v) const {
+    for (int k = 0; k < kTerms; ++k) v[k] = out[i * kGspoTokenFields + k];
+  }
+  C10_HOST_DEVICE void finish(const acc_t* s) const {
+    const acc_t n = totals[kGspoLabelledDocs];
+    const acc_t labelled = s[kGspoTokenLabelled] > acc_t(1) ? s[kGspoTokenLabelled] : acc_t(1);
+    *dst.p[kPolicyLoss] = s[kGspoTokenLoss];
+    *dst.p[kPolicyNewLogProbs] = s[kGspoTokenLogProb] / n;
+    *dst.p[kPolicyClipLow] = totals[kGspoLow] / n;
+    *dst.p[kPolicyClipHigh] = totals[kGspoHigh] / n;
+    *dst.p[kPolicyKlOld] = totals[kGspoKlOld] / n;
+    *dst.p[kPolicyEntropy] = entropy ? s[kGspoTokenEntropy] / labelled : acc_t(0);
+    *dst.p[kPolicyRatioMean] = totals[kGspoLabelledRatio] / n;
+  }
+};
+
+// The back-end: the two row passes and the O(N + S) steps between and after them, on one device.
 struct GspoBackend {
   void (*stats)(const RowPassArgs&, const at::Tensor& out);
   void (*grad)(const RowPassArgs&, const at::Tensor& coef);
-  void (*log_probs)(const at::Tensor& stats, const at::Tensor& mask, const at::Tensor& log_probs,
-                    const at::Tensor& entropy);
-  void (*documents)(const ClipOptions<double>&, const at::Tensor& sums, const at::Tensor& out);
-  void (*tokens)(const ClipOptions<double>&, const at::Tensor& sums, const at::Tensor& document,
-                 const at::Tensor& mask, const at::Tensor& counts, const at::Tensor& advantages,
-                 const at::Tensor& divisor, bool token_advantages, bool token_weighting, const at::Tensor& loss,
-                 const at::Tensor& coef);
+  void (*token_terms)(const GspoState&);                      // GspoTokenTerms
+  void (*documents)(const GspoState&);                        // GspoDocumentStep, GspoDocumentTotals
+  void (*tokens)(const GspoState&);                           // GspoTokenStep
+  void (*metrics)(const GspoState&, const PolicyScalarOutputs&);  // GspoMetrics
 };
 
 // The per-document sums of this rank's tokens (see registration.cpp: gspo_document_sums).
 at::Tensor gspo_document_sums(const at::Tensor& log_probs, const at::Tensor& target, const at::Tensor& advantages,
                               const at::Tensor& old_log_probs, const at::Tensor& document_index,
-                              const at::Tensor& label_counts, int64_t num_documents);
+                              const at::Tensor& label_counts, int64_t num_documents, const GspoBackend& backend);
 
 // The 9 outputs of the `gspo` schema; the gradient, when the source wants one, is the source's.
 std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, const at::Tensor& advantages,
@@ -153,6 +265,11 @@ struct GspoOps {
                           entropy, stats, sums, kBackend());
     return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8]};
   }
+  static at::Tensor document_sums(const at::Tensor& lp, const at::Tensor& target, const at::Tensor& adv,
+                                  const at::Tensor& old, const at::Tensor& doc, const at::Tensor& counts,
+                                  int64_t n_docs) {
+    return gspo_document_sums(lp, target, adv, old, doc, counts, n_docs, kBackend());
+  }
 };
 
 // The back-end functions, written once over a device runner (CpuRunner / CudaRunner).
@@ -162,9 +279,9 @@ struct GspoBackendImpl {
   static ClipOptions<acc_t> clip_as(const ClipOptions<double>& c) {
     return {acc_t(c.epsilon_low), acc_t(c.epsilon_high), acc_t(c.delta)};
   }
-  template <typename acc_t>
-  static acc_t* ptr(const at::Tensor& t) {
-    return t.defined() ? t.data_ptr<acc_t>() : nullptr;
+  template <typename T>
+  static T* ptr(const at::Tensor& t) {
+    return t.defined() ? static_cast<T*>(t.data_ptr()) : nullptr;
   }
 #define RL_LOSSES_DISPATCH_ACC(T, ...) AT_DISPATCH_FLOATING_TYPES(T.scalar_type(), "gspo", __VA_ARGS__)
 
@@ -180,35 +297,51 @@ struct GspoBackendImpl {
       return PolicyCoefEpilogue<acc_t>{coef.const_data_ptr<acc_t>()};
     });
   }
-  static void log_probs(const at::Tensor& stats, const at::Tensor& mask, const at::Tensor& lp,
-                        const at::Tensor& entropy) {
-    RL_LOSSES_DISPATCH_ACC(stats, [&] {
-      Runner::for_each(mask.numel(), GspoLogProbStep<scalar_t>{ptr<scalar_t>(stats), ptr<scalar_t>(mask),
-                                                               ptr<scalar_t>(lp), ptr<scalar_t>(entropy)});
+  static void token_terms(const GspoState& g) {
+    RL_LOSSES_DISPATCH_ACC(g.terms, [&] {
+      Runner::for_each(g.target.numel(),
+                       GspoTokenTerms<scalar_t>{ptr<scalar_t>(g.stats), ptr<int64_t>(g.target),
+                                                ptr<int64_t>(g.document), ptr<scalar_t>(g.advantages),
+                                                ptr<scalar_t>(g.old_log_probs), ptr<scalar_t>(g.label_counts),
+                                                g.num_documents, ptr<scalar_t>(g.log_probs),
+                                                ptr<scalar_t>(g.entropy), ptr<int64_t>(g.safe_document),
+                                                ptr<scalar_t>(g.terms)});
     });
   }
-  static void documents(const ClipOptions<double>& clip, const at::Tensor& sums, const at::Tensor& out) {
-    RL_LOSSES_DISPATCH_ACC(sums, [&] {
-      Runner::for_each(sums.size(0), GspoDocumentStep<scalar_t>{clip_as<scalar_t>(clip), ptr<scalar_t>(sums),
-                                                                ptr<scalar_t>(out)});
+  static void documents(const GspoState& g) {
+    RL_LOSSES_DISPATCH_ACC(g.sums, [&] {
+      Runner::for_each(g.num_documents,
+                       GspoDocumentStep<scalar_t>{clip_as<scalar_t>(g.clip), ptr<scalar_t>(g.local_sums),
+                                                  ptr<scalar_t>(g.given_sums), !g.label_counts.defined(),
+                                                  ptr<scalar_t>(g.sums), ptr<scalar_t>(g.fields),
+                                                  ptr<scalar_t>(g.ratios)});
+      Runner::sum_then(g.num_documents,
+                       GspoDocumentTotals<scalar_t>{ptr<scalar_t>(g.fields), g.divisor.has_value(),
+                                                    static_cast<scalar_t>(g.divisor.value_or(1.0)),
+                                                    ptr<scalar_t>(g.totals)});
     });
   }
-  static void tokens(const ClipOptions<double>& clip, const at::Tensor& sums, const at::Tensor& document,
-                     const at::Tensor& mask, const at::Tensor& counts, const at::Tensor& advantages,
-                     const at::Tensor& divisor, bool token_advantages, bool token_weighting, const at::Tensor& loss,
-                     const at::Tensor& coef) {
-    RL_LOSSES_DISPATCH_ACC(sums, [&] {
-      Runner::for_each(mask.numel(), GspoTokenStep<scalar_t>{clip_as<scalar_t>(clip), ptr<scalar_t>(sums),
-                                                             document.data_ptr<int64_t>(), ptr<scalar_t>(mask),
-                                                             ptr<scalar_t>(counts), ptr<scalar_t>(advantages),
-                                                             ptr<scalar_t>(divisor), token_advantages,
-                                                             token_weighting, sums.size(0), ptr<scalar_t>(loss),
-                                                             ptr<scalar_t>(coef)});
+  static void tokens(const GspoState& g) {
+    RL_LOSSES_DISPATCH_ACC(g.sums, [&] {
+      Runner::for_each(g.target.numel(),
+                       GspoTokenStep<scalar_t>{clip_as<scalar_t>(g.clip), ptr<scalar_t>(g.sums),
+                                               ptr<scalar_t>(g.local_sums), ptr<int64_t>(g.target),
+                                               ptr<int64_t>(g.document), ptr<scalar_t>(g.label_counts),
+                                               ptr<scalar_t>(g.advantages), ptr<scalar_t>(g.log_probs),
+                                               ptr<scalar_t>(g.entropy), ptr<scalar_t>(g.totals),
+                                               g.token_advantages, g.token_weighting, ptr<scalar_t>(g.token_out),
+                                               ptr<scalar_t>(g.coef)});
+    });
+  }
+  static void metrics(const GspoState& g, const PolicyScalarOutputs& dst) {
+    RL_LOSSES_DISPATCH_ACC(g.token_out, [&] {
+      Runner::sum_then(g.target.numel(), GspoMetrics<scalar_t>{ptr<scalar_t>(g.token_out), ptr<scalar_t>(g.totals),
+                                                               g.entropy.defined(), dst.ptrs<scalar_t>()});
     });
   }
 #undef RL_LOSSES_DISPATCH_ACC
 
-  static constexpr GspoBackend backend() { return {&stats, &grad, &log_probs, &documents, &tokens}; }
+  static constexpr GspoBackend backend() { return {&stats, &grad, &token_terms, &documents, &tokens, &metrics}; }
 };
 
 }  // namespace rl_losses

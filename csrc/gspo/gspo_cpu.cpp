@@ -19,11 +19,7 @@ TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   m.impl("_gspo_forward", &GspoOps<gspo_backend_cpu>::forward);
   m.impl("_gspo_forward_inplace", &GspoOps<gspo_backend_cpu>::forward_inplace);
   m.impl("_linear_gspo_forward", &LinearGspoOp<gspo_backend_cpu, accumulate_weight_grad_cpu>::forward);
-}
-
-// Pure ATen, the same on every device.
-TORCH_LIBRARY_IMPL(rl_losses, CompositeExplicitAutograd, m) {
-  m.impl("gspo_document_sums", &gspo_document_sums);
+  m.impl("gspo_document_sums", &GspoOps<gspo_backend_cpu>::document_sums);
 }
 
 }  // namespace rl_losses

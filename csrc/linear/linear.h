@@ -53,7 +53,7 @@ struct LinearCrossEntropyOp {
   }
 };
 
-template <GrpoBackend kBackend, WeightGradFn kWeightGrad>
+template <const GrpoBackend& (*kBackend)(), WeightGradFn kWeightGrad>
 struct LinearGrpoOp {
   using Opt = linear_detail::Opt;
   static auto forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
@@ -63,7 +63,7 @@ struct LinearGrpoOp {
                       std::array<bool, 3> mask) {
     LinearSource src("linear_grpo", hidden, weight, bias, target, chunk, mask, kWeightGrad);
     auto out = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, std::nullopt,
-                            kBackend);
+                            kBackend());
     return linear_detail::with_grads<11>(std::move(out), src);
   }
 };
