@@ -1,7 +1,6 @@
 """The fused CUDA row kernels side by side on one GPU: the cluster kernel (statistics and gradient in one
 launch, each row read once from DRAM) against RL_LOSSES_ROW_KERNEL=cluster_pow2 (a power of two of CTAs
-per row), =cluster_whole (each slice waited for whole), =cluster2 (two slice buffers per CTA), =cluster_early
-(the next row fetched piece by piece during the gradient) and =split (a
+per row), =cluster_whole (each slice waited for whole), =cluster2 (two slice buffers per CTA) and =split (a
 statistics launch, then the gradient launch re-reading the row), with a device-to-device copy of the same
 bytes as the ceiling.
 
@@ -24,9 +23,9 @@ import sys
 
 # Values of RL_LOSSES_ROW_KERNEL: the default cluster kernel (the fewest CTAs per row, 1 stage, a slice's
 # statistics started piece by piece as it lands), the same with a power of two of CTAs, the same waiting for
-# the whole slice, the cluster kernel with 2 stages where they fit, the next row fetched during the gradient,
-# and the statistics kernel + gradient kernel path.
-KERNELS = ("cluster", "cluster96", "cluster_pow2", "cluster_whole", "cluster2", "cluster_early", "split")
+# the whole slice, the cluster kernel with 2 stages where they fit, and the statistics kernel + gradient
+# kernel path.
+KERNELS = ("cluster", "cluster96", "cluster_pow2", "cluster_whole", "cluster2", "split")
 CTA_BYTES, MAX_CLUSTER = 64 * 1024, 16  # mirror kClusterCtaBytes / kMaxClusterSize (row_pass_cuda.cuh)
 
 

@@ -181,6 +181,12 @@ def test_label_counts_metric_is_mean_of_document_means(device):
         by_token = rl_losses.grpo_loss(logits, target, advantages, old_log_probs)
     assert_close(by_document.new_logprobs, torch.stack(documents).mean(), torch.float32)
     assert_close(by_token.new_logprobs, lp[mask].mean(), torch.float32)
+    # label_counts as a strided view (every other element of a wider tensor): read at its strides.
+    strided = torch.stack([counts, torch.full_like(counts, 1000)], -1)[..., 0]
+    assert not strided.is_contiguous()
+    with torch.no_grad():
+        by_strided = rl_losses.grpo_loss(logits, target, advantages, old_log_probs, label_counts=strided)
+    assert_close(by_strided.new_logprobs, torch.stack(documents).mean(), torch.float32)
 
 
 @pytest.mark.parametrize("label_dtype", [torch.int32, torch.int64], ids=_id)

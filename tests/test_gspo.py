@@ -402,6 +402,29 @@ def test_split_documents_sum_to_the_whole(weighting, device):
     assert_grad_close(torch.cat(grads), whole_grad, torch.float64)
 
 
+def test_document_sums_without_label_counts(device):
+    """document_sums given without label_counts: each token's count N_t is then its document's labelled
+    tokens in this call. With the whole batch in one call, that is the plain loss."""
+    doc = _packed(device)
+    n_docs = int(doc.max()) + 1
+    logits, target, advantages, old = make_inputs(doc.shape, 256, torch.float64, device, doc)
+    labelled = ((target >= 0) & (doc >= 0)).double()
+    label_counts = torch.zeros(n_docs, device=device, dtype=torch.float64).index_add_(
+        0, doc.flatten(), labelled.flatten())[doc]
+    # A strided view: label_counts are read at their strides.
+    strided = torch.stack([label_counts, torch.full_like(label_counts, 1000.0)], -1)[..., 0]
+    assert not strided.is_contiguous()
+    whole, whole_grad = run_loop_reference(logits, target, advantages, old, doc, 1.0)
+    with torch.no_grad():
+        sums = _ops.gspo_document_sums(label_log_probs64(logits, target), target, advantages, old, doc, strided,
+                                       n_docs)
+    x = logits.clone().requires_grad_()
+    out = _ops.gspo(x, target, advantages, old, doc, num_documents=n_docs, document_sums=sums)
+    out[0].backward()
+    assert_close(out[0].detach(), whole["loss"].detach(), torch.float64)
+    assert_grad_close(x.grad, whole_grad, torch.float64)
+
+
 def test_float64(device):
     doc = _packed(device)
     logits, target, advantages, old = make_inputs(doc.shape, 300, torch.float64, device, doc,

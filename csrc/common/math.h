@@ -224,6 +224,12 @@ struct ClipOptions {
   T delta;  // two-sided clip; +inf when not used
 };
 
+// max(x, 1): a count used as a divisor, so that an empty set gives 0 / 1 = 0 rather than 0 / 0.
+template <typename T>
+C10_HOST_DEVICE inline T at_least_one(T x) {
+  return x > T(1) ? x : T(1);
+}
+
 // −min( min(r, δ)·A , clip(r, 1−ε_l, 1+ε_h)·A )
 template <typename T>
 C10_HOST_DEVICE inline T clipped_surrogate_loss(const ClipOptions<T>& o, T ratio, T advantage) {

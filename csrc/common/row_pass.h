@@ -170,7 +170,7 @@ struct LabelledCount {
   const int64_t* target;
   acc_t* out;  // 0-dim
   C10_HOST_DEVICE void terms(int64_t i, acc_t* v) const { v[0] = target[i] >= 0 ? acc_t(1) : acc_t(0); }
-  C10_HOST_DEVICE void finish(const acc_t* s) const { *out = s[0] > acc_t(1) ? s[0] : acc_t(1); }
+  C10_HOST_DEVICE void finish(const acc_t* s) const { *out = at_least_one(s[0]); }
 };
 
 // The scalar outputs of GRPO and GSPO (SPEC §2.4), in schema order, written by their finishing reductions:

@@ -339,7 +339,7 @@ template <int kThreads, typename scalar_t, typename label_t, typename acc_t, boo
           typename Epilogue>
 __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     row_cluster_kernel(RowPassView<scalar_t, label_t, acc_t> v, Epilogue epi, int slice_vecs, int stages,
-                       int piece_vecs, int early) {
+                       int piece_vecs) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   CUDA_KERNEL_ASSERT(false && "rl_losses: thread-block clusters need sm_90");  // not launched there
 #else
@@ -380,30 +380,29 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
   cluster.sync();  // every CTA's barriers are initialised before any peer sends to them
   // Thread 0 copies this CTA's whole vectors of `row` into buffer b: piece p (piece_vecs vectors) completes
   // landed[b][p], in copies of at most 16 KB.
-  auto fetch_piece = [&](int64_t row, int b, int p) {
+  auto fetch = [&](int64_t row, int b) {
     if (threadIdx.x != 0) return;
     const char* src = reinterpret_cast<const char*>(v.logits + row * v.row_stride + begin);
     char* dst = reinterpret_cast<char*>(buffers + b * slice_vecs);
-    const unsigned start = static_cast<unsigned>(p * piece_vecs) * 16,
-                   end = static_cast<unsigned>(std::min(n_full, (p + 1) * piece_vecs)) * 16;
-    mbarrier_arrive_expect(&landed[b][p], end - start);
-    for (unsigned off = start; off < end; off += 16384) {
-      bulk_copy_to_shared(dst + off, src + off, std::min(16384u, end - off), &landed[b][p]);
+    for (int p = 0; p < n_pieces; ++p) {
+      const unsigned start = static_cast<unsigned>(p * piece_vecs) * 16,
+                     end = static_cast<unsigned>(std::min(n_full, (p + 1) * piece_vecs)) * 16;
+      mbarrier_arrive_expect(&landed[b][p], end - start);
+      for (unsigned off = start; off < end; off += 16384) {
+        bulk_copy_to_shared(dst + off, src + off, std::min(16384u, end - off), &landed[b][p]);
+      }
     }
-  };
-  auto fetch = [&](int64_t row, int b) {
-    for (int p = 0; p < n_pieces; ++p) fetch_piece(row, b, p);
   };
 
   int64_t row = blockIdx.x / n_ctas;
-  if ((stages == 2 || early) && row < v.n_rows) fetch(row, 0);
+  if (stages == 2 && row < v.n_rows) fetch(row, 0);
   for (int it = 0; row < v.n_rows; row += row_step, ++it) {
     const int b = stages == 2 ? it & 1 : 0;
     VecT* const slice = buffers + b * slice_vecs;
     __syncthreads();  // every thread is done reading the buffer the next copy overwrites
     if (stages == 2) {
       if (row + row_step < v.n_rows) fetch(row + row_step, b ^ 1);
-    } else if (!early) {
+    } else {
       fetch(row, 0);
     }
     // The phase of buffer b's barriers this row waits for: its uses so far, mod 2. A thread waits for a
@@ -467,29 +466,10 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
 
     const GradOf<scalar_t, acc_t> grad_of(coef_shared, lse_shared, v.scale, has_label ? local : int64_t(-1));
     VecT* gv = reinterpret_cast<VecT*>(v.grad + row * v.grad_row_stride + begin);
-    const bool label_mine = has_label && local < n_full * kVec && local / kVec % kThreads == threadIdx.x;
-    if (early) {
-      // Each piece of the next row is fetched as soon as every thread has written this row's gradient there.
-      const scalar_t z_label = label_mine ? reinterpret_cast<const scalar_t*>(slice)[local] : scalar_t(0);
-      const bool more = row + row_step < v.n_rows;
-      for (int p = 0; p < n_pieces; ++p) {
-        const int stop = std::min(n_full, (p + 1) * piece_vecs);
 #pragma unroll 2
-        for (int i = p * piece_vecs + threadIdx.x; i < stop; i += kThreads) {
-          store_vec(&gv[i], grad_of(load_vec(&slice[i])));
-        }
-        if (more) {
-          __syncthreads();
-          fetch_piece(row + row_step, 0, p);
-        }
-      }
-      if (label_mine) reinterpret_cast<scalar_t*>(gv)[local] = grad_of(z_label, local);
-    } else {
-#pragma unroll 2
-      for (int i = threadIdx.x; i < n_full; i += kThreads) store_vec(&gv[i], grad_of(load_vec(&slice[i])));
-      if (label_mine) {
-        reinterpret_cast<scalar_t*>(gv)[local] = grad_of(reinterpret_cast<const scalar_t*>(slice)[local], local);
-      }
+    for (int i = threadIdx.x; i < n_full; i += kThreads) store_vec(&gv[i], grad_of(load_vec(&slice[i])));
+    if (has_label && local < n_full * kVec && local / kVec % kThreads == threadIdx.x) {
+      reinterpret_cast<scalar_t*>(gv)[local] = grad_of(reinterpret_cast<const scalar_t*>(slice)[local], local);
     }
     if (owns_rem) {
       const VecT z = load_vec(&slice[n_full]);
@@ -515,7 +495,6 @@ struct ClusterShape {
   int ctas = 0;        // CTAs per row; 0: the cluster kernel does not apply
   int stages = 0;      // slice buffers per CTA
   int piece_bytes = 0;  // a slice arrives in pieces of this many bytes, each waited for on its own
-  bool early = false;   // 1 stage: fetch the next row piece by piece as the gradient frees the buffer
 };
 
 // The shapes row_cluster_kernel may run these arguments with, best first: the fewest CTAs (1 to 16) whose
@@ -523,8 +502,7 @@ struct ClusterShape {
 // resident). For comparison, read once, RL_LOSSES_ROW_KERNEL=cluster_pow2 takes the smallest power of two
 // of CTAs instead, =cluster96 slices of up to 96 KB (2 CTAs per SM), =cluster_whole waits for the whole
 // slice before its statistics instead of piece by piece, =cluster2 puts 2 stages first (two buffers of half
-// the size: measured slower, as it doubles C), =cluster_early fetches the next row's pieces during the
-// gradient (one block barrier per piece), =split turns the kernel off (the statistics kernel + gradient
+// the size: measured slower, as it doubles C), =split turns the kernel off (the statistics kernel + gradient
 // kernel path). None where the kernel does not apply: not the fused shape, a device older than sm_90, rows
 // of the logits or the gradient not 16-byte aligned, a row longer than kMaxClusterSize slices.
 inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
@@ -537,7 +515,6 @@ inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
                                       ? static_cast<int>(kClusterCtaBytes)
                                       : kClusterPieceBytes;
   static const bool pow2 = env != nullptr && std::strcmp(env, "cluster_pow2") == 0;
-  static const bool early = env != nullptr && std::strcmp(env, "cluster_early") == 0;
   static const int64_t cta_bytes =
       env != nullptr && std::strcmp(env, "cluster96") == 0 ? kClusterCta96Bytes : kClusterCtaBytes;
   std::vector<ClusterShape> shapes;
@@ -551,7 +528,7 @@ inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
   for (int stages = max_stages; stages >= 1; --stages) {
     for (int c = 1; c <= kMaxClusterSize; c = pow2 ? 2 * c : c + 1) {
       if (cluster_slice_vecs(args.logits.size(1), elem, c) * 16 * stages <= cta_bytes) {
-        shapes.push_back({c, stages, piece_bytes, early && stages == 1});
+        shapes.push_back({c, stages, piece_bytes});
         break;
       }
     }
@@ -596,8 +573,7 @@ bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
     }
     if (max_clusters == 0) continue;
     cfg.gridDim = dim3(static_cast<unsigned>(shape.ctas * std::min<int64_t>(v.n_rows, max_clusters)));
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, v, epi, slice_vecs, shape.stages, shape.piece_bytes / 16,
-                                      static_cast<int>(shape.early)));
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, v, epi, slice_vecs, shape.stages, shape.piece_bytes / 16));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return true;
   }

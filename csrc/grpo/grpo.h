@@ -71,8 +71,7 @@ struct GrpoMetrics {
     for (int k = 0; k < kGrpoFields; ++k) v[k] = out[i * kGrpoFields + k];
     v[kLogProb] = log_probs[i];
     // Each token weighs 1 / (its document's labelled tokens), so a document's weights sum to 1.
-    const acc_t w = counts != nullptr && target[i] >= 0 ? acc_t(1) / (counts[i] > acc_t(1) ? counts[i] : acc_t(1))
-                                                        : acc_t(0);
+    const acc_t w = counts != nullptr && target[i] >= 0 ? acc_t(1) / at_least_one(counts[i]) : acc_t(0);
     v[kDocLogProb] = w * log_probs[i];
     v[kDocWeight] = w;
   }
@@ -118,15 +117,17 @@ struct GrpoBackend {
 template <typename Runner>
 struct GrpoBackendImpl {
   static void rows(const RowPassArgs& args, const GrpoRows& r) {
-    Runner::row_pass(args, "grpo", [&](auto* tag) { return make_grpo_epilogue<std::remove_pointer_t<decltype(tag)>>(r); });
+    Runner::row_pass(args, "grpo", [&](auto* tag) {
+      return make_grpo_epilogue<std::remove_pointer_t<decltype(tag)>>(r);
+    });
   }
   static void metrics(const GrpoRows& r, const at::Tensor& target1d, const at::Tensor& counts,
                       const at::Tensor& n_labelled, const PolicyScalarOutputs& dst) {
     AT_DISPATCH_FLOATING_TYPES(r.out.scalar_type(), "grpo", [&] {
+      const scalar_t* per_doc = counts.defined() ? counts.const_data_ptr<scalar_t>() : nullptr;
       Runner::sum_then(r.out.size(0), GrpoMetrics<scalar_t>{r.out.const_data_ptr<scalar_t>(),
                                                             r.log_probs.const_data_ptr<scalar_t>(),
-                                                            target1d.const_data_ptr<int64_t>(),
-                                                            counts.defined() ? counts.const_data_ptr<scalar_t>() : nullptr,
+                                                            target1d.const_data_ptr<int64_t>(), per_doc,
                                                             n_labelled.const_data_ptr<scalar_t>(),
                                                             dst.ptrs<scalar_t>()});
     });

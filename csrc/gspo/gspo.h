@@ -83,8 +83,7 @@ struct GspoTokenTerms {
     } else {
       lp = log_probs[i];
     }
-    acc_t u = acc_t(0);
-    if (on) u = label_counts == nullptr ? acc_t(1) : acc_t(1) / (label_counts[i] > acc_t(1) ? label_counts[i] : acc_t(1));
+    const acc_t u = !on ? acc_t(0) : label_counts == nullptr ? acc_t(1) : acc_t(1) / at_least_one(label_counts[i]);
     acc_t* t = terms + i * kGspoSums;
     t[kGspoLogRatio] = on ? u * (lp - old_log_probs[i]) : acc_t(0);
     t[kGspoAdvantage] = on ? u * advantages[i] : acc_t(0);
@@ -108,7 +107,7 @@ struct GspoDocumentStep {
     acc_t d[kGspoSums];
     for (int k = 0; k < kGspoSums; ++k) d[k] = (given != nullptr ? given : local)[s * kGspoSums + k];
     if (given == nullptr && divide) {
-      const acc_t count = d[kGspoCount] > acc_t(1) ? d[kGspoCount] : acc_t(1);
+      const acc_t count = at_least_one(d[kGspoCount]);
       d[kGspoLogRatio] /= count;
       d[kGspoAdvantage] /= count;
     }
@@ -139,7 +138,7 @@ struct GspoDocumentTotals {
   }
   C10_HOST_DEVICE void finish(const acc_t* sum) const {
     for (int k = 0; k < kTerms; ++k) totals[k] = sum[k];
-    const acc_t n = sum[kGspoHasLabel] > acc_t(1) ? sum[kGspoHasLabel] : acc_t(1);
+    const acc_t n = at_least_one(sum[kGspoHasLabel]);
     totals[kGspoLabelledDocs] = n;
     totals[kGspoDivisor] = has_divisor ? divisor : n;
   }
@@ -175,7 +174,7 @@ struct GspoTokenStep {
     }
     const acc_t* d = sums + s * kGspoSums;
     const acc_t n_t = label_counts != nullptr ? label_counts[i] : local[s * kGspoSums + kGspoCount];
-    const acc_t count = n_t > acc_t(1) ? n_t : acc_t(1);
+    const acc_t count = at_least_one(n_t);
     const acc_t kappa = (token_weighting ? acc_t(1) : acc_t(1) / count) / totals[kGspoDivisor];
     const acc_t adv = token_advantages ? advantages[i] : d[kGspoAdvantage];
     const PolicyToken<acc_t> t = gspo_document(clip, d[kGspoLogRatio], adv);
@@ -201,7 +200,7 @@ struct GspoMetrics {
   }
   C10_HOST_DEVICE void finish(const acc_t* s) const {
     const acc_t n = totals[kGspoLabelledDocs];
-    const acc_t labelled = s[kGspoTokenLabelled] > acc_t(1) ? s[kGspoTokenLabelled] : acc_t(1);
+    const acc_t labelled = at_least_one(s[kGspoTokenLabelled]);
     *dst.p[kPolicyLoss] = s[kGspoTokenLoss];
     *dst.p[kPolicyNewLogProbs] = s[kGspoTokenLogProb] / n;
     *dst.p[kPolicyClipLow] = totals[kGspoLow] / n;
