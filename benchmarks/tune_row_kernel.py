@@ -26,7 +26,8 @@ import sys
 # the whole slice, the cluster kernel with 2 stages where they fit, and the statistics kernel + gradient
 # kernel path.
 KERNELS = ("cluster", "cluster96", "cluster_pow2", "cluster_whole", "cluster2", "split")
-CTA_BYTES, MAX_CLUSTER = 64 * 1024, 16  # mirror kClusterCtaBytes / kMaxClusterSize (row_pass_cuda.cuh)
+# mirror kClusterCtaBytes / kClusterCta96Bytes / kMaxClusterSize (row_pass_cuda.cuh)
+CTA_BYTES, CTA96_BYTES, MAX_CLUSTER = 64 * 1024, 96 * 1024, 16
 
 
 def cluster_shape(v, elem_bytes, max_stages=1, pow2=False, cta_bytes=CTA_BYTES):
@@ -195,7 +196,7 @@ def main():
         for kernel, res in results.items():
             row = next(r for r in res["rows"] if r["V"] == v)
             c, st = (cluster_shape(v, 2, 2 if kernel == "cluster2" else 1, kernel == "cluster_pow2",
-                                   96 * 1024 if kernel == "cluster96" else CTA_BYTES)
+                                   CTA96_BYTES if kernel == "cluster96" else CTA_BYTES)
                      if kernel != "split" else ("-", "-"))
             print(f"{v:>7} {kernel:>13} {f'{c}x{st}':>5} {row['ms']:8.3f} {row['GBps']:7.0f} {row['pct']:6.1f} "
                   f"{row['copy_ms']:8.3f} {row['copy_GBps']:9.0f}")

@@ -359,6 +359,12 @@ def test_token_advantages(dtype, device):
     check(logits, target, advantages, old, doc, 0.8, token_advantages=True)
 
 
+def _whole_document_counts(target, doc, n_docs, dtype):
+    """label_counts as a caller gives them: each token's N_t, the labelled tokens of its whole document."""
+    labelled = ((target >= 0) & (doc >= 0)).to(dtype)
+    return torch.zeros(n_docs, device=doc.device, dtype=dtype).index_add_(0, doc.flatten(), labelled.flatten())[doc]
+
+
 @pytest.mark.parametrize("weighting", ["document", "token"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
 def test_explicit_counts_and_divisor(dtype, weighting, device):
@@ -366,8 +372,7 @@ def test_explicit_counts_and_divisor(dtype, weighting, device):
     document's labelled count) and an explicit divisor."""
     doc = _packed(device)
     logits, target, advantages, old = make_inputs(doc.shape, 256, dtype, device, doc)
-    labelled = ((target >= 0) & (doc >= 0)).float()
-    label_counts = torch.zeros(10, device=device).index_add_(0, doc.flatten(), labelled.flatten())[doc]
+    label_counts = _whole_document_counts(target, doc, 10, torch.float32)
     check(logits, target, advantages, old, doc, 1.1, num_documents=10, label_counts=label_counts, divisor=12.5,
           weighting=weighting)
 
@@ -380,9 +385,7 @@ def test_split_documents_sum_to_the_whole(weighting, device):
     doc = _packed(device)
     n_docs = int(doc.max()) + 1
     logits, target, advantages, old = make_inputs(doc.shape, 256, torch.float64, device, doc)
-    labelled = ((target >= 0) & (doc >= 0)).double()
-    label_counts = torch.zeros(n_docs, device=device, dtype=torch.float64).index_add_(
-        0, doc.flatten(), labelled.flatten())[doc]
+    label_counts = _whole_document_counts(target, doc, n_docs, torch.float64)
     whole, whole_grad = run_loop_reference(logits, target, advantages, old, doc, 1.0, weighting=weighting)
     halves = [slice(0, 4), slice(4, 8)]
     with torch.no_grad():
@@ -408,9 +411,7 @@ def test_document_sums_without_label_counts(device):
     doc = _packed(device)
     n_docs = int(doc.max()) + 1
     logits, target, advantages, old = make_inputs(doc.shape, 256, torch.float64, device, doc)
-    labelled = ((target >= 0) & (doc >= 0)).double()
-    label_counts = torch.zeros(n_docs, device=device, dtype=torch.float64).index_add_(
-        0, doc.flatten(), labelled.flatten())[doc]
+    label_counts = _whole_document_counts(target, doc, n_docs, torch.float64)
     # A strided view: label_counts are read at their strides.
     strided = torch.stack([label_counts, torch.full_like(label_counts, 1000.0)], -1)[..., 0]
     assert not strided.is_contiguous()

@@ -671,20 +671,21 @@ __global__ void __launch_bounds__(kThreads) sum_then_kernel(int64_t n, R r) {
 #pragma unroll
     for (int k = 0; k < K; ++k) s[k] += v[k];
   }
+  auto warp_sum = [](acc_t x) {
+    for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+    return x;
+  };
   __shared__ acc_t partial[kThreads / 32][K];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    for (int m = 16; m > 0; m >>= 1) s[k] += __shfl_xor_sync(0xffffffffu, s[k], m);
+    s[k] = warp_sum(s[k]);
     if (lane == 0) partial[warp][k] = s[k];
   }
   __syncthreads();
   if (warp != 0) return;
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    s[k] = lane < kThreads / 32 ? partial[lane][k] : acc_t(0);
-    for (int m = 16; m > 0; m >>= 1) s[k] += __shfl_xor_sync(0xffffffffu, s[k], m);
-  }
+  for (int k = 0; k < K; ++k) s[k] = warp_sum(lane < kThreads / 32 ? partial[lane][k] : acc_t(0));
   if (lane == 0) r.finish(s);
 }
 

@@ -280,7 +280,7 @@ struct GspoBackendImpl {
   }
   template <typename T>
   static T* ptr(const at::Tensor& t) {
-    return t.defined() ? static_cast<T*>(t.data_ptr()) : nullptr;
+    return t.defined() ? t.data_ptr<T>() : nullptr;
   }
 #define RL_LOSSES_DISPATCH_ACC(T, ...) AT_DISPATCH_FLOATING_TYPES(T.scalar_type(), "gspo", __VA_ARGS__)
 
