@@ -55,13 +55,16 @@ inline float exp_nonpos_poly(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
-// exp of a non-positive argument (x - max): the hardware approximation on the GPU (2 ulp, and the inputs
-// are bounded above by 0, so no overflow), the vectorisable polynomial on the CPU; fp64 uses libm.
+// exp of a non-positive argument (x - max): the hardware 2^x on the GPU (2 ulp; the inputs are bounded
+// above by 0, so no overflow, and results below 2^-126 flush to 0, which spares __expf's range fix-up on the
+// per-row reductions' critical path), the vectorisable polynomial on the CPU; fp64 uses libm.
 template <typename T>
 C10_HOST_DEVICE inline T exp_nonpos(T x) {
 #if defined(__CUDA_ARCH__)
   if constexpr (sizeof(T) == 4) {
-    return __expf(x);
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
   } else {
     return ::exp(x);
   }
@@ -104,6 +107,17 @@ struct ExpAffine {
   }
 };
 
+// Reduces a[0..K) by `op` as a pairwise tree (a is overwritten): log2(K) dependent steps instead of K - 1.
+template <int K, typename T, typename Op>
+C10_HOST_DEVICE inline T tree_reduce(T (&a)[K], Op op) {
+RL_LOSSES_UNROLL
+  for (int stride = 1; stride < K; stride *= 2) {
+RL_LOSSES_UNROLL
+    for (int i = 0; i + stride < K; i += 2 * stride) a[i] = op(a[i], a[i + stride]);
+  }
+  return a[0];
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Online softmax statistics of one row (or one shard of a row) of scaled logits x = s*z.
 // `max` and `sumexp` form the usual online log-sum-exp pair; `sum_px` is Σ exp(x-max)·x (for the entropy),
@@ -130,11 +144,18 @@ struct RowStats {
   // by every op) makes max(s·z) = s·max(z) exactly, rounding being monotonic.
   template <bool kEntropy, bool kSmoothing, int K>
   C10_HOST_DEVICE void add_chunk(const T (&z)[K], T s) {
-    T z_max = z[0];
+    T m[K];
+RL_LOSSES_UNROLL
+    for (int i = 0; i < K; ++i) m[i] = z[i];
     // fmax is one instruction on the GPU (a compare and a select otherwise); a NaN it skips here still
     // reaches the sums below.
-RL_LOSSES_UNROLL
-    for (int i = 1; i < K; ++i) z_max = ::fmax(z_max, z[i]);
+    add_chunk_with_max<kEntropy, kSmoothing>(z, tree_reduce(m, [](T a, T b) { return ::fmax(a, b); }), s);
+  }
+
+  // The same with z_max = max(z) given (the CUDA kernels take it over packed bf16 pairs). The chunk's sums
+  // are pairwise trees: log2(K) dependent additions instead of K on the statistics loop's critical path.
+  template <bool kEntropy, bool kSmoothing, int K>
+  C10_HOST_DEVICE void add_chunk_with_max(const T (&z)[K], T z_max, T s) {
     const T chunk_max = s * z_max;
     if (chunk_max > max) {
       // max == -inf only before the first finite value: then the old sums are 0 and the factor is moot.
@@ -145,14 +166,18 @@ RL_LOSSES_UNROLL
     }
     if (max == neg_inf<T>()) return;  // every value so far is -inf: nothing to add
     const ExpAffine<T> exp_shifted(s, max);
+    T e[K], px[K], x[K];
 RL_LOSSES_UNROLL
     for (int i = 0; i < K; ++i) {
-      const T e = exp_shifted(z[i]);
-      sumexp += e;
+      e[i] = exp_shifted(z[i]);
       // e == 0 for x == -inf: skip so that 0 * -inf never makes a NaN.
-      if (kEntropy) sum_px += e > T(0) ? e * (s * z[i]) : T(0);
-      if (kSmoothing) sum_x += s * z[i];
+      if (kEntropy) px[i] = e[i] > T(0) ? e[i] * (s * z[i]) : T(0);
+      if (kSmoothing) x[i] = s * z[i];
     }
+    const auto plus = [](T a, T b) { return a + b; };
+    sumexp += tree_reduce(e, plus);
+    if (kEntropy) sum_px += tree_reduce(px, plus);
+    if (kSmoothing) sum_x += tree_reduce(x, plus);
   }
 
   // One raw logit z (x = s·z).
@@ -162,11 +187,11 @@ RL_LOSSES_UNROLL
     add_chunk<kEntropy, kSmoothing, 1>(one, s);
   }
 
+  // Without branches (the CUDA reductions run it on their critical path): the larger side's factor is
+  // exactly 1, an empty side's (max -inf, sums 0) exactly 0 unless both are empty; a NaN max gives NaN sums.
   C10_HOST_DEVICE static RowStats combine(const RowStats& a, const RowStats& b) {
-    if (a.max == neg_inf<T>()) return {b.max, b.sumexp, b.sum_px, a.sum_x + b.sum_x, a.label + b.label};
-    if (b.max == neg_inf<T>()) return {a.max, a.sumexp, a.sum_px, a.sum_x + b.sum_x, a.label + b.label};
     const T m = a.max > b.max ? a.max : b.max;
-    const T fa = exp_nonpos(a.max - m), fb = exp_nonpos(b.max - m);
+    const T fa = a.max == m ? T(1) : exp_nonpos(a.max - m), fb = b.max == m ? T(1) : exp_nonpos(b.max - m);
     return {m, a.sumexp * fa + b.sumexp * fb, a.sum_px * fa + b.sum_px * fb, a.sum_x + b.sum_x,
             a.label + b.label};
   }

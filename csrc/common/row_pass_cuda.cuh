@@ -44,7 +44,12 @@ constexpr int kClusterPieceBytes = 16 * 1024;
 constexpr int64_t kClusterCta96Bytes = 96 * 1024;  // the slices of RL_LOSSES_ROW_KERNEL=cluster96, the largest
 constexpr int kClusterMaxPieces = static_cast<int>(kClusterCta96Bytes / kClusterPieceBytes);
 constexpr int kClusterThreads = 256;
-static_assert(kClusterPieceBytes / 16 % (2 * kClusterThreads) == 0, "a statistics chunk must not straddle pieces");
+// 16-byte vectors per online-softmax chunk of the cluster kernel's statistics (a thread's vectors i,
+// i + kThreads, ...: one max and one rescale test per chunk). 4 fit the 80 registers only without the
+// entropy and smoothing sums (with them: spills), which get 2.
+template <bool kEntropy, bool kSmoothing>
+constexpr int kClusterChunkVecs = kEntropy || kSmoothing ? 2 : 4;
+static_assert(kClusterPieceBytes / 16 % (4 * kClusterThreads) == 0, "a statistics chunk must not straddle pieces");
 // CTAs per SM the kernel's registers must allow: 3 caps them at 65536 / (3 x 256) = 85 per thread (80
 // allocated), where the fp32 math fits without spills; fp64 (reference-grade tests) needs more and gets 2.
 template <typename acc_t>
@@ -82,29 +87,64 @@ __device__ inline RowStats<acc_t> shfl_xor(const RowStats<acc_t>& s, int mask) {
           __shfl_xor_sync(0xffffffffu, s.label, mask)};
 }
 
-// Every thread of the block gets the combined state. `scratch` holds one state per warp.
-template <typename acc_t>
+// Every thread of the block gets the combined state (the same bits: combine is commutative, and each
+// butterfly step combines the same two values in both lanes). `scratch` holds one state per warp. The
+// second round takes log2(warps) steps, lane l holding warp l mod warps: this reduction is on every row's
+// critical path, while the CTA has no memory traffic of its own.
+template <int kThreads, typename acc_t>
 __device__ inline RowStats<acc_t> block_combine(RowStats<acc_t> s, RowStats<acc_t>* scratch) {
+  constexpr int kWarps = kThreads / 32;
+  static_assert(kThreads % 32 == 0 && (kWarps & (kWarps - 1)) == 0, "a power of two of whole warps");
   for (int m = 16; m > 0; m >>= 1) s = RowStats<acc_t>::combine(s, shfl_xor(s, m));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = (blockDim.x + 31) / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) scratch[warp] = s;
   __syncthreads();
-  s = lane < n_warps ? scratch[lane] : RowStats<acc_t>::empty();
-  for (int m = 16; m > 0; m >>= 1) s = RowStats<acc_t>::combine(s, shfl_xor(s, m));
+  s = scratch[lane % kWarps];
+  for (int m = kWarps / 2; m > 0; m >>= 1) s = RowStats<acc_t>::combine(s, shfl_xor(s, m));
   return s;
 }
 
+// The kVec values of a 16-byte vector in acc_t. bf16 to fp32 is a shift of the low half of each 32-bit word
+// and a mask of the high half, one instruction per value (the generic conversion took two for a high half).
+template <typename acc_t, typename scalar_t, int kVec>
+__device__ inline void unpack(const Pack<scalar_t, kVec>& z, acc_t (&out)[kVec]) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    unsigned w[kVec / 2];
+    memcpy(w, &z, sizeof(w));
+#pragma unroll
+    for (int k = 0; k < kVec / 2; ++k) {
+      out[2 * k] = __uint_as_float(w[k] << 16);
+      out[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) out[k] = static_cast<acc_t>(z.v[k]);
+  }
+}
+
 // Folds N 16-byte vectors of raw logits (x = s·z) into the state as one chunk: one max and one rescale test
-// per N·kVec logits.
+// per N·kVec logits. bf16 takes the chunk's max over packed pairs first (one instruction per two values,
+// exact: the max of bf16 values is one of them).
 template <bool kEntropy, bool kSmoothing, typename acc_t, typename scalar_t, int kVec, int N>
 __device__ inline void add_vecs(RowStats<acc_t>& st, const Pack<scalar_t, kVec> (&z)[N], acc_t scale) {
   acc_t chunk[N * kVec];
 #pragma unroll
   for (int n = 0; n < N; ++n) {
+    acc_t one[kVec];
+    unpack(z[n], one);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) chunk[n * kVec + k] = static_cast<acc_t>(z[n].v[k]);
+    for (int k = 0; k < kVec; ++k) chunk[n * kVec + k] = one[k];
   }
-  st.template add_chunk<kEntropy, kSmoothing, N * kVec>(chunk, scale);
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    __nv_bfloat162 pairs[N * kVec / 2];
+    memcpy(pairs, z, sizeof(pairs));
+    // __hmax2 returns the other input where one is NaN, as fmax does; a NaN still reaches the sums.
+    const __nv_bfloat162 m2 = tree_reduce(pairs, [](__nv_bfloat162 a, __nv_bfloat162 b) { return __hmax2(a, b); });
+    const float z_max = ::fmaxf(__low2float(m2), __high2float(m2));
+    st.template add_chunk_with_max<kEntropy, kSmoothing, N * kVec>(chunk, z_max, scale);
+  } else {
+    st.template add_chunk<kEntropy, kSmoothing, N * kVec>(chunk, scale);
+  }
 }
 
 // dL/dz_j = s·(a·p_j + c + b·[j = label]), p_j = exp(s·z_j − lse), given the row's coefficients and lse: of
@@ -139,8 +179,9 @@ struct GradOf {
       return out;
     }
     acc_t g[kVec];
+    unpack(z, g);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) g[k] = sa * p_of(static_cast<acc_t>(z.v[k])) + sc;
+    for (int k = 0; k < kVec; ++k) g[k] = sa * p_of(g[k]) + sc;
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
 #pragma unroll
       for (int k = 0; k < kVec; k += 2) {  // one cvt.rn.bf16x2.f32 per pair
@@ -199,9 +240,17 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
           const int64_t i = i0 + u * kThreads;
           if (i < n_vec) buf[u] = load_vec(&xv[i]);
         }
+        // Two vectors per online-softmax chunk where both are in the row (one with the entropy or smoothing
+        // sums, and never 4: beyond the 64 registers this kernel has, they spill).
+        constexpr int kChunk = kEntropy || kSmoothing ? 1 : 2;
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (i0 + u * kThreads < n_vec) {
+        for (int u = 0; u < kUnroll; u += kChunk) {
+          if (i0 + (u + kChunk - 1) * kThreads < n_vec) {
+            VecT chunk[kChunk];
+#pragma unroll
+            for (int c = 0; c < kChunk; ++c) chunk[c] = buf[u + c];
+            add_vecs<kEntropy, kSmoothing>(st, chunk, v.scale);
+          } else if (i0 + u * kThreads < n_vec) {
             const VecT one[1] = {buf[u]};
             add_vecs<kEntropy, kSmoothing>(st, one, v.scale);
           }
@@ -209,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
       }
       for (int64_t j = tail + threadIdx.x; j < v.vocab; j += kThreads)
         st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(x[j]), v.scale);
-      st = block_combine(st, scratch);
+      st = block_combine<kThreads>(st, scratch);
     }
 
     if (threadIdx.x == 0) {
@@ -367,6 +416,8 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
   const bool owns_rem = rem != 0 && static_cast<int>(threadIdx.x) == n_full % kThreads;
   const int64_t row_step = gridDim.x / n_ctas;
   const int n_pieces = (n_full + piece_vecs - 1) / piece_vecs;
+  int ctas_pow2 = 1;  // the butterfly that combines the CTAs' states in lane 0 spans this many lanes
+  while (ctas_pow2 < n_ctas) ctas_pow2 *= 2;
 
   if (threadIdx.x == 0) {
     for (int p = 0; p < kClusterMaxPieces; ++p) {
@@ -405,14 +456,13 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     } else {
       fetch(row, 0);
     }
-    // The phase of buffer b's barriers this row waits for: its uses so far, mod 2. A thread waits for a
-    // piece before its first vector there (its vectors i, i + kThreads of a chunk share a piece).
+    // The phase of buffer b's barriers this row waits for: its uses so far, mod 2. A thread waits for the
+    // pieces in order, through the one of vector i, before it reads vector i (its vectors i, i + kThreads of
+    // a chunk share a piece): a compare per chunk, not a division.
     const unsigned phase = static_cast<unsigned>(stages == 2 ? (it >> 1) & 1 : it & 1);
-    int waited = -1;
+    int next_piece = 0, piece_end = 0;
     auto wait_piece = [&](int i) {
-      const int p = i / piece_vecs;
-      if (p != waited) mbarrier_wait(&landed[b][p], phase);
-      waited = p;
+      for (; i >= piece_end; piece_end += piece_vecs) mbarrier_wait(&landed[b][next_piece++], phase);
     };
     const scalar_t* x = v.logits + row * v.row_stride + begin;
     const int64_t label = static_cast<int64_t>(v.target[row]);
@@ -431,18 +481,21 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
       }
       store_vec(&slice[n_full], part);
     }
+    constexpr int kChunk = kClusterChunkVecs<kEntropy, kSmoothing>;
     int i = threadIdx.x;
-    for (; i + kThreads < n_full; i += 2 * kThreads) {  // two vectors per chunk
+    for (; i + (kChunk - 1) * kThreads < n_full; i += kChunk * kThreads) {
       wait_piece(i);
-      const VecT two[2] = {load_vec(&slice[i]), load_vec(&slice[i + kThreads])};
-      add_vecs<kEntropy, kSmoothing>(st, two, v.scale);
+      VecT chunk[kChunk];
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) chunk[c] = load_vec(&slice[i + c * kThreads]);
+      add_vecs<kEntropy, kSmoothing>(st, chunk, v.scale);
     }
-    if (i < n_full) {
+    for (; i < n_full; i += kThreads) {
       wait_piece(i);
       const VecT one[1] = {load_vec(&slice[i])};
       add_vecs<kEntropy, kSmoothing>(st, one, v.scale);
     }
-    st = block_combine(st, scratch);  // its barrier also makes the whole slice visible to every thread
+    st = block_combine<kThreads>(st, scratch);  // its barrier also makes the whole slice visible to every thread
     const int q = it & 1;            // the row's slot in `gathered`
     if (threadIdx.x == 0) mbarrier_arrive_expect(&gathered_full[q], n_ctas * static_cast<unsigned>(sizeof(st)));
     if (threadIdx.x < n_ctas) {  // thread t sends this CTA's statistics to rank t
@@ -455,7 +508,7 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
       const int lane = threadIdx.x;
       mbarrier_wait(&gathered_full[q], static_cast<unsigned>((it >> 1) & 1));
       RowStats<acc_t> all = lane < n_ctas ? gathered[q][lane] : RowStats<acc_t>::empty();
-      for (int m = kMaxClusterSize / 2; m > 0; m >>= 1) all = RowStats<acc_t>::combine(all, shfl_xor(all, m));
+      for (int m = ctas_pow2 / 2; m > 0; m >>= 1) all = RowStats<acc_t>::combine(all, shfl_xor(all, m));
       if (lane == 0) {
         CUDA_KERNEL_ASSERT(label < v.vocab_total && "rl_losses: a target label is >= the vocabulary size");
         coef_shared = epi(row + v.row_offset, label, all);

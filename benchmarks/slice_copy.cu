@@ -1,0 +1,301 @@
+// Memory-only forms of the cluster row kernel's access pattern, timed against a plain copy of the same
+// bytes: how fast can a CTA that bulk-copies a slice into shared memory and then writes it out from there
+// (what row_cluster_kernel does around its math) move bytes, and which structure gets closest to the copy?
+//
+//     nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/slice_copy benchmarks/slice_copy.cu && /tmp/slice_copy
+//
+// Every pattern reads N·V bf16 (N = 16384, V = 128256: 4.2 GB) and writes as many; GB/s counts both, over
+// the median of 20 timed runs (CUDA events) after 3 of warm-up. Patterns:
+//   memcpy        cudaMemcpyDeviceToDevice (the ceiling the benchmarks use)
+//   grid_copy     grid-stride 16-byte loads and stores, 8 blocks of 256 per SM
+//   slice S/Pk/cN a persistent grid of N CTAs per SM (256 threads), each taking slices of S KB in turn: one
+//                 thread bulk-copies the slice into shared memory in P pieces on mbarriers, every thread waits
+//                 for each piece and reads its 16-byte vectors (ld.shared), then stores them to global memory;
+//                 a block barrier before the next slice's copy (the cluster kernel's 1-stage structure)
+//   +tma_store    the same, but the slice goes out by one bulk copy shared -> global (cp.async.bulk), and
+//                 the next copy in waits until that one has read the buffer
+//   ring S/k/tT   one CTA of T threads per SM, k buffers of S KB: thread 0 keeps k-1 slices in flight
+//                 ahead of the slice being written (a pipelined structure, loads never stop)
+//   +work         with the loss's math between the copy in and the copy out (stats_of, block_sum, grad_of):
+//                 two exponentials per value, a block reduction per slice
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CK(x)                                                                          \
+  do {                                                                                 \
+    cudaError_t e_ = (x);                                                              \
+    if (e_ != cudaSuccess) {                                                           \
+      std::printf("%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));          \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+__device__ inline unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ inline void mbarrier_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ inline void mbarrier_arrive_expect(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ inline void mbarrier_wait(uint64_t* bar, unsigned phase) {
+  unsigned done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(phase)
+        : "memory");
+  }
+}
+__device__ inline void bulk_load(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+__device__ inline void bulk_store(void* dst, const void* src, unsigned bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_addr(src)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ inline void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ inline void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ inline void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+__device__ inline void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__global__ void grid_copy(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
+constexpr int kMaxPieces = 8;
+
+// The math of the fused loss around the copy (with `work`): per 16-byte vector of 8 bf16, the statistics
+// pass takes 8 exponentials into a per-thread sum, a block reduction follows (warp shuffles, a barrier),
+// then the gradient pass writes 8 exponentials (FFMA, ex2, FFMA, pack) per vector. Without `work` the slice
+// is copied as is.
+__device__ inline float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ inline float stats_of(uint4 v, float a, float b) {
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+  float e[8];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    e[2 * k] = ex2(fmaf(__uint_as_float(w[k] << 16), a, -b));
+    e[2 * k + 1] = ex2(fmaf(__uint_as_float(w[k] & 0xffff0000u), a, -b));
+  }
+  return ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
+}
+__device__ inline uint4 grad_of(uint4 v, float a, float b, float sa, float sc) {
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+  unsigned o[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float lo = sa * ex2(fmaf(__uint_as_float(w[k] << 16), a, -b)) + sc;
+    const float hi = sa * ex2(fmaf(__uint_as_float(w[k] & 0xffff0000u), a, -b)) + sc;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(o[k]) : "f"(hi), "f"(lo));
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+// Sum over the block; every thread gets it. `scratch` holds a float per warp.
+template <int kThreads>
+__device__ inline float block_sum(float x, float* scratch) {
+  for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  x = threadIdx.x % 32 < kThreads / 32 ? scratch[threadIdx.x % 32] : 0.f;
+  for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+// One buffer per CTA: copy in (pieces), wait, write out, block barrier, next slice.
+__global__ void __launch_bounds__(256) slice_copy(const char* src, char* dst, long n_slices, int slice_bytes,
+                                                  int pieces, int tma_store, int work) {
+  extern __shared__ __align__(128) unsigned char buf[];
+  __shared__ uint64_t landed[kMaxPieces];
+  __shared__ float scratch[32];
+  const int piece_bytes = slice_bytes / pieces;
+  if (threadIdx.x == 0) {
+    for (int p = 0; p < pieces; ++p) mbarrier_init(&landed[p]);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int n_vec = slice_bytes / 16;
+  int it = 0;
+  for (long s = blockIdx.x; s < n_slices; s += gridDim.x, ++it) {
+    __syncthreads();  // every thread is done with the buffer
+    if (threadIdx.x == 0) {
+      if (tma_store) bulk_wait_read();  // the previous slice's store has read the buffer
+      for (int p = 0; p < pieces; ++p) {
+        mbarrier_arrive_expect(&landed[p], piece_bytes);
+        bulk_load(buf + p * piece_bytes, src + s * slice_bytes + p * piece_bytes, piece_bytes, &landed[p]);
+      }
+    }
+    const unsigned phase = it & 1;
+    if (tma_store) {
+      if (threadIdx.x == 0) {
+        for (int p = 0; p < pieces; ++p) mbarrier_wait(&landed[p], phase);
+        bulk_store(dst + s * slice_bytes, buf, slice_bytes);
+        bulk_commit();
+      }
+      continue;
+    }
+    const uint4* in = reinterpret_cast<const uint4*>(buf);
+    uint4* out = reinterpret_cast<uint4*>(dst + s * slice_bytes);
+    int next = 0, piece_end = 0;
+    if (!work) {
+      for (int i = threadIdx.x; i < n_vec; i += 256) {
+        for (; i >= piece_end; piece_end += piece_bytes / 16) mbarrier_wait(&landed[next++], phase);
+        out[i] = in[i];
+      }
+      continue;
+    }
+    float sum = 0.f;
+    for (int i = threadIdx.x; i < n_vec; i += 256) {
+      for (; i >= piece_end; piece_end += piece_bytes / 16) mbarrier_wait(&landed[next++], phase);
+      sum += stats_of(in[i], 1.4f, 30.f);
+    }
+    const float total = block_sum<256>(sum, scratch);
+    const float sa = 1.f / (total + 1.f), sc = -sa * 1e-3f;
+    for (int i = threadIdx.x; i < n_vec; i += 256) out[i] = grad_of(in[i], 1.4f, 30.f, sa, sc);
+  }
+  if (tma_store && threadIdx.x == 0) bulk_wait_all();
+}
+
+// k buffers in a ring: slice j in buffer j % k; thread 0 issues slice j + k - 1 as soon as slice j - 1's
+// buffer is free (after the block barrier that ends slice j - 1), so k - 1 slices are always in flight.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) ring_copy(const char* src, char* dst, long n_slices, int slice_bytes,
+                                                      int k, int work) {
+  extern __shared__ __align__(128) unsigned char buf[];
+  __shared__ uint64_t landed[kMaxPieces];
+  __shared__ float scratch[32];
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < k; ++b) mbarrier_init(&landed[b]);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  auto slice_of = [&](long j) { return blockIdx.x + j * gridDim.x; };
+  auto issue = [&](long j) {
+    if (threadIdx.x != 0 || slice_of(j) >= n_slices) return;
+    const int b = j % k;
+    mbarrier_arrive_expect(&landed[b], slice_bytes);
+    bulk_load(buf + size_t(b) * slice_bytes, src + slice_of(j) * slice_bytes, slice_bytes, &landed[b]);
+  };
+  for (long j = 0; j < k - 1; ++j) issue(j);
+  const int n_vec = slice_bytes / 16;
+  for (long j = 0; slice_of(j) < n_slices; ++j) {
+    issue(j + k - 1);  // into the buffer of slice j - 1, free since the barrier below
+    const int b = j % k;
+    mbarrier_wait(&landed[b], (j / k) & 1);
+    const uint4* in = reinterpret_cast<const uint4*>(buf + size_t(b) * slice_bytes);
+    uint4* out = reinterpret_cast<uint4*>(dst + slice_of(j) * slice_bytes);
+    if (work) {
+      float sum = 0.f;
+      for (int i = threadIdx.x; i < n_vec; i += kThreads) sum += stats_of(in[i], 1.4f, 30.f);
+      const float total = block_sum<kThreads>(sum, scratch);
+      const float sa = 1.f / (total + 1.f), sc = -sa * 1e-3f;
+      for (int i = threadIdx.x; i < n_vec; i += kThreads) out[i] = grad_of(in[i], 1.4f, 30.f, sa, sc);
+    } else {
+      for (int i = threadIdx.x; i < n_vec; i += kThreads) out[i] = in[i];
+    }
+    __syncthreads();
+  }
+}
+
+template <typename F>
+float median_ms(F f) {
+  for (int i = 0; i < 3; ++i) f();
+  std::vector<float> t;
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < 20; ++i) {
+    CK(cudaEventRecord(a));
+    f();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+  }
+  CK(cudaGetLastError());
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+int main() {
+  const long n_rows = 16384, vocab = 128256;
+  const size_t bytes = size_t(n_rows) * vocab * 2;
+  char *src, *dst;
+  CK(cudaMalloc(&src, bytes));
+  CK(cudaMalloc(&dst, bytes));
+  CK(cudaMemset(src, 1, bytes));
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  const int sms = prop.multiProcessorCount;
+  std::printf("%s, %d SMs, %.2f GB each way\n", prop.name, sms, bytes / 1e9);
+  const float copy_ms = median_ms([&] { CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice)); });
+  auto report = [&](const char* name, float ms) {
+    std::printf("%-28s %7.3f ms %7.0f GB/s %6.1f%% of memcpy\n", name, ms, 2 * bytes / ms / 1e6,
+                100.0 * copy_ms / ms);
+  };
+  report("memcpy", copy_ms);
+  report("grid_copy", median_ms([&] {
+           grid_copy<<<sms * 8, 256>>>(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst),
+                                       bytes / 16);
+         }));
+  CK(cudaFuncSetAttribute(slice_copy, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  CK(cudaFuncSetAttribute(slice_copy, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  struct Shape {
+    int kb, pieces, ctas;
+  };
+  for (int work : {0, 1}) {
+    for (int tma : {0, 1}) {
+      if (tma && work) continue;
+      for (Shape sh : {Shape{64, 4, 3}, Shape{64, 1, 3}, Shape{32, 2, 6}, Shape{96, 6, 2}, Shape{48, 3, 4},
+                       Shape{16, 1, 12}}) {
+        const int sb = sh.kb * 1024;
+        const long n_slices = bytes / sb;
+        int per_sm = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, slice_copy, 256, sb));
+        char name[64];
+        std::snprintf(name, sizeof(name), "slice %d/%dp/c%d%s%s", sh.kb, sh.pieces, std::min(per_sm, sh.ctas),
+                      tma ? "+tma_store" : "", work ? "+work" : "");
+        report(name, median_ms([&] {
+                 slice_copy<<<sms * std::min(per_sm, sh.ctas), 256, sb>>>(src, dst, n_slices, sb, sh.pieces, tma,
+                                                                           work);
+               }));
+      }
+    }
+    auto rings = [&](auto kernel, int threads) {
+      CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 220 * 1024));
+      CK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+      for (Shape sh : {Shape{64, 3, 1}, Shape{96, 2, 1}, Shape{48, 4, 1}, Shape{32, 6, 1}, Shape{16, 8, 1}}) {
+        const int sb = sh.kb * 1024;
+        char name[64];
+        std::snprintf(name, sizeof(name), "ring %d/%d/t%d%s", sh.kb, sh.pieces, threads, work ? "+work" : "");
+        report(name, median_ms([&] { kernel<<<sms, threads, sb * sh.pieces>>>(src, dst, bytes / sb, sb, sh.pieces, work); }));
+      }
+    };
+    rings(ring_copy<512>, 512);
+    rings(ring_copy<768>, 768);
+    rings(ring_copy<1024>, 1024);
+  }
+  // A last check that the slices moved what they should.
+  std::vector<unsigned char> head(1 << 20);
+  CK(cudaMemcpy(head.data(), dst, head.size(), cudaMemcpyDeviceToHost));
+  std::printf("check: %s\n", std::all_of(head.begin(), head.end(), [](unsigned char c) { return c == 1; })
+                                 ? "ok"
+                                 : "WRONG");
+  return 0;
+}
