@@ -3,6 +3,7 @@
 // (what row_cluster_kernel does around its math) move bytes, and which structure gets closest to the copy?
 //
 //     nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/slice_copy benchmarks/slice_copy.cu && /tmp/slice_copy
+//     /tmp/slice_copy clusters      # only the cluster-launched slices (the last section)
 //
 // Every pattern reads N·V bf16 (N = 16384, V = 128256: 4.2 GB) and writes as many; GB/s counts both, over
 // the median of 20 timed runs (CUDA events) after 3 of warm-up. Patterns:
@@ -18,12 +19,14 @@
 //                 ahead of the slice being written (a pipelined structure, loads never stop)
 //   +work         with the loss's math between the copy in and the copy out (stats_of, block_sum, grad_of):
 //                 two exponentials per value, a block reduction per slice
+//   cluster C x K the slice pattern launched as K clusters of C CTAs (the most that can be resident)
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CK(x)                                                                          \
@@ -233,7 +236,8 @@ float median_ms(F f) {
   return t[t.size() / 2];
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const bool clusters_only = argc > 1 && std::string(argv[1]) == "clusters";
   const long n_rows = 16384, vocab = 128256;
   const size_t bytes = size_t(n_rows) * vocab * 2;
   char *src, *dst;
@@ -250,16 +254,17 @@ int main() {
                 100.0 * copy_ms / ms);
   };
   report("memcpy", copy_ms);
-  report("grid_copy", median_ms([&] {
+  if (!clusters_only) report("grid_copy", median_ms([&] {
            grid_copy<<<sms * 8, 256>>>(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst),
                                        bytes / 16);
          }));
-  CK(cudaFuncSetAttribute(slice_copy, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  CK(cudaFuncSetAttribute(slice_copy, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));  // all uses
   CK(cudaFuncSetAttribute(slice_copy, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   struct Shape {
     int kb, pieces, ctas;
   };
   for (int work : {0, 1}) {
+    if (clusters_only) break;
     for (int tma : {0, 1}) {
       if (tma && work) continue;
       for (Shape sh : {Shape{64, 4, 3}, Shape{64, 1, 3}, Shape{32, 2, 6}, Shape{96, 6, 2}, Shape{48, 3, 4},
@@ -290,6 +295,36 @@ int main() {
     rings(ring_copy<512>, 512);
     rings(ring_copy<768>, 768);
     rings(ring_copy<1024>, 1024);
+  }
+  // The same slices launched as clusters of C CTAs (as the cluster kernel is; the CTAs of a cluster do not
+  // talk here): as many clusters as cudaOccupancyMaxActiveClusters allows, i.e. the CTA slots a cluster
+  // shape leaves empty.
+  for (Shape sh : {Shape{64, 4, 3}, Shape{96, 6, 2}, Shape{128, 8, 1}}) {
+    const int sb = sh.kb * 1024;
+    for (int c : {1, 2, 3, 4, 5, 6, 8}) {
+      CK(cudaFuncSetAttribute(slice_copy, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+      cudaLaunchAttribute attr;
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = c;
+      attr.val.clusterDim.y = 1;
+      attr.val.clusterDim.z = 1;
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(c);
+      cfg.blockDim = dim3(256);
+      cfg.dynamicSmemBytes = sb;
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      int clusters = 0;
+      CK(cudaOccupancyMaxActiveClusters(&clusters, slice_copy, &cfg));
+      cfg.gridDim = dim3(c * clusters);
+      char name[64];
+      std::snprintf(name, sizeof(name), "slice %d/%dp cluster %d x %d", sh.kb, sh.pieces, c, clusters);
+      const long n_slices = bytes / sb;
+      report(name, median_ms([&] {
+               CK(cudaLaunchKernelEx(&cfg, slice_copy, static_cast<const char*>(src), dst, n_slices, sb, sh.pieces,
+                                     0, 0));
+             }));
+    }
   }
   // A last check that the slices moved what they should.
   std::vector<unsigned char> head(1 << 20);
