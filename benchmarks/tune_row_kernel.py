@@ -23,7 +23,7 @@ import sys
 
 # Values of RL_LOSSES_ROW_KERNEL: the default cluster kernel (the fewest CTAs per row, 1 stage, a slice's
 # statistics started piece by piece as it lands), the same with slices of up to 96 KB, with a power of two
-# of CTAs, waiting for the whole slice, the cluster kernel with 2 stages where they fit, and the statistics kernel + gradient
+# of CTAs, waiting for the whole slice, with 2 stages where they fit, and the statistics kernel + gradient
 # kernel path.
 KERNELS = ("cluster", "cluster96", "cluster_pow2", "cluster_whole", "cluster2", "split")
 # mirror kClusterCtaBytes / kClusterCta96Bytes / kMaxClusterSize (row_pass_cuda.cuh)
