@@ -2,7 +2,7 @@
 // bytes: how fast can a CTA that bulk-copies a slice into shared memory and then writes it out from there
 // (what row_cluster_kernel does around its math) move bytes, and which structure gets closest to the copy?
 //
-//     nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/slice_copy benchmarks/slice_copy.cu && /tmp/slice_copy
+//     nvcc -O3 -std=c++17 -arch=sm_90a -Icsrc -o /tmp/slice_copy benchmarks/slice_copy.cu && /tmp/slice_copy
 //     /tmp/slice_copy clusters      # only the cluster-launched slices (the last section)
 //
 // Every pattern reads N·V bf16 (N = 16384, V = 128256: 4.2 GB) and writes as many; GB/s counts both, over
@@ -29,6 +29,8 @@
 #include <string>
 #include <vector>
 
+#include "common/bulk_copy.cuh"  // the kernel's own bulk-copy and mbarrier primitives
+
 #define CK(x)                                                                          \
   do {                                                                                 \
     cudaError_t e_ = (x);                                                              \
@@ -38,30 +40,12 @@
     }                                                                                  \
   } while (0)
 
-__device__ inline unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
-__device__ inline void mbarrier_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ inline void mbarrier_arrive_expect(uint64_t* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
-               : "memory");
-}
-__device__ inline void mbarrier_wait(uint64_t* bar, unsigned phase) {
-  unsigned done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(phase)
-        : "memory");
-  }
-}
-__device__ inline void bulk_load(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   smem_addr(dst)),
-               "l"(src), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
-}
+using rl_losses::cuda::bulk_copy_to_shared;
+using rl_losses::cuda::mbarrier_arrive_expect;
+using rl_losses::cuda::mbarrier_init;
+using rl_losses::cuda::mbarrier_wait;
+using rl_losses::cuda::smem_addr;
+
 __device__ inline void bulk_store(void* dst, const void* src, unsigned bytes) {
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_addr(src)),
                "r"(bytes)
@@ -70,7 +54,6 @@ __device__ inline void bulk_store(void* dst, const void* src, unsigned bytes) {
 __device__ inline void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 __device__ inline void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ inline void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-__device__ inline void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 __global__ void grid_copy(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
@@ -140,7 +123,7 @@ __global__ void __launch_bounds__(256) slice_copy(const char* src, char* dst, lo
       if (tma_store) bulk_wait_read();  // the previous slice's store has read the buffer
       for (int p = 0; p < pieces; ++p) {
         mbarrier_arrive_expect(&landed[p], piece_bytes);
-        bulk_load(buf + p * piece_bytes, src + s * slice_bytes + p * piece_bytes, piece_bytes, &landed[p]);
+        bulk_copy_to_shared(buf + p * piece_bytes, src + s * slice_bytes + p * piece_bytes, piece_bytes, &landed[p]);
       }
     }
     const unsigned phase = it & 1;
@@ -192,7 +175,7 @@ __global__ void __launch_bounds__(kThreads) ring_copy(const char* src, char* dst
     if (threadIdx.x != 0 || slice_of(j) >= n_slices) return;
     const int b = j % k;
     mbarrier_arrive_expect(&landed[b], slice_bytes);
-    bulk_load(buf + size_t(b) * slice_bytes, src + slice_of(j) * slice_bytes, slice_bytes, &landed[b]);
+    bulk_copy_to_shared(buf + size_t(b) * slice_bytes, src + slice_of(j) * slice_bytes, slice_bytes, &landed[b]);
   };
   for (long j = 0; j < k - 1; ++j) issue(j);
   const int n_vec = slice_bytes / 16;
