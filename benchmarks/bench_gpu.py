@@ -65,10 +65,13 @@ class Timer:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def __call__(self, fn, reps: int) -> list[float]:
+    def __call__(self, fn, reps: int, before=None) -> list[float]:
+        """`before`, when given, runs ahead of each call, outside its events (restoring inputs)."""
         if not self.cuda:
             out = []
             for _ in range(reps):
+                if before is not None:
+                    before()
                 t = time.perf_counter()
                 fn()
                 out.append((time.perf_counter() - t) * 1e3)
@@ -83,6 +86,8 @@ class Timer:
         torch.cuda._sleep(int(min(2.0 * reps * one_ms + 1.0, 2000.0) * self.cycles_per_ms()))
         t = time.perf_counter()
         for s, e in zip(starts, ends):
+            if before is not None:
+                before()
             s.record()
             fn()
             e.record()
@@ -172,6 +177,17 @@ def run_job(op, n, v, provider, args, device, timer, refs, ceiling_gbps) -> dict
             ref_name, ref_loss, ref_grad, ref_loose = refs[key]
             ok, detail = cases.check_agreement(row["loss"], grad, ref_loss, ref_grad, ref_loose or provider.bf16_loss)
             row["check"], row["check_detail"] = ("ok" if ok else "MISMATCH"), f"{detail} (vs {ref_name})"
+        # An in-place provider leaves its gradient in the logits: each timed step first gets the original
+        # logits back (untimed), as a training step gets fresh ones from the LM head. (Fed its own gradient
+        # instead, a step's speed depended on those values: GSPO's gradient pass ran up to 2x slower.)
+        restore = None
+        if provider.inplace:
+            pristine = s["base"].detach().clone()
+
+            def restore():
+                with torch.no_grad():
+                    s["base"].copy_(pristine)
+
         for _ in range(args.warmup):
             step()
         extra = peak_extra_bytes(step, device)
@@ -179,7 +195,8 @@ def run_job(op, n, v, provider, args, device, timer, refs, ceiling_gbps) -> dict
             row["extra_peak_mib"] = round(extra / 2**20, 1)
             row["extra_peak_x_logits"] = round(extra / logits_bytes, 3)
         timer.sync()
-        times = timer(step, args.reps)
+        times = timer(step, args.reps, before=restore)
+        restore = pristine = None
         ms = statistics.median(times)
         q = statistics.quantiles(times, n=5) if len(times) >= 2 else [ms] * 4
         row.update(ms=round(ms, 4), ms_p20=round(q[0], 4), ms_p80=round(q[3], 4), reps=len(times),

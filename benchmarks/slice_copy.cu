@@ -4,6 +4,8 @@
 //
 //     nvcc -O3 -std=c++17 -arch=sm_90a -Icsrc -o /tmp/slice_copy benchmarks/slice_copy.cu && /tmp/slice_copy
 //     /tmp/slice_copy clusters      # only the cluster-launched slices (the last section)
+//     /tmp/slice_copy sizes         # only slices of byte sizes near 64 KB (alignment of a slice's start)
+//     /tmp/slice_copy placement     # CTAs per SM of a persistent cluster launch, by cluster size
 //
 // Every pattern reads N·V bf16 (N = 16384, V = 128256: 4.2 GB) and writes as many; GB/s counts both, over
 // the median of 20 timed runs (CUDA events) after 3 of warm-up. Patterns:
@@ -219,8 +221,68 @@ float median_ms(F f) {
   return t[t.size() / 2];
 }
 
+// A launch of `kernel` (256 threads, `smem` bytes of dynamic shared memory) as clusters of c CTAs, as many
+// as can be resident at once (`clusters`); `attr` holds the cluster shape the configuration points to.
+template <typename Kernel>
+cudaLaunchConfig_t resident_clusters(Kernel kernel, int c, int smem, cudaLaunchAttribute& attr, int& clusters) {
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = c;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(c);
+  cfg.blockDim = dim3(256);
+  cfg.dynamicSmemBytes = smem;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  CK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+  cfg.gridDim = dim3(c * clusters);
+  return cfg;
+}
+
+// Where the CTAs of a persistent cluster launch land: each CTA of the most clusters that can be resident
+// records its SM while all are resident; the histogram counts SMs by the CTAs they hold. (On the H100s
+// measured, every cluster size >= 3 leaves 8 SMs without a CTA; sizes 1 and 2 fill all 132.)
+__global__ void where_am_i(int* sm_of_cta, unsigned long long spin_ns) {
+  unsigned sm;
+  asm("mov.u32 %0, %%smid;" : "=r"(sm));
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  if (threadIdx.x == 0) sm_of_cta[blockIdx.x] = static_cast<int>(sm);
+  do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); while (t - t0 < spin_ns);  // stay resident
+}
+
+int placement() {
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  CK(cudaFuncSetAttribute(where_am_i, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  CK(cudaFuncSetAttribute(where_am_i, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  CK(cudaFuncSetAttribute(where_am_i, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  int* sm_of_cta;
+  CK(cudaMalloc(&sm_of_cta, 4096 * sizeof(int)));
+  // The cluster kernel's shared memory per CTA at V = 128256 (64 KB slices, 3 per SM) and with 96 KB slices.
+  for (int smem : {64512 + 1500, 85504 + 1500}) {
+    for (int c : {1, 2, 3, 4, 5, 6, 8}) {
+      cudaLaunchAttribute attr;
+      int clusters = 0;
+      const cudaLaunchConfig_t cfg = resident_clusters(where_am_i, c, smem, attr, clusters);
+      CK(cudaLaunchKernelEx(&cfg, where_am_i, sm_of_cta, 200000ull));
+      std::vector<int> sm(c * clusters), per_sm(prop.multiProcessorCount, 0), hist(9, 0);
+      CK(cudaMemcpy(sm.data(), sm_of_cta, sm.size() * sizeof(int), cudaMemcpyDeviceToHost));
+      for (int s : sm) ++per_sm[s];
+      for (int n : per_sm) ++hist[std::min(n, 8)];
+      std::printf("smem %6d B, cluster %d: %3d clusters, %3d CTAs; SMs holding 0/1/2/3 CTAs: %d/%d/%d/%d\n", smem,
+                  c, clusters, c * clusters, hist[0], hist[1], hist[2], hist[3]);
+    }
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
-  const bool clusters_only = argc > 1 && std::string(argv[1]) == "clusters";
+  const std::string mode = argc > 1 ? argv[1] : "";
+  const bool clusters_only = mode == "clusters", sizes_only = mode == "sizes";
+  if (mode == "placement") return placement();
   const long n_rows = 16384, vocab = 128256;
   const size_t bytes = size_t(n_rows) * vocab * 2;
   char *src, *dst;
@@ -237,6 +299,23 @@ int main(int argc, char** argv) {
                 100.0 * copy_ms / ms);
   };
   report("memcpy", copy_ms);
+  if (sizes_only) {
+    // Slices of a few byte sizes near 64 KB, back to back (so a slice starts at a multiple of its size):
+    // does a slice whose start is only 128-byte aligned (64128 = V = 128256's quarter row) move bytes as
+    // fast as one on a 512-byte or 64 KB boundary? GB/s over the bytes the whole slices cover.
+    CK(cudaFuncSetAttribute(slice_copy, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
+    CK(cudaFuncSetAttribute(slice_copy, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+    for (int work : {0, 1}) {
+      for (int sb : {65536, 64128, 64256, 64512, 63488, 65024}) {
+        const long n_slices = bytes / sb;
+        const float ms = median_ms([&] { slice_copy<<<sms * 3, 256, sb>>>(src, dst, n_slices, sb, 4, 0, work); });
+        const double moved = 2.0 * n_slices * sb;
+        std::printf("slice %6d B/4p/c3%-6s   %7.3f ms %7.0f GB/s %6.1f%% of memcpy\n", sb, work ? "+work" : "", ms,
+                    moved / ms / 1e6, 100.0 * (moved / ms) / (2.0 * bytes / copy_ms));
+      }
+    }
+    return 0;
+  }
   if (!clusters_only) report("grid_copy", median_ms([&] {
            grid_copy<<<sms * 8, 256>>>(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst),
                                        bytes / 16);
@@ -287,19 +366,8 @@ int main(int argc, char** argv) {
     for (int c : {1, 2, 3, 4, 5, 6, 8}) {
       CK(cudaFuncSetAttribute(slice_copy, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
       cudaLaunchAttribute attr;
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = c;
-      attr.val.clusterDim.y = 1;
-      attr.val.clusterDim.z = 1;
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(c);
-      cfg.blockDim = dim3(256);
-      cfg.dynamicSmemBytes = sb;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
       int clusters = 0;
-      CK(cudaOccupancyMaxActiveClusters(&clusters, slice_copy, &cfg));
-      cfg.gridDim = dim3(c * clusters);
+      const cudaLaunchConfig_t cfg = resident_clusters(slice_copy, c, sb, attr, clusters);
       char name[64];
       std::snprintf(name, sizeof(name), "slice %d/%dp cluster %d x %d", sh.kb, sh.pieces, c, clusters);
       const long n_slices = bytes / sb;

@@ -507,17 +507,25 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
 #endif
 }
 
-// 16-byte vectors in each CTA's slice when a row of `vocab` elements of `elem_bytes` is split over n_ctas.
-inline int64_t cluster_slice_vecs(int64_t vocab, int64_t elem_bytes, int n_ctas) {
+// 16-byte vectors in each CTA's slice when a row of `vocab` elements of `elem_bytes` is split over n_ctas:
+// rounded up to a multiple of kClusterSliceAlign bytes where that still fits `cta_bytes`, so that in rows
+// that start on such a boundary every slice does too (V = 128256: 64512-byte slices instead of 64128, whose
+// starts alternate between 256- and 128-byte alignment; +0.3-0.7 points of the copy, benchmarks/NOTES.md v13).
+constexpr int64_t kClusterSliceAlign = 512;
+inline int64_t cluster_slice_vecs(int64_t vocab, int64_t elem_bytes, int n_ctas, int64_t cta_bytes) {
   const int64_t per_cta = (vocab + n_ctas - 1) / n_ctas;
   const int64_t vec = 16 / elem_bytes;
-  return (per_cta + vec - 1) / vec;
+  const int64_t vecs = (per_cta + vec - 1) / vec;
+  constexpr int64_t align_vecs = kClusterSliceAlign / 16;
+  const int64_t rounded = (vecs + align_vecs - 1) / align_vecs * align_vecs;
+  return n_ctas > 1 && rounded * 16 <= cta_bytes ? rounded : vecs;
 }
 
 struct ClusterShape {
   int ctas = 0;        // CTAs per row; 0: the cluster kernel does not apply
   int stages = 0;      // slice buffers per CTA
   int piece_bytes = 0;  // a slice arrives in pieces of this many bytes, each waited for on its own
+  int slice_vecs = 0;   // 16-byte vectors of each CTA's slice (of each stage's buffer)
 };
 
 // The shapes row_cluster_kernel may run these arguments with, best first: the fewest CTAs (1 to 16) whose
@@ -550,8 +558,9 @@ inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
   if (at::cuda::getDeviceProperties(args.logits.get_device())->major < 9) return shapes;
   for (int stages = max_stages; stages >= 1; --stages) {
     for (int c = 1; c <= kMaxClusterSize; c = pow2 ? 2 * c : c + 1) {
-      if (cluster_slice_vecs(args.logits.size(1), elem, c) * 16 * stages <= cta_bytes) {
-        shapes.push_back({c, stages, piece_bytes});
+      const int64_t slice_vecs = cluster_slice_vecs(args.logits.size(1), elem, c, cta_bytes / stages);
+      if (slice_vecs * 16 * stages <= cta_bytes) {
+        shapes.push_back({c, stages, piece_bytes, static_cast<int>(slice_vecs)});
         break;
       }
     }
@@ -565,7 +574,7 @@ bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
   auto* kernel = &row_cluster_kernel<kClusterThreads, scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue>;
   const auto v = make_view<scalar_t, label_t, acc_t>(args);
   for (const ClusterShape shape : row_cluster_shapes(args)) {
-    const int slice_vecs = static_cast<int>(cluster_slice_vecs(v.vocab, sizeof(scalar_t), shape.ctas));
+    const int slice_vecs = shape.slice_vecs;
     const size_t smem = static_cast<size_t>(slice_vecs) * 16 * shape.stages;
     C10_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
