@@ -178,16 +178,8 @@ def run_job(op, n, v, provider, args, device, timer, refs, ceiling_gbps) -> dict
             ok, detail = cases.check_agreement(row["loss"], grad, ref_loss, ref_grad, ref_loose or provider.bf16_loss)
             row["check"], row["check_detail"] = ("ok" if ok else "MISMATCH"), f"{detail} (vs {ref_name})"
         # An in-place provider leaves its gradient in the logits: each timed step first gets the original
-        # logits back (untimed), as a training step gets fresh ones from the LM head. (Fed its own gradient
-        # instead, a step's speed depended on those values: GSPO's gradient pass ran up to 2x slower.)
-        restore = None
-        if provider.inplace:
-            pristine = s["base"].detach().clone()
-
-            def restore():
-                with torch.no_grad():
-                    s["base"].copy_(pristine)
-
+        # logits back (untimed), rather than the previous step's gradient as its logits.
+        restore = cases.logits_restorer(provider, s)
         for _ in range(args.warmup):
             step()
         extra = peak_extra_bytes(step, device)
@@ -196,7 +188,7 @@ def run_job(op, n, v, provider, args, device, timer, refs, ceiling_gbps) -> dict
             row["extra_peak_x_logits"] = round(extra / logits_bytes, 3)
         timer.sync()
         times = timer(step, args.reps, before=restore)
-        restore = pristine = None
+        restore = None  # frees the kept copy of the logits before the cache is emptied
         ms = statistics.median(times)
         q = statistics.quantiles(times, n=5) if len(times) >= 2 else [ms] * 4
         row.update(ms=round(ms, 4), ms_p20=round(q[0], 4), ms_p80=round(q[3], 4), reps=len(times),

@@ -159,6 +159,21 @@ def head_output(base: torch.Tensor) -> torch.Tensor:
     return GradSink.apply(base)
 
 
+def logits_restorer(provider, s: dict):
+    """For a provider that writes its gradient into the logits: a function that puts the original logits
+    back in `s["base"]` (a copy kept here), to run before each timed step, as a training step gets fresh
+    logits from the LM head. None for the others."""
+    if not provider.inplace:
+        return None
+    pristine = s["base"].detach().clone()
+
+    def restore():
+        with torch.no_grad():
+            s["base"].copy_(pristine)
+
+    return restore
+
+
 # --------------------------------------------------------------------------------------------------------
 # Providers: prepare(op, inp) -> state, whose "base" (requires grad) holds the logits; loss(op, state, logits)
 # with logits = head_output(base), fresh each step; grad_rows(state, k) -> the gradient of the first k

@@ -20,13 +20,12 @@ def trace(op, n, v, provider, steps):
     inp = cases.make_inputs(op, n, v, torch.bfloat16, "cuda", seed=0)
     s = provider.prepare(op, inp)
 
-    # In place, each step first gets the original logits back (as in bench_gpu.py); its copy kernel is listed.
-    pristine = s["base"].detach().clone() if provider.inplace else None
+    # In place, each step first gets the original logits back (as in bench_gpu.py); its copy is listed.
+    restore = cases.logits_restorer(provider, s)
 
     def step():
-        if pristine is not None:
-            with torch.no_grad():
-                s["base"].copy_(pristine)
+        if restore is not None:
+            restore()
         cases.GradSink.last = None
         provider.loss(op, s, cases.head_output(s["base"])).backward()
 
