@@ -145,7 +145,7 @@ def run_job(op, n, v, provider, args, device, timer, refs, ceiling_gbps) -> dict
            "provider": provider.name, "min_bytes": op.passes * logits_bytes}
     key = (op.name, n, v)
     seq_len = max(1, op.seq_len // args.seq_scale)
-    s = loss = None
+    s = loss = restore = None
     try:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info()
@@ -155,6 +155,10 @@ def run_job(op, n, v, provider, args, device, timer, refs, ceiling_gbps) -> dict
         inp = cases.make_inputs(op, n, v, args.dtype, device, zlib.crc32(repr(key).encode()), seq_len)
         s = provider.prepare(op, inp)
         del inp
+        # An in-place provider leaves its gradient in the logits: each timed step first gets the original
+        # logits back (untimed), rather than the previous step's gradient as its logits. The copy is taken
+        # here, before the first call overwrites them.
+        restore = cases.logits_restorer(provider, s)
 
         def step():
             cases.GradSink.last = None  # the previous step's gradient is consumed and gone
@@ -177,9 +181,6 @@ def run_job(op, n, v, provider, args, device, timer, refs, ceiling_gbps) -> dict
             ref_name, ref_loss, ref_grad, ref_loose = refs[key]
             ok, detail = cases.check_agreement(row["loss"], grad, ref_loss, ref_grad, ref_loose or provider.bf16_loss)
             row["check"], row["check_detail"] = ("ok" if ok else "MISMATCH"), f"{detail} (vs {ref_name})"
-        # An in-place provider leaves its gradient in the logits: each timed step first gets the original
-        # logits back (untimed), rather than the previous step's gradient as its logits.
-        restore = cases.logits_restorer(provider, s)
         for _ in range(args.warmup):
             step()
         extra = peak_extra_bytes(step, device)
@@ -188,7 +189,6 @@ def run_job(op, n, v, provider, args, device, timer, refs, ceiling_gbps) -> dict
             row["extra_peak_x_logits"] = round(extra / logits_bytes, 3)
         timer.sync()
         times = timer(step, args.reps, before=restore)
-        restore = None  # frees the kept copy of the logits before the cache is emptied
         ms = statistics.median(times)
         q = statistics.quantiles(times, n=5) if len(times) >= 2 else [ms] * 4
         row.update(ms=round(ms, 4), ms_p20=round(q[0], 4), ms_p80=round(q[3], 4), reps=len(times),
@@ -202,7 +202,7 @@ def run_job(op, n, v, provider, args, device, timer, refs, ceiling_gbps) -> dict
     except Exception as e:  # noqa: BLE001  (one provider failing must not stop the run)
         row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
     finally:
-        s = loss = cases.GradSink.last = None  # noqa: F841
+        s = loss = restore = cases.GradSink.last = None  # noqa: F841  (frees them before the cache is emptied)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
