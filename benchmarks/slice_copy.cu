@@ -6,6 +6,8 @@
 //     /tmp/slice_copy clusters      # only the cluster-launched slices (the last section)
 //     /tmp/slice_copy sizes         # only slices of byte sizes near 64 KB (alignment of a slice's start)
 //     /tmp/slice_copy placement     # CTAs per SM of a persistent cluster launch, by cluster size
+//     /tmp/slice_copy data          # memcpy and slices on constant bytes and on random bf16, ~2 s each,
+//                                   # with each pattern's wall-clock window (for nvidia-smi's clock samples)
 //
 // Every pattern reads N·V bf16 (N = 16384, V = 128256: 4.2 GB) and writes as many; GB/s counts both, over
 // the median of 20 timed runs (CUDA events) after 3 of warm-up. Patterns:
@@ -25,6 +27,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -200,6 +203,33 @@ __global__ void __launch_bounds__(kThreads) ring_copy(const char* src, char* dst
   }
 }
 
+// Random bf16 of a N(0, 1)-like spread (the sum of 4 uniforms, centred), from a hash of the index.
+__global__ void fill_random(uint4* dst, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    unsigned w[4];
+    for (int k = 0; k < 4; ++k) {
+      unsigned h = static_cast<unsigned>(i * 4 + k) * 2654435761u;
+      unsigned out = 0;
+      for (int half = 0; half < 2; ++half) {
+        float u = 0.f;
+        for (int j = 0; j < 4; ++j) {
+          h ^= h >> 15;
+          h *= 2246822519u;
+          h ^= h >> 13;
+          u += (h & 0xffffff) * (1.f / 16777216.f);
+        }
+        out |= (__float_as_uint((u - 2.f) * 1.7f) >> 16) << (16 * half);
+      }
+      w[k] = out;
+    }
+    dst[i] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+double wall_ms() {
+  return std::chrono::duration<double, std::milli>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 template <typename F>
 float median_ms(F f) {
   for (int i = 0; i < 3; ++i) f();
@@ -288,6 +318,58 @@ int main(int argc, char** argv) {
   char *src, *dst;
   CK(cudaMalloc(&src, bytes));
   CK(cudaMalloc(&dst, bytes));
+  if (mode == "data") {
+    // Does the data change the speed? Each pattern runs back to back for ~2 s (so that clocks and power
+    // settle) on constant bytes, then on random bf16; a WINDOW line gives its wall-clock span in ms.
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    const int sms = prop.multiProcessorCount, sb = 64512;
+    CK(cudaFuncSetAttribute(slice_copy, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
+    CK(cudaFuncSetAttribute(slice_copy, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+    for (const char* fill : {"const", "random"}) {
+      if (fill[0] == 'c') {
+        CK(cudaMemset(src, 1, bytes));
+      } else {
+        fill_random<<<sms * 8, 256>>>(reinterpret_cast<uint4*>(src), bytes / 16);
+      }
+      CK(cudaDeviceSynchronize());
+      auto run = [&](const char* name, auto f) {
+        std::vector<cudaEvent_t> ev(201);
+        for (auto& e : ev) CK(cudaEventCreate(&e));
+        for (int i = 0; i < 3; ++i) f();
+        CK(cudaDeviceSynchronize());
+        const double t0 = wall_ms();
+        std::vector<float> t;
+        for (int rep = 0; rep < 4; ++rep) {  // 4 x 200 calls of ~3 ms: ~2.4 s
+          CK(cudaEventRecord(ev[0]));
+          for (int i = 0; i < 200; ++i) {
+            f();
+            CK(cudaEventRecord(ev[i + 1]));
+          }
+          CK(cudaEventSynchronize(ev[200]));
+          for (int i = 0; i < 200; ++i) {
+            float ms;
+            CK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
+            t.push_back(ms);
+          }
+        }
+        const double t1 = wall_ms();
+        std::sort(t.begin(), t.end());
+        const float ms = t[t.size() / 2];
+        std::printf("WINDOW %s/%s %.0f %.0f %.4f %.0f\n", name, fill, t0, t1, ms, 2 * bytes / ms / 1e6);
+        std::fflush(stdout);
+        for (auto& e : ev) CK(cudaEventDestroy(e));
+      };
+      run("memcpy", [&] { CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice)); });
+      for (int work : {0, 1}) {
+        run(work ? "slice+work" : "slice", [&] {
+          slice_copy<<<sms * 3, 256, sb>>>(src, dst, static_cast<long>(bytes / sb), sb, 4, 0, work);
+        });
+      }
+    }
+    CK(cudaGetLastError());
+    return 0;
+  }
   CK(cudaMemset(src, 1, bytes));
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));

@@ -143,4 +143,15 @@ at::Tensor labelled_count(const at::Tensor& target1d, at::ScalarType dtype) {
   return out;
 }
 
+at::Tensor sum_1d(const at::Tensor& x) {
+#ifdef RL_LOSSES_WITH_CUDA
+  if (x.is_cuda()) {
+    at::Tensor out = at::empty({}, x.options());
+    sum_cuda(x, out);
+    return out;
+  }
+#endif
+  return x.sum();
+}
+
 }  // namespace rl_losses

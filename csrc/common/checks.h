@@ -53,4 +53,8 @@ RowPassArgs make_row_pass_args(const FlatLogits& f, double logits_scale_factor);
 // token mean and the metrics' denominator. One reduction on the target's device, no host synchronisation.
 at::Tensor labelled_count(const at::Tensor& target1d, at::ScalarType dtype);
 
+// The sum of a contiguous 1-D floating tensor, 0-dim. On CUDA one single-block launch that can follow the row
+// pass without a launch gap (dependent_launch.cuh), where ATen's sum is a launch of its own; elsewhere at::sum.
+at::Tensor sum_1d(const at::Tensor& x);
+
 }  // namespace rl_losses

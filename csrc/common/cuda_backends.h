@@ -12,6 +12,7 @@ struct GrpoBackend;
 struct GspoBackend;
 
 void labelled_count_cuda(const at::Tensor& target1d, const at::Tensor& out);
+void sum_cuda(const at::Tensor& x, const at::Tensor& out);
 void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out);
 void scale_grad_cuda_scalar(const at::Tensor& grad, const at::Tensor& grad_output);
 void cross_entropy_rows_cuda(const RowPassArgs& args, const CrossEntropyRows& rows);

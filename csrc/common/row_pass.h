@@ -173,6 +173,17 @@ struct LabelledCount {
   C10_HOST_DEVICE void finish(const acc_t* s) const { *out = at_least_one(s[0]); }
 };
 
+// The sum of a 1-D tensor (checks.h, sum_1d).
+template <typename T>
+struct SumOf {
+  using acc_t = T;
+  static constexpr int kTerms = 1;
+  const T* x;
+  acc_t* out;  // 0-dim
+  C10_HOST_DEVICE void terms(int64_t i, acc_t* v) const { v[0] = x[i]; }
+  C10_HOST_DEVICE void finish(const acc_t* s) const { *out = s[0]; }
+};
+
 // The scalar outputs of GRPO and GSPO (SPEC §2.4), in schema order, written by their finishing reductions:
 // 0-dim tensors of the accumulation dtype, and their pointers for the device.
 enum PolicyScalar : int { kPolicyLoss = 0, kPolicyNewLogProbs, kPolicyClipLow, kPolicyClipHigh, kPolicyKlOld,

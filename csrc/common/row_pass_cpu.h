@@ -130,6 +130,12 @@ struct CpuRunner {
       for (int64_t i = begin; i < end; ++i) f(i);
     });
   }
+  // out[index[i], :] = Σ values[i, :] over the i with that index (out: (S, K), values: (N, K), contiguous;
+  // K as the CUDA runner takes it).
+  template <int K>
+  static void sum_rows_by_index(const at::Tensor& values, const at::Tensor& index, const at::Tensor& out) {
+    out.zero_().index_add_(0, index, values);
+  }
   // r.finish(s) once, with s[k] = Σ_{i < n} of r.terms(i)[k] (see row_pass.h): summed in order, in fp64.
   template <typename R>
   static void sum_then(int64_t n, const R& r) {

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "common/bulk_copy.cuh"
+#include "common/dependent_launch.cuh"
 #include "common/row_pass.h"
 
 namespace rl_losses {
@@ -215,6 +216,7 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
   __shared__ RowStats<acc_t> scratch[32];
   __shared__ GradCoef<acc_t> coef_shared;
   __shared__ acc_t lse_shared;
+  wait_previous_grid();
 
   for (int64_t row = blockIdx.x; row < v.n_rows; row += gridDim.x) {
     const scalar_t* x = v.logits + row * v.row_stride;
@@ -362,6 +364,7 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   CUDA_KERNEL_ASSERT(false && "rl_losses: thread-block clusters need sm_90");  // not launched there
 #else
+  wait_previous_grid();
   constexpr int kVec = 16 / sizeof(scalar_t);
   using VecT = Pack<scalar_t, kVec>;
   const auto cluster = cooperative_groups::this_cluster();
@@ -592,7 +595,6 @@ bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
     cfg.gridDim = dim3(static_cast<unsigned>(shape.ctas));
     cfg.blockDim = dim3(kClusterThreads);
     cfg.dynamicSmemBytes = smem;
-    cfg.stream = at::cuda::getCurrentCUDAStream();
     cfg.attrs = &cluster_dim;
     cfg.numAttrs = 1;
     // Persistent grid: as many clusters as can be resident at once, each looping over rows. (A cluster
@@ -604,8 +606,10 @@ bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
       continue;
     }
     if (max_clusters == 0) continue;
-    cfg.gridDim = dim3(static_cast<unsigned>(shape.ctas * std::min<int64_t>(v.n_rows, max_clusters)));
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, v, epi, slice_vecs, shape.stages, shape.piece_bytes / 16));
+    DependentLaunch launch(dim3(static_cast<unsigned>(shape.ctas * std::min<int64_t>(v.n_rows, max_clusters))),
+                           cfg.blockDim, smem);
+    launch.add(cluster_dim);
+    launch(kernel, v, epi, slice_vecs, shape.stages, shape.piece_bytes / 16);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return true;
   }
@@ -617,7 +621,6 @@ template <int kThreads, typename scalar_t, typename label_t, typename acc_t, boo
 void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
   const auto v = make_view<scalar_t, label_t, acc_t>(args);
   const auto* props = at::cuda::getCurrentDeviceProperties();
-  auto stream = at::cuda::getCurrentCUDAStream();
   const bool stats = args.compute_stats(), grad = args.write_grad();
   auto launch = [&](auto s, auto g) {
     constexpr bool kS = decltype(s)::value, kG = decltype(g)::value;
@@ -631,7 +634,7 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
     const int64_t max_blocks = static_cast<int64_t>(props->multiProcessorCount) * std::max(per_sm, 1);
     const dim3 grid(static_cast<unsigned>(std::min<int64_t>(v.n_rows, max_blocks)));
-    kernel<<<grid, kThreads, 0, stream>>>(v, epi);
+    DependentLaunch(grid, kThreads, 0)(kernel, v, epi);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   using T = std::true_type;
@@ -684,6 +687,7 @@ namespace cuda {
 
 template <typename F>
 __global__ void for_each_kernel(int64_t n, F f) {
+  wait_previous_grid();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) f(i);
 }
 
@@ -692,6 +696,7 @@ __global__ void for_each_kernel(int64_t n, F f) {
 // divisions after it took one each.
 template <int kThreads, typename R>
 __global__ void __launch_bounds__(kThreads) sum_then_kernel(int64_t n, R r) {
+  wait_previous_grid();
   using acc_t = typename R::acc_t;
   constexpr int K = R::kTerms;
   acc_t s[K];
@@ -721,6 +726,36 @@ __global__ void __launch_bounds__(kThreads) sum_then_kernel(int64_t n, R r) {
   if (lane == 0) r.finish(s);
 }
 
+// out[index[i], :] += values[i, :] for i < n (K columns, out zeroed before). A warp whose 32 rows share one
+// index (the common case: packed documents are runs of tokens) adds their sum with one atomic per column;
+// any other warp adds row by row. Atomic, so the order of the additions varies between runs, as with
+// ATen's index_add_, which this replaces (a fill and a slow generic kernel: 9 us at N = 4096, 23 us at
+// N = 16384 on an H100, contended by the few documents of a long-document batch).
+template <int K, typename acc_t>
+__global__ void sum_rows_by_index_kernel(int64_t n, const acc_t* values, const int64_t* index, acc_t* out) {
+  wait_previous_grid();
+  const int lane = threadIdx.x % 32;
+  // The loop bound is warp-uniform (base is a multiple of 32), so every lane reaches the warp votes.
+  for (int64_t base = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32 * 32; base < n;
+       base += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = base + lane;
+    const bool in = i < n;
+    const int64_t s = in ? index[i] : -1;
+    const int64_t s0 = __shfl_sync(0xffffffffu, s, 0);
+    if (__all_sync(0xffffffffu, s == s0)) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        acc_t v = values[i * K + k];
+        for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+        if (lane == 0) atomicAdd(out + s0 * K + k, v);
+      }
+    } else if (in) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) atomicAdd(out + s * K + k, values[i * K + k]);
+    }
+  }
+}
+
 }  // namespace cuda
 
 // The CUDA runner: what an op's back-end-independent code needs from a device (see gspo.h).
@@ -734,14 +769,31 @@ struct CudaRunner {
     if (n == 0) return;
     constexpr int kThreads = 256;
     const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 65535);
-    cuda::for_each_kernel<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(n, f);
+    cuda::DependentLaunch(dim3(static_cast<unsigned>(blocks)), kThreads, 0)(cuda::for_each_kernel<F>, n, f);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  // out[index[i], :] = Σ values[i, :] over the i with that index (out: (S, K), values: (N, K), contiguous):
+  // a memset and one launch.
+  template <int K>
+  static void sum_rows_by_index(const at::Tensor& values, const at::Tensor& index, const at::Tensor& out) {
+    if (out.numel() == 0) return;
+    C10_CUDA_CHECK(cudaMemsetAsync(out.data_ptr(), 0, out.nbytes(), at::cuda::getCurrentCUDAStream()));
+    const int64_t n = values.size(0);
+    if (n == 0) return;
+    constexpr int kThreads = 256;
+    const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 65535);
+    AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "sum_rows_by_index", [&] {
+      cuda::DependentLaunch(dim3(static_cast<unsigned>(blocks)), kThreads, 0)(
+          cuda::sum_rows_by_index_kernel<K, scalar_t>, n, values.const_data_ptr<scalar_t>(),
+          index.const_data_ptr<int64_t>(), out.data_ptr<scalar_t>());
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   // r.finish(s) once, with s[k] = Σ_{i < n} of r.terms(i)[k] (see row_pass.h), in one single-block launch (the
   // sums here are over tokens or documents, read from L2 right after they were written).
   template <typename R>
   static void sum_then(int64_t n, const R& r) {
-    cuda::sum_then_kernel<1024><<<1, 1024, 0, at::cuda::getCurrentCUDAStream()>>>(n, r);
+    cuda::DependentLaunch(1, 1024, 0)(cuda::sum_then_kernel<1024, R>, n, r);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 };

@@ -12,6 +12,13 @@ void labelled_count_cuda(const at::Tensor& target1d, const at::Tensor& out) {
   labelled_count_on<CudaRunner>(target1d, out);
 }
 
+void sum_cuda(const at::Tensor& x, const at::Tensor& out) {
+  const c10::cuda::OptionalCUDAGuard guard(out.device());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "sum_1d", [&] {
+    CudaRunner::sum_then(x.numel(), SumOf<scalar_t>{x.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>()});
+  });
+}
+
 void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out) {
   cuda::row_pass_cuda(args, "row_stats", [&](auto* tag) {
     using acc_t = std::remove_pointer_t<decltype(tag)>;
@@ -24,6 +31,7 @@ void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out) {
 template <typename scalar_t, typename g_t>
 __global__ void scale_rows_kernel(scalar_t* grad, int64_t n_rows, int64_t cols, int64_t row_stride,
                                   const g_t* g_ptr) {
+  cuda::wait_previous_grid();
   using acc_t = typename acc_type<scalar_t>::type;  // fp64 gradients are scaled in fp64
   const acc_t g = static_cast<acc_t>(*g_ptr);
   if (g == acc_t(1)) return;
@@ -40,13 +48,15 @@ void scale_grad_cuda_scalar(const at::Tensor& grad, const at::Tensor& grad_outpu
   at::Tensor g2 = grad.view({-1, cols});
   const int64_t n_rows = g2.size(0);
   const int threads = cols >= 1024 ? 1024 : 128;
-  const int64_t blocks = std::min<int64_t>(n_rows, at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 8);
-  auto stream = at::cuda::getCurrentCUDAStream();
+  // Two blocks per SM fill it (2048 threads) for the loop over rows; more would only lengthen the launch that
+  // plain loss.backward() (g == 1) makes, where every block returns at once.
+  const int64_t blocks = std::min<int64_t>(n_rows, at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "_scale_grad_", [&] {
     using scalar = scalar_t;
     AT_DISPATCH_FLOATING_TYPES(grad_output.scalar_type(), "_scale_grad_", [&] {
-      scale_rows_kernel<scalar, scalar_t><<<blocks, threads, 0, stream>>>(
-          g2.data_ptr<scalar>(), n_rows, cols, g2.stride(0), grad_output.const_data_ptr<scalar_t>());
+      cuda::DependentLaunch(dim3(static_cast<unsigned>(blocks)), threads, 0)(
+          scale_rows_kernel<scalar, scalar_t>, g2.data_ptr<scalar>(), n_rows, cols, g2.stride(0),
+          grad_output.const_data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

@@ -49,7 +49,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(RowSource& src, const a
   }
 
   const auto batch = target.sizes();
-  at::Tensor loss = reduction == "none" ? rows.row_loss.view(batch) : rows.row_loss.sum();
+  at::Tensor loss = reduction == "none" ? rows.row_loss.view(batch) : sum_1d(rows.row_loss);
   return {loss, rows.lse.view(batch)};
 }
 

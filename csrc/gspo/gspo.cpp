@@ -14,8 +14,8 @@ void sum_document_terms(GspoState& g, const GspoBackend& backend) {
   const int64_t n = g.target.numel();
   g.safe_document = at::empty({n}, g.document.options());
   g.terms = at::empty({n, kGspoSums}, opts);
+  g.local_sums = at::empty({g.num_documents, kGspoSums}, opts);
   backend.token_terms(g);
-  g.local_sums = at::zeros({g.num_documents, kGspoSums}, opts).index_add_(0, g.safe_document, g.terms);
 }
 
 }  // namespace

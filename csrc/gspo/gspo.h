@@ -306,6 +306,7 @@ struct GspoBackendImpl {
                                                 ptr<scalar_t>(g.entropy), ptr<int64_t>(g.safe_document),
                                                 ptr<scalar_t>(g.terms)});
     });
+    Runner::template sum_rows_by_index<kGspoSums>(g.terms, g.safe_document, g.local_sums);
   }
   static void documents(const GspoState& g) {
     RL_LOSSES_DISPATCH_ACC(g.sums, [&] {

@@ -1,0 +1,69 @@
+// Programmatic dependent launch (sm_90) for every kernel of this library: a call is a chain of kernels on
+// one stream (label count, row pass, reductions, ...), and at small shapes the gaps between them cost as
+// much as the small kernels themselves (~2 us each on an H100; benchmarks/NOTES.md v14). A kernel launched
+// through DependentLaunch may be scheduled while the kernel before it is still running; it waits in
+// wait_previous_grid(), before it touches global memory, until that kernel has finished and its writes are
+// visible. So the order of effects is the plain stream order; only the launch latency overlaps.
+// RL_LOSSES_PDL=0 launches plainly (for comparison).
+#pragma once
+
+#include <ATen/cuda/CUDAContext.h>
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace rl_losses {
+namespace cuda {
+
+// The first statement of each kernel (before any global memory access).
+__device__ __forceinline__ void wait_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  // The next kernel may now be scheduled: it too waits for this one to finish before it reads anything.
+  asm volatile("griddepcontrol.launch_dependents;\n" :::);
+#endif
+}
+
+// A launch configuration on the current stream with the dependent-launch attribute (sm_90 and later), room
+// for one more attribute (add), and the launch itself.
+class DependentLaunch {
+ public:
+  DependentLaunch(dim3 grid, dim3 block, size_t smem) {
+    cfg_.gridDim = grid;
+    cfg_.blockDim = block;
+    cfg_.dynamicSmemBytes = smem;
+    cfg_.stream = at::cuda::getCurrentCUDAStream();
+    cfg_.attrs = attrs_;
+    if (enabled()) {
+      cudaLaunchAttribute a;
+      a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      a.val.programmaticStreamSerializationAllowed = 1;
+      add(a);
+    }
+  }
+  DependentLaunch(const DependentLaunch&) = delete;  // cfg_ points into this object
+  DependentLaunch& operator=(const DependentLaunch&) = delete;
+
+  void add(const cudaLaunchAttribute& a) { attrs_[cfg_.numAttrs++] = a; }
+  cudaLaunchConfig_t& config() { return cfg_; }
+
+  template <typename... Params, typename... Args>
+  void operator()(void (*kernel)(Params...), Args&&... args) {
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg_, kernel, std::forward<Args>(args)...));
+  }
+
+ private:
+  static bool enabled() {
+    static const bool off = [] {
+      const char* env = std::getenv("RL_LOSSES_PDL");
+      return env != nullptr && std::strcmp(env, "0") == 0;
+    }();
+    return !off && at::cuda::getCurrentDeviceProperties()->major >= 9;
+  }
+  cudaLaunchAttribute attrs_[2];
+  cudaLaunchConfig_t cfg_ = {};
+};
+
+}  // namespace cuda
+}  // namespace rl_losses
