@@ -702,6 +702,9 @@ __global__ void __launch_bounds__(kThreads) sum_then_kernel(int64_t n, R r) {
   acc_t s[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) s[k] = acc_t(0);
+  // Unrolled so that a thread's loads of several indices are in flight together: at small N this kernel is
+  // a few dependent L2 round trips per thread, on the critical path right after the row pass.
+#pragma unroll 4
   for (int64_t i = threadIdx.x; i < n; i += kThreads) {
     acc_t v[K];
     r.terms(i, v);
