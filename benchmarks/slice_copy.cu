@@ -8,6 +8,7 @@
 //     /tmp/slice_copy placement     # CTAs per SM of a persistent cluster launch, by cluster size
 //     /tmp/slice_copy data          # memcpy and slices on constant bytes and on random bf16, ~2 s each,
 //                                   # with each pattern's wall-clock window (for nvidia-smi's clock samples)
+//     /tmp/slice_copy zeros         # writing zeros: over random data or over zeros, in place or not
 //
 // Every pattern reads N·V bf16 (N = 16384, V = 128256: 4.2 GB) and writes as many; GB/s counts both, over
 // the median of 20 timed runs (CUDA events) after 3 of warm-up. Patterns:
@@ -226,6 +227,27 @@ __global__ void fill_random(uint4* dst, size_t n) {
   }
 }
 
+// In place: x = x / 2 (nonzero over nonzero) or x = 0 (zeros over the values just read), as
+// (x - sub) & mask with run-time sub and mask, so that the compiler keeps the load for mask = 0.
+__global__ void rewrite(uint4* x, size_t n, unsigned sub, unsigned mask) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = x[i];
+    x[i] = make_uint4((v.x - sub) & mask, (v.y - sub) & mask, (v.z - sub) & mask, (v.w - sub) & mask);
+  }
+}
+// Out of place: dst = src / 2 or dst = 0, reading src all the same.
+__global__ void transform(const uint4* src, uint4* dst, size_t n, unsigned sub, unsigned mask) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = src[i];
+    dst[i] = make_uint4((v.x - sub) & mask, (v.y - sub) & mask, (v.z - sub) & mask, (v.w - sub) & mask);
+  }
+}
+// Writes only: zeros or a nonzero constant.
+__global__ void fill(uint4* dst, size_t n, unsigned word) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    dst[i] = make_uint4(word, word, word, word);
+}
+
 double wall_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -318,6 +340,67 @@ int main(int argc, char** argv) {
   char *src, *dst;
   CK(cudaMalloc(&src, bytes));
   CK(cudaMalloc(&dst, bytes));
+  if (mode == "zeros") {
+    // Is writing zeros slower than writing other values, and does it depend on what the memory held? Each
+    // timed call is preceded (untimed) by what sets the memory's prior contents: random bf16 or zeros.
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    const int grid = prop.multiProcessorCount * 8;
+    const size_t nv = bytes / 16;
+    uint4* a = reinterpret_cast<uint4*>(src);
+    uint4* b = reinterpret_cast<uint4*>(dst);
+    auto randomize = [&](uint4* p) { fill_random<<<grid, 256>>>(p, nv); };
+    auto zero_out = [&](uint4* p) { CK(cudaMemsetAsync(p, 0, bytes)); };
+    auto time = [&](const char* name, double moved, auto prep, auto f) {
+      std::vector<float> t;
+      cudaEvent_t e0, e1;
+      CK(cudaEventCreate(&e0));
+      CK(cudaEventCreate(&e1));
+      for (int r = 0; r < 12; ++r) {
+        prep();
+        CK(cudaEventRecord(e0));
+        f();
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (r >= 2) t.push_back(ms);
+      }
+      std::sort(t.begin(), t.end());
+      const float ms = t[t.size() / 2];
+      std::printf("%-44s %7.3f ms %7.0f GB/s\n", name, ms, moved / ms / 1e6);
+    };
+    const double b1 = double(bytes), b2 = 2.0 * bytes;
+    const unsigned kHalf = 0x00800080u;  // subtracted from a bf16 pair: both exponents down by one
+    randomize(a);
+    time("memcpy random -> random", b2, [&] { randomize(b); }, [&] {
+      CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice));
+    });
+    time("in place x/2 over random", b2, [&] { randomize(a); },
+         [&] { rewrite<<<grid, 256>>>(a, nv, kHalf, ~0u); });
+    time("in place x unchanged over random", b2, [&] { randomize(a); },
+         [&] { rewrite<<<grid, 256>>>(a, nv, 0u, ~0u); });
+    time("in place 0 over random (reads x)", b2, [&] { randomize(a); },
+         [&] { rewrite<<<grid, 256>>>(a, nv, 0u, 0u); });
+    time("in place 0 over zeros (reads x)", b2, [&] { zero_out(a); },
+         [&] { rewrite<<<grid, 256>>>(a, nv, 0u, 0u); });
+    randomize(a);
+    time("out of place x/2 -> over random", b2, [&] { randomize(b); },
+         [&] { transform<<<grid, 256>>>(a, b, nv, kHalf, ~0u); });
+    time("out of place 0 -> over random", b2, [&] { randomize(b); },
+         [&] { transform<<<grid, 256>>>(a, b, nv, 0u, 0u); });
+    time("out of place 0 -> over zeros", b2, [&] { zero_out(b); },
+         [&] { transform<<<grid, 256>>>(a, b, nv, 0u, 0u); });
+    time("out of place x/2 -> over zeros", b2, [&] { zero_out(b); },
+         [&] { transform<<<grid, 256>>>(a, b, nv, kHalf, ~0u); });
+    time("write 0 over random", b1, [&] { randomize(b); }, [&] { fill<<<grid, 256>>>(b, nv, 0u); });
+    time("write 0 over zeros", b1, [&] { zero_out(b); }, [&] { fill<<<grid, 256>>>(b, nv, 0u); });
+    time("write 0x3f803f80 over random", b1, [&] { randomize(b); }, [&] { fill<<<grid, 256>>>(b, nv, 0x3f803f80u); });
+    time("write 0x3f803f80 over zeros", b1, [&] { zero_out(b); }, [&] { fill<<<grid, 256>>>(b, nv, 0x3f803f80u); });
+    time("cudaMemset 0 over random", b1, [&] { randomize(b); }, [&] { zero_out(b); });
+    CK(cudaGetLastError());
+    return 0;
+  }
   if (mode == "data") {
     // Does the data change the speed? Each pattern runs back to back for ~2 s (so that clocks and power
     // settle) on constant bytes, then on random bf16; a WINDOW line gives its wall-clock span in ms.

@@ -279,6 +279,23 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
     if constexpr (kGrad) {
       const GradOf<scalar_t, acc_t> grad_of(coef_shared, lse_shared, v.scale, local);
       scalar_t* g = v.grad + row * v.grad_row_stride;
+      if (grad_of.zero) {
+        // A zero-gradient row (a masked token, a clipped document): zeros, written without reading the
+        // logits. Read, the stores would not depend on the loads, and in place they would go to addresses
+        // whose loads are still in flight: such rows measured 2x slower in place (benchmarks/NOTES.md v15).
+        const int64_t g_head = std::min<int64_t>(
+            static_cast<int64_t>((16 - reinterpret_cast<uintptr_t>(g) % 16) % 16 / sizeof(scalar_t)), v.vocab);
+        const int64_t g_vec = (v.vocab - g_head) / kVec;
+        for (int64_t j = threadIdx.x; j < g_head; j += kThreads) g[j] = scalar_t(0);
+        VecT zeros;
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) zeros.v[k] = scalar_t(0);
+        VecT* gz = reinterpret_cast<VecT*>(g + g_head);
+        for (int64_t i = threadIdx.x; i < g_vec; i += kThreads) store_vec(&gz[i], zeros);
+        for (int64_t j = g_head + g_vec * kVec + threadIdx.x; j < v.vocab; j += kThreads) g[j] = scalar_t(0);
+        __syncthreads();  // the shared coefficient is rewritten for the next row
+        continue;
+      }
       // The vector path needs the gradient row to share the logits row's alignment (true for contiguous
       // logits and a contiguous gradient); otherwise the row is written element by element.
       const bool same_align = (reinterpret_cast<uintptr_t>(g) % 16) == (reinterpret_cast<uintptr_t>(x) % 16);
