@@ -281,8 +281,9 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
       scalar_t* g = v.grad + row * v.grad_row_stride;
       if (grad_of.zero) {
         // A zero-gradient row (a masked token, a clipped document): zeros, written without reading the
-        // logits. Read, the stores would not depend on the loads, and in place they would go to addresses
-        // whose loads are still in flight: such rows measured 2x slower in place (benchmarks/NOTES.md v15).
+        // logits, which also saves the read. (When the row was read, stores that did not depend on the
+        // loads went, in place, to addresses with loads in flight: such rows measured 2x slower in place;
+        // benchmarks/NOTES.md v15.)
         const int64_t g_head = std::min<int64_t>(
             static_cast<int64_t>((16 - reinterpret_cast<uintptr_t>(g) % 16) % 16 / sizeof(scalar_t)), v.vocab);
         const int64_t g_vec = (v.vocab - g_head) / kVec;
