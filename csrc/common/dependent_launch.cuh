@@ -26,7 +26,7 @@ __device__ __forceinline__ void wait_previous_grid() {
 }
 
 // A launch configuration on the current stream with the dependent-launch attribute (sm_90 and later), room
-// for one more attribute (add), and the launch itself.
+// for one more attribute (add: the cluster kernel's cluster shape), and the launch itself.
 class DependentLaunch {
  public:
   DependentLaunch(dim3 grid, dim3 block, size_t smem) {
@@ -45,8 +45,10 @@ class DependentLaunch {
   DependentLaunch(const DependentLaunch&) = delete;  // cfg_ points into this object
   DependentLaunch& operator=(const DependentLaunch&) = delete;
 
-  void add(const cudaLaunchAttribute& a) { attrs_[cfg_.numAttrs++] = a; }
-  cudaLaunchConfig_t& config() { return cfg_; }
+  void add(const cudaLaunchAttribute& a) {
+    TORCH_INTERNAL_ASSERT(cfg_.numAttrs < 2, "rl_losses: DependentLaunch holds two attributes");
+    attrs_[cfg_.numAttrs++] = a;
+  }
 
   template <typename... Params, typename... Args>
   void operator()(void (*kernel)(Params...), Args&&... args) {
