@@ -2,8 +2,9 @@
 
 On sm_90 every kernel of the library is a programmatic dependent launch (csrc/common/dependent_launch.cuh);
 under stream capture those launches become programmatic edges of the graph. Each replay here runs on fresh
-values copied into the captured buffers and must agree with the float64 reference on those values, so a
-replay that read a buffer before its producer finished, or that reused the first inputs, would fail.
+values copied into the captured buffers and must agree with the float64 reference on those values: a capture
+that failed, or a replay that reused the first inputs, fails the test. (A replay that read a buffer before
+its producer finished would show only if the race struck: a few replays at this size make that unlikely.)
 """
 import pytest
 import torch

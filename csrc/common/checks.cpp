@@ -144,6 +144,8 @@ at::Tensor labelled_count(const at::Tensor& target1d, at::ScalarType dtype) {
 }
 
 at::Tensor sum_1d(const at::Tensor& x) {
+  TORCH_INTERNAL_ASSERT(x.dim() == 1 && x.is_contiguous() && at::isFloatingType(x.scalar_type()),
+                        "rl_losses: sum_1d takes a contiguous 1-D floating tensor");
 #ifdef RL_LOSSES_WITH_CUDA
   if (x.is_cuda()) {
     at::Tensor out = at::empty({}, x.options());

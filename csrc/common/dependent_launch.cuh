@@ -61,7 +61,9 @@ class DependentLaunch {
       const char* env = std::getenv("RL_LOSSES_PDL");
       return env != nullptr && std::strcmp(env, "0") == 0;
     }();
-    return !off && at::cuda::getCurrentDeviceProperties()->major >= 9;
+    // Only on sm_90 itself, whose machine code setup.py always builds with the waits: another device could
+    // run the kernels from PTX of an older architecture, compiled without them.
+    return !off && at::cuda::getCurrentDeviceProperties()->major == 9;
   }
   cudaLaunchAttribute attrs_[2];
   cudaLaunchConfig_t cfg_ = {};

@@ -750,7 +750,7 @@ __global__ void __launch_bounds__(kThreads) sum_then_kernel(int64_t n, R r) {
 // out[index[i], :] += values[i, :] for i < n (K columns, out zeroed before). A warp whose 32 rows share one
 // index (the common case: packed documents are runs of tokens) adds their sum with one atomic per column;
 // any other warp adds row by row. Atomic, so the order of the additions varies between runs, as with
-// ATen's index_add_, which this replaces (a fill and a slow generic kernel: 9 us at N = 4096, 23 us at
+// ATen's index_add_ (the runner falls back to it under torch.use_deterministic_algorithms), which this replaces (a fill and a slow generic kernel: 9 us at N = 4096, 23 us at
 // N = 16384 on an H100, contended by the few documents of a long-document batch).
 template <int K, typename acc_t>
 __global__ void sum_rows_by_index_kernel(int64_t n, const acc_t* values, const int64_t* index, acc_t* out) {
@@ -763,7 +763,7 @@ __global__ void sum_rows_by_index_kernel(int64_t n, const acc_t* values, const i
     const bool in = i < n;
     const int64_t s = in ? index[i] : -1;
     const int64_t s0 = __shfl_sync(0xffffffffu, s, 0);
-    if (__all_sync(0xffffffffu, s == s0)) {
+    if (__all_sync(0xffffffffu, in && s == s0)) {
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         acc_t v = values[i * K + k];
@@ -797,6 +797,10 @@ struct CudaRunner {
   // a memset and one launch.
   template <int K>
   static void sum_rows_by_index(const at::Tensor& values, const at::Tensor& index, const at::Tensor& out) {
+    if (at::globalContext().deterministicAlgorithms()) {  // the atomics' order varies; ATen has a fixed one
+      out.zero_().index_add_(0, index, values);
+      return;
+    }
     if (out.numel() == 0) return;
     C10_CUDA_CHECK(cudaMemsetAsync(out.data_ptr(), 0, out.nbytes(), at::cuda::getCurrentCUDAStream()));
     const int64_t n = values.size(0);

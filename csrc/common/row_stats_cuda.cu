@@ -48,9 +48,10 @@ void scale_grad_cuda_scalar(const at::Tensor& grad, const at::Tensor& grad_outpu
   at::Tensor g2 = grad.view({-1, cols});
   const int64_t n_rows = g2.size(0);
   const int threads = cols >= 1024 ? 1024 : 128;
-  // Two blocks per SM fill it (2048 threads) for the loop over rows; more would only lengthen the launch that
-  // plain loss.backward() (g == 1) makes, where every block returns at once.
-  const int64_t blocks = std::min<int64_t>(n_rows, at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 2);
+  // Blocks that fill each SM once (2048 threads) for the loop over rows; more would only lengthen the launch
+  // that plain loss.backward() (g == 1) makes, where every block returns at once.
+  const int64_t blocks = std::min<int64_t>(
+      n_rows, static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * (2048 / threads));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "_scale_grad_", [&] {
     using scalar = scalar_t;
     AT_DISPATCH_FLOATING_TYPES(grad_output.scalar_type(), "_scale_grad_", [&] {
