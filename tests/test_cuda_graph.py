@@ -13,7 +13,7 @@ import rl_losses
 from rl_losses import reference
 
 from conftest import assert_close
-from helpers import assert_grad_close, make_logits, make_target, requires_cuda
+from helpers import assert_grad_close, label_log_probs64, make_logits, make_target, requires_cuda
 
 N, V = 256, 4096  # one cluster-kernel row pass (bf16 rows of 8 KB) and, for GSPO, the two-pass path
 
@@ -42,8 +42,7 @@ def _fresh(dtype):
     logits = make_logits((N,), V, dtype, "cuda")
     target = make_target((N,), V, "cuda", masked=0.25)
     adv = torch.randn(N, device="cuda")
-    old = (torch.log_softmax(logits.float(), -1).gather(-1, target.clamp_min(0)[:, None]).squeeze(-1)
-           + 0.1 * torch.randn(N, device="cuda"))
+    old = (label_log_probs64(logits, target) + 0.1 * torch.randn(N, device="cuda")).float()
     doc = torch.arange(N, device="cuda") * 8 // N  # 8 documents of 32 tokens
     return logits, target, adv, old, doc
 

@@ -749,9 +749,10 @@ __global__ void __launch_bounds__(kThreads) sum_then_kernel(int64_t n, R r) {
 
 // out[index[i], :] += values[i, :] for i < n (K columns, out zeroed before). A warp whose 32 rows share one
 // index (the common case: packed documents are runs of tokens) adds their sum with one atomic per column;
-// any other warp adds row by row. Atomic, so the order of the additions varies between runs, as with
-// ATen's index_add_ (the runner falls back to it under torch.use_deterministic_algorithms), which this replaces (a fill and a slow generic kernel: 9 us at N = 4096, 23 us at
-// N = 16384 on an H100, contended by the few documents of a long-document batch).
+// any other warp adds row by row. It replaces ATen's fill and index_add_ (a slow generic kernel: 9 us at
+// N = 4096, 23 us at N = 16384 on an H100, contended by the few documents of a long-document batch). Atomic
+// like index_add_, so the order of the additions varies between runs; under torch.use_deterministic_algorithms
+// the runner calls index_add_, whose deterministic path has a fixed order.
 template <int K, typename acc_t>
 __global__ void sum_rows_by_index_kernel(int64_t n, const acc_t* values, const int64_t* index, acc_t* out) {
   wait_previous_grid();
