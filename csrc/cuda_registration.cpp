@@ -6,7 +6,11 @@
 // launchers (common/cuda_backends.h) and never see user input unchecked.
 #ifdef RL_LOSSES_WITH_CUDA
 
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+
+#include <type_traits>
+#include <utility>
 
 #include "common/cuda_backends.h"
 #include "common/row_stats.h"
@@ -17,6 +21,19 @@
 
 namespace rl_losses {
 namespace {
+
+// Op F run with its first tensor's GPU as the current device: every launch below (the library's kernels,
+// ATen's, cuBLAS's) goes to the current device's stream, which need not be the one the tensors are on.
+template <auto F>
+struct OnTensorsDevice;
+template <typename R, typename First, typename... Rest, R (*F)(First, Rest...)>
+struct OnTensorsDevice<F> {
+  static_assert(std::is_same_v<std::decay_t<First>, at::Tensor>, "the op's first argument is a tensor");
+  static R call(First first, Rest... rest) {
+    const c10::cuda::OptionalCUDAGuard guard(first.device());
+    return F(std::forward<First>(first), std::forward<Rest>(rest)...);
+  }
+};
 
 void scale_grad_cuda(const at::Tensor& grad, const at::Tensor& grad_output) {
   if (grad.numel() == 0) return;
@@ -32,19 +49,24 @@ void scale_grad_cuda(const at::Tensor& grad, const at::Tensor& grad_output) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) {
-  m.impl("row_stats", &row_stats_op<row_stats_cuda>);
-  m.impl("_scale_grad_", &scale_grad_cuda);
-  m.impl("_cross_entropy_forward", &CrossEntropyOps<cross_entropy_rows_cuda>::forward);
-  m.impl("_cross_entropy_forward_inplace", &CrossEntropyOps<cross_entropy_rows_cuda>::forward_inplace);
-  m.impl("_grpo_forward", &GrpoOps<grpo_backend_cuda>::forward);
-  m.impl("_grpo_forward_inplace", &GrpoOps<grpo_backend_cuda>::forward_inplace);
-  m.impl("_gspo_forward", &GspoOps<gspo_backend_cuda>::forward);
-  m.impl("_gspo_forward_inplace", &GspoOps<gspo_backend_cuda>::forward_inplace);
-  m.impl("gspo_document_sums", &GspoOps<gspo_backend_cuda>::document_sums);
-  m.impl("_linear_cross_entropy_forward",
-         &LinearCrossEntropyOp<cross_entropy_rows_cuda, accumulate_weight_grad_cuda>::forward);
-  m.impl("_linear_grpo_forward", &LinearGrpoOp<grpo_backend_cuda, accumulate_weight_grad_cuda>::forward);
-  m.impl("_linear_gspo_forward", &LinearGspoOp<gspo_backend_cuda, accumulate_weight_grad_cuda>::forward);
+  using CrossEntropy = CrossEntropyOps<cross_entropy_rows_cuda>;
+  using Grpo = GrpoOps<grpo_backend_cuda>;
+  using Gspo = GspoOps<gspo_backend_cuda>;
+  using LinearCrossEntropy = LinearCrossEntropyOp<cross_entropy_rows_cuda, accumulate_weight_grad_cuda>;
+  using LinearGrpo = LinearGrpoOp<grpo_backend_cuda, accumulate_weight_grad_cuda>;
+  using LinearGspo = LinearGspoOp<gspo_backend_cuda, accumulate_weight_grad_cuda>;
+  m.impl("row_stats", &OnTensorsDevice<&row_stats_op<row_stats_cuda>>::call);
+  m.impl("_scale_grad_", &OnTensorsDevice<&scale_grad_cuda>::call);
+  m.impl("_cross_entropy_forward", &OnTensorsDevice<&CrossEntropy::forward>::call);
+  m.impl("_cross_entropy_forward_inplace", &OnTensorsDevice<&CrossEntropy::forward_inplace>::call);
+  m.impl("_grpo_forward", &OnTensorsDevice<&Grpo::forward>::call);
+  m.impl("_grpo_forward_inplace", &OnTensorsDevice<&Grpo::forward_inplace>::call);
+  m.impl("_gspo_forward", &OnTensorsDevice<&Gspo::forward>::call);
+  m.impl("_gspo_forward_inplace", &OnTensorsDevice<&Gspo::forward_inplace>::call);
+  m.impl("gspo_document_sums", &OnTensorsDevice<&Gspo::document_sums>::call);
+  m.impl("_linear_cross_entropy_forward", &OnTensorsDevice<&LinearCrossEntropy::forward>::call);
+  m.impl("_linear_grpo_forward", &OnTensorsDevice<&LinearGrpo::forward>::call);
+  m.impl("_linear_gspo_forward", &OnTensorsDevice<&LinearGspo::forward>::call);
 }
 
 }  // namespace rl_losses

@@ -3,6 +3,9 @@ gradcheck that works with the ops' one-backward-per-forward contract."""
 import pytest
 import torch
 
+import rl_losses
+from rl_losses import reference
+
 from conftest import DEVICES, assert_close
 
 requires_cuda = pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the extension's CUDA kernels")
@@ -35,6 +38,28 @@ def label_log_probs64(logits, target, logits_scale_factor=1.0):
     logp = torch.log_softmax(logits.detach().double() * logits_scale_factor, dim=-1)
     lp = logp.gather(-1, target.long().clamp_min(0).unsqueeze(-1)).squeeze(-1)
     return torch.where(target >= 0, lp, 0.0)
+
+
+def op_loss(op, logits, target, adv, old, doc, num_documents):
+    """The loss of rl_losses' cross_entropy, grpo_loss or gspo_loss (`op`) with default options."""
+    if op == "cross_entropy":
+        return rl_losses.cross_entropy(logits, target)
+    if op == "grpo":
+        return rl_losses.grpo_loss(logits, target, adv, old).loss
+    return rl_losses.gspo_loss(logits, target, adv, old, doc, num_documents=num_documents).loss
+
+
+def op_reference(op, logits, target, adv, old, doc, num_documents):
+    """The float64 reference of op_loss: the loss and its gradient with respect to the logits."""
+    x = logits.detach().double().requires_grad_()
+    if op == "cross_entropy":
+        loss = reference.cross_entropy(x, target)
+    elif op == "grpo":
+        loss = reference.grpo_loss(x, target, adv.double(), old.double()).loss
+    else:
+        loss = reference.gspo_loss(x, target, adv.double(), old.double(), doc, num_documents=num_documents).loss
+    loss.backward()
+    return loss.detach(), x.grad
 
 
 def assert_grad_close(actual, expected, dtype, *, natural_scale=0.0, scale=1.0):

@@ -9,53 +9,34 @@ its producer finished would show only if the race struck: a few replays at this 
 import pytest
 import torch
 
-import rl_losses
-from rl_losses import reference
-
 from conftest import assert_close
-from helpers import assert_grad_close, label_log_probs64, make_logits, make_target, requires_cuda
+from helpers import assert_grad_close, label_log_probs64, make_logits, make_target, op_loss, op_reference, requires_cuda
 
-N, V = 256, 4096  # one cluster-kernel row pass (bf16 rows of 8 KB) and, for GSPO, the two-pass path
-
-
-def _loss(op, x, t, adv, old, doc):
-    if op == "cross_entropy":
-        return rl_losses.cross_entropy(x, t)
-    if op == "grpo":
-        return rl_losses.grpo_loss(x, t, adv, old).loss
-    return rl_losses.gspo_loss(x, t, adv, old, doc, num_documents=8).loss
+# 256 rows: one round of the cluster kernel (bf16 rows of 8 KB) and, for GSPO, the two-pass path; 1200 rows of
+# 16384: a main and a tail launch of the cluster kernel on an H100/H200 (test_cuda_launch.py).
+SHAPES = [(256, 4096), (1200, 16384)]
+DOCS = 8
 
 
-def _reference(op, x, t, adv, old, doc):
-    x = x.detach().double().requires_grad_()
-    if op == "cross_entropy":
-        loss = reference.cross_entropy(x, t)
-    elif op == "grpo":
-        loss = reference.grpo_loss(x, t, adv.double(), old.double()).loss
-    else:
-        loss = reference.gspo_loss(x, t, adv.double(), old.double(), doc, num_documents=8).loss
-    loss.backward()
-    return loss.detach(), x.grad
-
-
-def _fresh(dtype):
-    logits = make_logits((N,), V, dtype, "cuda")
-    target = make_target((N,), V, "cuda", masked=0.25)
-    adv = torch.randn(N, device="cuda")
-    old = (label_log_probs64(logits, target) + 0.1 * torch.randn(N, device="cuda")).float()
-    doc = torch.arange(N, device="cuda") * 8 // N  # 8 documents of 32 tokens
+def _fresh(n, v, dtype):
+    logits = make_logits((n,), v, dtype, "cuda")
+    target = make_target((n,), v, "cuda", masked=0.25)
+    adv = torch.randn(n, device="cuda")
+    old = (label_log_probs64(logits, target) + 0.1 * torch.randn(n, device="cuda")).float()
+    doc = torch.arange(n, device="cuda") * DOCS // n
     return logits, target, adv, old, doc
 
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("op", ["cross_entropy", "grpo", "gspo"])
-def test_cuda_graph_replay_matches_reference(op, dtype):
-    logits, target, adv, old, doc = _fresh(dtype)
+@pytest.mark.parametrize("n, v", SHAPES, ids=["256x4096", "1200x16384"])
+def test_cuda_graph_replay_matches_reference(op, dtype, n, v):
+    logits, target, adv, old, doc = _fresh(n, v, dtype)
     x = logits.clone().requires_grad_()
 
     def step():
-        loss = _loss(op, x, target, adv, old, doc)
+        loss = op_loss(op, x, target, adv, old, doc, DOCS)
         (grad,) = torch.autograd.grad(loss, x)
         return loss, grad
 
@@ -70,12 +51,12 @@ def test_cuda_graph_replay_matches_reference(op, dtype):
         loss, grad = step()
 
     for _ in range(3):
-        new = _fresh(dtype)
+        new = _fresh(n, v, dtype)
         with torch.no_grad():
             for buf, value in zip((x, target, adv, old, doc), new):
                 buf.copy_(value)
         graph.replay()
         torch.cuda.synchronize()
-        ref_loss, ref_grad = _reference(op, x, target, adv, old, doc)
+        ref_loss, ref_grad = op_reference(op, x, target, adv, old, doc, DOCS)
         assert_close(loss.double(), ref_loss, dtype)
         assert_grad_close(grad, ref_grad, dtype)

@@ -16,13 +16,24 @@
 namespace rl_losses {
 namespace cuda {
 
-// The first statement of each kernel (before any global memory access).
-__device__ __forceinline__ void wait_previous_grid() {
+// Waits until the kernel before this one in the stream has finished and its writes are visible (at once
+// when this launch was not a dependent one).
+__device__ __forceinline__ void wait_for_previous_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  // The next kernel may now be scheduled: it too waits for this one to finish before it reads anything.
+#endif
+}
+// Lets the next kernel be scheduled: it waits in its own wait_for_previous_grid before it reads anything.
+__device__ __forceinline__ void let_next_grid_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" :::);
 #endif
+}
+
+// The first statement of each kernel (before any global memory access).
+__device__ __forceinline__ void wait_previous_grid() {
+  wait_for_previous_grid();
+  let_next_grid_launch();
 }
 
 // A launch configuration on the current stream with the dependent-launch attribute (sm_90 and later), room

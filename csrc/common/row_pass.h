@@ -210,6 +210,12 @@ struct PolicyScalarOutputs {
   }
 };
 
+// out[index[i], :] = Σ values[i, :] over the i with that index, by ATen: the CPU runner's sum_rows_by_index,
+// and the CUDA runner's under torch.use_deterministic_algorithms (index_add_ then adds in a fixed order).
+inline void sum_rows_by_index_aten(const at::Tensor& values, const at::Tensor& index, const at::Tensor& out) {
+  out.zero_().index_add_(0, index, values);
+}
+
 // Dispatch over the logits dtype: fp32/bf16/fp16, and fp64 (reference-grade tests; fp32 math becomes fp64).
 // (AT_DISPATCH needs a literal name; the ops' own checks have already named the argument.)
 #define RL_LOSSES_DISPATCH_LOGITS(DTYPE, NAME, ...) \

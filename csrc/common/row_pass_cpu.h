@@ -134,7 +134,7 @@ struct CpuRunner {
   // K as the CUDA runner takes it).
   template <int K>
   static void sum_rows_by_index(const at::Tensor& values, const at::Tensor& index, const at::Tensor& out) {
-    out.zero_().index_add_(0, index, values);
+    sum_rows_by_index_aten(values, index, out);
   }
   // r.finish(s) once, with s[k] = Σ_{i < n} of r.terms(i)[k] (see row_pass.h): summed in order, in fp64.
   template <typename R>

@@ -25,6 +25,10 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/bulk_copy.cuh"
@@ -204,6 +208,12 @@ struct GradOf {
   }
 };
 
+// The elements of a row of n at p before its first 16-byte boundary: those accessed one by one.
+template <typename scalar_t>
+__device__ inline int64_t unaligned_head(const scalar_t* p, int64_t n) {
+  return std::min<int64_t>((16 - reinterpret_cast<uintptr_t>(p) % 16) % 16 / sizeof(scalar_t), n);
+}
+
 // One block per row: kStats streams the row (kUnroll 16-byte loads in flight per thread) into the block's
 // statistics, else they are read from stats_in; thread 0 runs the epilogue; kGrad then streams the row again
 // and writes the gradient. The row may start anywhere: an unaligned head and a tail go element by element.
@@ -224,8 +234,7 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
     const int64_t local = label - v.vocab_start;
     const bool has_label = label >= 0 && local >= 0 && local < v.vocab;
     // Split the row into an unaligned head, a 16-byte-aligned body and a tail.
-    const int64_t misalign = (reinterpret_cast<uintptr_t>(x) % 16) / sizeof(scalar_t);
-    const int64_t head = misalign == 0 ? 0 : std::min<int64_t>(kVec - misalign, v.vocab);
+    const int64_t head = unaligned_head(x, v.vocab);
     const int64_t n_vec = (v.vocab - head) / kVec;
     const int64_t tail = head + n_vec * kVec;
 
@@ -284,8 +293,7 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
         // logits, which also saves the read. (When the row was read, stores that did not depend on the
         // loads went, in place, to addresses with loads in flight: such rows measured 2x slower in place;
         // benchmarks/NOTES.md v15.)
-        const int64_t g_head = std::min<int64_t>(
-            static_cast<int64_t>((16 - reinterpret_cast<uintptr_t>(g) % 16) % 16 / sizeof(scalar_t)), v.vocab);
+        const int64_t g_head = unaligned_head(g, v.vocab);
         const int64_t g_vec = (v.vocab - g_head) / kVec;
         for (int64_t j = threadIdx.x; j < g_head; j += kThreads) g[j] = scalar_t(0);
         VecT zeros;
@@ -378,11 +386,19 @@ template <int kThreads, typename scalar_t, typename label_t, typename acc_t, boo
           typename Epilogue>
 __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     row_cluster_kernel(RowPassView<scalar_t, label_t, acc_t> v, Epilogue epi, int slice_vecs, int stages,
-                       int piece_vecs) {
+                       int piece_vecs, bool tail) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   CUDA_KERNEL_ASSERT(false && "rl_losses: thread-block clusters need sm_90");  // not launched there
 #else
-  wait_previous_grid();
+  // A tail launch (launch_row_cluster) follows the main launch over the other rows, reads nothing that one
+  // writes, and is scheduled only once every CTA of it has passed its own wait for the kernels before: it
+  // starts at once, on the SMs the main launch frees, and waits at its end instead, so that its completion
+  // still implies the main launch's for the kernel after it.
+  if (tail) {
+    let_next_grid_launch();
+  } else {
+    wait_previous_grid();
+  }
   constexpr int kVec = 16 / sizeof(scalar_t);
   using VecT = Pack<scalar_t, kVec>;
   const auto cluster = cooperative_groups::this_cluster();
@@ -525,6 +541,7 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     }
   }
   cluster.sync();  // no CTA exits while a peer may still write into its shared memory
+  if (tail) wait_for_previous_grid();
 #endif
 }
 
@@ -549,39 +566,61 @@ struct ClusterShape {
   int slice_vecs = 0;   // 16-byte vectors of each CTA's slice (of each stage's buffer)
 };
 
+// RL_LOSSES_ROW_KERNEL, read once: for comparison, =cluster_pow2 takes the smallest power of two of CTAs per
+// row instead of the fewest, =cluster96 slices of up to 96 KB (2 CTAs per SM), =cluster_whole waits for the
+// whole slice before its statistics instead of piece by piece, =cluster2 puts 2 stages first (two buffers of
+// half the size: measured slower, as it doubles C), =cluster_notail makes no tail launch (launch_row_cluster),
+// =split turns the kernel off (the statistics kernel + gradient kernel path).
+struct ClusterKnobs {
+  int max_stages = 1;
+  int piece_bytes = kClusterPieceBytes;
+  bool pow2 = false;
+  int64_t cta_bytes = kClusterCtaBytes;
+  bool tail = true;
+
+  static const ClusterKnobs& get() {
+    static const ClusterKnobs knobs = [] {
+      ClusterKnobs k;
+      const char* env = std::getenv("RL_LOSSES_ROW_KERNEL");
+      const std::string e = env == nullptr ? "" : env;
+      k.max_stages = e == "split" ? 0 : e == "cluster2" ? 2 : 1;
+      if (e == "cluster_whole") k.piece_bytes = static_cast<int>(kClusterCtaBytes);
+      k.pow2 = e == "cluster_pow2";
+      if (e == "cluster96") k.cta_bytes = kClusterCta96Bytes;
+      k.tail = e != "cluster_notail";
+      return k;
+    }();
+    return knobs;
+  }
+};
+
+// The shape with c CTAs per row and `stages` buffers each, or ctas = 0 where the slices do not fit.
+inline ClusterShape cluster_shape(const RowPassArgs& args, int c, int stages) {
+  const ClusterKnobs& k = ClusterKnobs::get();
+  const int64_t slice_vecs = cluster_slice_vecs(args.logits.size(1), args.logits.element_size(), c, k.cta_bytes / stages);
+  if (slice_vecs * 16 * stages > k.cta_bytes) return {};
+  return {c, stages, k.piece_bytes, static_cast<int>(slice_vecs)};
+}
+
 // The shapes row_cluster_kernel may run these arguments with, best first: the fewest CTAs (1 to 16) whose
 // slices fit kClusterCtaBytes, with 1 stage (the launcher takes the first shape the device can make
-// resident). For comparison, read once, RL_LOSSES_ROW_KERNEL=cluster_pow2 takes the smallest power of two
-// of CTAs instead, =cluster96 slices of up to 96 KB (2 CTAs per SM), =cluster_whole waits for the whole
-// slice before its statistics instead of piece by piece, =cluster2 puts 2 stages first (two buffers of half
-// the size: measured slower, as it doubles C), =split turns the kernel off (the statistics kernel + gradient
-// kernel path). None where the kernel does not apply: not the fused shape, a device older than sm_90, rows
-// of the logits or the gradient not 16-byte aligned, a row longer than kMaxClusterSize slices.
+// resident). None where the kernel does not apply: not the fused shape, a device older than sm_90, rows of
+// the logits or the gradient not 16-byte aligned, a row longer than kMaxClusterSize slices.
 inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
-  static const char* const env = std::getenv("RL_LOSSES_ROW_KERNEL");
-  static const int max_stages = env == nullptr                    ? 1
-                                : std::strcmp(env, "split") == 0    ? 0
-                                : std::strcmp(env, "cluster2") == 0 ? 2
-                                                                    : 1;
-  static const int piece_bytes = env != nullptr && std::strcmp(env, "cluster_whole") == 0
-                                      ? static_cast<int>(kClusterCtaBytes)
-                                      : kClusterPieceBytes;
-  static const bool pow2 = env != nullptr && std::strcmp(env, "cluster_pow2") == 0;
-  static const int64_t cta_bytes =
-      env != nullptr && std::strcmp(env, "cluster96") == 0 ? kClusterCta96Bytes : kClusterCtaBytes;
+  const ClusterKnobs& k = ClusterKnobs::get();
   std::vector<ClusterShape> shapes;
-  if (max_stages == 0 || !args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return shapes;
+  if (k.max_stages == 0 || !args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return shapes;
   const int64_t elem = args.logits.element_size();
   auto rows_aligned = [&](const at::Tensor& t) {
     return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && (t.stride(0) * elem) % 16 == 0;
   };
   if (!rows_aligned(args.logits) || !rows_aligned(args.grad)) return shapes;
   if (at::cuda::getDeviceProperties(args.logits.get_device())->major < 9) return shapes;
-  for (int stages = max_stages; stages >= 1; --stages) {
-    for (int c = 1; c <= kMaxClusterSize; c = pow2 ? 2 * c : c + 1) {
-      const int64_t slice_vecs = cluster_slice_vecs(args.logits.size(1), elem, c, cta_bytes / stages);
-      if (slice_vecs * 16 * stages <= cta_bytes) {
-        shapes.push_back({c, stages, piece_bytes, static_cast<int>(slice_vecs)});
+  for (int stages = k.max_stages; stages >= 1; --stages) {
+    for (int c = 1; c <= kMaxClusterSize; c = k.pow2 ? 2 * c : c + 1) {
+      const ClusterShape shape = cluster_shape(args, c, stages);
+      if (shape.ctas != 0) {
+        shapes.push_back(shape);
         break;
       }
     }
@@ -589,46 +628,103 @@ inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
   return shapes;
 }
 
-// Launches row_cluster_kernel where it applies; returns false otherwise.
+// The cluster launch of `shape` for `kernel`: its attributes, and the clusters the current device can hold
+// at once (0: none), asked of the occupancy calculator once per kernel, device and shape.
+template <typename Kernel>
+class ClusterLaunch {
+ public:
+  ClusterLaunch(Kernel* kernel, const ClusterShape& shape) : kernel_(kernel), shape_(shape) {
+    dim_.id = cudaLaunchAttributeClusterDimension;
+    dim_.val.clusterDim.x = static_cast<unsigned>(shape.ctas);
+    dim_.val.clusterDim.y = 1;
+    dim_.val.clusterDim.z = 1;
+  }
+
+  int resident_clusters() const {
+    static std::mutex mutex;
+    static std::map<std::tuple<uintptr_t, int, int, int>, int> known;  // (kernel, device, C, smem) -> clusters
+    const int device = c10::cuda::current_device();
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto key = std::make_tuple(reinterpret_cast<uintptr_t>(kernel_), device, shape_.ctas, static_cast<int>(smem()));
+    const auto it = known.find(key);
+    if (it != known.end()) return it->second;
+    // Room for the largest buffers any shape takes, all of the SM's unified L1/shared memory as shared
+    // memory so that 3 CTAs' buffers fit (the kernel's loads bypass L1 anyway), and clusters of 16 (beyond
+    // the portable 8).
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(ClusterKnobs::get().cta_bytes)));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        cudaSharedmemCarveoutMaxShared));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(shape_.ctas));
+    cfg.blockDim = dim3(kClusterThreads);
+    cfg.dynamicSmemBytes = smem();
+    cudaLaunchAttribute dim = dim_;
+    cfg.attrs = &dim;
+    cfg.numAttrs = 1;
+    // A cluster cannot span GPCs, so this can be fewer than SMs x CTAs per SM / C. A shape the device
+    // cannot make resident at all gives 0 or an error: the caller tries the next.
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel_, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();  // clear it
+      clusters = 0;
+    }
+    known.emplace(key, clusters);
+    return clusters;
+  }
+
+  // `clusters` clusters over the view's rows.
+  template <typename View, typename Epilogue>
+  void operator()(const View& v, const Epilogue& epi, int64_t clusters, bool tail) const {
+    DependentLaunch launch(dim3(static_cast<unsigned>(shape_.ctas * clusters)), kClusterThreads, smem());
+    launch.add(dim_);
+    launch(kernel_, v, epi, shape_.slice_vecs, shape_.stages, shape_.piece_bytes / 16, tail);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+ private:
+  size_t smem() const { return static_cast<size_t>(shape_.slice_vecs) * 16 * shape_.stages; }
+  Kernel* kernel_;
+  ClusterShape shape_;
+  cudaLaunchAttribute dim_;
+};
+
+// Launches row_cluster_kernel where it applies; returns false otherwise. The grid is persistent: as many
+// clusters as can be resident at once, each taking every `clusters`-th row (any more would wait for a second
+// wave). Rows dealt out that way leave the last round of a call part-empty when the clusters do not divide
+// the rows (N = 4096, V = 32000: 396 clusters of 1 take 11 rounds for 10.3 rows each). Those rows go to a
+// tail launch with more CTAs per row instead, each with a shorter slice, where slices of at least a piece
+// fit and the device holds a cluster per tail row: its CTAs start on the SMs the main launch frees.
 template <typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing, typename Epilogue>
 bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
   auto* kernel = &row_cluster_kernel<kClusterThreads, scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue>;
+  using Launch = ClusterLaunch<std::remove_pointer_t<decltype(kernel)>>;
   const auto v = make_view<scalar_t, label_t, acc_t>(args);
   for (const ClusterShape shape : row_cluster_shapes(args)) {
-    const int slice_vecs = shape.slice_vecs;
-    const size_t smem = static_cast<size_t>(slice_vecs) * 16 * shape.stages;
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    // All of the SM's unified L1/shared memory as shared memory, so that 3 CTAs' buffers fit (the kernel's
-    // loads bypass L1 anyway); clusters of 16 are beyond the portable 8.
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                        cudaSharedmemCarveoutMaxShared));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    cudaLaunchAttribute cluster_dim;
-    cluster_dim.id = cudaLaunchAttributeClusterDimension;
-    cluster_dim.val.clusterDim.x = static_cast<unsigned>(shape.ctas);
-    cluster_dim.val.clusterDim.y = 1;
-    cluster_dim.val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(shape.ctas));
-    cfg.blockDim = dim3(kClusterThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.attrs = &cluster_dim;
-    cfg.numAttrs = 1;
-    // Persistent grid: as many clusters as can be resident at once, each looping over rows. (A cluster
-    // cannot span GPCs, so this can be fewer than SMs x CTAs per SM / C; any more would wait for a second
-    // wave.) A shape the device cannot make resident at all gives 0 (or an error): try the next.
-    int max_clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();  // clear it: the next shape or the fallback path runs instead
-      continue;
+    const Launch main_launch(kernel, shape);
+    const int clusters = main_launch.resident_clusters();
+    if (clusters == 0) continue;
+    const int64_t tail_rows = v.n_rows > clusters ? v.n_rows % clusters : 0;
+    if (tail_rows != 0 && ClusterKnobs::get().tail) {
+      for (int c = kMaxClusterSize; c > shape.ctas; --c) {
+        const ClusterShape tail = cluster_shape(args, c, shape.stages);
+        if (tail.ctas == 0 || tail.slice_vecs * 16 < kClusterPieceBytes) continue;
+        const Launch tail_launch(kernel, tail);
+        if (tail_launch.resident_clusters() < tail_rows) continue;
+        auto head = v, rest = v;
+        head.n_rows = v.n_rows - tail_rows;
+        rest.n_rows = tail_rows;
+        rest.logits += head.n_rows * v.row_stride;
+        rest.target += head.n_rows;
+        rest.grad += head.n_rows * v.grad_row_stride;
+        rest.row_offset += head.n_rows;
+        main_launch(head, epi, clusters, false);
+        tail_launch(rest, epi, tail_rows, true);
+        return true;
+      }
     }
-    if (max_clusters == 0) continue;
-    DependentLaunch launch(dim3(static_cast<unsigned>(shape.ctas * std::min<int64_t>(v.n_rows, max_clusters))),
-                           cfg.blockDim, smem);
-    launch.add(cluster_dim);
-    launch(kernel, v, epi, slice_vecs, shape.stages, shape.piece_bytes / 16);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    main_launch(v, epi, std::min<int64_t>(v.n_rows, clusters), false);
     return true;
   }
   return false;
@@ -799,7 +895,7 @@ struct CudaRunner {
   template <int K>
   static void sum_rows_by_index(const at::Tensor& values, const at::Tensor& index, const at::Tensor& out) {
     if (at::globalContext().deterministicAlgorithms()) {  // the atomics' order varies; ATen has a fixed one
-      out.zero_().index_add_(0, index, values);
+      sum_rows_by_index_aten(values, index, out);
       return;
     }
     if (out.numel() == 0) return;
