@@ -25,6 +25,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -597,7 +598,8 @@ struct ClusterKnobs {
 // The shape with c CTAs per row and `stages` buffers each, or ctas = 0 where the slices do not fit.
 inline ClusterShape cluster_shape(const RowPassArgs& args, int c, int stages) {
   const ClusterKnobs& k = ClusterKnobs::get();
-  const int64_t slice_vecs = cluster_slice_vecs(args.logits.size(1), args.logits.element_size(), c, k.cta_bytes / stages);
+  const int64_t slice_vecs =
+      cluster_slice_vecs(args.logits.size(1), args.logits.element_size(), c, k.cta_bytes / stages);
   if (slice_vecs * 16 * stages > k.cta_bytes) return {};
   return {c, stages, k.piece_bytes, static_cast<int>(slice_vecs)};
 }
@@ -628,6 +630,17 @@ inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
   return shapes;
 }
 
+// compute(), the occupancy calculator's answer for `kernel` on the current device with parameters (a, b),
+// once per process: it does not change, and asking it took host time on every call of an op.
+inline int occupancy_once(const void* kernel, int a, int b, const std::function<int()>& compute) {
+  static std::mutex mutex;
+  static std::map<std::tuple<uintptr_t, int, int, int>, int> known;
+  const auto key = std::make_tuple(reinterpret_cast<uintptr_t>(kernel), c10::cuda::current_device(), a, b);
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto it = known.find(key);
+  return it != known.end() ? it->second : known.emplace(key, compute()).first->second;
+}
+
 // The cluster launch of `shape` for `kernel`: its attributes, and the clusters the current device can hold
 // at once (0: none), asked of the occupancy calculator once per kernel, device and shape.
 template <typename Kernel>
@@ -641,37 +654,31 @@ class ClusterLaunch {
   }
 
   int resident_clusters() const {
-    static std::mutex mutex;
-    static std::map<std::tuple<uintptr_t, int, int, int>, int> known;  // (kernel, device, C, smem) -> clusters
-    const int device = c10::cuda::current_device();
-    const std::lock_guard<std::mutex> lock(mutex);
-    const auto key = std::make_tuple(reinterpret_cast<uintptr_t>(kernel_), device, shape_.ctas, static_cast<int>(smem()));
-    const auto it = known.find(key);
-    if (it != known.end()) return it->second;
-    // Room for the largest buffers any shape takes, all of the SM's unified L1/shared memory as shared
-    // memory so that 3 CTAs' buffers fit (the kernel's loads bypass L1 anyway), and clusters of 16 (beyond
-    // the portable 8).
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(ClusterKnobs::get().cta_bytes)));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                        cudaSharedmemCarveoutMaxShared));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(shape_.ctas));
-    cfg.blockDim = dim3(kClusterThreads);
-    cfg.dynamicSmemBytes = smem();
-    cudaLaunchAttribute dim = dim_;
-    cfg.attrs = &dim;
-    cfg.numAttrs = 1;
-    // A cluster cannot span GPCs, so this can be fewer than SMs x CTAs per SM / C. A shape the device
-    // cannot make resident at all gives 0 or an error: the caller tries the next.
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel_, &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();  // clear it
-      clusters = 0;
-    }
-    known.emplace(key, clusters);
-    return clusters;
+    return occupancy_once(reinterpret_cast<const void*>(kernel_), shape_.ctas, static_cast<int>(smem()), [&] {
+      // Room for the largest buffers any shape takes, all of the SM's unified L1/shared memory as shared
+      // memory so that 3 CTAs' buffers fit (the kernel's loads bypass L1 anyway), and clusters of 16 (beyond
+      // the portable 8).
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(ClusterKnobs::get().cta_bytes)));
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(static_cast<unsigned>(shape_.ctas));
+      cfg.blockDim = dim3(kClusterThreads);
+      cfg.dynamicSmemBytes = smem();
+      cudaLaunchAttribute dim = dim_;
+      cfg.attrs = &dim;
+      cfg.numAttrs = 1;
+      // A cluster cannot span GPCs, so this can be fewer than SMs x CTAs per SM / C. A shape the device
+      // cannot make resident at all gives 0 or an error: the caller tries the next.
+      int clusters = 0;
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel_, &cfg) != cudaSuccess) {
+        (void)cudaGetLastError();  // clear it
+        clusters = 0;
+      }
+      return clusters;
+    });
   }
 
   // `clusters` clusters over the view's rows.
@@ -744,8 +751,11 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
     // Grid: as many blocks as can be resident, each looping over rows (rows are dealt out statically, so a
     // block of a second wave would start its rows late). (One resident 1024-thread block per SM measured
     // 1.7x slower on an H100.)
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+    const int per_sm = occupancy_once(reinterpret_cast<const void*>(kernel), kThreads, 0, [&] {
+      int blocks = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
+      return blocks;
+    });
     const int64_t max_blocks = static_cast<int64_t>(props->multiProcessorCount) * std::max(per_sm, 1);
     const dim3 grid(static_cast<unsigned>(std::min<int64_t>(v.n_rows, max_blocks)));
     DependentLaunch(grid, kThreads, 0)(kernel, v, epi);

@@ -29,7 +29,7 @@ def _check_labels(name: str, target: torch.Tensor, vocab_size: int | None) -> No
             and not torch.compiler.is_compiling()):
         high = int(target.max())
         if high >= vocab_size:
-            raise ValueError(f"{name}: target holds label {high} but the vocabulary has {vocab_size} entries")
+            raise ValueError(f"{name}: target holds label {high}, out of range for vocab_size {vocab_size}")
 
 
 def _vocab_size(t: torch.Tensor, dim: int) -> int | None:
