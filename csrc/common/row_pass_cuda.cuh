@@ -527,7 +527,8 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
 
     const GradOf<scalar_t, acc_t> grad_of(coef_shared, lse_shared, v.scale, has_label ? local : int64_t(-1));
     VecT* gv = reinterpret_cast<VecT*>(v.grad + row * v.grad_row_stride + begin);
-#pragma unroll 2
+    // Unrolled by 4: four shared-memory loads in flight per thread (H200: +0.1-0.8 points over 2; NOTES v16).
+#pragma unroll 4
     for (int i = threadIdx.x; i < n_full; i += kThreads) store_vec(&gv[i], grad_of(load_vec(&slice[i])));
     if (has_label && local < n_full * kVec && local / kVec % kThreads == threadIdx.x) {
       reinterpret_cast<scalar_t*>(gv)[local] = grad_of(reinterpret_cast<const scalar_t*>(slice)[local], local);
