@@ -527,7 +527,8 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
 
     const GradOf<scalar_t, acc_t> grad_of(coef_shared, lse_shared, v.scale, has_label ? local : int64_t(-1));
     VecT* gv = reinterpret_cast<VecT*>(v.grad + row * v.grad_row_stride + begin);
-    // Unrolled by 4: four shared-memory loads in flight per thread (H200: +0.1-0.8 points over 2; NOTES v16).
+    // Unrolled by 4: four shared-memory loads in flight per thread (+0.6 points of the copy at the headline on
+    // an H200, up to +1.2 on an H100; benchmarks/NOTES.md v16).
 #pragma unroll 4
     for (int i = threadIdx.x; i < n_full; i += kThreads) store_vec(&gv[i], grad_of(load_vec(&slice[i])));
     if (has_label && local < n_full * kVec && local / kVec % kThreads == threadIdx.x) {
