@@ -22,15 +22,18 @@
 namespace rl_losses {
 namespace {
 
-// Op F run with its first tensor's GPU as the current device: every launch below (the library's kernels,
-// ATen's, cuBLAS's) goes to the current device's stream, which need not be the one the tensors are on.
+// Op F run with its first tensor's GPU as the current device: the library's own launches (its kernels, their
+// stream, memsets, the device's properties) go to the current device, which need not be the tensors' one. The
+// one place that sets it for every CUDA op. A first tensor on the CPU (another argument on a GPU brought the
+// call here) sets nothing, so that the op's own device check reports the mismatch.
 template <auto F>
 struct OnTensorsDevice;
 template <typename R, typename First, typename... Rest, R (*F)(First, Rest...)>
 struct OnTensorsDevice<F> {
   static_assert(std::is_same_v<std::decay_t<First>, at::Tensor>, "the op's first argument is a tensor");
   static R call(First first, Rest... rest) {
-    const c10::cuda::OptionalCUDAGuard guard(first.device());
+    c10::cuda::OptionalCUDAGuard guard;
+    if (first.is_cuda()) guard.set_device(first.device());
     return F(std::forward<First>(first), std::forward<Rest>(rest)...);
   }
 };

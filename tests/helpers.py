@@ -40,13 +40,24 @@ def label_log_probs64(logits, target, logits_scale_factor=1.0):
     return torch.where(target >= 0, lp, 0.0)
 
 
-def op_loss(op, logits, target, adv, old, doc, num_documents):
-    """The loss of rl_losses' cross_entropy, grpo_loss or gspo_loss (`op`) with default options."""
+def policy_inputs(logits, num_documents):
+    """For (N, V) logits: labels (a quarter masked), advantages, old log-probs near the current ones (so that
+    some ratios clip) and document ids of num_documents equal runs, on the logits' device."""
+    n, v = logits.shape
+    target = make_target((n,), v, logits.device, masked=0.25)
+    adv = torch.randn(n, device=logits.device)
+    old = (label_log_probs64(logits, target) + 0.1 * torch.randn(n, device=logits.device)).float()
+    doc = torch.arange(n, device=logits.device) * num_documents // n
+    return target, adv, old, doc
+
+
+def op_loss(op, logits, target, adv, old, doc, num_documents, **options):
+    """The loss of rl_losses' cross_entropy, grpo_loss or gspo_loss (`op`), with default options but these."""
     if op == "cross_entropy":
-        return rl_losses.cross_entropy(logits, target)
+        return rl_losses.cross_entropy(logits, target, **options)
     if op == "grpo":
-        return rl_losses.grpo_loss(logits, target, adv, old).loss
-    return rl_losses.gspo_loss(logits, target, adv, old, doc, num_documents=num_documents).loss
+        return rl_losses.grpo_loss(logits, target, adv, old, **options).loss
+    return rl_losses.gspo_loss(logits, target, adv, old, doc, num_documents=num_documents, **options).loss
 
 
 def op_reference(op, logits, target, adv, old, doc, num_documents):

@@ -537,6 +537,10 @@ def test_device_mismatch():
     target = make_target((4,), 7, "cpu")
     with pytest.raises(RuntimeError, match="target is on cpu but logits is on cuda"):
         rl_losses.cross_entropy(logits, target)
+    # The other way round the call still reaches the CUDA kernel (a CUDA argument decides), with the logits
+    # on the CPU: the same check, not a device-guard error.
+    with pytest.raises(RuntimeError, match="target is on cuda:0 but logits is on cpu"):
+        rl_losses.cross_entropy(logits.cpu(), target.cuda())
 
 
 def test_inplace_backward_needs_one_row_stride(device):

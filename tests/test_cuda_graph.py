@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import assert_close
-from helpers import assert_grad_close, label_log_probs64, make_logits, make_target, op_loss, op_reference, requires_cuda
+from helpers import assert_grad_close, make_logits, op_loss, op_reference, policy_inputs, requires_cuda
 
 # 256 rows: one round of the cluster kernel (bf16 rows of 8 KB) and, for GSPO, the two-pass path; 1200 rows of
 # 16384: a main and a tail launch of the cluster kernel on an H100/H200 (test_cuda_launch.py).
@@ -20,11 +20,7 @@ DOCS = 8
 
 def _fresh(n, v, dtype):
     logits = make_logits((n,), v, dtype, "cuda")
-    target = make_target((n,), v, "cuda", masked=0.25)
-    adv = torch.randn(n, device="cuda")
-    old = (label_log_probs64(logits, target) + 0.1 * torch.randn(n, device="cuda")).float()
-    doc = torch.arange(n, device="cuda") * DOCS // n
-    return logits, target, adv, old, doc
+    return (logits, *policy_inputs(logits, DOCS))
 
 
 @requires_cuda

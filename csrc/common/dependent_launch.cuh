@@ -3,7 +3,9 @@
 // much as the small kernels themselves (~2 us each on an H100; benchmarks/NOTES.md v14). A kernel launched
 // through DependentLaunch may be scheduled while the kernel before it is still running; it waits in
 // wait_previous_grid(), before it touches global memory, until that kernel has finished and its writes are
-// visible. So the order of effects is the plain stream order; only the launch latency overlaps.
+// visible. So the order of effects is the plain stream order; only the launch latency overlaps. (One
+// exception, the cluster kernel's tail launch, waits at its end instead: row_pass_cuda.cuh says why that is
+// safe there.)
 // RL_LOSSES_PDL=0 launches plainly (for comparison).
 #pragma once
 
@@ -30,7 +32,7 @@ __device__ __forceinline__ void let_next_grid_launch() {
 #endif
 }
 
-// The first statement of each kernel (before any global memory access).
+// The first statement of each kernel (before any global memory access), the tail launch's excepted.
 __device__ __forceinline__ void wait_previous_grid() {
   wait_for_previous_grid();
   let_next_grid_launch();

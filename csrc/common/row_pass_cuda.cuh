@@ -17,7 +17,6 @@
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -391,10 +390,13 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   CUDA_KERNEL_ASSERT(false && "rl_losses: thread-block clusters need sm_90");  // not launched there
 #else
-  // A tail launch (launch_row_cluster) follows the main launch over the other rows, reads nothing that one
-  // writes, and is scheduled only once every CTA of it has passed its own wait for the kernels before: it
-  // starts at once, on the SMs the main launch frees, and waits at its end instead, so that its completion
-  // still implies the main launch's for the kernel after it.
+  // A tail launch (launch_row_cluster) follows the main launch over the other rows and reads nothing the main
+  // launch writes. It can be scheduled only once every CTA of the main launch has passed its own wait for the
+  // kernels before (each triggers right after it), i.e. once those kernels have finished and their writes
+  // reached L2, which the tail's loads read. (The PTX guarantee of visibility is to a grid that waits itself;
+  // this relies on the writes being flushed by then.) So it starts at once, on the SMs the main launch frees,
+  // and waits at its end instead, so that its completion still implies the main launch's for the kernel after
+  // it.
   if (tail) {
     let_next_grid_launch();
   } else {
@@ -607,9 +609,10 @@ inline ClusterShape cluster_shape(const RowPassArgs& args, int c, int stages) {
 }
 
 // The shapes row_cluster_kernel may run these arguments with, best first: the fewest CTAs (1 to 16) whose
-// slices fit kClusterCtaBytes, with 1 stage (the launcher takes the first shape the device can make
-// resident). None where the kernel does not apply: not the fused shape, a device older than sm_90, rows of
-// the logits or the gradient not 16-byte aligned, a row longer than kMaxClusterSize slices.
+// slices fit the knobs' cta_bytes (kClusterCtaBytes unless =cluster96), with 1 stage (the launcher takes the
+// first shape the device can make resident). None where the kernel does not apply: not the fused shape, a
+// device older than sm_90, rows of the logits or the gradient not 16-byte aligned, a row longer than
+// kMaxClusterSize slices.
 inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
   const ClusterKnobs& k = ClusterKnobs::get();
   std::vector<ClusterShape> shapes;
@@ -728,6 +731,7 @@ bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
         rest.target += head.n_rows;
         rest.grad += head.n_rows * v.grad_row_stride;
         rest.row_offset += head.n_rows;
+        TORCH_INTERNAL_ASSERT(v.stats_in == nullptr, "rl_losses: the fused pass reads no statistics");
         main_launch(head, epi, clusters, false);
         tail_launch(rest, epi, tail_rows, true);
         return true;
@@ -785,7 +789,6 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
 template <typename Epilogue_for>
 void row_pass_cuda(const RowPassArgs& args, const char* name, Epilogue_for&& make_epilogue) {
   if (args.logits.size(0) == 0) return;
-  const c10::cuda::OptionalCUDAGuard guard(args.logits.device());
   RL_LOSSES_DISPATCH_LOGITS(args.logits.scalar_type(), name, [&] {
     using acc_t = typename acc_type<scalar_t>::type;
     const auto epi = make_epilogue(static_cast<acc_t*>(nullptr));

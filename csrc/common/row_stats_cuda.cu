@@ -8,12 +8,10 @@ namespace rl_losses {
 bool cuda_fuses_row_pass(const RowPassArgs& args) { return !cuda::row_cluster_shapes(args).empty(); }
 
 void labelled_count_cuda(const at::Tensor& target1d, const at::Tensor& out) {
-  const c10::cuda::OptionalCUDAGuard guard(out.device());
   labelled_count_on<CudaRunner>(target1d, out);
 }
 
 void sum_cuda(const at::Tensor& x, const at::Tensor& out) {
-  const c10::cuda::OptionalCUDAGuard guard(out.device());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "sum_1d", [&] {
     CudaRunner::sum_then(x.numel(), SumOf<scalar_t>{x.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>()});
   });
@@ -43,7 +41,6 @@ __global__ void scale_rows_kernel(scalar_t* grad, int64_t n_rows, int64_t cols, 
 
 // grad_output: a 0-dim tensor on the gradient's device (checked by the caller).
 void scale_grad_cuda_scalar(const at::Tensor& grad, const at::Tensor& grad_output) {
-  const c10::cuda::OptionalCUDAGuard guard(grad.device());
   const int64_t cols = grad.size(-1);
   at::Tensor g2 = grad.view({-1, cols});
   const int64_t n_rows = g2.size(0);

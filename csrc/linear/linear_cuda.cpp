@@ -2,7 +2,6 @@
 #ifdef RL_LOSSES_WITH_CUDA
 
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <cublas_v2.h>
 #include <dlfcn.h>
 
@@ -47,7 +46,6 @@ void accumulate_weight_grad_cuda(const at::Tensor& acc, const at::Tensor& grad_c
   TORCH_INTERNAL_ASSERT(acc.scalar_type() == at::kFloat && acc.is_contiguous() && grad_chunk.is_contiguous() &&
                         hidden_chunk.is_contiguous());
   const int64_t rows = grad_chunk.size(0), vocab = grad_chunk.size(1), hidden = hidden_chunk.size(1);
-  const c10::cuda::CUDAGuard guard(acc.device());
   const cudaDataType in_type = grad_chunk.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
   TORCH_INTERNAL_ASSERT(grad_chunk.scalar_type() == at::kBFloat16 || grad_chunk.scalar_type() == at::kHalf);
   const float one = 1.0f, beta = overwrite ? 0.0f : 1.0f;
