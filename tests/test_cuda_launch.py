@@ -46,10 +46,15 @@ def test_rows_beyond_one_round_match_reference(op, n, v, dtype, layout):
 
 
 def _kernel_launches(fn, name):
+    fn()  # outside the profile: the first call's one-time work
+    torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(e.count for e in prof.key_averages() if name in e.key)
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        pytest.skip("the profiler recorded no CUDA kernels in this process")
+    return sum(name in k for k in kernels)
 
 
 @requires_cuda

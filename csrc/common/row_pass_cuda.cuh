@@ -529,9 +529,9 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
 
     const GradOf<scalar_t, acc_t> grad_of(coef_shared, lse_shared, v.scale, has_label ? local : int64_t(-1));
     VecT* gv = reinterpret_cast<VecT*>(v.grad + row * v.grad_row_stride + begin);
-    // Unrolled by 4: four shared-memory loads in flight per thread (+0.6 points of the copy at the headline on
-    // an H200, up to +1.2 on an H100; benchmarks/NOTES.md v16).
-#pragma unroll 4
+    // Unrolled by 2. By 4 gained up to a point at large V, but took the bf16 kernel from 64 to 72 registers
+    // (4 to 3 CTAs per SM where the slices allow more): -6.5 points at V = 8192 (benchmarks/NOTES.md v16).
+#pragma unroll 2
     for (int i = threadIdx.x; i < n_full; i += kThreads) store_vec(&gv[i], grad_of(load_vec(&slice[i])));
     if (has_label && local < n_full * kVec && local / kVec % kThreads == threadIdx.x) {
       reinterpret_cast<scalar_t*>(gv)[local] = grad_of(reinterpret_cast<const scalar_t*>(slice)[local], local);
