@@ -28,22 +28,31 @@ class OpSpec:
     name: str
     label: str
     kind: str  # "ce", "grpo" or "gspo"
-    passes: int  # minimal N x V passes: read the logits once per pass that needs them + write the gradient once
+    passes: float  # minimal N x V passes: read the logits once per pass that needs them + write the gradient once
     seq_len: int  # tokens per sequence (GRPO: Liger's B x L layout) or per document (GSPO)
     beta: float = 0.0
+    masked: float = 0.0  # the last fraction of every sequence has no label (target -100, Liger's mask 0)
+    headline_only: bool = False  # not run over the grid of shapes
 
 
 OPS = {
     "ce": OpSpec("ce", "cross-entropy", "ce", 2, 2048),
     "grpo": OpSpec("grpo", "GRPO beta=0", "grpo", 2, 2048),
     "grpo_kl": OpSpec("grpo_kl", f"GRPO beta={KL_BETA}", "grpo", 2, 2048, beta=KL_BETA),
+    # Half of every sequence unlabelled (padding, or a prompt): a masked row needs no read, only its zero
+    # gradient written, so the minimal traffic is 1.5 passes.
+    "grpo_masked": OpSpec("grpo_masked", "GRPO beta=0, half masked", "grpo", 1.5, 2048, masked=0.5,
+                          headline_only=True),
     # GSPO must read the logits twice (R_s needs every token of a document first), then write once.
     "gspo_2048": OpSpec("gspo_2048", "GSPO docs of 2048", "gspo", 3, 2048),
     "gspo_64": OpSpec("gspo_64", "GSPO docs of 64", "gspo", 3, 64),
+    "gspo_masked": OpSpec("gspo_masked", "GSPO docs of 2048, half masked", "gspo", 2, 2048, masked=0.5,
+                          headline_only=True),
 }
 
 DEFINITION_NOTES = [
-    "All providers run fwd+bwd (loss.backward()) on the same inputs: every token labelled, logits_scale_factor "
+    "All providers run fwd+bwd (loss.backward()) on the same inputs: every token labelled (except in "
+    "grpo_masked: the last half of every sequence has target -100, Liger's completion_mask 0 there), logits_scale_factor "
     "= 1 (Liger temperature = 1), eps_low = eps_high = 0.2, loss = token mean (CE, GRPO) or document mean "
     "(GSPO); advantages are drawn per sequence/document and broadcast to its tokens (Liger takes them per "
     "sequence, we take them per token: same loss).",
@@ -122,9 +131,11 @@ def make_inputs(op: OpSpec, n: int, v: int, dtype: torch.dtype, device, seed: in
     odds = torch.tensor([0.0, 1.0, 9.0, 99.0][:k], dtype=torch.float64)
     boost = torch.where(odds > 0, math.log(v) + 0.5 + odds.clamp_min(1e-300).log(), torch.zeros_like(odds))
     logits[torch.arange(k, device=device), target[:k]] += boost.to(device=device, dtype=dtype)
+    if op.masked:
+        target.view(b, seq_len)[:, seq_len - int(op.masked * seq_len):] = -100
     inp = {"logits": logits, "target": target, "n": n, "v": v, "seq_len": seq_len, "num_seqs": b}
     if op.kind != "ce":
-        lp = label_logprobs(logits, target)
+        lp = label_logprobs(logits, target.clamp_min(0))
         noise = lambda *shape: torch.randn(*shape, device=device, generator=g)  # noqa: E731
         inp["advantages_seq"] = noise(b)
         inp["advantages"] = inp["advantages_seq"].repeat_interleave(seq_len)
@@ -314,10 +325,11 @@ class Liger(Provider):
         x[:, :l].copy_(logits.view(b, l, v))
         x[:, l].copy_(logits.view(b, l, v)[:, 0])
         del logits
-        s = {"base": x.requires_grad_(True), "ids": inp["target"].view(b, l), "adv": inp["advantages_seq"],
+        target = inp["target"].view(b, l)
+        s = {"base": x.requires_grad_(True), "ids": target.clamp_min(0), "adv": inp["advantages_seq"],
              "old": inp["old_log_probs"].view(b, l).contiguous(),
              "ref": None if inp.get("ref_log_probs") is None else inp["ref_log_probs"].view(b, l).contiguous(),
-             "mask": torch.ones(b, l, dtype=torch.int64, device=x.device), "seq_len": l}
+             "mask": (target >= 0).to(torch.int64), "seq_len": l}
         return s
 
     def loss(self, op, s, logits):

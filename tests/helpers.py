@@ -40,11 +40,12 @@ def label_log_probs64(logits, target, logits_scale_factor=1.0):
     return torch.where(target >= 0, lp, 0.0)
 
 
-def policy_inputs(logits, num_documents):
-    """For (N, V) logits: labels (a quarter masked), advantages, old log-probs near the current ones (so that
-    some ratios clip) and document ids of num_documents equal runs, on the logits' device."""
+def policy_inputs(logits, num_documents, masked=0.25):
+    """For (N, V) logits: labels (the fraction `masked` of them -100), advantages, old log-probs near the
+    current ones (so that some ratios clip) and document ids of num_documents equal runs, on the logits'
+    device."""
     n, v = logits.shape
-    target = make_target((n,), v, logits.device, masked=0.25)
+    target = make_target((n,), v, logits.device, masked=masked)
     adv = torch.randn(n, device=logits.device)
     old = (label_log_probs64(logits, target) + 0.1 * torch.randn(n, device=logits.device)).float()
     doc = torch.arange(n, device=logits.device) * num_documents // n

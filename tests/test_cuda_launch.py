@@ -19,13 +19,13 @@ SHAPES = [(1200, 16384, torch.bfloat16), (1200, 16384, torch.float16), (1200, 81
           (100, 128256, torch.bfloat16)]
 
 
-def _check(op, n, v, dtype, layout, device="cuda"):
+def _check(op, n, v, dtype, layout, device="cuda", masked=0.25):
     """fwd+bwd against the float64 reference. layout: "contiguous"; "sliced", the logits a column slice of a
     wider tensor (row stride V + 16 bytes; the gradient, a new tensor, has stride V); "inplace", the gradient
     written over the logits (inplace_backward)."""
     pad = 16 // torch.empty((), dtype=dtype).element_size() if layout == "sliced" else 0
     base = make_logits((n,), v + pad, dtype, device)
-    target, adv, old, doc = policy_inputs(base[:, :v], DOCS)
+    target, adv, old, doc = policy_inputs(base[:, :v], DOCS, masked)
     leaf = base.clone().requires_grad_()
     work = leaf.clone() if layout == "inplace" else leaf  # a non-leaf copy the op may overwrite
     loss = op_loss(op, work[:, :v], target, adv, old, doc, DOCS, inplace_backward=layout == "inplace")
@@ -43,6 +43,17 @@ def _check(op, n, v, dtype, layout, device="cuda"):
 @pytest.mark.parametrize("op", ["cross_entropy", "grpo"])
 def test_rows_beyond_one_round_match_reference(op, n, v, dtype, layout):
     _check(op, n, v, dtype, layout)
+
+
+@requires_cuda
+@pytest.mark.parametrize("masked", [0.9, 1.0])
+@pytest.mark.parametrize("n, v, dtype", [SHAPES[0], SHAPES[3]], ids=["bf16-16384", "bf16-128256"])
+@pytest.mark.parametrize("op", ["grpo", "gspo"])
+def test_mostly_masked_rows_match_reference(op, n, v, dtype, masked):
+    """GRPO and GSPO's statistics pass skip unlabelled rows (no read, a zero gradient): each CTA of a cluster
+    then reads a different number of rows, which its barriers' phases must follow."""
+    _check(op, n, v, dtype, "contiguous", masked=masked)
+    _check(op, n, v, dtype, "inplace", masked=masked)
 
 
 def _kernel_launches(fn, name):

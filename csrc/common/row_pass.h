@@ -102,7 +102,9 @@ inline RowPassView<scalar_t, label_t, acc_t> make_view(const RowPassArgs& a) {
 
 // Every epilogue declares which optional statistics it can consume (kMayUseEntropy, kMayUseSmoothing) and
 // in which pass shapes it is used — with statistics read from `stats_in` (kMayReadStats), with a gradient
-// (kMayWriteGrad) — so that only those kernel variants are compiled. `go` is called with std::true_type/false_type flags.
+// (kMayWriteGrad) — so that only those kernel variants are compiled. kSkipsUnlabelled: for a row with
+// label < 0 it reads no statistics and returns a zero gradient, so a pass that computes the statistics
+// reads no logits there (the row costs only its gradient's write) and passes RowStats::empty(). `go` is called with std::true_type/false_type flags.
 template <typename Epi, typename Go>
 void dispatch_stat_flags(const RowPassArgs& args, Go&& go) {
   using T = std::true_type;
@@ -122,11 +124,12 @@ void dispatch_stat_flags(const RowPassArgs& args, Go&& go) {
 }
 
 // Epilogue that stores the raw statistics (N, 5): max, sumexp, sum_px, sum_x, label. Used by the
-// statistics-only pass (tensor-parallel forward, GSPO pass 1). No gradient.
-template <typename acc_t>
+// statistics-only pass (tensor-parallel forward, GSPO pass 1). No gradient. kLabelledOnly: a row with
+// label < 0 is not read and gets RowStats::empty(), for a caller that uses no statistics of such rows.
+template <typename acc_t, bool kLabelledOnly = false>
 struct StoreStatsEpilogue {
   static constexpr bool kMayUseEntropy = true, kMayUseSmoothing = true;
-  static constexpr bool kMayReadStats = false, kMayWriteGrad = false;
+  static constexpr bool kMayReadStats = false, kMayWriteGrad = false, kSkipsUnlabelled = kLabelledOnly;
   acc_t* out;
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t /*label*/, const RowStats<acc_t>& st) const {
     acc_t* o = out + row * RowStats<acc_t>::kFields;
@@ -150,7 +153,7 @@ C10_HOST_DEVICE inline RowStats<acc_t> load_stats(const acc_t* stats, int64_t ro
 template <typename acc_t>
 struct PolicyCoefEpilogue {
   static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = false;
-  static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
+  static constexpr bool kMayReadStats = true, kMayWriteGrad = true, kSkipsUnlabelled = false;
   const acc_t* coef;
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t, const RowStats<acc_t>&) const {
     const acc_t c = coef[row];

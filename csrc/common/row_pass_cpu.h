@@ -67,10 +67,12 @@ void row_pass_cpu_typed(const RowPassArgs& args, const Epilogue& epi) {
                     "vocab_size ", v.vocab_total);
         const int64_t local = label - v.vocab_start;
         const bool has_label = label >= 0 && local >= 0 && local < v.vocab;
-        RowStats<acc_t> st;
+        RowStats<acc_t> st = RowStats<acc_t>::empty();
         if (stats) {
-          st = row_stats_cpu<kEntropy, kSmoothing>(x, v.vocab, v.scale);
-          st.label = has_label ? static_cast<acc_t>(x[local]) * v.scale : acc_t(0);
+          if (!(Epilogue::kSkipsUnlabelled && label < 0)) {
+            st = row_stats_cpu<kEntropy, kSmoothing>(x, v.vocab, v.scale);
+            st.label = has_label ? static_cast<acc_t>(x[local]) * v.scale : acc_t(0);
+          }
         } else {
           st = load_stats(v.stats_in, row);
         }

@@ -214,6 +214,26 @@ __device__ inline int64_t unaligned_head(const scalar_t* p, int64_t n) {
   return std::min<int64_t>((16 - reinterpret_cast<uintptr_t>(p) % 16) % 16 / sizeof(scalar_t), n);
 }
 
+// Zeros over g[0, n) by the block's threads, 16-byte stores between an element-wise head and tail. A row
+// with a zero gradient (a masked token, a clipped document) is written this way without reading its
+// logits, which also saves the read. (When the row was read, stores that did not depend on the loads went,
+// in place, to addresses with loads in flight: such rows measured 2x slower in place; benchmarks/NOTES.md
+// v15.)
+template <int kThreads, typename scalar_t>
+__device__ inline void block_zero_fill(scalar_t* g, int64_t n) {
+  constexpr int kVec = 16 / sizeof(scalar_t);
+  using VecT = Pack<scalar_t, kVec>;
+  const int64_t head = unaligned_head(g, n);
+  const int64_t n_vec = (n - head) / kVec;
+  for (int64_t j = threadIdx.x; j < head; j += kThreads) g[j] = scalar_t(0);
+  VecT zeros;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) zeros.v[k] = scalar_t(0);
+  VecT* gz = reinterpret_cast<VecT*>(g + head);
+  for (int64_t i = threadIdx.x; i < n_vec; i += kThreads) store_vec(&gz[i], zeros);
+  for (int64_t j = head + n_vec * kVec + threadIdx.x; j < n; j += kThreads) g[j] = scalar_t(0);
+}
+
 // One block per row: kStats streams the row (kUnroll 16-byte loads in flight per thread) into the block's
 // statistics, else they are read from stats_in; thread 0 runs the epilogue; kGrad then streams the row again
 // and writes the gradient. The row may start anywhere: an unaligned head and a tail go element by element.
@@ -238,9 +258,9 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
     const int64_t n_vec = (v.vocab - head) / kVec;
     const int64_t tail = head + n_vec * kVec;
 
-    RowStats<acc_t> st;
-    if constexpr (kStats) {
-      st = RowStats<acc_t>::empty();
+    RowStats<acc_t> st = RowStats<acc_t>::empty();
+    // An epilogue that skips unlabelled rows gets them without statistics: the row is not read.
+    if (kStats && !(Epilogue::kSkipsUnlabelled && label < 0)) {
       for (int64_t j = threadIdx.x; j < head; j += kThreads)
         st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(x[j]), v.scale);
       const VecT* xv = reinterpret_cast<const VecT*>(x + head);
@@ -289,19 +309,7 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
       const GradOf<scalar_t, acc_t> grad_of(coef_shared, lse_shared, v.scale, local);
       scalar_t* g = v.grad + row * v.grad_row_stride;
       if (grad_of.zero) {
-        // A zero-gradient row (a masked token, a clipped document): zeros, written without reading the
-        // logits, which also saves the read. (When the row was read, stores that did not depend on the
-        // loads went, in place, to addresses with loads in flight: such rows measured 2x slower in place;
-        // benchmarks/NOTES.md v15.)
-        const int64_t g_head = unaligned_head(g, v.vocab);
-        const int64_t g_vec = (v.vocab - g_head) / kVec;
-        for (int64_t j = threadIdx.x; j < g_head; j += kThreads) g[j] = scalar_t(0);
-        VecT zeros;
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) zeros.v[k] = scalar_t(0);
-        VecT* gz = reinterpret_cast<VecT*>(g + g_head);
-        for (int64_t i = threadIdx.x; i < g_vec; i += kThreads) store_vec(&gz[i], zeros);
-        for (int64_t j = g_head + g_vec * kVec + threadIdx.x; j < v.vocab; j += kThreads) g[j] = scalar_t(0);
+        block_zero_fill<kThreads>(g, v.vocab);  // without reading the row
         __syncthreads();  // the shared coefficient is rewritten for the next row
         continue;
       }
@@ -457,7 +465,23 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
 
   int64_t row = blockIdx.x / n_ctas;
   if (stages == 2 && row < v.n_rows) fetch(row, 0);
-  for (int it = 0; row < v.n_rows; row += row_step, ++it) {
+  // Where the epilogue skips unlabelled rows (and with 1 stage), each row's label is loaded a row ahead, and
+  // an unlabelled row is written as zeros without being read or exchanged. Every CTA of the cluster skips
+  // the same rows. `it` counts the rows read, which set the barriers' phases and the `gathered` slots (for
+  // other epilogues it is the loop's own counter, so that their code is the same as without this).
+  constexpr bool kSkips = Epilogue::kSkipsUnlabelled;
+  int64_t next_label = kSkips && row < v.n_rows ? static_cast<int64_t>(v.target[row]) : 0;
+  for (int rows_done = 0, rows_read = 0; row < v.n_rows; row += row_step, ++rows_done) {
+    if (kSkips && stages == 1) {
+      const int64_t label = next_label;
+      if (row + row_step < v.n_rows) next_label = static_cast<int64_t>(v.target[row + row_step]);
+      if (label < 0) {
+        if (rank == 0 && threadIdx.x == 0) epi(row + v.row_offset, label, RowStats<acc_t>::empty());
+        block_zero_fill<kThreads>(v.grad + row * v.grad_row_stride + begin, n_elems);
+        continue;
+      }
+    }
+    const int it = kSkips ? rows_read++ : rows_done;
     const int b = stages == 2 ? it & 1 : 0;
     VecT* const slice = buffers + b * slice_vecs;
     __syncthreads();  // every thread is done reading the buffer the next copy overwrites

@@ -18,6 +18,7 @@ template <typename acc_t>
 struct CrossEntropyEpilogue {
   static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = true;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
+  static constexpr bool kSkipsUnlabelled = false;  // lse is an output of every row, labelled or not
   CrossEntropyOptions<acc_t> opt;
   const acc_t* divisor;  // 0-dim: D (1 for reduction "none")
   acc_t* row_loss;       // (N,) m_t·ℓ_t / D

@@ -22,6 +22,7 @@ template <typename acc_t>
 struct GrpoEpilogue {
   static constexpr bool kMayUseEntropy = true, kMayUseSmoothing = false;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
+  static constexpr bool kSkipsUnlabelled = true;  // a masked token's outputs and gradient are zeros
   GrpoOptions<acc_t> opt;
   const acc_t* advantages;
   const acc_t* old_log_probs;

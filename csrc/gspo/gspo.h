@@ -284,10 +284,11 @@ struct GspoBackendImpl {
   }
 #define RL_LOSSES_DISPATCH_ACC(T, ...) AT_DISPATCH_FLOATING_TYPES(T.scalar_type(), "gspo", __VA_ARGS__)
 
+  // GspoTokenTerms uses no statistics of an unlabelled token, so such rows are not read.
   static void stats(const RowPassArgs& args, const at::Tensor& out) {
     Runner::row_pass(args, "gspo", [&](auto* tag) {
       using acc_t = std::remove_pointer_t<decltype(tag)>;
-      return StoreStatsEpilogue<acc_t>{out.data_ptr<acc_t>()};
+      return StoreStatsEpilogue<acc_t, true>{out.data_ptr<acc_t>()};
     });
   }
   static void grad(const RowPassArgs& args, const at::Tensor& coef) {
