@@ -52,10 +52,10 @@ OPS = {
 
 DEFINITION_NOTES = [
     "All providers run fwd+bwd (loss.backward()) on the same inputs: every token labelled (except in "
-    "grpo_masked: the last half of every sequence has target -100, Liger's completion_mask 0 there), logits_scale_factor "
-    "= 1 (Liger temperature = 1), eps_low = eps_high = 0.2, loss = token mean (CE, GRPO) or document mean "
-    "(GSPO); advantages are drawn per sequence/document and broadcast to its tokens (Liger takes them per "
-    "sequence, we take them per token: same loss).",
+    "grpo_masked and gspo_masked: the last half of every sequence has target -100, Liger's completion_mask 0 "
+    "there), logits_scale_factor = 1 (Liger temperature = 1), eps_low = eps_high = 0.2, loss = token mean "
+    "(CE, GRPO) or document mean (GSPO); advantages are drawn per sequence/document and broadcast to its "
+    "tokens (Liger takes them per sequence, we take them per token: same loss).",
     "torch_eager / torch_compile: CE is F.cross_entropy(logits.float(), target) (the HF/TRL convention: fp32 "
     "math like ours); GRPO/GSPO are rl_losses.reference on the bf16 logits (it upcasts to fp32). "
     "torch_compile is the same function under torch.compile(dynamic=False); its first call (compile) is "

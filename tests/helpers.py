@@ -41,9 +41,9 @@ def label_log_probs64(logits, target, logits_scale_factor=1.0):
 
 
 def policy_inputs(logits, num_documents, masked=0.25):
-    """For (N, V) logits: labels (the fraction `masked` of them -100), advantages, old log-probs near the
-    current ones (so that some ratios clip) and document ids of num_documents equal runs, on the logits'
-    device."""
+    """For (N, V) logits: labels (each negative, i.e. unlabelled, with probability `masked`), advantages, old
+    log-probs near the current ones (so that some ratios clip) and document ids of num_documents equal runs,
+    on the logits' device."""
     n, v = logits.shape
     target = make_target((n,), v, logits.device, masked=masked)
     adv = torch.randn(n, device=logits.device)

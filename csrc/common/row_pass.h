@@ -103,8 +103,10 @@ inline RowPassView<scalar_t, label_t, acc_t> make_view(const RowPassArgs& a) {
 // Every epilogue declares which optional statistics it can consume (kMayUseEntropy, kMayUseSmoothing) and
 // in which pass shapes it is used — with statistics read from `stats_in` (kMayReadStats), with a gradient
 // (kMayWriteGrad) — so that only those kernel variants are compiled. kSkipsUnlabelled: for a row with
-// label < 0 it reads no statistics and returns a zero gradient, so a pass that computes the statistics
-// reads no logits there (the row costs only its gradient's write) and passes RowStats::empty(). `go` is called with std::true_type/false_type flags.
+// label < 0 it uses no statistics and returns a zero gradient, so a pass that computes the statistics may
+// skip reading that row and pass RowStats::empty() (the CPU pass and both CUDA kernels do; the separate
+// `row_stats` op, used by the split path and tensor parallelism, reads every row). `go` is called with
+// std::true_type/false_type flags.
 template <typename Epi, typename Go>
 void dispatch_stat_flags(const RowPassArgs& args, Go&& go) {
   using T = std::true_type;

@@ -259,38 +259,40 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
     const int64_t tail = head + n_vec * kVec;
 
     RowStats<acc_t> st = RowStats<acc_t>::empty();
-    // An epilogue that skips unlabelled rows gets them without statistics: the row is not read.
-    if (kStats && !(Epilogue::kSkipsUnlabelled && label < 0)) {
-      for (int64_t j = threadIdx.x; j < head; j += kThreads)
-        st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(x[j]), v.scale);
-      const VecT* xv = reinterpret_cast<const VecT*>(x + head);
-      // kUnroll independent 16-byte loads are issued before any is used, to keep enough bytes in flight.
-      for (int64_t i0 = threadIdx.x; i0 < n_vec; i0 += kThreads * kUnroll) {
-        VecT buf[kUnroll];
+    if constexpr (kStats) {
+      // An epilogue that skips unlabelled rows gets them without statistics: the row is not read.
+      if (!(Epilogue::kSkipsUnlabelled && label < 0)) {
+        for (int64_t j = threadIdx.x; j < head; j += kThreads)
+          st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(x[j]), v.scale);
+        const VecT* xv = reinterpret_cast<const VecT*>(x + head);
+        // kUnroll independent 16-byte loads are issued before any is used, to keep enough bytes in flight.
+        for (int64_t i0 = threadIdx.x; i0 < n_vec; i0 += kThreads * kUnroll) {
+          VecT buf[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int64_t i = i0 + u * kThreads;
-          if (i < n_vec) buf[u] = load_vec(&xv[i]);
-        }
-        // Two vectors per online-softmax chunk where both are in the row (one with the entropy or smoothing
-        // sums, and never 4: beyond the 64 registers this kernel has, they spill).
-        constexpr int kChunk = kEntropy || kSmoothing ? 1 : 2;
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t i = i0 + u * kThreads;
+            if (i < n_vec) buf[u] = load_vec(&xv[i]);
+          }
+          // Two vectors per online-softmax chunk where both are in the row (one with the entropy or smoothing
+          // sums, and never 4: beyond the 64 registers this kernel has, they spill).
+          constexpr int kChunk = kEntropy || kSmoothing ? 1 : 2;
 #pragma unroll
-        for (int u = 0; u < kUnroll; u += kChunk) {
-          if (i0 + (u + kChunk - 1) * kThreads < n_vec) {
-            VecT chunk[kChunk];
+          for (int u = 0; u < kUnroll; u += kChunk) {
+            if (i0 + (u + kChunk - 1) * kThreads < n_vec) {
+              VecT chunk[kChunk];
 #pragma unroll
-            for (int c = 0; c < kChunk; ++c) chunk[c] = buf[u + c];
-            add_vecs<kEntropy, kSmoothing>(st, chunk, v.scale);
-          } else if (i0 + u * kThreads < n_vec) {
-            const VecT one[1] = {buf[u]};
-            add_vecs<kEntropy, kSmoothing>(st, one, v.scale);
+              for (int c = 0; c < kChunk; ++c) chunk[c] = buf[u + c];
+              add_vecs<kEntropy, kSmoothing>(st, chunk, v.scale);
+            } else if (i0 + u * kThreads < n_vec) {
+              const VecT one[1] = {buf[u]};
+              add_vecs<kEntropy, kSmoothing>(st, one, v.scale);
+            }
           }
         }
+        for (int64_t j = tail + threadIdx.x; j < v.vocab; j += kThreads)
+          st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(x[j]), v.scale);
+        st = block_combine<kThreads>(st, scratch);
       }
-      for (int64_t j = tail + threadIdx.x; j < v.vocab; j += kThreads)
-        st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(x[j]), v.scale);
-      st = block_combine<kThreads>(st, scratch);
     }
 
     if (threadIdx.x == 0) {
@@ -378,16 +380,19 @@ __device__ inline void send_to_rank(T* dst, const T& value, uint64_t* bar, unsig
 //      same per-row outputs, which is cheaper than a second round of messages from one CTA;
 //   3. every CTA writes the gradient of its slice from shared memory. In place (grad == logits) is safe: a
 //      CTA writes only its own slice, after reading all of it.
+// Where the epilogue skips unlabelled rows (kSkipsUnlabelled, 1 stage), such a row takes none of these steps:
+// every CTA writes zeros over its slice and rank 0 alone runs the epilogue (its outputs do not depend on
+// statistics). Every CTA of a cluster skips the same rows, so "row" below counts the rows read.
 // No cluster barrier per row: a cluster barrier orders memory, so it waited for every thread's outstanding
 // gradient stores (Nsight Compute: membar + barrier stalls were 40% of the warps' cycles).
 // With 1 stage (the default), the copy of a row is issued when the previous row is done; with 2 stages (two
 // slice buffers of half the size: measured slower, as C doubles), the copy of the CTA's next row is issued
 // before step 1. A block barrier before each copy keeps it from overwriting a buffer some thread still reads
-// (the gradient of the last row with 1 stage, of two rows back with 2). This launch loop's structure is kept
+// (the gradient of the last row read with 1 stage, of two rows back with 2). This launch loop's structure is kept
 // as measured: an equivalent rewrite without the stage option ran 10% slower (benchmarks/NOTES.md, v8b).
 // The copies go to shared memory directly because registers are the scarce resource here: 3 CTAs of 256
 // threads per SM leave 85 per thread. The partial last vector of a row is loaded by one thread and stored
-// at the end of the slice, beyond the copied bytes. A slot of `gathered` is rewritten two rows later, which
+// at the end of the slice, beyond the copied bytes. A slot of `gathered` is rewritten two rows read later, which
 // a peer can reach only after this CTA has sent it the next row's state, i.e. after this CTA's block barrier
 // that follows warp 0's reads of the slot.
 template <int kThreads, typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing,
