@@ -234,13 +234,14 @@ def plan_jobs(args) -> list[tuple[str, int, int, str]]:
     """(op, N, V, provider) in priority order: the headline shape first, so a cut-short run still has it."""
     head, grid, quick = (DRY["headline"], DRY["grid"], DRY["quick"]) if args.dry_run else (HEADLINE, GRID, QUICK_SHAPES)
     ops = list(cases.OPS)
+    grid_ops = [o for o in ops if not cases.OPS[o].headline_only]
     jobs = [(o, *head, p) for o in ops for p in MAIN_PROVIDERS]
     if args.compile != "none":
         jobs += [("ce", *head, "torch_compile")]
     if args.quick:
         extra = [(o, *sh) for o in QUICK_OPS for sh in quick]
     else:
-        extra = [(o, *sh) for sh in grid if sh != head for o in ops if not cases.OPS[o].headline_only]
+        extra = [(o, *sh) for sh in grid if sh != head for o in grid_ops]
     grid_provs = GRID_PROVIDERS + (["torch_compile"] if args.compile == "all" else [])
     jobs += [(o, n, v, p) for o, n, v in extra for p in grid_provs]
     if args.compile != "none":
@@ -248,8 +249,7 @@ def plan_jobs(args) -> list[tuple[str, int, int, str]]:
     if args.shapes:
         keep = {tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")}
         extra_shapes = [sh for sh in keep if sh != head and not any((n, v) == sh for _, n, v, _ in jobs)]
-        jobs += [(o, *sh, p) for sh in extra_shapes for o in ops if not cases.OPS[o].headline_only
-                 for p in grid_provs]
+        jobs += [(o, *sh, p) for sh in extra_shapes for o in grid_ops for p in grid_provs]
         jobs = [j for j in jobs if (j[1], j[2]) in keep]
     if args.ops:
         jobs = [j for j in jobs if j[0] in args.ops.split(",")]

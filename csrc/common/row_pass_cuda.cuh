@@ -470,18 +470,19 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
 
   int64_t row = blockIdx.x / n_ctas;
   if (stages == 2 && row < v.n_rows) fetch(row, 0);
-  // Where the epilogue skips unlabelled rows (and with 1 stage), each row's label is loaded a row ahead, and
-  // an unlabelled row is written as zeros without being read or exchanged. Every CTA of the cluster skips
-  // the same rows. `it` counts the rows read, which set the barriers' phases and the `gathered` slots (for
-  // other epilogues it is the loop's own counter, so that their code is the same as without this).
+  // Where the epilogue skips unlabelled rows, each row's label is loaded a row ahead, and (with 1 stage) an
+  // unlabelled row is written as zeros without being read or exchanged. Every CTA of the cluster skips the
+  // same rows. `it` counts the rows read, which set the barriers' phases and the `gathered` slots (for other
+  // epilogues it is the loop's own counter and the label is loaded where it was, so that their code is the
+  // same as without this).
   constexpr bool kSkips = Epilogue::kSkipsUnlabelled;
   int64_t next_label = kSkips && row < v.n_rows ? static_cast<int64_t>(v.target[row]) : 0;
   for (int rows_done = 0, rows_read = 0; row < v.n_rows; row += row_step, ++rows_done) {
-    if (kSkips && stages == 1) {
-      const int64_t label = next_label;
+    const int64_t label_ahead = next_label;  // this row's label where kSkips
+    if (kSkips) {
       if (row + row_step < v.n_rows) next_label = static_cast<int64_t>(v.target[row + row_step]);
-      if (label < 0) {
-        if (rank == 0 && threadIdx.x == 0) epi(row + v.row_offset, label, RowStats<acc_t>::empty());
+      if (stages == 1 && label_ahead < 0) {
+        if (rank == 0 && threadIdx.x == 0) epi(row + v.row_offset, label_ahead, RowStats<acc_t>::empty());
         block_zero_fill<kThreads>(v.grad + row * v.grad_row_stride + begin, n_elems);
         continue;
       }
@@ -504,7 +505,7 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
       for (; i >= piece_end; piece_end += piece_vecs) mbarrier_wait(&landed[b][next_piece++], phase);
     };
     const scalar_t* x = v.logits + row * v.row_stride + begin;
-    const int64_t label = static_cast<int64_t>(v.target[row]);
+    const int64_t label = kSkips ? label_ahead : static_cast<int64_t>(v.target[row]);
     const int64_t local = label - v.vocab_start - begin;  // the label's column within this slice
     const bool has_label = label >= 0 && local >= 0 && local < n_elems;
 
