@@ -50,6 +50,10 @@ constexpr int kClusterPieceBytes = 16 * 1024;
 constexpr int64_t kClusterCta96Bytes = 96 * 1024;  // the slices of RL_LOSSES_ROW_KERNEL=cluster96, the largest
 constexpr int kClusterMaxPieces = static_cast<int>(kClusterCta96Bytes / kClusterPieceBytes);
 constexpr int kClusterThreads = 256;
+// The slice buffers start on a boundary of this many bytes of shared memory. The dynamic shared memory
+// follows the static variables, which left it 16-byte aligned, and with buffers aligned so the kernel ran
+// 3.5-5 points of the copy bandwidth lower on an H100 (64, 128, 256 and 1024 measured alike; NOTES.md v19).
+constexpr unsigned kSliceSmemAlign = 128;
 // 16-byte vectors per online-softmax chunk of the cluster kernel's statistics (a thread's vectors i,
 // i + kThreads, ...: one max and one rescale test per chunk). 4 fit the 80 registers only without the
 // entropy and smoothing sums (with them: spills), which get 2.
@@ -420,7 +424,10 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
   const auto cluster = cooperative_groups::this_cluster();
   const int n_ctas = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
   extern __shared__ __align__(16) unsigned char slice_raw[];
-  VecT* const buffers = reinterpret_cast<VecT*>(slice_raw);  // `stages` buffers of slice_vecs vectors
+  // `stages` buffers of slice_vecs vectors, from the first kSliceSmemAlign boundary (ClusterLaunch::smem()
+  // asks for the bytes this skips).
+  VecT* const buffers = reinterpret_cast<VecT*>(
+      slice_raw + (kSliceSmemAlign - smem_addr(slice_raw) % kSliceSmemAlign) % kSliceSmemAlign);
   __shared__ RowStats<acc_t> scratch[32];
   // Every CTA's statistics of a row, by rank, in a slot per row parity, and an mbarrier per slot that
   // completes when all n_ctas have landed.
@@ -694,7 +701,7 @@ class ClusterLaunch {
       // memory so that 3 CTAs' buffers fit (the kernel's loads bypass L1 anyway), and clusters of 16 (beyond
       // the portable 8).
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(ClusterKnobs::get().cta_bytes)));
+                                          static_cast<int>(ClusterKnobs::get().cta_bytes + kSliceSmemAlign)));
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_, cudaFuncAttributePreferredSharedMemoryCarveout,
                                           cudaSharedmemCarveoutMaxShared));
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
@@ -726,7 +733,10 @@ class ClusterLaunch {
   }
 
  private:
-  size_t smem() const { return static_cast<size_t>(shape_.slice_vecs) * 16 * shape_.stages; }
+  // The buffers, and the most the kernel may skip to align them (the dynamic shared memory is 16-byte aligned).
+  size_t smem() const {
+    return static_cast<size_t>(shape_.slice_vecs) * 16 * shape_.stages + kSliceSmemAlign - 16;
+  }
   Kernel* kernel_;
   ClusterShape shape_;
   cudaLaunchAttribute dim_;
