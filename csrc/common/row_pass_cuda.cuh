@@ -51,9 +51,9 @@ constexpr int64_t kClusterCta96Bytes = 96 * 1024;  // the slices of RL_LOSSES_RO
 constexpr int kClusterMaxPieces = static_cast<int>(kClusterCta96Bytes / kClusterPieceBytes);
 constexpr int kClusterThreads = 256;
 // The slice buffers start on a boundary of this many bytes of shared memory. The dynamic shared memory
-// follows the static variables, which left it 16-byte aligned, and with buffers aligned so the kernel ran up
-// to 5 points of the copy bandwidth lower on an H100 (3.5-4 at V = 128256; boundaries of 64, 128, 256 and 1024
-// bytes measured alike; benchmarks/NOTES.md v19).
+// follows the static variables, which leave it only 16-byte aligned; buffers placed there held the kernel up
+// to 5 points of the copy bandwidth lower on an H100 (3.5-4 at V = 128256; boundaries of 64, 128, 256 and
+// 1024 bytes measured alike; benchmarks/NOTES.md v19).
 constexpr unsigned kSliceSmemAlign = 128;
 // 16-byte vectors per online-softmax chunk of the cluster kernel's statistics (a thread's vectors i,
 // i + kThreads, ...: one max and one rescale test per chunk). 4 fit the 80 registers only without the
