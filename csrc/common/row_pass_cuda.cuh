@@ -12,6 +12,8 @@
 //   parallelism, GSPO, the split path): each reads the row once, and the gradient pass writes it once. A
 //   fused call that reaches it anyway (no resident cluster fits) re-reads the row for its gradient: correct,
 //   but the re-read misses L2 (benchmarks/NOTES.md).
+// - grad_rows_kernel, the gradient-only shape where rows are 16-byte aligned vectors (as row_pass_kernel,
+//   without a barrier per row).
 // Row offsets are 64-bit. Labels >= vocab_total trip a device-side assert (as PyTorch's own losses do);
 // the opt-in host check in Python reports them as a Python error instead.
 #pragma once
@@ -352,6 +354,87 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
     }
     __syncthreads();  // the shared coefficient is rewritten for the next row
   }
+}
+
+// The gradient-only pass (statistics from stats_in: GSPO's pass 2, tensor parallelism, the split path) over
+// rows whose logits and gradient rows are 16-byte aligned and a whole number of 16-byte vectors long. The
+// block's rows are those of row_pass_kernel (blockIdx.x + k·gridDim.x), kGradTableRows at a time: their
+// epilogues run first, a row per thread, into a table in shared memory, and the threads then stream those
+// rows with no barrier between them. The rows go from the last to the first, so that the first rows read are
+// the last ones the statistics pass read, some still in L2. On an H100 (benchmarks/NOTES.md v20) the pass
+// takes as long as row_pass_kernel's (2.91 ms at N = 16384, V = 128256: ~95% of the copy's rate, with or
+// without the per-row barrier); GSPO's step measured 0-1% faster, about what the rows read from L2 save.
+constexpr int kGradTableRows = 64;
+
+template <int kThreads, int kUnroll, typename scalar_t, typename label_t, typename acc_t, typename Epilogue>
+__global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)
+    grad_rows_kernel(RowPassView<scalar_t, label_t, acc_t> v, Epilogue epi) {
+  constexpr int kVec = 16 / sizeof(scalar_t);
+  using VecT = Pack<scalar_t, kVec>;
+  using Grad = GradOf<scalar_t, acc_t>;
+  __shared__ alignas(Grad) unsigned char table[kGradTableRows][sizeof(Grad)];
+  wait_previous_grid();
+  const int n_vec = static_cast<int>(v.vocab / kVec);  // a row's vectors fit an int (32-bit indices: fewer registers)
+  const int64_t rows = (v.n_rows - blockIdx.x + gridDim.x - 1) / gridDim.x;  // this block's
+  for (int64_t k_end = rows; k_end > 0; k_end -= kGradTableRows) {
+    const int64_t k_begin = std::max<int64_t>(0, k_end - kGradTableRows);
+    __syncthreads();  // the previous rows' table is read
+    for (int64_t k = k_begin + threadIdx.x; k < k_end; k += kThreads) {
+      const int64_t row = blockIdx.x + k * gridDim.x;
+      const int64_t label = static_cast<int64_t>(v.target[row]);
+      CUDA_KERNEL_ASSERT(label < v.vocab_total && "rl_losses: a target label is >= the vocabulary size");
+      const int64_t local = label - v.vocab_start;
+      const RowStats<acc_t> st = load_stats(v.stats_in, row);
+      const Grad grad_of(epi(row + v.row_offset, label, st), st.lse(), v.scale,
+                         label >= 0 && local >= 0 && local < v.vocab ? local : int64_t(-1));
+      memcpy(table[k - k_begin], &grad_of, sizeof(Grad));
+    }
+    __syncthreads();
+    for (int64_t k = k_end - 1; k >= k_begin; --k) {
+      const int64_t row = blockIdx.x + k * gridDim.x;
+      Grad grad_of = *reinterpret_cast<const Grad*>(table[k - k_begin]);
+      scalar_t* g = v.grad + row * v.grad_row_stride;
+      if (grad_of.zero) {
+        block_zero_fill<kThreads>(g, v.vocab);  // without reading the row
+        continue;
+      }
+      const VecT* xv = reinterpret_cast<const VecT*>(v.logits + row * v.row_stride);
+      VecT* gv = reinterpret_cast<VecT*>(g);
+      // The label's element is rewritten in its vector before the store (in place, the store overwrites it).
+      const int label_vec = grad_of.label >= 0 ? static_cast<int>(grad_of.label / kVec) : -1;
+      const int label_elem = static_cast<int>(grad_of.label - int64_t(label_vec) * kVec);
+      for (int i0 = threadIdx.x; i0 < n_vec; i0 += kThreads * kUnroll) {
+        VecT buf[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (i0 + u * kThreads < n_vec) buf[u] = load_vec(&xv[i0 + u * kThreads]);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int i = i0 + u * kThreads;
+          if (i < n_vec) {
+            VecT out = grad_of(buf[u]);
+            if (i == label_vec) {
+#pragma unroll
+              for (int e = 0; e < kVec; ++e) {  // no runtime index into registers (it would put them in memory)
+                if (e == label_elem) out.v[e] = grad_of(buf[u].v[e], grad_of.label);
+              }
+            }
+            store_vec(&gv[i], out);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Whether grad_rows_kernel applies: 16-byte aligned rows of whole vectors, in the logits and the gradient.
+inline bool grad_rows_aligned(const RowPassArgs& args) {
+  const int64_t elem = args.logits.element_size();
+  auto rows_aligned = [&](const at::Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && (t.stride(0) * elem) % 16 == 0;
+  };
+  return (args.logits.size(1) * elem) % 16 == 0 && rows_aligned(args.logits) && rows_aligned(args.grad);
 }
 
 // Writes `value` into `dst` of the cluster's CTA `rank` (dst: this CTA's address of the same variable) and
@@ -790,14 +873,10 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
   const auto v = make_view<scalar_t, label_t, acc_t>(args);
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const bool stats = args.compute_stats(), grad = args.write_grad();
-  auto launch = [&](auto s, auto g) {
-    constexpr bool kS = decltype(s)::value, kG = decltype(g)::value;
-    constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
-    auto* kernel =
-        &row_pass_kernel<kThreads, kUnroll, scalar_t, label_t, acc_t, kS, kG, kEntropy, kSmoothing, Epilogue>;
-    // Grid: as many blocks as can be resident, each looping over rows (rows are dealt out statically, so a
-    // block of a second wave would start its rows late). (One resident 1024-thread block per SM measured
-    // 1.7x slower on an H100.)
+  // Grid: as many blocks as can be resident, each looping over rows (rows are dealt out statically, so a
+  // block of a second wave would start its rows late). (One resident 1024-thread block per SM measured 1.7x
+  // slower on an H100.)
+  auto launch_resident = [&](auto* kernel) {
     const int per_sm = occupancy_once(reinterpret_cast<const void*>(kernel), kThreads, 0, [&] {
       int blocks = 0;
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
@@ -807,6 +886,12 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
     const dim3 grid(static_cast<unsigned>(std::min<int64_t>(v.n_rows, max_blocks)));
     DependentLaunch(grid, kThreads, 0)(kernel, v, epi);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
+  auto launch = [&](auto s, auto g) {
+    constexpr bool kS = decltype(s)::value, kG = decltype(g)::value;
+    launch_resident(
+        &row_pass_kernel<kThreads, kUnroll, scalar_t, label_t, acc_t, kS, kG, kEntropy, kSmoothing, Epilogue>);
   };
   using T = std::true_type;
   using F = std::false_type;
@@ -819,6 +904,9 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
       return launch(T{}, T{});
     }
     if constexpr (Epilogue::kMayReadStats) {
+      if (grad && grad_rows_aligned(args)) {
+        return launch_resident(&grad_rows_kernel<kThreads, kUnroll, scalar_t, label_t, acc_t, Epilogue>);
+      }
       if (grad) return launch(F{}, T{});
     }
   }
