@@ -1,17 +1,17 @@
 // CUDA back-end of the row pass (row_pass.h).
 //
-// Two kernels, both persistent (each block or cluster loops over rows), with 16-byte global accesses, an
-// online softmax state per thread (math.h) and a block reduction:
+// Three kernels, all persistent (each block or cluster loops over rows), with 16-byte global accesses; the
+// two that compute statistics keep an online softmax state per thread (math.h) and reduce it per block:
 // - row_cluster_kernel, for the fused shape (statistics and gradient in one launch: CE, GRPO): a cluster of
 //   C CTAs per row, each holding its slice of the row in shared memory, so that the logits are read from
 //   DRAM once and the gradient is written once (2 passes of memory traffic). The CTAs' statistics are
 //   combined over distributed shared memory (sm_90). It applies when a row fits in C <= 16 slices of at
 //   most kClusterCtaBytes and the rows are 16-byte aligned (row_cluster_shapes); split_stats_pass_on_cuda
 //   (row_pass.h) gives every other fused call a statistics launch of its own first.
-// - row_pass_kernel, one block per row, for the statistics-only and gradient-only shapes (tensor
-//   parallelism, GSPO, the split path): each reads the row once, and the gradient pass writes it once. A
-//   fused call that reaches it anyway (no resident cluster fits) re-reads the row for its gradient: correct,
-//   but the re-read misses L2 (benchmarks/NOTES.md).
+// - row_pass_kernel, one block per row, for the statistics-only shape and the gradient-only one where rows
+//   are not aligned vectors (tensor parallelism, GSPO, the split path): each reads the row once, and the
+//   gradient pass writes it once. A fused call that reaches it anyway (no resident cluster fits) re-reads
+//   the row for its gradient: correct, but the re-read misses L2 (benchmarks/NOTES.md).
 // - grad_rows_kernel, the gradient-only shape where rows are 16-byte aligned vectors (as row_pass_kernel,
 //   without a barrier per row).
 // Row offsets are 64-bit. Labels >= vocab_total trip a device-side assert (as PyTorch's own losses do);
@@ -428,13 +428,15 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)
   }
 }
 
-// Whether grad_rows_kernel applies: 16-byte aligned rows of whole vectors, in the logits and the gradient.
+// Whether grad_rows_kernel applies: 16-byte aligned rows of whole vectors, in the logits and the gradient,
+// few enough for its int indices.
 inline bool grad_rows_aligned(const RowPassArgs& args) {
-  const int64_t elem = args.logits.element_size();
+  const int64_t elem = args.logits.element_size(), row_bytes = args.logits.size(1) * elem;
   auto rows_aligned = [&](const at::Tensor& t) {
     return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && (t.stride(0) * elem) % 16 == 0;
   };
-  return (args.logits.size(1) * elem) % 16 == 0 && rows_aligned(args.logits) && rows_aligned(args.grad);
+  return row_bytes % 16 == 0 && row_bytes / 16 < (int64_t(1) << 30) && rows_aligned(args.logits) &&
+         rows_aligned(args.grad);
 }
 
 // Writes `value` into `dst` of the cluster's CTA `rank` (dst: this CTA's address of the same variable) and
