@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)
   using Grad = GradOf<scalar_t, acc_t>;
   __shared__ alignas(Grad) unsigned char table[kGradTableRows][sizeof(Grad)];
   wait_previous_grid();
-  const int n_vec = static_cast<int>(v.vocab / kVec);  // a row's vectors fit an int (32-bit indices: fewer registers)
+  const int n_vec = static_cast<int>(v.vocab / kVec);  // fits an int (grad_rows_aligned): fewer registers
   const int64_t rows = (v.n_rows - blockIdx.x + gridDim.x - 1) / gridDim.x;  // this block's
   for (int64_t k_end = rows; k_end > 0; k_end -= kGradTableRows) {
     const int64_t k_begin = std::max<int64_t>(0, k_end - kGradTableRows);
@@ -428,15 +428,19 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)
   }
 }
 
-// Whether grad_rows_kernel applies: 16-byte aligned rows of whole vectors, in the logits and the gradient,
-// few enough for its int indices.
-inline bool grad_rows_aligned(const RowPassArgs& args) {
-  const int64_t elem = args.logits.element_size(), row_bytes = args.logits.size(1) * elem;
-  auto rows_aligned = [&](const at::Tensor& t) {
+// Whether every row of the logits and of the gradient starts on a 16-byte boundary.
+inline bool rows_16_byte_aligned(const RowPassArgs& args) {
+  const int64_t elem = args.logits.element_size();
+  auto aligned = [&](const at::Tensor& t) {
     return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && (t.stride(0) * elem) % 16 == 0;
   };
-  return row_bytes % 16 == 0 && row_bytes / 16 < (int64_t(1) << 30) && rows_aligned(args.logits) &&
-         rows_aligned(args.grad);
+  return aligned(args.logits) && aligned(args.grad);
+}
+
+// Whether grad_rows_kernel applies: 16-byte aligned rows of whole vectors, few enough for its int indices.
+inline bool grad_rows_aligned(const RowPassArgs& args) {
+  const int64_t row_bytes = args.logits.size(1) * args.logits.element_size();
+  return row_bytes % 16 == 0 && row_bytes / 16 < (int64_t(1) << 30) && rows_16_byte_aligned(args);
 }
 
 // Writes `value` into `dst` of the cluster's CTA `rank` (dst: this CTA's address of the same variable) and
@@ -740,11 +744,7 @@ inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
   const ClusterKnobs& k = ClusterKnobs::get();
   std::vector<ClusterShape> shapes;
   if (k.max_stages == 0 || !args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return shapes;
-  const int64_t elem = args.logits.element_size();
-  auto rows_aligned = [&](const at::Tensor& t) {
-    return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && (t.stride(0) * elem) % 16 == 0;
-  };
-  if (!rows_aligned(args.logits) || !rows_aligned(args.grad)) return shapes;
+  if (!rows_16_byte_aligned(args)) return shapes;
   if (at::cuda::getDeviceProperties(args.logits.get_device())->major < 9) return shapes;
   for (int stages = k.max_stages; stages >= 1; --stages) {
     for (int c = 1; c <= kMaxClusterSize; c = k.pow2 ? 2 * c : c + 1) {
