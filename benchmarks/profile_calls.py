@@ -1,0 +1,113 @@
+"""Where the time of one loss call goes on a GPU: the kernels it launches (name, count, device time), the
+host's time per call, and the fixed cost of an empty chain of as many launches.
+
+    python3 benchmarks/profile_calls.py [--shapes 4096x32000,16384x128256] [--ops ce,grpo,gspo_2048]
+
+Each op runs fwd+bwd as bench_gpu.py runs it (rl_losses provider, bf16). Per (op, shape):
+  kernels   the CUDA kernels of one call (torch.profiler, the median of 10 profiled calls' durations);
+  device    the median CUDA-event time of one call with the host ahead (the stream held first);
+  host      the host's time per call while queueing (no synchronisation inside);
+  chain     the device time of an empty chain of the same number of launches (1-element adds): the floor
+            below which a call of that many kernels cannot go, whatever the bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cases  # noqa: E402
+
+
+def hold_stream(ms: float = 20.0) -> None:
+    # Keep the device busy so that the host queues the timed calls ahead of it.
+    torch.cuda._sleep(int(ms * 1.4e6))
+
+
+def device_ms(fn, reps: int = 30) -> float:
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    torch.cuda.synchronize()
+    hold_stream()
+    for i in range(reps):
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def host_us(fn, reps: int = 50) -> float:
+    torch.cuda.synchronize()
+    hold_stream(50.0)
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    out = (time.perf_counter() - t) / reps * 1e6
+    torch.cuda.synchronize()
+    return out
+
+
+def kernels_of(fn, calls: int = 10) -> list[tuple[str, int, float]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and e.name and not e.name.startswith("cuda"):
+            per_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    rows = [(name, len(ts) / calls, statistics.median(ts)) for name, ts in per_name.items()]
+    return sorted(rows, key=lambda r: -r[1] * r[2])
+
+
+def empty_chain_ms(k: int) -> float:
+    x = torch.zeros(1, device="cuda")
+
+    def chain():
+        for _ in range(k):
+            x.add_(1)
+
+    return device_ms(chain)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="4096x32000,16384x128256")
+    ap.add_argument("--ops", default="ce,grpo,gspo_2048")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    print(f"device {torch.cuda.get_device_name(0)} | torch {torch.__version__}")
+    provider = cases.build_provider("rl_losses")
+    for shape in args.shapes.split(","):
+        n, v = (int(x) for x in shape.split("x"))
+        for name in args.ops.split(","):
+            op = cases.OPS[name]
+            s = provider.prepare(op, cases.make_inputs(op, n, v, torch.bfloat16, dev, seed=0))
+
+            def step():
+                provider.loss(op, s, cases.head_output(s["base"])).backward()
+
+            for _ in range(3):
+                step()
+            ks = kernels_of(step)
+            n_launch = round(sum(c for _, c, _ in ks))
+            print(f"\n== {name} {n}x{v}: device {device_ms(step):.3f} ms | host {host_us(step):.0f} us/call | "
+                  f"{n_launch} kernels | empty chain of {n_launch}: {empty_chain_ms(n_launch) * 1e3:.1f} us")
+            for kname, count, us in ks:
+                print(f"   {count:4.1f} x {us:9.1f} us  {kname[:150]}")
+            del s
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
