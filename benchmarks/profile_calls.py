@@ -8,7 +8,11 @@ Each op runs fwd+bwd as bench_gpu.py runs it (rl_losses provider, bf16). Per (op
   device    the median CUDA-event time of one call with the host ahead (the stream held first);
   host      the host's time per call while queueing (no synchronisation inside);
   chain     the device time of an empty chain of the same number of launches (1-element adds): the floor
-            below which a call of that many kernels cannot go, whatever the bytes.
+            below which a call of that many kernels cannot go, whatever the bytes;
+  synced    the wall time of a lone call (device idle before, waited for after);
+  host self time by operator and runtime call (torch.profiler, CPU activity).
+Kernel durations are taken with dependent launches on: a kernel that starts early and waits for the one
+before it reports its wait too, so they overlap and do not add up to the call's time.
 """
 from __future__ import annotations
 
@@ -69,6 +73,33 @@ def kernels_of(fn, calls: int = 10) -> list[tuple[str, int, float]]:
     return sorted(rows, key=lambda r: -r[1] * r[2])
 
 
+def host_breakdown(fn, calls: int = 20, top: int = 12) -> list[tuple[str, float, int]]:
+    """The host's self time per call by operator / runtime API (torch.profiler, CPU activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    hold_stream(50.0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize()
+    rows = [(e.key, e.self_cpu_time_total / calls, e.count // calls) for e in prof.key_averages()]
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
+def synced_ms(fn, reps: int = 30) -> float:
+    """Wall time of one call with the device idle before it and waited for after it (as triton's do_bench
+    or a lone call measures it): the host's cost shows wherever it exceeds the device's."""
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(out)
+
+
 def empty_chain_ms(k: int) -> float:
     x = torch.zeros(1, device="cuda")
 
@@ -102,8 +133,12 @@ def main() -> int:
             n_launch = round(sum(c for _, c, _ in ks))
             print(f"\n== {name} {n}x{v}: device {device_ms(step):.3f} ms | host {host_us(step):.0f} us/call | "
                   f"{n_launch} kernels | empty chain of {n_launch}: {empty_chain_ms(n_launch) * 1e3:.1f} us")
+            print(f"   synced (device idle before, waited after): {synced_ms(step):.3f} ms")
             for kname, count, us in ks:
                 print(f"   {count:4.1f} x {us:9.1f} us  {kname[:150]}")
+            print("   host self time per call:")
+            for key, us, count in host_breakdown(step):
+                print(f"   {us:8.1f} us  {count:3d} x  {key[:120]}")
             del s
             torch.cuda.empty_cache()
     return 0
