@@ -161,7 +161,7 @@ class LanguageModelLossConfig:
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class LanguageModelLabelEntropyLossConfig(LanguageModelLossConfig):
-    """Cross-entropy from labels (type ``label``), SPEC §2.1.
+    """Cross-entropy from labels (type ``label``); the math: docs/math.md.
 
     loss_type: only "cross_entropy" (Fast-LLM's forward/reverse KL need a teacher distribution, not labels).
     label_smoothing: ε in [0, 1). z_loss_factor: ζ >= 0 (adds ζ·lse² per labelled token).
@@ -223,7 +223,7 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class LanguageModelGRPOLossConfig(LanguageModelPolicyGradientLossConfig):
-    """GRPO (type ``grpo``): per-token clipped importance ratio, SPEC §2.2.
+    """GRPO (type ``grpo``): per-token clipped importance ratio (docs/math.md).
 
     delta: optional two-sided clip of the ratio (> 1 + epsilon_high), as in Liger/TRL.
     beta: k3 KL penalty towards the reference policy (>= 0; > 0 needs ``ref_log_probs`` in the batch).
@@ -264,7 +264,7 @@ class LanguageModelGRPOLossConfig(LanguageModelPolicyGradientLossConfig):
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class LanguageModelGSPOLossConfig(LanguageModelPolicyGradientLossConfig):
-    """GSPO (type ``gspo``): sequence-level geometric-mean ratio over packed documents, SPEC §2.3.
+    """GSPO (type ``gspo``): sequence-level geometric-mean ratio over packed documents (docs/math.md).
 
     weighting: "document" (each document weighs 1; Fast-LLM #517/#522) or "token" (each document weighs its
         labelled-token count; Fast-LLM #544). Either way D = num_documents_in_batch, as in Fast-LLM.

@@ -1,4 +1,4 @@
-"""Functional wrappers around ``torch.ops.rl_losses``: keyword-only options with SPEC defaults, docstrings
+"""Functional wrappers around ``torch.ops.rl_losses``: keyword-only options with the defaults of docs/api.md, docstrings
 that give each tensor's shape and dtype, and the named result of the policy losses."""
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _divisor(divisor) -> float | None:
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, logits_scale_factor: float = 1.0,
                   label_smoothing: float = 0.0, z_loss_factor: float = 0.0, reduction: str = "mean",
                   divisor: float | None = None, inplace_backward: bool = False, tp_group=None) -> torch.Tensor:
-    """Fused cross-entropy from labels (SPEC §2.1).
+    """Fused cross-entropy from labels (docs/math.md).
 
     Args:
         logits: (..., V) float32/bfloat16/float16/float64, unit stride in the last dim (under ``tp_group``:
@@ -123,7 +123,7 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
               loss_weights: torch.Tensor | None = None, divisor: float | None = None,
               logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
               compute_entropy: bool = False, inplace_backward: bool = False, tp_group=None) -> PolicyLossOutput:
-    """GRPO: per-token clipped importance ratio (SPEC §2.2), fused with its metrics (SPEC §2.4).
+    """GRPO: per-token clipped importance ratio (docs/math.md), fused with its metrics.
 
     Args:
         logits: (..., V) float32/bfloat16/float16/float64 (this rank's shard under ``tp_group``).
@@ -163,7 +163,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
               weighting: str = "document", token_advantages: bool = False, divisor: float | None = None,
               logits_scale_factor: float = 1.0, compute_entropy: bool = False, inplace_backward: bool = False,
               tp_group=None, sdp_group=None) -> PolicyLossOutput:
-    """GSPO: sequence-level geometric-mean ratio over packed documents (SPEC §2.3) with its metrics.
+    """GSPO: sequence-level geometric-mean ratio over packed documents (docs/math.md), with its metrics.
 
     Args:
         logits: (..., V) float; target: (...) int labels, negative = no label.

@@ -188,7 +188,7 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
 
 
 class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
-    """GRPO (SPEC §2.2); ``config.loss_normalization`` chooses the token weights and the divisor."""
+    """GRPO (docs/math.md); ``config.loss_normalization`` chooses the token weights and the divisor."""
 
     config: LanguageModelGRPOLossConfig
 
@@ -234,7 +234,7 @@ class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
 
 
 class LanguageModelGSPOLoss(LanguageModelPolicyGradientLoss):
-    """GSPO (SPEC §2.3) over the packed documents of ``document_index``, divided by ``num_documents_in_batch``
+    """GSPO (docs/math.md) over the packed documents of ``document_index``, divided by ``num_documents_in_batch``
     (default: the documents holding at least one labelled token)."""
 
     config: LanguageModelGSPOLossConfig

@@ -1,7 +1,7 @@
-"""Pure-PyTorch implementation of every op (SPEC §2), differentiable through ordinary autograd.
+"""Pure-PyTorch implementation of every op (docs/math.md), differentiable through ordinary autograd.
 
 It is the ground truth of the tests (called on float64 inputs) and the ``use_cuda_kernel=False`` path of the
-configs. It shares no code with the C++/CUDA ops: every formula is written again here from the SPEC, in the
+configs. It shares no code with the C++/CUDA ops: every formula is written again here from docs/math.md, in the
 plainest PyTorch. It materialises N×V temporaries freely; it is not meant to be fast.
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
 def grpo_loss(logits, target, advantages, old_log_probs, *, epsilon_low=0.2, epsilon_high=0.2, delta=None,
               ref_log_probs=None, beta=0.0, loss_weights=None, divisor=None, logits_scale_factor=1.0,
               label_counts=None, compute_entropy=False) -> PolicyLossOutput:
-    """SPEC §2.2, per-token clipped ratio; see PolicyLossOutput for the metrics."""
+    """GRPO (docs/math.md), per-token clipped ratio; see PolicyLossOutput for the metrics."""
     logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
     mask = target >= 0
     maskf = mask.to(logp.dtype)
@@ -120,7 +120,7 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
               label_counts=None, epsilon_low=0.2, epsilon_high=0.2, weighting="document",
               token_advantages=False, divisor=None, logits_scale_factor=1.0,
               compute_entropy=False) -> PolicyLossOutput:
-    """SPEC §2.3, sequence-level geometric-mean ratio over packed documents (vectorised with index_add)."""
+    """GSPO (docs/math.md), sequence-level geometric-mean ratio over packed documents (vectorised with index_add)."""
     logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
     dt = logp.dtype
     doc = document_index.reshape(-1).long()
