@@ -68,7 +68,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rl_losses.functional import PolicyLossOutput, _check_inputs_enabled, _check_labels, _divisor, _policy_output
+from rl_losses._inputs import _check_inputs_enabled, _check_labels, _divisor, _policy_output
+from rl_losses.reference import PolicyLossOutput
 
 _ops = torch.ops.rl_losses
 

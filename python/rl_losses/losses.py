@@ -13,19 +13,22 @@ Fast-LLM's: ``<name>`` (the unweighted loss), ``<name>_new_logprobs``, and with 
 """
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import torch
 
 from rl_losses import functional, reference
-from rl_losses.config import (
-    LanguageModelGRPOLossConfig,
-    LanguageModelGSPOLossConfig,
-    LanguageModelLabelEntropyLossConfig,
-    LanguageModelLossConfig,
-    LanguageModelPolicyGradientLossConfig,
-    LanguageModelZLossConfig,
-)
+
+if typing.TYPE_CHECKING:  # the configs build these modules (config.py imports this file, not the reverse)
+    from rl_losses.config import (
+        LanguageModelGRPOLossConfig,
+        LanguageModelGSPOLossConfig,
+        LanguageModelLabelEntropyLossConfig,
+        LanguageModelLossConfig,
+        LanguageModelPolicyGradientLossConfig,
+        LanguageModelZLossConfig,
+    )
 
 Batch = dict[str, Any]
 
