@@ -392,7 +392,10 @@ def replace_between_markers(text: str, block: str) -> str:
 
 def _slug(device: str, world: int | None) -> str:
     m = re.search(r"\b([A-Z]\d{2,3}[A-Z]?)\b", device or "")
-    name = m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "", (device or "cpu").lower())[:12]
+    if (device or "CPU").upper().startswith("CPU"):
+        name = "cpu"
+    else:
+        name = m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "", device.lower())[:12]
     return f"{name}x{world}" if world and world > 1 else name
 
 
