@@ -115,6 +115,8 @@ ext = Ext(
 setup(
     packages=find_packages("python"),
     package_dir={"": "python"},
+    # py.typed: the package's annotations are meant for type checkers (PEP 561); _C.pyi types the library module.
+    package_data={"rl_losses": ["py.typed", "_C.pyi"]},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},

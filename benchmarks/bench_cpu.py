@@ -1,4 +1,4 @@
-"""CPU section of the benchmark (issue 6): the C++ CPU kernels against eager PyTorch, fwd+bwd, fp32.
+"""CPU section of the benchmark: the C++ CPU kernels against eager PyTorch, fwd+bwd, fp32.
 
     python benchmarks/bench_cpu.py [--n 2048 --v 32000 --ops ce,grpo,... --out DIR]
 

@@ -1,4 +1,4 @@
-"""Side-by-side GPU benchmark of the loss heads, fwd+bwd as a user runs them (issue 6).
+"""Side-by-side GPU benchmark of the loss heads, fwd+bwd as a user runs them.
 
     python3 benchmarks/bench_gpu.py --quick --out OUT [--time-budget S]   # headline shape + a few
     python3 benchmarks/bench_gpu.py --out OUT                              # the whole grid

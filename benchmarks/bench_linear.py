@@ -1,4 +1,4 @@
-"""GPU benchmark of the fused lm_head losses (issue 8): rl_losses.linear_{cross_entropy,grpo_loss,gspo_loss}.
+"""GPU benchmark of the fused lm_head losses: rl_losses.linear_{cross_entropy,grpo_loss,gspo_loss}.
 
     python3 benchmarks/bench_linear.py --out OUT [--quick] [--time-budget S]
     python3 benchmarks/bench_linear.py --dry-run --out /tmp/x      # CPU, tiny shapes: checks the logic

@@ -4,7 +4,7 @@
 //
 // Conventions:
 //   * Public ops (`cross_entropy`, `grpo`, `gspo`, `row_stats`) take the tensors positionally and every
-//     option by keyword, with the defaults of SPEC.md.
+//     option by keyword, with the defaults of docs/api.md.
 //   * `_<op>_forward` computes the loss, the per-row outputs and — when asked — the gradient in the same
 //     pass; `_<op>_forward_inplace` writes the gradient into the logits' own storage (inplace_backward).
 //   * `_scale_grad_` is the backward of every loss: it scales the gradient computed in the forward by the
@@ -35,7 +35,7 @@ TORCH_LIBRARY(rl_losses, m) {
       "int vocab_size=-1, bool entropy=False, bool smoothing=False) -> Tensor");
   m.def("_scale_grad_(Tensor(a!) grad, Tensor grad_output) -> ()");
 
-  // ---- cross-entropy (SPEC §2.1); label_weight=0 with z_loss_factor>0 is the z-loss alone -----------
+  // ---- cross-entropy (docs/math.md); label_weight=0 with z_loss_factor>0 is the z-loss alone -----------
 #define RL_LOSSES_CE_ARGS                                                                                     \
   "float logits_scale_factor, float label_smoothing, float z_loss_factor, float label_weight, str reduction, " \
   "float? divisor, Tensor? row_stats, int vocab_start, int vocab_size"
@@ -50,8 +50,8 @@ TORCH_LIBRARY(rl_losses, m) {
         ") -> (Tensor loss, Tensor lse)");
 #undef RL_LOSSES_CE_ARGS
 
-  // ---- GRPO (SPEC §2.2) -----------------------------------------------------------------------------
-  // Outputs after the loss are detached metrics (SPEC §2.4); `entropy` is 0 unless compute_entropy.
+  // ---- GRPO (docs/math.md) ------------------------------------------------------------------------
+  // Outputs after the loss are detached metrics (docs/math.md); `entropy` is 0 unless compute_entropy.
 #define RL_LOSSES_POLICY_OUTS                                                                           \
   "(Tensor loss, Tensor new_logprobs, Tensor clipped_fraction_low, Tensor clipped_fraction_high, "     \
   "Tensor kl_old, Tensor entropy, Tensor log_probs, Tensor ratio_mean"
@@ -71,7 +71,7 @@ TORCH_LIBRARY(rl_losses, m) {
         RL_LOSSES_GRPO_ARGS ") -> " RL_LOSSES_POLICY_OUTS ")");
 #undef RL_LOSSES_GRPO_ARGS
 
-  // ---- GSPO (SPEC §2.3) -----------------------------------------------------------------------------
+  // ---- GSPO (docs/math.md) ------------------------------------------------------------------------
   // `document_sums` (num_documents, 3: Σu(lp−old), Σu·A, labelled-token count), when given, replaces the
   // op's own per-document sums: the sequence-data-parallel layer all-reduces them over its group. Extra
   // outputs: document_ratios R_s (num_documents,).

@@ -49,7 +49,7 @@ def test_defaults_round_trip(d):
     assert LanguageModelLossConfig.from_dict(cfg.to_dict()) == cfg
 
 
-def test_spec_defaults():
+def test_documented_defaults():  # docs/api.md
     grpo = LanguageModelGRPOLossConfig()
     assert (grpo.epsilon_low, grpo.epsilon_high, grpo.delta, grpo.beta) == (0.2, 0.2, None, 0.0)
     assert grpo.loss_normalization == "token" and grpo.metrics == "none"

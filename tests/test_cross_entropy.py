@@ -1,4 +1,4 @@
-"""Tests of the fused cross-entropy op (issue 2, SPEC §2.1) and of the z-loss built on it.
+"""Tests of the fused cross-entropy op (docs/math.md) and of the z-loss built on it.
 
 Every result is compared with the pure-PyTorch reference (rl_losses.reference) run in float64 on the same
 logits, upcast only after they were rounded to the test dtype, so that what is left is the op's own error.
@@ -130,7 +130,7 @@ def test_float64(vocab, option, device):
 
 
 def test_divisor_default_is_labelled_count(device):
-    # SPEC §2.1: with ε = ζ = 0 and reduction "mean" the op is F.cross_entropy(s·z, y) over labelled tokens.
+    # docs/math.md: with ε = ζ = 0 and reduction "mean" the op is F.cross_entropy(s·z, y) over labelled tokens.
     logits = make_logits((64,), 300, torch.float64, device)
     target = make_target((64,), 300, device)
     loss = rl_losses.cross_entropy(logits, target, logits_scale_factor=0.7)

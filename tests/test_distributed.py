@@ -1,4 +1,4 @@
-"""Distributed losses on gloo (issue 7, SPEC §3): vocabulary-parallel (tp_group) cross-entropy, z-loss, GRPO
+"""Distributed losses on gloo (docs/distributed.md): vocabulary-parallel (tp_group) cross-entropy, z-loss, GRPO
 and GSPO, sequence-data-parallel (sdp_group) GSPO, and both together.
 
 Each world size (2, 3 and 4 processes on this machine, CPU tensors, gloo over the loopback interface with a
@@ -392,7 +392,7 @@ def world_results(world: int) -> list:
 
 # ---- the single-process expectation -----------------------------------------------------------------------
 def gspo_token_shares(case: Case, inputs: dict, expected: dict) -> torch.Tensor:
-    """Each token's share κ_t·f(R_s, A)/D of the single-process GSPO loss (float64, SPEC §2.3), from the
+    """Each token's share κ_t·f(R_s, A)/D of the single-process GSPO loss (float64, docs/math.md), from the
     single-process document ratios: a rank's loss must be the sum of its tokens' shares."""
     o = case.options
     doc = inputs["document_index"].reshape(-1)

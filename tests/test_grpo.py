@@ -1,4 +1,4 @@
-"""Tests of the GRPO op (issue 3, SPEC §2.2 and §2.4): loss, gradient and metrics.
+"""Tests of the GRPO op (docs/math.md): loss, gradient and metrics.
 
 The op is compared with rl_losses.reference.grpo_loss in float64 (on logits rounded to the test dtype first),
 and its conventions are checked against formulas written out here: TRL's loss_type="grpo" and Helion's GRPO
@@ -66,7 +66,7 @@ def natural_scale(target, advantages, upstream, *, logits_scale_factor=1.0, divi
 
 
 def assert_outputs_close(out, ref, dtype, *, compute_entropy=False):
-    """Loss and every metric of SPEC §2.4 against the reference."""
+    """Loss and every metric (docs/math.md) against the reference."""
     assert out.loss.dim() == 0
     assert_close(out.loss.detach(), ref.loss.detach(), dtype, msg="loss")
     for name in METRICS:
@@ -167,7 +167,7 @@ def test_float64(device):
 
 
 def test_label_counts_metric_is_mean_of_document_means(device):
-    # SPEC §2.4: new_logprobs is the mean over documents of each document's mean log-prob (Fast-LLM's metric),
+    # docs/math.md: new_logprobs is the mean over documents of each document's mean log-prob (Fast-LLM's metric),
     # the plain token mean without label_counts.
     shape, vocab = (8, 12), 200
     logits, target, advantages, old_log_probs, _ = make_inputs(shape, vocab, torch.float32, device)
@@ -281,7 +281,7 @@ def test_ratios_next_to_each_clip_bound(dtype, use_delta, device):
     assert out.clipped_fraction_low.item() == pytest.approx(low.sum().item() / n)
     assert out.clipped_fraction_high.item() == pytest.approx(high.sum().item() / n)
     assert out.ratio_mean.item() == pytest.approx(ratio.mean().item(), rel=1e-5)
-    # c_t = 0 (no gradient) where a clip is active: SPEC §2.2.
+    # c_t = 0 (no gradient) where a clip is active (docs/math.md).
     no_grad_expected = low | high | ((ratio > delta) if use_delta else torch.zeros_like(low))
     has_grad = grad.double().abs().sum(-1) > 0
     assert torch.equal(has_grad, ~no_grad_expected)

@@ -1,4 +1,4 @@
-"""Tests of the GSPO op over packed documents (issue 4, SPEC §2.3 and §2.4): loss, gradient and metrics.
+"""Tests of the GSPO op over packed documents (docs/math.md): loss, gradient and metrics.
 
 Two float64 references: `loop_reference` below, which walks the documents one at a time in plain Python
 (independent of any vectorised aggregation), and rl_losses.reference.gspo_loss. The convention is checked
@@ -23,11 +23,11 @@ DOC_METRICS = ("new_logprobs", "clipped_fraction_low", "clipped_fraction_high", 
 def loop_reference(logits, target, advantages, old_log_probs, document_index, *, num_documents=None,
                    label_counts=None, epsilon_low=0.2, epsilon_high=0.2, weighting="document",
                    token_advantages=False, divisor=None, logits_scale_factor=1.0, compute_entropy=False):
-    """SPEC §2.3 in float64, one document at a time. `logits` may require grad (the loss is differentiable
+    """GSPO (docs/math.md) in float64, one document at a time. `logits` may require grad (the loss is differentiable
     through the per-token log-probs).
 
-    Returns a dict with the loss, the metrics of SPEC §2.4, the per-token log-probs and the per-document
-    ratios (None for documents without a labelled token, where the SPEC leaves R_s free).
+    Returns a dict with the loss, the metrics, the per-token log-probs and the per-document
+    ratios (None for documents without a labelled token, where R_s is left free).
     """
     vocab = logits.shape[-1]
     logp = torch.log_softmax(logits.reshape(-1, vocab).double() * logits_scale_factor, dim=-1)
@@ -174,7 +174,7 @@ def natural_scale(target, advantages, document_index, upstream, *, logits_scale_
 
 
 def check(logits, target, advantages, old_log_probs, document_index, upstream=1.0, **kwargs):
-    """The op against both float64 references: loss, gradient, and every metric of SPEC §2.4."""
+    """The op against both float64 references: loss, gradient, and every metric."""
     dtype = logits.dtype
     out, grad = run_op(logits, target, advantages, old_log_probs, document_index, upstream, **kwargs)
     loop, loop_grad = run_loop_reference(logits, target, advantages, old_log_probs, document_index, upstream,
@@ -379,9 +379,10 @@ def test_explicit_counts_and_divisor(dtype, weighting, device):
 
 @pytest.mark.parametrize("weighting", ["document", "token"])
 def test_split_documents_sum_to_the_whole(weighting, device):
-    """SPEC §3 at the op level: a batch cut in two "ranks" (rows 0-3 and 4-7, documents crossing the cut),
-    each given the whole documents' label_counts and the summed per-document sums (gspo_document_sums), gives
-    losses that add up to the single-call loss, and gradients that are its two halves."""
+    """Sequence-data parallelism (docs/distributed.md) at the op level: a batch cut in two "ranks" (rows 0-3
+    and 4-7, documents crossing the cut), each given the whole documents' label_counts and the summed
+    per-document sums (gspo_document_sums), gives losses that add up to the single-call loss, and gradients
+    that are its two halves."""
     doc = _packed(device)
     n_docs = int(doc.max()) + 1
     logits, target, advantages, old = make_inputs(doc.shape, 256, torch.float64, device, doc)

@@ -1,4 +1,4 @@
-"""Tests of the fused lm_head ops (linear_cross_entropy, linear_grpo, linear_gspo; issue 8).
+"""Tests of the fused lm_head ops (linear_cross_entropy, linear_grpo, linear_gspo).
 
 Every case compares against the float64 pure-PyTorch reference applied to ``logits = hidden @ weight.T + bias``
 computed in float64 from the same (rounded) inputs, differentiated by autograd w.r.t. hidden, weight and bias:

@@ -1,5 +1,5 @@
 // Input validation shared by every op: one function per concern, messages that name the argument, the
-// expected and the actual value (SPEC §4).
+// expected and the actual value (docs/conventions.md, errors).
 #pragma once
 
 #include <ATen/ATen.h>

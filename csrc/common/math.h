@@ -1,6 +1,6 @@
 // The per-token math of every loss, written once and called by the CPU loops and the CUDA kernels alike,
 // so that CPU/CUDA parity comes from construction. Everything here is fp32 (fp64 for fp64 inputs on the CPU)
-// and free of torch headers beyond the host/device macro. SPEC.md sections are cited where a formula lives.
+// and free of torch headers beyond the host/device macro. docs/math.md states every formula in the same notation.
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -197,7 +197,7 @@ RL_LOSSES_UNROLL
   }
 
   C10_HOST_DEVICE T lse() const { return max + ::log(sumexp); }
-  // H = lse - Σ p·x (SPEC §1).
+  // H = lse - Σ p·x (docs/math.md).
   C10_HOST_DEVICE T entropy() const { return lse() - sum_px / sumexp; }
 };
 
@@ -212,7 +212,7 @@ struct GradCoef {
 };
 
 // ---------------------------------------------------------------------------------------------------------
-// Cross-entropy and z-loss (SPEC §2.1), one labelled row with weight w = m_t·g/D:
+// Cross-entropy and z-loss (docs/math.md), one labelled row with weight w = m_t·g/D:
 //   ℓ = λ[(1−ε)(lse − x_y) + ε(lse − Σx/V)] + ζ·lse²
 //   ∂ℓ/∂x_j = λ[p_j − (1−ε)[j=y] − ε/V] + 2ζ·lse·p_j
 // λ = 1 for cross-entropy, λ = 0 for the z-loss alone.
@@ -240,7 +240,7 @@ C10_HOST_DEVICE inline GradCoef<T> cross_entropy_grad(const CrossEntropyOptions<
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Policy-gradient pieces shared by GRPO (per token) and GSPO (per document), SPEC §2.2-2.3.
+// Policy-gradient pieces shared by GRPO (per token) and GSPO (per document), docs/math.md.
 // ---------------------------------------------------------------------------------------------------------
 template <typename T>
 struct ClipOptions {
@@ -274,7 +274,7 @@ C10_HOST_DEVICE inline T clip_coefficient(const ClipOptions<T>& o, T ratio, T ad
   return ratio <= o.delta ? c : T(0);
 }
 
-// Clipped-fraction flags of SPEC §2.4.
+// Clipped-fraction flags (docs/math.md, metrics).
 template <typename T>
 C10_HOST_DEVICE inline bool clipped_low(const ClipOptions<T>& o, T ratio, T advantage) {
   return ratio < T(1) - o.epsilon_low && advantage < T(0);
@@ -319,7 +319,7 @@ C10_HOST_DEVICE inline PolicyToken<T> grpo_token(const GrpoOptions<T>& o, T log_
   return {loss, coef, ratio};
 }
 
-// GSPO, one document: f_s and the per-token factor c(R, Ā)·R (SPEC §2.3).
+// GSPO, one document: f_s and the per-token factor c(R, Ā)·R (docs/math.md).
 template <typename T>
 C10_HOST_DEVICE inline PolicyToken<T> gspo_document(const ClipOptions<T>& o, T log_ratio_sum, T advantage) {
   const T ratio = ::exp(log_ratio_sum);

@@ -189,7 +189,7 @@ struct SumOf {
   C10_HOST_DEVICE void finish(const acc_t* s) const { *out = s[0]; }
 };
 
-// The scalar outputs of GRPO and GSPO (SPEC §2.4), in schema order, written by their finishing reductions:
+// The scalar outputs of GRPO and GSPO (docs/math.md), in schema order, written by their finishing reductions:
 // 0-dim tensors of the accumulation dtype, and their pointers for the device.
 enum PolicyScalar : int { kPolicyLoss = 0, kPolicyNewLogProbs, kPolicyClipLow, kPolicyClipHigh, kPolicyKlOld,
                           kPolicyEntropy, kPolicyRatioMean, kPolicyScalars };

@@ -1,4 +1,4 @@
-// Cross-entropy from labels, with label smoothing and z-loss (SPEC §2.1): the row-pass epilogue and the
+// Cross-entropy from labels, with label smoothing and z-loss (docs/math.md): the row-pass epilogue and the
 // device-independent forward that the CPU and CUDA registrations share.
 #pragma once
 

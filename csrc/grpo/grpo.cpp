@@ -53,7 +53,7 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
     });
   }
 
-  // Metrics (SPEC §2.4) in one reduction over the per-token outputs: no extra pass over the vocabulary, and
+  // Metrics (docs/math.md) in one reduction over the per-token outputs: no extra pass over the vocabulary, and
   // one launch where a column sum and a division per metric took one each (2-3 us apiece on a GPU).
   const PolicyScalarOutputs scalars(opts);
   backend.metrics(rows, f.target1d, counts, n_labelled, scalars);

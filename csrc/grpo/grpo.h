@@ -1,5 +1,5 @@
-// GRPO (SPEC §2.2): per-token clipped importance ratio, optional k3 penalty and two-sided clip, fused with
-// the metrics of SPEC §2.4. The row-pass epilogue and the device-independent forward shared by the CPU and
+// GRPO (docs/math.md): per-token clipped importance ratio, optional k3 penalty and two-sided clip, fused with
+// its metrics. The row-pass epilogue and the device-independent forward shared by the CPU and
 // CUDA registrations.
 #pragma once
 

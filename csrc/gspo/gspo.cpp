@@ -124,7 +124,7 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
     src.run(args, true, [&](RowPassArgs& a) { backend.grad(a, g.coef); });
   }
 
-  // Metrics (SPEC §2.4), one reduction over the tokens.
+  // Metrics (docs/math.md), one reduction over the tokens.
   const PolicyScalarOutputs scalars(opts);
   backend.metrics(g, scalars);
   std::vector<at::Tensor> out = scalars.with_log_probs(g.log_probs.view(target.sizes()));

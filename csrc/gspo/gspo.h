@@ -1,4 +1,4 @@
-// GSPO (SPEC §2.3): the sequence-level, geometric-mean importance ratio over packed documents.
+// GSPO (docs/math.md): the sequence-level, geometric-mean importance ratio over packed documents.
 //
 // Pass 1 (the statistics row pass) reads the logits once; the per-token log-probs, the per-document sums
 // Λ_s = Σ u_t(lp_t − old_t), Ā_s = Σ u_t·A_t and the labelled counts, and each token's gradient coefficient
@@ -93,7 +93,7 @@ struct GspoTokenTerms {
 };
 
 // Per document: the sums the loss uses (document_sums if given, else this rank's, divided by the document's
-// count when the terms were not), R_s, and the metrics of SPEC §2.4.
+// count when the terms were not), R_s, and the metrics (docs/math.md).
 template <typename acc_t>
 struct GspoDocumentStep {
   ClipOptions<acc_t> clip;

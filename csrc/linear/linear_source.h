@@ -1,4 +1,4 @@
-// The fused lm_head (issue: linear_cross_entropy / linear_grpo / linear_gspo): the loss ops' row passes run
+// The fused lm_head (linear_cross_entropy / linear_grpo / linear_gspo): the loss ops' row passes run
 // over logits = s-free hidden @ weight.T (+ bias), computed a chunk of rows at a time, so that no more than
 // one chunk of logits exists (the full (N, V) logits and their gradient never do).
 //

@@ -1,16 +1,25 @@
 """rl_losses: fused cross-entropy, GRPO and GSPO loss heads for PyTorch.
 
-The ops live in ``torch.ops.rl_losses`` (C++/CUDA, loaded from ``rl_losses._C``); this package adds the
-functional wrappers (``rl_losses.cross_entropy``, ``rl_losses.z_loss``, ``rl_losses.grpo_loss``,
-``rl_losses.gspo_loss``; ``rl_losses.linear_*``: the same from hidden states and the lm_head weight, without
-materialising the logits), a pure-PyTorch reference (``rl_losses.reference``) and Fast-LLM-style configs and
-loss modules (``rl_losses.config``).
+The ops live in ``torch.ops.rl_losses`` (C++/CUDA, loaded from ``rl_losses._C``). This package adds:
+
+- functional wrappers: ``cross_entropy``, ``z_loss``, ``grpo_loss``, ``gspo_loss`` (from logits) and
+  ``linear_cross_entropy``, ``linear_grpo_loss``, ``linear_gspo_loss`` (from hidden states and the lm_head
+  weight, without materialising the logits); the policy losses return a ``PolicyLossOutput``;
+- Fast-LLM-style configs (``rl_losses.config``, entry point ``LanguageModelLossConfig.from_dict``) that build
+  the loss modules of ``rl_losses.losses``;
+- ``pack_documents`` / ``Document``: variable-length rollouts packed into the batch the losses take;
+- ``rl_losses.reference`` (the pure-PyTorch float64 ground truth) and ``rl_losses.distributed`` (the
+  ``tp_group`` / ``sdp_group`` layer the wrappers route to).
+
+``target`` is always the next-token labels (``target[t] = input_ids[t + 1]``), negative where there is no
+label. The documentation is in the repository's docs/ folder: math.md (every formula), conventions.md
+(labels, masks, divisors, packing), api.md (this API), distributed.md, performance.md.
 """
 import torch  # noqa: F401  (must load before the library, which links against it)
 
 from rl_losses import _C  # noqa: F401  (loads the library, which registers the ops)
 from rl_losses import _fake  # noqa: F401  (fake kernels for torch.compile / meta tensors)
-from rl_losses.functional import (  # noqa: F401
+from rl_losses.functional import (
     PolicyLossOutput,
     cross_entropy,
     cuda_kernels_available,
@@ -21,8 +30,31 @@ from rl_losses.functional import (  # noqa: F401
     linear_gspo_loss,
     z_loss,
 )
-from rl_losses import config, losses, packing  # noqa: F401  (configs, loss modules, document packing)
-from rl_losses.config import LanguageModelLossConfig  # noqa: F401
-from rl_losses.packing import Document, pack_documents  # noqa: F401
+from rl_losses import config, distributed, losses, packing, reference  # noqa: F401  (submodules)
+from rl_losses.config import LanguageModelLossConfig
+from rl_losses.packing import Document, pack_documents
 
 __version__ = "0.1.0"
+
+__all__ = [
+    # functional wrappers and their named result
+    "cross_entropy",
+    "z_loss",
+    "grpo_loss",
+    "gspo_loss",
+    "linear_cross_entropy",
+    "linear_grpo_loss",
+    "linear_gspo_loss",
+    "PolicyLossOutput",
+    "cuda_kernels_available",
+    # configs and loss modules
+    "LanguageModelLossConfig",
+    "config",
+    "losses",
+    # packing
+    "Document",
+    "pack_documents",
+    # the reference and the distributed layer
+    "reference",
+    "distributed",
+]

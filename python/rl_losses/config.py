@@ -21,8 +21,7 @@ import os
 import typing
 from typing import Any, ClassVar
 
-if typing.TYPE_CHECKING:
-    from rl_losses.losses import LanguageModelLoss
+from rl_losses import losses
 
 # type name -> concrete config class, filled by ``LanguageModelLossConfig.__init_subclass__``.
 _REGISTRY: dict[str, type[LanguageModelLossConfig]] = {}
@@ -148,10 +147,11 @@ class LanguageModelLossConfig:
 
     # ---- building the module ----------------------------------------------------------------------------------
     @property
-    def loss_class(self) -> type[LanguageModelLoss]:
+    def loss_class(self) -> type[losses.LanguageModelLoss]:
+        """The ``nn.Module`` class of rl_losses.losses that this config builds."""
         raise NotImplementedError
 
-    def get_loss(self, name: str | None = None, *, tp_group=None) -> LanguageModelLoss:
+    def get_loss(self, name: str | None = None, *, tp_group=None) -> losses.LanguageModelLoss:
         """The loss module; ``name`` prefixes its metrics (default: the type name).
 
         tp_group: vocabulary-parallel process group (the extension's path only; see rl_losses.distributed).
@@ -161,7 +161,7 @@ class LanguageModelLossConfig:
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class LanguageModelLabelEntropyLossConfig(LanguageModelLossConfig):
-    """Cross-entropy from labels (type ``label``), SPEC §2.1.
+    """Cross-entropy from labels (type ``label``); the math: docs/math.md.
 
     loss_type: only "cross_entropy" (Fast-LLM's forward/reverse KL need a teacher distribution, not labels).
     label_smoothing: ε in [0, 1). z_loss_factor: ζ >= 0 (adds ζ·lse² per labelled token).
@@ -180,10 +180,8 @@ class LanguageModelLabelEntropyLossConfig(LanguageModelLossConfig):
         self._check_float("z_loss_factor", low=0.0)
 
     @property
-    def loss_class(self):
-        from rl_losses.losses import LanguageModelLabelEntropyLoss
-
-        return LanguageModelLabelEntropyLoss
+    def loss_class(self) -> type[losses.LanguageModelLabelEntropyLoss]:
+        return losses.LanguageModelLabelEntropyLoss
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -193,10 +191,8 @@ class LanguageModelZLossConfig(LanguageModelLossConfig):
     type_name: ClassVar[str] = "z_loss"
 
     @property
-    def loss_class(self):
-        from rl_losses.losses import LanguageModelZLoss
-
-        return LanguageModelZLoss
+    def loss_class(self) -> type[losses.LanguageModelZLoss]:
+        return losses.LanguageModelZLoss
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -223,7 +219,7 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class LanguageModelGRPOLossConfig(LanguageModelPolicyGradientLossConfig):
-    """GRPO (type ``grpo``): per-token clipped importance ratio, SPEC §2.2.
+    """GRPO (type ``grpo``): per-token clipped importance ratio (docs/math.md).
 
     delta: optional two-sided clip of the ratio (> 1 + epsilon_high), as in Liger/TRL.
     beta: k3 KL penalty towards the reference policy (>= 0; > 0 needs ``ref_log_probs`` in the batch).
@@ -256,15 +252,13 @@ class LanguageModelGRPOLossConfig(LanguageModelPolicyGradientLossConfig):
             self._fail("max_completion_length", "a positive int when loss_normalization='dr_grpo'")
 
     @property
-    def loss_class(self):
-        from rl_losses.losses import LanguageModelGRPOLoss
-
-        return LanguageModelGRPOLoss
+    def loss_class(self) -> type[losses.LanguageModelGRPOLoss]:
+        return losses.LanguageModelGRPOLoss
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class LanguageModelGSPOLossConfig(LanguageModelPolicyGradientLossConfig):
-    """GSPO (type ``gspo``): sequence-level geometric-mean ratio over packed documents, SPEC §2.3.
+    """GSPO (type ``gspo``): sequence-level geometric-mean ratio over packed documents (docs/math.md).
 
     weighting: "document" (each document weighs 1; Fast-LLM #517/#522) or "token" (each document weighs its
         labelled-token count; Fast-LLM #544). Either way D = num_documents_in_batch, as in Fast-LLM.
@@ -282,7 +276,5 @@ class LanguageModelGSPOLossConfig(LanguageModelPolicyGradientLossConfig):
         self._check_bool("token_advantages")
 
     @property
-    def loss_class(self):
-        from rl_losses.losses import LanguageModelGSPOLoss
-
-        return LanguageModelGSPOLoss
+    def loss_class(self) -> type[losses.LanguageModelGSPOLoss]:
+        return losses.LanguageModelGSPOLoss

@@ -1,4 +1,4 @@
-"""Vocabulary-parallel (``tp_group``) and sequence-data-parallel (``sdp_group``) losses (SPEC §3, issue 7).
+"""Vocabulary-parallel (``tp_group``) and sequence-data-parallel (``sdp_group``) losses (docs/distributed.md).
 
 The functional wrappers (``rl_losses.cross_entropy``, ``z_loss``, ``grpo_loss``, ``gspo_loss``) route here
 when given a process group; these functions can also be called directly, e.g. for uneven vocabulary shards.
@@ -57,7 +57,7 @@ local token. ``num_documents`` defaults to the group's max(document_index)+1, wh
 all-reduce and a host synchronisation: pass it to avoid both.
 Both groups together: the tensor-parallel statistics first, then the sequence-data-parallel sums.
 
-Bad input (SPEC §4: an error, never a hang): under sdp_group the ranks hold different tokens, so a bad label
+Bad input (an error, never a hang): under sdp_group the ranks hold different tokens, so a bad label
 or document id may fail on one rank only, before a collective the others are already waiting in. With the
 host checks on (CPU tensors; CUDA with RL_LOSSES_CHECK_INPUTS=1), the failing rank still joins the
 collective, with a failure flag in its buffer, and then every rank raises: the failing one its own error,
@@ -68,7 +68,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rl_losses.functional import PolicyLossOutput, _check_inputs_enabled, _check_labels, _divisor, _policy_output
+from rl_losses._inputs import _check_inputs_enabled, _check_labels, _divisor, _policy_output
+from rl_losses.reference import PolicyLossOutput
 
 _ops = torch.ops.rl_losses
 
@@ -84,7 +85,7 @@ def _host_checks(t: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and (t.device.type == "cpu" or _check_inputs_enabled())
 
 
-# Bad input must never hang the other ranks in a collective (SPEC §4). When the host checks are on, an error
+# Bad input must never hang the other ranks in a collective. When the host checks are on, an error
 # raised by this rank's local work before a collective is not raised at once: the rank joins the collective
 # with a failure flag in the buffer, and after it every rank of the group raises — the failing rank its own
 # error, the others a ValueError naming the group. Without the checks (CUDA by default), data errors are
@@ -178,7 +179,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, tp_group, logit
                   label_smoothing: float = 0.0, z_loss_factor: float = 0.0, label_weight: float = 1.0,
                   reduction: str = "mean", divisor: float | None = None, inplace_backward: bool = False,
                   vocab_start: int | None = None, vocab_size: int | None = None) -> torch.Tensor:
-    """Vocabulary-parallel cross-entropy / z-loss (SPEC §2.1, §3); see rl_losses.cross_entropy.
+    """Vocabulary-parallel cross-entropy / z-loss (docs/distributed.md); see rl_losses.cross_entropy.
 
     Args:
         logits: (..., V_loc) this rank's contiguous shard of the vocabulary; target: (...) global label ids.
@@ -205,7 +206,7 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
               logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
               compute_entropy: bool = False, inplace_backward: bool = False, vocab_start: int | None = None,
               vocab_size: int | None = None) -> PolicyLossOutput:
-    """Vocabulary-parallel GRPO (SPEC §2.2, §3); see rl_losses.grpo_loss, and cross_entropy above for the
+    """Vocabulary-parallel GRPO (docs/distributed.md); see rl_losses.grpo_loss, and cross_entropy above for the
     shard arguments. The loss and metrics are identical on every rank of ``tp_group``."""
     stats, start, total = _tp_setup("grpo_loss", logits, target, tp_group, logits_scale_factor, vocab_start,
                                     vocab_size, entropy=compute_entropy)
@@ -260,7 +261,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
               weighting: str = "document", token_advantages: bool = False, divisor: float | None = None,
               logits_scale_factor: float = 1.0, compute_entropy: bool = False, inplace_backward: bool = False,
               vocab_start: int | None = None, vocab_size: int | None = None) -> PolicyLossOutput:
-    """GSPO over a vocabulary-parallel and/or sequence-data-parallel group (SPEC §2.3, §3); see
+    """GSPO over a vocabulary-parallel and/or sequence-data-parallel group (docs/distributed.md); see
     rl_losses.gspo_loss, and cross_entropy above for the shard arguments.
 
     Under ``sdp_group``: ``document_index`` holds global document ids; ``label_counts`` (when given) are the

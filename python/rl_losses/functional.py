@@ -1,76 +1,54 @@
-"""Functional wrappers around ``torch.ops.rl_losses``: keyword-only options with SPEC defaults, docstrings
-that give each tensor's shape and dtype, and the named result of the policy losses."""
-from __future__ import annotations
+"""Functional wrappers around ``torch.ops.rl_losses``: tensors positional, options keyword-only, docstrings that
+give each tensor's shape and dtype, and the named result of the policy losses (``PolicyLossOutput``).
 
-import os
+The math of every option: docs/math.md; how a batch maps onto the arguments (label shift, masks, divisors,
+padded or packed batches): docs/conventions.md. With ``tp_group`` / ``sdp_group`` the wrappers run the
+distributed layer (rl_losses.distributed, docs/distributed.md)."""
+from __future__ import annotations
 
 import torch
 
+from rl_losses import distributed
+from rl_losses._inputs import _check_document_ids, _check_labels, _divisor, _policy_output, _vocab_size
 from rl_losses.reference import PolicyLossOutput  # noqa: F401  (re-exported: the ops' named result)
 
 _ops = torch.ops.rl_losses
 
 
 def cuda_kernels_available() -> bool:
-    """True when the extension was built with its CUDA kernels (a CPU-only build runs only on the CPU)."""
+    """True when the extension was built with its CUDA kernels (a CPU-only build runs only on the CPU tensors).
+
+    Returns: bool; the configs' ``use_cuda_kernel=None`` uses it to choose between the op and the reference.
+    """
     return torch._C._dispatch_has_kernel_for_dispatch_key("rl_losses::_cross_entropy_forward", "CUDA")
-
-
-def _check_inputs_enabled() -> bool:
-    # Opt-in host-side validation of label / document ids on CUDA (it synchronises with the device).
-    # On the CPU the kernels always check; on CUDA an out-of-range label trips a device-side assert.
-    return os.environ.get("RL_LOSSES_CHECK_INPUTS", "0") not in ("", "0")
-
-
-def _check_labels(name: str, target: torch.Tensor, vocab_size: int | None) -> None:
-    # The opt-in CUDA range check of labels against the (global) vocabulary size; None: the op reports the
-    # shape error. It reads a value on the host, so it is skipped inside a compiled graph.
-    if (vocab_size is not None and target.is_cuda and target.numel() > 0 and _check_inputs_enabled()
-            and not torch.compiler.is_compiling()):
-        high = int(target.max())
-        if high >= vocab_size:
-            raise ValueError(f"{name}: target holds label {high}, out of range for vocab_size {vocab_size}")
-
-
-def _vocab_size(t: torch.Tensor, dim: int) -> int | None:
-    return t.shape[dim] if t.dim() >= 1 else None
-
-
-def _check_document_ids(name: str, document_index: torch.Tensor, num_documents: int | None) -> None:
-    # The opt-in CUDA range check of document ids (the CPU kernels always check).
-    if document_index.is_cuda and _check_inputs_enabled() and num_documents is not None and document_index.numel():
-        high = int(document_index.max())
-        if high >= num_documents:
-            raise ValueError(f"{name}: document_index holds {high} but num_documents is {num_documents}")
-
-
-def _divisor(divisor) -> float | None:
-    if divisor is None:
-        return None
-    if isinstance(divisor, torch.Tensor):
-        divisor = divisor.item()
-    return float(divisor)
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, logits_scale_factor: float = 1.0,
                   label_smoothing: float = 0.0, z_loss_factor: float = 0.0, reduction: str = "mean",
                   divisor: float | None = None, inplace_backward: bool = False, tp_group=None) -> torch.Tensor:
-    """Fused cross-entropy from labels (SPEC §2.1).
+    """Fused cross-entropy from labels, with optional label smoothing and z-loss (docs/math.md).
 
     Args:
-        logits: (..., V) float32/bfloat16/float16/float64, unit stride in the last dim (under ``tp_group``:
-            this rank's vocabulary shard).
-        target: (...) int64/int32 label ids; any negative value means "no label".
-        logits_scale_factor: s > 0; the softmax is over s·logits.
-        label_smoothing: ε in [0, 1). z_loss_factor: ζ >= 0, adds ζ·lse² per labelled token.
-        reduction: "mean" (divided by ``divisor``, default the number of labelled tokens), "sum" or "none".
-        inplace_backward: write the gradient into ``logits`` (which is then overwritten): zero extra memory.
-        tp_group: vocabulary-parallel process group (see rl_losses.distributed).
+        logits: (..., V) float32/bfloat16/float16/float64 (float64 on the CPU only), unit stride in the last
+            dim. Leading dims are flattened; no copy is made.
+        target: (...) int64/int32 next-token labels (``target[t] = input_ids[t + 1]``); any negative value
+            means "no label" (no loss, zero gradient).
+        logits_scale_factor: s > 0; every softmax is over s·logits (a sampling temperature T is s = 1/T); the
+            gradient carries the factor s.
+        label_smoothing: ε in [0, 1): weight of the cross-entropy against the uniform distribution.
+        z_loss_factor: ζ >= 0: adds ζ·lse² per labelled token.
+        reduction: "mean" (sum over labelled tokens divided by ``divisor``), "sum" or "none" (per token).
+        divisor: D for "mean": a number or 0-dim tensor (default: the number of labelled tokens, counted on
+            the device). Pass a global count under data parallelism.
+        inplace_backward: write the gradient into ``logits``' own storage during the forward (zero extra
+            memory); ``logits`` then holds the gradient, so nothing else may use it afterwards.
+        tp_group: vocabulary-parallel process group: ``logits`` is then this rank's contiguous slice of the
+            vocabulary (even shards; uneven ones through rl_losses.distributed), ``target`` holds global ids,
+            and the loss is the same on every rank (docs/distributed.md). None: one device.
     Returns: the loss, float32 (float64 for float64 logits): a scalar, or shaped like ``target`` for "none".
+        Differentiable w.r.t. ``logits`` (the gradient is computed in the forward pass).
     """
     if tp_group is not None:
-        from rl_losses import distributed
-
         return distributed.cross_entropy(logits, target, tp_group=tp_group, logits_scale_factor=logits_scale_factor,
                                          label_smoothing=label_smoothing, z_loss_factor=z_loss_factor,
                                          reduction=reduction, divisor=_divisor(divisor),
@@ -95,26 +73,26 @@ def _mask_as_target(logits: torch.Tensor, loss_mask: torch.Tensor | None) -> tor
 
 def z_loss(logits: torch.Tensor, *, loss_mask: torch.Tensor | None = None, logits_scale_factor: float = 1.0,
            divisor: float | None = None, tp_group=None) -> torch.Tensor:
-    """Z-loss alone (Fast-LLM's ``z_loss``): Σ_t mask_t·lse_t² / D, D = Σ mask by default.
+    """Z-loss alone (Fast-LLM's ``z_loss``): Σ_t mask_t·lse_t² / D (docs/math.md).
 
     Args:
-        logits: (..., V) float tensor; loss_mask: (...) bool/int, default all ones.
+        logits: (..., V) float32/bfloat16/float16/float64, unit stride in the last dim.
+        loss_mask: (...) bool or int, the tokens the loss covers (default: every token).
+        logits_scale_factor: s > 0; every softmax is over s·logits (a sampling temperature T is s = 1/T); the
+            gradient carries the factor s.
+        divisor: D, a number or 0-dim tensor (default: Σ loss_mask).
+        tp_group: vocabulary-parallel process group: ``logits`` is then this rank's contiguous slice of the
+            vocabulary (even shards; uneven ones through rl_losses.distributed), ``target`` holds global ids,
+            and the loss is the same on every rank (docs/distributed.md). None: one device.
+    Returns: the scalar loss, float32 (float64 for float64 logits), differentiable w.r.t. ``logits``.
     """
     target = _mask_as_target(logits, loss_mask)
     if tp_group is not None:
-        from rl_losses import distributed
-
         return distributed.cross_entropy(logits, target, tp_group=tp_group, logits_scale_factor=logits_scale_factor,
                                          z_loss_factor=1.0, label_weight=0.0, divisor=_divisor(divisor))
     loss, _ = _ops.cross_entropy(logits, target, logits_scale_factor=logits_scale_factor, z_loss_factor=1.0,
                                  label_weight=0.0, divisor=_divisor(divisor))
     return loss
-
-
-def _policy_output(out, compute_entropy: bool, document_ratios=None) -> PolicyLossOutput:
-    loss, new_lp, low, high, kl_old, entropy, log_probs, ratio_mean = out[:8]
-    return PolicyLossOutput(loss, new_lp, low, high, kl_old, entropy if compute_entropy else None, log_probs,
-                            ratio_mean, document_ratios)
 
 
 def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor,
@@ -123,25 +101,36 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
               loss_weights: torch.Tensor | None = None, divisor: float | None = None,
               logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
               compute_entropy: bool = False, inplace_backward: bool = False, tp_group=None) -> PolicyLossOutput:
-    """GRPO: per-token clipped importance ratio (SPEC §2.2), fused with its metrics (SPEC §2.4).
+    """GRPO: per-token clipped importance ratio (docs/math.md), fused with its metrics.
 
     Args:
-        logits: (..., V) float32/bfloat16/float16/float64 (this rank's shard under ``tp_group``).
-        target: (...) int64/int32 label ids, negative = no label.
-        advantages, old_log_probs: (...) float, per token.
-        epsilon_low/epsilon_high: clip range [1-ε_l, 1+ε_h]. delta: optional two-sided clip (> 1+ε_h).
-        ref_log_probs: (...) float, with ``beta`` > 0: k3 KL penalty towards the reference policy.
-        loss_weights: (...) float per-token weights w_t (default: the label mask), e.g. mask/|o_i| for the
-            sequence mean of token means. divisor: D (default: the number of labelled tokens).
-        label_counts: (...) the labelled-token count of each token's document; only used by the
+        logits: (..., V) float32/bfloat16/float16/float64, unit stride in the last dim.
+        target: (...) int64/int32 next-token labels (``target[t] = input_ids[t + 1]``), negative = no label.
+        advantages: (...) float, the advantage of each token (a sequence's advantage repeated on its tokens).
+        old_log_probs: (...) float, the log-prob of each token's label under the policy that sampled it.
+        epsilon_low: ε_l in [0, 1); the ratio is clipped below at 1 - ε_l.
+        epsilon_high: ε_h >= 0; the ratio is clipped above at 1 + ε_h (DAPO's clip-higher: ε_h > ε_l).
+        delta: optional two-sided clip: the ratio is capped at δ > 1 + ε_h for negative advantages.
+        ref_log_probs: (...) float, log-probs under the reference policy; needed when ``beta`` > 0.
+        beta: β >= 0, weight of the k3 estimate of KL(new || ref).
+        loss_weights: (...) float per-token weights w_t (default: the label mask), e.g. mask / |o_i| for the
+            sequence mean of token means; forced to 0 where there is no label (docs/conventions.md).
+        divisor: D, a number or 0-dim tensor (default: the number of labelled tokens).
+        logits_scale_factor: s > 0; every softmax is over s·logits (a sampling temperature T is s = 1/T); the
+            gradient carries the factor s.
+        label_counts: (...) the labelled-token count of each token's document; used only by the
             ``new_logprobs`` metric (mean over documents of each document's mean log-prob).
-        compute_entropy: also return the mean entropy over labelled tokens.
-        inplace_backward: write the gradient into ``logits``.
-    Returns: PolicyLossOutput (``loss`` is differentiable; the rest are detached metrics).
+        compute_entropy: also compute the mean entropy over labelled tokens (fused into the same pass).
+        inplace_backward: write the gradient into ``logits``' own storage during the forward (zero extra
+            memory); ``logits`` then holds the gradient, so nothing else may use it afterwards.
+        tp_group: vocabulary-parallel process group: ``logits`` is then this rank's contiguous slice of the
+            vocabulary (even shards; uneven ones through rl_losses.distributed), ``target`` holds global ids,
+            and the loss is the same on every rank (docs/distributed.md). None: one device.
+    Returns: PolicyLossOutput: ``loss`` (differentiable scalar), then the detached metrics new_logprobs,
+        clipped_fraction_low/high, kl_old, entropy (None unless ``compute_entropy``), log_probs (per
+        token), ratio_mean; document_ratios is None.
     """
     if tp_group is not None:
-        from rl_losses import distributed
-
         return distributed.grpo_loss(logits, target, advantages, old_log_probs, tp_group=tp_group,
                                      epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
                                      ref_log_probs=ref_log_probs, beta=beta, loss_weights=loss_weights,
@@ -163,23 +152,39 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
               weighting: str = "document", token_advantages: bool = False, divisor: float | None = None,
               logits_scale_factor: float = 1.0, compute_entropy: bool = False, inplace_backward: bool = False,
               tp_group=None, sdp_group=None) -> PolicyLossOutput:
-    """GSPO: sequence-level geometric-mean ratio over packed documents (SPEC §2.3) with its metrics.
+    """GSPO: sequence-level geometric-mean ratio over packed documents (docs/math.md), with its metrics.
 
     Args:
-        logits: (..., V) float; target: (...) int labels, negative = no label.
-        advantages, old_log_probs: (...) float per token (advantages are averaged per document).
-        document_index: (...) int, 0-based document of each token; negative = padding (ignored).
-        num_documents: size of the per-document buffers (default max(document_index)+1, which synchronises).
-        label_counts: (...) labelled-token count of each token's whole document (default: counted).
+        logits: (..., V) float32/bfloat16/float16/float64, unit stride in the last dim.
+        target: (...) int64/int32 next-token labels (``target[t] = input_ids[t + 1]``), negative = no label.
+        advantages: (...) float per token; averaged over each document's labelled tokens (unless
+            ``token_advantages``).
+        old_log_probs: (...) float, the log-prob of each token's label under the policy that sampled it.
+        document_index: (...) int64/int32, the 0-based document of each token; negative = padding (ignored).
+        num_documents: size of the per-document buffers (default: max(document_index) + 1, which
+            synchronises with the host).
+        label_counts: (...) the labelled-token count of each token's whole document (default: counted from
+            ``document_index`` and the labels; give it when a document is split over calls or ranks).
+        epsilon_low: ε_l in [0, 1); the sequence ratio is clipped below at 1 - ε_l.
+        epsilon_high: ε_h >= 0; clipped above at 1 + ε_h.
         weighting: "document" (each document weighs 1) or "token" (each weighs its labelled-token count).
         token_advantages: GSPO-token: each token's own advantage inside the sequence ratio.
-        divisor: D (default: documents holding at least one labelled token).
-        sdp_group: sequence-data-parallel group over which documents are split (rl_losses.distributed).
-    Returns: PolicyLossOutput with ``document_ratios`` (num_documents,) set.
+        divisor: D, a number or 0-dim tensor (default: the documents holding at least one labelled token).
+        logits_scale_factor: s > 0; every softmax is over s·logits (a sampling temperature T is s = 1/T); the
+            gradient carries the factor s.
+        compute_entropy: also compute the mean entropy over labelled tokens (fused into the first pass).
+        inplace_backward: write the gradient into ``logits``' own storage during the forward (zero extra
+            memory); ``logits`` then holds the gradient, so nothing else may use it afterwards.
+        tp_group: vocabulary-parallel process group: ``logits`` is then this rank's contiguous slice of the
+            vocabulary (even shards; uneven ones through rl_losses.distributed), ``target`` holds global ids,
+            and the loss is the same on every rank (docs/distributed.md). None: one device.
+        sdp_group: sequence-data-parallel group: documents may be split over its ranks (global document ids);
+            the per-document sums are all-reduced, and the ranks' losses add up to the whole batch's.
+    Returns: PolicyLossOutput with ``document_ratios`` (num_documents,) set: ``loss`` (differentiable
+        scalar), then the detached metrics new_logprobs, clipped_fraction_low/high (fractions of documents),
+        kl_old, entropy (None unless ``compute_entropy``), log_probs, ratio_mean, document_ratios.
     """
     if tp_group is not None or sdp_group is not None:
-        from rl_losses import distributed
-
         return distributed.gspo_loss(logits, target, advantages, old_log_probs, document_index,
                                      tp_group=tp_group, sdp_group=sdp_group, num_documents=num_documents,
                                      label_counts=label_counts, epsilon_low=epsilon_low,
@@ -199,14 +204,17 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
 
 # ---- fused lm_head -------------------------------------------------------------------------------------------
 _LINEAR_ARGS_DOC = """
-    Args:
-        hidden: (..., H) float32/bfloat16/float16/float64 hidden states (the lm_head's input).
-        weight: (V, H) the lm_head weight, same dtype and device; bias: optional (V,).
+    Args (beyond those of the logits op):
+        hidden: (..., H) float32/bfloat16/float16/float64 hidden states (the lm_head's input); its leading
+            dims are the tokens, as the logits' would be.
+        weight: (V, H) the lm_head weight, same dtype and device.
+        bias: optional (V,) lm_head bias.
         chunk_size: rows of logits computed at a time (default: as many as fit 512 MiB of logits). Peak extra
             memory is one (chunk_size, V) block of logits plus, when the weight needs a gradient, its
             (V, H) float32 accumulator.
     The logits are ``hidden @ weight.T + bias``; they and their gradient are never materialised whole.
     Differentiable w.r.t. hidden, weight and bias (the gradients are computed in the forward, chunk by chunk).
+    No ``inplace_backward``, ``tp_group`` or ``sdp_group``.
 """
 
 
@@ -214,8 +222,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                          bias: torch.Tensor | None = None, logits_scale_factor: float = 1.0,
                          label_smoothing: float = 0.0, z_loss_factor: float = 0.0, reduction: str = "mean",
                          divisor: float | None = None, chunk_size: int | None = None) -> torch.Tensor:
-    """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits (see cross_entropy).
-    ``reduction="none"`` is available without gradients only (the weight gradient is summed over tokens)."""
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits. ``target`` and the
+    options are those of ``cross_entropy``; ``reduction="none"`` is available without gradients only (the
+    weight gradient is summed over tokens). Returns the loss, as ``cross_entropy``."""
     _check_labels("linear_cross_entropy", target, _vocab_size(weight, 0))
     loss, _ = _ops.linear_cross_entropy(hidden, weight, target, bias=bias, logits_scale_factor=logits_scale_factor,
                                         label_smoothing=label_smoothing, z_loss_factor=z_loss_factor,
@@ -230,7 +239,8 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                      loss_weights: torch.Tensor | None = None, divisor: float | None = None,
                      logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
                      compute_entropy: bool = False, chunk_size: int | None = None) -> PolicyLossOutput:
-    """GRPO of ``hidden @ weight.T (+ bias)`` without materialising the logits (see grpo_loss)."""
+    """GRPO of ``hidden @ weight.T (+ bias)`` without materialising the logits. ``target``, ``advantages``,
+    ``old_log_probs`` and the options are those of ``grpo_loss``; returns its PolicyLossOutput."""
     _check_labels("linear_grpo", target, _vocab_size(weight, 0))
     out = _ops.linear_grpo(hidden, weight, target, advantages, old_log_probs, bias=bias, ref_log_probs=ref_log_probs,
                            loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
@@ -246,8 +256,10 @@ def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                      epsilon_low: float = 0.2, epsilon_high: float = 0.2, weighting: str = "document",
                      token_advantages: bool = False, divisor: float | None = None, logits_scale_factor: float = 1.0,
                      compute_entropy: bool = False, chunk_size: int | None = None) -> PolicyLossOutput:
-    """GSPO of ``hidden @ weight.T (+ bias)`` without materialising the logits (see gspo_loss). The logits are
-    computed twice, chunk by chunk: once for the per-document ratios, once for the gradient."""
+    """GSPO of ``hidden @ weight.T (+ bias)`` without materialising the logits. ``target``, ``advantages``,
+    ``old_log_probs``, ``document_index`` and the options are those of ``gspo_loss``; returns its
+    PolicyLossOutput. The logits are computed twice, chunk by chunk: once for the per-document ratios, once
+    for the gradient."""
     _check_labels("linear_gspo", target, _vocab_size(weight, 0))
     _check_document_ids("linear_gspo", document_index, num_documents)
     out = _ops.linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, bias=bias,

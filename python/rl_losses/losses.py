@@ -13,19 +13,22 @@ Fast-LLM's: ``<name>`` (the unweighted loss), ``<name>_new_logprobs``, and with 
 """
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import torch
 
 from rl_losses import functional, reference
-from rl_losses.config import (
-    LanguageModelGRPOLossConfig,
-    LanguageModelGSPOLossConfig,
-    LanguageModelLabelEntropyLossConfig,
-    LanguageModelLossConfig,
-    LanguageModelPolicyGradientLossConfig,
-    LanguageModelZLossConfig,
-)
+
+if typing.TYPE_CHECKING:  # the configs build these modules (config.py imports this file, not the reverse)
+    from rl_losses.config import (
+        LanguageModelGRPOLossConfig,
+        LanguageModelGSPOLossConfig,
+        LanguageModelLabelEntropyLossConfig,
+        LanguageModelLossConfig,
+        LanguageModelPolicyGradientLossConfig,
+        LanguageModelZLossConfig,
+    )
 
 Batch = dict[str, Any]
 
@@ -188,7 +191,7 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
 
 
 class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
-    """GRPO (SPEC §2.2); ``config.loss_normalization`` chooses the token weights and the divisor."""
+    """GRPO (docs/math.md); ``config.loss_normalization`` chooses the token weights and the divisor."""
 
     config: LanguageModelGRPOLossConfig
 
@@ -234,7 +237,7 @@ class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
 
 
 class LanguageModelGSPOLoss(LanguageModelPolicyGradientLoss):
-    """GSPO (SPEC §2.3) over the packed documents of ``document_index``, divided by ``num_documents_in_batch``
+    """GSPO (docs/math.md) over the packed documents of ``document_index``, divided by ``num_documents_in_batch``
     (default: the documents holding at least one labelled token)."""
 
     config: LanguageModelGSPOLossConfig

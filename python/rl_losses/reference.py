@@ -1,7 +1,7 @@
-"""Pure-PyTorch implementation of every op (SPEC §2), differentiable through ordinary autograd.
+"""Pure-PyTorch implementation of every op (docs/math.md), differentiable through ordinary autograd.
 
 It is the ground truth of the tests (called on float64 inputs) and the ``use_cuda_kernel=False`` path of the
-configs. It shares no code with the C++/CUDA ops: every formula is written again here from the SPEC, in the
+configs. It shares no code with the C++/CUDA ops: every formula is written again here from docs/math.md, in the
 plainest PyTorch. It materialises N×V temporaries freely; it is not meant to be fast.
 """
 from __future__ import annotations
@@ -55,6 +55,8 @@ def _entropy(logp: torch.Tensor) -> torch.Tensor:
 
 def cross_entropy(logits, target, *, logits_scale_factor=1.0, label_smoothing=0.0, z_loss_factor=0.0,
                   reduction="mean", divisor=None):
+    """Cross-entropy (docs/math.md): the arguments and result of rl_losses.cross_entropy, without
+    ``inplace_backward`` and ``tp_group``."""
     x = _scaled(logits, logits_scale_factor)
     mask = target >= 0
     lse = torch.logsumexp(x, dim=-1)
@@ -70,6 +72,7 @@ def cross_entropy(logits, target, *, logits_scale_factor=1.0, label_smoothing=0.
 
 
 def z_loss(logits, *, loss_mask=None, logits_scale_factor=1.0, divisor=None):
+    """Z-loss alone (docs/math.md): the arguments and result of rl_losses.z_loss, without ``tp_group``."""
     lse = torch.logsumexp(_scaled(logits, logits_scale_factor), dim=-1)
     mask = torch.ones_like(lse, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
     per_token = torch.where(mask, lse**2, torch.zeros_like(lse))
@@ -85,7 +88,8 @@ def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
 def grpo_loss(logits, target, advantages, old_log_probs, *, epsilon_low=0.2, epsilon_high=0.2, delta=None,
               ref_log_probs=None, beta=0.0, loss_weights=None, divisor=None, logits_scale_factor=1.0,
               label_counts=None, compute_entropy=False) -> PolicyLossOutput:
-    """SPEC §2.2, per-token clipped ratio; see PolicyLossOutput for the metrics."""
+    """GRPO (docs/math.md), per-token clipped ratio: the arguments and result of rl_losses.grpo_loss, without
+    ``inplace_backward`` and ``tp_group``; see PolicyLossOutput for the metrics."""
     logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
     mask = target >= 0
     maskf = mask.to(logp.dtype)
@@ -120,7 +124,8 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
               label_counts=None, epsilon_low=0.2, epsilon_high=0.2, weighting="document",
               token_advantages=False, divisor=None, logits_scale_factor=1.0,
               compute_entropy=False) -> PolicyLossOutput:
-    """SPEC §2.3, sequence-level geometric-mean ratio over packed documents (vectorised with index_add)."""
+    """GSPO (docs/math.md), sequence-level geometric-mean ratio over packed documents (vectorised with
+    index_add): the arguments and result of rl_losses.gspo_loss, without ``inplace_backward`` and the groups."""
     logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
     dt = logp.dtype
     doc = document_index.reshape(-1).long()
