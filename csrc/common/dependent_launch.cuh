@@ -6,14 +6,10 @@
 // visible. So the order of effects is the plain stream order; only the launch latency overlaps. (One
 // exception, the cluster kernel's tail launch, waits at its end instead: row_pass_cuda.cuh says why that is
 // safe there.)
-// RL_LOSSES_PDL=0 launches plainly (for comparison).
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>
 #include <cuda_runtime.h>
-
-#include <cstdlib>
-#include <cstring>
 
 namespace rl_losses {
 namespace cuda {
@@ -69,15 +65,9 @@ class DependentLaunch {
   }
 
  private:
-  static bool enabled() {
-    static const bool off = [] {
-      const char* env = std::getenv("RL_LOSSES_PDL");
-      return env != nullptr && std::strcmp(env, "0") == 0;
-    }();
-    // Only on sm_90 itself, whose machine code setup.py always builds with the waits: another device could
-    // run the kernels from PTX of an older architecture, compiled without them.
-    return !off && at::cuda::getCurrentDeviceProperties()->major == 9;
-  }
+  // Only on sm_90 itself, whose machine code setup.py always builds with the waits: another device could
+  // run the kernels from PTX of an older architecture, compiled without them.
+  static bool enabled() { return at::cuda::getCurrentDeviceProperties()->major == 9; }
   cudaLaunchAttribute attrs_[2];
   cudaLaunchConfig_t cfg_ = {};
 };

@@ -47,8 +47,8 @@ bool cuda_fuses_row_pass(const RowPassArgs& args);
 #endif
 
 // On CUDA, a loss that needs its gradient runs the statistics and the gradient in one kernel where
-// cuda_fuses_row_pass says so. Elsewhere (rows too long for a cluster's shared memory, unaligned rows,
-// RL_LOSSES_ROW_KERNEL=split) it runs the statistics pass as its own kernel first, then the epilogue and the
+// cuda_fuses_row_pass says so. Elsewhere (rows too long for a cluster's shared memory, unaligned rows, a
+// device older than sm_90) it runs the statistics pass as its own kernel first, then the epilogue and the
 // gradient in a second one (as tensor parallelism does): one block per row re-reading its row for the
 // gradient misses L2 and measured 1.6x slower than this split on an H100 (7.3 vs 4.7 ms at N=16384,
 // V=128256 bf16; benchmarks/NOTES.md). The CPU keeps the fused pass (a row stays in its cache).

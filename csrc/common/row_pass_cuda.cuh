@@ -6,7 +6,7 @@
 //   C CTAs per row, each holding its slice of the row in shared memory, so that the logits are read from
 //   DRAM once and the gradient is written once (2 passes of memory traffic). The CTAs' statistics are
 //   combined over distributed shared memory (sm_90). It applies when a row fits in C <= 16 slices of at
-//   most kClusterCtaBytes and the rows are 16-byte aligned (row_cluster_shapes); split_stats_pass_on_cuda
+//   most kClusterCtaBytes and the rows are 16-byte aligned (row_cluster_shape); split_stats_pass_on_cuda
 //   (row_pass.h) gives every other fused call a statistics launch of its own first.
 // - row_pass_kernel, one block per row, for the statistics-only shape and the gradient-only one where rows
 //   are not aligned vectors (tensor parallelism, GSPO, the split path): each reads the row once, and the
@@ -24,14 +24,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
 #include <mutex>
-#include <string>
 #include <tuple>
-#include <vector>
 
 #include "common/bulk_copy.cuh"
 #include "common/dependent_launch.cuh"
@@ -40,17 +37,17 @@
 namespace rl_losses {
 namespace cuda {
 
-// Shared-memory bytes of one CTA's slice buffers (all its stages) in the cluster kernel. 64 KB lets 3 CTAs
-// share an SM (3 x 64 KB plus their static shared memory fit the 228 KB of an H100/H200 SM), so that one
-// CTA's wait for its slice hides behind the others' work. One 64 KB stage holds a bf16 row of 128256 in 4
-// CTAs, of 262144 in 8; an fp32 row of 262144 in 16.
+// Shared-memory bytes of one CTA's slice buffer in the cluster kernel. 64 KB lets 3 CTAs share an SM (3 x 64
+// KB plus their static shared memory fit the 228 KB of an H100/H200 SM), so that one CTA's wait for its slice
+// hides behind the others' work (slices of 96 KB, 2 CTAs per SM, measured faster on one H100 only, slower on
+// an H200 and at V = 262144). 64 KB slices hold a bf16 row of 128256 in 4 CTAs, of 262144 in 8; an fp32 row of 262144
+// in 16.
 constexpr int64_t kClusterCtaBytes = 64 * 1024;
 constexpr int kMaxClusterSize = 16;  // 8 is portable; H100/H200 allow 16 (NonPortableClusterSizeAllowed)
 // A slice arrives in pieces of kClusterPieceBytes, each on its own mbarrier, so that the statistics start
-// on the first piece while the others are still in flight.
+// on the first piece while the others are still in flight (waiting for the whole slice measured slower).
 constexpr int kClusterPieceBytes = 16 * 1024;
-constexpr int64_t kClusterCta96Bytes = 96 * 1024;  // the slices of RL_LOSSES_ROW_KERNEL=cluster96, the largest
-constexpr int kClusterMaxPieces = static_cast<int>(kClusterCta96Bytes / kClusterPieceBytes);
+constexpr int kClusterMaxPieces = static_cast<int>(kClusterCtaBytes / kClusterPieceBytes);
 constexpr int kClusterThreads = 256;
 // The slice buffers start on a boundary of this many bytes of shared memory. The dynamic shared memory
 // follows the static variables, which leave it only 16-byte aligned; buffers placed there held the kernel up
@@ -479,11 +476,12 @@ __device__ inline void send_to_rank(T* dst, const T& value, uint64_t* bar, unsig
 // statistics). Every CTA of a cluster skips the same rows, so "row" below counts the rows read.
 // No cluster barrier per row: a cluster barrier orders memory, so it waited for every thread's outstanding
 // gradient stores (Nsight Compute: membar + barrier stalls were 40% of the warps' cycles).
-// With 1 stage (the default), the copy of a row is issued when the previous row is done; with 2 stages (two
-// slice buffers of half the size: measured slower, as C doubles), the copy of the CTA's next row is issued
-// before step 1. A block barrier before each copy keeps it from overwriting a buffer some thread still reads
-// (the gradient of the last row read with 1 stage, of two rows back with 2). This launch loop's structure is kept
-// as measured: an equivalent rewrite without the stage option ran 10% slower (benchmarks/NOTES.md, v8b).
+// With 1 stage (what the launcher asks for), the copy of a row is issued when the previous row is done; with
+// 2 stages (two slice buffers of half the size: measured slower, as C doubles), the copy of the CTA's next row
+// is issued before step 1. A block barrier before each copy keeps it from overwriting a buffer some thread still
+// reads (the gradient of the last row read with 1 stage, of two rows back with 2). The 2-stage path is never
+// launched, but this launch loop's structure is kept as measured: an equivalent rewrite without the stage
+// option ran 10% slower (same inner-loop SASS, cause not found; benchmarks/NOTES.md, v8b).
 // The copies go to shared memory directly because registers are the scarce resource here: 3 CTAs of 256
 // threads per SM leave 85 per thread. The partial last vector of a row is loaded by one thread and stored
 // at the end of the slice, beyond the copied bytes. A slot of `gathered` is rewritten two rows read later, which
@@ -693,69 +691,31 @@ inline int64_t cluster_slice_vecs(int64_t vocab, int64_t elem_bytes, int n_ctas,
 
 struct ClusterShape {
   int ctas = 0;        // CTAs per row; 0: the cluster kernel does not apply
-  int stages = 0;      // slice buffers per CTA
-  int piece_bytes = 0;  // a slice arrives in pieces of this many bytes, each waited for on its own
-  int slice_vecs = 0;   // 16-byte vectors of each CTA's slice (of each stage's buffer)
+  int slice_vecs = 0;  // 16-byte vectors of each CTA's slice
 };
 
-// RL_LOSSES_ROW_KERNEL, read once: for comparison, =cluster_pow2 takes the smallest power of two of CTAs per
-// row instead of the fewest, =cluster96 slices of up to 96 KB (2 CTAs per SM), =cluster_whole waits for the
-// whole slice before its statistics instead of piece by piece, =cluster2 puts 2 stages first (two buffers of
-// half the size: measured slower, as it doubles C), =cluster_notail makes no tail launch (launch_row_cluster),
-// =split turns the kernel off (the statistics kernel + gradient kernel path).
-struct ClusterKnobs {
-  int max_stages = 1;
-  int piece_bytes = kClusterPieceBytes;
-  bool pow2 = false;
-  int64_t cta_bytes = kClusterCtaBytes;
-  bool tail = true;
-
-  static const ClusterKnobs& get() {
-    static const ClusterKnobs knobs = [] {
-      ClusterKnobs k;
-      const char* env = std::getenv("RL_LOSSES_ROW_KERNEL");
-      const std::string e = env == nullptr ? "" : env;
-      k.max_stages = e == "split" ? 0 : e == "cluster2" ? 2 : 1;
-      if (e == "cluster_whole") k.piece_bytes = static_cast<int>(kClusterCtaBytes);
-      k.pow2 = e == "cluster_pow2";
-      if (e == "cluster96") k.cta_bytes = kClusterCta96Bytes;
-      k.tail = e != "cluster_notail";
-      return k;
-    }();
-    return knobs;
-  }
-};
-
-// The shape with c CTAs per row and `stages` buffers each, or ctas = 0 where the slices do not fit.
-inline ClusterShape cluster_shape(const RowPassArgs& args, int c, int stages) {
-  const ClusterKnobs& k = ClusterKnobs::get();
+// The shape with c CTAs per row, or ctas = 0 where the slices do not fit kClusterCtaBytes.
+inline ClusterShape cluster_shape(const RowPassArgs& args, int c) {
   const int64_t slice_vecs =
-      cluster_slice_vecs(args.logits.size(1), args.logits.element_size(), c, k.cta_bytes / stages);
-  if (slice_vecs * 16 * stages > k.cta_bytes) return {};
-  return {c, stages, k.piece_bytes, static_cast<int>(slice_vecs)};
+      cluster_slice_vecs(args.logits.size(1), args.logits.element_size(), c, kClusterCtaBytes);
+  if (slice_vecs * 16 > kClusterCtaBytes) return {};
+  return {c, static_cast<int>(slice_vecs)};
 }
 
-// The shapes row_cluster_kernel may run these arguments with, best first: the fewest CTAs (1 to 16) whose
-// slices fit the knobs' cta_bytes (kClusterCtaBytes unless =cluster96), with 1 stage (the launcher takes the
-// first shape the device can make resident). None where the kernel does not apply: not the fused shape, a
-// device older than sm_90, rows of the logits or the gradient not 16-byte aligned, a row longer than
-// kMaxClusterSize slices.
-inline std::vector<ClusterShape> row_cluster_shapes(const RowPassArgs& args) {
-  const ClusterKnobs& k = ClusterKnobs::get();
-  std::vector<ClusterShape> shapes;
-  if (k.max_stages == 0 || !args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return shapes;
-  if (!rows_16_byte_aligned(args)) return shapes;
-  if (at::cuda::getDeviceProperties(args.logits.get_device())->major < 9) return shapes;
-  for (int stages = k.max_stages; stages >= 1; --stages) {
-    for (int c = 1; c <= kMaxClusterSize; c = k.pow2 ? 2 * c : c + 1) {
-      const ClusterShape shape = cluster_shape(args, c, stages);
-      if (shape.ctas != 0) {
-        shapes.push_back(shape);
-        break;
-      }
-    }
+// The shape row_cluster_kernel runs these arguments with: the fewest CTAs per row (1 to 16) whose slices fit
+// (a power of two measured slower: 84.0% of the copy at V = 151936 bf16 with 8 CTAs, 88.1% with 5), 1 stage
+// (launch_row_cluster falls back to row_pass_kernel where the device cannot make it resident). ctas = 0 where
+// the kernel does not apply: not the fused shape, a device older than sm_90, rows of the logits or the
+// gradient not 16-byte aligned, a row longer than kMaxClusterSize slices.
+inline ClusterShape row_cluster_shape(const RowPassArgs& args) {
+  if (!args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return {};
+  if (!rows_16_byte_aligned(args)) return {};
+  if (at::cuda::getDeviceProperties(args.logits.get_device())->major < 9) return {};
+  for (int c = 1; c <= kMaxClusterSize; ++c) {
+    const ClusterShape shape = cluster_shape(args, c);
+    if (shape.ctas != 0) return shape;
   }
-  return shapes;
+  return {};
 }
 
 // compute(), the occupancy calculator's answer for `kernel` on the current device with parameters (a, b),
@@ -787,7 +747,7 @@ class ClusterLaunch {
       // memory so that 3 CTAs' buffers fit (the kernel's loads bypass L1 anyway), and clusters of 16 (beyond
       // the portable 8).
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(ClusterKnobs::get().cta_bytes + kSliceSmemAlign)));
+                                          static_cast<int>(kClusterCtaBytes + kSliceSmemAlign)));
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_, cudaFuncAttributePreferredSharedMemoryCarveout,
                                           cudaSharedmemCarveoutMaxShared));
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
@@ -814,15 +774,13 @@ class ClusterLaunch {
   void operator()(const View& v, const Epilogue& epi, int64_t clusters, bool tail) const {
     DependentLaunch launch(dim3(static_cast<unsigned>(shape_.ctas * clusters)), kClusterThreads, smem());
     launch.add(dim_);
-    launch(kernel_, v, epi, shape_.slice_vecs, shape_.stages, shape_.piece_bytes / 16, tail);
+    launch(kernel_, v, epi, shape_.slice_vecs, /*stages=*/1, kClusterPieceBytes / 16, tail);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
  private:
   // The buffers, and the most the kernel may skip to align them (the dynamic shared memory is 16-byte aligned).
-  size_t smem() const {
-    return static_cast<size_t>(shape_.slice_vecs) * 16 * shape_.stages + kSliceSmemAlign - 16;
-  }
+  size_t smem() const { return static_cast<size_t>(shape_.slice_vecs) * 16 + kSliceSmemAlign - 16; }
   Kernel* kernel_;
   ClusterShape shape_;
   cudaLaunchAttribute dim_;
@@ -839,34 +797,33 @@ bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
   auto* kernel = &row_cluster_kernel<kClusterThreads, scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue>;
   using Launch = ClusterLaunch<std::remove_pointer_t<decltype(kernel)>>;
   const auto v = make_view<scalar_t, label_t, acc_t>(args);
-  for (const ClusterShape shape : row_cluster_shapes(args)) {
-    const Launch main_launch(kernel, shape);
-    const int clusters = main_launch.resident_clusters();
-    if (clusters == 0) continue;
-    const int64_t tail_rows = v.n_rows > clusters ? v.n_rows % clusters : 0;
-    if (tail_rows != 0 && ClusterKnobs::get().tail) {
-      for (int c = kMaxClusterSize; c > shape.ctas; --c) {
-        const ClusterShape tail = cluster_shape(args, c, shape.stages);
-        if (tail.ctas == 0 || tail.slice_vecs * 16 < kClusterPieceBytes) continue;
-        const Launch tail_launch(kernel, tail);
-        if (tail_launch.resident_clusters() < tail_rows) continue;
-        auto head = v, rest = v;
-        head.n_rows = v.n_rows - tail_rows;
-        rest.n_rows = tail_rows;
-        rest.logits += head.n_rows * v.row_stride;
-        rest.target += head.n_rows;
-        rest.grad += head.n_rows * v.grad_row_stride;
-        rest.row_offset += head.n_rows;
-        TORCH_INTERNAL_ASSERT(v.stats_in == nullptr, "rl_losses: the fused pass reads no statistics");
-        main_launch(head, epi, clusters, false);
-        tail_launch(rest, epi, tail_rows, true);
-        return true;
-      }
+  const ClusterShape shape = row_cluster_shape(args);
+  if (shape.ctas == 0) return false;
+  const Launch main_launch(kernel, shape);
+  const int clusters = main_launch.resident_clusters();
+  if (clusters == 0) return false;
+  const int64_t tail_rows = v.n_rows > clusters ? v.n_rows % clusters : 0;
+  if (tail_rows != 0) {
+    for (int c = kMaxClusterSize; c > shape.ctas; --c) {
+      const ClusterShape tail = cluster_shape(args, c);
+      if (tail.ctas == 0 || tail.slice_vecs * 16 < kClusterPieceBytes) continue;
+      const Launch tail_launch(kernel, tail);
+      if (tail_launch.resident_clusters() < tail_rows) continue;
+      auto head = v, rest = v;
+      head.n_rows = v.n_rows - tail_rows;
+      rest.n_rows = tail_rows;
+      rest.logits += head.n_rows * v.row_stride;
+      rest.target += head.n_rows;
+      rest.grad += head.n_rows * v.grad_row_stride;
+      rest.row_offset += head.n_rows;
+      TORCH_INTERNAL_ASSERT(v.stats_in == nullptr, "rl_losses: the fused pass reads no statistics");
+      main_launch(head, epi, clusters, false);
+      tail_launch(rest, epi, tail_rows, true);
+      return true;
     }
-    main_launch(v, epi, std::min<int64_t>(v.n_rows, clusters), false);
-    return true;
   }
-  return false;
+  main_launch(v, epi, std::min<int64_t>(v.n_rows, clusters), false);
+  return true;
 }
 
 template <int kThreads, typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing,
