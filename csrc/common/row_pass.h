@@ -42,7 +42,8 @@ struct RowPassArgs {
 
 #ifdef RL_LOSSES_WITH_CUDA
 // Whether the CUDA back-end runs this pass, statistics and gradient, as one kernel that reads each row once
-// (the cluster kernel of row_pass_cuda.cuh). Defined in common/row_stats_cuda.cu, so CUDA builds only.
+// (the cluster kernel of common/cuda/cluster_kernel.cuh). Defined in common/row_stats_cuda.cu, so CUDA builds
+// only.
 bool cuda_fuses_row_pass(const RowPassArgs& args);
 #endif
 
