@@ -83,18 +83,19 @@ void row_pass_cpu_typed(const RowPassArgs& args, const Epilogue& epi) {
           std::fill(g, g + v.vocab, scalar_t(0));  // masked row: exact zeros, no exp of a possibly -inf lse
           continue;
         }
-        const acc_t lse = st.lse();
-        const acc_t scale = v.scale, sa = v.scale * coef.a, sc = v.scale * coef.c;
+        // p = exp((s·x − max) − log Σ), relative to the max first (ExpShifted says why).
+        const ExpShifted<acc_t> p_of(v.scale, st.max, std::log(st.sumexp));
+        const acc_t sa = v.scale * coef.a, sc = v.scale * coef.c;
         const int64_t n = v.vocab;  // locals: loads through `v` inside the loop would block vectorisation
         RL_LOSSES_SIMD
         for (int64_t k = 0; k < n; ++k) {
-          const acc_t p = exp_nonpos(static_cast<acc_t>(x[k]) * scale - lse);
+          const acc_t p = p_of(static_cast<acc_t>(x[k]));
           g[k] = static_cast<scalar_t>(sa * p + sc);
         }
         // The label term is added after the vectorised sweep rather than tested per element. Its logit comes
         // from the statistics, not from x: with inplace_backward, x[local] already holds the gradient.
         if (has_label) {
-          const acc_t p = exp_nonpos(st.label - lse);
+          const acc_t p = exp_nonpos(st.log_prob(st.label));
           g[local] = static_cast<scalar_t>(sa * p + sc + v.scale * coef.b);
         }
       }

@@ -32,7 +32,7 @@ struct CrossEntropyEpilogue {
       return {acc_t(0), acc_t(0), acc_t(0)};
     }
     const acc_t inv_d = acc_t(1) / *divisor;
-    row_loss[row] = cross_entropy_loss(opt, l, st.label, st.sum_x) * inv_d;
+    row_loss[row] = cross_entropy_loss(opt, l, st.log_prob(st.label), st.sum_x) * inv_d;
     return cross_entropy_grad(opt, l, inv_d);
   }
 };

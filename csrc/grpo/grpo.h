@@ -40,7 +40,7 @@ struct GrpoEpilogue {
       log_probs[row] = acc_t(0);
       return {acc_t(0), acc_t(0), acc_t(0)};
     }
-    const acc_t lp = st.label - st.lse();
+    const acc_t lp = st.log_prob(st.label);
     const acc_t adv = advantages[row], old = old_log_probs[row];
     const PolicyToken<acc_t> t = grpo_token(opt, lp, old, adv, ref_log_probs ? ref_log_probs[row] : acc_t(0));
     const acc_t w = (loss_weights ? loss_weights[row] : acc_t(1)) / *divisor;

@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
   __shared__ RowStats<acc_t> gathered[2][kMaxClusterSize];
   __shared__ uint64_t gathered_full[2];
   __shared__ GradCoef<acc_t> coef_shared;
-  __shared__ acc_t lse_shared;
+  __shared__ acc_t max_shared, log_sumexp_shared;
   // One mbarrier per piece of each buffer: that piece of the slice has arrived.
   __shared__ uint64_t landed[2][kClusterMaxPieces];
 
@@ -256,12 +256,14 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
       if (lane == 0) {
         CUDA_KERNEL_ASSERT(label < v.vocab_total && "rl_losses: a target label is >= the vocabulary size");
         coef_shared = epi(row + v.row_offset, label, all);
-        lse_shared = all.lse();
+        max_shared = all.max;
+        log_sumexp_shared = ::log(all.sumexp);
       }
     }
     __syncthreads();
 
-    const GradOf<scalar_t, acc_t> grad_of(coef_shared, lse_shared, v.scale, has_label ? local : int64_t(-1));
+    const GradOf<scalar_t, acc_t> grad_of(coef_shared, max_shared, log_sumexp_shared, v.scale,
+                                          has_label ? local : int64_t(-1));
     VecT* gv = reinterpret_cast<VecT*>(v.grad + row * v.grad_row_stride + begin);
     // Unrolled by 2. By 4 gained up to a point at large V, but took the bf16 kernel from 64 to 72 registers
     // (4 to 3 CTAs per SM where the slices allow more): -6.5 points at V = 8192 (benchmarks/NOTES.md v16).

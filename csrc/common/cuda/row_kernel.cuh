@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
   using VecT = Pack<scalar_t, kVec>;
   __shared__ RowStats<acc_t> scratch[32];
   __shared__ GradCoef<acc_t> coef_shared;
-  __shared__ acc_t lse_shared;
+  __shared__ acc_t max_shared, log_sumexp_shared;
   wait_previous_grid();
 
   for (int64_t row = blockIdx.x; row < v.n_rows; row += gridDim.x) {
@@ -88,12 +88,13 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
         st = load_stats(v.stats_in, row);
       }
       coef_shared = epi(row + v.row_offset, label, st);
-      lse_shared = st.lse();
+      max_shared = st.max;
+      log_sumexp_shared = ::log(st.sumexp);
     }
     __syncthreads();
 
     if constexpr (kGrad) {
-      const GradOf<scalar_t, acc_t> grad_of(coef_shared, lse_shared, v.scale, local);
+      const GradOf<scalar_t, acc_t> grad_of(coef_shared, max_shared, log_sumexp_shared, v.scale, local);
       scalar_t* g = v.grad + row * v.grad_row_stride;
       if (grad_of.zero) {
         block_zero_fill<kThreads>(g, v.vocab);  // without reading the row
@@ -163,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)
       CUDA_KERNEL_ASSERT(label < v.vocab_total && "rl_losses: a target label is >= the vocabulary size");
       const int64_t local = label - v.vocab_start;
       const RowStats<acc_t> st = load_stats(v.stats_in, row);
-      const Grad grad_of(epi(row + v.row_offset, label, st), st.lse(), v.scale,
+      const Grad grad_of(epi(row + v.row_offset, label, st), st.max, ::log(st.sumexp), v.scale,
                          label >= 0 && local >= 0 && local < v.vocab ? local : int64_t(-1));
       memcpy(table[k - k_begin], &grad_of, sizeof(Grad));
     }

@@ -111,21 +111,22 @@ __device__ inline void add_vecs(RowStats<acc_t>& st, const Pack<scalar_t, kVec> 
   }
 }
 
-// dL/dz_j = s·(a·p_j + c + b·[j = label]), p_j = exp(s·z_j − lse), given the row's coefficients and lse: of
-// one element, or of a 16-byte vector without the label term. The kernels rewrite the label's element
-// afterwards (the thread that wrote its vector, so in order): a test per row instead of one per element.
+// dL/dz_j = s·(a·p_j + c + b·[j = label]), p_j = exp((s·z_j − max) − log Σ) (ExpShifted), given the row's
+// coefficients, max and log(sumexp): of one element, or of a 16-byte vector without the label term. The
+// kernels rewrite the label's element afterwards (the thread that wrote its vector, so in order): a test per
+// row instead of one per element.
 template <typename scalar_t, typename acc_t>
 struct GradOf {
   acc_t sa, sb, sc;
-  ExpAffine<acc_t> p_of;
+  ExpShifted<acc_t> p_of;
   int64_t label;  // the label's column in the caller's indexing; out of range when the row has none here
   bool zero;      // a = b = c = 0 (a masked row): exact zeros, never exp of a -inf lse
 
-  __device__ GradOf(const GradCoef<acc_t>& coef, acc_t lse, acc_t scale, int64_t label_)
+  __device__ GradOf(const GradCoef<acc_t>& coef, acc_t max, acc_t log_sumexp, acc_t scale, int64_t label_)
       : sa(scale * coef.a),
         sb(scale * coef.b),
         sc(scale * coef.c),
-        p_of(scale, lse),
+        p_of(scale, max, log_sumexp),
         label(label_),
         zero(coef.a == acc_t(0) && coef.b == acc_t(0) && coef.c == acc_t(0)) {}
 
