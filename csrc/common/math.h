@@ -226,13 +226,18 @@ RL_LOSSES_UNROLL
 };
 
 // The gradient of every loss here w.r.t. the scaled logits of a row has the form
-//     dL/dx_j = a·p_j + c + b·[j == y]
-// and the kernels write s·(that) as dL/dz_j. Each op only supplies (a, b, c) per row.
+//     dL/dx_j = a·p_j + c + b·[j == y] + h·p_j·log p_j,    log p_j = x_j − lse,
+// and the kernels write s·(that) as dL/dz_j. Each op only supplies (a, b, c, h) per row. The h term (an
+// entropy bonus: ∂H/∂x_j = −p_j·(log p_j + H), i.e. h = −w and a = −w·H for a bonus w·H) is compiled only for
+// epilogues that declare kMayUseEntropyGrad (row_pass.h); others return {a, b, c}, h is then 0 and unread.
+// No default member initialiser: the CUDA kernels hold a GradCoef in shared memory, which allows no
+// constructor; aggregate initialisation zeroes an omitted h.
 template <typename T>
 struct GradCoef {
   T a;
   T b;
   T c;
+  T h;
 };
 
 // ---------------------------------------------------------------------------------------------------------

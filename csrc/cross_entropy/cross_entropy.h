@@ -17,6 +17,7 @@ namespace rl_losses {
 template <typename acc_t>
 struct CrossEntropyEpilogue {
   static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = true;
+  static constexpr bool kMayUseEntropyGrad = false;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
   static constexpr bool kSkipsUnlabelled = false;  // lse is an output of every row, labelled or not
   CrossEntropyOptions<acc_t> opt;

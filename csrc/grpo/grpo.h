@@ -21,6 +21,7 @@ enum GrpoField : int { kGrpoLoss = 0, kGrpoRatio, kGrpoLow, kGrpoHigh, kGrpoKlOl
 template <typename acc_t>
 struct GrpoEpilogue {
   static constexpr bool kMayUseEntropy = true, kMayUseSmoothing = false;
+  static constexpr bool kMayUseEntropyGrad = false;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
   static constexpr bool kSkipsUnlabelled = true;  // a masked token's outputs and gradient are zeros
   GrpoOptions<acc_t> opt;

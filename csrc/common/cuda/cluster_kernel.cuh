@@ -262,8 +262,8 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     }
     __syncthreads();
 
-    const GradOf<scalar_t, acc_t> grad_of(coef_shared, max_shared, log_sumexp_shared, v.scale,
-                                          has_label ? local : int64_t(-1));
+    const GradOf<scalar_t, acc_t, Epilogue::kMayUseEntropyGrad> grad_of(coef_shared, max_shared, log_sumexp_shared,
+                                                                        v.scale, has_label ? local : int64_t(-1));
     VecT* gv = reinterpret_cast<VecT*>(v.grad + row * v.grad_row_stride + begin);
     // Unrolled by 2. By 4 gained up to a point at large V, but took the bf16 kernel from 64 to 72 registers
     // (4 to 3 CTAs per SM where the slices allow more): -6.5 points at V = 8192 (benchmarks/NOTES.md v16).

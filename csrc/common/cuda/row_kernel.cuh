@@ -94,7 +94,8 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
     __syncthreads();
 
     if constexpr (kGrad) {
-      const GradOf<scalar_t, acc_t> grad_of(coef_shared, max_shared, log_sumexp_shared, v.scale, local);
+      const GradOf<scalar_t, acc_t, Epilogue::kMayUseEntropyGrad> grad_of(coef_shared, max_shared,
+                                                                          log_sumexp_shared, v.scale, local);
       scalar_t* g = v.grad + row * v.grad_row_stride;
       if (grad_of.zero) {
         block_zero_fill<kThreads>(g, v.vocab);  // without reading the row
@@ -150,7 +151,7 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)
     grad_rows_kernel(RowPassView<scalar_t, label_t, acc_t> v, Epilogue epi) {
   constexpr int kVec = 16 / sizeof(scalar_t);
   using VecT = Pack<scalar_t, kVec>;
-  using Grad = GradOf<scalar_t, acc_t>;
+  using Grad = GradOf<scalar_t, acc_t, Epilogue::kMayUseEntropyGrad>;
   __shared__ alignas(Grad) unsigned char table[kGradTableRows][sizeof(Grad)];
   wait_previous_grid();
   const int n_vec = static_cast<int>(v.vocab / kVec);  // fits an int (grad_rows_aligned): fewer registers

@@ -111,16 +111,33 @@ __device__ inline void add_vecs(RowStats<acc_t>& st, const Pack<scalar_t, kVec> 
   }
 }
 
-// dL/dz_j = s·(a·p_j + c + b·[j = label]), p_j = exp((s·z_j − max) − log Σ) (ExpShifted), given the row's
-// coefficients, max and log(sumexp): of one element, or of a 16-byte vector without the label term. The
-// kernels rewrite the label's element afterwards (the thread that wrote its vector, so in order): a test per
-// row instead of one per element.
-template <typename scalar_t, typename acc_t>
+// The factor of p_j in the gradient, s·(a + h·log p_j), from s·a and the exponent of p_j (ExpShifted::arg,
+// whose unit the constructor folds into s·h): one FMA per element where the epilogue may use the entropy
+// term h, nothing otherwise (the specialisation below holds no field and returns s·a).
+template <typename acc_t, bool kEntropyGrad>
+struct ProbFactor {
+  acc_t sh;  // s·h·(natural log of the exponent's unit)
+  __device__ explicit ProbFactor(acc_t scaled_h) : sh(scaled_h * exp_shifted_log_unit<acc_t>()) {}
+  __device__ acc_t operator()(acc_t sa, acc_t arg) const { return sh * arg + sa; }
+};
+template <typename acc_t>
+struct ProbFactor<acc_t, false> {
+  __device__ explicit ProbFactor(acc_t) {}
+  __device__ acc_t operator()(acc_t sa, acc_t) const { return sa; }
+};
+
+// dL/dz_j = s·(a·p_j + c + b·[j = label] + h·p_j·log p_j), p_j = exp((s·z_j − max) − log Σ) (ExpShifted),
+// given the row's coefficients, max and log(sumexp): of one element, or of a 16-byte vector without the label
+// term. The kernels rewrite the label's element afterwards (the thread that wrote its vector, so in order): a
+// test per row instead of one per element. h is read only with kEntropyGrad (the epilogue's
+// kMayUseEntropyGrad).
+template <typename scalar_t, typename acc_t, bool kEntropyGrad = false>
 struct GradOf {
   acc_t sa, sb, sc;
   ExpShifted<acc_t> p_of;
   int64_t label;  // the label's column in the caller's indexing; out of range when the row has none here
-  bool zero;      // a = b = c = 0 (a masked row): exact zeros, never exp of a -inf lse
+  bool zero;      // a = b = c (= h) = 0 (a masked row): exact zeros, never exp of a -inf lse
+  ProbFactor<acc_t, kEntropyGrad> factor;
 
   __device__ GradOf(const GradCoef<acc_t>& coef, acc_t max, acc_t log_sumexp, acc_t scale, int64_t label_)
       : sa(scale * coef.a),
@@ -128,11 +145,18 @@ struct GradOf {
         sc(scale * coef.c),
         p_of(scale, max, log_sumexp),
         label(label_),
-        zero(coef.a == acc_t(0) && coef.b == acc_t(0) && coef.c == acc_t(0)) {}
+        zero(coef.a == acc_t(0) && coef.b == acc_t(0) && coef.c == acc_t(0) && (!kEntropyGrad || coef.h == acc_t(0))),
+        factor(scale * coef.h) {}
+
+  // s·(a·p + c) (+ s·h·p·log p) of one raw logit z.
+  __device__ acc_t no_label_term(acc_t z) const {
+    const acc_t arg = p_of.arg(z);
+    return factor(sa, arg) * ExpShifted<acc_t>::exp_of_arg(arg) + sc;
+  }
 
   __device__ scalar_t operator()(scalar_t z, int64_t j) const {
     if (zero) return scalar_t(0);
-    return static_cast<scalar_t>(sa * p_of(static_cast<acc_t>(z)) + sc + (j == label ? sb : acc_t(0)));
+    return static_cast<scalar_t>(no_label_term(static_cast<acc_t>(z)) + (j == label ? sb : acc_t(0)));
   }
 
   template <int kVec>
@@ -146,7 +170,7 @@ struct GradOf {
     acc_t g[kVec];
     unpack(z, g);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) g[k] = sa * p_of(g[k]) + sc;
+    for (int k = 0; k < kVec; ++k) g[k] = no_label_term(g[k]);
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
 #pragma unroll
       for (int k = 0; k < kVec; k += 2) {  // one cvt.rn.bf16x2.f32 per pair
