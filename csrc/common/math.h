@@ -96,7 +96,7 @@ struct ExpShifted {
   }
 
   // The exponent (s·z − m) − c in the unit the exponential takes: log2 on the GPU in fp32, natural elsewhere.
-  // For the gradient (c = log Σ) it is log p in that unit: log p = arg(z)·kLogUnit.
+  // For the gradient (c = log Σ) it is log p in that unit: log p = arg(z)·exp_shifted_log_unit<T>().
   C10_HOST_DEVICE T arg(T z) const {
 #if defined(__CUDA_ARCH__)
     if constexpr (sizeof(T) == 4) return fmaf(fmaf(z, s, -m), 1.4426950408889634f, -c);
@@ -227,9 +227,10 @@ RL_LOSSES_UNROLL
 
 // The gradient of every loss here w.r.t. the scaled logits of a row has the form
 //     dL/dx_j = a·p_j + c + b·[j == y] + h·p_j·log p_j,    log p_j = x_j − lse,
-// and the kernels write s·(that) as dL/dz_j. Each op only supplies (a, b, c, h) per row. The h term (an
-// entropy bonus: ∂H/∂x_j = −p_j·(log p_j + H), i.e. h = −w and a = −w·H for a bonus w·H) is compiled only for
-// epilogues that declare kMayUseEntropyGrad (row_pass.h); others return {a, b, c}, h is then 0 and unread.
+// and the kernels write s·(that) as dL/dz_j. Each op only supplies (a, b, c, h) per row. The h term is that of
+// an entropy term in the loss: ∂H/∂x_j = −p_j·(log p_j + H), so a loss term w·H adds h = −w and −w·H to a.
+// It is compiled only for epilogues that declare kMayUseEntropyGrad (row_pass.h); the others return
+// {a, b, c}: h is then 0, and unread.
 // No default member initialiser: the CUDA kernels hold a GradCoef in shared memory, which allows no
 // constructor; aggregate initialisation zeroes an omitted h.
 template <typename T>
