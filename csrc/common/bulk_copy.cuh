@@ -1,5 +1,5 @@
-// The sm_90 bulk-copy and mbarrier primitives of the cluster row kernel (row_pass_cuda.cuh), free of torch
-// headers so that the standalone benchmarks/slice_copy.cu times the same instructions.
+// The sm_90 bulk-copy and mbarrier primitives of the cluster row kernel (cuda/cluster_kernel.cuh), free of torch
+// headers (a standalone copy benchmark built on them measured the same instructions: docs/design.md).
 #pragma once
 
 #include <cstdint>
