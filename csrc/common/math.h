@@ -249,15 +249,24 @@ struct ClipOptions {
   T delta;  // two-sided clip; +inf when not used
 };
 
-// max(x, 1): a count used as a divisor, so that an empty set gives 0 / 1 = 0 rather than 0 / 0.
+// max(x, 1): a count used as a divisor, so that an empty set gives 0 / 1 = 0 rather than 0 / 0. A NaN count
+// (a NaN label_counts) stays NaN rather than silently becoming 1.
 template <typename T>
 C10_HOST_DEVICE inline T at_least_one(T x) {
-  return x > T(1) ? x : T(1);
+  return x < T(1) ? T(1) : x;
 }
 
-// −min( min(r, δ)·A , clip(r, 1−ε_l, 1+ε_h)·A )
+// w·x where w = 0 means "this token does not count" (a zero loss weight, a clipped gradient): an exact 0 even
+// when x overflowed to ±inf (a ratio beyond e^88 in fp32), where the product would be NaN.
+template <typename T>
+C10_HOST_DEVICE inline T zero_or_product(T w, T x) {
+  return w == T(0) ? T(0) : w * x;
+}
+
+// −min( min(r, δ)·A , clip(r, 1−ε_l, 1+ε_h)·A ); 0 for A = 0 whatever r (an overflowed r = inf included).
 template <typename T>
 C10_HOST_DEVICE inline T clipped_surrogate_loss(const ClipOptions<T>& o, T ratio, T advantage) {
+  if (advantage == T(0)) return T(0);
   const T lo = T(1) - o.epsilon_low, hi = T(1) + o.epsilon_high;
   const T clipped = ratio < lo ? lo : (ratio > hi ? hi : ratio);
   const T capped = ratio < o.delta ? ratio : o.delta;
@@ -272,6 +281,13 @@ C10_HOST_DEVICE inline T clip_coefficient(const ClipOptions<T>& o, T ratio, T ad
   const T neg = advantage < T(0) ? advantage : T(0);
   const T c = (ratio <= T(1) + o.epsilon_high ? pos : T(0)) + (ratio >= T(1) - o.epsilon_low ? neg : T(0));
   return ratio <= o.delta ? c : T(0);
+}
+
+// c(r, A)·r: the factor of A in −∂surrogate/∂lp. Exactly 0 where a clip or the cap δ is active, also when r
+// overflowed to inf (a clipped token must contribute a zero gradient, never 0·inf = NaN).
+template <typename T>
+C10_HOST_DEVICE inline T clip_gradient_factor(const ClipOptions<T>& o, T ratio, T advantage) {
+  return zero_or_product(clip_coefficient(o, ratio, advantage), ratio);
 }
 
 // Clipped-fraction flags of SPEC §2.4.
@@ -310,7 +326,7 @@ C10_HOST_DEVICE inline PolicyToken<T> grpo_token(const GrpoOptions<T>& o, T log_
                                                  T advantage, T ref_log_prob) {
   const T ratio = ::exp(log_prob - old_log_prob);
   T loss = clipped_surrogate_loss(o.clip, ratio, advantage);
-  T coef = clip_coefficient(o.clip, ratio, advantage) * ratio;
+  T coef = clip_gradient_factor(o.clip, ratio, advantage);
   if (o.beta != T(0)) {
     const T d = ref_log_prob - log_prob;
     loss += o.beta * k3(d);
@@ -323,7 +339,7 @@ C10_HOST_DEVICE inline PolicyToken<T> grpo_token(const GrpoOptions<T>& o, T log_
 template <typename T>
 C10_HOST_DEVICE inline PolicyToken<T> gspo_document(const ClipOptions<T>& o, T log_ratio_sum, T advantage) {
   const T ratio = ::exp(log_ratio_sum);
-  return {clipped_surrogate_loss(o, ratio, advantage), clip_coefficient(o, ratio, advantage) * ratio, ratio};
+  return {clipped_surrogate_loss(o, ratio, advantage), clip_gradient_factor(o, ratio, advantage), ratio};
 }
 
 }  // namespace rl_losses
