@@ -201,6 +201,14 @@ RL_LOSSES_UNROLL
   C10_HOST_DEVICE T entropy() const { return lse() - sum_px / sumexp; }
 };
 
+// w·x where w = 0 means "this term does not count" (a zero loss weight, a clipped gradient, a switched-off
+// loss term): an exact 0 even when x is ±inf (a ratio beyond e^88 in fp32, a -inf logit), where the product
+// would be NaN.
+template <typename T>
+C10_HOST_DEVICE inline T zero_or_product(T w, T x) {
+  return w == T(0) ? T(0) : w * x;
+}
+
 // The gradient of every loss here w.r.t. the scaled logits of a row has the form
 //     dL/dx_j = a·p_j + c + b·[j == y]
 // and the kernels write s·(that) as dL/dz_j. Each op only supplies (a, b, c) per row.
@@ -229,8 +237,10 @@ template <typename T>
 C10_HOST_DEVICE inline T cross_entropy_loss(const CrossEntropyOptions<T>& o, T lse, T x_label, T sum_x) {
   const T nll = lse - x_label;
   const T smooth = lse - sum_x / o.vocab_size;
-  return o.label_weight * ((T(1) - o.label_smoothing) * nll + o.label_smoothing * smooth) +
-         o.z_loss_factor * lse * lse;
+  // λ = 0 (the z-loss alone) and ε = 0 switch their terms off exactly, also where a -inf logit makes the
+  // switched-off term infinite (0·inf would be NaN).
+  const T label_term = zero_or_product(T(1) - o.label_smoothing, nll) + zero_or_product(o.label_smoothing, smooth);
+  return zero_or_product(o.label_weight, label_term) + zero_or_product(o.z_loss_factor, lse * lse);
 }
 
 template <typename T>
@@ -256,17 +266,11 @@ C10_HOST_DEVICE inline T at_least_one(T x) {
   return x < T(1) ? T(1) : x;
 }
 
-// w·x where w = 0 means "this token does not count" (a zero loss weight, a clipped gradient): an exact 0 even
-// when x overflowed to ±inf (a ratio beyond e^88 in fp32), where the product would be NaN.
-template <typename T>
-C10_HOST_DEVICE inline T zero_or_product(T w, T x) {
-  return w == T(0) ? T(0) : w * x;
-}
-
-// −min( min(r, δ)·A , clip(r, 1−ε_l, 1+ε_h)·A ); 0 for A = 0 whatever r (an overflowed r = inf included).
+// −min( min(r, δ)·A , clip(r, 1−ε_l, 1+ε_h)·A ); 0 for A = 0 at any r, an overflowed r = inf included (a NaN r
+// stays NaN: NaN in, NaN out).
 template <typename T>
 C10_HOST_DEVICE inline T clipped_surrogate_loss(const ClipOptions<T>& o, T ratio, T advantage) {
-  if (advantage == T(0)) return T(0);
+  if (advantage == T(0)) return ratio == ratio ? T(0) : ratio;
   const T lo = T(1) - o.epsilon_low, hi = T(1) + o.epsilon_high;
   const T clipped = ratio < lo ? lo : (ratio > hi ? hi : ratio);
   const T capped = ratio < o.delta ? ratio : o.delta;
@@ -284,10 +288,10 @@ C10_HOST_DEVICE inline T clip_coefficient(const ClipOptions<T>& o, T ratio, T ad
 }
 
 // c(r, A)·r: the factor of A in −∂surrogate/∂lp. Exactly 0 where a clip or the cap δ is active, also when r
-// overflowed to inf (a clipped token must contribute a zero gradient, never 0·inf = NaN).
+// overflowed to inf (a clipped token must contribute a zero gradient, never 0·inf = NaN); NaN for a NaN r.
 template <typename T>
 C10_HOST_DEVICE inline T clip_gradient_factor(const ClipOptions<T>& o, T ratio, T advantage) {
-  return zero_or_product(clip_coefficient(o, ratio, advantage), ratio);
+  return ratio == ratio ? zero_or_product(clip_coefficient(o, ratio, advantage), ratio) : ratio;
 }
 
 // Clipped-fraction flags of SPEC §2.4.

@@ -59,8 +59,9 @@ def cross_entropy(logits, target, *, logits_scale_factor=1.0, label_smoothing=0.
     mask = target >= 0
     lse = torch.logsumexp(x, dim=-1)
     x_label = x.gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-    per_token = ((1 - label_smoothing) * (lse - x_label) + label_smoothing * (lse - x.mean(-1))
-                 + z_loss_factor * lse**2)
+    per_token = (1 - label_smoothing) * (lse - x_label) + z_loss_factor * lse**2
+    if label_smoothing:  # absent, not 0·(lse - mean x), which is NaN where a logit is -inf
+        per_token = per_token + label_smoothing * (lse - x.mean(-1))
     per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
     if reduction == "none":
         return per_token
