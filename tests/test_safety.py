@@ -1,4 +1,4 @@
-"""Hostile inputs: no silent NaN, no silent corruption (docs/: the numerical and memory-safety promises).
+"""Hostile inputs: no silent NaN, no silent corruption.
 
 One test per defect class: overflowed ratios on clipped tokens, the upstream gradient's precision, in-place
 gradients over overlapping rows, leaves or bad labels, the fake kernels' checks, double backward and the

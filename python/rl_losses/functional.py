@@ -64,7 +64,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, logits_scale_fa
         logits_scale_factor: s > 0; the softmax is over s·logits.
         label_smoothing: ε in [0, 1). z_loss_factor: ζ >= 0, adds ζ·lse² per labelled token.
         reduction: "mean" (divided by ``divisor``, default the number of labelled tokens), "sum" or "none".
-        inplace_backward: write the gradient into ``logits`` (which is then overwritten): zero extra memory.
+        inplace_backward: write the gradient into ``logits`` during the forward (when a gradient is needed):
+            zero extra memory, but the logits are overwritten before the call returns. Refused for a leaf that
+            requires grad (or a view of one) and for logits whose rows overlap in memory.
         tp_group: vocabulary-parallel process group (see rl_losses.distributed).
     Returns: the loss, float32 (float64 for float64 logits): a scalar, or shaped like ``target`` for "none".
     """
@@ -136,7 +138,7 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         label_counts: (...) the labelled-token count of each token's document; only used by the
             ``new_logprobs`` metric (mean over documents of each document's mean log-prob).
         compute_entropy: also return the mean entropy over labelled tokens.
-        inplace_backward: write the gradient into ``logits``.
+        inplace_backward: write the gradient into ``logits`` during the forward (see cross_entropy).
     Returns: PolicyLossOutput (``loss`` is differentiable; the rest are detached metrics).
     """
     if tp_group is not None:
@@ -174,6 +176,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         weighting: "document" (each document weighs 1) or "token" (each weighs its labelled-token count).
         token_advantages: GSPO-token: each token's own advantage inside the sequence ratio.
         divisor: D (default: documents holding at least one labelled token).
+        inplace_backward: write the gradient into ``logits`` during the forward (see cross_entropy).
         sdp_group: sequence-data-parallel group over which documents are split (rl_losses.distributed).
     Returns: PolicyLossOutput with ``document_ratios`` (num_documents,) set.
     """
