@@ -36,6 +36,12 @@ inline std::vector<at::Tensor> take_fused_grads(torch::autograd::AutogradContext
               ": backward was already run through this loss; its gradient is computed in the forward and "
               "scaled in place, so a second backward (retain_graph=True) is not supported: call the loss again");
   ctx->saved_data["consumed"] = true;
+  // Autograd runs a backward in grad mode only for create_graph=True. The saved gradient has no graph of its
+  // own, so the second-order terms would silently come out as zeros: refuse instead.
+  TORCH_CHECK(!at::GradMode::is_enabled(), op,
+              ": double backward (create_graph=True) is not supported: the gradient is computed in the forward "
+              "and carries no graph, so its own derivatives would be silently zero; use the pure-PyTorch "
+              "reference (rl_losses.reference) for higher-order derivatives");
   static const auto scale = find_op("rl_losses::_scale_grad_").typed<void(const at::Tensor&, const at::Tensor&)>();
   std::vector<at::Tensor> grads = ctx->get_saved_variables();
   if (!grad_output.defined()) return std::vector<at::Tensor>(grads.size());  // no gradient reached the loss
@@ -43,6 +49,17 @@ inline std::vector<at::Tensor> take_fused_grads(torch::autograd::AutogradContext
     if (g.defined()) scale.call(g, grad_output);
   }
   return grads;
+}
+
+// inplace_backward overwrites the logits in the forward. PyTorch refuses in-place writes to a leaf that
+// requires grad (or to a view of one): its .grad would be computed from values that no longer exist, and any
+// later reader would see the gradient. The same is refused here, before anything is written.
+inline void check_inplace_target(const at::Tensor& logits, const char* op) {
+  const bool leaf = logits.is_leaf() || (logits.is_view() && logits._base().is_leaf());
+  TORCH_CHECK(!(logits.requires_grad() && leaf), op, ": inplace_backward=True overwrites the logits with their ",
+              "gradient during the forward, but the logits are ", logits.is_leaf() ? "a leaf" : "a view of a leaf",
+              " tensor that requires grad; pass the output of a computation (e.g. the lm_head's) or use "
+              "inplace_backward=False");
 }
 
 // inplace_backward mutates the logits below autograd: bump their version so that any other autograd node

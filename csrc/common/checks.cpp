@@ -32,7 +32,9 @@ FlatLogits check_and_flatten(const char* op, const at::Tensor& logits, const at:
               ": logits must be a floating-point tensor (float32, float64, bfloat16 or float16), got ",
               logits.defined() ? c10::toString(logits.scalar_type()) : "undefined");
   TORCH_CHECK(logits.dim() >= 1, op, ": logits must have at least 1 dimension (…, vocab), got a 0-dim tensor");
-  TORCH_CHECK(logits.size(-1) == 0 || logits.stride(-1) == 1, op,
+  // A dimension of size 1 or 0 has no second element, so its stride means nothing (PyTorch leaves any value
+  // there, e.g. after a transpose or a narrow): only a longer vocabulary needs unit stride.
+  TORCH_CHECK(logits.size(-1) <= 1 || logits.stride(-1) == 1, op,
               ": logits must have a unit stride in the vocabulary (last) dimension, got stride ",
               logits.stride(-1));
   at::Tensor target1d = check_target(op, target, logits, "logits");
@@ -56,12 +58,26 @@ FlatLogits check_and_flatten(const char* op, const at::Tensor& logits, const at:
     const int64_t shape[2] = {f.n_rows, v};
     auto strides = at::detail::computeStride(logits.sizes(), logits.strides(), at::IntArrayRef(shape));
     if (!strides) return std::nullopt;
+    (*strides)[1] = 1;  // the kernels read a unit column stride (only V = 1 can have another, meaningless one)
     return logits.as_strided({f.n_rows, v}, *strides);
   }();
+  check_label_range(op, target1d, total);
   f.is_view = view.has_value();
   f.logits2d = view ? *view : logits.reshape({f.n_rows, v}).contiguous();
   f.target1d = target1d;
   return f;
+}
+
+void check_label_range(const char* op, const at::Tensor& target1d, int64_t vocab_total) {
+  // On the CPU a plain loop (no device to synchronise with); the row pass checks again as it goes, but by
+  // then an in-place gradient may have overwritten earlier rows. CUDA keeps its device-side assert.
+  if (!target1d.is_cpu()) return;
+  const int64_t* t = target1d.const_data_ptr<int64_t>();
+  const int64_t n = target1d.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(t[i] < vocab_total, op, ": target: label ", t[i], " at row ", i, " is out of range for vocab_size ",
+                vocab_total);
+  }
 }
 
 at::Tensor check_per_token(const char* op, const char* name, const at::Tensor& t, const at::Tensor& target,
@@ -106,8 +122,13 @@ void check_divisor(const char* op, std::optional<double> divisor) {
 void check_epsilons(const char* op, double epsilon_low, double epsilon_high) {
   TORCH_CHECK(std::isfinite(epsilon_low) && epsilon_low >= 0 && epsilon_low < 1, op,
               ": epsilon_low must be in [0, 1), got ", epsilon_low);
-  TORCH_CHECK(std::isfinite(epsilon_high) && epsilon_high >= 0, op, ": epsilon_high must be >= 0, got ",
+  TORCH_CHECK(std::isfinite(epsilon_high) && epsilon_high >= 0, op, ": epsilon_high must be finite and >= 0, got ",
               epsilon_high);
+}
+
+void check_num_documents(const char* op, int64_t num_documents) {
+  TORCH_CHECK(num_documents >= 0 && num_documents <= kMaxDocuments, op, ": num_documents must be in [0, ",
+              kMaxDocuments, "], got ", num_documents);
 }
 
 void check_row_stats(const char* op, const std::optional<at::Tensor>& row_stats, const FlatLogits& f) {

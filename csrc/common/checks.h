@@ -31,6 +31,9 @@ at::Tensor check_target(const char* op, const at::Tensor& target, const at::Tens
 FlatLogits check_and_flatten(const char* op, const at::Tensor& logits, const at::Tensor& target,
                              int64_t vocab_start, int64_t vocab_size);
 
+// Labels >= vocab_total are refused before any pass runs (CPU tensors only: elsewhere it would synchronise).
+void check_label_range(const char* op, const at::Tensor& target1d, int64_t vocab_total);
+
 // A per-token float tensor (advantages, old log-probs, …): same shape as `target`, floating, same device.
 // Returns it flattened, contiguous, in `dtype`.
 at::Tensor check_per_token(const char* op, const char* name, const at::Tensor& t, const at::Tensor& target,
@@ -43,6 +46,10 @@ at::Tensor check_label_counts(const char* op, const at::Tensor& t, const at::Ten
 void check_scale(const char* op, double scale);
 void check_divisor(const char* op, std::optional<double> divisor);
 void check_epsilons(const char* op, double epsilon_low, double epsilon_high);
+// The per-document buffers hold num_documents rows: a bound far above any real batch turns a mistaken value
+// (e.g. 2**40) into this message rather than an allocator failure.
+constexpr int64_t kMaxDocuments = int64_t(1) << 31;
+void check_num_documents(const char* op, int64_t num_documents);
 void check_row_stats(const char* op, const std::optional<at::Tensor>& row_stats, const FlatLogits& f);
 
 // A row pass over the flattened problem, before an op sets its optional parts (statistics, flags) and its

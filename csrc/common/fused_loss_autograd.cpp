@@ -102,6 +102,7 @@ PublicArgs pop_public_args(const c10::OperatorHandle& op, torch::jit::Stack* sta
 void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   PublicArgs p = pop_public_args(op, stack);
   const bool need_grad = input_needs_grad(p.logits);
+  if (need_grad && p.inplace) check_inplace_target(p.logits, p.name.c_str());
   for (auto& t : FusedLossFunction::apply(p.logits, p.name, std::move(p.rest), need_grad, p.inplace))
     stack->emplace_back(std::move(t));
 }

@@ -225,6 +225,14 @@ RL_LOSSES_UNROLL
   C10_HOST_DEVICE T entropy() const { return lse() - sum_px / sumexp; }
 };
 
+// w·x where w = 0 means "this term does not count" (a zero loss weight, a clipped gradient, a switched-off
+// loss term): an exact 0 even when x is ±inf (a ratio beyond e^88 in fp32, a -inf logit), where the product
+// would be NaN.
+template <typename T>
+C10_HOST_DEVICE inline T zero_or_product(T w, T x) {
+  return w == T(0) ? T(0) : w * x;
+}
+
 // The gradient of every loss here w.r.t. the scaled logits of a row has the form
 //     dL/dx_j = a·p_j + c + b·[j == y] + h·p_j·log p_j,    log p_j = x_j − lse,
 // and the kernels write s·(that) as dL/dz_j. Each op only supplies (a, b, c, h) per row. The h term is that of
@@ -260,8 +268,10 @@ template <typename T>
 C10_HOST_DEVICE inline T cross_entropy_loss(const CrossEntropyOptions<T>& o, T lse, T label_log_prob, T sum_x) {
   const T nll = -label_log_prob;
   const T smooth = lse - sum_x / o.vocab_size;
-  return o.label_weight * ((T(1) - o.label_smoothing) * nll + o.label_smoothing * smooth) +
-         o.z_loss_factor * lse * lse;
+  // λ = 0 (the z-loss alone) and ε = 0 switch their terms off exactly, also where a -inf logit makes the
+  // switched-off term infinite (0·inf would be NaN).
+  const T label_term = zero_or_product(T(1) - o.label_smoothing, nll) + zero_or_product(o.label_smoothing, smooth);
+  return zero_or_product(o.label_weight, label_term) + zero_or_product(o.z_loss_factor, lse * lse);
 }
 
 template <typename T>
@@ -280,15 +290,18 @@ struct ClipOptions {
   T delta;  // two-sided clip; +inf when not used
 };
 
-// max(x, 1): a count used as a divisor, so that an empty set gives 0 / 1 = 0 rather than 0 / 0.
+// max(x, 1): a count used as a divisor, so that an empty set gives 0 / 1 = 0 rather than 0 / 0. A NaN count
+// (a NaN label_counts) stays NaN rather than silently becoming 1.
 template <typename T>
 C10_HOST_DEVICE inline T at_least_one(T x) {
-  return x > T(1) ? x : T(1);
+  return x < T(1) ? T(1) : x;
 }
 
-// −min( min(r, δ)·A , clip(r, 1−ε_l, 1+ε_h)·A )
+// −min( min(r, δ)·A , clip(r, 1−ε_l, 1+ε_h)·A ); 0 for A = 0 at any r, an overflowed r = inf included (a NaN r
+// stays NaN: NaN in, NaN out).
 template <typename T>
 C10_HOST_DEVICE inline T clipped_surrogate_loss(const ClipOptions<T>& o, T ratio, T advantage) {
+  if (advantage == T(0)) return ratio == ratio ? T(0) : ratio;
   const T lo = T(1) - o.epsilon_low, hi = T(1) + o.epsilon_high;
   const T clipped = ratio < lo ? lo : (ratio > hi ? hi : ratio);
   const T capped = ratio < o.delta ? ratio : o.delta;
@@ -303,6 +316,13 @@ C10_HOST_DEVICE inline T clip_coefficient(const ClipOptions<T>& o, T ratio, T ad
   const T neg = advantage < T(0) ? advantage : T(0);
   const T c = (ratio <= T(1) + o.epsilon_high ? pos : T(0)) + (ratio >= T(1) - o.epsilon_low ? neg : T(0));
   return ratio <= o.delta ? c : T(0);
+}
+
+// c(r, A)·r: the factor of A in −∂surrogate/∂lp. Exactly 0 where a clip or the cap δ is active, also when r
+// overflowed to inf (a clipped token must contribute a zero gradient, never 0·inf = NaN); NaN for a NaN r.
+template <typename T>
+C10_HOST_DEVICE inline T clip_gradient_factor(const ClipOptions<T>& o, T ratio, T advantage) {
+  return ratio == ratio ? zero_or_product(clip_coefficient(o, ratio, advantage), ratio) : ratio;
 }
 
 // Clipped-fraction flags (docs/math.md, metrics).
@@ -341,7 +361,7 @@ C10_HOST_DEVICE inline PolicyToken<T> grpo_token(const GrpoOptions<T>& o, T log_
                                                  T advantage, T ref_log_prob) {
   const T ratio = ::exp(log_prob - old_log_prob);
   T loss = clipped_surrogate_loss(o.clip, ratio, advantage);
-  T coef = clip_coefficient(o.clip, ratio, advantage) * ratio;
+  T coef = clip_gradient_factor(o.clip, ratio, advantage);
   if (o.beta != T(0)) {
     const T d = ref_log_prob - log_prob;
     loss += o.beta * k3(d);
@@ -354,7 +374,7 @@ C10_HOST_DEVICE inline PolicyToken<T> grpo_token(const GrpoOptions<T>& o, T log_
 template <typename T>
 C10_HOST_DEVICE inline PolicyToken<T> gspo_document(const ClipOptions<T>& o, T log_ratio_sum, T advantage) {
   const T ratio = ::exp(log_ratio_sum);
-  return {clipped_surrogate_loss(o, ratio, advantage), clip_coefficient(o, ratio, advantage) * ratio, ratio};
+  return {clipped_surrogate_loss(o, ratio, advantage), clip_gradient_factor(o, ratio, advantage), ratio};
 }
 
 }  // namespace rl_losses

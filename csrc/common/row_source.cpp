@@ -34,6 +34,13 @@ LogitsSource::LogitsSource(const char* op, const at::Tensor& logits, const at::T
   if (inplace) {
     TORCH_CHECK(f_.is_view, op, ": inplace_backward needs logits whose batch dimensions flatten to one row ",
                 "stride (got shape ", logits.sizes(), ", strides ", logits.strides(), ")");
+    // Each row's gradient is written over that row's logits while other rows are still being read: rows that
+    // share memory (expand, as_strided) would read one another's gradients as logits.
+    const int64_t row_stride = f_.logits2d.stride(0);
+    TORCH_CHECK(f_.n_rows <= 1 || f_.vocab == 0 || row_stride >= f_.vocab, op,
+                ": inplace_backward needs logits whose rows do not overlap in memory, got shape ", logits.sizes(),
+                " with strides ", logits.strides(), " (rows ", row_stride, " elements apart, ", f_.vocab,
+                " long); pass a tensor that owns its rows, e.g. logits.contiguous()");
     grad2d_ = f_.logits2d;
     grad_ = logits;
   } else if (compute_grad) {

@@ -19,6 +19,8 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(RowSource& src, const a
               ": label_smoothing must be in [0, 1), got ", label_smoothing);
   TORCH_CHECK(std::isfinite(z_loss_factor) && z_loss_factor >= 0, op, ": z_loss_factor must be >= 0, got ",
               z_loss_factor);
+  TORCH_CHECK(std::isfinite(label_weight) && label_weight >= 0, op, ": label_weight must be finite and >= 0, got ",
+              label_weight);
   TORCH_CHECK(reduction == "mean" || reduction == "sum" || reduction == "none", op,
               ": reduction must be 'mean', 'sum' or 'none', got '", reduction, "'");
   check_divisor(op, divisor);

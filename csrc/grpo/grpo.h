@@ -45,14 +45,15 @@ struct GrpoEpilogue {
     const acc_t adv = advantages[row], old = old_log_probs[row];
     const PolicyToken<acc_t> t = grpo_token(opt, lp, old, adv, ref_log_probs ? ref_log_probs[row] : acc_t(0));
     const acc_t w = (loss_weights ? loss_weights[row] : acc_t(1)) / *divisor;
-    o[kGrpoLoss] = w * t.loss;
+    o[kGrpoLoss] = zero_or_product(w, t.loss);  // a zero weight masks the token, even at an overflowed ratio
     log_probs[row] = lp;
     o[kGrpoRatio] = t.ratio;
     o[kGrpoLow] = clipped_low(opt.clip, t.ratio, adv) ? acc_t(1) : acc_t(0);
     o[kGrpoHigh] = clipped_high(opt.clip, t.ratio, adv) ? acc_t(1) : acc_t(0);
     o[kGrpoKlOld] = k3(old - lp);
     o[kGrpoEntropy] = entropy ? st.entropy() : acc_t(0);
-    return {w * t.coef, -w * t.coef, acc_t(0)};
+    const acc_t coef = zero_or_product(w, t.coef);
+    return {coef, -coef, acc_t(0)};
   }
 };
 

@@ -24,7 +24,7 @@ at::Tensor gspo_document_sums(const at::Tensor& log_probs, const at::Tensor& tar
                               const at::Tensor& old_log_probs, const at::Tensor& document_index,
                               const at::Tensor& label_counts, int64_t num_documents, const GspoBackend& backend) {
   constexpr const char* op = "gspo_document_sums";
-  TORCH_CHECK(num_documents >= 0, op, ": num_documents must be >= 0, got ", num_documents);
+  check_num_documents(op, num_documents);
   const auto acc = log_probs.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   GspoState g;
   g.num_documents = num_documents;
@@ -77,7 +77,7 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
   } else {
     n_docs = f.n_rows > 0 ? std::max<int64_t>(g.document.max().item<int64_t>() + 1, 0) : 0;
   }
-  TORCH_CHECK(n_docs >= 0, op, ": num_documents must be >= 0, got ", n_docs);
+  check_num_documents(op, n_docs);
   if (!g.document.is_cuda() && f.n_rows > 0) {
     const int64_t high = g.document.max().item<int64_t>();  // CPU: no device to synchronise with
     TORCH_CHECK(high < n_docs, op, ": document_index holds ", high, " but num_documents is ", n_docs);

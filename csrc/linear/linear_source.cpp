@@ -43,6 +43,7 @@ FlatLogits flatten_linear(const char* op, const at::Tensor& hidden, const at::Te
   }
   FlatLogits f;
   f.target1d = check_target(op, target, hidden, "hidden");
+  check_label_range(op, f.target1d, weight.size(0));
   f.is_view = false;
   f.n_rows = f.target1d.numel();
   f.vocab = weight.size(0);

@@ -1,9 +1,12 @@
 """Fake (meta) kernels of every op, so that torch.compile and meta tensors can trace them.
 
-They only describe output shapes, dtypes and devices; they mirror the C++ shape logic in csrc/.
+Each first runs the real kernel's argument checks (``_checks.py``: dtypes, shapes, devices and options, with
+the same messages), then describes the output shapes, dtypes and devices as the C++ code in csrc/ makes them.
 """
 import torch
 from torch.library import register_fake
+
+from rl_losses import _checks
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -17,6 +20,8 @@ def _batch(target: torch.Tensor) -> list:
 @register_fake("rl_losses::row_stats")
 def _row_stats(logits, target, *, logits_scale_factor=1.0, vocab_start=0, vocab_size=-1, entropy=False,
                smoothing=False):
+    _checks.check_and_flatten("row_stats", logits, target, vocab_start, vocab_size)
+    _checks.check_scale("row_stats", logits_scale_factor)
     return logits.new_empty(_batch(target) + [5], dtype=_acc(logits.dtype))
 
 
@@ -31,16 +36,29 @@ def _ce_outputs(logits, target, reduction):
     return loss, logits.new_empty(_batch(target), dtype=acc)
 
 
+def _check_cross_entropy(logits, target, s, eps, z, lw, reduction, divisor, row_stats, vocab_start, vocab_size,
+                         inplace=False):
+    op = "cross_entropy"
+    rows = _checks.check_and_flatten(op, logits, target, vocab_start, vocab_size)
+    if inplace:
+        _checks.check_inplace(op, logits, rows)
+    _checks.cross_entropy_options(op, logits, target.numel(), s, eps, z, lw, reduction, divisor, row_stats)
+
+
 @register_fake("rl_losses::cross_entropy")
 def _cross_entropy(logits, target, *, logits_scale_factor=1.0, label_smoothing=0.0, z_loss_factor=0.0,
                    label_weight=1.0, reduction="mean", divisor=None, inplace_backward=False, row_stats=None,
                    vocab_start=0, vocab_size=-1):
+    # Without autograd (the only way here) inplace_backward writes nothing, so its checks do not apply.
+    _check_cross_entropy(logits, target, logits_scale_factor, label_smoothing, z_loss_factor, label_weight,
+                         reduction, divisor, row_stats, vocab_start, vocab_size)
     return _ce_outputs(logits, target, reduction)
 
 
 @register_fake("rl_losses::_cross_entropy_forward")
 def _cross_entropy_forward(logits, target, s, eps, z, lw, reduction, divisor, row_stats, vocab_start, vocab_size,
                            compute_grad):
+    _check_cross_entropy(logits, target, s, eps, z, lw, reduction, divisor, row_stats, vocab_start, vocab_size)
     loss, lse = _ce_outputs(logits, target, reduction)
     grad = (torch.empty_like(logits, memory_format=torch.contiguous_format) if compute_grad
             else logits.new_empty([0]))
@@ -50,6 +68,8 @@ def _cross_entropy_forward(logits, target, s, eps, z, lw, reduction, divisor, ro
 @register_fake("rl_losses::_cross_entropy_forward_inplace")
 def _cross_entropy_forward_inplace(logits, target, s, eps, z, lw, reduction, divisor, row_stats, vocab_start,
                                    vocab_size):
+    _check_cross_entropy(logits, target, s, eps, z, lw, reduction, divisor, row_stats, vocab_start, vocab_size,
+                         inplace=True)
     return _ce_outputs(logits, target, reduction)
 
 
@@ -68,18 +88,34 @@ def _grad(logits, compute_grad):
             else logits.new_empty([0]))
 
 
+# _grpo_forward(logits, target, advantages, old_log_probs, ref_log_probs, loss_weights, label_counts, ε_l, ε_h,
+#   delta, beta, divisor, s, compute_entropy, row_stats, vocab_start, vocab_size[, compute_grad])
+def _check_grpo(logits, target, advantages, old_log_probs, ref_log_probs=None, loss_weights=None, label_counts=None,
+                epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0, divisor=None, logits_scale_factor=1.0,
+                compute_entropy=False, row_stats=None, vocab_start=0, vocab_size=-1, inplace=False):
+    op = "grpo"
+    rows = _checks.check_and_flatten(op, logits, target, vocab_start, vocab_size)
+    if inplace:
+        _checks.check_inplace(op, logits, rows)
+    _checks.grpo_options(op, logits, target, target.numel(), advantages, old_log_probs, ref_log_probs, loss_weights,
+                         label_counts, epsilon_low, epsilon_high, delta, beta, divisor, logits_scale_factor, row_stats)
+
+
 @register_fake("rl_losses::grpo")
-def _grpo(logits, target, advantages, old_log_probs, **kwargs):
+def _grpo(logits, target, advantages, old_log_probs, *, inplace_backward=False, **kwargs):
+    _check_grpo(logits, target, advantages, old_log_probs, **kwargs)
     return tuple(_policy_outputs(logits, target))
 
 
 @register_fake("rl_losses::_grpo_forward")
 def _grpo_forward(logits, target, advantages, old_log_probs, *args):
+    _check_grpo(logits, target, advantages, old_log_probs, *args[:-1])
     return tuple(_policy_outputs(logits, target) + [_grad(logits, args[-1])])
 
 
 @register_fake("rl_losses::_grpo_forward_inplace")
 def _grpo_forward_inplace(logits, target, advantages, old_log_probs, *args):
+    _check_grpo(logits, target, advantages, old_log_probs, *args, inplace=True)
     return tuple(_policy_outputs(logits, target))
 
 
@@ -92,29 +128,46 @@ def _num_documents(num_documents, document_sums):
     return torch.library.get_ctx().new_dynamic_size()
 
 
-@register_fake("rl_losses::gspo")
-def _gspo(logits, target, advantages, old_log_probs, document_index, *, num_documents=None, document_sums=None,
-          **kwargs):
-    return tuple(_policy_outputs(logits, target, _num_documents(num_documents, document_sums)))
-
-
 # _gspo_forward(logits, target, advantages, old_log_probs, document_index, num_documents, label_counts, ε_l, ε_h,
 #   weighting, token_advantages, divisor, s, compute_entropy, row_stats, document_sums, vocab_start, vocab_size
 #   [, compute_grad])
+def _check_gspo(logits, target, advantages, old_log_probs, document_index, num_documents=None, label_counts=None,
+                epsilon_low=0.2, epsilon_high=0.2, weighting="document", token_advantages=False, divisor=None,
+                logits_scale_factor=1.0, compute_entropy=False, row_stats=None, document_sums=None, vocab_start=0,
+                vocab_size=-1, inplace=False):
+    op = "gspo"
+    rows = _checks.check_and_flatten(op, logits, target, vocab_start, vocab_size)
+    if inplace:
+        _checks.check_inplace(op, logits, rows)
+    _checks.gspo_options(op, logits, target, target.numel(), advantages, old_log_probs, document_index,
+                         num_documents, label_counts, epsilon_low, epsilon_high, weighting, divisor,
+                         logits_scale_factor, row_stats, document_sums)
+    return _num_documents(num_documents, document_sums)
+
+
+@register_fake("rl_losses::gspo")
+def _gspo(logits, target, advantages, old_log_probs, document_index, *, inplace_backward=False, **kwargs):
+    n_docs = _check_gspo(logits, target, advantages, old_log_probs, document_index, **kwargs)
+    return tuple(_policy_outputs(logits, target, n_docs))
+
+
 @register_fake("rl_losses::_gspo_forward")
-def _gspo_forward(logits, target, advantages, old_log_probs, document_index, num_documents, *args):
-    n_docs = _num_documents(num_documents, args[9])
+def _gspo_forward(logits, target, advantages, old_log_probs, document_index, *args):
+    n_docs = _check_gspo(logits, target, advantages, old_log_probs, document_index, *args[:-1])
     return tuple(_policy_outputs(logits, target, n_docs) + [_grad(logits, args[-1])])
 
 
 @register_fake("rl_losses::_gspo_forward_inplace")
-def _gspo_forward_inplace(logits, target, advantages, old_log_probs, document_index, num_documents, *args):
-    return tuple(_policy_outputs(logits, target, _num_documents(num_documents, args[9])))
+def _gspo_forward_inplace(logits, target, advantages, old_log_probs, document_index, *args):
+    n_docs = _check_gspo(logits, target, advantages, old_log_probs, document_index, *args, inplace=True)
+    return tuple(_policy_outputs(logits, target, n_docs))
 
 
 @register_fake("rl_losses::gspo_document_sums")
 def _gspo_document_sums(log_probs, target, advantages, old_log_probs, document_index, label_counts, num_documents):
-    return log_probs.new_empty([num_documents, 3])
+    _checks.gspo_document_sums(log_probs, target, advantages, old_log_probs, document_index, label_counts,
+                               num_documents)
+    return log_probs.new_empty([num_documents, 3], dtype=_checks.acc_dtype(log_probs.dtype))
 
 
 # ---- fused lm_head: outputs as the logits ops', with the hidden states' dtype and device ------------------------
@@ -125,8 +178,22 @@ def _linear_grads(hidden, weight, bias, output_mask):
     return [grad(hidden, output_mask[0]), grad(weight, output_mask[1]), grad(bias, output_mask[2])]
 
 
+def _check_linear_cross_entropy(hidden, weight, target, bias=None, logits_scale_factor=1.0, label_smoothing=0.0,
+                                z_loss_factor=0.0, label_weight=1.0, reduction="mean", divisor=None,
+                                chunk_size=None, output_mask=(False, False, False)):
+    op = "linear_cross_entropy"
+    _checks.check_linear(op, hidden, weight, bias, target, chunk_size)
+    wants_grad = output_mask[0] or output_mask[1] or (output_mask[2] and bias is not None)
+    _checks._check(reduction != "none" or not wants_grad, op,
+                   "reduction='none' cannot be differentiated (the weight gradient is summed over tokens in the ",
+                   "forward); use 'sum' or 'mean', or call it without gradients")
+    _checks.cross_entropy_options(op, hidden, target.numel(), logits_scale_factor, label_smoothing, z_loss_factor,
+                                  label_weight, reduction, divisor, None)
+
+
 @register_fake("rl_losses::linear_cross_entropy")
 def _linear_cross_entropy(hidden, weight, target, *, reduction="mean", **kwargs):
+    _check_linear_cross_entropy(hidden, weight, target, reduction=reduction, **kwargs)
     return _ce_outputs(hidden, target, reduction)
 
 
@@ -135,29 +202,55 @@ def _linear_cross_entropy(hidden, weight, target, *, reduction="mean", **kwargs)
 @register_fake("rl_losses::_linear_cross_entropy_forward")
 def _linear_cross_entropy_forward(hidden, weight, target, bias, s, eps, z, lw, reduction, divisor, chunk_size,
                                   output_mask):
+    _check_linear_cross_entropy(hidden, weight, target, bias, s, eps, z, lw, reduction, divisor, chunk_size,
+                                output_mask)
     return (*_ce_outputs(hidden, target, reduction), *_linear_grads(hidden, weight, bias, output_mask))
+
+
+# _linear_grpo_forward(hidden, weight, target, advantages, old_log_probs, bias, ref_log_probs, loss_weights,
+#   label_counts, ε_l, ε_h, delta, beta, divisor, s, compute_entropy, chunk_size, output_mask)
+def _check_linear_grpo(hidden, weight, target, advantages, old_log_probs, bias=None, ref_log_probs=None,
+                       loss_weights=None, label_counts=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
+                       divisor=None, logits_scale_factor=1.0, compute_entropy=False, chunk_size=None):
+    op = "linear_grpo"
+    _checks.check_linear(op, hidden, weight, bias, target, chunk_size)
+    _checks.grpo_options(op, hidden, target, target.numel(), advantages, old_log_probs, ref_log_probs, loss_weights,
+                         label_counts, epsilon_low, epsilon_high, delta, beta, divisor, logits_scale_factor, None)
 
 
 @register_fake("rl_losses::linear_grpo")
 def _linear_grpo(hidden, weight, target, advantages, old_log_probs, **kwargs):
+    _check_linear_grpo(hidden, weight, target, advantages, old_log_probs, **kwargs)
     return tuple(_policy_outputs(hidden, target))
 
 
 @register_fake("rl_losses::_linear_grpo_forward")
 def _linear_grpo_forward(hidden, weight, target, advantages, old_log_probs, bias, *args):
+    _check_linear_grpo(hidden, weight, target, advantages, old_log_probs, bias, *args[:-1])
     return tuple(_policy_outputs(hidden, target) + _linear_grads(hidden, weight, bias, args[-1]))
 
 
-@register_fake("rl_losses::linear_gspo")
-def _linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, *, num_documents=None,
-                 **kwargs):
-    return tuple(_policy_outputs(hidden, target, _num_documents(num_documents, None)))
-
-
 # _linear_gspo_forward(hidden, weight, target, advantages, old_log_probs, document_index, bias, num_documents,
-#   ... , output_mask)
+#   label_counts, ε_l, ε_h, weighting, token_advantages, divisor, s, compute_entropy, chunk_size, output_mask)
+def _check_linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, bias=None,
+                       num_documents=None, label_counts=None, epsilon_low=0.2, epsilon_high=0.2, weighting="document",
+                       token_advantages=False, divisor=None, logits_scale_factor=1.0, compute_entropy=False,
+                       chunk_size=None):
+    op = "linear_gspo"
+    _checks.check_linear(op, hidden, weight, bias, target, chunk_size)
+    _checks.gspo_options(op, hidden, target, target.numel(), advantages, old_log_probs, document_index,
+                         num_documents, label_counts, epsilon_low, epsilon_high, weighting, divisor,
+                         logits_scale_factor, None, None)
+    return _num_documents(num_documents, None)
+
+
+@register_fake("rl_losses::linear_gspo")
+def _linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, **kwargs):
+    n_docs = _check_linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, **kwargs)
+    return tuple(_policy_outputs(hidden, target, n_docs))
+
+
 @register_fake("rl_losses::_linear_gspo_forward")
-def _linear_gspo_forward(hidden, weight, target, advantages, old_log_probs, document_index, bias, num_documents,
-                         *args):
-    out = _policy_outputs(hidden, target, _num_documents(num_documents, None))
-    return tuple(out + _linear_grads(hidden, weight, bias, args[-1]))
+def _linear_gspo_forward(hidden, weight, target, advantages, old_log_probs, document_index, bias, *args):
+    n_docs = _check_linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, bias, *args[:-1])
+    return tuple(_policy_outputs(hidden, target, n_docs) + _linear_grads(hidden, weight, bias, args[-1]))

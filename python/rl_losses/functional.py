@@ -41,7 +41,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, logits_scale_fa
         divisor: D for "mean": a number or 0-dim tensor (default: the number of labelled tokens, counted on
             the device). Pass a global count under data parallelism.
         inplace_backward: write the gradient into ``logits``' own storage during the forward (zero extra
-            memory); ``logits`` then holds the gradient, so nothing else may use it afterwards.
+            memory); ``logits`` then holds the gradient, so nothing else may use it afterwards. Refused for a leaf
+            that requires grad (or a view of one) and for logits whose rows overlap in memory.
         tp_group: vocabulary-parallel process group: ``logits`` is then this rank's contiguous slice of the
             vocabulary (even shards; uneven ones through rl_losses.distributed), ``target`` holds global ids,
             and the loss is the same on every rank (docs/distributed.md). None: one device.
@@ -122,7 +123,8 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
             ``new_logprobs`` metric (mean over documents of each document's mean log-prob).
         compute_entropy: also compute the mean entropy over labelled tokens (fused into the same pass).
         inplace_backward: write the gradient into ``logits``' own storage during the forward (zero extra
-            memory); ``logits`` then holds the gradient, so nothing else may use it afterwards.
+            memory); ``logits`` then holds the gradient, so nothing else may use it afterwards. Refused for a leaf
+            that requires grad (or a view of one) and for logits whose rows overlap in memory.
         tp_group: vocabulary-parallel process group: ``logits`` is then this rank's contiguous slice of the
             vocabulary (even shards; uneven ones through rl_losses.distributed), ``target`` holds global ids,
             and the loss is the same on every rank (docs/distributed.md). None: one device.
@@ -174,7 +176,8 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
             gradient carries the factor s.
         compute_entropy: also compute the mean entropy over labelled tokens (fused into the first pass).
         inplace_backward: write the gradient into ``logits``' own storage during the forward (zero extra
-            memory); ``logits`` then holds the gradient, so nothing else may use it afterwards.
+            memory); ``logits`` then holds the gradient, so nothing else may use it afterwards. Refused for a leaf
+            that requires grad (or a view of one) and for logits whose rows overlap in memory.
         tp_group: vocabulary-parallel process group: ``logits`` is then this rank's contiguous slice of the
             vocabulary (even shards; uneven ones through rl_losses.distributed), ``target`` holds global ids,
             and the loss is the same on every rank (docs/distributed.md). None: one device.

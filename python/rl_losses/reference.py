@@ -61,8 +61,9 @@ def cross_entropy(logits, target, *, logits_scale_factor=1.0, label_smoothing=0.
     mask = target >= 0
     lse = torch.logsumexp(x, dim=-1)
     x_label = x.gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-    per_token = ((1 - label_smoothing) * (lse - x_label) + label_smoothing * (lse - x.mean(-1))
-                 + z_loss_factor * lse**2)
+    per_token = (1 - label_smoothing) * (lse - x_label) + z_loss_factor * lse**2
+    if label_smoothing:  # absent, not 0·(lse - mean x), which is NaN where a logit is -inf
+        per_token = per_token + label_smoothing * (lse - x.mean(-1))
     per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
     if reduction == "none":
         return per_token
@@ -104,7 +105,8 @@ def grpo_loss(logits, target, advantages, old_log_probs, *, epsilon_low=0.2, eps
     weights = maskf if loss_weights is None else torch.where(mask, loss_weights.to(logp.dtype), 0.0)
     if divisor is None:
         divisor = mask.sum().clamp_min(1)
-    loss = (weights * per_token).sum() / divisor
+    # A token of weight 0 does not count: an exact 0, even where its own terms are not finite.
+    loss = torch.where(weights != 0, weights * per_token, 0.0).sum() / divisor
 
     with torch.no_grad():
         n_lab = mask.sum().clamp_min(1)
@@ -131,7 +133,8 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
     doc = document_index.reshape(-1).long()
     mask = ((target >= 0).reshape(-1)) & (doc >= 0)
     maskf = mask.to(dt)
-    lp = _label_logprob(logp, target).reshape(-1)
+    # Tokens outside the mask (unlabelled, or padding of document -1) count nowhere, even with non-finite logits.
+    lp = torch.where(mask, _label_logprob(logp, target).reshape(-1), 0.0)
     adv = advantages.reshape(-1).to(dt)
     old = old_log_probs.reshape(-1).to(dt)
     if num_documents is None:
@@ -144,7 +147,7 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
         counts = label_counts.reshape(-1).to(dt)
     u = torch.where(mask, 1 / counts.clamp_min(1), 0.0)
     zeros = torch.zeros(num_documents, dtype=dt, device=lp.device)
-    log_ratio = zeros.index_add(0, safe_doc, u * (lp - old))
+    log_ratio = zeros.index_add(0, safe_doc, torch.where(mask, u * (lp - old), 0.0))
     adv_mean = zeros.index_add(0, safe_doc, (u * adv).detach())
     has_label = zeros.index_add(0, safe_doc, maskf) > 0
     ratio = log_ratio.exp()
@@ -162,7 +165,7 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
     kappa = maskf if weighting == "token" else u
     if divisor is None:
         divisor = has_label.sum().clamp_min(1)
-    loss = (kappa * f_tok).sum() / divisor
+    loss = torch.where(mask, kappa * f_tok, 0.0).sum() / divisor
 
     with torch.no_grad():
         n_docs = has_label.sum().clamp_min(1)
