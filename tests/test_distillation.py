@@ -243,3 +243,36 @@ def test_bad_input(device):
     if device == "cpu" and torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="teacher_logits is on"):
             f(logits, teacher.cuda())
+
+
+# ---- the `distillation` config ------------------------------------------------------------------------------
+def test_config_module_matches_the_reference_path(device):
+    from rl_losses.config import LanguageModelLossConfig
+
+    logits, teacher, mask = make_inputs((6,), 80, torch.float32, device, masked=0.3)
+    batch = {"reference_logits": {"teacher": teacher}, "loss_mask": mask}
+    cfg = LanguageModelLossConfig.from_dict({"type": "distillation", "loss_type": "jsd", "beta": 0.4,
+                                             "temperature": 1.3, "weight": 0.5})
+    assert LanguageModelLossConfig.from_dict(cfg.to_dict()) == cfg
+    results = []
+    for use_kernel in (None, False):
+        module = LanguageModelLossConfig.from_dict({**cfg.to_dict(), "use_cuda_kernel": use_kernel}).get_loss()
+        x = logits.clone().requires_grad_()
+        loss, metrics = module(x, batch)
+        loss.backward()
+        results.append((loss.detach(), metrics["distillation"], x.grad))
+    for kernel, ref in zip(*results):
+        assert_close(kernel, ref, torch.float32, scale=4.0)
+
+
+def test_config_validation():
+    from rl_losses.config import LanguageModelLossConfig
+
+    for bad, match in (({"temperature": 0.0}, "temperature must be a finite number > 0.0"),
+                       ({"beta": 1.5}, r"beta must be a finite number >= 0.0 and <= 1.0"),
+                       ({"loss_type": "kl"}, "loss_type must be one of")):
+        with pytest.raises(ValueError, match=match):
+            LanguageModelLossConfig.from_dict({"type": "distillation", **bad})
+    module = LanguageModelLossConfig.from_dict({"type": "distillation", "reference_model": "big"}).get_loss()
+    with pytest.raises(ValueError, match=r"has no 'big'"):
+        module(torch.randn(2, 5), {"reference_logits": {"teacher": torch.randn(2, 5)}})

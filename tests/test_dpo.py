@@ -156,3 +156,33 @@ def test_bad_input(device):
     if device == "cpu":  # CUDA reports it by a device-side assert
         with pytest.raises(RuntimeError, match=r"document_index holds 4 but 2 pairs cover the documents 0 \.\. 3"):
             f(logits, target, torch.where(doc == 3, 4, doc), pairs, ref_c, ref_r)
+
+
+# ---- the `dpo` config ---------------------------------------------------------------------------------------
+def test_config_module_from_spans_and_reference_logits(device):
+    from rl_losses.config import LanguageModelLossConfig
+
+    vocab = 23
+    labels = torch.randint(0, vocab, (2, 12), device=device)
+    chosen, rejected = [[(1, 5)], [(0, 3), (7, 9)]], [[(6, 11)], [(3, 6), (9, 12)]]
+    logits = torch.randn(2, 12, vocab, device=device)
+    ref_logits = logits + 0.5 * torch.randn(2, 12, vocab, device=device)
+    batch = {"labels": labels, "chosen_spans": chosen, "rejected_spans": rejected,
+             "reference_logits": {"reference": ref_logits}}
+    cfg = {"type": "dpo", "beta": 0.3}
+    results = []
+    for use_kernel in (None, False):
+        module = LanguageModelLossConfig.from_dict({**cfg, "use_cuda_kernel": use_kernel}).get_loss()
+        x = logits.clone().requires_grad_()
+        loss, metrics = module(x, batch)
+        loss.backward()
+        results.append((loss.detach(), metrics["dpo_margin"], metrics["dpo_accuracy"], x.grad))
+    for kernel, ref in zip(*results):
+        assert_close(kernel, ref, torch.float32, scale=4.0)
+    # By hand: the reference's π from its own logits, the sigmoid per pair.
+    doc, pairs = documents_from_spans(chosen, rejected, (2, 12), device)
+    lp = reference.dpo_loss(logits.double(), labels, doc, pairs, torch.zeros(3, device=device), torch.zeros(3, device=device)).document_log_probs
+    ref = reference.dpo_loss(ref_logits.double(), labels, doc, pairs, torch.zeros(3, device=device),
+                             torch.zeros(3, device=device)).document_log_probs
+    h = 0.3 * ((lp - ref)[pairs[:, 0]] - (lp - ref)[pairs[:, 1]])
+    assert_close(results[0][0], -torch.nn.functional.logsigmoid(h).mean(), torch.float32, scale=4.0)
