@@ -181,8 +181,8 @@ def test_config_module_from_spans_and_reference_logits(device):
         assert_close(kernel, ref, torch.float32, scale=4.0)
     # By hand: the reference's π from its own logits, the sigmoid per pair.
     doc, pairs = documents_from_spans(chosen, rejected, (2, 12), device)
-    lp = reference.dpo_loss(logits.double(), labels, doc, pairs, torch.zeros(3, device=device), torch.zeros(3, device=device)).document_log_probs
-    ref = reference.dpo_loss(ref_logits.double(), labels, doc, pairs, torch.zeros(3, device=device),
-                             torch.zeros(3, device=device)).document_log_probs
+    zeros = torch.zeros(3, device=device)
+    lp = reference.dpo_loss(logits.double(), labels, doc, pairs, zeros, zeros).document_log_probs
+    ref = reference.dpo_loss(ref_logits.double(), labels, doc, pairs, zeros, zeros).document_log_probs
     h = 0.3 * ((lp - ref)[pairs[:, 0]] - (lp - ref)[pairs[:, 1]])
     assert_close(results[0][0], -torch.nn.functional.logsigmoid(h).mean(), torch.float32, scale=4.0)
