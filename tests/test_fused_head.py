@@ -33,13 +33,15 @@ def make_inputs(shape, vocab, dtype, device):
 
 
 def head_kwargs(terms, inputs, options):
-    _, _, advantages, old, ref, weights = inputs
+    _, target, advantages, old, ref, weights = inputs
     kwargs = dict(logits_scale_factor=options.get("logits_scale_factor", 1.0))
     if "label" in terms:
         kwargs.update(label_weight=WEIGHTS["label"], label_smoothing=options.get("label_smoothing", 0.0),
                       label_divisor=options.get("label_divisor"))
     if "z_loss" in terms:
-        kwargs.update(z_loss_weight=WEIGHTS["z_loss"], z_loss_divisor=options.get("z_loss_divisor"))
+        z_mask = (torch.rand(target.shape, device=target.device) > 0.3) if options.get("z_loss_mask") else None
+        kwargs.update(z_loss_weight=WEIGHTS["z_loss"], z_loss_divisor=options.get("z_loss_divisor"),
+                      z_loss_mask=z_mask)
     if "grpo" in terms:
         kwargs.update(grpo_weight=WEIGHTS["grpo"], advantages=advantages, old_log_probs=old,
                       epsilon_low=0.15, epsilon_high=0.25, beta=options.get("beta", 0.0),
@@ -58,7 +60,7 @@ def separate_ops(x, target, kwargs):
             x, target, logits_scale_factor=s, label_smoothing=kwargs["label_smoothing"], divisor=kwargs["label_divisor"])
     if kwargs.get("z_loss_weight"):
         total = total + kwargs["z_loss_weight"] * rl_losses.z_loss(
-            x, loss_mask=target >= 0, logits_scale_factor=s, divisor=kwargs["z_loss_divisor"])
+            x, loss_mask=kwargs["z_loss_mask"], logits_scale_factor=s, divisor=kwargs["z_loss_divisor"])
     if kwargs.get("grpo_weight"):
         total = total + kwargs["grpo_weight"] * rl_losses.grpo_loss(
             x, target, kwargs["advantages"], kwargs["old_log_probs"], epsilon_low=0.15, epsilon_high=0.25,
@@ -70,7 +72,7 @@ def separate_ops(x, target, kwargs):
 OPTIONS = {
     "plain": {},
     "options": {"logits_scale_factor": 0.8, "label_smoothing": 0.1, "beta": 0.05, "loss_weights": True,
-                "delta": 1.5},
+                "delta": 1.5, "z_loss_mask": True},
     "divisors": {"label_divisor": 7.0, "z_loss_divisor": 3.0, "grpo_divisor": 11.0},
 }
 
@@ -95,11 +97,15 @@ def test_equals_the_sum_of_the_separate_ops(terms, vocab, dtype, option, device)
     z = logits.detach().double().requires_grad_()
     ref = reference.fused_head_loss(z, target, **{k: v.double() if isinstance(v, torch.Tensor) and
                                                    v.is_floating_point() else v for k, v in kwargs.items()})
+    if "z_loss" in terms:  # the z-loss covers unlabelled tokens too (its own mask)
+        z_rows = kwargs["z_loss_mask"] if kwargs["z_loss_mask"] is not None else torch.ones_like(target, dtype=bool)
+        assert torch.count_nonzero(x.grad[(target < 0) & ~z_rows]) == 0
     (ref.loss * 1.3).backward()
     for name in ("loss", "label_loss", "z_loss", "grpo_loss", "log_probs"):
         assert_close(getattr(out, name).detach(), getattr(ref, name).detach(), dtype, msg=name)
     assert_grad_close(x.grad, z.grad, dtype)
-    assert torch.count_nonzero(x.grad[target < 0]) == 0
+    if "z_loss" not in terms:
+        assert torch.count_nonzero(x.grad[target < 0]) == 0
 
 
 def test_inplace_backward_matches(device):
@@ -145,7 +151,8 @@ def test_compile_fullgraph(device):
 def test_head_config_fuses_and_matches_the_separate_modules(device):
     inputs = make_inputs((12,), 40, torch.float32, device)
     logits, target, advantages, old = inputs[:4]
-    batch = {"labels": target, "advantages": advantages, "old_log_probabilities": old}
+    batch = {"labels": target, "advantages": advantages, "old_log_probabilities": old,
+             "loss_mask": torch.rand(target.shape, device=device) > 0.2}
     losses = {"ce": {"type": "label", "weight": 0.5, "label_smoothing": 0.1}, "z": {"type": "z_loss", "weight": 0.1},
               "pg": {"type": "grpo", "weight": 2.0, "epsilon_high": 0.3}}
     head = LanguageModelLossConfig.from_dict({"type": "head", "losses": losses}).get_loss()

@@ -1,5 +1,6 @@
 #include "combined/fused_head.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -10,7 +11,7 @@ namespace rl_losses {
 std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& target, double label_weight,
                                            double label_smoothing, std::optional<double> label_divisor,
                                            double z_loss_weight, std::optional<double> z_loss_divisor,
-                                           double grpo_weight, const std::optional<at::Tensor>& advantages,
+                                           const std::optional<at::Tensor>& z_loss_mask, double grpo_weight, const std::optional<at::Tensor>& advantages,
                                            const std::optional<at::Tensor>& old_log_probs,
                                            const std::optional<at::Tensor>& ref_log_probs,
                                            const std::optional<at::Tensor>& loss_weights, double epsilon_low,
@@ -50,12 +51,25 @@ std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& tar
     if (beta != 0) rows.ref_log_probs = check_per_token(op, "ref_log_probs", *ref_log_probs, target, acc);
     if (loss_weights) rows.loss_weights = check_per_token(op, "loss_weights", *loss_weights, target, acc);
   }
-  // Each divisor: given, or the labelled-token count (one reduction, shared, no host synchronisation).
+  if (z_loss_weight != 0 && z_loss_mask) {
+    const at::Tensor& m = *z_loss_mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool || at::isIntegralType(m.scalar_type(), false), op,
+                ": z_loss_mask must be a bool or integer tensor, got ", m.scalar_type());
+    TORCH_CHECK(m.device() == f.options.device() && m.sizes() == target.sizes(), op,
+                ": z_loss_mask must have the target's shape ", target.sizes(), " and device ", f.options.device(),
+                ", got ", m.sizes(), " on ", m.device());
+    rows.z_mask = m.reshape({-1}).ne(0).to(acc).contiguous();
+  }
+  // Each divisor: given, or the number of the term's tokens (at least 1; no host synchronisation): the labelled
+  // ones for CE and GRPO, those of z_loss_mask (every token without one) for the z-loss.
   at::Tensor n_labelled;
   const std::optional<double> divisors[kHeadTerms] = {label_divisor, z_loss_divisor, grpo_divisor};
   for (int k = 0; k < kHeadTerms; ++k) {
     if (divisors[k]) {
       rows.divisor[k] = at::full({}, *divisors[k], opts);
+    } else if (k == kHeadZLoss) {
+      rows.divisor[k] = rows.z_mask.defined() ? sum_1d(rows.z_mask).clamp_min(1)
+                                              : at::full({}, static_cast<double>(std::max<int64_t>(f.n_rows, 1)), opts);
     } else {
       if (!n_labelled.defined()) n_labelled = labelled_count(f.target1d, acc);
       rows.divisor[k] = n_labelled;

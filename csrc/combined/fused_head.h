@@ -17,15 +17,18 @@ namespace rl_losses {
 
 enum FusedHeadTerm : int { kHeadLabel = 0, kHeadZLoss, kHeadGrpo, kHeadTerms };
 
-template <typename acc_t>
+// kAllRows: the z-loss covers tokens without a label too (its own mask), so no row may be skipped unread.
+template <typename acc_t, bool kAllRows>
 struct FusedHeadEpilogue {
   static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = true;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
-  static constexpr bool kSkipsUnlabelled = true;  // every term is 0 on an unlabelled token, and so is its gradient
+  // Without the z-loss, every term is 0 on an unlabelled token, and so is its gradient.
+  static constexpr bool kSkipsUnlabelled = !kAllRows;
   CrossEntropyOptions<acc_t> ce;  // λ = 1, ε, ζ = 0, V
   GrpoOptions<acc_t> grpo;
   acc_t weight[kHeadTerms];
   const acc_t* divisor[kHeadTerms];  // 0-dim each
+  const acc_t* z_mask;               // (N,) 0/1: the z-loss's tokens; null: every token
   const acc_t* advantages;           // null unless the GRPO term is on
   const acc_t* old_log_probs;
   const acc_t* ref_log_probs;  // null unless beta > 0
@@ -35,25 +38,30 @@ struct FusedHeadEpilogue {
 
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t label, const RowStats<acc_t>& st) const {
     acc_t* o = out + row * kHeadTerms;
-    if (label < 0) {
-      for (int k = 0; k < kHeadTerms; ++k) o[k] = acc_t(0);
-      log_probs[row] = acc_t(0);
-      return {acc_t(0), acc_t(0), acc_t(0)};
-    }
-    const acc_t lse = st.lse(), lp = st.label - lse;
-    log_probs[row] = lp;
-    GradCoef<acc_t> g{acc_t(0), acc_t(0), acc_t(0)};
     for (int k = 0; k < kHeadTerms; ++k) o[k] = acc_t(0);
+    GradCoef<acc_t> g{acc_t(0), acc_t(0), acc_t(0)};
+    const bool z_on = weight[kHeadZLoss] != acc_t(0) && (z_mask == nullptr || z_mask[row] != acc_t(0));
+    if (label < 0 && !(kAllRows && z_on)) {
+      log_probs[row] = acc_t(0);
+      return g;
+    }
+    const acc_t lse = st.lse();
+    if (z_on) {
+      const acc_t inv_d = acc_t(1) / *divisor[kHeadZLoss];
+      o[kHeadZLoss] = lse * lse * inv_d;
+      g.a += acc_t(2) * lse * weight[kHeadZLoss] * inv_d;
+    }
+    if (label < 0) {
+      log_probs[row] = acc_t(0);
+      return g;
+    }
+    const acc_t lp = st.label - lse;
+    log_probs[row] = lp;
     if (weight[kHeadLabel] != acc_t(0)) {
       const acc_t inv_d = acc_t(1) / *divisor[kHeadLabel];
       o[kHeadLabel] = cross_entropy_loss(ce, lse, st.label, st.sum_x) * inv_d;
       const GradCoef<acc_t> t = cross_entropy_grad(ce, lse, weight[kHeadLabel] * inv_d);
       g = {g.a + t.a, g.b + t.b, g.c + t.c};
-    }
-    if (weight[kHeadZLoss] != acc_t(0)) {
-      const acc_t inv_d = acc_t(1) / *divisor[kHeadZLoss];
-      o[kHeadZLoss] = lse * lse * inv_d;
-      g.a += acc_t(2) * lse * weight[kHeadZLoss] * inv_d;
     }
     if (weight[kHeadGrpo] != acc_t(0)) {
       const PolicyToken<acc_t> t = grpo_token(grpo, lp, old_log_probs[row], advantages[row],
@@ -94,15 +102,16 @@ struct FusedHeadRows {
   GrpoOptions<double> grpo;
   double weight[kHeadTerms];
   at::Tensor divisor[kHeadTerms];
+  at::Tensor z_mask;  // (N,) or undefined
   at::Tensor advantages, old_log_probs, ref_log_probs, loss_weights;
   at::Tensor out, log_probs;
   at::Tensor scalars[kHeadTerms + 1];
 };
 
-template <typename acc_t>
-FusedHeadEpilogue<acc_t> make_fused_head_epilogue(const FusedHeadRows& r) {
+template <typename acc_t, bool kAllRows>
+FusedHeadEpilogue<acc_t, kAllRows> make_fused_head_epilogue(const FusedHeadRows& r) {
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<acc_t>() : nullptr; };
-  FusedHeadEpilogue<acc_t> e;
+  FusedHeadEpilogue<acc_t, kAllRows> e;
   e.ce = {acc_t(r.ce.label_weight), acc_t(r.ce.label_smoothing), acc_t(r.ce.z_loss_factor), acc_t(r.ce.vocab_size)};
   e.grpo = {{acc_t(r.grpo.clip.epsilon_low), acc_t(r.grpo.clip.epsilon_high), acc_t(r.grpo.clip.delta)},
             acc_t(r.grpo.beta)};
@@ -110,6 +119,7 @@ FusedHeadEpilogue<acc_t> make_fused_head_epilogue(const FusedHeadRows& r) {
     e.weight[k] = acc_t(r.weight[k]);
     e.divisor[k] = r.divisor[k].const_data_ptr<acc_t>();
   }
+  e.z_mask = ptr(r.z_mask);
   e.advantages = ptr(r.advantages);
   e.old_log_probs = ptr(r.old_log_probs);
   e.ref_log_probs = ptr(r.ref_log_probs);
@@ -127,9 +137,15 @@ struct FusedHeadBackend {
 template <typename Runner>
 struct FusedHeadBackendImpl {
   static void rows(const RowPassArgs& args, const FusedHeadRows& r) {
-    Runner::row_pass(args, "fused_head_loss", [&](auto* tag) {
-      return make_fused_head_epilogue<std::remove_pointer_t<decltype(tag)>>(r);
-    });
+    if (r.weight[kHeadZLoss] != 0) {
+      Runner::row_pass(args, "fused_head_loss", [&](auto* tag) {
+        return make_fused_head_epilogue<std::remove_pointer_t<decltype(tag)>, true>(r);
+      });
+    } else {
+      Runner::row_pass(args, "fused_head_loss", [&](auto* tag) {
+        return make_fused_head_epilogue<std::remove_pointer_t<decltype(tag)>, false>(r);
+      });
+    }
   }
   static void totals(const FusedHeadRows& r) {
     AT_DISPATCH_FLOATING_TYPES(r.out.scalar_type(), "fused_head_loss", [&] {
@@ -147,7 +163,7 @@ struct FusedHeadBackendImpl {
 std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& target, double label_weight,
                                            double label_smoothing, std::optional<double> label_divisor,
                                            double z_loss_weight, std::optional<double> z_loss_divisor,
-                                           double grpo_weight, const std::optional<at::Tensor>& advantages,
+                                           const std::optional<at::Tensor>& z_loss_mask, double grpo_weight, const std::optional<at::Tensor>& advantages,
                                            const std::optional<at::Tensor>& old_log_probs,
                                            const std::optional<at::Tensor>& ref_log_probs,
                                            const std::optional<at::Tensor>& loss_weights, double epsilon_low,
@@ -163,25 +179,25 @@ struct FusedHeadOps {
   using Opt = std::optional<at::Tensor>;
   using OptD = std::optional<double>;
   static std::vector<at::Tensor> run(RowSource& src, const at::Tensor& target, double lw, double eps, OptD ld,
-                                     double zw, OptD zd, double gw, const Opt& adv, const Opt& old, const Opt& ref,
+                                     double zw, OptD zd, const Opt& zm, double gw, const Opt& adv, const Opt& old, const Opt& ref,
                                      const Opt& w, double el, double eh, OptD delta, double beta, OptD gd, double s) {
-    return fused_head_forward(src, target, lw, eps, ld, zw, zd, gw, adv, old, ref, w, el, eh, delta, beta, gd, s,
+    return fused_head_forward(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, s,
                               kBackend());
   }
   static HeadOutputsAndGrad forward(const at::Tensor& logits, const at::Tensor& target, double lw, double eps,
-                                    OptD ld, double zw, OptD zd, double gw, const Opt& adv, const Opt& old,
-                                    const Opt& ref, const Opt& w, double el, double eh, OptD delta, double beta,
-                                    OptD gd, double s, bool compute_grad) {
+                                    OptD ld, double zw, OptD zd, const Opt& zm, double gw, const Opt& adv,
+                                    const Opt& old, const Opt& ref, const Opt& w, double el, double eh, OptD delta,
+                                    double beta, OptD gd, double s, bool compute_grad) {
     LogitsSource src("fused_head_loss", logits, target, 0, -1, compute_grad, false);
-    auto o = run(src, target, lw, eps, ld, zw, zd, gw, adv, old, ref, w, el, eh, delta, beta, gd, s);
+    auto o = run(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, s);
     return {o[0], o[1], o[2], o[3], o[4], src.grads()[0]};
   }
   static HeadOutputs forward_inplace(const at::Tensor& logits, const at::Tensor& target, double lw, double eps,
-                                     OptD ld, double zw, OptD zd, double gw, const Opt& adv, const Opt& old,
-                                     const Opt& ref, const Opt& w, double el, double eh, OptD delta, double beta,
-                                     OptD gd, double s) {
+                                     OptD ld, double zw, OptD zd, const Opt& zm, double gw, const Opt& adv,
+                                     const Opt& old, const Opt& ref, const Opt& w, double el, double eh, OptD delta,
+                                     double beta, OptD gd, double s) {
     LogitsSource src("fused_head_loss", logits, target, 0, -1, false, true);
-    auto o = run(src, target, lw, eps, ld, zw, zd, gw, adv, old, ref, w, el, eh, delta, beta, gd, s);
+    auto o = run(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, s);
     return {o[0], o[1], o[2], o[3], o[4]};
   }
 };

@@ -27,7 +27,8 @@ def _float(x) -> float | None:
 
 def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, label_weight: float = 0.0,
                     label_smoothing: float = 0.0, label_divisor: float | None = None, z_loss_weight: float = 0.0,
-                    z_loss_divisor: float | None = None, grpo_weight: float = 0.0,
+                    z_loss_divisor: float | None = None, z_loss_mask: torch.Tensor | None = None,
+                    grpo_weight: float = 0.0,
                     advantages: torch.Tensor | None = None, old_log_probs: torch.Tensor | None = None,
                     ref_log_probs: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None,
                     epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
@@ -36,9 +37,9 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, label_weight:
     """Label cross-entropy, z-loss and GRPO in one pass over the logits, with one summed gradient.
 
     ``loss = label_weight·CE + z_loss_weight·Z + grpo_weight·GRPO``, each term as the separate op computes it
-    (rl_losses.cross_entropy with ``label_smoothing``; rl_losses.z_loss over the labelled tokens; rl_losses.grpo_loss
-    with its options) and divided by its own divisor (default: the labelled tokens). A term of weight 0 is
-    skipped. The statistics of each row are computed once, the logits read once (where the row kernel fuses)
+    (rl_losses.cross_entropy with ``label_smoothing``; rl_losses.z_loss over ``z_loss_mask``, every token without
+    one; rl_losses.grpo_loss with its options) and divided by its own divisor (default: the term's tokens). A term
+    of weight 0 is skipped. The statistics of each row are computed once, the logits read once (where the row kernel fuses)
     and the gradient written once.
 
     Args:
@@ -49,8 +50,8 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, label_weight:
     """
     out = _ops.fused_head_loss(logits, target, label_weight=label_weight, label_smoothing=label_smoothing,
                                label_divisor=_float(label_divisor), z_loss_weight=z_loss_weight,
-                               z_loss_divisor=_float(z_loss_divisor), grpo_weight=grpo_weight, advantages=advantages,
-                               old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, loss_weights=loss_weights,
+                               z_loss_divisor=_float(z_loss_divisor), z_loss_mask=z_loss_mask, grpo_weight=grpo_weight,
+                               advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, loss_weights=loss_weights,
                                epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
                                grpo_divisor=_float(grpo_divisor), logits_scale_factor=logits_scale_factor,
                                inplace_backward=inplace_backward)
@@ -134,7 +135,7 @@ class LanguageModelHeadLoss(LanguageModelLoss):
         if isinstance(cfg, LanguageModelLabelEntropyLossConfig):
             return cfg.z_loss_factor == 0
         if isinstance(cfg, LanguageModelZLossConfig):
-            return batch.get(LanguageModelLossKwargs.loss_mask) is None  # the fused z-loss covers the labels
+            return True
         if isinstance(cfg, LanguageModelGRPOLossConfig):
             return cfg.loss_normalization == "token" and cfg.metrics == "none"
         return False
@@ -163,7 +164,7 @@ class LanguageModelHeadLoss(LanguageModelLoss):
             if isinstance(cfg, LanguageModelLabelEntropyLossConfig):
                 kwargs.update(label_weight=cfg.weight, label_smoothing=cfg.label_smoothing, label_divisor=divisor)
             elif isinstance(cfg, LanguageModelZLossConfig):
-                kwargs.update(z_loss_weight=cfg.weight)
+                kwargs.update(z_loss_weight=cfg.weight, z_loss_mask=batch.get(LanguageModelLossKwargs.loss_mask))
             else:
                 if cfg.beta > 0:
                     kwargs["ref_log_probs"] = _require(batch, LanguageModelLossKwargs.ref_log_probs, name)

@@ -263,15 +263,16 @@ class FusedHeadOutput(NamedTuple):
 
 
 def fused_head_loss(logits, target, *, label_weight=0.0, label_smoothing=0.0, label_divisor=None, z_loss_weight=0.0,
-                    z_loss_divisor=None, grpo_weight=0.0, advantages=None, old_log_probs=None, ref_log_probs=None,
-                    loss_weights=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0, grpo_divisor=None,
+                    z_loss_divisor=None, z_loss_mask=None, grpo_weight=0.0, advantages=None, old_log_probs=None,
+                    ref_log_probs=None, loss_weights=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0, grpo_divisor=None,
                     logits_scale_factor=1.0) -> FusedHeadOutput:
-    """The weighted sum of the separate losses, each over the labelled tokens (the z-loss too)."""
+    """The weighted sum of the separate losses: CE and GRPO over the labelled tokens, the z-loss over
+    ``z_loss_mask`` (every token without one)."""
     s = logits_scale_factor
     zero = logits.new_zeros((), dtype=_work_dtype(logits))
     label = cross_entropy(logits, target, logits_scale_factor=s, label_smoothing=label_smoothing,
                           divisor=label_divisor) if label_weight else zero
-    z = z_loss(logits, loss_mask=target >= 0, logits_scale_factor=s, divisor=z_loss_divisor) if z_loss_weight else zero
+    z = z_loss(logits, loss_mask=z_loss_mask, logits_scale_factor=s, divisor=z_loss_divisor) if z_loss_weight else zero
     grpo = grpo_loss(logits, target, advantages, old_log_probs, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                      delta=delta, ref_log_probs=ref_log_probs, beta=beta, loss_weights=loss_weights,
                      divisor=grpo_divisor, logits_scale_factor=s).loss if grpo_weight else zero
