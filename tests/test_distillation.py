@@ -276,3 +276,25 @@ def test_config_validation():
     module = LanguageModelLossConfig.from_dict({"type": "distillation", "reference_model": "big"}).get_loss()
     with pytest.raises(ValueError, match=r"has no 'big'"):
         module(torch.randn(2, 5), {"reference_logits": {"teacher": torch.randn(2, 5)}})
+
+
+# ---- from hidden states and the lm_head weight ---------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=_id)
+@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
+def test_linear_matches_the_logits_op(kind, dtype, device):
+    hidden = torch.randn(3, 7, 16, device=device).to(dtype)
+    weight = (torch.randn(50, 16, device=device) / 4).to(dtype)
+    teacher = torch.randn(3, 7, 50, device=device)
+    mask = torch.rand(3, 7, device=device) > 0.3
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = rl_losses.linear_distillation_loss(h1, w1, teacher, kind=kind, beta=0.3, loss_mask=mask,
+                                              temperature=1.2, chunk_size=5)
+    (loss * 0.8).backward()
+    h2, w2 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = reference.distillation_loss(h2 @ w2.t(), teacher.double(), kind=kind, beta=0.3, loss_mask=mask,
+                                      temperature=1.2).loss
+    (ref * 0.8).backward()
+    scale = 1.0 if dtype == torch.float64 else 8.0  # the logits of the GEMM are rounded to the dtype
+    assert_close(loss.detach(), ref.detach(), dtype, scale=scale)
+    assert_grad_close(h1.grad, h2.grad, dtype, scale=scale)
+    assert_grad_close(w1.grad, w2.grad, dtype, scale=scale)

@@ -101,3 +101,62 @@ def _distillation_tp(logits, teacher_logits, tp_group, *, kind, beta, temperatur
                                          divisor=divisor, inplace_backward=inplace_backward, row_stats=stats,
                                          jsd_sums=jsd_sums)
     return DistillationOutput(loss, divergence)
+
+
+class _LinearDistillation(torch.autograd.Function):
+    """Distillation of ``hidden @ weight.T`` computed a chunk of rows at a time: each chunk's logits and their
+    gradient exist only while the chunk is processed, and turn at once into grad_hidden and grad_weight (fp32
+    accumulator). The gradients are computed in the forward and scaled by the upstream gradient in the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher_logits, options, loss_mask, divisor, chunk_size):
+        h = hidden.reshape(-1, hidden.shape[-1])
+        teacher = teacher_logits.reshape(-1, teacher_logits.shape[-1])
+        mask = None if loss_mask is None else loss_mask.reshape(-1)
+        n = h.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32 if weight.dtype != torch.float64 else weight.dtype,
+                             device=weight.device) if need_w else None
+        total = None
+        for start in range(0, n, chunk_size):
+            rows = slice(start, min(n, start + chunk_size))
+            logits = h[rows] @ weight.t()
+            loss, _, grad = _ops._distillation_forward(logits, teacher[rows], options["kind"], options["beta"],
+                                                       options["temperature"], options["logits_scale_factor"],
+                                                       None if mask is None else mask[rows], divisor, None, None,
+                                                       need_h or need_w)
+            total = loss if total is None else total + loss
+            if need_h:
+                grad_h[rows] = grad @ weight
+            if need_w:
+                grad_w.addmm_(grad.t().to(grad_w.dtype), h[rows].to(grad_w.dtype))
+        ctx.save_for_backward(grad_h.view(hidden.shape) if need_h else None,
+                              grad_w.to(weight.dtype) if need_w else None)
+        return total if total is not None else h.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_h, grad_w = ctx.saved_tensors
+        scale = lambda g: None if g is None else (g * grad_output.to(g.dtype))  # noqa: E731
+        return scale(grad_h), scale(grad_w), None, None, None, None, None
+
+
+def linear_distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_logits: torch.Tensor, *,
+                             kind: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0,
+                             logits_scale_factor: float = 1.0, loss_mask: torch.Tensor | None = None,
+                             divisor: float | None = None, chunk_size: int = 4096) -> torch.Tensor:
+    """Distillation loss of the student's ``hidden @ weight.T`` against ``teacher_logits`` (see
+    distillation_loss), chunk_size rows of student logits at a time: the student's (N, V) logits and their
+    gradient are never materialised whole. Differentiable w.r.t. ``hidden`` (..., H) and ``weight`` (V, H).
+    The default divisor (the tokens of ``loss_mask``) is read on the host once."""
+    if chunk_size < 1:
+        raise ValueError(f"linear_distillation_loss: chunk_size must be >= 1, got {chunk_size}")
+    if teacher_logits.shape[:-1] != hidden.shape[:-1] or teacher_logits.shape[-1] != weight.shape[0]:
+        raise ValueError(f"linear_distillation_loss: teacher_logits has shape {tuple(teacher_logits.shape)} but the "
+                         f"student's logits would have shape {tuple(hidden.shape[:-1]) + (weight.shape[0],)}")
+    if divisor is None:
+        divisor = float(max(int(loss_mask.bool().sum()) if loss_mask is not None else hidden[..., 0].numel(), 1))
+    options = dict(kind=kind, beta=beta, temperature=temperature, logits_scale_factor=logits_scale_factor)
+    return _LinearDistillation.apply(hidden, weight, teacher_logits, options, loss_mask, _divisor(divisor),
+                                     chunk_size)
