@@ -194,8 +194,8 @@ TORCH_LIBRARY(rl_losses, m) {
       "fused_head_loss(Tensor logits, Tensor target, *, float label_weight=0.0, float label_smoothing=0.0, "
       "float? label_divisor=None, float z_loss_weight=0.0, float? z_loss_divisor=None, Tensor? z_loss_mask=None, "
       "float grpo_weight=0.0, Tensor? advantages=None, Tensor? old_log_probs=None, Tensor? ref_log_probs=None, "
-      "Tensor? loss_weights=None, float epsilon_low=0.2, float epsilon_high=0.2, float? delta=None, float beta=0.0, float? grpo_divisor=None, "
-      "float logits_scale_factor=1.0, bool inplace_backward=False) -> " RL_LOSSES_HEAD_OUTS ")");
+      "Tensor? loss_weights=None, float epsilon_low=0.2, float epsilon_high=0.2, float? delta=None, float beta=0.0, "
+      "float? grpo_divisor=None, float logits_scale_factor=1.0, bool inplace_backward=False) -> " RL_LOSSES_HEAD_OUTS ")");
   m.def("_fused_head_loss_forward(Tensor logits, Tensor target, " RL_LOSSES_HEAD_ARGS
         ", bool compute_grad) -> " RL_LOSSES_HEAD_OUTS ", Tensor grad)");
   m.def("_fused_head_loss_forward_inplace(Tensor(a!) logits, Tensor target, " RL_LOSSES_HEAD_ARGS

@@ -57,7 +57,8 @@ def separate_ops(x, target, kwargs):
     total = 0.0
     if kwargs.get("label_weight"):
         total = total + kwargs["label_weight"] * rl_losses.cross_entropy(
-            x, target, logits_scale_factor=s, label_smoothing=kwargs["label_smoothing"], divisor=kwargs["label_divisor"])
+            x, target, logits_scale_factor=s, label_smoothing=kwargs["label_smoothing"],
+            divisor=kwargs["label_divisor"])
     if kwargs.get("z_loss_weight"):
         total = total + kwargs["z_loss_weight"] * rl_losses.z_loss(
             x, loss_mask=kwargs["z_loss_mask"], logits_scale_factor=s, divisor=kwargs["z_loss_divisor"])

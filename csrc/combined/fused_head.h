@@ -163,7 +163,8 @@ struct FusedHeadBackendImpl {
 std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& target, double label_weight,
                                            double label_smoothing, std::optional<double> label_divisor,
                                            double z_loss_weight, std::optional<double> z_loss_divisor,
-                                           const std::optional<at::Tensor>& z_loss_mask, double grpo_weight, const std::optional<at::Tensor>& advantages,
+                                           const std::optional<at::Tensor>& z_loss_mask, double grpo_weight,
+                                           const std::optional<at::Tensor>& advantages,
                                            const std::optional<at::Tensor>& old_log_probs,
                                            const std::optional<at::Tensor>& ref_log_probs,
                                            const std::optional<at::Tensor>& loss_weights, double epsilon_low,
@@ -179,8 +180,9 @@ struct FusedHeadOps {
   using Opt = std::optional<at::Tensor>;
   using OptD = std::optional<double>;
   static std::vector<at::Tensor> run(RowSource& src, const at::Tensor& target, double lw, double eps, OptD ld,
-                                     double zw, OptD zd, const Opt& zm, double gw, const Opt& adv, const Opt& old, const Opt& ref,
-                                     const Opt& w, double el, double eh, OptD delta, double beta, OptD gd, double s) {
+                                     double zw, OptD zd, const Opt& zm, double gw, const Opt& adv, const Opt& old,
+                                     const Opt& ref, const Opt& w, double el, double eh, OptD delta, double beta,
+                                     OptD gd, double s) {
     return fused_head_forward(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, s,
                               kBackend());
   }

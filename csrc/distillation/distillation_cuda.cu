@@ -224,10 +224,17 @@ void launch(const DistillState& s) {
     v.vec = v.vocab % kVec == 0 && aligned(v.z, v.rs * sizeof(student_t), 16) &&
             aligned(v.zt, v.rt * sizeof(teacher_t), teacher_bytes) &&
             (!grad || aligned(v.grad, v.rg * sizeof(student_t), 16));
+    const auto kernel = distill_kernel<kThreads, kVec, kPass, kKind, student_t, teacher_t, acc_t>;
+    // A persistent grid of as many blocks as can be resident (asked once per kernel): rows are dealt out
+    // statically, so a block of a second wave would start its rows late.
+    static const int per_sm = [&] {
+      int blocks_per_sm = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, 0));
+      return std::max(blocks_per_sm, 1);
+    }();
     const int64_t blocks = std::min<int64_t>(
-        n, static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * (2048 / kThreads));
-    cuda::DependentLaunch(dim3(static_cast<unsigned>(blocks)), kThreads, 0)(
-        distill_kernel<kThreads, kVec, kPass, kKind, student_t, teacher_t, acc_t>, v);
+        n, static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm);
+    cuda::DependentLaunch(dim3(static_cast<unsigned>(blocks)), kThreads, 0)(kernel, v);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -39,8 +39,8 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, label_weight:
     ``loss = label_weight·CE + z_loss_weight·Z + grpo_weight·GRPO``, each term as the separate op computes it
     (rl_losses.cross_entropy with ``label_smoothing``; rl_losses.z_loss over ``z_loss_mask``, every token without
     one; rl_losses.grpo_loss with its options) and divided by its own divisor (default: the term's tokens). A term
-    of weight 0 is skipped. The statistics of each row are computed once, the logits read once (where the row kernel fuses)
-    and the gradient written once.
+    of weight 0 is skipped. The statistics of each row are computed once, the logits read once (where the row
+    kernel fuses) and the gradient written once.
 
     Args:
         logits: (..., V) float32/bfloat16/float16/float64; target: (...) int labels, negative = no label.
@@ -51,7 +51,8 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, label_weight:
     out = _ops.fused_head_loss(logits, target, label_weight=label_weight, label_smoothing=label_smoothing,
                                label_divisor=_float(label_divisor), z_loss_weight=z_loss_weight,
                                z_loss_divisor=_float(z_loss_divisor), z_loss_mask=z_loss_mask, grpo_weight=grpo_weight,
-                               advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, loss_weights=loss_weights,
+                               advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
+                               loss_weights=loss_weights,
                                epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
                                grpo_divisor=_float(grpo_divisor), logits_scale_factor=logits_scale_factor,
                                inplace_backward=inplace_backward)

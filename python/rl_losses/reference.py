@@ -264,8 +264,8 @@ class FusedHeadOutput(NamedTuple):
 
 def fused_head_loss(logits, target, *, label_weight=0.0, label_smoothing=0.0, label_divisor=None, z_loss_weight=0.0,
                     z_loss_divisor=None, z_loss_mask=None, grpo_weight=0.0, advantages=None, old_log_probs=None,
-                    ref_log_probs=None, loss_weights=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0, grpo_divisor=None,
-                    logits_scale_factor=1.0) -> FusedHeadOutput:
+                    ref_log_probs=None, loss_weights=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
+                    grpo_divisor=None, logits_scale_factor=1.0) -> FusedHeadOutput:
     """The weighted sum of the separate losses: CE and GRPO over the labelled tokens, the z-loss over
     ``z_loss_mask`` (every token without one)."""
     s = logits_scale_factor
