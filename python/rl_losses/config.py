@@ -367,8 +367,10 @@ class LanguageModelHeadLossConfig(LanguageModelLossConfig):
 
     def _validate(self) -> None:
         super()._validate()
-        if not isinstance(self.losses, dict) or not self.losses:
-            self._fail("losses", "a non-empty dict of name -> loss config", TypeError)
+        if not isinstance(self.losses, dict):
+            self._fail("losses", "a dict of name -> loss config", TypeError)
+        if not self.losses:
+            self._fail("losses", "a non-empty dict of name -> loss config")
         built = {}
         for name, cfg in self.losses.items():
             if not isinstance(name, str):
