@@ -9,7 +9,8 @@ import rl_losses
 from rl_losses import reference
 
 from conftest import assert_close
-from helpers import assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh, param_id as _id
+from helpers import (assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh, param_id as _id,
+                     requires_cuda)
 
 KINDS = ["forward_kl", "reverse_kl", "cross_entropy", "jsd"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -298,3 +299,18 @@ def test_linear_matches_the_logits_op(kind, dtype, device):
     assert_close(loss.detach(), ref.detach(), dtype, scale=scale)
     assert_grad_close(h1.grad, h2.grad, dtype, scale=scale)
     assert_grad_close(w1.grad, w2.grad, dtype, scale=scale)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                    (torch.float32, torch.bfloat16), (torch.float16, torch.float64)], ids=str)
+@pytest.mark.parametrize("vocab", [4096, 4099])  # the 16-byte vector path, and the element path
+def test_cpu_equals_cuda(vocab, dtypes):
+    dtype, teacher_dtype = dtypes
+    logits, teacher, mask = make_inputs((37,), vocab, dtype, "cpu", teacher_dtype=teacher_dtype, masked=0.2)
+    for kind in KINDS:
+        options = dict(kind=kind, beta=0.3, temperature=1.1, loss_mask=mask)
+        cpu, cpu_grad = run_op(logits, teacher, **options)
+        gpu, gpu_grad = run_op(logits.cuda(), teacher.cuda(), **{**options, "loss_mask": mask.cuda()})
+        assert_close(gpu.loss.cpu(), cpu.loss, torch.float32, scale=4.0, msg=kind)
+        assert_grad_close(gpu_grad.cpu(), cpu_grad.double(), dtype, scale=2.0)
