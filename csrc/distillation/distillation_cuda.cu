@@ -109,7 +109,8 @@ __device__ inline void for_row(const DistillView<student_t, teacher_t, acc_t>& v
     }
   } else {
     for (int64_t j = threadIdx.x; j < v.vocab; j += kThreads) {
-      acc_t x[1] = {static_cast<acc_t>(z[j]) * v.opt.scale}, y[1] = {static_cast<acc_t>(zt[j]) * v.opt.inv_temperature};
+      const acc_t x[1] = {static_cast<acc_t>(z[j]) * v.opt.scale};
+      const acc_t y[1] = {static_cast<acc_t>(zt[j]) * v.opt.inv_temperature};
       f(j, x, y);
     }
   }
