@@ -4,8 +4,8 @@ The ops live in ``torch.ops.rl_losses`` (C++/CUDA, loaded from ``rl_losses._C``)
 functional wrappers (``rl_losses.cross_entropy``, ``rl_losses.z_loss``, ``rl_losses.grpo_loss``,
 ``rl_losses.gspo_loss``; ``rl_losses.linear_*``: the same from hidden states and the lm_head weight, without
 materialising the logits; ``rl_losses.distillation_loss``, ``rl_losses.dpo_loss`` and
-``rl_losses.head.fused_head_loss``: docs/distillation_dpo.md), a pure-PyTorch reference (``rl_losses.reference``) and Fast-LLM-style configs and
-loss modules (``rl_losses.config``).
+``rl_losses.head.fused_head_loss``: docs/distillation_dpo.md), a pure-PyTorch reference (``rl_losses.reference``)
+and Fast-LLM-style configs and loss modules (``rl_losses.config``).
 """
 import torch  # noqa: F401  (must load before the library, which links against it)
 
