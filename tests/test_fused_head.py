@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import rl_losses
+import rl_losses.head
 from rl_losses import reference
 from rl_losses.config import LanguageModelLossConfig
 from rl_losses.head import fused_head_loss
@@ -149,7 +150,9 @@ def test_compile_fullgraph(device):
     assert_compiled_matches_eager(fn, logits, target, backend="aot_eager")
 
 
-def test_head_config_fuses_and_matches_the_separate_modules(device):
+def test_head_config_fuses_and_matches_the_separate_modules(device, monkeypatch):
+    calls = []
+    monkeypatch.setattr(rl_losses.head, "fused_head_loss", lambda *a, **k: calls.append(k) or fused_head_loss(*a, **k))
     inputs = make_inputs((12,), 40, torch.float32, device)
     logits, target, advantages, old = inputs[:4]
     batch = {"labels": target, "advantages": advantages, "old_log_probabilities": old,
@@ -172,6 +175,7 @@ def test_head_config_fuses_and_matches_the_separate_modules(device):
     assert_grad_close(x.grad, y.grad, torch.float32, scale=2.0)
     for name, value in expected_metrics.items():
         assert_close(metrics[name], value, torch.float32, scale=4.0, msg=name)
+    assert len(calls) == 1 and calls[0]["label_weight"] and calls[0]["z_loss_weight"] and calls[0]["grpo_weight"]
 
 
 def test_bad_input(device):
@@ -188,3 +192,29 @@ def test_bad_input(device):
                         old_log_probs=torch.zeros(4, device=device))
     with pytest.raises(ValueError, match="losses must be a non-empty dict"):
         LanguageModelLossConfig.from_dict({"type": "head", "losses": {}})
+
+
+def test_head_config_adds_the_losses_it_cannot_fuse(device, monkeypatch):
+    calls = []
+    monkeypatch.setattr(rl_losses.head, "fused_head_loss", lambda *a, **k: calls.append(k) or fused_head_loss(*a, **k))
+    """Distillation and DPO run on their own beside the fused pass; the head's loss and gradient are the sums."""
+    inputs = make_inputs((2, 12), 40, torch.float32, device)
+    logits, target = inputs[:2]
+    teacher = logits.float() + torch.randn_like(logits.float())
+    batch = {"labels": target, "reference_logits": {"teacher": teacher, "reference": teacher},
+             "chosen_spans": [[(0, 4)], [(1, 3)]], "rejected_spans": [[(5, 11)], [(6, 12)]]}
+    losses = {"ce": {"type": "label"}, "z": {"type": "z_loss", "weight": 0.2},
+              "kd": {"type": "distillation", "loss_type": "reverse_kl", "weight": 0.5},
+              "pref": {"type": "dpo", "beta": 0.2}}
+    head = LanguageModelLossConfig.from_dict({"type": "head", "losses": losses}).get_loss()
+    x = logits.clone().requires_grad_()
+    loss, metrics = head(x, batch)
+    loss.backward()
+    y = logits.clone().requires_grad_()
+    expected = sum(LanguageModelLossConfig.from_dict(cfg).get_loss(name=name)(y, batch)[0]
+                   for name, cfg in losses.items())
+    expected.backward()
+    assert_close(loss.detach(), expected.detach(), torch.float32, scale=4.0)
+    assert_grad_close(x.grad, y.grad, torch.float32, scale=2.0)
+    assert {"ce", "z", "kd", "pref", "pref_accuracy"} <= set(metrics)
+    assert len(calls) == 1 and calls[0]["label_weight"] == 1.0 and calls[0]["z_loss_weight"] == 0.2
