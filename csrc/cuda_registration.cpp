@@ -15,6 +15,9 @@
 #include "common/cuda_backends.h"
 #include "common/row_stats.h"
 #include "cross_entropy/cross_entropy.h"
+#include "distillation/distillation.h"
+#include "dpo/dpo.h"
+#include "combined/fused_head.h"
 #include "grpo/grpo.h"
 #include "gspo/gspo.h"
 #include "linear/linear.h"
@@ -70,6 +73,17 @@ TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) {
   m.impl("_linear_cross_entropy_forward", &OnTensorsDevice<&LinearCrossEntropy::forward>::call);
   m.impl("_linear_grpo_forward", &OnTensorsDevice<&LinearGrpo::forward>::call);
   m.impl("_linear_gspo_forward", &OnTensorsDevice<&LinearGspo::forward>::call);
+  using Distill = DistillOps<distill_backend_cuda>;
+  m.impl("_distillation_forward", &OnTensorsDevice<&Distill::forward>::call);
+  m.impl("_distillation_forward_inplace", &OnTensorsDevice<&Distill::forward_inplace>::call);
+  m.impl("distillation_stats", &OnTensorsDevice<&Distill::stats>::call);
+  m.impl("distillation_jsd_sums", &OnTensorsDevice<&Distill::jsd_sums>::call);
+  using Dpo = DpoOps<dpo_backend_cuda>;
+  m.impl("_dpo_forward", &OnTensorsDevice<&Dpo::forward>::call);
+  m.impl("_dpo_forward_inplace", &OnTensorsDevice<&Dpo::forward_inplace>::call);
+  using FusedHead = FusedHeadOps<fused_head_backend_cuda>;
+  m.impl("_fused_head_loss_forward", &OnTensorsDevice<&FusedHead::forward>::call);
+  m.impl("_fused_head_loss_forward_inplace", &OnTensorsDevice<&FusedHead::forward_inplace>::call);
 }
 
 }  // namespace rl_losses

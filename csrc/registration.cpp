@@ -133,4 +133,73 @@ TORCH_LIBRARY(rl_losses, m) {
       "Tensor document_ratios, " RL_LOSSES_LINEAR_GRADS ")");
 #undef RL_LOSSES_LINEAR_GRADS
 #undef RL_LOSSES_POLICY_OUTS
+
+  // ---- distillation against a teacher's logits (distillation/, docs/distillation_dpo.md) --------------
+  // kind: forward_kl | reverse_kl | cross_entropy | jsd (β: Liger-Kernel's generalised JSD). The teacher's
+  // softmax is over teacher_logits / temperature, the student's over logits_scale_factor·logits. Outputs: the
+  // loss and the per-row divergence (detached; 0 on masked rows). `row_stats` (…, 7) and, for JSD,
+  // `jsd_sums` (…, 2) are the tensor-parallel hooks: the all-reduced outputs of distillation_stats and
+  // distillation_jsd_sums, which the op then uses in place of its own passes.
+#define RL_LOSSES_DISTILL_ARGS                                                                             \
+  "str kind, float beta, float temperature, float logits_scale_factor, Tensor? loss_mask, float? divisor, " \
+  "Tensor? row_stats, Tensor? jsd_sums"
+  m.def(
+      "distillation(Tensor logits, Tensor teacher_logits, *, str kind=\"forward_kl\", float beta=0.5, "
+      "float temperature=1.0, float logits_scale_factor=1.0, Tensor? loss_mask=None, float? divisor=None, "
+      "bool inplace_backward=False, Tensor? row_stats=None, Tensor? jsd_sums=None) -> (Tensor loss, "
+      "Tensor divergence)");
+  m.def("_distillation_forward(Tensor logits, Tensor teacher_logits, " RL_LOSSES_DISTILL_ARGS
+        ", bool compute_grad) -> (Tensor loss, Tensor divergence, Tensor grad)");
+  m.def("_distillation_forward_inplace(Tensor(a!) logits, Tensor teacher_logits, " RL_LOSSES_DISTILL_ARGS
+        ") -> (Tensor loss, Tensor divergence)");
+  m.def(
+      "distillation_stats(Tensor logits, Tensor teacher_logits, *, float temperature=1.0, "
+      "float logits_scale_factor=1.0) -> Tensor");
+  m.def(
+      "distillation_jsd_sums(Tensor logits, Tensor teacher_logits, Tensor row_stats, *, float beta=0.5, "
+      "float temperature=1.0, float logits_scale_factor=1.0) -> Tensor");
+#undef RL_LOSSES_DISTILL_ARGS
+
+  // ---- DPO over packed documents (dpo/, docs/distillation_dpo.md) ------------------------------------
+  // pairs (P, 2): (chosen, rejected) document ids, every document 0 .. 2P−1 in exactly one pair; reference
+  // log-probs per pair. Outputs after the loss are detached metrics; document_log_probs (2P,) are the π_s.
+#define RL_LOSSES_DPO_OUTS                                                                             \
+  "(Tensor loss, Tensor rewards_chosen, Tensor rewards_rejected, Tensor accuracy, Tensor margin, " \
+  "Tensor log_probs, Tensor document_log_probs"
+  m.def(
+      "dpo(Tensor logits, Tensor target, Tensor document_index, Tensor pairs, Tensor reference_chosen_log_probs, "
+      "Tensor reference_rejected_log_probs, *, float beta=1.0, float logits_scale_factor=1.0, float? divisor=None, "
+      "bool inplace_backward=False) -> " RL_LOSSES_DPO_OUTS ")");
+  m.def(
+      "_dpo_forward(Tensor logits, Tensor target, Tensor document_index, Tensor pairs, "
+      "Tensor reference_chosen_log_probs, Tensor reference_rejected_log_probs, float beta, "
+      "float logits_scale_factor, float? divisor, bool compute_grad) -> " RL_LOSSES_DPO_OUTS ", Tensor grad)");
+  m.def(
+      "_dpo_forward_inplace(Tensor(a!) logits, Tensor target, Tensor document_index, Tensor pairs, "
+      "Tensor reference_chosen_log_probs, Tensor reference_rejected_log_probs, float beta, "
+      "float logits_scale_factor, float? divisor) -> " RL_LOSSES_DPO_OUTS ")");
+#undef RL_LOSSES_DPO_OUTS
+
+  // ---- several losses in one pass (combined/): label CE, z-loss and GRPO with weights ----------------------
+  // loss = label_weight·label_loss + z_loss_weight·z_loss + grpo_weight·grpo_loss, each term with its own
+  // divisor (default: the term's tokens: the labelled ones, z_loss_mask's for the z-loss) and each reported
+  // (detached) beside the total; one summed gradient.
+#define RL_LOSSES_HEAD_ARGS                                                                                  \
+  "float label_weight, float label_smoothing, float? label_divisor, float z_loss_weight, "                   \
+  "float? z_loss_divisor, Tensor? z_loss_mask, float grpo_weight, Tensor? advantages, Tensor? old_log_probs, " \
+  "Tensor? ref_log_probs, Tensor? loss_weights, float epsilon_low, float epsilon_high, float? delta, "         \
+  "float beta, float? grpo_divisor, float logits_scale_factor"
+#define RL_LOSSES_HEAD_OUTS "(Tensor loss, Tensor label_loss, Tensor z_loss, Tensor grpo_loss, Tensor log_probs"
+  m.def(
+      "fused_head_loss(Tensor logits, Tensor target, *, float label_weight=0.0, float label_smoothing=0.0, "
+      "float? label_divisor=None, float z_loss_weight=0.0, float? z_loss_divisor=None, Tensor? z_loss_mask=None, "
+      "float grpo_weight=0.0, Tensor? advantages=None, Tensor? old_log_probs=None, Tensor? ref_log_probs=None, "
+      "Tensor? loss_weights=None, float epsilon_low=0.2, float epsilon_high=0.2, float? delta=None, float beta=0.0, "
+      "float? grpo_divisor=None, float logits_scale_factor=1.0, bool inplace_backward=False) -> " RL_LOSSES_HEAD_OUTS ")");
+  m.def("_fused_head_loss_forward(Tensor logits, Tensor target, " RL_LOSSES_HEAD_ARGS
+        ", bool compute_grad) -> " RL_LOSSES_HEAD_OUTS ", Tensor grad)");
+  m.def("_fused_head_loss_forward_inplace(Tensor(a!) logits, Tensor target, " RL_LOSSES_HEAD_ARGS
+        ") -> " RL_LOSSES_HEAD_OUTS ")");
+#undef RL_LOSSES_HEAD_OUTS
+#undef RL_LOSSES_HEAD_ARGS
 }

@@ -190,14 +190,14 @@ void linear_no_grad_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, t
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, Autograd, m) {
-  for (const char* name : {"cross_entropy", "grpo", "gspo"})
+  for (const char* name : {"cross_entropy", "grpo", "gspo", "distillation", "dpo", "fused_head_loss"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
   for (const char* name : {"linear_cross_entropy", "linear_grpo", "linear_gspo"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&linear_autograd_kernel>());
 }
 
 TORCH_LIBRARY_IMPL(rl_losses, CompositeExplicitAutograd, m) {
-  for (const char* name : {"cross_entropy", "grpo", "gspo"})
+  for (const char* name : {"cross_entropy", "grpo", "gspo", "distillation", "dpo", "fused_head_loss"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_grad_kernel>());
   for (const char* name : {"linear_cross_entropy", "linear_grpo", "linear_gspo"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&linear_no_grad_kernel>());

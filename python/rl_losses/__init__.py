@@ -5,6 +5,8 @@ The ops live in ``torch.ops.rl_losses`` (C++/CUDA, loaded from ``rl_losses._C``)
 - functional wrappers: ``cross_entropy``, ``z_loss``, ``grpo_loss``, ``gspo_loss`` (from logits) and
   ``linear_cross_entropy``, ``linear_grpo_loss``, ``linear_gspo_loss`` (from hidden states and the lm_head
   weight, without materialising the logits); the policy losses return a ``PolicyLossOutput``;
+- distillation against a teacher's logits (``distillation_loss``, ``linear_distillation_loss``), DPO
+  (``dpo_loss``) and several losses in one pass over the logits (``fused_head_loss``, rl_losses.head);
 - Fast-LLM-style configs (``rl_losses.config``, entry point ``LanguageModelLossConfig.from_dict``) that build
   the loss modules of ``rl_losses.losses``;
 - ``pack_documents`` / ``Document``: variable-length rollouts packed into the batch the losses take;
@@ -13,7 +15,7 @@ The ops live in ``torch.ops.rl_losses`` (C++/CUDA, loaded from ``rl_losses._C``)
 
 ``target`` is always the next-token labels (``target[t] = input_ids[t + 1]``), negative where there is no
 label. The documentation is in the repository's docs/ folder: math.md (every formula), conventions.md
-(labels, masks, divisors, packing), api.md (this API), distributed.md, performance.md.
+(labels, masks, divisors, packing), api.md (this API), distributed.md, performance.md, distillation_dpo.md.
 """
 import torch  # noqa: F401  (must load before the library, which links against it)
 
@@ -30,7 +32,10 @@ from rl_losses.functional import (
     linear_gspo_loss,
     z_loss,
 )
-from rl_losses import config, distributed, losses, packing, reference  # noqa: F401  (submodules)
+from rl_losses.distillation import DistillationOutput, distillation_loss, linear_distillation_loss
+from rl_losses.dpo import DpoOutput, dpo_loss
+from rl_losses.head import fused_head_loss
+from rl_losses import config, distributed, head, losses, packing, reference  # noqa: F401  (submodules)
 from rl_losses.config import LanguageModelLossConfig
 from rl_losses.packing import Document, pack_documents
 
@@ -46,6 +51,13 @@ __all__ = [
     "linear_grpo_loss",
     "linear_gspo_loss",
     "PolicyLossOutput",
+    "distillation_loss",
+    "linear_distillation_loss",
+    "DistillationOutput",
+    "dpo_loss",
+    "DpoOutput",
+    "fused_head_loss",
+    "head",
     "cuda_kernels_available",
     # configs and loss modules
     "LanguageModelLossConfig",

@@ -21,7 +21,7 @@ import os
 import typing
 from typing import Any, ClassVar
 
-from rl_losses import losses
+from rl_losses import head, losses
 
 # type name -> concrete config class, filled by ``LanguageModelLossConfig.__init_subclass__``.
 _REGISTRY: dict[str, type[LanguageModelLossConfig]] = {}
@@ -278,3 +278,102 @@ class LanguageModelGSPOLossConfig(LanguageModelPolicyGradientLossConfig):
     @property
     def loss_class(self) -> type[losses.LanguageModelGSPOLoss]:
         return losses.LanguageModelGSPOLoss
+
+
+DISTILLATION_LOSS_TYPES = ("cross_entropy", "forward_kl", "reverse_kl", "jsd")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LanguageModelDistillationLossConfig(LanguageModelLossConfig):
+    """Distillation against a teacher's logits (type ``distillation``, Fast-LLM's fields; docs/distillation_dpo.md).
+
+    loss_type: "cross_entropy" (Fast-LLM's default: −Σ P log Q), "forward_kl", "reverse_kl" or "jsd".
+    reference_model: the teacher's name; its logits are ``batch["reference_logits"][reference_model]``.
+    temperature: T > 0 divides the teacher's logits. beta: JSD's β in [0, 1] (Liger-Kernel's generalised JSD).
+    The divisor is ``num_labels_in_batch`` when the batch gives it, else the tokens of ``loss_mask`` (all tokens
+    without one).
+    """
+
+    type_name: ClassVar[str] = "distillation"
+
+    loss_type: str = "cross_entropy"
+    reference_model: str = "teacher"
+    temperature: float = 1.0
+    beta: float = 0.5
+
+    def _validate(self) -> None:
+        super()._validate()
+        self._check_choice("loss_type", DISTILLATION_LOSS_TYPES)
+        if not isinstance(self.reference_model, str) or not self.reference_model:
+            self._fail("reference_model", "a non-empty string", TypeError)
+        self._check_float("temperature", low=0.0, low_inclusive=False)
+        self._check_float("beta", low=0.0, high=1.0)
+
+    @property
+    def loss_class(self) -> type[head.LanguageModelDistillationLoss]:
+        return head.LanguageModelDistillationLoss
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LanguageModelDPOLossConfig(LanguageModelLossConfig):
+    """Direct Preference Optimization (type ``dpo``, Fast-LLM's fields; docs/distillation_dpo.md).
+
+    beta: β > 0. reference_model: the reference policy's name: its per-pair log-probabilities come from
+    ``batch["reference_logits"][reference_model]`` (or are given as ``reference_chosen_log_probs`` /
+    ``reference_rejected_log_probs``). The batch gives the pairs as Fast-LLM's ``chosen_spans`` /
+    ``rejected_spans``, or as ``document_index`` and ``dpo_pairs``.
+    """
+
+    type_name: ClassVar[str] = "dpo"
+
+    beta: float = 1.0
+    reference_model: str = "reference"
+
+    def _validate(self) -> None:
+        super()._validate()
+        self._check_float("beta", low=0.0, low_inclusive=False)
+        if not isinstance(self.reference_model, str) or not self.reference_model:
+            self._fail("reference_model", "a non-empty string", TypeError)
+
+    @property
+    def loss_class(self) -> type[head.LanguageModelDPOLoss]:
+        return head.LanguageModelDPOLoss
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LanguageModelHeadLossConfig(LanguageModelLossConfig):
+    """Several losses of one head (type ``head``; Fast-LLM's monolithic loss): ``losses`` maps each loss's name to
+    its config (or a dict with a ``type`` key). The module returns Σ weight·loss and every loss's metrics.
+    Label cross-entropy (without its own z_loss_factor), z-loss and token-normalised GRPO sharing one
+    logits_scale_factor run as one pass over the logits (rl_losses.fused_head_loss) when they use the extension;
+    any other loss runs on its own and its gradient is added.
+    """
+
+    type_name: ClassVar[str] = "head"
+
+    losses: dict = dataclasses.field(default_factory=dict)
+
+    def _validate(self) -> None:
+        super()._validate()
+        if not isinstance(self.losses, dict):
+            self._fail("losses", "a dict of name -> loss config", TypeError)
+        if not self.losses:
+            self._fail("losses", "a non-empty dict of name -> loss config")
+        built = {}
+        for name, cfg in self.losses.items():
+            if not isinstance(name, str):
+                self._fail("losses", "keyed by loss names (strings)", TypeError)
+            cfg = cfg if isinstance(cfg, LanguageModelLossConfig) else LanguageModelLossConfig.from_dict(cfg)
+            if isinstance(cfg, LanguageModelHeadLossConfig):
+                self._fail("losses", "free of nested 'head' configs")
+            built[name] = cfg
+        object.__setattr__(self, "losses", built)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out["losses"] = {name: cfg.to_dict() for name, cfg in self.losses.items()}
+        return out
+
+    @property
+    def loss_class(self) -> type[head.LanguageModelHeadLoss]:
+        return head.LanguageModelHeadLoss

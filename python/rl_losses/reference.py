@@ -178,3 +178,112 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
         ratio_mean = torch.where(has_label, ratio, 0.0).sum() / n_docs
     return PolicyLossOutput(loss, new_logprobs, low, high, kl_old, entropy,
                             torch.where(mask, lp, 0.0).detach().reshape(target.shape), ratio_mean, ratio.detach())
+
+
+class DistillationOutput(NamedTuple):
+    """What the distillation loss returns: ``loss`` (differentiable w.r.t. the student's logits) and the
+    detached per-token ``divergence`` ℓ_t (0 where the loss mask is off)."""
+
+    loss: torch.Tensor
+    divergence: torch.Tensor
+
+
+def distillation_loss(logits, teacher_logits, *, kind="forward_kl", beta=0.5, temperature=1.0,
+                      logits_scale_factor=1.0, loss_mask=None, divisor=None) -> DistillationOutput:
+    """Divergence of the student's softmax(s·z) from the teacher's softmax(z_teacher / T), per token, summed over
+    the masked-in tokens and divided by D (default: their number). docs/distillation_dpo.md gives the kinds;
+    ``jsd`` is Liger-Kernel's generalised JSD, with β = 0 the forward KL and β = 1 the reverse KL."""
+    log_q = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
+    log_p = torch.log_softmax(teacher_logits.detach().to(log_q.dtype) / temperature, dim=-1)
+    q, p = log_q.exp(), log_p.exp()
+
+    def plogr(w, a, b):  # Σ w·(a − b), with w = 0 terms exactly 0
+        return torch.where(w > 0, w * (a - b), torch.zeros_like(w)).sum(-1)
+
+    if kind == "jsd" and beta == 0.0:
+        kind = "forward_kl"
+    elif kind == "jsd" and beta == 1.0:
+        kind = "reverse_kl"
+    if kind == "forward_kl":
+        per_token = plogr(p, log_p, log_q)
+    elif kind == "reverse_kl":
+        per_token = plogr(q, log_q, log_p)
+    elif kind == "cross_entropy":
+        per_token = -torch.where(p > 0, p * log_q, torch.zeros_like(p)).sum(-1)
+    elif kind == "jsd":
+        log_m = torch.logaddexp(log_p + torch.log(torch.tensor(beta, dtype=log_q.dtype)),
+                                log_q + torch.log1p(torch.tensor(-beta, dtype=log_q.dtype)))
+        per_token = beta * plogr(p, log_p, log_m) + (1 - beta) * plogr(q, log_q, log_m)
+    else:
+        raise ValueError(f"distillation_loss: unknown kind {kind!r}")
+    mask = torch.ones(per_token.shape, dtype=torch.bool, device=per_token.device) if loss_mask is None \
+        else loss_mask.bool()
+    per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
+    if divisor is None:
+        divisor = mask.sum().clamp_min(1)
+    return DistillationOutput(per_token.sum() / divisor, per_token.detach())
+
+
+class DpoOutput(NamedTuple):
+    """What the DPO loss returns: ``loss`` (differentiable) and detached metrics (TRL's names): the mean rewards
+    β·(π − ref) of the chosen and the rejected sides, the accuracy (fraction of pairs whose chosen reward is the
+    larger) and the mean margin; per token ``log_probs`` (0 where unlabelled) and per document
+    ``document_log_probs`` π_s (the sums of its labelled tokens' log-probs)."""
+
+    loss: torch.Tensor
+    rewards_chosen: torch.Tensor
+    rewards_rejected: torch.Tensor
+    accuracy: torch.Tensor
+    margin: torch.Tensor
+    log_probs: torch.Tensor
+    document_log_probs: torch.Tensor
+
+
+def dpo_loss(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs, *,
+             beta=1.0, logits_scale_factor=1.0, divisor=None) -> DpoOutput:
+    """DPO over packed documents: π_s = Σ of the labelled log-probs of document s; per pair k = (c, r),
+    h_k = β·((π_c − ref_c) − (π_r − ref_r)), L = −Σ_k log σ(h_k) / D (D = the number of pairs by default)."""
+    logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
+    doc = document_index.reshape(-1).long()
+    mask = (target.reshape(-1) >= 0) & (doc >= 0)
+    lp = torch.where(mask, _label_logprob(logp, target).reshape(-1), 0.0)
+    pairs = pairs.long()
+    n_pairs = pairs.shape[0]
+    sums = torch.zeros(2 * n_pairs, dtype=lp.dtype, device=lp.device).index_add(0, torch.where(doc >= 0, doc, 0), lp)
+    reward_c = beta * (sums[pairs[:, 0]] - reference_chosen_log_probs.to(lp.dtype))
+    reward_r = beta * (sums[pairs[:, 1]] - reference_rejected_log_probs.to(lp.dtype))
+    losses = -torch.nn.functional.logsigmoid(reward_c - reward_r)
+    loss = losses.sum() / (n_pairs if divisor is None else divisor)
+    with torch.no_grad():
+        return DpoOutput(loss, reward_c.mean(), reward_r.mean(), (reward_c > reward_r).to(lp.dtype).mean(),
+                         (reward_c - reward_r).mean(), lp.detach().reshape(target.shape), sums.detach())
+
+
+class FusedHeadOutput(NamedTuple):
+    """What the fused head returns: ``loss`` = Σ weight·term (differentiable) and each term unweighted
+    (detached): ``label_loss``, ``z_loss``, ``grpo_loss``; per token ``log_probs`` (0 where unlabelled)."""
+
+    loss: torch.Tensor
+    label_loss: torch.Tensor
+    z_loss: torch.Tensor
+    grpo_loss: torch.Tensor
+    log_probs: torch.Tensor
+
+
+def fused_head_loss(logits, target, *, label_weight=0.0, label_smoothing=0.0, label_divisor=None, z_loss_weight=0.0,
+                    z_loss_divisor=None, z_loss_mask=None, grpo_weight=0.0, advantages=None, old_log_probs=None,
+                    ref_log_probs=None, loss_weights=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
+                    grpo_divisor=None, logits_scale_factor=1.0) -> FusedHeadOutput:
+    """The weighted sum of the separate losses: CE and GRPO over the labelled tokens, the z-loss over
+    ``z_loss_mask`` (every token without one)."""
+    s = logits_scale_factor
+    zero = logits.new_zeros((), dtype=_work_dtype(logits))
+    label = cross_entropy(logits, target, logits_scale_factor=s, label_smoothing=label_smoothing,
+                          divisor=label_divisor) if label_weight else zero
+    z = z_loss(logits, loss_mask=z_loss_mask, logits_scale_factor=s, divisor=z_loss_divisor) if z_loss_weight else zero
+    grpo = grpo_loss(logits, target, advantages, old_log_probs, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                     delta=delta, ref_log_probs=ref_log_probs, beta=beta, loss_weights=loss_weights,
+                     divisor=grpo_divisor, logits_scale_factor=s).loss if grpo_weight else zero
+    lp = _label_logprob(torch.log_softmax(_scaled(logits, s), dim=-1), target)
+    total = label_weight * label + z_loss_weight * z + grpo_weight * grpo
+    return FusedHeadOutput(total, label.detach(), z.detach(), grpo.detach(), lp.detach())

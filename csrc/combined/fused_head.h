@@ -1,0 +1,207 @@
+// Several losses in one pass over the logits (Fast-LLM's monolithic head; docs/distillation_dpo.md): label
+// cross-entropy (with smoothing), z-loss and GRPO, each with its weight and divisor. Every term's gradient is
+// (a, b, c) of the row pass (row_pass.h), so the terms add up in one epilogue: the statistics are computed
+// once, the logits read once (where the CE/GRPO row kernel fuses) and one summed gradient written once. Each
+// term's value is an output of its own.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+#include "common/row_pass.h"
+#include "common/row_source.h"
+
+namespace rl_losses {
+
+enum FusedHeadTerm : int { kHeadLabel = 0, kHeadZLoss, kHeadGrpo, kHeadTerms };
+
+// kAllRows: the z-loss covers tokens without a label too (its own mask), so no row may be skipped unread.
+template <typename acc_t, bool kAllRows>
+struct FusedHeadEpilogue {
+  static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = true;
+  static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
+  // Without the z-loss, every term is 0 on an unlabelled token, and so is its gradient.
+  static constexpr bool kSkipsUnlabelled = !kAllRows;
+  CrossEntropyOptions<acc_t> ce;  // λ = 1, ε, ζ = 0, V
+  GrpoOptions<acc_t> grpo;
+  acc_t weight[kHeadTerms];
+  const acc_t* divisor[kHeadTerms];  // 0-dim each
+  const acc_t* z_mask;               // (N,) 0/1: the z-loss's tokens; null: every token
+  const acc_t* advantages;           // null unless the GRPO term is on
+  const acc_t* old_log_probs;
+  const acc_t* ref_log_probs;  // null unless beta > 0
+  const acc_t* loss_weights;   // null: the label mask
+  acc_t* out;                  // (N, kHeadTerms): each term's share, unweighted
+  acc_t* log_probs;            // (N,)
+
+  C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t label, const RowStats<acc_t>& st) const {
+    acc_t* o = out + row * kHeadTerms;
+    for (int k = 0; k < kHeadTerms; ++k) o[k] = acc_t(0);
+    GradCoef<acc_t> g{acc_t(0), acc_t(0), acc_t(0)};
+    const bool z_on = weight[kHeadZLoss] != acc_t(0) && (z_mask == nullptr || z_mask[row] != acc_t(0));
+    if (label < 0 && !(kAllRows && z_on)) {
+      log_probs[row] = acc_t(0);
+      return g;
+    }
+    const acc_t lse = st.lse();
+    if (z_on) {
+      const acc_t inv_d = acc_t(1) / *divisor[kHeadZLoss];
+      o[kHeadZLoss] = lse * lse * inv_d;
+      g.a += acc_t(2) * lse * weight[kHeadZLoss] * inv_d;
+    }
+    if (label < 0) {
+      log_probs[row] = acc_t(0);
+      return g;
+    }
+    const acc_t lp = st.log_prob(st.label);
+    log_probs[row] = lp;
+    if (weight[kHeadLabel] != acc_t(0)) {
+      const acc_t inv_d = acc_t(1) / *divisor[kHeadLabel];
+      o[kHeadLabel] = cross_entropy_loss(ce, lse, lp, st.sum_x) * inv_d;
+      const GradCoef<acc_t> t = cross_entropy_grad(ce, lse, weight[kHeadLabel] * inv_d);
+      g = {g.a + t.a, g.b + t.b, g.c + t.c};
+    }
+    if (weight[kHeadGrpo] != acc_t(0)) {
+      const PolicyToken<acc_t> t = grpo_token(grpo, lp, old_log_probs[row], advantages[row],
+                                              ref_log_probs != nullptr ? ref_log_probs[row] : acc_t(0));
+      const acc_t w = (loss_weights != nullptr ? loss_weights[row] : acc_t(1)) / *divisor[kHeadGrpo];
+      o[kHeadGrpo] = w * t.loss;
+      const acc_t coef = weight[kHeadGrpo] * w * t.coef;
+      g.a += coef;
+      g.b -= coef;
+    }
+    return g;
+  }
+};
+
+// Over the tokens: each term's loss and the weighted total, 0-dim each.
+template <typename T>
+struct FusedHeadTotals {
+  using acc_t = T;
+  static constexpr int kTerms = kHeadTerms;
+  const acc_t* out;
+  acc_t weight[kHeadTerms];
+  acc_t* dst[kHeadTerms + 1];  // total, then the terms
+  C10_HOST_DEVICE void terms(int64_t i, acc_t* v) const {
+    for (int k = 0; k < kTerms; ++k) v[k] = out[i * kHeadTerms + k];
+  }
+  C10_HOST_DEVICE void finish(const acc_t* s) const {
+    acc_t total = acc_t(0);
+    for (int k = 0; k < kTerms; ++k) {
+      *dst[k + 1] = s[k];
+      total += weight[k] * s[k];
+    }
+    *dst[0] = total;
+  }
+};
+
+struct FusedHeadRows {
+  CrossEntropyOptions<double> ce;
+  GrpoOptions<double> grpo;
+  double weight[kHeadTerms];
+  at::Tensor divisor[kHeadTerms];
+  at::Tensor z_mask;  // (N,) or undefined
+  at::Tensor advantages, old_log_probs, ref_log_probs, loss_weights;
+  at::Tensor out, log_probs;
+  at::Tensor scalars[kHeadTerms + 1];
+};
+
+template <typename acc_t, bool kAllRows>
+FusedHeadEpilogue<acc_t, kAllRows> make_fused_head_epilogue(const FusedHeadRows& r) {
+  auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<acc_t>() : nullptr; };
+  FusedHeadEpilogue<acc_t, kAllRows> e;
+  e.ce = {acc_t(r.ce.label_weight), acc_t(r.ce.label_smoothing), acc_t(r.ce.z_loss_factor), acc_t(r.ce.vocab_size)};
+  e.grpo = {{acc_t(r.grpo.clip.epsilon_low), acc_t(r.grpo.clip.epsilon_high), acc_t(r.grpo.clip.delta)},
+            acc_t(r.grpo.beta)};
+  for (int k = 0; k < kHeadTerms; ++k) {
+    e.weight[k] = acc_t(r.weight[k]);
+    e.divisor[k] = r.divisor[k].const_data_ptr<acc_t>();
+  }
+  e.z_mask = ptr(r.z_mask);
+  e.advantages = ptr(r.advantages);
+  e.old_log_probs = ptr(r.old_log_probs);
+  e.ref_log_probs = ptr(r.ref_log_probs);
+  e.loss_weights = ptr(r.loss_weights);
+  e.out = r.out.data_ptr<acc_t>();
+  e.log_probs = r.log_probs.data_ptr<acc_t>();
+  return e;
+}
+
+struct FusedHeadBackend {
+  void (*rows)(const RowPassArgs&, const FusedHeadRows&);
+  void (*totals)(const FusedHeadRows&);
+};
+
+template <typename Runner>
+struct FusedHeadBackendImpl {
+  static void rows(const RowPassArgs& args, const FusedHeadRows& r) {
+    if (r.weight[kHeadZLoss] != 0) {
+      Runner::row_pass(args, "fused_head_loss", [&](auto* tag) {
+        return make_fused_head_epilogue<std::remove_pointer_t<decltype(tag)>, true>(r);
+      });
+    } else {
+      Runner::row_pass(args, "fused_head_loss", [&](auto* tag) {
+        return make_fused_head_epilogue<std::remove_pointer_t<decltype(tag)>, false>(r);
+      });
+    }
+  }
+  static void totals(const FusedHeadRows& r) {
+    AT_DISPATCH_FLOATING_TYPES(r.out.scalar_type(), "fused_head_loss", [&] {
+      FusedHeadTotals<scalar_t> t;
+      t.out = r.out.const_data_ptr<scalar_t>();
+      for (int k = 0; k < kHeadTerms; ++k) t.weight[k] = scalar_t(r.weight[k]);
+      for (int k = 0; k <= kHeadTerms; ++k) t.dst[k] = r.scalars[k].data_ptr<scalar_t>();
+      Runner::sum_then(r.out.size(0), t);
+    });
+  }
+  static constexpr FusedHeadBackend backend() { return {&rows, &totals}; }
+};
+
+// Outputs: loss (the weighted total), label_loss, z_loss, grpo_loss (unweighted, detached), log_probs.
+std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& target, double label_weight,
+                                           double label_smoothing, std::optional<double> label_divisor,
+                                           double z_loss_weight, std::optional<double> z_loss_divisor,
+                                           const std::optional<at::Tensor>& z_loss_mask, double grpo_weight,
+                                           const std::optional<at::Tensor>& advantages,
+                                           const std::optional<at::Tensor>& old_log_probs,
+                                           const std::optional<at::Tensor>& ref_log_probs,
+                                           const std::optional<at::Tensor>& loss_weights, double epsilon_low,
+                                           double epsilon_high, std::optional<double> delta, double beta,
+                                           std::optional<double> grpo_divisor, double logits_scale_factor,
+                                           const FusedHeadBackend& backend);
+
+using HeadOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using HeadOutputsAndGrad = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+template <const FusedHeadBackend& (*kBackend)()>
+struct FusedHeadOps {
+  using Opt = std::optional<at::Tensor>;
+  using OptD = std::optional<double>;
+  static std::vector<at::Tensor> run(RowSource& src, const at::Tensor& target, double lw, double eps, OptD ld,
+                                     double zw, OptD zd, const Opt& zm, double gw, const Opt& adv, const Opt& old,
+                                     const Opt& ref, const Opt& w, double el, double eh, OptD delta, double beta,
+                                     OptD gd, double s) {
+    return fused_head_forward(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, s,
+                              kBackend());
+  }
+  static HeadOutputsAndGrad forward(const at::Tensor& logits, const at::Tensor& target, double lw, double eps,
+                                    OptD ld, double zw, OptD zd, const Opt& zm, double gw, const Opt& adv,
+                                    const Opt& old, const Opt& ref, const Opt& w, double el, double eh, OptD delta,
+                                    double beta, OptD gd, double s, bool compute_grad) {
+    LogitsSource src("fused_head_loss", logits, target, 0, -1, compute_grad, false);
+    auto o = run(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, s);
+    return {o[0], o[1], o[2], o[3], o[4], src.grads()[0]};
+  }
+  static HeadOutputs forward_inplace(const at::Tensor& logits, const at::Tensor& target, double lw, double eps,
+                                     OptD ld, double zw, OptD zd, const Opt& zm, double gw, const Opt& adv,
+                                     const Opt& old, const Opt& ref, const Opt& w, double el, double eh, OptD delta,
+                                     double beta, OptD gd, double s) {
+    LogitsSource src("fused_head_loss", logits, target, 0, -1, false, true);
+    auto o = run(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, s);
+    return {o[0], o[1], o[2], o[3], o[4]};
+  }
+};
+
+}  // namespace rl_losses

@@ -1,0 +1,192 @@
+#include "distillation/distillation.h"
+
+#include <ATen/TensorUtils.h>
+
+#include <cmath>
+
+#include "common/checks.h"
+#include "common/row_pass.h"
+
+namespace rl_losses {
+
+namespace {
+
+constexpr const char* kOp = "distillation";
+
+// (N, V) with a unit column stride: a view where the batch dims merge into one row stride, else a copy.
+at::Tensor rows_of(const char* name, const at::Tensor& t, bool* is_view = nullptr) {
+  TORCH_CHECK(t.defined() && at::isFloatingType(t.scalar_type()), kOp, ": ", name,
+              " must be a floating-point tensor (float32, float64, bfloat16 or float16), got ",
+              t.defined() ? c10::toString(t.scalar_type()) : "undefined");
+  TORCH_CHECK(t.dim() >= 1, kOp, ": ", name, " must have at least 1 dimension (…, vocab), got a 0-dim tensor");
+  TORCH_CHECK(t.size(-1) >= 1, kOp, ": ", name, " has an empty vocabulary dimension (shape ", t.sizes(), ")");
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, kOp, ": ", name,
+              " must have a unit stride in the vocabulary (last) dimension, got stride ", t.stride(-1));
+  const int64_t v = t.size(-1), n = t.numel() / v;
+  const int64_t shape[2] = {n, v};
+  auto strides = n == 0 ? std::nullopt : at::detail::computeStride(t.sizes(), t.strides(), at::IntArrayRef(shape));
+  if (is_view) *is_view = strides.has_value();
+  if (!strides) return t.reshape({n, v}).contiguous();
+  return t.as_strided({n, v}, {(*strides)[0], 1});
+}
+
+void check_pair(const at::Tensor& logits, const at::Tensor& teacher) {
+  TORCH_CHECK(teacher.defined(), kOp, ": teacher_logits is undefined");
+  TORCH_CHECK(teacher.device() == logits.device(), kOp, ": teacher_logits is on ", teacher.device(),
+              " but logits is on ", logits.device());
+  TORCH_CHECK(teacher.sizes() == logits.sizes(), kOp, ": teacher_logits has shape ", teacher.sizes(),
+              " but logits has shape ", logits.sizes(),
+              (teacher.dim() == logits.dim() && teacher.dim() > 0 && teacher.size(-1) != logits.size(-1)
+                   ? " (the vocabularies differ)"
+                   : ""));
+}
+
+void check_options(double beta, double temperature, double scale) {
+  TORCH_CHECK(std::isfinite(beta) && beta >= 0 && beta <= 1, kOp, ": beta must be in [0, 1], got ", beta);
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, kOp, ": temperature must be finite and > 0, got ",
+              temperature);
+  check_scale(kOp, scale);
+}
+
+void check_acc_input(const char* name, const at::Tensor& t, int64_t n, int64_t cols, const at::Tensor& logits) {
+  const auto acc = acc_dtype(logits.scalar_type());
+  TORCH_CHECK(t.numel() == n * cols && t.size(-1) == cols, kOp, ": ", name, " must hold (", n, ", ", cols,
+              ") values, got shape ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == acc, kOp, ": ", name, " must be ", acc, " (the accumulation dtype of ",
+              logits.scalar_type(), " logits), got ", t.scalar_type());
+  TORCH_CHECK(t.device() == logits.device(), kOp, ": ", name, " is on ", t.device(), " but logits is on ",
+              logits.device());
+}
+
+DistillOptions<double> make_options(DistillKind kind, double beta, double temperature, double scale) {
+  // log β and log(1−β) only matter for JSD, where 0 < β < 1.
+  const bool jsd = kind == DistillKind::kJsd;
+  return {kind, scale, 1.0 / temperature, beta, jsd ? std::log(beta) : 0.0, jsd ? std::log1p(-beta) : 0.0};
+}
+
+}  // namespace
+
+DistillKind parse_distill_kind(const char* op, const std::string& kind, double beta) {
+  if (kind == "forward_kl") return DistillKind::kForwardKl;
+  if (kind == "reverse_kl") return DistillKind::kReverseKl;
+  if (kind == "cross_entropy") return DistillKind::kCrossEntropy;
+  if (kind == "jsd") {
+    // Liger-Kernel's convention: β = 0 is the forward KL, β = 1 the reverse KL (the general formula is 0 there).
+    if (beta == 0) return DistillKind::kForwardKl;
+    if (beta == 1) return DistillKind::kReverseKl;
+    return DistillKind::kJsd;
+  }
+  TORCH_CHECK(false, op, ": kind must be 'forward_kl', 'reverse_kl', 'cross_entropy' or 'jsd', got '", kind, "'");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> distillation_forward(
+    const at::Tensor& logits, const at::Tensor& teacher_logits, const std::string& kind, double beta,
+    double temperature, double logits_scale_factor, const std::optional<at::Tensor>& loss_mask,
+    std::optional<double> divisor, const std::optional<at::Tensor>& row_stats,
+    const std::optional<at::Tensor>& jsd_sums, bool compute_grad, bool inplace, const DistillBackend& backend) {
+  bool is_view = false;
+  at::Tensor x = rows_of("logits", logits, &is_view);
+  check_pair(logits, teacher_logits);
+  at::Tensor y = rows_of("teacher_logits", teacher_logits);
+  check_options(beta, temperature, logits_scale_factor);
+  check_divisor(kOp, divisor);
+  const DistillKind k = parse_distill_kind(kOp, kind, beta);
+  const int64_t n = x.size(0);
+  const auto acc = acc_dtype(logits.scalar_type());
+  const auto opts = logits.options().dtype(acc);
+  const auto batch = logits.sizes().slice(0, logits.dim() - 1);
+
+  DistillState s;
+  s.opt = make_options(k, beta, temperature, logits_scale_factor);
+  s.logits = x;
+  s.teacher = y;
+  if (loss_mask) {
+    const at::Tensor& m = *loss_mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool || at::isIntegralType(m.scalar_type(), false), kOp,
+                ": loss_mask must be a bool or integer tensor, got ", m.scalar_type());
+    TORCH_CHECK(m.device() == logits.device(), kOp, ": loss_mask is on ", m.device(), " but logits is on ",
+                logits.device());
+    TORCH_CHECK(m.sizes() == batch, kOp, ": loss_mask has shape ", m.sizes(), " but logits has batch shape ", batch);
+    s.mask = m.reshape({-1}).ne(0).to(acc).contiguous();
+  }
+  // D: given, or the number of rows the mask keeps (all rows without one), at least 1; no host synchronisation.
+  if (divisor) {
+    s.divisor = at::full({}, *divisor, opts);
+  } else if (s.mask.defined()) {
+    s.divisor = sum_1d(s.mask).clamp_min(1);
+  } else {
+    s.divisor = at::full({}, static_cast<double>(std::max<int64_t>(n, 1)), opts);
+  }
+  if (row_stats) {
+    check_acc_input("row_stats", *row_stats, n, DistillStats<double>::kFields, logits);
+    s.stats = row_stats->reshape({n, DistillStats<double>::kFields}).contiguous();
+    s.stats_given = true;
+  } else {
+    s.stats = at::empty({n, DistillStats<double>::kFields}, opts);
+  }
+  if (k == DistillKind::kJsd) {
+    if (jsd_sums) {
+      TORCH_CHECK(row_stats.has_value(), kOp, ": jsd_sums needs row_stats (both come from the tensor-parallel ",
+                  "all-reduce)");
+      check_acc_input("jsd_sums", *jsd_sums, n, 2, logits);
+      s.jsd_sums = jsd_sums->reshape({n, 2}).contiguous();
+      s.jsd_given = true;
+    } else {
+      s.jsd_sums = at::empty({n, 2}, opts);
+    }
+  }
+  s.row_loss = at::empty({n}, opts);
+  s.divergence = at::empty({n}, opts);
+  s.grad_rows = at::empty({n, kDistGradFields}, opts);
+  at::Tensor grad_out;
+  if (inplace) {
+    TORCH_CHECK(is_view, kOp, ": inplace_backward needs logits whose batch dimensions flatten to one row ",
+                "stride (got shape ", logits.sizes(), ", strides ", logits.strides(), ")");
+    s.grad = x;
+  } else if (compute_grad) {
+    s.grad = at::empty({n, x.size(1)}, logits.options());
+    grad_out = s.grad.view(logits.sizes());
+  } else {
+    grad_out = at::empty({0}, logits.options());
+  }
+  if (n > 0) backend.rows(s);
+  return {sum_1d(s.row_loss), s.divergence.view(batch), grad_out};
+}
+
+at::Tensor distillation_stats_op(const at::Tensor& logits, const at::Tensor& teacher_logits, double temperature,
+                                 double logits_scale_factor, const DistillBackend& backend) {
+  DistillState s;
+  s.logits = rows_of("logits", logits);
+  check_pair(logits, teacher_logits);
+  s.teacher = rows_of("teacher_logits", teacher_logits);
+  check_options(0.5, temperature, logits_scale_factor);
+  s.opt = make_options(DistillKind::kForwardKl, 0.5, temperature, logits_scale_factor);
+  const int64_t n = s.logits.size(0);
+  s.stats = at::empty({n, DistillStats<double>::kFields}, logits.options().dtype(acc_dtype(logits.scalar_type())));
+  if (n > 0) backend.stats(s);
+  auto shape = logits.sizes().vec();
+  shape.back() = DistillStats<double>::kFields;
+  return s.stats.view(shape);
+}
+
+at::Tensor distillation_jsd_sums_op(const at::Tensor& logits, const at::Tensor& teacher_logits,
+                                    const at::Tensor& row_stats, double beta, double temperature,
+                                    double logits_scale_factor, const DistillBackend& backend) {
+  DistillState s;
+  s.logits = rows_of("logits", logits);
+  check_pair(logits, teacher_logits);
+  s.teacher = rows_of("teacher_logits", teacher_logits);
+  check_options(beta, temperature, logits_scale_factor);
+  TORCH_CHECK(beta > 0 && beta < 1, kOp, ": the JSD sums need 0 < beta < 1, got ", beta);
+  s.opt = make_options(DistillKind::kJsd, beta, temperature, logits_scale_factor);
+  const int64_t n = s.logits.size(0);
+  check_acc_input("row_stats", row_stats, n, DistillStats<double>::kFields, logits);
+  s.stats = row_stats.reshape({n, DistillStats<double>::kFields}).contiguous();
+  s.jsd_sums = at::empty({n, 2}, logits.options().dtype(acc_dtype(logits.scalar_type())));
+  if (n > 0) backend.jsd_sums(s);
+  auto shape = logits.sizes().vec();
+  shape.back() = 2;
+  return s.jsd_sums.view(shape);
+}
+
+}  // namespace rl_losses

@@ -1,0 +1,181 @@
+// CPU back-end of distillation: at::parallel_for over rows; each row's passes (statistics, JSD sums, row step,
+// gradient) run back to back while its two rows are in cache. The inner loops are `omp simd` reductions and
+// element-wise sweeps the compiler vectorises (cpu_isa.h picks the widest ISA).
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "common/row_pass_cpu.h"
+#include "distillation/distillation.h"
+
+namespace rl_losses {
+namespace {
+
+// Statistics of one row in two sweeps: both maxima, then the sums at them (no rescaling in the loop), in
+// blocks whose partial sums are added at the end (row_stats_cpu does the same for one softmax).
+template <typename student_t, typename teacher_t, typename acc_t>
+DistillStats<acc_t> row_stats(const student_t* z, const teacher_t* zt, int64_t n, const DistillOptions<acc_t>& o) {
+  constexpr int64_t kBlock = 1024;
+  const acc_t s = o.scale, it = o.inv_temperature;
+  acc_t ms = neg_inf<acc_t>(), mt = neg_inf<acc_t>();
+  _Pragma("omp simd reduction(max : ms, mt)")
+  for (int64_t j = 0; j < n; ++j) {
+    const acc_t x = static_cast<acc_t>(z[j]) * s, y = static_cast<acc_t>(zt[j]) * it;
+    ms = x > ms ? x : ms;
+    mt = y > mt ? y : mt;
+  }
+  DistillStats<acc_t> st = DistillStats<acc_t>::empty();
+  st.ms = ms;
+  st.mt = mt;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t end = std::min(n, b + kBlock);
+    acc_t ss = 0, stt = 0, wt = 0, ws = 0, hx = 0;
+    _Pragma("omp simd reduction(+ : ss, stt, wt, ws, hx)")
+    for (int64_t j = b; j < end; ++j) {
+      const acc_t x = static_cast<acc_t>(z[j]) * s, y = static_cast<acc_t>(zt[j]) * it;
+      const acc_t eq = exp_nonpos(x - ms), ep = exp_nonpos(y - mt);
+      ss += eq;
+      stt += ep;
+      wt += ep > acc_t(0) ? ep * (y - x) : acc_t(0);
+      hx += ep > acc_t(0) ? ep * x : acc_t(0);
+      ws += eq > acc_t(0) ? eq * (x - y) : acc_t(0);
+    }
+    st.ss += ss;
+    st.st += stt;
+    st.wt += wt;
+    st.ws += ws;
+    st.hx += hx;
+  }
+  return st;
+}
+
+// JSD's row sums (loss, S) given the statistics.
+template <typename student_t, typename teacher_t, typename acc_t>
+void row_jsd_sums(const student_t* z, const teacher_t* zt, int64_t n, const DistillOptions<acc_t>& o,
+                  const DistillStats<acc_t>& st, acc_t* out) {
+  const acc_t s = o.scale, it = o.inv_temperature, lse_s = st.lse_student(), lse_t = st.lse_teacher();
+  acc_t loss = 0, q_sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const JsdTerms<acc_t> t =
+        jsd_terms(o, static_cast<acc_t>(z[j]) * s - lse_s, static_cast<acc_t>(zt[j]) * it - lse_t);
+    loss += t.loss;
+    q_sum += t.q_term;
+  }
+  out[0] = loss;
+  out[1] = q_sum;
+}
+
+template <DistillKind kKind, typename student_t, typename teacher_t, typename acc_t>
+void row_grad(const student_t* z, const teacher_t* zt, student_t* g, int64_t n, const DistillOptions<acc_t>& o,
+              const acc_t* table) {
+  const acc_t w = table[kDistWeight];
+  if (w == acc_t(0)) {
+    std::fill(g, g + n, student_t(0));
+    return;
+  }
+  const acc_t s = o.scale, it = o.inv_temperature, sw = o.scale * w;
+  const acc_t lse_s = table[kDistLseS], lse_t = table[kDistLseT], c = table[kDistConst];
+  const DistillOptions<acc_t> opt = o;  // a local: loads through a reference would block vectorisation
+  RL_LOSSES_SIMD
+  for (int64_t j = 0; j < n; ++j) {
+    const acc_t x = static_cast<acc_t>(z[j]) * s, y = static_cast<acc_t>(zt[j]) * it;
+    g[j] = static_cast<student_t>(sw * distill_grad<kKind>(opt, x, y, lse_s, lse_t, c));
+  }
+}
+
+template <typename F>
+void for_rows(int64_t n_rows, int64_t vocab, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(vocab, 1));
+  at::parallel_for(0, n_rows, grain, [&](int64_t begin, int64_t end) {
+    run_vectorised([&] {
+      for (int64_t i = begin; i < end; ++i) f(i);
+    });
+  });
+}
+
+void stats_cpu(const DistillState& s) {
+  RL_LOSSES_DISPATCH_DISTILL(s.logits.scalar_type(), s.teacher.scalar_type(), [&] {
+    const auto o = distill_options_as<acc_t>(s.opt);
+    const student_t* z = s.logits.const_data_ptr<student_t>();
+    const teacher_t* zt = s.teacher.const_data_ptr<teacher_t>();
+    const int64_t v = s.logits.size(1), rs = s.logits.stride(0), rt = s.teacher.stride(0);
+    acc_t* out = s.stats.data_ptr<acc_t>();
+    for_rows(s.logits.size(0), v, [&](int64_t i) {
+      row_stats(z + i * rs, zt + i * rt, v, o).store(out + i * DistillStats<acc_t>::kFields);
+    });
+  });
+}
+
+void jsd_sums_cpu(const DistillState& s) {
+  RL_LOSSES_DISPATCH_DISTILL(s.logits.scalar_type(), s.teacher.scalar_type(), [&] {
+    const auto o = distill_options_as<acc_t>(s.opt);
+    const student_t* z = s.logits.const_data_ptr<student_t>();
+    const teacher_t* zt = s.teacher.const_data_ptr<teacher_t>();
+    const int64_t v = s.logits.size(1), rs = s.logits.stride(0), rt = s.teacher.stride(0);
+    const acc_t* stats = s.stats.const_data_ptr<acc_t>();
+    acc_t* out = s.jsd_sums.data_ptr<acc_t>();
+    for_rows(s.logits.size(0), v, [&](int64_t i) {
+      const auto st = DistillStats<acc_t>::load(stats + i * DistillStats<acc_t>::kFields);
+      row_jsd_sums(z + i * rs, zt + i * rt, v, o, st, out + 2 * i);
+    });
+  });
+}
+
+template <DistillKind kKind>
+void rows_cpu_kind(const DistillState& s) {
+  RL_LOSSES_DISPATCH_DISTILL(s.logits.scalar_type(), s.teacher.scalar_type(), [&] {
+    const auto o = distill_options_as<acc_t>(s.opt);
+    const auto step = make_distill_row_step<acc_t>(s);
+    const student_t* z = s.logits.const_data_ptr<student_t>();
+    const teacher_t* zt = s.teacher.const_data_ptr<teacher_t>();
+    student_t* grad = s.grad.defined() ? s.grad.data_ptr<student_t>() : nullptr;
+    const int64_t v = s.logits.size(1), rs = s.logits.stride(0), rt = s.teacher.stride(0);
+    const int64_t rg = s.grad.defined() ? s.grad.stride(0) : 0;
+    const acc_t* mask = s.mask.defined() ? s.mask.const_data_ptr<acc_t>() : nullptr;
+    acc_t* stats = s.stats.data_ptr<acc_t>();
+    acc_t* sums = s.jsd_sums.defined() ? s.jsd_sums.data_ptr<acc_t>() : nullptr;
+    for_rows(s.logits.size(0), v, [&](int64_t i) {
+      const student_t* zi = z + i * rs;
+      const teacher_t* zti = zt + i * rt;
+      // A masked row is not read: the step writes zeros and the gradient row is zero-filled.
+      if (mask == nullptr || mask[i] != acc_t(0)) {
+        acc_t* st = stats + i * DistillStats<acc_t>::kFields;
+        if (!s.stats_given) row_stats(zi, zti, v, o).store(st);
+        if (kKind == DistillKind::kJsd && !s.jsd_given) {
+          row_jsd_sums(zi, zti, v, o, DistillStats<acc_t>::load(st), sums + 2 * i);
+        }
+      }
+      step(i);
+      if (grad != nullptr) row_grad<kKind>(zi, zti, grad + i * rg, v, o, step.grad_rows + i * kDistGradFields);
+    });
+  });
+}
+
+void rows_cpu(const DistillState& s) {
+  switch (s.opt.kind) {
+    case DistillKind::kForwardKl:
+      return rows_cpu_kind<DistillKind::kForwardKl>(s);
+    case DistillKind::kReverseKl:
+      return rows_cpu_kind<DistillKind::kReverseKl>(s);
+    case DistillKind::kCrossEntropy:
+      return rows_cpu_kind<DistillKind::kCrossEntropy>(s);
+    default:
+      return rows_cpu_kind<DistillKind::kJsd>(s);
+  }
+}
+
+const DistillBackend& distill_backend_cpu() {
+  static constexpr DistillBackend backend{&stats_cpu, &jsd_sums_cpu, &rows_cpu};
+  return backend;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
+  m.impl("_distillation_forward", &DistillOps<distill_backend_cpu>::forward);
+  m.impl("_distillation_forward_inplace", &DistillOps<distill_backend_cpu>::forward_inplace);
+  m.impl("distillation_stats", &DistillOps<distill_backend_cpu>::stats);
+  m.impl("distillation_jsd_sums", &DistillOps<distill_backend_cpu>::jsd_sums);
+}
+
+}  // namespace rl_losses

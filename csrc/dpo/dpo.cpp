@@ -1,0 +1,107 @@
+#include "dpo/dpo.h"
+
+#include <cmath>
+#include <vector>
+
+#include "common/checks.h"
+#include "common/row_source.h"
+
+namespace rl_losses {
+
+namespace {
+
+constexpr const char* kOp = "dpo";
+
+// `pairs` must pair every document 0 .. 2P−1 exactly once, as (chosen, rejected). Checked on the host: the
+// pairs are O(P) and a pairing mistake would otherwise be a silently wrong loss.
+at::Tensor check_pairs(const at::Tensor& pairs, const at::Tensor& logits) {
+  TORCH_CHECK(pairs.defined() && at::isIntegralType(pairs.scalar_type(), false), kOp,
+              ": pairs must be an integer tensor of (chosen, rejected) document ids, got ",
+              pairs.defined() ? c10::toString(pairs.scalar_type()) : "undefined");
+  TORCH_CHECK(pairs.dim() == 2 && pairs.size(1) == 2, kOp, ": pairs must have shape (num_pairs, 2), got ",
+              pairs.sizes());
+  TORCH_CHECK(pairs.device() == logits.device(), kOp, ": pairs is on ", pairs.device(), " but logits is on ",
+              logits.device());
+  const at::Tensor p = pairs.to(at::kLong).contiguous();
+  const at::Tensor host = p.cpu();
+  const int64_t n_pairs = p.size(0), n_docs = 2 * n_pairs;
+  const int64_t* id = host.const_data_ptr<int64_t>();
+  std::vector<int64_t> seen(n_docs, -1);
+  for (int64_t i = 0; i < n_docs; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < n_docs, kOp, ": pairs[", i / 2, "] holds document ", id[i], ", but ",
+                n_pairs, " pairs cover the documents 0 .. ", n_docs - 1,
+                " (every document must be the chosen or the rejected side of exactly one pair)");
+    TORCH_CHECK(seen[id[i]] < 0, kOp, ": document ", id[i], " is in pairs[", seen[id[i]] / 2, "] and in pairs[",
+                i / 2, "]; every document must be in exactly one pair");
+    seen[id[i]] = i;
+  }
+  return p;
+}
+
+at::Tensor check_per_pair(const char* name, const at::Tensor& t, int64_t n_pairs, const at::Tensor& logits,
+                          at::ScalarType acc) {
+  TORCH_CHECK(t.defined() && at::isFloatingType(t.scalar_type()), kOp, ": ", name,
+              " must be a floating-point tensor");
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n_pairs, kOp, ": ", name, " must have shape (", n_pairs,
+              ",) (one value per pair), got ", t.sizes());
+  TORCH_CHECK(t.device() == logits.device(), kOp, ": ", name, " is on ", t.device(), " but logits is on ",
+              logits.device());
+  return t.to(acc).contiguous();
+}
+
+}  // namespace
+
+std::vector<at::Tensor> dpo_forward(const at::Tensor& logits, const at::Tensor& target,
+                                    const at::Tensor& document_index, const at::Tensor& pairs,
+                                    const at::Tensor& reference_chosen_log_probs,
+                                    const at::Tensor& reference_rejected_log_probs, double beta,
+                                    double logits_scale_factor, std::optional<double> divisor, bool compute_grad,
+                                    bool inplace, const DpoBackend& backend) {
+  LogitsSource src(kOp, logits, target, 0, -1, compute_grad, inplace);
+  const FlatLogits& f = src.flat();
+  check_scale(kOp, logits_scale_factor);
+  check_divisor(kOp, divisor);
+  TORCH_CHECK(std::isfinite(beta) && beta > 0, kOp, ": beta must be finite and > 0, got ", beta);
+  const auto opts = src.acc_options();
+  const auto acc = opts.dtype().toScalarType();
+  DpoState g;
+  g.beta = beta;
+  g.pairs = check_pairs(pairs, logits);
+  g.num_pairs = g.pairs.size(0);
+  g.num_documents = 2 * g.num_pairs;
+  TORCH_CHECK(g.num_pairs > 0, kOp, ": pairs is empty; DPO needs at least one (chosen, rejected) pair");
+  g.ref_chosen = check_per_pair("reference_chosen_log_probs", reference_chosen_log_probs, g.num_pairs, logits, acc);
+  g.ref_rejected =
+      check_per_pair("reference_rejected_log_probs", reference_rejected_log_probs, g.num_pairs, logits, acc);
+  g.target = f.target1d;
+  g.document = check_per_token_int(kOp, "document_index", document_index, target);
+  if (!g.document.is_cuda() && f.n_rows > 0) {  // CUDA: a device-side assert in the per-token step
+    const int64_t high = g.document.max().item<int64_t>();
+    TORCH_CHECK(high < g.num_documents, kOp, ": document_index holds ", high, " but ", g.num_pairs,
+                " pairs cover the documents 0 .. ", g.num_documents - 1, " (a span without a chosen/rejected pair)");
+  }
+  g.divisor = at::full({}, divisor.value_or(static_cast<double>(g.num_pairs)), opts);
+
+  RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
+  g.stats = at::empty({f.n_rows, 5}, opts);
+  if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.stats(a, g.stats); });
+  g.log_probs = at::empty({f.n_rows}, opts);
+  g.safe_document = at::empty({f.n_rows}, g.document.options());
+  g.document_sums = at::empty({g.num_documents}, opts);
+  g.pair_out = at::empty({g.num_pairs, kDpoPairFields}, opts);
+  g.document_coef = at::empty({g.num_documents}, opts);
+  g.coef = at::empty({f.n_rows}, opts);
+  for (auto& t : g.scalars) t = at::empty({}, opts);
+  backend.steps(g);
+  if (src.wants_grad() && f.n_rows > 0) {
+    args.stats_in = g.stats;
+    src.run(args, true, [&](RowPassArgs& a) { backend.grad(a, g.coef); });
+  }
+  std::vector<at::Tensor> out(std::begin(g.scalars), std::end(g.scalars));
+  out.push_back(g.log_probs.view(target.sizes()));
+  out.push_back(g.document_sums);
+  out.push_back(src.grads()[0]);
+  return out;
+}
+
+}  // namespace rl_losses

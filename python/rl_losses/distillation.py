@@ -1,0 +1,162 @@
+"""Distillation against a teacher's logits: the functional wrapper of ``torch.ops.rl_losses.distillation`` and its
+vocabulary-parallel form (docs/distillation_dpo.md gives the math and the options)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rl_losses.reference import DistillationOutput  # noqa: F401  (re-exported: the op's named result)
+
+_ops = torch.ops.rl_losses
+
+DISTILLATION_KINDS = ("forward_kl", "reverse_kl", "cross_entropy", "jsd")
+
+
+def _divisor(divisor) -> float | None:
+    if divisor is None:
+        return None
+    if isinstance(divisor, torch.Tensor):
+        divisor = divisor.item()
+    return float(divisor)
+
+
+def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, *, kind: str = "forward_kl",
+                      beta: float = 0.5, temperature: float = 1.0, logits_scale_factor: float = 1.0,
+                      loss_mask: torch.Tensor | None = None, divisor: float | None = None,
+                      inplace_backward: bool = False, tp_group=None) -> DistillationOutput:
+    """Fused distillation loss: a divergence between the student's and the teacher's next-token distributions.
+
+    Q = softmax(logits_scale_factor·logits) (student), P = softmax(teacher_logits / temperature) (teacher); per
+    token t:
+        forward_kl     Σ P (log P − log Q)
+        reverse_kl     Σ Q (log Q − log P)
+        cross_entropy  −Σ P log Q              (Fast-LLM's default distillation loss; the forward KL's gradient)
+        jsd            β·KL(P || M) + (1−β)·KL(Q || M), M = β·P + (1−β)·Q   (Liger-Kernel's generalised JSD:
+                       β = 0 is the forward KL, β = 1 the reverse KL)
+    and L = Σ_t mask_t·ℓ_t / D.
+
+    Args:
+        logits: (..., V) float32/bfloat16/float16/float64 student logits (under ``tp_group``: this rank's
+            vocabulary shard).
+        teacher_logits: (..., V) the teacher's logits, same shape, any floating dtype; no gradient flows to them.
+        kind: "forward_kl", "reverse_kl", "cross_entropy" or "jsd". beta: JSD's β in [0, 1].
+        temperature: T > 0 divides the teacher's logits. (Fast-LLM also multiplies the teacher's logits by its
+            logits_scale_factor s: pass temperature = T / s to match it.)
+        logits_scale_factor: s > 0, the student's softmax is over s·logits.
+        loss_mask: (...) bool/int, tokens that count (default all). divisor: D (default: the tokens that count).
+        inplace_backward: write the gradient into ``logits`` (zero extra memory).
+        tp_group: vocabulary-parallel process group: both tensors hold this rank's columns; the loss is the
+            global one on every rank and each rank gets its shard's gradient.
+    Returns: DistillationOutput(loss, divergence): the loss (float32; float64 for float64 logits) and the
+        detached per-token divergence ℓ_t, shaped like the batch.
+    """
+    if tp_group is not None:
+        return _distillation_tp(logits, teacher_logits, tp_group, kind=kind, beta=beta, temperature=temperature,
+                                logits_scale_factor=logits_scale_factor, loss_mask=loss_mask,
+                                divisor=_divisor(divisor), inplace_backward=inplace_backward)
+    loss, divergence = _ops.distillation(logits, teacher_logits, kind=kind, beta=beta, temperature=temperature,
+                                         logits_scale_factor=logits_scale_factor, loss_mask=loss_mask,
+                                         divisor=_divisor(divisor), inplace_backward=inplace_backward)
+    return DistillationOutput(loss, divergence)
+
+
+def tp_distillation_stats(logits: torch.Tensor, teacher_logits: torch.Tensor, tp_group, *, temperature: float = 1.0,
+                          logits_scale_factor: float = 1.0) -> torch.Tensor:
+    """The (N, 7) statistics of both softmaxes over the whole vocabulary, identical on every rank of
+    ``tp_group``: this shard's, then an all-reduce MAX of the two maxima and one SUM of the five sums, each
+    rescaled to the global maximum of its side first (columns: student max, Σe^(x−max), teacher max,
+    Σe^(y−max), and three weighted sums: csrc/distillation/distillation_math.h, DistillStats)."""
+    stats = _ops.distillation_stats(logits.detach(), teacher_logits.detach(), temperature=temperature,
+                                    logits_scale_factor=logits_scale_factor).reshape(-1, 7)
+    local_max = stats[:, [0, 2]].contiguous()
+    global_max = local_max.clone()
+    if global_max.numel():
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+    # A shard whose values on one side are all -inf has sums 0 there; guard its factor (-inf - -inf is NaN).
+    factor = torch.where(local_max == float("-inf"), 0.0, torch.exp(local_max - global_max))
+    fs, ft = factor[:, 0], factor[:, 1]
+    sums = torch.stack([stats[:, 1] * fs, stats[:, 3] * ft, stats[:, 4] * ft, stats[:, 5] * fs, stats[:, 6] * ft],
+                       dim=1)
+    if sums.numel():
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+    return torch.stack([global_max[:, 0], sums[:, 0], global_max[:, 1], sums[:, 1], sums[:, 2], sums[:, 3],
+                        sums[:, 4]], dim=1)
+
+
+def _distillation_tp(logits, teacher_logits, tp_group, *, kind, beta, temperature, logits_scale_factor, loss_mask,
+                     divisor, inplace_backward) -> DistillationOutput:
+    if kind not in DISTILLATION_KINDS:  # before any collective: the same error on every rank
+        raise ValueError(f"distillation_loss: kind must be one of {DISTILLATION_KINDS}, got {kind!r}")
+    stats = tp_distillation_stats(logits, teacher_logits, tp_group, temperature=temperature,
+                                  logits_scale_factor=logits_scale_factor)
+    jsd_sums = None
+    if kind == "jsd" and 0.0 < beta < 1.0:
+        jsd_sums = _ops.distillation_jsd_sums(logits.detach(), teacher_logits.detach(), stats, beta=beta,
+                                              temperature=temperature,
+                                              logits_scale_factor=logits_scale_factor).reshape(-1, 2).clone()
+        if jsd_sums.numel():
+            dist.all_reduce(jsd_sums, op=dist.ReduceOp.SUM, group=tp_group)
+    loss, divergence = _ops.distillation(logits, teacher_logits, kind=kind, beta=beta, temperature=temperature,
+                                         logits_scale_factor=logits_scale_factor, loss_mask=loss_mask,
+                                         divisor=divisor, inplace_backward=inplace_backward, row_stats=stats,
+                                         jsd_sums=jsd_sums)
+    return DistillationOutput(loss, divergence)
+
+
+class _LinearDistillation(torch.autograd.Function):
+    """Distillation of ``hidden @ weight.T`` computed a chunk of rows at a time: each chunk's logits and their
+    gradient exist only while the chunk is processed, and turn at once into grad_hidden and grad_weight (fp32
+    accumulator). The gradients are computed in the forward and scaled by the upstream gradient in the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher_logits, options, loss_mask, divisor, chunk_size):
+        h = hidden.reshape(-1, hidden.shape[-1])
+        teacher = teacher_logits.reshape(-1, teacher_logits.shape[-1])
+        mask = None if loss_mask is None else loss_mask.reshape(-1)
+        n = h.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32 if weight.dtype != torch.float64 else weight.dtype,
+                             device=weight.device) if need_w else None
+        total = None
+        for start in range(0, n, chunk_size):
+            rows = slice(start, min(n, start + chunk_size))
+            logits = h[rows] @ weight.t()
+            loss, _, grad = _ops._distillation_forward(logits, teacher[rows], options["kind"], options["beta"],
+                                                       options["temperature"], options["logits_scale_factor"],
+                                                       None if mask is None else mask[rows], divisor, None, None,
+                                                       need_h or need_w)
+            total = loss if total is None else total + loss
+            if need_h:
+                grad_h[rows] = grad @ weight
+            if need_w:
+                grad_w.addmm_(grad.t().to(grad_w.dtype), h[rows].to(grad_w.dtype))
+        ctx.save_for_backward(grad_h.view(hidden.shape) if need_h else None,
+                              grad_w.to(weight.dtype) if need_w else None)
+        return total if total is not None else h.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_h, grad_w = ctx.saved_tensors
+        scale = lambda g: None if g is None else (g * grad_output.to(g.dtype))  # noqa: E731
+        return scale(grad_h), scale(grad_w), None, None, None, None, None
+
+
+def linear_distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_logits: torch.Tensor, *,
+                             kind: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0,
+                             logits_scale_factor: float = 1.0, loss_mask: torch.Tensor | None = None,
+                             divisor: float | None = None, chunk_size: int = 4096) -> torch.Tensor:
+    """Distillation loss of the student's ``hidden @ weight.T`` against ``teacher_logits`` (see
+    distillation_loss), chunk_size rows of student logits at a time: the student's (N, V) logits and their
+    gradient are never materialised whole. Differentiable w.r.t. ``hidden`` (..., H) and ``weight`` (V, H).
+    The default divisor (the tokens of ``loss_mask``) is read on the host once."""
+    if chunk_size < 1:
+        raise ValueError(f"linear_distillation_loss: chunk_size must be >= 1, got {chunk_size}")
+    if teacher_logits.shape[:-1] != hidden.shape[:-1] or teacher_logits.shape[-1] != weight.shape[0]:
+        raise ValueError(f"linear_distillation_loss: teacher_logits has shape {tuple(teacher_logits.shape)} but the "
+                         f"student's logits would have shape {tuple(hidden.shape[:-1]) + (weight.shape[0],)}")
+    if divisor is None:
+        divisor = float(max(int(loss_mask.bool().sum()) if loss_mask is not None else hidden[..., 0].numel(), 1))
+    options = dict(kind=kind, beta=beta, temperature=temperature, logits_scale_factor=logits_scale_factor)
+    return _LinearDistillation.apply(hidden, weight, teacher_logits, options, loss_mask, _divisor(divisor),
+                                     chunk_size)

@@ -1,0 +1,59 @@
+"""DPO over packed documents: the functional wrapper of ``torch.ops.rl_losses.dpo`` and a helper that builds its
+document ids and pairs from Fast-LLM's chosen / rejected spans (docs/distillation_dpo.md)."""
+from __future__ import annotations
+
+import torch
+
+from rl_losses.reference import DpoOutput  # noqa: F401  (re-exported: the op's named result)
+
+_ops = torch.ops.rl_losses
+
+
+def dpo_loss(logits: torch.Tensor, target: torch.Tensor, document_index: torch.Tensor, pairs: torch.Tensor,
+             reference_chosen_log_probs: torch.Tensor, reference_rejected_log_probs: torch.Tensor, *,
+             beta: float = 1.0, logits_scale_factor: float = 1.0, divisor: float | None = None,
+             inplace_backward: bool = False) -> DpoOutput:
+    """Fused DPO loss (Fast-LLM's ``dpo`` type) over a packed batch.
+
+    Each document (the tokens sharing a ``document_index``) is the chosen or the rejected response of one pair;
+    π_s is the sum of its labelled tokens' log-probabilities (one statistics pass over the logits). Per pair
+    k = (c, r): h_k = β·((π_c − ref_c) − (π_r − ref_r)); L = −Σ_k log σ(h_k) / D.
+
+    Args:
+        logits: (..., V) float32/bfloat16/float16/float64. target: (...) int labels, negative = not in a response
+            (prompt, padding).
+        document_index: (...) int, the document of each token, negative = padding.
+        pairs: (P, 2) int (chosen, rejected) document ids; every document 0 .. 2P−1 must be in exactly one pair
+            (checked on the host: a span without a pair is an error).
+        reference_chosen_log_probs, reference_rejected_log_probs: (P,) float, the reference model's π of each
+            pair's chosen / rejected document.
+        beta: β > 0 (Fast-LLM's default 1). divisor: D (default: the number of pairs, the mean over pairs).
+        inplace_backward: write the gradient into ``logits``.
+    Returns: DpoOutput (``loss`` differentiable; rewards, accuracy, margin, log-probs detached).
+    """
+    out = _ops.dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs,
+                   beta=beta, logits_scale_factor=logits_scale_factor,
+                   divisor=None if divisor is None else float(divisor), inplace_backward=inplace_backward)
+    return DpoOutput(*out)
+
+
+def documents_from_spans(chosen_spans, rejected_spans, shape, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fast-LLM's preference spans as DPO documents: ``chosen_spans[b]`` and ``rejected_spans[b]`` list the
+    (begin, end) token ranges of sample b (end exclusive); the i-th chosen span of a sample pairs with its i-th
+    rejected span. Returns ``document_index`` (``shape``, -1 outside the spans) and ``pairs`` (P, 2)."""
+    document_index = torch.full(shape, -1, dtype=torch.long)
+    flat = document_index.view(len(chosen_spans), -1)
+    pairs = []
+    for b, (chosen, rejected) in enumerate(zip(chosen_spans, rejected_spans, strict=True)):
+        if len(chosen) != len(rejected):
+            raise ValueError(f"documents_from_spans: sample {b} has {len(chosen)} chosen but {len(rejected)} "
+                             f"rejected spans; each chosen span needs a rejected one")
+        for (cb, ce), (rb, re) in zip(chosen, rejected):
+            c, r = 2 * len(pairs), 2 * len(pairs) + 1
+            for doc, begin, end in ((c, cb, ce), (r, rb, re)):
+                if not 0 <= begin < end <= flat.shape[1] or (flat[b, begin:end] >= 0).any():
+                    raise ValueError(f"documents_from_spans: span ({begin}, {end}) of sample {b} is empty, out of "
+                                     f"range or overlaps another span")
+                flat[b, begin:end] = doc
+            pairs.append((c, r))
+    return document_index.to(device), torch.tensor(pairs, dtype=torch.long, device=device).view(-1, 2)

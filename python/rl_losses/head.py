@@ -1,0 +1,191 @@
+"""Several losses in one pass over the logits (``fused_head_loss``), and the loss modules of the ``distillation``,
+``dpo`` and ``head`` configs (rl_losses.config); docs/distillation_dpo.md."""
+from __future__ import annotations
+
+import typing
+
+import torch
+
+from rl_losses import dpo as dpo_ops
+from rl_losses import distillation as distillation_ops
+from rl_losses import reference
+from rl_losses.losses import Batch, LanguageModelLoss, LanguageModelLossKwargs, _require
+from rl_losses.reference import FusedHeadOutput  # noqa: F401  (re-exported: the op's named result)
+
+if typing.TYPE_CHECKING:  # the configs import this module (configs depend on losses, not both ways)
+    from rl_losses.config import (
+        LanguageModelDistillationLossConfig,
+        LanguageModelDPOLossConfig,
+        LanguageModelHeadLossConfig,
+    )
+
+_ops = torch.ops.rl_losses
+
+
+def _float(x) -> float | None:
+    return None if x is None else float(x.item() if isinstance(x, torch.Tensor) else x)
+
+
+def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, label_weight: float = 0.0,
+                    label_smoothing: float = 0.0, label_divisor: float | None = None, z_loss_weight: float = 0.0,
+                    z_loss_divisor: float | None = None, z_loss_mask: torch.Tensor | None = None,
+                    grpo_weight: float = 0.0,
+                    advantages: torch.Tensor | None = None, old_log_probs: torch.Tensor | None = None,
+                    ref_log_probs: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None,
+                    epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
+                    beta: float = 0.0, grpo_divisor: float | None = None, logits_scale_factor: float = 1.0,
+                    inplace_backward: bool = False) -> FusedHeadOutput:
+    """Label cross-entropy, z-loss and GRPO in one pass over the logits, with one summed gradient.
+
+    ``loss = label_weight·CE + z_loss_weight·Z + grpo_weight·GRPO``, each term as the separate op computes it
+    (rl_losses.cross_entropy with ``label_smoothing``; rl_losses.z_loss over ``z_loss_mask``, every token without
+    one; rl_losses.grpo_loss with its options) and divided by its own divisor (default: the term's tokens). A term
+    of weight 0 is skipped. The statistics of each row are computed once, the logits read once (where the row
+    kernel fuses) and the gradient written once.
+
+    Args:
+        logits: (..., V) float32/bfloat16/float16/float64; target: (...) int labels, negative = no label.
+        advantages, old_log_probs (and ref_log_probs with beta > 0, optional loss_weights): (...) float, for GRPO.
+    Returns: FusedHeadOutput(loss, label_loss, z_loss, grpo_loss, log_probs): the differentiable weighted total,
+        and each term unweighted and detached.
+    """
+    out = _ops.fused_head_loss(logits, target, label_weight=label_weight, label_smoothing=label_smoothing,
+                               label_divisor=_float(label_divisor), z_loss_weight=z_loss_weight,
+                               z_loss_divisor=_float(z_loss_divisor), z_loss_mask=z_loss_mask, grpo_weight=grpo_weight,
+                               advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
+                               loss_weights=loss_weights,
+                               epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
+                               grpo_divisor=_float(grpo_divisor), logits_scale_factor=logits_scale_factor,
+                               inplace_backward=inplace_backward)
+    return FusedHeadOutput(*out)
+
+
+def _reference_logits(batch: Batch, name: str, owner: str) -> torch.Tensor:
+    logits = _require(batch, "reference_logits", owner)
+    if name not in logits:
+        raise ValueError(f"{owner}: batch['reference_logits'] has no {name!r} (models given: {sorted(logits)})")
+    return logits[name]
+
+
+class LanguageModelDistillationLoss(LanguageModelLoss):
+    """Distillation against ``batch["reference_logits"][config.reference_model]``, over ``loss_mask``."""
+
+    config: LanguageModelDistillationLossConfig
+
+    def _forward(self, logits, batch, kernel):
+        cfg = self.config
+        teacher = _reference_logits(batch, cfg.reference_model, self.name)
+        fn = distillation_ops.distillation_loss if kernel else reference.distillation_loss
+        out = fn(logits, teacher, kind=cfg.loss_type, beta=cfg.beta, temperature=cfg.temperature,
+                 logits_scale_factor=cfg.logits_scale_factor, loss_mask=batch.get(LanguageModelLossKwargs.loss_mask),
+                 divisor=batch.get(LanguageModelLossKwargs.num_labels_in_batch), **self._options(kernel))
+        return out.loss, {}
+
+
+class LanguageModelDPOLoss(LanguageModelLoss):
+    """DPO over the batch's preference pairs; metrics ``<name>_rewards_chosen``, ``_rewards_rejected``,
+    ``_accuracy``, ``_margin``."""
+
+    config: LanguageModelDPOLossConfig
+
+    def __init__(self, config, *, name, tp_group=None):
+        super().__init__(config, name=name, tp_group=tp_group)
+        if tp_group is not None:
+            raise ValueError(f"{type(self).__name__} {name!r}: DPO has no tensor-parallel form")
+
+    def _forward(self, logits, batch, kernel):
+        labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
+        if batch.get("document_index") is not None and batch.get("dpo_pairs") is not None:
+            document_index, pairs = batch["document_index"], batch["dpo_pairs"]
+        else:
+            document_index, pairs = dpo_ops.documents_from_spans(
+                _require(batch, "chosen_spans", self.name), _require(batch, "rejected_spans", self.name),
+                labels.shape, labels.device)
+        cfg = self.config
+        fn = dpo_ops.dpo_loss if kernel else reference.dpo_loss
+        if batch.get("reference_chosen_log_probs") is not None:
+            ref_c, ref_r = batch["reference_chosen_log_probs"], batch["reference_rejected_log_probs"]
+        else:
+            with torch.no_grad():  # the reference policy's π of each document, from its logits
+                ref_logits = _reference_logits(batch, cfg.reference_model, self.name)
+                zeros = torch.zeros(pairs.shape[0], device=labels.device)
+                sums = fn(ref_logits, labels, document_index, pairs, zeros, zeros,
+                          logits_scale_factor=cfg.logits_scale_factor).document_log_probs
+                ref_c, ref_r = sums[pairs[:, 0]], sums[pairs[:, 1]]
+        out = fn(logits, labels, document_index, pairs, ref_c, ref_r, beta=cfg.beta,
+                 logits_scale_factor=cfg.logits_scale_factor)
+        n = self.name
+        return out.loss, {f"{n}_rewards_chosen": out.rewards_chosen, f"{n}_rewards_rejected": out.rewards_rejected,
+                          f"{n}_accuracy": out.accuracy, f"{n}_margin": out.margin}
+
+
+class LanguageModelHeadLoss(LanguageModelLoss):
+    """Several losses over the same logits: the fusable ones (label CE without its own z-loss, z-loss, GRPO with
+    token normalisation and basic metrics, one logits_scale_factor) in one pass, the others one by one."""
+
+    config: LanguageModelHeadLossConfig
+
+    def __init__(self, config, *, name, tp_group=None):
+        super().__init__(config, name=name, tp_group=tp_group)
+        self.losses = torch.nn.ModuleDict({k: c.get_loss(name=k, tp_group=tp_group) for k, c in config.losses.items()})
+
+    def _fusable(self, name: str, logits: torch.Tensor, batch: Batch) -> bool:
+        cfg = self.config.losses[name]
+        module = self.losses[name]
+        if self.tp_group is not None or not module.uses_kernel(logits) or logits.device.type == "meta":
+            return False
+        if cfg.type_name == "label":
+            return cfg.z_loss_factor == 0
+        if cfg.type_name == "z_loss":
+            return True
+        if cfg.type_name == "grpo":
+            return cfg.loss_normalization == "token" and cfg.metrics == "none"
+        return False
+
+    def _forward(self, logits, batch, kernel):
+        fused = [k for k in self.losses if self._fusable(k, logits, batch)]
+        scales = {self.config.losses[k].logits_scale_factor for k in fused}
+        if len(fused) < 2 or len(scales) != 1:
+            fused = []  # nothing to share: every loss on its own
+        total, metrics = 0.0, {}
+        if fused:
+            total, metrics = self._fused(fused, logits, batch, scales.pop())
+        for name, module in self.losses.items():
+            if name not in fused:
+                loss, m = module(logits, batch)
+                total = total + loss
+                metrics.update(m)
+        return total, metrics
+
+    def _fused(self, names, logits, batch, scale):
+        kwargs = dict(logits_scale_factor=scale)
+        labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
+        divisor = batch.get(LanguageModelLossKwargs.num_labels_in_batch)
+        for name in names:
+            cfg = self.config.losses[name]
+            if cfg.type_name == "label":
+                kwargs.update(label_weight=cfg.weight, label_smoothing=cfg.label_smoothing, label_divisor=divisor)
+            elif cfg.type_name == "z_loss":
+                kwargs.update(z_loss_weight=cfg.weight, z_loss_mask=batch.get(LanguageModelLossKwargs.loss_mask))
+            else:
+                if cfg.beta > 0:
+                    kwargs["ref_log_probs"] = _require(batch, LanguageModelLossKwargs.ref_log_probs, name)
+                kwargs.update(grpo_weight=cfg.weight, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
+                              delta=cfg.delta, beta=cfg.beta, grpo_divisor=divisor,
+                              advantages=_require(batch, LanguageModelLossKwargs.advantages, name),
+                              old_log_probs=_require(batch, LanguageModelLossKwargs.old_log_probabilities, name))
+        out = fused_head_loss(logits, labels, **kwargs)
+        metrics = {}
+        for name in names:
+            cfg = self.config.losses[name]
+            term = (out.label_loss if cfg.type_name == "label"
+                    else out.z_loss if cfg.type_name == "z_loss" else out.grpo_loss)
+            metrics[name] = term
+            if cfg.type_name == "grpo":  # GRPO's own metric at metrics="none"
+                with torch.no_grad():  # the mean over documents of their mean log-prob (token mean without counts)
+                    weight = (labels >= 0).to(out.log_probs.dtype)
+                    counts = batch.get(LanguageModelLossKwargs.label_counts)
+                    if counts is not None:
+                        weight = weight / counts.to(weight.dtype).clamp_min(1)
+                    metrics[f"{name}_new_logprobs"] = (weight * out.log_probs).sum() / weight.sum().clamp_min(1e-30)
+        return out.loss, metrics
