@@ -2,10 +2,9 @@
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python tests/sanitize_ops.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python tests/sanitize_ops.py
-    RL_LOSSES_ROW_KERNEL=split compute-sanitizer --tool memcheck --error-exitcode 1 python tests/sanitize_ops.py
 
 Odd shapes (rows that are not a multiple of a block, vocabularies that are not a multiple of a vector), rows
-that are not 16-byte aligned (a sliced buffer), in-place gradients, masked and padded tokens, every dtype,
+that are not 16-byte aligned (a sliced buffer: the split statistics + gradient path), in-place gradients, masked and padded tokens, every dtype,
 upstream gradients other than 1 (the scaling kernel) and the fused-linear ops. Each result is also compared
 with the float64 reference, so that a run that computes garbage without touching bad memory still fails.
 Not a pytest module (nothing here is collected): it exists to be wrapped by the sanitizer.
