@@ -21,6 +21,7 @@ enum FusedHeadTerm : int { kHeadLabel = 0, kHeadZLoss, kHeadGrpo, kHeadTerms };
 template <typename acc_t, bool kAllRows>
 struct FusedHeadEpilogue {
   static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = true;
+  static constexpr bool kMayUseEntropyGrad = false;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
   // Without the z-loss, every term is 0 on an unlabelled token, and so is its gradient.
   static constexpr bool kSkipsUnlabelled = !kAllRows;
