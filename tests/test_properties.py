@@ -214,6 +214,19 @@ def _policy_metrics(out):
             out.log_probs, out.ratio_mean] + ([out.entropy] if out.entropy is not None else [])
 
 
+def _policy_grad_scale(target, adv, shift, scale, options, beta):
+    """s·max_t |w_t|·(|A_t|·r_t + β·e^{d_t})/D over the labelled tokens with ratios near 1 (|log r| <= 3 here; the
+    others are clipped, overflowing or vanishing): the size of a token's gradient coefficient before its parts
+    cancel. A rounding of lp (δ ~ 2^-24 times the logits' size) moves the coefficient by about this much times
+    δ, however small the coefficient itself ends up (β·expm1(d) with d near 0)."""
+    mask = (target >= 0).cpu() & (shift.abs() < 50).cpu()
+    w = options.get("loss_weights")
+    w = torch.ones(target.shape) if w is None else w.double().cpu().abs()
+    parts = w * (adv.double().cpu().abs() * shift.cpu().clamp(max=3).exp() + beta * 2)
+    divisor = options.get("divisor") or max(int((target >= 0).sum()), 1)
+    return scale * (parts[mask].max().item() if mask.any() else 0.0) / divisor
+
+
 @SETTINGS
 @given(problem=problems(max_vocab=65536), data=st.data())
 def test_grpo_property(problem, data):
@@ -254,7 +267,8 @@ def test_grpo_property(problem, data):
     if grad_defined:
         # An unclipped, uncapped token with A < 0 and r beyond e^80: its coefficient overflows fp32.
         overflow = (adv < 0) & (shift.to(dev) > 80) if delta is None else None
-        _check_value(grad, ref_grad, logits.dtype, m, "grad", skip_rows=overflow)
+        _check_value(grad, ref_grad, logits.dtype, m, "grad", skip_rows=overflow,
+                     natural_scale=_policy_grad_scale(target, adv, shift, scale, options, beta))
 
 
 @SETTINGS
@@ -289,7 +303,14 @@ def test_gspo_property(problem, data):
         _check_value(o, r, logits.dtype, m, "metric")
     if grad_defined:
         # Documents with R beyond e^80: their tokens' coefficients overflow fp32 unless a clip zeroes them.
-        _check_value(grad, ref_grad, logits.dtype, m, "grad", skip_rows=(shift > 80).reshape(shape))
+        labelled = (target.reshape(-1).cpu() >= 0) & (doc >= 0)
+        counts = torch.zeros(n_docs).index_add_(0, doc.clamp_min(0), labelled.float())
+        n_labelled_docs = max(int((counts > 0).sum()), 1)
+        smallest = counts[counts > 0].min().item() if (counts > 0).any() else 1.0
+        kappa = 1.0 if options["weighting"] == "token" else 1.0 / smallest
+        natural = scale * 5.0 * adv.abs().max().item() * kappa / n_labelled_docs
+        _check_value(grad, ref_grad, logits.dtype, m, "grad", skip_rows=(shift > 80).reshape(shape),
+                     natural_scale=natural)
 
 
 @SETTINGS
@@ -333,5 +354,10 @@ def test_linear_ops_property(data):
     ref_loss.backward()
     m = (hidden.abs().sum(1).max() * weight.abs().max()).item()
     _check_loss(loss, ref_loss, dtype, m)
-    _check_value(hd.grad, h64.grad, dtype, m, "grad")
-    _check_value(wt.grad, w64.grad, dtype, m, "grad")
+    # The size of a row's gradient coefficient (1 for the cross-entropy, |A|·r for the policy losses; r ~ 1 here)
+    # over D, through the GEMMs: the floor of gradients whose p - onehot cancels (a dominant logit).
+    labelled = target >= 0
+    d = max(int(labelled.sum()), 1) if op != "gspo" else max(int(torch.unique(doc[labelled]).numel()), 1)
+    coef = 1.0 if op == "cross_entropy" else 1.5 * adv.abs().max().item()
+    _check_value(hd.grad, h64.grad, dtype, m, "grad", natural_scale=coef * weight.abs().max().item() / d)
+    _check_value(wt.grad, w64.grad, dtype, m, "grad", natural_scale=coef * hidden.abs().max().item() / d)
