@@ -6,8 +6,10 @@ What is asserted, for each output (loss, metrics, gradients):
     close to it (the tolerance of the logits dtype, widened by the rounding of logits as large as those drawn);
   * where the reference is not finite (a NaN or inf input in a row that counts), the op's loss is not finite
     either: a non-finite input never yields a finite, wrong loss;
+  * tokens that do not count (unlabelled, padding, a zero loss weight, a clipped ratio, A = 0) contribute exact
+    zeros, also with non-finite logits or an overflowed ratio, in the op and in the reference alike;
   * where the reference overflows the output dtype (a ratio of e^100 times a negative advantage), nothing is
-    asserted of that value, which cannot be represented.
+    asserted of that value, which cannot be represented, nor of the gradient rows of such tokens.
 Inputs are drawn so that no ratio sits within 1e-3 of a clip boundary, where a rounding difference between the
 fp32 op and the float64 reference would flip a clip and with it the gradient.
 
@@ -282,7 +284,8 @@ def test_gspo_property(problem, data):
     doc = torch.where(torch.rand(n, generator=gen) < 0.1, -1, doc)  # padding
     el, eh = data.draw(st.sampled_from([(0.2, 0.2), (0.1, 0.3)]))
     lp = label_log_probs64(logits.reshape(n, -1).cpu(), target.reshape(-1).cpu(), scale)
-    shift = _shifts(data.draw, n_docs, gen, el, eh, None, _magnitude(logits, scale))[doc.clamp_min(0)]  # one log-ratio per document
+    # One log-ratio per document.
+    shift = _shifts(data.draw, n_docs, gen, el, eh, None, _magnitude(logits, scale))[doc.clamp_min(0)]
     adv = torch.randn(n, generator=gen)
     old = (lp - shift).float()
     options = dict(epsilon_low=el, epsilon_high=eh, logits_scale_factor=scale, num_documents=n_docs,
