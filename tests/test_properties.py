@@ -6,8 +6,10 @@ What is asserted, for each output (loss, metrics, gradients):
     close to it (the tolerance of the logits dtype, widened by the rounding of logits as large as those drawn);
   * where the reference is not finite (a NaN or inf input in a row that counts), the op's loss is not finite
     either: a non-finite input never yields a finite, wrong loss;
+  * tokens that do not count (unlabelled, padding, a zero loss weight, a clipped ratio, A = 0) contribute exact
+    zeros, also with non-finite logits or an overflowed ratio, in the op and in the reference alike;
   * where the reference overflows the output dtype (a ratio of e^100 times a negative advantage), nothing is
-    asserted of that value, which cannot be represented.
+    asserted of that value, which cannot be represented, nor of the gradient rows of such tokens.
 Inputs are drawn so that no ratio sits within 1e-3 of a clip boundary, where a rounding difference between the
 fp32 op and the float64 reference would flip a clip and with it the gradient.
 
@@ -214,6 +216,19 @@ def _policy_metrics(out):
             out.log_probs, out.ratio_mean] + ([out.entropy] if out.entropy is not None else [])
 
 
+def _policy_grad_scale(target, adv, shift, scale, options, beta):
+    """s·max_t |w_t|·(|A_t|·r_t + β·e^{d_t})/D over the labelled tokens with ratios near 1 (|log r| <= 3 here; the
+    others are clipped, overflowing or vanishing): the size of a token's gradient coefficient before its parts
+    cancel. A rounding of lp (δ ~ 2^-24 times the logits' size) moves the coefficient by about this much times
+    δ, however small the coefficient itself ends up (β·expm1(d) with d near 0)."""
+    mask = (target >= 0).cpu() & (shift.abs() < 50).cpu()
+    w = options.get("loss_weights")
+    w = torch.ones(target.shape) if w is None else w.double().cpu().abs()
+    parts = w * (adv.double().cpu().abs() * shift.cpu().clamp(max=3).exp() + beta * 2)
+    divisor = options.get("divisor") or max(int((target >= 0).sum()), 1)
+    return scale * (parts[mask].max().item() if mask.any() else 0.0) / divisor
+
+
 @SETTINGS
 @given(problem=problems(max_vocab=65536), data=st.data())
 def test_grpo_property(problem, data):
@@ -254,7 +269,8 @@ def test_grpo_property(problem, data):
     if grad_defined:
         # An unclipped, uncapped token with A < 0 and r beyond e^80: its coefficient overflows fp32.
         overflow = (adv < 0) & (shift.to(dev) > 80) if delta is None else None
-        _check_value(grad, ref_grad, logits.dtype, m, "grad", skip_rows=overflow)
+        _check_value(grad, ref_grad, logits.dtype, m, "grad", skip_rows=overflow,
+                     natural_scale=_policy_grad_scale(target, adv, shift, scale, options, beta))
 
 
 @SETTINGS
@@ -268,7 +284,8 @@ def test_gspo_property(problem, data):
     doc = torch.where(torch.rand(n, generator=gen) < 0.1, -1, doc)  # padding
     el, eh = data.draw(st.sampled_from([(0.2, 0.2), (0.1, 0.3)]))
     lp = label_log_probs64(logits.reshape(n, -1).cpu(), target.reshape(-1).cpu(), scale)
-    shift = _shifts(data.draw, n_docs, gen, el, eh, None, _magnitude(logits, scale))[doc.clamp_min(0)]  # one log-ratio per document
+    # One log-ratio per document.
+    shift = _shifts(data.draw, n_docs, gen, el, eh, None, _magnitude(logits, scale))[doc.clamp_min(0)]
     adv = torch.randn(n, generator=gen)
     old = (lp - shift).float()
     options = dict(epsilon_low=el, epsilon_high=eh, logits_scale_factor=scale, num_documents=n_docs,
@@ -289,7 +306,14 @@ def test_gspo_property(problem, data):
         _check_value(o, r, logits.dtype, m, "metric")
     if grad_defined:
         # Documents with R beyond e^80: their tokens' coefficients overflow fp32 unless a clip zeroes them.
-        _check_value(grad, ref_grad, logits.dtype, m, "grad", skip_rows=(shift > 80).reshape(shape))
+        labelled = (target.reshape(-1).cpu() >= 0) & (doc >= 0)
+        counts = torch.zeros(n_docs).index_add_(0, doc.clamp_min(0), labelled.float())
+        n_labelled_docs = max(int((counts > 0).sum()), 1)
+        smallest = counts[counts > 0].min().item() if (counts > 0).any() else 1.0
+        kappa = 1.0 if options["weighting"] == "token" else 1.0 / smallest
+        natural = scale * 5.0 * adv.abs().max().item() * kappa / n_labelled_docs
+        _check_value(grad, ref_grad, logits.dtype, m, "grad", skip_rows=(shift > 80).reshape(shape),
+                     natural_scale=natural)
 
 
 @SETTINGS
@@ -333,5 +357,10 @@ def test_linear_ops_property(data):
     ref_loss.backward()
     m = (hidden.abs().sum(1).max() * weight.abs().max()).item()
     _check_loss(loss, ref_loss, dtype, m)
-    _check_value(hd.grad, h64.grad, dtype, m, "grad")
-    _check_value(wt.grad, w64.grad, dtype, m, "grad")
+    # The size of a row's gradient coefficient (1 for the cross-entropy, |A|·r for the policy losses; r ~ 1 here)
+    # over D, through the GEMMs: the floor of gradients whose p - onehot cancels (a dominant logit).
+    labelled = target >= 0
+    d = max(int(labelled.sum()), 1) if op != "gspo" else max(int(torch.unique(doc[labelled]).numel()), 1)
+    coef = 1.0 if op == "cross_entropy" else 1.5 * adv.abs().max().item()
+    _check_value(hd.grad, h64.grad, dtype, m, "grad", natural_scale=coef * weight.abs().max().item() / d)
+    _check_value(wt.grad, w64.grad, dtype, m, "grad", natural_scale=coef * hidden.abs().max().item() / d)
