@@ -178,7 +178,9 @@ RL_LOSSES_UNROLL
   template <bool kEntropy, bool kSmoothing, int K>
   C10_HOST_DEVICE void add_chunk_with_max(const T (&z)[K], T z_max, T s) {
     const T chunk_max = s * z_max;
-    if (chunk_max > max) {
+    // Not `chunk_max > max`: a chunk of NaNs alone (z_max = NaN) must make the state NaN, not be dropped by the
+    // -inf test below when it comes first (a thread whose first logit is NaN).
+    if (!(chunk_max <= max)) {
       // max == -inf only before the first finite value: then the old sums are 0 and the factor is moot.
       const T factor = max == neg_inf<T>() ? T(0) : exp_nonpos(max - chunk_max);
       sumexp *= factor;

@@ -31,7 +31,13 @@ RowStats<acc_t> row_stats_cpu(const scalar_t* x, int64_t n, acc_t scale) {
     m = xj > m ? xj : m;
   }
   RowStats<acc_t> st = RowStats<acc_t>::empty();
-  if (m == neg_inf<acc_t>()) return st;  // every logit is -inf (or the row is empty)
+  if (m == neg_inf<acc_t>()) {  // every logit is -inf or NaN (or the row is empty): NaN if any is NaN
+    for (int64_t j = 0; j < n; ++j) {
+      const acc_t xj = static_cast<acc_t>(x[j]);
+      if (xj != xj) return {xj, xj, xj, xj, acc_t(0)};
+    }
+    return st;
+  }
   st.max = m;
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t end = std::min(n, b + kBlock);
