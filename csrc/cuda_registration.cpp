@@ -18,6 +18,7 @@
 #include "grpo/grpo.h"
 #include "gspo/gspo.h"
 #include "linear/linear.h"
+#include "token_log_probs/linear_token_log_probs.h"
 
 namespace rl_losses {
 namespace {
@@ -70,6 +71,12 @@ TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) {
   m.impl("_linear_cross_entropy_forward", &OnTensorsDevice<&LinearCrossEntropy::forward>::call);
   m.impl("_linear_grpo_forward", &OnTensorsDevice<&LinearGrpo::forward>::call);
   m.impl("_linear_gspo_forward", &OnTensorsDevice<&LinearGspo::forward>::call);
+  using TokenLogProbs = TokenLogProbsOps<token_log_probs_backend_cuda>;
+  using LinearTokenLogProbs = LinearTokenLogProbsOps<token_log_probs_backend_cuda, accumulate_weight_grad_cuda>;
+  m.impl("_token_log_probs_forward", &OnTensorsDevice<&TokenLogProbs::forward>::call);
+  m.impl("_token_log_probs_backward", &OnTensorsDevice<&TokenLogProbs::backward>::call);
+  m.impl("_linear_token_log_probs_forward", &OnTensorsDevice<&LinearTokenLogProbs::forward>::call);
+  m.impl("_linear_token_log_probs_backward", &OnTensorsDevice<&LinearTokenLogProbs::backward>::call);
 }
 
 }  // namespace rl_losses

@@ -10,6 +10,7 @@ namespace rl_losses {
 struct CrossEntropyRows;
 struct GrpoBackend;
 struct GspoBackend;
+struct TokenLogProbsBackend;
 
 void labelled_count_cuda(const at::Tensor& target1d, const at::Tensor& out);
 void sum_cuda(const at::Tensor& x, const at::Tensor& out);
@@ -18,5 +19,6 @@ void scale_grad_cuda_scalar(const at::Tensor& grad, const at::Tensor& grad_outpu
 void cross_entropy_rows_cuda(const RowPassArgs& args, const CrossEntropyRows& rows);
 const GrpoBackend& grpo_backend_cuda();
 const GspoBackend& gspo_backend_cuda();
+const TokenLogProbsBackend& token_log_probs_backend_cuda();
 
 }  // namespace rl_losses

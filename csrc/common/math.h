@@ -202,14 +202,24 @@ RL_LOSSES_UNROLL
 };
 
 // The gradient of every loss here w.r.t. the scaled logits of a row has the form
-//     dL/dx_j = a·p_j + c + b·[j == y]
-// and the kernels write s·(that) as dL/dz_j. Each op only supplies (a, b, c) per row.
+//     dL/dx_j = a·p_j + c + b·[j == y] + h·p_j·log p_j
+// and the kernels write s·(that) as dL/dz_j. Each op only supplies (a, b, c, h) per row; h, the entropy's
+// own term (∂H/∂x_j = −p_j·(log p_j + H)), is read only by epilogues that declare kMayUseEntropyGrad, and
+// an epilogue returning {a, b, c} leaves it 0 (aggregate initialisation; no default member initialiser, so
+// the struct stays trivial for the CUDA kernels' __shared__ copies).
 template <typename T>
 struct GradCoef {
   T a;
   T b;
   T c;
+  T h;
 };
+
+// p·log p = p·(x − lse) of one logit, 0 where p underflows to 0 (x = −inf would make 0·(−inf) = NaN).
+template <typename T>
+C10_HOST_DEVICE inline T p_log_p(T p, T x_minus_lse) {
+  return p > T(0) ? p * x_minus_lse : T(0);
+}
 
 // ---------------------------------------------------------------------------------------------------------
 // Cross-entropy and z-loss (SPEC §2.1), one labelled row with weight w = m_t·g/D:
@@ -324,6 +334,20 @@ template <typename T>
 C10_HOST_DEVICE inline PolicyToken<T> gspo_document(const ClipOptions<T>& o, T log_ratio_sum, T advantage) {
   const T ratio = ::exp(log_ratio_sum);
   return {clipped_surrogate_loss(o, ratio, advantage), clip_coefficient(o, ratio, advantage) * ratio, ratio};
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Per-token log-prob and entropy with arbitrary upstream gradients g_lp, g_H (docs/token_log_probs.md):
+//   lp = x_y − lse        ∂lp/∂x_j = [j = y] − p_j
+//   H  = lse − Σ p·x      ∂H/∂x_j  = −p_j·(log p_j + H)
+// so dL/dx_j = (−g_lp − g_H·H)·p_j + g_lp·[j = y] − g_H·p_j·log p_j. A row without a label has no lp (0, no
+// gradient through it); its entropy is still defined and differentiated.
+// ---------------------------------------------------------------------------------------------------------
+template <typename T>
+C10_HOST_DEVICE inline GradCoef<T> token_log_prob_grad(T grad_log_prob, T grad_entropy, T entropy, bool has_label) {
+  const T g_lp = has_label ? grad_log_prob : T(0);
+  const T a = grad_entropy != T(0) ? -g_lp - grad_entropy * entropy : -g_lp;
+  return {a, g_lp, T(0), -grad_entropy};
 }
 
 }  // namespace rl_losses

@@ -125,6 +125,14 @@ void dispatch_stat_flags(const RowPassArgs& args, Go&& go) {
   return go(F{}, F{});
 }
 
+// Whether an epilogue may return a nonzero entropy-gradient coefficient h (GradCoef in math.h): it declares
+// kMayUseEntropyGrad = true. Only then do the gradient loops compile the p·log p term.
+template <typename Epi, typename = void>
+struct may_use_entropy_grad : std::false_type {};
+template <typename Epi>
+struct may_use_entropy_grad<Epi, std::void_t<decltype(Epi::kMayUseEntropyGrad)>>
+    : std::bool_constant<Epi::kMayUseEntropyGrad> {};
+
 // Epilogue that stores the raw statistics (N, 5): max, sumexp, sum_px, sum_x, label. Used by the
 // statistics-only pass (tensor-parallel forward, GSPO pass 1). No gradient. kLabelledOnly: a row with
 // label < 0 is not read and gets RowStats::empty(), for a caller that uses no statistics of such rows.

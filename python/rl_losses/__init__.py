@@ -19,6 +19,8 @@ from rl_losses.functional import (  # noqa: F401
     linear_cross_entropy,
     linear_grpo_loss,
     linear_gspo_loss,
+    linear_token_log_probs,
+    token_log_probs,
     z_loss,
 )
 from rl_losses import config, losses, packing  # noqa: F401  (configs, loss modules, document packing)

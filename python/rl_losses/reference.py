@@ -170,3 +170,16 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
         ratio_mean = torch.where(has_label, ratio, 0.0).sum() / n_docs
     return PolicyLossOutput(loss, new_logprobs, low, high, kl_old, entropy,
                             torch.where(mask, lp, 0.0).detach().reshape(target.shape), ratio_mean, ratio.detach())
+
+
+def token_log_probs(logits, target, *, logits_scale_factor=1.0, compute_entropy=False):
+    """(log_probs, entropy or None) per token: log softmax(s·z)[y] (0 where y < 0) and −Σ p log p."""
+    logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
+    return _label_logprob(logp, target), _entropy(logp) if compute_entropy else None
+
+
+def linear_token_log_probs(hidden, weight, target, *, bias=None, logits_scale_factor=1.0, compute_entropy=False):
+    logits = hidden @ weight.t()
+    if bias is not None:
+        logits = logits + bias
+    return token_log_probs(logits, target, logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy)
