@@ -35,7 +35,8 @@ def test_matches_reference(device, dtype, shape, vocab, temperature):
     assert lp.dtype == h.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert_close(lp, ref_lp, dtype, scale=10 if dtype in (torch.bfloat16, torch.float16) else 1)
     assert_close(h, ref_h, dtype, scale=10 if dtype in (torch.bfloat16, torch.float16) else 1)
-    assert_grad_close(logits.grad, ref_grad, dtype)
+    # natural_scale: at V = 1 the true gradient is 0, and fp32 rounding of H = lse − Σp·x leaves ~ulp(s·|g|).
+    assert_grad_close(logits.grad, ref_grad, dtype, natural_scale=1 / temperature)
 
 
 @pytest.mark.parametrize("which", ["log_probs", "entropy", "both"])
@@ -47,7 +48,12 @@ def test_gradient_through_one_output(device, which):
     lp, h = rl_losses.token_log_probs(logits, target, compute_entropy=which != "log_probs")
     if which == "log_probs":
         assert h is None
-    loss = {"log_probs": (lp * g).sum(), "entropy": (h * g).sum(), "both": (lp * g).sum() - h.sum()}[which]
+    if which == "log_probs":
+        loss = (lp * g).sum()
+    elif which == "entropy":
+        loss = (h * g).sum()
+    else:
+        loss = (lp * g).sum() - h.sum()
     loss.backward()
     zero = torch.zeros_like(g)
     upstream = {"log_probs": (g, zero), "entropy": (zero, g), "both": (g, -torch.ones_like(g))}[which]
