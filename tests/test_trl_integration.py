@@ -31,6 +31,14 @@ def make_tokenizer(vocab_size):
     return tok
 
 
+def saved_model(vocab_size, hidden_size=32):
+    """The tiny model saved to a temporary folder: both trainers load it from there, and so does TRL's
+    reference model when beta != 0 (it is created from the policy's path)."""
+    path = tempfile.mkdtemp()
+    make_model(vocab_size, hidden_size).save_pretrained(path)
+    return path
+
+
 def make_model(vocab_size, hidden_size=32):
     config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
@@ -40,18 +48,20 @@ def make_model(vocab_size, hidden_size=32):
 
 
 def reward_words(completions, **kwargs):
-    """Rule-based: rewards completions with many distinct words and penalises the word w3."""
-    return [len(set(c.split())) - 2.0 * c.split().count("w3") for c in completions]
+    """Rule-based: the words' ids modulo 7, summed (any spread of rewards within a group will do)."""
+    return [float(sum(int(w[1:]) % 7 for w in c.split() if w[1:].isdigit())) for c in completions]
 
 
 def make_trainer(cls, model, tok, vocab_size, **options):
     prompts = [" ".join(f"w{(7 * i + j) % (vocab_size - 3) + 3}" for j in range(PROMPT_WORDS)) for i in range(16)]
     args = trl.GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, num_generations=4,
                           max_completion_length=options.pop("max_completion_length", 6), report_to=[],
-                          use_cpu=True, save_strategy="no", seed=0, temperature=0.9, **options)
+                          use_cpu=True, bf16=False, save_strategy="no", seed=0, temperature=0.9, **options)
     trainer = cls(model=model, reward_funcs=reward_words, args=args,
                   train_dataset=datasets.Dataset.from_dict({"prompt": prompts}), processing_class=tok)
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); the steps here are driven by hand
+    # Set by Trainer.train(); the steps here are driven by hand, in training mode.
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
     return trainer
 
 
@@ -78,11 +88,13 @@ def test_matches_trl(case):
     vocab_size = 97
     tok = make_tokenizer(vocab_size)
     torch.manual_seed(0)
-    model = make_model(vocab_size)
+    model = saved_model(vocab_size)
     options = dict(loss_type=loss_type, importance_sampling_level=level, beta=beta, num_iterations=iterations,
                    epsilon=0.1, epsilon_high=0.15, delta=1.3 if case == "dapo-delta" else None)
-    theirs = make_trainer(trl.GRPOTrainer, copy.deepcopy(model), tok, vocab_size, **options)
-    ours = make_trainer(rl_trl.GRPOTrainer, copy.deepcopy(model), tok, vocab_size, **options)
+    if beta:
+        options["use_bias_correction_kl"] = False  # TRL's default (True) weights k3 by the ratio: not fused here
+    theirs = make_trainer(trl.GRPOTrainer, model, tok, vocab_size, **options)
+    ours = make_trainer(rl_trl.GRPOTrainer, model, tok, vocab_size, **options)
     assert ours._rl_losses_fallback is None, ours._rl_losses_fallback
     batch = next(iter(theirs.get_train_dataloader()))
     clipped = 0.0

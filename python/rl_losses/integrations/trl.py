@@ -66,7 +66,13 @@ def add_fused_lm_head(model, temperature: float = 1.0) -> None:
         lm_head = self.get_output_embeddings()
         weight = _full(lm_head.weight)
         bias = None if lm_head.bias is None else _full(lm_head.bias)
-        hidden = hidden.to(device=weight.device, dtype=weight.dtype)
+        # The ops take one dtype: under autocast the lm_head runs in the autocast dtype (as TRL's head's matmul
+        # would), else in the weight's.
+        device_type = weight.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+        weight = weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        hidden = hidden.to(device=weight.device, dtype=dtype)
         labels = labels.to(weight.device)
         if rl_losses_head is not None:
             return rl_losses_head(hidden, weight, bias, labels)
