@@ -158,15 +158,15 @@ def test_unsupported_options_keep_trls_formula():
 
 
 def _peak_cpu_bytes(fn):
-    """Peak of the CPU memory torch allocates while fn runs, from the profiler's allocation events."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    """Peak of the CPU memory torch holds while fn runs (tensors alive before it included), from the
+    profiler's memory timeline."""
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                record_shapes=True, with_stack=True) as prof:
         fn()
-    events = sorted((e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start)
-    level = peak = 0
-    for e in events:
-        level += e.cpu_memory_usage
-        peak = max(peak, level)
-    return peak
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
+    return max(sum(s) for s in sizes)
 
 
 def test_loss_step_peak_memory(capsys):
