@@ -1,7 +1,7 @@
 """How the ops launch on a GPU (CUDA only): on the device of their tensors, and over more rows than the
 persistent cluster kernel takes in one round.
 
-The cluster kernel (csrc/common/row_pass_cuda.cuh) deals rows out to as many clusters as the device holds at
+The cluster kernel (csrc/common/cuda/cluster_kernel.cuh) deals rows out to as many clusters as the device holds at
 once; when they do not divide the rows, the rows of the last round go to a tail launch with more CTAs per
 row. The shapes below have such a remainder on an H100 or H200 (132 SMs): 1200 rows of 32 KB (one CTA per
 row, 396 at once: a tail of 12 rows, 2 CTAs each; fp32 rows may get 4 CTAs per SM, by registers) and 100 bf16

@@ -1,4 +1,4 @@
-// The sm_90 bulk-copy and mbarrier primitives of the cluster row kernel (row_pass_cuda.cuh), free of torch
+// The sm_90 bulk-copy and mbarrier primitives of the cluster row kernel (cuda/cluster_kernel.cuh), free of torch
 // headers so that the standalone benchmarks/slice_copy.cu times the same instructions.
 #pragma once
 

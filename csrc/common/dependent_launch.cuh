@@ -4,16 +4,19 @@
 // through DependentLaunch may be scheduled while the kernel before it is still running; it waits in
 // wait_previous_grid(), before it touches global memory, until that kernel has finished and its writes are
 // visible. So the order of effects is the plain stream order; only the launch latency overlaps. (One
-// exception, the cluster kernel's tail launch, waits at its end instead: row_pass_cuda.cuh says why that is
+// exception, the cluster kernel's tail launch, waits at its end instead: cuda/cluster_kernel.cuh says why it is
 // safe there.)
-// RL_LOSSES_PDL=0 launches plainly (for comparison).
+// Also here: occupancy_once, the occupancy calculator's answers that size the persistent grids, cached.
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <cstring>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 namespace rl_losses {
 namespace cuda {
@@ -69,18 +72,23 @@ class DependentLaunch {
   }
 
  private:
-  static bool enabled() {
-    static const bool off = [] {
-      const char* env = std::getenv("RL_LOSSES_PDL");
-      return env != nullptr && std::strcmp(env, "0") == 0;
-    }();
-    // Only on sm_90 itself, whose machine code setup.py always builds with the waits: another device could
-    // run the kernels from PTX of an older architecture, compiled without them.
-    return !off && at::cuda::getCurrentDeviceProperties()->major == 9;
-  }
+  // Only on sm_90 itself, whose machine code setup.py always builds with the waits: another device could
+  // run the kernels from PTX of an older architecture, compiled without them.
+  static bool enabled() { return at::cuda::getCurrentDeviceProperties()->major == 9; }
   cudaLaunchAttribute attrs_[2];
   cudaLaunchConfig_t cfg_ = {};
 };
+
+// compute(), the occupancy calculator's answer for `kernel` on the current device with parameters (a, b),
+// once per process: it does not change, and asking it took host time on every call of an op.
+inline int occupancy_once(const void* kernel, int a, int b, const std::function<int()>& compute) {
+  static std::mutex mutex;
+  static std::map<std::tuple<uintptr_t, int, int, int>, int> known;
+  const auto key = std::make_tuple(reinterpret_cast<uintptr_t>(kernel), c10::cuda::current_device(), a, b);
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto it = known.find(key);
+  return it != known.end() ? it->second : known.emplace(key, compute()).first->second;
+}
 
 }  // namespace cuda
 }  // namespace rl_losses

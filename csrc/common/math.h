@@ -77,35 +77,56 @@ C10_HOST_DEVICE inline T exp_nonpos(T x) {
 #endif
 }
 
-// exp(a·z − b) where a·z <= b: every exponential of the row loops has this form (exp(x − max) in the
-// statistics, p = exp(s·z − lse) in the gradient). On the GPU in fp32 it is one FFMA feeding the hardware
-// 2^x, with a and b pre-scaled by log2(e) once per row; that halves the instructions per logit against
-// __expf(a·z − b), which matters because the fused kernels run close to the SM's issue rate. Elsewhere it is
-// exp_nonpos of the difference.
+// exp((s·z − m) − c) for s·z <= m, c >= 0: every exponential of the row loops has this form, exp(x − max) in
+// the statistics (c = 0) and p = exp(x − max − log Σ) in the gradient (m = the row's max, c = log(sumexp)).
+// The exponent is taken relative to the max first, d = s·z − m with one rounding (an FMA on the GPU), so that
+// its error scales with |x − max|, not with |x|: folding s and m into one affine map a·z − b (a = s·log2(e),
+// b = lse·log2(e)) rounded a and b, whose errors grow with the logits' magnitude (relative gradient errors of
+// 5e-4 at logits near 1e4, 4e-3 near 1e5). On the GPU in fp32 the exponential is the hardware 2^x fed with
+// d·log2(e) − c·log2(e); the accuracy costs one FFMA per logit (or one FMUL with c = 0) against the affine
+// form's single FFMA.
 template <typename T>
-struct ExpAffine {
-  T a, b;
+struct ExpShifted {
+  T s, m, c;
 
-  C10_HOST_DEVICE ExpAffine(T a_, T b_) : a(a_), b(b_) {
+  C10_HOST_DEVICE ExpShifted(T s_, T m_, T c_ = T(0)) : s(s_), m(m_), c(c_) {
 #if defined(__CUDA_ARCH__)
-    if constexpr (sizeof(T) == 4) {
-      a *= T(1.4426950408889634);
-      b *= T(1.4426950408889634);
-    }
+    if constexpr (sizeof(T) == 4) c *= T(1.4426950408889634);
 #endif
   }
 
-  C10_HOST_DEVICE T operator()(T z) const {
+  // The exponent (s·z − m) − c in the unit the exponential takes: log2 on the GPU in fp32, natural elsewhere.
+  // For the gradient (c = log Σ) it is log p in that unit: log p = arg(z)·exp_shifted_log_unit<T>().
+  C10_HOST_DEVICE T arg(T z) const {
+#if defined(__CUDA_ARCH__)
+    if constexpr (sizeof(T) == 4) return fmaf(fmaf(z, s, -m), 1.4426950408889634f, -c);
+#endif
+    return (s * z - m) - c;
+  }
+
+  // exp of an exponent given by arg().
+  C10_HOST_DEVICE static T exp_of_arg(T a) {
 #if defined(__CUDA_ARCH__)
     if constexpr (sizeof(T) == 4) {
       float y;
-      asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(fmaf(z, a, -b)));
+      asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(a));
       return y;
     }
 #endif
-    return exp_nonpos(a * z - b);
+    return exp_nonpos(a);
   }
+
+  C10_HOST_DEVICE T operator()(T z) const { return exp_of_arg(arg(z)); }
 };
+
+// The natural log of one unit of ExpShifted::arg: ln 2 where it is in log2 (the GPU in fp32), else 1.
+template <typename T>
+C10_HOST_DEVICE inline T exp_shifted_log_unit() {
+#if defined(__CUDA_ARCH__)
+  if constexpr (sizeof(T) == 4) return T(0.6931471805599453);
+#endif
+  return T(1);
+}
 
 // Reduces a[0..K) by `op` as a pairwise tree (a is overwritten): log2(K) dependent steps instead of K - 1.
 template <int K, typename T, typename Op>
@@ -140,8 +161,8 @@ struct RowStats {
   }
 
   // Fold a chunk of K raw logits z (x = s·z, s > 0) into the state: one max and one rescale per chunk, and
-  // per value one FFMA into the exponential (ExpAffine), with no multiply by s of its own. s > 0 (checked
-  // by every op) makes max(s·z) = s·max(z) exactly, rounding being monotonic.
+  // per value the exponential of ExpShifted, which takes s·z − max in one FMA, with no multiply by s of its
+  // own. s > 0 (checked by every op) makes max(s·z) = s·max(z) exactly, rounding being monotonic.
   template <bool kEntropy, bool kSmoothing, int K>
   C10_HOST_DEVICE void add_chunk(const T (&z)[K], T s) {
     T m[K];
@@ -165,7 +186,7 @@ RL_LOSSES_UNROLL
       max = chunk_max;
     }
     if (max == neg_inf<T>()) return;  // every value so far is -inf: nothing to add
-    const ExpAffine<T> exp_shifted(s, max);
+    const ExpShifted<T> exp_shifted(s, max);
     T e[K], px[K], x[K];
 RL_LOSSES_UNROLL
     for (int i = 0; i < K; ++i) {
@@ -197,16 +218,21 @@ RL_LOSSES_UNROLL
   }
 
   C10_HOST_DEVICE T lse() const { return max + ::log(sumexp); }
+  // log p of a scaled logit x of this row, (x − max) − log Σ: without the rounding of lse, which at large
+  // logits (lse ~ 1e4) is larger than the log-prob's own precision.
+  C10_HOST_DEVICE T log_prob(T x) const { return (x - max) - ::log(sumexp); }
   // H = lse - Σ p·x (SPEC §1).
   C10_HOST_DEVICE T entropy() const { return lse() - sum_px / sumexp; }
 };
 
 // The gradient of every loss here w.r.t. the scaled logits of a row has the form
-//     dL/dx_j = a·p_j + c + b·[j == y] + h·p_j·log p_j
-// and the kernels write s·(that) as dL/dz_j. Each op only supplies (a, b, c, h) per row; h, the entropy's
-// own term (∂H/∂x_j = −p_j·(log p_j + H)), is read only by epilogues that declare kMayUseEntropyGrad, and
-// an epilogue returning {a, b, c} leaves it 0 (aggregate initialisation; no default member initialiser, so
-// the struct stays trivial for the CUDA kernels' __shared__ copies).
+//     dL/dx_j = a·p_j + c + b·[j == y] + h·p_j·log p_j,    log p_j = x_j − lse,
+// and the kernels write s·(that) as dL/dz_j. Each op only supplies (a, b, c, h) per row. The h term is that of
+// an entropy term in the loss: ∂H/∂x_j = −p_j·(log p_j + H), so a loss term w·H adds h = −w and −w·H to a.
+// It is compiled only for epilogues that declare kMayUseEntropyGrad (row_pass.h); the others return
+// {a, b, c}: h is then 0, and unread.
+// No default member initialiser: the CUDA kernels hold a GradCoef in shared memory, which allows no
+// constructor; aggregate initialisation zeroes an omitted h.
 template <typename T>
 struct GradCoef {
   T a;
@@ -214,12 +240,6 @@ struct GradCoef {
   T c;
   T h;
 };
-
-// p·log p = p·(x − lse) of one logit, 0 where p underflows to 0 (x = −inf would make 0·(−inf) = NaN).
-template <typename T>
-C10_HOST_DEVICE inline T p_log_p(T p, T x_minus_lse) {
-  return p > T(0) ? p * x_minus_lse : T(0);
-}
 
 // ---------------------------------------------------------------------------------------------------------
 // Cross-entropy and z-loss (SPEC §2.1), one labelled row with weight w = m_t·g/D:
@@ -235,9 +255,10 @@ struct CrossEntropyOptions {
   T vocab_size;       // V of the whole (global) vocabulary
 };
 
+// label_log_prob = x_y − lse, taken as RowStats::log_prob does.
 template <typename T>
-C10_HOST_DEVICE inline T cross_entropy_loss(const CrossEntropyOptions<T>& o, T lse, T x_label, T sum_x) {
-  const T nll = lse - x_label;
+C10_HOST_DEVICE inline T cross_entropy_loss(const CrossEntropyOptions<T>& o, T lse, T label_log_prob, T sum_x) {
+  const T nll = -label_log_prob;
   const T smooth = lse - sum_x / o.vocab_size;
   return o.label_weight * ((T(1) - o.label_smoothing) * nll + o.label_smoothing * smooth) +
          o.z_loss_factor * lse * lse;

@@ -4,8 +4,9 @@
 //   1. statistics: online max / sum-exp / Σp·x / Σx of x = s·z, and the label's logit      (kStats)
 //      — or, when they were computed before (tensor parallelism, GSPO), read from `stats_in`;
 //   2. the op's epilogue turns the statistics into its per-row outputs and the gradient coefficients
-//      (a, b, c) of dL/dx_j = a·p_j + c + b·[j = y]  (math.h);
-//   3. the gradient dL/dz_j = s·(a·p_j + c + b·[j = y]) is written once                    (kGrad).
+//      (a, b, c, h) of dL/dx_j = a·p_j + c + b·[j = y] + h·p_j·log p_j  (math.h; h only where the epilogue
+//      declares kMayUseEntropyGrad);
+//   3. the gradient dL/dz_j = s·(that) is written once                                       (kGrad).
 // CE and GRPO run 1-3 in one pass: one read of the logits from DRAM, one write of the gradient (on CUDA
 // where a row fits a thread-block cluster's shared memory; split_stats_pass_on_cuda says what runs
 // otherwise). GSPO runs 1, a per-document step, then 3. The CPU and CUDA back-ends implement this contract.
@@ -42,13 +43,14 @@ struct RowPassArgs {
 
 #ifdef RL_LOSSES_WITH_CUDA
 // Whether the CUDA back-end runs this pass, statistics and gradient, as one kernel that reads each row once
-// (the cluster kernel of row_pass_cuda.cuh). Defined in common/row_stats_cuda.cu, so CUDA builds only.
+// (the cluster kernel of common/cuda/cluster_kernel.cuh). Defined in common/row_stats_cuda.cu, so CUDA builds
+// only.
 bool cuda_fuses_row_pass(const RowPassArgs& args);
 #endif
 
 // On CUDA, a loss that needs its gradient runs the statistics and the gradient in one kernel where
-// cuda_fuses_row_pass says so. Elsewhere (rows too long for a cluster's shared memory, unaligned rows,
-// RL_LOSSES_ROW_KERNEL=split) it runs the statistics pass as its own kernel first, then the epilogue and the
+// cuda_fuses_row_pass says so. Elsewhere (rows too long for a cluster's shared memory, unaligned rows, a
+// device older than sm_90) it runs the statistics pass as its own kernel first, then the epilogue and the
 // gradient in a second one (as tensor parallelism does): one block per row re-reading its row for the
 // gradient misses L2 and measured 1.6x slower than this split on an H100 (7.3 vs 4.7 ms at N=16384,
 // V=128256 bf16; benchmarks/NOTES.md). The CPU keeps the fused pass (a row stays in its cache).
@@ -100,9 +102,11 @@ inline RowPassView<scalar_t, label_t, acc_t> make_view(const RowPassArgs& a) {
   return v;
 }
 
-// Every epilogue declares which optional statistics it can consume (kMayUseEntropy, kMayUseSmoothing) and
-// in which pass shapes it is used — with statistics read from `stats_in` (kMayReadStats), with a gradient
-// (kMayWriteGrad) — so that only those kernel variants are compiled. kSkipsUnlabelled: for a row with
+// Every epilogue declares which optional statistics it can consume (kMayUseEntropy, kMayUseSmoothing), whether
+// its gradient may have the entropy term h·p·log p (kMayUseEntropyGrad: one more FMA per element in the
+// gradient loops, compiled only for such epilogues), and in which pass shapes it is used — with statistics
+// read from `stats_in` (kMayReadStats), with a gradient (kMayWriteGrad) — so that only those kernel variants
+// are compiled. kSkipsUnlabelled: for a row with
 // label < 0 it uses no statistics and returns a zero gradient, so a pass that computes the statistics may
 // skip reading that row and pass RowStats::empty() (the CPU pass and both CUDA kernels do; the separate
 // `row_stats` op, used by the split path and tensor parallelism, reads every row). `go` is called with
@@ -125,20 +129,13 @@ void dispatch_stat_flags(const RowPassArgs& args, Go&& go) {
   return go(F{}, F{});
 }
 
-// Whether an epilogue may return a nonzero entropy-gradient coefficient h (GradCoef in math.h): it declares
-// kMayUseEntropyGrad = true. Only then do the gradient loops compile the p·log p term.
-template <typename Epi, typename = void>
-struct may_use_entropy_grad : std::false_type {};
-template <typename Epi>
-struct may_use_entropy_grad<Epi, std::void_t<decltype(Epi::kMayUseEntropyGrad)>>
-    : std::bool_constant<Epi::kMayUseEntropyGrad> {};
-
 // Epilogue that stores the raw statistics (N, 5): max, sumexp, sum_px, sum_x, label. Used by the
 // statistics-only pass (tensor-parallel forward, GSPO pass 1). No gradient. kLabelledOnly: a row with
 // label < 0 is not read and gets RowStats::empty(), for a caller that uses no statistics of such rows.
 template <typename acc_t, bool kLabelledOnly = false>
 struct StoreStatsEpilogue {
   static constexpr bool kMayUseEntropy = true, kMayUseSmoothing = true;
+  static constexpr bool kMayUseEntropyGrad = false;
   static constexpr bool kMayReadStats = false, kMayWriteGrad = false, kSkipsUnlabelled = kLabelledOnly;
   acc_t* out;
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t /*label*/, const RowStats<acc_t>& st) const {
@@ -163,6 +160,7 @@ C10_HOST_DEVICE inline RowStats<acc_t> load_stats(const acc_t* stats, int64_t ro
 template <typename acc_t>
 struct PolicyCoefEpilogue {
   static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = false;
+  static constexpr bool kMayUseEntropyGrad = false;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true, kSkipsUnlabelled = false;
   const acc_t* coef;
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t, const RowStats<acc_t>&) const {

@@ -79,36 +79,33 @@ void row_pass_cpu_typed(const RowPassArgs& args, const Epilogue& epi) {
         const GradCoef<acc_t> coef = epi(row + v.row_offset, label, st);
         if (!grad) continue;
         scalar_t* g = v.grad + row * v.grad_row_stride;
-        constexpr bool kEntropyGrad = may_use_entropy_grad<Epilogue>::value;
-        const bool with_h = kEntropyGrad && coef.h != acc_t(0);
-        if (coef.a == acc_t(0) && coef.b == acc_t(0) && coef.c == acc_t(0) && !with_h) {
+        constexpr bool kEntropyGrad = Epilogue::kMayUseEntropyGrad;
+        if (coef.a == acc_t(0) && coef.b == acc_t(0) && coef.c == acc_t(0) && (!kEntropyGrad || coef.h == acc_t(0))) {
           std::fill(g, g + v.vocab, scalar_t(0));  // masked row: exact zeros, no exp of a possibly -inf lse
           continue;
         }
-        const acc_t lse = st.lse();
-        const acc_t scale = v.scale, sa = v.scale * coef.a, sc = v.scale * coef.c, sh = v.scale * coef.h;
+        // p = exp((s·x − max) − log Σ), relative to the max first (ExpShifted says why); its exponent is
+        // log p, which the entropy term h·p·log p takes (one more FMA, compiled only for epilogues with it).
+        const ExpShifted<acc_t> p_of(v.scale, st.max, std::log(st.sumexp));
+        const acc_t sa = v.scale * coef.a, sc = v.scale * coef.c, sh = v.scale * coef.h;
         const int64_t n = v.vocab;  // locals: loads through `v` inside the loop would block vectorisation
-        if (kEntropyGrad && with_h) {
-          RL_LOSSES_SIMD
-          for (int64_t k = 0; k < n; ++k) {
-            const acc_t xl = static_cast<acc_t>(x[k]) * scale - lse;
-            const acc_t p = exp_nonpos(xl);
-            g[k] = static_cast<scalar_t>(sa * p + sc + sh * p_log_p(p, xl));
-          }
-        } else {
-          RL_LOSSES_SIMD
-          for (int64_t k = 0; k < n; ++k) {
-            const acc_t p = exp_nonpos(static_cast<acc_t>(x[k]) * scale - lse);
+        RL_LOSSES_SIMD
+        for (int64_t k = 0; k < n; ++k) {
+          const acc_t log_p = p_of.arg(static_cast<acc_t>(x[k]));
+          const acc_t p = ExpShifted<acc_t>::exp_of_arg(log_p);
+          if constexpr (kEntropyGrad) {
+            g[k] = static_cast<scalar_t>((sa + sh * log_p) * p + sc);
+          } else {
             g[k] = static_cast<scalar_t>(sa * p + sc);
           }
         }
         // The label term is added after the vectorised sweep rather than tested per element. Its logit comes
         // from the statistics, not from x: with inplace_backward, x[local] already holds the gradient.
         if (has_label) {
-          const acc_t xl = st.label - lse;
-          const acc_t p = exp_nonpos(xl);
-          const acc_t h_term = with_h ? sh * p_log_p(p, xl) : acc_t(0);
-          g[local] = static_cast<scalar_t>(sa * p + sc + h_term + v.scale * coef.b);
+          const acc_t log_p = st.log_prob(st.label);
+          const acc_t p = exp_nonpos(log_p);
+          const acc_t pa = kEntropyGrad ? sa + sh * log_p : sa;
+          g[local] = static_cast<scalar_t>(pa * p + sc + v.scale * coef.b);
         }
       }
     });

@@ -5,7 +5,7 @@
 
 namespace rl_losses {
 
-bool cuda_fuses_row_pass(const RowPassArgs& args) { return !cuda::row_cluster_shapes(args).empty(); }
+bool cuda_fuses_row_pass(const RowPassArgs& args) { return cuda::row_cluster_shape(args).ctas != 0; }
 
 void labelled_count_cuda(const at::Tensor& target1d, const at::Tensor& out) {
   labelled_count_on<CudaRunner>(target1d, out);

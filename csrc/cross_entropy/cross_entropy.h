@@ -17,6 +17,7 @@ namespace rl_losses {
 template <typename acc_t>
 struct CrossEntropyEpilogue {
   static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = true;
+  static constexpr bool kMayUseEntropyGrad = false;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
   static constexpr bool kSkipsUnlabelled = false;  // lse is an output of every row, labelled or not
   CrossEntropyOptions<acc_t> opt;
@@ -32,7 +33,7 @@ struct CrossEntropyEpilogue {
       return {acc_t(0), acc_t(0), acc_t(0)};
     }
     const acc_t inv_d = acc_t(1) / *divisor;
-    row_loss[row] = cross_entropy_loss(opt, l, st.label, st.sum_x) * inv_d;
+    row_loss[row] = cross_entropy_loss(opt, l, st.log_prob(st.label), st.sum_x) * inv_d;
     return cross_entropy_grad(opt, l, inv_d);
   }
 };

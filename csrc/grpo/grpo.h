@@ -21,6 +21,7 @@ enum GrpoField : int { kGrpoLoss = 0, kGrpoRatio, kGrpoLow, kGrpoHigh, kGrpoKlOl
 template <typename acc_t>
 struct GrpoEpilogue {
   static constexpr bool kMayUseEntropy = true, kMayUseSmoothing = false;
+  static constexpr bool kMayUseEntropyGrad = false;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
   static constexpr bool kSkipsUnlabelled = true;  // a masked token's outputs and gradient are zeros
   GrpoOptions<acc_t> opt;
@@ -40,7 +41,7 @@ struct GrpoEpilogue {
       log_probs[row] = acc_t(0);
       return {acc_t(0), acc_t(0), acc_t(0)};
     }
-    const acc_t lp = st.label - st.lse();
+    const acc_t lp = st.log_prob(st.label);
     const acc_t adv = advantages[row], old = old_log_probs[row];
     const PolicyToken<acc_t> t = grpo_token(opt, lp, old, adv, ref_log_probs ? ref_log_probs[row] : acc_t(0));
     const acc_t w = (loss_weights ? loss_weights[row] : acc_t(1)) / *divisor;

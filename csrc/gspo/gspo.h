@@ -77,7 +77,7 @@ struct GspoTokenTerms {
     acc_t lp;
     if (stats != nullptr) {
       const RowStats<acc_t> st = load_stats(stats, i);
-      lp = on ? st.label - st.lse() : acc_t(0);
+      lp = on ? st.log_prob(st.label) : acc_t(0);
       log_probs[i] = lp;
       if (entropy != nullptr) entropy[i] = on ? st.entropy() : acc_t(0);
     } else {

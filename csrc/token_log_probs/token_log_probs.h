@@ -25,7 +25,7 @@ namespace rl_losses {
 // Forward: statistics → lp, H (when asked) and the statistics (when computed here, not given).
 template <typename acc_t>
 struct TokenLogProbsEpilogue {
-  static constexpr bool kMayUseEntropy = true, kMayUseSmoothing = false;
+  static constexpr bool kMayUseEntropy = true, kMayUseSmoothing = false, kMayUseEntropyGrad = false;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = false;
   static constexpr bool kSkipsUnlabelled = false;  // the entropy of an unlabelled row is still an output
   acc_t* log_probs;  // (N,)
@@ -33,8 +33,7 @@ struct TokenLogProbsEpilogue {
   acc_t* stats_out;  // (N, 5) or null
 
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t label, const RowStats<acc_t>& st) const {
-    const acc_t lse = st.lse();
-    log_probs[row] = label >= 0 ? st.label - lse : acc_t(0);
+    log_probs[row] = label >= 0 ? st.log_prob(st.label) : acc_t(0);
     if (entropy != nullptr) entropy[row] = st.entropy();
     if (stats_out != nullptr) {
       acc_t* o = stats_out + row * RowStats<acc_t>::kFields;
