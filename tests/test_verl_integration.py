@@ -87,7 +87,8 @@ def test_chunk_functions_match_verl_formula():
 def test_linear_cross_entropy_reductions():
     hidden, weight, ids = _inputs((2, 6), 8, 41)
     lp, ent = rl_verl.linear_cross_entropy(hidden, weight, ids, 1.0, "none")
-    ref_lp, ref_ent = _verl_formula(hidden, weight, ids, 1.0)
+    assert lp.shape == ent.shape == (12,)  # flattened, as verl's Triton kernel returns them
+    ref_lp, ref_ent = (x.reshape(-1) for x in _verl_formula(hidden, weight, ids, 1.0))
     torch.testing.assert_close(lp, ref_lp, rtol=2e-5, atol=2e-6)
     torch.testing.assert_close(ent, ref_ent, rtol=2e-5, atol=2e-6)
     s_lp, s_ent = rl_verl.linear_cross_entropy(hidden, weight, ids, 1.0, "mean")

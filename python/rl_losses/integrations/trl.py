@@ -9,8 +9,8 @@ What changes against TRL's own trainer:
     the fused ops do not cover, below) goes through ``rl_losses.linear_token_log_probs``.
 Options without a fused form — ``loss_type`` cispo/sapo/vespo, vLLM importance-sampling correction,
 ``use_bias_correction_kl``, ``off_policy_mask_threshold``, ``top_entropy_quantile < 1``, an entropy bonus, a
-MoE aux loss, multimodal inputs, ``beta != 0`` with ``importance_sampling_level="sequence"``, logit scaling or
-softcapping in the model config — keep TRL's own loss formula, computed from rl_losses' log-probs; the
+MoE aux loss, multimodal inputs, ``beta != 0`` or ``delta`` with ``importance_sampling_level="sequence"``, logit
+scaling or softcapping in the model config — keep TRL's own loss formula, computed from rl_losses' log-probs; the
 ``rl_losses/fused_loss`` metric says which path a step took (1 fused, 0 TRL's formula).
 """
 from __future__ import annotations
@@ -115,6 +115,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             (self.aux_loss_enabled, "a MoE aux loss"),
             (self.importance_sampling_level == "sequence" and self.beta != 0.0,
              "beta != 0 with importance_sampling_level='sequence'"),
+            (self.importance_sampling_level == "sequence" and args.delta is not None,
+             "delta with importance_sampling_level='sequence'"),
             (_unsupported_scaling(model) is not None, f"the model's {_unsupported_scaling(model)}"),
         ]
         reasons = [why for bad, why in checks if bad]

@@ -84,14 +84,14 @@ def fused_linear_for_ppo_bwd(dlog_probs: torch.Tensor | None, dentropy: torch.Te
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          temperature: float = 1.0, reduction: str = "none", dist_process_group=None):
     """Drop-in for ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (verl's Triton kernel):
-    returns (log_probs, entropy) per token for reduction="none", their sums or means otherwise."""
+    returns (log_probs, entropy) float32 per token, flattened to (N,) as verl's kernel returns them, for
+    reduction="none"; their sums or means otherwise."""
     if dist_process_group is not None:
         raise ValueError("linear_cross_entropy: a vocabulary-parallel dist_process_group is not supported by the "
                          "fused linear form; gather the lm_head weight, or call rl_losses.token_log_probs on the "
                          "vocabulary-parallel logits with tp_group")
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"linear_cross_entropy: reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
-    shape = labels.shape
     log_probs, entropy = rl_losses.linear_token_log_probs(hidden.reshape(-1, hidden.shape[-1]), weight,
                                                           labels.reshape(-1).to(torch.int64),
                                                           temperature=float(temperature), compute_entropy=True)
@@ -99,7 +99,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         return log_probs.sum(), entropy.sum()
     if reduction == "mean":
         return log_probs.mean(), entropy.mean()
-    return log_probs.view(shape), entropy.view(shape)
+    return log_probs, entropy
 
 
 def install() -> bool:
