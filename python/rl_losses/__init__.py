@@ -2,9 +2,10 @@
 
 The ops live in ``torch.ops.rl_losses`` (C++/CUDA, loaded from ``rl_losses._C``); this package adds the
 functional wrappers (``rl_losses.cross_entropy``, ``rl_losses.z_loss``, ``rl_losses.grpo_loss``,
-``rl_losses.gspo_loss``; ``rl_losses.linear_*``: the same from hidden states and the lm_head weight, without
-materialising the logits), a pure-PyTorch reference (``rl_losses.reference``) and Fast-LLM-style configs and
-loss modules (``rl_losses.config``).
+``rl_losses.gspo_loss``; ``rl_losses.token_log_probs``: per-token log-probs and entropies, differentiable;
+``rl_losses.linear_*``: the same from hidden states and the lm_head weight, without materialising the logits),
+trainer drop-ins (``rl_losses.integrations``: TRL, verl), a pure-PyTorch reference (``rl_losses.reference``)
+and Fast-LLM-style configs and loss modules (``rl_losses.config``).
 """
 import torch  # noqa: F401  (must load before the library, which links against it)
 
