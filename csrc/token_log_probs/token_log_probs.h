@@ -114,7 +114,7 @@ void token_log_probs_backward(RowSource& src, const at::Tensor& target, const at
 
 using TokenLogProbsT3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
-// The registered ops of one back-end, from logits. The linear forms are in linear/linear.h's style below.
+// The registered ops of one back-end, from logits (the fused-linear ones: linear_token_log_probs.h).
 template <const TokenLogProbsBackend& (*kBackend)()>
 struct TokenLogProbsOps {
   using Opt = std::optional<at::Tensor>;
