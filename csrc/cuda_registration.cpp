@@ -21,6 +21,7 @@
 #include "grpo/grpo.h"
 #include "gspo/gspo.h"
 #include "linear/linear.h"
+#include "token_log_probs/linear_token_log_probs.h"
 
 namespace rl_losses {
 namespace {
@@ -84,6 +85,12 @@ TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) {
   using FusedHead = FusedHeadOps<fused_head_backend_cuda>;
   m.impl("_fused_head_loss_forward", &OnTensorsDevice<&FusedHead::forward>::call);
   m.impl("_fused_head_loss_forward_inplace", &OnTensorsDevice<&FusedHead::forward_inplace>::call);
+  using TokenLogProbs = TokenLogProbsOps<token_log_probs_backend_cuda>;
+  using LinearTokenLogProbs = LinearTokenLogProbsOps<token_log_probs_backend_cuda, accumulate_weight_grad_cuda>;
+  m.impl("_token_log_probs_forward", &OnTensorsDevice<&TokenLogProbs::forward>::call);
+  m.impl("_token_log_probs_backward", &OnTensorsDevice<&TokenLogProbs::backward>::call);
+  m.impl("_linear_token_log_probs_forward", &OnTensorsDevice<&LinearTokenLogProbs::forward>::call);
+  m.impl("_linear_token_log_probs_backward", &OnTensorsDevice<&LinearTokenLogProbs::backward>::call);
 }
 
 }  // namespace rl_losses

@@ -131,6 +131,34 @@ TORCH_LIBRARY(rl_losses, m) {
       "float epsilon_high, str weighting, bool token_advantages, float? divisor, float logits_scale_factor, "
       "bool compute_entropy, int? chunk_size, bool[3] output_mask) -> " RL_LOSSES_POLICY_OUTS ", "
       "Tensor document_ratios, " RL_LOSSES_LINEAR_GRADS ")");
+
+  // ---- per-token log-probs and entropies (token_log_probs/) ------------------------------------------
+  // Differentiable through both outputs with any upstream gradients, so the backward is an op of its own:
+  // `_token_log_probs_forward` also returns the row statistics (N, 5) it computed (empty when `row_stats`
+  // were given: those are saved instead), which `_token_log_probs_backward` reads in place of a second
+  // statistics pass. `entropy` is an empty tensor unless compute_entropy. The fused-linear form recomputes
+  // each chunk's logits in its backward.
+  m.def(
+      "token_log_probs(Tensor logits, Tensor target, *, float logits_scale_factor=1.0, bool compute_entropy=False, "
+      "Tensor? row_stats=None, int vocab_start=0, int vocab_size=-1) -> (Tensor log_probs, Tensor entropy)");
+  m.def(
+      "_token_log_probs_forward(Tensor logits, Tensor target, float logits_scale_factor, bool compute_entropy, "
+      "Tensor? row_stats, int vocab_start, int vocab_size) -> (Tensor log_probs, Tensor entropy, Tensor stats)");
+  m.def(
+      "_token_log_probs_backward(Tensor logits, Tensor target, Tensor stats, Tensor? grad_log_probs, "
+      "Tensor? grad_entropy, float logits_scale_factor, int vocab_start, int vocab_size) -> Tensor");
+  m.def(
+      "linear_token_log_probs(Tensor hidden, Tensor weight, Tensor target, *, Tensor? bias=None, "
+      "float logits_scale_factor=1.0, bool compute_entropy=False, int? chunk_size=None) "
+      "-> (Tensor log_probs, Tensor entropy)");
+  m.def(
+      "_linear_token_log_probs_forward(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
+      "float logits_scale_factor, bool compute_entropy, int? chunk_size) "
+      "-> (Tensor log_probs, Tensor entropy, Tensor stats)");
+  m.def(
+      "_linear_token_log_probs_backward(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, Tensor stats, "
+      "Tensor? grad_log_probs, Tensor? grad_entropy, float logits_scale_factor, int? chunk_size, "
+      "bool[3] output_mask) -> (" RL_LOSSES_LINEAR_GRADS ")");
 #undef RL_LOSSES_LINEAR_GRADS
 #undef RL_LOSSES_POLICY_OUTS
 

@@ -13,6 +13,7 @@ struct GspoBackend;
 struct DistillBackend;
 struct DpoBackend;
 struct FusedHeadBackend;
+struct TokenLogProbsBackend;
 
 void labelled_count_cuda(const at::Tensor& target1d, const at::Tensor& out);
 void sum_cuda(const at::Tensor& x, const at::Tensor& out);
@@ -24,5 +25,6 @@ const GspoBackend& gspo_backend_cuda();
 const DistillBackend& distill_backend_cuda();
 const DpoBackend& dpo_backend_cuda();
 const FusedHeadBackend& fused_head_backend_cuda();
+const TokenLogProbsBackend& token_log_probs_backend_cuda();
 
 }  // namespace rl_losses

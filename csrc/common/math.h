@@ -379,4 +379,18 @@ C10_HOST_DEVICE inline PolicyToken<T> gspo_document(const ClipOptions<T>& o, T l
   return {clipped_surrogate_loss(o, ratio, advantage), clip_gradient_factor(o, ratio, advantage), ratio};
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Per-token log-prob and entropy with arbitrary upstream gradients g_lp, g_H (docs/token_log_probs.md):
+//   lp = x_y − lse        ∂lp/∂x_j = [j = y] − p_j
+//   H  = lse − Σ p·x      ∂H/∂x_j  = −p_j·(log p_j + H)
+// so dL/dx_j = (−g_lp − g_H·H)·p_j + g_lp·[j = y] − g_H·p_j·log p_j. A row without a label has no lp (0, no
+// gradient through it); its entropy is still defined and differentiated.
+// ---------------------------------------------------------------------------------------------------------
+template <typename T>
+C10_HOST_DEVICE inline GradCoef<T> token_log_prob_grad(T grad_log_prob, T grad_entropy, T entropy, bool has_label) {
+  const T g_lp = has_label ? grad_log_prob : T(0);
+  const T a = grad_entropy != T(0) ? -g_lp - grad_entropy * entropy : -g_lp;
+  return {a, g_lp, T(0), -grad_entropy};
+}
+
 }  // namespace rl_losses

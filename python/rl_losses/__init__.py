@@ -5,6 +5,8 @@ The ops live in ``torch.ops.rl_losses`` (C++/CUDA, loaded from ``rl_losses._C``)
 - functional wrappers: ``cross_entropy``, ``z_loss``, ``grpo_loss``, ``gspo_loss`` (from logits) and
   ``linear_cross_entropy``, ``linear_grpo_loss``, ``linear_gspo_loss`` (from hidden states and the lm_head
   weight, without materialising the logits); the policy losses return a ``PolicyLossOutput``;
+- per-token log-probs and entropies, differentiable through both (``token_log_probs``,
+  ``linear_token_log_probs``), and drop-ins for trainers (``rl_losses.integrations``: TRL, verl);
 - distillation against a teacher's logits (``distillation_loss``, ``linear_distillation_loss``), DPO
   (``dpo_loss``) and several losses in one pass over the logits (``fused_head_loss``, rl_losses.head);
 - Fast-LLM-style configs (``rl_losses.config``, entry point ``LanguageModelLossConfig.from_dict``) that build
@@ -30,6 +32,8 @@ from rl_losses.functional import (
     linear_cross_entropy,
     linear_grpo_loss,
     linear_gspo_loss,
+    linear_token_log_probs,
+    token_log_probs,
     z_loss,
 )
 from rl_losses.distillation import DistillationOutput, distillation_loss, linear_distillation_loss
@@ -51,6 +55,8 @@ __all__ = [
     "linear_grpo_loss",
     "linear_gspo_loss",
     "PolicyLossOutput",
+    "token_log_probs",
+    "linear_token_log_probs",
     "distillation_loss",
     "linear_distillation_loss",
     "DistillationOutput",

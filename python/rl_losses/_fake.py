@@ -355,3 +355,64 @@ def _fused_head_loss_forward(logits, target, *args):
 @register_fake("rl_losses::_fused_head_loss_forward_inplace")
 def _fused_head_loss_forward_inplace(logits, target, *args):
     return tuple(_head_outputs(logits, target))
+
+
+# ---- per-token log-probs and entropies ------------------------------------------------------------------------
+def _token_log_probs_outputs(x, target, compute_entropy, with_stats):
+    acc = _acc(x.dtype)
+    log_probs = x.new_empty(_batch(target), dtype=acc)
+    entropy = x.new_empty(_batch(target) if compute_entropy else [0], dtype=acc)
+    stats = x.new_empty([target.numel(), 5] if with_stats else [0], dtype=acc)
+    return log_probs, entropy, stats
+
+
+def _check_token_log_probs(op, x, target, logits_scale_factor, row_stats=None):
+    # The checks of the real kernels that the shapes alone decide (csrc/common/checks.cpp).
+    torch._check(x.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16),
+                 lambda: f"{op}: logits must be float32, float64, bfloat16 or float16, got {x.dtype}")
+    torch._check(not target.dtype.is_floating_point and target.dtype != torch.bool,
+                 lambda: f"{op}: target must be an integer tensor, got {target.dtype}")
+    torch._check(logits_scale_factor > 0, lambda: f"{op}: logits_scale_factor must be > 0, got {logits_scale_factor}")
+    if row_stats is not None:
+        torch._check(list(row_stats.shape) == [target.numel(), 5],
+                     lambda: f"{op}: row_stats must have shape ({target.numel()}, 5), got {tuple(row_stats.shape)}")
+
+
+@register_fake("rl_losses::token_log_probs")
+def _token_log_probs(logits, target, *, logits_scale_factor=1.0, compute_entropy=False, row_stats=None,
+                     vocab_start=0, vocab_size=-1):
+    _check_token_log_probs("token_log_probs", logits, target, logits_scale_factor, row_stats)
+    return _token_log_probs_outputs(logits, target, compute_entropy, False)[:2]
+
+
+@register_fake("rl_losses::_token_log_probs_forward")
+def _token_log_probs_forward(logits, target, logits_scale_factor, compute_entropy, row_stats, vocab_start,
+                             vocab_size):
+    _check_token_log_probs("token_log_probs", logits, target, logits_scale_factor, row_stats)
+    return _token_log_probs_outputs(logits, target, compute_entropy, row_stats is None)
+
+
+@register_fake("rl_losses::_token_log_probs_backward")
+def _token_log_probs_backward(logits, target, stats, grad_log_probs, grad_entropy, logits_scale_factor, vocab_start,
+                              vocab_size):
+    _check_token_log_probs("token_log_probs", logits, target, logits_scale_factor, stats)
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@register_fake("rl_losses::linear_token_log_probs")
+def _linear_token_log_probs(hidden, weight, target, *, bias=None, logits_scale_factor=1.0, compute_entropy=False,
+                            chunk_size=None):
+    _check_token_log_probs("linear_token_log_probs", hidden, target, logits_scale_factor)
+    return _token_log_probs_outputs(hidden, target, compute_entropy, False)[:2]
+
+
+@register_fake("rl_losses::_linear_token_log_probs_forward")
+def _linear_token_log_probs_forward(hidden, weight, target, bias, logits_scale_factor, compute_entropy, chunk_size):
+    _check_token_log_probs("linear_token_log_probs", hidden, target, logits_scale_factor)
+    return _token_log_probs_outputs(hidden, target, compute_entropy, True)
+
+
+@register_fake("rl_losses::_linear_token_log_probs_backward")
+def _linear_token_log_probs_backward(hidden, weight, target, bias, stats, grad_log_probs, grad_entropy,
+                                     logits_scale_factor, chunk_size, output_mask):
+    return tuple(_linear_grads(hidden, weight, bias, output_mask))

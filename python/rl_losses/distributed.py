@@ -218,6 +218,22 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     return _policy_output(out, compute_entropy)
 
 
+def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, tp_group, logits_scale_factor: float = 1.0,
+                    compute_entropy: bool = False, vocab_start: int | None = None,
+                    vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Vocabulary-parallel per-token log-probs and entropies (see rl_losses.token_log_probs, and
+    cross_entropy above for the shard arguments). The outputs are identical on every rank of ``tp_group``;
+    the backward gives this rank's shard of the gradient, from the upstream gradients of its own outputs
+    (every rank must receive the same ones, as it does when the rest of the model is replicated over the
+    group)."""
+    stats, start, total = _tp_setup("token_log_probs", logits, target, tp_group, logits_scale_factor, vocab_start,
+                                    vocab_size, entropy=compute_entropy)
+    log_probs, entropy = _ops.token_log_probs(logits, target, logits_scale_factor=logits_scale_factor,
+                                              compute_entropy=compute_entropy, row_stats=stats, vocab_start=start,
+                                              vocab_size=total)
+    return log_probs, entropy if compute_entropy else None
+
+
 # ---- sequence-data parallelism (GSPO) ----------------------------------------------------------------------
 def _group_num_documents(document_index: torch.Tensor, sdp_group) -> int:
     # max(document_index) + 1 over the group: one small all-reduce and a host synchronisation.

@@ -218,7 +218,26 @@ _LINEAR_ARGS_DOC = """
     The logits are ``hidden @ weight.T + bias``; they and their gradient are never materialised whole.
     Differentiable w.r.t. hidden, weight and bias (the gradients are computed in the forward, chunk by chunk).
     No ``inplace_backward``, ``tp_group`` or ``sdp_group``.
+    An FSDP2 / DTensor weight (sharded or replicated) is gathered whole for the call (``full_tensor()``; its
+    gradient goes back to the weight's own placements); hidden must be a plain tensor.
 """
+
+
+def _plain_lm_head(name: str, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The lm_head as plain tensors. An FSDP2 / DTensor weight (sharded or replicated) is gathered whole with
+    ``full_tensor()``, which autograd differentiates back to the weight's own placements (its backward
+    reduce-scatters a sharded weight's gradient), as TRL's fused head does; the hidden states must be a
+    plain tensor (this rank's tokens)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(hidden, DTensor):
+        raise ValueError(f"{name}: hidden is a DTensor ({hidden.placements}); pass this rank's tokens as a plain "
+                         f"tensor (hidden.to_local() for sequence-sharded hidden states, or hidden.full_tensor())")
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor()
+    if isinstance(bias, DTensor):
+        bias = bias.full_tensor()
+    return weight, bias
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
@@ -228,6 +247,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits. ``target`` and the
     options are those of ``cross_entropy``; ``reduction="none"`` is available without gradients only (the
     weight gradient is summed over tokens). Returns the loss, as ``cross_entropy``."""
+    weight, bias = _plain_lm_head("linear_cross_entropy", hidden, weight, bias)
     _check_labels("linear_cross_entropy", target, _vocab_size(weight, 0))
     loss, _ = _ops.linear_cross_entropy(hidden, weight, target, bias=bias, logits_scale_factor=logits_scale_factor,
                                         label_smoothing=label_smoothing, z_loss_factor=z_loss_factor,
@@ -244,6 +264,7 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                      compute_entropy: bool = False, chunk_size: int | None = None) -> PolicyLossOutput:
     """GRPO of ``hidden @ weight.T (+ bias)`` without materialising the logits. ``target``, ``advantages``,
     ``old_log_probs`` and the options are those of ``grpo_loss``; returns its PolicyLossOutput."""
+    weight, bias = _plain_lm_head("linear_grpo", hidden, weight, bias)
     _check_labels("linear_grpo", target, _vocab_size(weight, 0))
     out = _ops.linear_grpo(hidden, weight, target, advantages, old_log_probs, bias=bias, ref_log_probs=ref_log_probs,
                            loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
@@ -263,6 +284,7 @@ def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
     ``old_log_probs``, ``document_index`` and the options are those of ``gspo_loss``; returns its
     PolicyLossOutput. The logits are computed twice, chunk by chunk: once for the per-document ratios, once
     for the gradient."""
+    weight, bias = _plain_lm_head("linear_gspo", hidden, weight, bias)
     _check_labels("linear_gspo", target, _vocab_size(weight, 0))
     _check_document_ids("linear_gspo", document_index, num_documents)
     out = _ops.linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, bias=bias,
@@ -275,3 +297,61 @@ def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
 
 for _f in (linear_cross_entropy, linear_grpo_loss, linear_gspo_loss):
     _f.__doc__ += _LINEAR_ARGS_DOC
+
+
+# ---- per-token log-probs and entropies -------------------------------------------------------------------------
+def _scale_of_temperature(name: str, temperature: float) -> float:
+    if not temperature > 0:
+        raise ValueError(f"{name}: temperature must be > 0, got {temperature}")
+    return 1.0 / float(temperature)
+
+
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                    compute_entropy: bool = False, tp_group=None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probability of each label and, on request, the entropy, in one pass over the logits.
+
+    ``log_probs[t] = log softmax(logits[t] / T)[labels[t]]`` and ``entropy[t] = −Σ_j p_tj log p_tj``: what
+    TRL's ``selective_log_softmax`` and verl's log-prob/entropy kernel compute. Both outputs are
+    differentiable w.r.t. the logits with any upstream gradients (the backward is one more pass).
+
+    Args:
+        logits: (..., V) float32/bfloat16/float16/float64, unit stride in the last dim (under ``tp_group``:
+            this rank's vocabulary shard).
+        labels: (...) int64/int32 label ids; a negative id means "no label": its log-prob is 0 (no gradient),
+            its entropy is still computed.
+        temperature: T > 0; the softmax is over logits / T.
+        compute_entropy: also return the entropy per token.
+        tp_group: vocabulary-parallel process group (rl_losses.distributed).
+    Returns: (log_probs, entropy or None), each shaped like ``labels``, float32 (float64 for float64 logits).
+    """
+    scale = _scale_of_temperature("token_log_probs", temperature)
+    if tp_group is not None:
+        from rl_losses import distributed
+
+        return distributed.token_log_probs(logits, labels, tp_group=tp_group, logits_scale_factor=scale,
+                                           compute_entropy=compute_entropy)
+    _check_labels("token_log_probs", labels, _vocab_size(logits, -1))
+    log_probs, entropy = _ops.token_log_probs(logits, labels, logits_scale_factor=scale,
+                                              compute_entropy=compute_entropy)
+    return log_probs, entropy if compute_entropy else None
+
+
+def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                           bias: torch.Tensor | None = None, temperature: float = 1.0,
+                           compute_entropy: bool = False, chunk_size: int | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_log_probs of ``hidden @ weight.T (+ bias)`` without materialising the logits. The backward
+    computes each chunk's logits again (it needs the upstream gradients), so it costs one more GEMM per
+    chunk than the forward-computed gradients of the linear losses."""
+    scale = _scale_of_temperature("linear_token_log_probs", temperature)
+    weight, bias = _plain_lm_head("linear_token_log_probs", hidden, weight, bias)
+    _check_labels("linear_token_log_probs", labels, _vocab_size(weight, 0))
+    log_probs, entropy = _ops.linear_token_log_probs(hidden, weight, labels, bias=bias, logits_scale_factor=scale,
+                                                     compute_entropy=compute_entropy, chunk_size=chunk_size)
+    return log_probs, entropy if compute_entropy else None
+
+
+linear_token_log_probs.__doc__ += _LINEAR_ARGS_DOC.replace(
+    "    Differentiable w.r.t. hidden, weight and bias (the gradients are computed in the forward, chunk by chunk).\n",
+    "    Differentiable w.r.t. hidden, weight and bias.\n")

@@ -287,3 +287,16 @@ def fused_head_loss(logits, target, *, label_weight=0.0, label_smoothing=0.0, la
     lp = _label_logprob(torch.log_softmax(_scaled(logits, s), dim=-1), target)
     total = label_weight * label + z_loss_weight * z + grpo_weight * grpo
     return FusedHeadOutput(total, label.detach(), z.detach(), grpo.detach(), lp.detach())
+
+
+def token_log_probs(logits, target, *, logits_scale_factor=1.0, compute_entropy=False):
+    """(log_probs, entropy or None) per token: log softmax(s·z)[y] (0 where y < 0) and −Σ p log p."""
+    logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
+    return _label_logprob(logp, target), _entropy(logp) if compute_entropy else None
+
+
+def linear_token_log_probs(hidden, weight, target, *, bias=None, logits_scale_factor=1.0, compute_entropy=False):
+    logits = hidden @ weight.t()
+    if bias is not None:
+        logits = logits + bias
+    return token_log_probs(logits, target, logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy)

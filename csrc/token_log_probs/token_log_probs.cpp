@@ -1,0 +1,43 @@
+#include "token_log_probs/token_log_probs.h"
+
+#include "common/checks.h"
+
+namespace rl_losses {
+
+std::vector<at::Tensor> token_log_probs_forward(RowSource& src, const at::Tensor& target, double logits_scale_factor,
+                                                bool compute_entropy, const std::optional<at::Tensor>& row_stats,
+                                                const TokenLogProbsBackend& backend) {
+  const char* op = src.op();
+  const FlatLogits& f = src.flat();
+  check_scale(op, logits_scale_factor);
+  check_row_stats(op, row_stats, f);
+  const auto opts = src.acc_options();
+  TokenLogProbsRows rows{at::empty({f.n_rows}, opts), compute_entropy ? at::empty({f.n_rows}, opts) : at::Tensor(),
+                         row_stats ? at::Tensor() : at::empty({f.n_rows, RowStats<float>::kFields}, opts)};
+  RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
+  if (row_stats) args.stats_in = *row_stats;
+  args.entropy = compute_entropy;
+  if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.forward(a, rows); });
+  const auto batch = target.sizes();
+  return {rows.log_probs.view(batch), compute_entropy ? rows.entropy.view(batch) : at::empty({0}, opts),
+          row_stats ? at::empty({0}, opts) : rows.stats_out};
+}
+
+void token_log_probs_backward(RowSource& src, const at::Tensor& target, const at::Tensor& row_stats,
+                              const std::optional<at::Tensor>& grad_log_probs,
+                              const std::optional<at::Tensor>& grad_entropy, double logits_scale_factor,
+                              const TokenLogProbsBackend& backend) {
+  const char* op = src.op();
+  const FlatLogits& f = src.flat();
+  check_scale(op, logits_scale_factor);
+  check_row_stats(op, row_stats, f);
+  const auto acc = src.acc_options().dtype().toScalarType();
+  TokenLogProbsGrads grads;
+  if (grad_log_probs) grads.grad_log_probs = check_per_token(op, "grad_log_probs", *grad_log_probs, target, acc);
+  if (grad_entropy) grads.grad_entropy = check_per_token(op, "grad_entropy", *grad_entropy, target, acc);
+  RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
+  args.stats_in = row_stats;
+  if (f.n_rows > 0) src.run(args, true, [&](RowPassArgs& a) { backend.backward(a, grads); });
+}
+
+}  // namespace rl_losses

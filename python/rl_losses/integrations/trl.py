@@ -1,0 +1,233 @@
+"""TRL: ``rl_losses.integrations.trl.GRPOTrainer``, a drop-in for ``trl.GRPOTrainer`` (docs/integrations/trl.md).
+
+What changes against TRL's own trainer:
+  * the policy loss comes from the fused lm_head ops, ``rl_losses.linear_grpo_loss`` (token-level importance
+    sampling) or ``rl_losses.linear_gspo_loss`` (``importance_sampling_level="sequence"``), applied to the last
+    hidden state of the completion: loss, gradient and metrics in one chunked pass, the completion logits never
+    materialised, TRL's ``loss_type`` turned into per-token weights and a divisor (``_aggregation``);
+  * every other log-prob the trainer computes (old-policy and reference log-probs, and the loss of the options
+    the fused ops do not cover, below) goes through ``rl_losses.linear_token_log_probs``.
+Options without a fused form — ``loss_type`` cispo/sapo/vespo, vLLM importance-sampling correction,
+``use_bias_correction_kl``, ``off_policy_mask_threshold``, ``top_entropy_quantile < 1``, an entropy bonus, a
+MoE aux loss, multimodal inputs, ``beta != 0`` or ``delta`` with ``importance_sampling_level="sequence"``, logit
+scaling or softcapping in the model config — keep TRL's own loss formula, computed from rl_losses' log-probs; the
+``rl_losses/fused_loss`` metric says which path a step took (1 fused, 0 TRL's formula).
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import trl
+from trl.trainer.utils import FusedCausalLMOutput, nanmax, nanmin
+
+import rl_losses
+
+_FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+def _full(t):
+    # FSDP2 (DTensor) parameters: the lm_head is gathered once per call, as TRL's own fused head does.
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _unsupported_scaling(model) -> str | None:
+    config = model.config.get_text_config()
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return "final_logit_softcapping"
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
+        if getattr(config, name, None) not in (None, 1.0):
+            return name
+    return None
+
+
+def add_fused_lm_head(model, temperature: float = 1.0) -> None:
+    """Patch ``model`` (after TRL's ``add_fused_lm_head``) so that ``model(..., labels=labels,
+    fused_lm_head=True)`` computes its per-token log-probs and entropies with
+    ``rl_losses.linear_token_log_probs``, and so that ``rl_losses_head=fn`` returns ``fn(hidden, weight, bias,
+    labels)`` on the shifted last hidden state (the trainer's fused loss). A model whose config scales or
+    softcaps its logits keeps TRL's head for the log-probs."""
+    previous = model.forward
+    unsupported = _unsupported_scaling(model)
+
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
+                rl_losses_head=None, **kwargs):
+        if not fused_lm_head or (unsupported is not None and rl_losses_head is None):
+            return previous(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
+                            num_items_in_batch=num_items_in_batch, **kwargs)
+        kwargs["use_cache"] = False
+        hidden = self.base_model(*args, **kwargs).last_hidden_state
+        if shift_labels is None:  # the hidden state at t predicts the token at t + 1
+            hidden, labels = hidden[:, :-1], labels[:, 1:]
+        else:
+            labels = shift_labels
+        lm_head = self.get_output_embeddings()
+        weight = _full(lm_head.weight)
+        bias = None if lm_head.bias is None else _full(lm_head.bias)
+        # The ops take one dtype: under autocast the lm_head runs in the autocast dtype (as TRL's head's matmul
+        # would), else in the weight's.
+        device_type = weight.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+        weight = weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        hidden = hidden.to(device=weight.device, dtype=dtype)
+        labels = labels.to(weight.device)
+        if rl_losses_head is not None:
+            return rl_losses_head(hidden, weight, bias, labels)
+        mask = labels != -100
+        # Only the labelled positions are projected (the prompt's are not), as TRL's own head does.
+        lp, entropy = rl_losses.linear_token_log_probs(hidden[mask], weight, labels[mask], bias=bias,
+                                                       temperature=temperature, compute_entropy=True)
+        log_probs = lp.new_zeros(mask.shape).masked_scatter(mask, lp)
+        entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
+        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
+                                   label_mask=mask)
+
+    model.forward = types.MethodType(forward, model)
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` with its loss from rl_losses' fused lm_head ops (see the module docstring). Same
+    constructor, same config (``trl.GRPOConfig``), same logged metric names."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        add_fused_lm_head(model, temperature=self.temperature)
+        if self.ref_model is not None:
+            add_fused_lm_head(self.ref_model, temperature=self.temperature)
+        self._rl_losses_fallback = self._fallback_reason(model)
+
+    # ---- which path ------------------------------------------------------------------------------------------
+    def _fallback_reason(self, model) -> str | None:
+        """Why the fused loss cannot express this configuration (None: it can)."""
+        args = self.args
+        checks = [
+            (self.loss_type not in _FUSED_LOSS_TYPES, f"loss_type={self.loss_type!r}"),
+            (self.use_vllm and self.vllm_importance_sampling_correction, "vllm_importance_sampling_correction"),
+            (self.beta != 0.0 and args.use_bias_correction_kl, "use_bias_correction_kl"),
+            (self.off_policy_mask_threshold is not None, "off_policy_mask_threshold"),
+            (self.top_entropy_quantile < 1.0, "top_entropy_quantile"),
+            (self._entropy_bonus_enabled, "an entropy bonus"),
+            (self.aux_loss_enabled, "a MoE aux loss"),
+            (self.importance_sampling_level == "sequence" and self.beta != 0.0,
+             "beta != 0 with importance_sampling_level='sequence'"),
+            (self.importance_sampling_level == "sequence" and args.delta is not None,
+             "delta with importance_sampling_level='sequence'"),
+            (_unsupported_scaling(model) is not None, f"the model's {_unsupported_scaling(model)}"),
+        ]
+        reasons = [why for bad, why in checks if bad]
+        return ", ".join(reasons) if reasons else None
+
+    def _compute_loss(self, model, inputs):
+        multimodal = any(inputs.get(k) is not None for k in ("pixel_values", "token_type_ids", "mm_token_type_ids"))
+        mode = "train" if self.model.training else "eval"
+        if self._rl_losses_fallback is not None or multimodal:
+            self._metrics[mode]["rl_losses/fused_loss"].append(0.0)
+            return super()._compute_loss(model, inputs)  # TRL's formula over rl_losses' log-probs
+        self._metrics[mode]["rl_losses/fused_loss"].append(1.0)
+        return self._fused_loss(model, inputs, mode)
+
+    # ---- the fused loss ----------------------------------------------------------------------------------------
+    def _aggregation(self, mask: torch.Tensor, inputs, mode: str):
+        """TRL's loss_type as (per-token weights, divisor, sequence-level weighting) of the rl_losses ops.
+
+        The per-token loss ℓ is summed as Σ w·ℓ / D; TRL's division by the gradient-accumulation steps is
+        folded into D. ``weighting`` applies to importance_sampling_level="sequence" (GSPO), where TRL's
+        per-sequence loss f_s is broadcast over the sequence's tokens before the same aggregation."""
+        ga = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        m = mask.to(torch.float32)
+        batch = mask.shape[0]
+        lengths = m.sum(-1, keepdim=True).clamp(min=1.0)
+        if self.loss_type == "grpo":  # mean over sequences of each sequence's token mean
+            return m / lengths, batch * ga, "document"
+        if self.loss_type == "bnpo":  # token mean over the micro-batch
+            return m, float(m.sum().clamp(min=1.0)) * ga, "token"
+        if self.loss_type == "dr_grpo":  # token sum over a constant
+            return m, batch * self.max_completion_length * ga, "token"
+        if self.loss_type == "luspo":  # per-sequence token sums, mean over sequences
+            return m, batch * ga, "token"
+        # dapo: token sum over the generation batch's token count, per accumulation window
+        normalizer = float(inputs["num_items_in_batch"].clamp(min=1.0)) / self.accelerator.num_processes
+        if mode == "train":
+            normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        return m, normalizer, "token"
+
+    def _fused_loss(self, model, inputs, mode: str):
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        keep = completion_ids.size(1)
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        target = completion_ids.masked_fill(mask == 0, -100)
+        advantages = inputs["advantages"]
+        advantages = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).expand_as(mask).float()
+        old = inputs.get("old_per_token_logps")
+        ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+        weights, divisor, weighting = self._aggregation(mask, inputs, mode)
+        scale = 1.0 / self.temperature
+        options = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, divisor=divisor,
+                       compute_entropy=True)
+
+        def head(hidden, weight, bias, _labels):
+            hidden = hidden[:, -keep:]  # the completion's positions only
+            old_lp = old
+            if old_lp is None:
+                # On-policy (num_iterations=1): the old log-probs are the current ones, detached (ratio 1).
+                with torch.no_grad():
+                    old_lp, _ = rl_losses.linear_token_log_probs(hidden, weight, target, bias=bias,
+                                                                 temperature=self.temperature)
+            old_lp = old_lp.float()
+            if self.importance_sampling_level == "sequence":
+                doc = torch.arange(mask.shape[0], device=mask.device).unsqueeze(1).expand_as(mask)
+                return rl_losses.linear_gspo_loss(
+                    hidden, weight, target, advantages, old_lp, doc, bias=bias, num_documents=mask.shape[0],
+                    weighting=weighting, logits_scale_factor=scale, **options), old_lp
+            return rl_losses.linear_grpo_loss(
+                hidden, weight, target, advantages, old_lp, bias=bias, delta=self.args.delta,
+                ref_log_probs=None if ref is None else ref.float(), beta=self.beta, loss_weights=weights,
+                logits_scale_factor=scale, **options), old_lp
+
+        out, old_lp = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids, fused_lm_head=True,
+                            rl_losses_head=head)
+        self._log_metrics(out, old_lp, ref, advantages[:, :1], mask, mode)
+        return out.loss
+
+    def _log_metrics(self, out, old_lp, ref, advantages, mask, mode):
+        """TRL's metric names and definitions, from the op's detached per-token log-probs."""
+        maskf = mask.float()
+
+        def global_masked_mean(x):
+            if x.shape[1] == 1:
+                local_sum, local_count = x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
+            else:
+                local_sum, local_count = (x * maskf).sum(), maskf.sum()
+            totals = self.accelerator.reduce(torch.stack([local_sum, local_count]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        def masked_seq_mean(x):
+            return x.squeeze(1) if x.shape[1] == 1 else (x * maskf).sum(-1) / maskf.sum(-1)
+
+        lp = out.log_probs.detach()
+        if self.importance_sampling_level == "sequence":
+            ratio = out.document_ratios.detach().unsqueeze(1)
+        else:
+            ratio = torch.exp(lp - old_lp)
+        if self.beta != 0.0:
+            d = ref - lp
+            self._metrics[mode]["kl"].append(global_masked_mean(torch.exp(d) - d - 1))
+        entropy_sum = out.entropy.detach() * maskf.sum()
+        totals = self.accelerator.reduce(torch.stack([entropy_sum, maskf.sum()]), reduction="sum")
+        self._metrics[mode]["entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).float()
+        high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float()
+        self._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(low))
+        self._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(high))
+        self._metrics[mode]["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
+        self._metrics[mode]["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(low))).item())
+        self._metrics[mode]["clip_ratio/high_max"].append(
+            nanmax(self.accelerator.gather(masked_seq_mean(high))).item())
