@@ -52,22 +52,37 @@ TORCH_LIBRARY(rl_losses, m) {
 
   // ---- GRPO (SPEC §2.2) -----------------------------------------------------------------------------
   // Outputs after the loss are detached metrics (SPEC §2.4); `entropy` is 0 unless compute_entropy.
+// The policy family's options (docs/policy_losses.md) follow each policy op's own arguments; its metrics
+// follow ratio_mean: kl (mean KL estimate towards ref_log_probs), rollout_ratio_mean (mean ρ),
+// rollout_weight_mean (mean correction weight), rollout_corrected_fraction (tokens truncated or masked).
 #define RL_LOSSES_POLICY_OUTS                                                                           \
   "(Tensor loss, Tensor new_logprobs, Tensor clipped_fraction_low, Tensor clipped_fraction_high, "     \
-  "Tensor kl_old, Tensor entropy, Tensor log_probs, Tensor ratio_mean"
+  "Tensor kl_old, Tensor entropy, Tensor log_probs, Tensor ratio_mean, Tensor kl, Tensor rollout_ratio_mean, " \
+  "Tensor rollout_weight_mean, Tensor rollout_corrected_fraction"
+#define RL_LOSSES_POLICY_ARGS                                                                                   \
+  "str loss_type, float sapo_temperature_pos, float sapo_temperature_neg, Tensor? rollout_log_probs, "          \
+  "str? rollout_correction, float rollout_cap, float[]? rollout_mask_bounds, str kl_estimator, "                \
+  "bool kl_importance_weighted, float entropy_coefficient"
+#define RL_LOSSES_POLICY_KWARGS                                                                                 \
+  "str loss_type=\"ppo_clip\", float sapo_temperature_pos=1.0, float sapo_temperature_neg=1.05, "              \
+  "Tensor? rollout_log_probs=None, str? rollout_correction=None, float rollout_cap=3.0, "                        \
+  "float[]? rollout_mask_bounds=None, str kl_estimator=\"k3\", bool kl_importance_weighted=False, "             \
+  "float entropy_coefficient=0.0"
+  // old_log_probs=None: on-policy (old = sg(lp)). advantages: per token, or per sequence ((B,) for (B, T)
+  // labels). document_index: the sequences of a sequence-level rollout_correction (default: the rows).
 #define RL_LOSSES_GRPO_ARGS                                                                                    \
   "Tensor? ref_log_probs, Tensor? loss_weights, Tensor? label_counts, float epsilon_low, float epsilon_high, " \
   "float? delta, float beta, float? divisor, float logits_scale_factor, bool compute_entropy, "                \
-  "Tensor? row_stats, int vocab_start, int vocab_size"
+  "Tensor? row_stats, int vocab_start, int vocab_size, " RL_LOSSES_POLICY_ARGS ", Tensor? document_index"
   m.def(
-      "grpo(Tensor logits, Tensor target, Tensor advantages, Tensor old_log_probs, *, Tensor? ref_log_probs=None, "
+      "grpo(Tensor logits, Tensor target, Tensor advantages, Tensor? old_log_probs, *, Tensor? ref_log_probs=None, "
       "Tensor? loss_weights=None, Tensor? label_counts=None, float epsilon_low=0.2, float epsilon_high=0.2, "
       "float? delta=None, float beta=0.0, float? divisor=None, float logits_scale_factor=1.0, "
       "bool compute_entropy=False, bool inplace_backward=False, Tensor? row_stats=None, int vocab_start=0, "
-      "int vocab_size=-1) -> " RL_LOSSES_POLICY_OUTS ")");
-  m.def("_grpo_forward(Tensor logits, Tensor target, Tensor advantages, Tensor old_log_probs, " RL_LOSSES_GRPO_ARGS
+      "int vocab_size=-1, " RL_LOSSES_POLICY_KWARGS ", Tensor? document_index=None) -> " RL_LOSSES_POLICY_OUTS ")");
+  m.def("_grpo_forward(Tensor logits, Tensor target, Tensor advantages, Tensor? old_log_probs, " RL_LOSSES_GRPO_ARGS
         ", bool compute_grad) -> " RL_LOSSES_POLICY_OUTS ", Tensor grad)");
-  m.def("_grpo_forward_inplace(Tensor(a!) logits, Tensor target, Tensor advantages, Tensor old_log_probs, "
+  m.def("_grpo_forward_inplace(Tensor(a!) logits, Tensor target, Tensor advantages, Tensor? old_log_probs, "
         RL_LOSSES_GRPO_ARGS ") -> " RL_LOSSES_POLICY_OUTS ")");
 #undef RL_LOSSES_GRPO_ARGS
 
@@ -133,4 +148,6 @@ TORCH_LIBRARY(rl_losses, m) {
       "Tensor document_ratios, " RL_LOSSES_LINEAR_GRADS ")");
 #undef RL_LOSSES_LINEAR_GRADS
 #undef RL_LOSSES_POLICY_OUTS
+#undef RL_LOSSES_POLICY_ARGS
+#undef RL_LOSSES_POLICY_KWARGS
 }

@@ -107,6 +107,15 @@ inline RowPassView<scalar_t, label_t, acc_t> make_view(const RowPassArgs& a) {
 // skip reading that row and pass RowStats::empty() (the CPU pass and both CUDA kernels do; the separate
 // `row_stats` op, used by the split path and tensor parallelism, reads every row). `go` is called with
 // std::true_type/false_type flags.
+//
+// An epilogue whose coefficients may carry h (the entropy gradient, GradCoef) declares
+// kMayUseEntropyGrad = true; the others' h is never read.
+template <typename Epi, typename = void>
+struct MayUseEntropyGrad : std::false_type {};
+template <typename Epi>
+struct MayUseEntropyGrad<Epi, std::void_t<decltype(Epi::kMayUseEntropyGrad)>>
+    : std::bool_constant<Epi::kMayUseEntropyGrad> {};
+
 template <typename Epi, typename Go>
 void dispatch_stat_flags(const RowPassArgs& args, Go&& go) {
   using T = std::true_type;
@@ -191,8 +200,12 @@ struct SumOf {
 
 // The scalar outputs of GRPO and GSPO (SPEC §2.4), in schema order, written by their finishing reductions:
 // 0-dim tensors of the accumulation dtype, and their pointers for the device.
+// The last four (the policy family's, docs/policy_losses.md): the mean KL estimate towards ref_log_probs, and
+// over the labelled tokens the mean rollout ratio ρ, the mean correction weight and the fraction of tokens whose
+// weight was truncated or masked.
 enum PolicyScalar : int { kPolicyLoss = 0, kPolicyNewLogProbs, kPolicyClipLow, kPolicyClipHigh, kPolicyKlOld,
-                          kPolicyEntropy, kPolicyRatioMean, kPolicyScalars };
+                          kPolicyEntropy, kPolicyRatioMean, kPolicyKl, kPolicyRolloutRatio, kPolicyRolloutWeight,
+                          kPolicyRolloutCorrected, kPolicyScalars };
 template <typename acc_t>
 struct PolicyScalarPtrs {
   acc_t* p[kPolicyScalars];
@@ -210,8 +223,9 @@ struct PolicyScalarOutputs {
   }
   // The schema's outputs: these with the per-token log-probs between entropy and ratio_mean.
   std::vector<at::Tensor> with_log_probs(const at::Tensor& log_probs) const {
-    return {t[kPolicyLoss], t[kPolicyNewLogProbs], t[kPolicyClipLow], t[kPolicyClipHigh],
-            t[kPolicyKlOld], t[kPolicyEntropy], log_probs,         t[kPolicyRatioMean]};
+    return {t[kPolicyLoss],     t[kPolicyNewLogProbs], t[kPolicyClipLow],        t[kPolicyClipHigh],
+            t[kPolicyKlOld],    t[kPolicyEntropy],     log_probs,                t[kPolicyRatioMean],
+            t[kPolicyKl],       t[kPolicyRolloutRatio], t[kPolicyRolloutWeight], t[kPolicyRolloutCorrected]};
   }
 };
 

@@ -79,13 +79,33 @@ void row_pass_cpu_typed(const RowPassArgs& args, const Epilogue& epi) {
         const GradCoef<acc_t> coef = epi(row + v.row_offset, label, st);
         if (!grad) continue;
         scalar_t* g = v.grad + row * v.grad_row_stride;
-        if (coef.a == acc_t(0) && coef.b == acc_t(0) && coef.c == acc_t(0)) {
+        constexpr bool kEntropyGrad = MayUseEntropyGrad<Epilogue>::value;
+        const bool entropy_grad = kEntropyGrad && coef.h != acc_t(0);
+        if (coef.a == acc_t(0) && coef.b == acc_t(0) && coef.c == acc_t(0) && !entropy_grad) {
           std::fill(g, g + v.vocab, scalar_t(0));  // masked row: exact zeros, no exp of a possibly -inf lse
           continue;
         }
         const acc_t lse = st.lse();
         const acc_t scale = v.scale, sa = v.scale * coef.a, sc = v.scale * coef.c;
         const int64_t n = v.vocab;  // locals: loads through `v` inside the loop would block vectorisation
+        if constexpr (kEntropyGrad) {
+          if (entropy_grad) {
+            // + h·p·log p, log p = x − lse; p·log p → 0 where p underflows (x = −inf included: no 0·inf).
+            const acc_t sh = v.scale * coef.h;
+            RL_LOSSES_SIMD
+            for (int64_t k = 0; k < n; ++k) {
+              const acc_t log_p = static_cast<acc_t>(x[k]) * scale - lse;
+              const acc_t p = exp_nonpos(log_p);
+              g[k] = static_cast<scalar_t>(sa * p + sc + sh * (p > acc_t(0) ? p * log_p : acc_t(0)));
+            }
+            if (has_label) {
+              const acc_t log_p = st.label - lse, p = exp_nonpos(log_p);
+              g[local] = static_cast<scalar_t>(sa * p + sc + v.scale * coef.b +
+                                               sh * (p > acc_t(0) ? p * log_p : acc_t(0)));
+            }
+            continue;
+          }
+        }
         RL_LOSSES_SIMD
         for (int64_t k = 0; k < n; ++k) {
           const acc_t p = exp_nonpos(static_cast<acc_t>(x[k]) * scale - lse);

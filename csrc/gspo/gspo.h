@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/policy.h"
 #include "common/row_pass.h"
 #include "common/row_source.h"
 
@@ -208,6 +209,10 @@ struct GspoMetrics {
     *dst.p[kPolicyKlOld] = totals[kGspoKlOld] / n;
     *dst.p[kPolicyEntropy] = entropy ? s[kGspoTokenEntropy] / labelled : acc_t(0);
     *dst.p[kPolicyRatioMean] = totals[kGspoLabelledRatio] / n;
+    *dst.p[kPolicyKl] = acc_t(0);
+    *dst.p[kPolicyRolloutRatio] = acc_t(1);
+    *dst.p[kPolicyRolloutWeight] = acc_t(1);
+    *dst.p[kPolicyRolloutCorrected] = acc_t(0);
   }
 };
 
@@ -237,14 +242,11 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
                                      const std::optional<at::Tensor>& document_sums, const GspoBackend& backend);
 
 // The registered forward ops, given a back-end (the CPU and CUDA registrations bind it).
-using GspoOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                               at::Tensor, at::Tensor>;
-using GspoOutputsAndGrad = decltype(std::tuple_cat(std::declval<GspoOutputs>(), std::declval<std::tuple<at::Tensor>>()));
 
 template <const GspoBackend& (*kBackend)()>
 struct GspoOps {
   using Opt = std::optional<at::Tensor>;
-  static GspoOutputsAndGrad forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
+  static auto forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
                                     const at::Tensor& old, const at::Tensor& doc, std::optional<int64_t> n_docs,
                                     const Opt& counts, double el, double eh, c10::string_view weighting,
                                     bool token_adv, std::optional<double> d, double s, bool entropy, const Opt& stats,
@@ -252,9 +254,10 @@ struct GspoOps {
     LogitsSource src("gspo", logits, target, vs, vn, compute_grad, false);
     auto o = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d, s,
                           entropy, stats, sums, kBackend());
-    return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], src.grads()[0]};
+    o.push_back(src.grads()[0]);
+    return tensors_as_tuple<kPolicyOutputs + 2>(o);
   }
-  static GspoOutputs forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
+  static auto forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
                                      const at::Tensor& old, const at::Tensor& doc, std::optional<int64_t> n_docs,
                                      const Opt& counts, double el, double eh, c10::string_view weighting,
                                      bool token_adv, std::optional<double> d, double s, bool entropy,
@@ -262,7 +265,7 @@ struct GspoOps {
     LogitsSource src("gspo", logits, target, vs, vn, false, true);
     auto o = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d, s,
                           entropy, stats, sums, kBackend());
-    return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8]};
+    return tensors_as_tuple<kPolicyOutputs + 1>(o);
   }
   static at::Tensor document_sums(const at::Tensor& lp, const at::Tensor& target, const at::Tensor& adv,
                                   const at::Tensor& old, const at::Tensor& doc, const at::Tensor& counts,

@@ -63,8 +63,8 @@ struct LinearGrpoOp {
                       std::array<bool, 3> mask) {
     LinearSource src("linear_grpo", hidden, weight, bias, target, chunk, mask, kWeightGrad);
     auto out = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, std::nullopt,
-                            kBackend());
-    return linear_detail::with_grads<11>(std::move(out), src);
+                            std::nullopt, std::nullopt, PolicyArgs{}, kBackend());
+    return linear_detail::with_grads<kPolicyOutputs + 3>(std::move(out), src);
   }
 };
 
@@ -79,7 +79,7 @@ struct LinearGspoOp {
     LinearSource src("linear_gspo", hidden, weight, bias, target, chunk, mask, kWeightGrad);
     auto out = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d,
                             s, entropy, std::nullopt, std::nullopt, kBackend());
-    return linear_detail::with_grads<12>(std::move(out), src);
+    return linear_detail::with_grads<kPolicyOutputs + 4>(std::move(out), src);
   }
 };
 

@@ -21,7 +21,7 @@ from rl_losses.functional import (  # noqa: F401
     linear_gspo_loss,
     z_loss,
 )
-from rl_losses import config, losses, packing  # noqa: F401  (configs, loss modules, document packing)
+from rl_losses import aggregation, config, losses, packing  # noqa: F401  (presets, configs, modules, packing)
 from rl_losses.config import LanguageModelLossConfig  # noqa: F401
 from rl_losses.packing import Document, pack_documents  # noqa: F401
 

@@ -68,7 +68,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rl_losses.functional import PolicyLossOutput, _check_inputs_enabled, _check_labels, _divisor, _policy_output
+from rl_losses.functional import (POLICY_OUTPUTS, PolicyLossOutput, _check_inputs_enabled, _check_labels, _divisor,
+                                  _grpo_output, _policy_kwargs, _policy_output)
+
+# The defaults of the policy family's options (rl_losses.grpo_loss).
+_POLICY_DEFAULTS = dict(loss_type="ppo_clip", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+                        rollout_log_probs=None, rollout_correction=None, rollout_cap=3.0, rollout_mask_bounds=None,
+                        kl_estimator="k3", kl_importance_weighted=False, entropy_coefficient=0.0)
 
 _ops = torch.ops.rl_losses
 
@@ -198,23 +204,29 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, tp_group, logit
     return loss
 
 
-def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor,
-              *, tp_group, epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
-              ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
+def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
+              old_log_probs: torch.Tensor | None, *, tp_group, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+              delta: float | None = None, ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
               loss_weights: torch.Tensor | None = None, divisor: float | None = None,
               logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
               compute_entropy: bool = False, inplace_backward: bool = False, vocab_start: int | None = None,
-              vocab_size: int | None = None) -> PolicyLossOutput:
-    """Vocabulary-parallel GRPO (SPEC §2.2, §3); see rl_losses.grpo_loss, and cross_entropy above for the
-    shard arguments. The loss and metrics are identical on every rank of ``tp_group``."""
+              vocab_size: int | None = None, document_index: torch.Tensor | None = None,
+              **policy) -> PolicyLossOutput:
+    """Vocabulary-parallel GRPO (SPEC §2.2, §3); see rl_losses.grpo_loss (``policy``: its policy-family
+    options), and cross_entropy above for the shard arguments. The loss and metrics are identical on every rank
+    of ``tp_group``."""
+    policy = _policy_kwargs(**{**_POLICY_DEFAULTS, **policy})
+    # The entropy bonus needs Σp·x in the statistics, as the entropy metric does.
+    entropy = compute_entropy or policy["entropy_coefficient"] != 0.0
     stats, start, total = _tp_setup("grpo_loss", logits, target, tp_group, logits_scale_factor, vocab_start,
-                                    vocab_size, entropy=compute_entropy)
+                                    vocab_size, entropy=entropy)
     out = _ops.grpo(logits, target, advantages, old_log_probs, ref_log_probs=ref_log_probs,
                     loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
                     epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
                     logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                    inplace_backward=inplace_backward, row_stats=stats, vocab_start=start, vocab_size=total)
-    return _policy_output(out, compute_entropy)
+                    inplace_backward=inplace_backward, row_stats=stats, vocab_start=start, vocab_size=total,
+                    document_index=document_index, **policy)
+    return _grpo_output(out, compute_entropy, policy, ref_log_probs)
 
 
 # ---- sequence-data parallelism (GSPO) ----------------------------------------------------------------------
@@ -278,7 +290,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         stats, start, total = _tp_setup(*tp, entropy=compute_entropy)
         out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
                         label_counts=label_counts, row_stats=stats, vocab_start=start, vocab_size=total, **options)
-        return _policy_output(out, compute_entropy, document_ratios=out[8])
+        return _policy_output(out, compute_entropy, document_ratios=out[POLICY_OUTPUTS])
 
     if num_documents is None:
         if torch.compiler.is_compiling():
@@ -321,5 +333,5 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     # The op's new_logprobs and entropy cover this rank's tokens only: the group's come from the all-reduce.
     new_logprobs = docs[:, 3].sum() / (count > 0).sum().clamp_min(1)
     entropy = payload[num_documents, 0] / payload[num_documents, 1].clamp_min(1) if compute_entropy else None
-    result = _policy_output(out, compute_entropy, document_ratios=out[8])
+    result = _policy_output(out, compute_entropy, document_ratios=out[POLICY_OUTPUTS])
     return result._replace(new_logprobs=new_logprobs, entropy=entropy)

@@ -111,34 +111,84 @@ def z_loss(logits: torch.Tensor, *, loss_mask: torch.Tensor | None = None, logit
     return loss
 
 
-def _policy_output(out, compute_entropy: bool, document_ratios=None) -> PolicyLossOutput:
-    loss, new_lp, low, high, kl_old, entropy, log_probs, ratio_mean = out[:8]
+# The number of outputs of the policy ops before GSPO's document_ratios (csrc/registration.cpp).
+POLICY_OUTPUTS = 12
+
+
+def _policy_output(out, compute_entropy: bool, document_ratios=None, *, loss_type: str = "ppo_clip",
+                   has_kl: bool = False, has_rollout: bool = False) -> PolicyLossOutput:
+    loss, new_lp, low, high, kl_old, entropy, log_probs, ratio_mean, kl, rho, weight, corrected = out[:POLICY_OUTPUTS]
     return PolicyLossOutput(loss, new_lp, low, high, kl_old, entropy if compute_entropy else None, log_probs,
-                            ratio_mean, document_ratios)
+                            ratio_mean, document_ratios, kl if has_kl else None, rho if has_rollout else None,
+                            weight if has_rollout else None, corrected if has_rollout else None, loss_type=loss_type)
 
 
-def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor,
-              *, epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
-              ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
+def _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs, rollout_correction,
+                   rollout_cap, rollout_mask_bounds, kl_estimator, kl_importance_weighted, entropy_coefficient):
+    # The policy family's options as the ops take them (csrc/registration.cpp: RL_LOSSES_POLICY_KWARGS).
+    return dict(loss_type=loss_type, sapo_temperature_pos=float(sapo_temperature_pos),
+                sapo_temperature_neg=float(sapo_temperature_neg), rollout_log_probs=rollout_log_probs,
+                rollout_correction=rollout_correction, rollout_cap=float(rollout_cap),
+                rollout_mask_bounds=None if rollout_mask_bounds is None else [float(b) for b in rollout_mask_bounds],
+                kl_estimator=kl_estimator, kl_importance_weighted=bool(kl_importance_weighted),
+                entropy_coefficient=float(entropy_coefficient))
+
+
+_POLICY_DOC = """
+    The policy family (docs/policy_losses.md has every formula):
+        old_log_probs: None for on-policy training (old = sg(lp): r = 1 in value, gradient A·∇lp).
+        advantages: per token, or per sequence: (B,) for (B, T) labels, broadcast over each row.
+        loss_type: "ppo_clip" (default), "cispo" (−sg(min(r, ε_h))·A·lp: the cap is epsilon_high itself, as
+            TRL's and Liger's) or "sapo" (−(4/τ)·σ(τ(r−1))·A, τ = sapo_temperature_pos if A > 0 else
+            sapo_temperature_neg). TRL's grpo/bnpo/dapo/dr_grpo/luspo are "ppo_clip" with an aggregation preset
+            (rl_losses.aggregation). delta is for "ppo_clip" only.
+        rollout_log_probs: (...) the inference engine's log-probs; ρ = exp(old − rollout).
+        rollout_correction: None, "token_truncate", "token_mask", "sequence_truncate" or "sequence_mask" (TRL's
+            vllm_importance_sampling_mode): the surrogate of each token (not its KL or entropy term) is
+            multiplied by sg(min(ρ, rollout_cap)) ("truncate") or sg(ρ·[lo ≤ ρ ≤ hi]) ("mask",
+            rollout_mask_bounds = (lo, hi), default (0, rollout_cap)). Sequence level: ρ is the geometric mean
+            over the sequence's labelled tokens (document_index, else the rows of (B, T) labels).
+        kl_estimator: "k1" (lp − q), "k2" (½(lp − q)²) or "k3" (default) towards ref_log_probs, times beta;
+            kl_importance_weighted: sg(r)·KL (Liger's use_bias_correction_kl).
+        entropy_coefficient: c, adds −c·Σ_t w_t·H_t / D (differentiated, same pass).
+"""
+
+
+def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
+              old_log_probs: torch.Tensor | None, *, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+              delta: float | None = None, ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
               loss_weights: torch.Tensor | None = None, divisor: float | None = None,
               logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
-              compute_entropy: bool = False, inplace_backward: bool = False, tp_group=None) -> PolicyLossOutput:
-    """GRPO: per-token clipped importance ratio (SPEC §2.2), fused with its metrics (SPEC §2.4).
+              compute_entropy: bool = False, inplace_backward: bool = False, tp_group=None,
+              loss_type: str = "ppo_clip", sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+              rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
+              rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
+              kl_estimator: str = "k3", kl_importance_weighted: bool = False, entropy_coefficient: float = 0.0,
+              document_index: torch.Tensor | None = None) -> PolicyLossOutput:
+    """GRPO: per-token importance ratio (SPEC §2.2), fused with its metrics (SPEC §2.4).
 
     Args:
         logits: (..., V) float32/bfloat16/float16/float64 (this rank's shard under ``tp_group``).
         target: (...) int64/int32 label ids, negative = no label.
-        advantages, old_log_probs: (...) float, per token.
+        advantages: (...) float per token, or (B,) per sequence for (B, T) labels.
+        old_log_probs: (...) float per token, or None (on-policy).
         epsilon_low/epsilon_high: clip range [1-ε_l, 1+ε_h]. delta: optional two-sided clip (> 1+ε_h).
-        ref_log_probs: (...) float, with ``beta`` > 0: k3 KL penalty towards the reference policy.
+        ref_log_probs: (...) float, with ``beta`` > 0: KL penalty towards the reference policy.
         loss_weights: (...) float per-token weights w_t (default: the label mask), e.g. mask/|o_i| for the
-            sequence mean of token means. divisor: D (default: the number of labelled tokens).
+            sequence mean of token means (rl_losses.aggregation builds them). divisor: D (default: the number
+            of labelled tokens).
         label_counts: (...) the labelled-token count of each token's document; only used by the
             ``new_logprobs`` metric (mean over documents of each document's mean log-prob).
         compute_entropy: also return the mean entropy over labelled tokens.
         inplace_backward: write the gradient into ``logits``.
-    Returns: PolicyLossOutput (``loss`` is differentiable; the rest are detached metrics).
+        document_index: (...) int, the sequence of each token for a sequence-level rollout correction
+            (negative = padding).
+    Returns: PolicyLossOutput (``loss`` is differentiable; the rest are detached metrics;
+        ``trl_metrics()`` gives them under TRL's names).
     """
+    policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
+                            rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
+                            kl_importance_weighted, entropy_coefficient)
     if tp_group is not None:
         from rl_losses import distributed
 
@@ -147,14 +197,23 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
                                      ref_log_probs=ref_log_probs, beta=beta, loss_weights=loss_weights,
                                      divisor=_divisor(divisor), logits_scale_factor=logits_scale_factor,
                                      label_counts=label_counts, compute_entropy=compute_entropy,
-                                     inplace_backward=inplace_backward)
+                                     inplace_backward=inplace_backward, document_index=document_index, **policy)
     _check_labels("grpo", target, _vocab_size(logits, -1))
     out = _ops.grpo(logits, target, advantages, old_log_probs, ref_log_probs=ref_log_probs,
                     loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
                     epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
                     logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                    inplace_backward=inplace_backward)
-    return _policy_output(out, compute_entropy)
+                    inplace_backward=inplace_backward, document_index=document_index, **policy)
+    return _grpo_output(out, compute_entropy, policy, ref_log_probs)
+
+
+def _grpo_output(out, compute_entropy, policy, ref_log_probs) -> PolicyLossOutput:
+    return _policy_output(out, compute_entropy or policy["entropy_coefficient"] != 0.0,
+                          loss_type=policy["loss_type"], has_kl=ref_log_probs is not None,
+                          has_rollout=policy["rollout_correction"] is not None)
+
+
+grpo_loss.__doc__ += _POLICY_DOC
 
 
 def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor,
@@ -194,7 +253,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
                     weighting=weighting, token_advantages=token_advantages, divisor=_divisor(divisor),
                     logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
                     inplace_backward=inplace_backward)
-    return _policy_output(out, compute_entropy, document_ratios=out[8])
+    return _policy_output(out, compute_entropy, document_ratios=out[POLICY_OUTPUTS])
 
 
 # ---- fused lm_head -------------------------------------------------------------------------------------------
@@ -255,7 +314,7 @@ def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                            epsilon_high=epsilon_high, weighting=weighting, token_advantages=token_advantages,
                            divisor=_divisor(divisor), logits_scale_factor=logits_scale_factor,
                            compute_entropy=compute_entropy, chunk_size=chunk_size)
-    return _policy_output(out, compute_entropy, document_ratios=out[8])
+    return _policy_output(out, compute_entropy, document_ratios=out[POLICY_OUTPUTS])
 
 
 for _f in (linear_cross_entropy, linear_grpo_loss, linear_gspo_loss):
