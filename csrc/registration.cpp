@@ -93,23 +93,25 @@ TORCH_LIBRARY(rl_losses, m) {
 #define RL_LOSSES_GSPO_ARGS                                                                                   \
   "int? num_documents, Tensor? label_counts, float epsilon_low, float epsilon_high, str weighting, "          \
   "bool token_advantages, float? divisor, float logits_scale_factor, bool compute_entropy, Tensor? row_stats, " \
-  "Tensor? document_sums, int vocab_start, int vocab_size"
+  "Tensor? document_sums, int vocab_start, int vocab_size, Tensor? ref_log_probs, float beta, "                \
+  RL_LOSSES_POLICY_ARGS
   m.def(
-      "gspo(Tensor logits, Tensor target, Tensor advantages, Tensor old_log_probs, Tensor document_index, *, "
+      "gspo(Tensor logits, Tensor target, Tensor advantages, Tensor? old_log_probs, Tensor document_index, *, "
       "int? num_documents=None, Tensor? label_counts=None, float epsilon_low=0.2, float epsilon_high=0.2, "
       "str weighting=\"document\", bool token_advantages=False, float? divisor=None, "
       "float logits_scale_factor=1.0, bool compute_entropy=False, bool inplace_backward=False, "
-      "Tensor? row_stats=None, Tensor? document_sums=None, int vocab_start=0, int vocab_size=-1) -> "
+      "Tensor? row_stats=None, Tensor? document_sums=None, int vocab_start=0, int vocab_size=-1, "
+      "Tensor? ref_log_probs=None, float beta=0.0, " RL_LOSSES_POLICY_KWARGS ") -> "
       RL_LOSSES_POLICY_OUTS ", Tensor document_ratios)");
-  m.def("_gspo_forward(Tensor logits, Tensor target, Tensor advantages, Tensor old_log_probs, "
+  m.def("_gspo_forward(Tensor logits, Tensor target, Tensor advantages, Tensor? old_log_probs, "
         "Tensor document_index, " RL_LOSSES_GSPO_ARGS ", bool compute_grad) -> " RL_LOSSES_POLICY_OUTS
         ", Tensor document_ratios, Tensor grad)");
-  m.def("_gspo_forward_inplace(Tensor(a!) logits, Tensor target, Tensor advantages, Tensor old_log_probs, "
+  m.def("_gspo_forward_inplace(Tensor(a!) logits, Tensor target, Tensor advantages, Tensor? old_log_probs, "
         "Tensor document_index, " RL_LOSSES_GSPO_ARGS ") -> " RL_LOSSES_POLICY_OUTS ", Tensor document_ratios)");
   // The per-document sums of one rank (for the sequence-data-parallel all-reduce), from this rank's
   // per-token log-probs: (num_documents, 3) as described above.
   m.def(
-      "gspo_document_sums(Tensor log_probs, Tensor target, Tensor advantages, Tensor old_log_probs, "
+      "gspo_document_sums(Tensor log_probs, Tensor target, Tensor advantages, Tensor? old_log_probs, "
       "Tensor document_index, Tensor label_counts, int num_documents) -> Tensor");
 #undef RL_LOSSES_GSPO_ARGS
 

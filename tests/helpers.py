@@ -8,6 +8,11 @@ from rl_losses import reference
 
 from conftest import DEVICES, assert_close
 
+# The policy family's schema arguments at their defaults, in schema order (loss_type, sapo_temperature_pos,
+# sapo_temperature_neg, rollout_log_probs, rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
+# kl_importance_weighted, entropy_coefficient): for positional calls of the _grpo/_gspo forward ops.
+POLICY_DEFAULTS = ("ppo_clip", 1.0, 1.05, None, None, 3.0, None, "k3", False, 0.0)
+
 requires_cuda = pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the extension's CUDA kernels")
 
 

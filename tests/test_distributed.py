@@ -240,7 +240,7 @@ def call_loss(case: Case, inputs: dict, logits: torch.Tensor, **group_kwargs):
         fn = rl_dist.gspo_loss if shards else rl_losses.gspo_loss
         args.append(inputs["document_index"])
     out = fn(*args, **options, **group_kwargs, **shards)
-    metrics = {k: v for k, v in out._asdict().items() if k != "loss" and v is not None}
+    metrics = {k: v for k, v in out._asdict().items() if k not in ("loss", "loss_type") and v is not None}
     return out.loss, metrics
 
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/string_view.h>
 
 #include <optional>
 #include <tuple>
@@ -28,6 +29,25 @@ struct PolicyArgs {
   bool kl_importance_weighted = false;
   double entropy_coefficient = 0.0;
 };
+
+// The policy family's schema arguments, in schema order (registration.cpp: RL_LOSSES_POLICY_ARGS), into
+// PolicyArgs.
+inline PolicyArgs policy_args(c10::string_view loss_type, double tau_pos, double tau_neg,
+                              std::optional<c10::string_view> rollout_correction, double rollout_cap,
+                              std::optional<c10::ArrayRef<double>> rollout_mask_bounds, c10::string_view kl_estimator,
+                              bool kl_importance_weighted, double entropy_coefficient) {
+  PolicyArgs a;
+  a.loss_type = std::string(loss_type);
+  a.sapo_temperature_pos = tau_pos;
+  a.sapo_temperature_neg = tau_neg;
+  if (rollout_correction) a.rollout_correction = std::string(*rollout_correction);
+  a.rollout_cap = rollout_cap;
+  if (rollout_mask_bounds) a.rollout_mask_bounds = rollout_mask_bounds->vec();
+  a.kl_estimator = std::string(kl_estimator);
+  a.kl_importance_weighted = kl_importance_weighted;
+  a.entropy_coefficient = entropy_coefficient;
+  return a;
+}
 
 // Whether the rollout correction is taken per token or per sequence (geometric mean of ρ over the sequence).
 inline bool sequence_level_rollout(const PolicyArgs& a) {

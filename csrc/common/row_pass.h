@@ -159,16 +159,21 @@ C10_HOST_DEVICE inline RowStats<acc_t> load_stats(const acc_t* stats, int64_t ro
   return {s[0], s[1], s[2], s[3], s[4]};
 }
 
-// Epilogue for a gradient pass whose per-row coefficient was computed elsewhere (GSPO): the gradient is
-// coef_t·(p − onehot), i.e. (a, b, c) = (coef, −coef, 0).
+// Epilogue for a gradient pass whose per-row coefficients were computed elsewhere (GSPO): the gradient is
+// coef_t·(p − onehot), i.e. (a, b, c) = (coef, −coef, 0), plus an entropy bonus's h_t·p·(log p + H_t) where
+// `entropy_h` (h_t) and `entropy` (H_t) are given.
 template <typename acc_t>
 struct PolicyCoefEpilogue {
-  static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = false;
+  static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = false, kMayUseEntropyGrad = true;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true, kSkipsUnlabelled = false;
   const acc_t* coef;
+  const acc_t* entropy_h = nullptr;  // (N,) or null
+  const acc_t* entropy = nullptr;    // (N,) when entropy_h is given
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t, const RowStats<acc_t>&) const {
     const acc_t c = coef[row];
-    return {c, -c, acc_t(0)};
+    if (entropy_h == nullptr) return {c, -c, acc_t(0), acc_t(0)};
+    const acc_t h = entropy_h[row];
+    return {c + h * entropy[row], -c, acc_t(0), h};
   }
 };
 

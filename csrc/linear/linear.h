@@ -78,7 +78,7 @@ struct LinearGspoOp {
                       std::optional<int64_t> chunk, std::array<bool, 3> mask) {
     LinearSource src("linear_gspo", hidden, weight, bias, target, chunk, mask, kWeightGrad);
     auto out = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d,
-                            s, entropy, std::nullopt, std::nullopt, kBackend());
+                            s, entropy, std::nullopt, std::nullopt, GspoPolicyInputs{}, kBackend());
     return linear_detail::with_grads<kPolicyOutputs + 4>(std::move(out), src);
   }
 };

@@ -266,31 +266,47 @@ def _sdp_local_sums(op, stats, target, advantages, old_log_probs, document_index
     return payload
 
 
-def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor,
-              document_index: torch.Tensor, *, tp_group=None, sdp_group=None, num_documents: int | None = None,
-              label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
-              weighting: str = "document", token_advantages: bool = False, divisor: float | None = None,
-              logits_scale_factor: float = 1.0, compute_entropy: bool = False, inplace_backward: bool = False,
-              vocab_start: int | None = None, vocab_size: int | None = None) -> PolicyLossOutput:
+def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
+              old_log_probs: torch.Tensor | None, document_index: torch.Tensor, *, tp_group=None, sdp_group=None,
+              num_documents: int | None = None, label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2,
+              epsilon_high: float = 0.2, weighting: str = "document", token_advantages: bool = False,
+              divisor: float | None = None, logits_scale_factor: float = 1.0, compute_entropy: bool = False,
+              inplace_backward: bool = False, vocab_start: int | None = None, vocab_size: int | None = None,
+              ref_log_probs: torch.Tensor | None = None, beta: float = 0.0, **policy) -> PolicyLossOutput:
     """GSPO over a vocabulary-parallel and/or sequence-data-parallel group (SPEC §2.3, §3); see
     rl_losses.gspo_loss, and cross_entropy above for the shard arguments.
 
     Under ``sdp_group``: ``document_index`` holds global document ids; ``label_counts`` (when given) are the
     counts of each token's whole document over the group; ``num_documents`` (the global number) defaults to
     the group's max(document_index)+1 (a host synchronisation). The loss is this rank's tokens' share (the
-    sum over the group is the loss); the metrics are the group's.
+    sum over the group is the loss); the metrics are the group's, except the policy family's kl and rollout
+    metrics, which cover this rank's tokens. ``policy``: rl_losses.gspo_loss's policy-family options; a
+    sequence-level rollout_correction is not available under sdp_group (a document's ratio would need one more
+    all-reduce): use a token-level mode.
     """
+    policy = _policy_kwargs(**{**_POLICY_DEFAULTS, **policy})
+    entropy = compute_entropy or policy["entropy_coefficient"] != 0.0  # the bonus needs Σp·x too
     op = "gspo_loss"
     tp = (op, logits, target, tp_group, logits_scale_factor, vocab_start, vocab_size)
     options = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, weighting=weighting,
                    token_advantages=token_advantages, divisor=_divisor(divisor),
                    logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                   inplace_backward=inplace_backward)
+                   inplace_backward=inplace_backward, ref_log_probs=ref_log_probs, beta=beta, **policy)
     if sdp_group is None:
-        stats, start, total = _tp_setup(*tp, entropy=compute_entropy)
+        stats, start, total = _tp_setup(*tp, entropy=entropy)
         out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
                         label_counts=label_counts, row_stats=stats, vocab_start=start, vocab_size=total, **options)
-        return _policy_output(out, compute_entropy, document_ratios=out[POLICY_OUTPUTS])
+        return _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=out[POLICY_OUTPUTS])
+    # The per-document sums need one advantage per token: broadcast per-sequence / per-document ones here.
+    if advantages.shape != target.shape:
+        if advantages.dim() < target.dim() and advantages.shape == target.shape[:advantages.dim()]:
+            advantages = advantages.reshape(advantages.shape + (1,) * (target.dim() - advantages.dim()))
+        else:
+            advantages = advantages[torch.where(document_index >= 0, document_index, 0).long()]
+        advantages = advantages.expand(target.shape)
+    if policy["rollout_correction"] is not None and policy["rollout_correction"].startswith("sequence"):
+        raise ValueError(f"{op}: rollout_correction={policy['rollout_correction']!r} is not available under "
+                         f"sdp_group (a document split over ranks needs its whole ratio); use a token-level mode")
 
     if num_documents is None:
         if torch.compiler.is_compiling():
@@ -303,16 +319,16 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     checked = _host_checks(logits)
     error = None
     try:
-        stats, start, total = _tp_setup(*tp, entropy=compute_entropy)
+        stats, start, total = _tp_setup(*tp, entropy=entropy)
         if stats is None:  # no tensor parallelism: this rank's statistics are the whole vocabulary's
             _check_labels(op, target, logits.shape[-1])
             stats = _ops.row_stats(logits.detach(), target, logits_scale_factor=logits_scale_factor,
-                                   entropy=compute_entropy).reshape(-1, 5)
+                                   entropy=entropy).reshape(-1, 5)
         payload = _sdp_local_sums(op, stats, target, advantages, old_log_probs, document_index, label_counts,
-                                  num_documents, compute_entropy, checked)
+                                  num_documents, entropy, checked)
     except (RuntimeError, ValueError) as e:
         error = _caught(e, checked)
-        payload = torch.zeros(num_documents + compute_entropy, 4, dtype=_acc(logits.dtype), device=logits.device)
+        payload = torch.zeros(num_documents + entropy, 4, dtype=_acc(logits.dtype), device=logits.device)
     if checked:
         payload = torch.cat([payload, payload.new_tensor([[float(error is not None), 0, 0, 0]])])
     if payload.numel():
@@ -332,6 +348,6 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
                     vocab_start=start, vocab_size=total, **options)
     # The op's new_logprobs and entropy cover this rank's tokens only: the group's come from the all-reduce.
     new_logprobs = docs[:, 3].sum() / (count > 0).sum().clamp_min(1)
-    entropy = payload[num_documents, 0] / payload[num_documents, 1].clamp_min(1) if compute_entropy else None
-    result = _policy_output(out, compute_entropy, document_ratios=out[POLICY_OUTPUTS])
-    return result._replace(new_logprobs=new_logprobs, entropy=entropy)
+    group_entropy = payload[num_documents, 0] / payload[num_documents, 1].clamp_min(1) if entropy else None
+    result = _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=out[POLICY_OUTPUTS])
+    return result._replace(new_logprobs=new_logprobs, entropy=group_entropy)

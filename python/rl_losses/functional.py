@@ -207,8 +207,9 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     return _grpo_output(out, compute_entropy, policy, ref_log_probs)
 
 
-def _grpo_output(out, compute_entropy, policy, ref_log_probs) -> PolicyLossOutput:
-    return _policy_output(out, compute_entropy or policy["entropy_coefficient"] != 0.0,
+def _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=None) -> PolicyLossOutput:
+    # The named result of grpo/gspo: the optional metrics set where their option is on.
+    return _policy_output(out, compute_entropy or policy["entropy_coefficient"] != 0.0, document_ratios,
                           loss_type=policy["loss_type"], has_kl=ref_log_probs is not None,
                           has_rollout=policy["rollout_correction"] is not None)
 
@@ -216,17 +217,24 @@ def _grpo_output(out, compute_entropy, policy, ref_log_probs) -> PolicyLossOutpu
 grpo_loss.__doc__ += _POLICY_DOC
 
 
-def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor,
-              document_index: torch.Tensor, *, num_documents: int | None = None,
+def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
+              old_log_probs: torch.Tensor | None, document_index: torch.Tensor, *, num_documents: int | None = None,
               label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
               weighting: str = "document", token_advantages: bool = False, divisor: float | None = None,
               logits_scale_factor: float = 1.0, compute_entropy: bool = False, inplace_backward: bool = False,
-              tp_group=None, sdp_group=None) -> PolicyLossOutput:
+              tp_group=None, sdp_group=None, ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
+              loss_type: str = "ppo_clip", sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+              rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
+              rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
+              kl_estimator: str = "k3", kl_importance_weighted: bool = False,
+              entropy_coefficient: float = 0.0) -> PolicyLossOutput:
     """GSPO: sequence-level geometric-mean ratio over packed documents (SPEC §2.3) with its metrics.
 
     Args:
         logits: (..., V) float; target: (...) int labels, negative = no label.
-        advantages, old_log_probs: (...) float per token (advantages are averaged per document).
+        advantages: (...) float per token (averaged per document), (B,) per sequence for (B, T) labels, or
+            (num_documents,) per document.
+        old_log_probs: (...) float per token, or None (on-policy).
         document_index: (...) int, 0-based document of each token; negative = padding (ignored).
         num_documents: size of the per-document buffers (default max(document_index)+1, which synchronises).
         label_counts: (...) labelled-token count of each token's whole document (default: counted).
@@ -234,8 +242,13 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         token_advantages: GSPO-token: each token's own advantage inside the sequence ratio.
         divisor: D (default: documents holding at least one labelled token).
         sdp_group: sequence-data-parallel group over which documents are split (rl_losses.distributed).
+    The policy family applies at the sequence ratio R_s (loss_type, no delta); the rollout correction, KL and
+    entropy bonus per token, each weighted like the token's share of its document (docs/policy_losses.md).
     Returns: PolicyLossOutput with ``document_ratios`` (num_documents,) set.
     """
+    policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
+                            rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
+                            kl_importance_weighted, entropy_coefficient)
     if tp_group is not None or sdp_group is not None:
         from rl_losses import distributed
 
@@ -245,15 +258,19 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
                                      epsilon_high=epsilon_high, weighting=weighting,
                                      token_advantages=token_advantages, divisor=_divisor(divisor),
                                      logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                                     inplace_backward=inplace_backward)
+                                     inplace_backward=inplace_backward, ref_log_probs=ref_log_probs, beta=beta,
+                                     **policy)
     _check_labels("gspo", target, _vocab_size(logits, -1))
     _check_document_ids("gspo", document_index, num_documents)
     out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
                     label_counts=label_counts, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                     weighting=weighting, token_advantages=token_advantages, divisor=_divisor(divisor),
                     logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                    inplace_backward=inplace_backward)
-    return _policy_output(out, compute_entropy, document_ratios=out[POLICY_OUTPUTS])
+                    inplace_backward=inplace_backward, ref_log_probs=ref_log_probs, beta=beta, **policy)
+    return _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=out[POLICY_OUTPUTS])
+
+
+gspo_loss.__doc__ += _POLICY_DOC
 
 
 # ---- fused lm_head -------------------------------------------------------------------------------------------

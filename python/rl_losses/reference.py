@@ -220,22 +220,48 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
                             kl_mean, *rollout, loss_type=loss_type)
 
 
+def _surrogate(loss_type, ratio, adv, lp, epsilon_low, epsilon_high, sapo_temperature_pos, sapo_temperature_neg,
+               delta=None):
+    """The per-token objective of each loss type at ratio r (docs/policy_losses.md)."""
+    if loss_type == "cispo":
+        return -ratio.clamp(max=epsilon_high).detach() * adv * lp
+    if loss_type == "sapo":
+        tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg).to(ratio.dtype)
+        return -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
+    capped = ratio if delta is None else ratio.clamp(max=delta)
+    return -torch.minimum(capped * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
+
+
+def _clip_flags(loss_type, ratio, adv, epsilon_low, epsilon_high):
+    if loss_type == "ppo_clip":
+        return (ratio < 1 - epsilon_low) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)
+    high = (ratio > epsilon_high) & (adv > 0) if loss_type == "cispo" else torch.zeros_like(ratio, dtype=torch.bool)
+    return torch.zeros_like(ratio, dtype=torch.bool), high
+
+
 def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_documents=None,
               label_counts=None, epsilon_low=0.2, epsilon_high=0.2, weighting="document",
               token_advantages=False, divisor=None, logits_scale_factor=1.0,
-              compute_entropy=False) -> PolicyLossOutput:
-    """SPEC §2.3, sequence-level geometric-mean ratio over packed documents (vectorised with index_add)."""
+              compute_entropy=False, ref_log_probs=None, beta=0.0, loss_type="ppo_clip", sapo_temperature_pos=1.0,
+              sapo_temperature_neg=1.05, rollout_log_probs=None, rollout_correction=None, rollout_cap=3.0,
+              rollout_mask_bounds=None, kl_estimator="k3", kl_importance_weighted=False,
+              entropy_coefficient=0.0) -> PolicyLossOutput:
+    """SPEC §2.3, sequence-level geometric-mean ratio over packed documents (vectorised with index_add), with
+    the policy family of docs/policy_losses.md at the sequence ratio."""
     logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
     dt = logp.dtype
     doc = document_index.reshape(-1).long()
     mask = ((target >= 0).reshape(-1)) & (doc >= 0)
     maskf = mask.to(dt)
     lp = _label_logprob(logp, target).reshape(-1)
-    adv = advantages.reshape(-1).to(dt)
-    old = old_log_probs.reshape(-1).to(dt)
     if num_documents is None:
         num_documents = int(doc.max().item()) + 1 if doc.numel() > 0 else 0
     safe_doc = torch.where(doc >= 0, doc, 0)
+    advantages = _per_sequence(advantages, target)
+    if advantages.shape != target.shape:  # one advantage per document
+        advantages = advantages[safe_doc]
+    adv = advantages.reshape(-1).to(dt)
+    old = lp.detach() if old_log_probs is None else old_log_probs.reshape(-1).to(dt)
     if label_counts is None:
         per_doc_count = torch.zeros(num_documents, dtype=dt, device=lp.device).index_add_(0, safe_doc, maskf)
         counts = per_doc_count[safe_doc]
@@ -257,20 +283,48 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
     else:
         tok_ratio = ratio[safe_doc]
         tok_adv = adv_mean[safe_doc]
-    f_tok = -torch.minimum(tok_ratio * tok_adv, tok_ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * tok_adv)
+    f_tok = _surrogate(loss_type, tok_ratio, tok_adv, lp, epsilon_low, epsilon_high, sapo_temperature_pos,
+                       sapo_temperature_neg)
+    rho = weight = None
+    if rollout_correction is not None:
+        log_rho = old.detach() - rollout_log_probs.reshape(-1).to(dt)
+        if rollout_correction.startswith("sequence"):
+            log_rho = _sequence_mean(log_rho, mask, doc)
+        rho, weight = _rollout_weight(rollout_correction, log_rho, rollout_cap, rollout_mask_bounds)
+        f_tok = f_tok * weight.detach()
+    kl = None
+    if ref_log_probs is not None:
+        kl = _kl_estimate(kl_estimator, lp, ref_log_probs.reshape(-1).to(dt))
+        if kl_importance_weighted:
+            kl = kl * ratio[safe_doc].detach()
+        if beta != 0.0:
+            f_tok = f_tok + beta * kl
+    entropy_tok = _entropy(logp).reshape(-1)
+    if entropy_coefficient != 0.0:
+        f_tok = f_tok - entropy_coefficient * entropy_tok
     kappa = maskf if weighting == "token" else u
     if divisor is None:
         divisor = has_label.sum().clamp_min(1)
-    loss = (kappa * f_tok).sum() / divisor
+    loss = torch.where(mask, kappa * f_tok, 0.0).sum() / divisor
 
     with torch.no_grad():
         n_docs = has_label.sum().clamp_min(1)
-        new_logprobs = zeros.index_add(0, safe_doc, u * lp).sum() / n_docs
-        low = ((ratio < 1 - epsilon_low) & (adv_mean < 0) & has_label).to(dt).sum() / n_docs
-        high = ((ratio > 1 + epsilon_high) & (adv_mean > 0) & has_label).to(dt).sum() / n_docs
-        kl_old = torch.where(has_label, _k3(-log_ratio), 0.0).sum() / n_docs
         n_lab = mask.sum().clamp_min(1)
-        entropy = (torch.where(mask, _entropy(logp).reshape(-1), 0.0)).sum() / n_lab if compute_entropy else None
+
+        def mean(x):
+            return torch.where(mask, x, 0.0).sum() / n_lab
+
+        new_logprobs = zeros.index_add(0, safe_doc, u * lp).sum() / n_docs
+        low_flag, high_flag = _clip_flags(loss_type, ratio, adv_mean, epsilon_low, epsilon_high)
+        low = (low_flag & has_label).to(dt).sum() / n_docs
+        high = (high_flag & has_label).to(dt).sum() / n_docs
+        kl_old = torch.where(has_label, _k3(-log_ratio), 0.0).sum() / n_docs
+        with_entropy = compute_entropy or entropy_coefficient != 0.0
+        entropy = mean(entropy_tok) if with_entropy else None
         ratio_mean = torch.where(has_label, ratio, 0.0).sum() / n_docs
+        kl_mean = mean(kl) if kl is not None else None
+        rollout = (None, None, None) if rho is None else (
+            mean(rho), mean(weight), mean((weight != rho).to(dt)))
     return PolicyLossOutput(loss, new_logprobs, low, high, kl_old, entropy,
-                            torch.where(mask, lp, 0.0).detach().reshape(target.shape), ratio_mean, ratio.detach())
+                            torch.where(mask, lp, 0.0).detach().reshape(target.shape), ratio_mean, ratio.detach(),
+                            kl_mean, *rollout, loss_type=loss_type)
