@@ -104,6 +104,20 @@ CASES = {
                                    options=dict(beta=0.1, compute_entropy=True)),
     "tp2_gspo_uneven": Case("gspo", tp=2, vocab=25, vocab_cuts=(0, 17, 25), documents=DOCS_29,
                             options=dict(compute_entropy=True)),
+    # The policy family (docs/policy_losses.md): CISPO, SAPO, rollout correction, entropy bonus, on-policy.
+    "tp2_grpo_cispo_rollout": Case("grpo", tp=2, shape=(3, 9), options=dict(
+        loss_type="cispo", epsilon_high=1.1, rollout_correction="token_truncate", rollout_cap=1.2)),
+    "tp2_grpo_sapo_entropy_on_policy": Case("grpo", tp=2, dtype=torch.float32, options=dict(
+        loss_type="sapo", entropy_coefficient=0.05, on_policy=True, beta=0.05, kl_estimator="k2")),
+    "tp2_grpo_sequence_mask": Case("grpo", tp=2, shape=(3, 9), options=dict(
+        rollout_correction="sequence_mask", rollout_mask_bounds=(0.7, 1.4), entropy_coefficient=0.02)),
+    "tp2_gspo_sapo_entropy": Case("gspo", tp=2, documents=DOCS_29, options=dict(
+        loss_type="sapo", entropy_coefficient=0.04, rollout_correction="sequence_truncate", rollout_cap=1.1)),
+    "sdp2_gspo_sapo_rollout_entropy": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 11, 29), options=dict(
+        loss_type="sapo", rollout_correction="token_truncate", rollout_cap=1.15, entropy_coefficient=0.04)),
+    "sdp2_gspo_cispo_on_policy_kl": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 14, 29), options=dict(
+        loss_type="cispo", epsilon_high=1.1, on_policy=True, beta=0.05, kl_importance_weighted=True,
+        rollout_correction="token_mask", rollout_mask_bounds=(0.8, 1.3))),
     # -- world 2: SDP=2 -------------------------------------------------------------------------------------
     "sdp2_gspo_document": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 11, 29), masked_documents=(2,),
                                options=dict(compute_entropy=True, **POLICY)),
@@ -195,8 +209,11 @@ def make_inputs(name: str, case: Case) -> dict:
         offset = 0.3 * torch.randn(int(key.max()) + 1, generator=g, dtype=torch.float64)[key]
         inputs["old_log_probs"] = (lp - offset + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)).float()
         inputs["advantages"] = torch.randn(shape, generator=g)
-        if case.op == "grpo" and case.options.get("beta"):
+        if case.options.get("beta"):
             inputs["ref_log_probs"] = (lp + 0.2 * torch.randn(shape, generator=g, dtype=torch.float64)).float()
+        if case.options.get("rollout_correction"):
+            base = lp if case.options.get("on_policy") else inputs["old_log_probs"].double()
+            inputs["rollout_log_probs"] = (base + 0.3 * torch.randn(shape, generator=g, dtype=torch.float64)).float()
         if case.options.get("loss_weights"):
             inputs["loss_weights"] = torch.rand(shape, generator=g) + 0.5
     if doc is not None:
@@ -209,14 +226,14 @@ def make_inputs(name: str, case: Case) -> dict:
     return inputs
 
 
-_OPTIONS_NOT_FOR_THE_OP = ("loss_weights", "labels", "implicit_shards", "vocab_start")
+_OPTIONS_NOT_FOR_THE_OP = ("loss_weights", "labels", "implicit_shards", "vocab_start", "on_policy")
 
 
 def call_loss(case: Case, inputs: dict, logits: torch.Tensor, **group_kwargs):
     """The op through its public wrapper (rl_losses.distributed directly for explicit vocabulary shards).
     Returns (differentiable loss, dict of detached metrics)."""
     options = {k: v for k, v in case.options.items() if k not in _OPTIONS_NOT_FOR_THE_OP}
-    for name in ("loss_weights", "ref_log_probs", "label_counts"):
+    for name in ("loss_weights", "ref_log_probs", "label_counts", "rollout_log_probs"):
         if name in inputs:
             options[name] = inputs[name]
     shards = {k: group_kwargs.pop(k) for k in ("vocab_start", "vocab_size") if k in group_kwargs}
@@ -233,7 +250,7 @@ def call_loss(case: Case, inputs: dict, logits: torch.Tensor, **group_kwargs):
             target = torch.where(inputs["loss_mask"], 0, -1)
         fn = rl_dist.cross_entropy if shards else rl_losses.cross_entropy
         return fn(logits, target, **options, **group_kwargs, **shards), {}
-    args = [logits, target, inputs["advantages"], inputs["old_log_probs"]]
+    args = [logits, target, inputs["advantages"], None if case.options.get("on_policy") else inputs["old_log_probs"]]
     if case.op == "grpo":
         fn = rl_dist.grpo_loss if shards else rl_losses.grpo_loss
     else:

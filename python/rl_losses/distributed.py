@@ -350,4 +350,15 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     new_logprobs = docs[:, 3].sum() / (count > 0).sum().clamp_min(1)
     group_entropy = payload[num_documents, 0] / payload[num_documents, 1].clamp_min(1) if entropy else None
     result = _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=out[POLICY_OUTPUTS])
-    return result._replace(new_logprobs=new_logprobs, entropy=group_entropy)
+    result = result._replace(new_logprobs=new_logprobs, entropy=group_entropy)
+    if result.kl is not None or result.rollout_ratio_mean is not None:
+        # The op's KL and rollout metrics are means over this rank's labelled tokens: one more small all-reduce
+        # of their sums makes them the group's (after the op: the importance-weighted KL needs the ratios).
+        n = ((target >= 0) & (document_index >= 0)).sum().to(out[0].dtype)
+        means = [result.kl, result.rollout_ratio_mean, result.rollout_weight_mean, result.rollout_corrected_fraction]
+        sums = torch.stack([n] + [n * m if m is not None else n.new_zeros(()) for m in means])
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=sdp_group)
+        group = [sums[k + 1] / sums[0].clamp_min(1) if m is not None else None for k, m in enumerate(means)]
+        result = result._replace(kl=group[0], rollout_ratio_mean=group[1], rollout_weight_mean=group[2],
+                                 rollout_corrected_fraction=group[3])
+    return result

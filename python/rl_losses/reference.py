@@ -114,7 +114,7 @@ def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
 
 def _per_sequence(t: torch.Tensor | None, target: torch.Tensor) -> torch.Tensor | None:
     # (B,) advantages for (B, T) labels: one value per sequence, broadcast over its tokens.
-    if t is None or t.dim() >= target.dim():
+    if t is None or t.dim() >= target.dim() or t.shape != target.shape[:t.dim()]:
         return t
     return t.reshape(tuple(t.shape) + (1,) * (target.dim() - t.dim())).expand(target.shape)
 
