@@ -126,27 +126,31 @@ TORCH_LIBRARY(rl_losses, m) {
       "float logits_scale_factor, float label_smoothing, float z_loss_factor, float label_weight, str reduction, "
       "float? divisor, int? chunk_size, bool[3] output_mask) -> (Tensor loss, Tensor lse, " RL_LOSSES_LINEAR_GRADS ")");
   m.def(
-      "linear_grpo(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor old_log_probs, *, "
+      "linear_grpo(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor? old_log_probs, *, "
       "Tensor? bias=None, Tensor? ref_log_probs=None, Tensor? loss_weights=None, Tensor? label_counts=None, "
       "float epsilon_low=0.2, float epsilon_high=0.2, float? delta=None, float beta=0.0, float? divisor=None, "
-      "float logits_scale_factor=1.0, bool compute_entropy=False, int? chunk_size=None) -> " RL_LOSSES_POLICY_OUTS ")");
+      "float logits_scale_factor=1.0, bool compute_entropy=False, int? chunk_size=None, " RL_LOSSES_POLICY_KWARGS
+      ", Tensor? document_index=None) -> " RL_LOSSES_POLICY_OUTS ")");
   m.def(
-      "_linear_grpo_forward(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor old_log_probs, "
+      "_linear_grpo_forward(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor? old_log_probs, "
       "Tensor? bias, Tensor? ref_log_probs, Tensor? loss_weights, Tensor? label_counts, float epsilon_low, "
       "float epsilon_high, float? delta, float beta, float? divisor, float logits_scale_factor, "
-      "bool compute_entropy, int? chunk_size, bool[3] output_mask) -> " RL_LOSSES_POLICY_OUTS ", "
+      "bool compute_entropy, int? chunk_size, " RL_LOSSES_POLICY_ARGS ", Tensor? document_index, "
+      "bool[3] output_mask) -> " RL_LOSSES_POLICY_OUTS ", "
       RL_LOSSES_LINEAR_GRADS ")");
   m.def(
-      "linear_gspo(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor old_log_probs, "
+      "linear_gspo(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor? old_log_probs, "
       "Tensor document_index, *, Tensor? bias=None, int? num_documents=None, Tensor? label_counts=None, "
       "float epsilon_low=0.2, float epsilon_high=0.2, str weighting=\"document\", bool token_advantages=False, "
-      "float? divisor=None, float logits_scale_factor=1.0, bool compute_entropy=False, int? chunk_size=None) -> "
+      "float? divisor=None, float logits_scale_factor=1.0, bool compute_entropy=False, int? chunk_size=None, "
+      "Tensor? ref_log_probs=None, float beta=0.0, " RL_LOSSES_POLICY_KWARGS ") -> "
       RL_LOSSES_POLICY_OUTS ", Tensor document_ratios)");
   m.def(
-      "_linear_gspo_forward(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor old_log_probs, "
+      "_linear_gspo_forward(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor? old_log_probs, "
       "Tensor document_index, Tensor? bias, int? num_documents, Tensor? label_counts, float epsilon_low, "
       "float epsilon_high, str weighting, bool token_advantages, float? divisor, float logits_scale_factor, "
-      "bool compute_entropy, int? chunk_size, bool[3] output_mask) -> " RL_LOSSES_POLICY_OUTS ", "
+      "bool compute_entropy, int? chunk_size, Tensor? ref_log_probs, float beta, " RL_LOSSES_POLICY_ARGS ", "
+      "bool[3] output_mask) -> " RL_LOSSES_POLICY_OUTS ", "
       "Tensor document_ratios, " RL_LOSSES_LINEAR_GRADS ")");
 #undef RL_LOSSES_LINEAR_GRADS
 #undef RL_LOSSES_POLICY_OUTS

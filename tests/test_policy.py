@@ -403,3 +403,53 @@ def test_config_validation(options, match):
 
     with pytest.raises((ValueError, TypeError), match=match):
         LanguageModelGRPOLossConfig(**options)
+
+
+# ---- the fused lm_head ops take the same options ---------------------------------------------------------------------
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_linear_grpo_options(chunk_size):
+    # Chunks of 7 rows cut through the sequences of 9 tokens: the on-policy sequence-level correction reads the
+    # statistics of a sequence's rows from two chunks.
+    b, t, h_dim, vocab = 3, 9, 16, 41
+    hidden = torch.randn(b, t, h_dim, dtype=torch.float64)
+    weight = torch.randn(vocab, h_dim, dtype=torch.float64) * 0.5
+    logits = hidden @ weight.T
+    _, target, advantages, old, rollout, ref = make_batch(b, t, vocab, torch.float64)
+    target = torch.where(target >= 0, target.clamp_max(vocab - 1), target)
+    opts = dict(loss_type="sapo", rollout_log_probs=rollout, rollout_correction="sequence_truncate", rollout_cap=1.1,
+                ref_log_probs=ref, beta=0.05, kl_estimator="k1", kl_importance_weighted=True, entropy_coefficient=0.03)
+    hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = rl_losses.linear_grpo_loss(hh, ww, target, advantages, None, chunk_size=chunk_size, **opts)
+    out.loss.backward()
+    x = logits.clone().requires_grad_()
+    expected = reference.grpo_loss(x, target, advantages.double(), None, **opts)
+    expected.loss.backward()
+    assert_close(out.loss, expected.loss, torch.float64)
+    for name in ("kl", "rollout_weight_mean", "rollout_corrected_fraction", "entropy"):
+        assert_close(getattr(out, name), getattr(expected, name), torch.float64, msg=name)
+    assert_close(hh.grad, x.grad @ weight, torch.float64)
+    assert_close(ww.grad, x.grad.reshape(-1, vocab).T @ hidden.reshape(-1, h_dim), torch.float64)
+
+
+def test_linear_gspo_options():
+    n, h_dim, vocab = 23, 12, 37
+    doc = torch.tensor([0] * 7 + [1] * 9 + [2] * 4 + [-1] * 3)
+    hidden = torch.randn(n, h_dim, dtype=torch.float64)
+    weight = torch.randn(vocab, h_dim, dtype=torch.float64) * 0.5
+    logits = hidden @ weight.T
+    target = torch.where(doc < 0, -100, torch.randint(0, vocab, (n,)))
+    lp = label_log_probs64(logits, target)
+    old = lp + 0.1 * torch.randn(n, dtype=torch.float64)
+    rollout = old + 0.2 * torch.randn(n, dtype=torch.float64)
+    opts = dict(loss_type="cispo", epsilon_high=1.05, rollout_log_probs=rollout, rollout_correction="token_mask",
+                rollout_mask_bounds=(0.8, 1.2), entropy_coefficient=0.02, num_documents=3)
+    advantages = torch.randn(3, dtype=torch.float64)  # per document
+    hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = rl_losses.linear_gspo_loss(hh, ww, target, advantages, old, doc, chunk_size=5, **opts)
+    out.loss.backward()
+    x = logits.clone().requires_grad_()
+    expected = reference.gspo_loss(x, target, advantages, old, doc, **opts)
+    expected.loss.backward()
+    assert_close(out.loss, expected.loss, torch.float64)
+    assert_close(out.rollout_weight_mean, expected.rollout_weight_mean, torch.float64)
+    assert_close(hh.grad, x.grad @ weight, torch.float64)

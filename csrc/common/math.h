@@ -396,7 +396,7 @@ C10_HOST_DEVICE inline T rollout_weight(const PolicyOptions<T>& o, T log_rho) {
 }
 
 // One token of the policy loss, before its weight w_t/D: the surrogate times the rollout weight, plus β·KL
-// (optionally sg(r)·KL). The entropy bonus is the epilogue's (it needs the row's entropy). TRL's and
+// (optionally r·KL). The entropy bonus is the epilogue's (it needs the row's entropy). TRL's and
 // Liger's order: the rollout weight multiplies the surrogate only, not the KL.
 template <typename T>
 struct PolicyTokenTerms {
@@ -414,8 +414,10 @@ C10_HOST_DEVICE inline PolicyTokenTerms<T> policy_token(const PolicyOptions<T>& 
   if (has_ref) {
     KlTerm<T> k = kl_estimate(o.kl_estimator, log_prob, ref_log_prob);
     if (o.kl_importance_weighted) {
-      k.value = gated(k.value, ratio);
-      k.slope = gated(k.slope, ratio);
+      // r·KL, differentiated through r as well (∂r/∂lp = r), as TRL and Liger do: the gradient of the
+      // estimate then is the unbiased one.
+      k.slope = gated(ratio, k.slope + k.value);
+      k.value = gated(ratio, k.value);
     }
     kl = k.value;
     if (o.beta != T(0)) {

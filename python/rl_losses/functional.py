@@ -149,7 +149,8 @@ _POLICY_DOC = """
             rollout_mask_bounds = (lo, hi), default (0, rollout_cap)). Sequence level: ρ is the geometric mean
             over the sequence's labelled tokens (document_index, else the rows of (B, T) labels).
         kl_estimator: "k1" (lp − q), "k2" (½(lp − q)²) or "k3" (default) towards ref_log_probs, times beta;
-            kl_importance_weighted: sg(r)·KL (Liger's use_bias_correction_kl).
+            kl_importance_weighted: r·KL, differentiated through r too (TRL's and Liger's
+            use_bias_correction_kl; GSPO: sg(R_s)·KL).
         entropy_coefficient: c, adds −c·Σ_t w_t·H_t / D (differentiated, same pass).
 """
 
@@ -300,38 +301,58 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
 
 
 def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
-                     old_log_probs: torch.Tensor, *, bias: torch.Tensor | None = None, epsilon_low: float = 0.2,
-                     epsilon_high: float = 0.2, delta: float | None = None,
+                     old_log_probs: torch.Tensor | None, *, bias: torch.Tensor | None = None,
+                     epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
                      ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
                      loss_weights: torch.Tensor | None = None, divisor: float | None = None,
                      logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
-                     compute_entropy: bool = False, chunk_size: int | None = None) -> PolicyLossOutput:
-    """GRPO of ``hidden @ weight.T (+ bias)`` without materialising the logits (see grpo_loss)."""
+                     compute_entropy: bool = False, chunk_size: int | None = None, loss_type: str = "ppo_clip",
+                     sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+                     rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
+                     rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
+                     kl_estimator: str = "k3", kl_importance_weighted: bool = False,
+                     entropy_coefficient: float = 0.0, document_index: torch.Tensor | None = None) -> PolicyLossOutput:
+    """GRPO of ``hidden @ weight.T (+ bias)`` without materialising the logits (see grpo_loss, whose policy-family
+    options it takes)."""
+    policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
+                            rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
+                            kl_importance_weighted, entropy_coefficient)
     _check_labels("linear_grpo", target, _vocab_size(weight, 0))
     out = _ops.linear_grpo(hidden, weight, target, advantages, old_log_probs, bias=bias, ref_log_probs=ref_log_probs,
                            loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
                            epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
                            logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                           chunk_size=chunk_size)
-    return _policy_output(out, compute_entropy)
+                           chunk_size=chunk_size, document_index=document_index, **policy)
+    return _grpo_output(out, compute_entropy, policy, ref_log_probs)
 
 
 def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
-                     old_log_probs: torch.Tensor, document_index: torch.Tensor, *, bias: torch.Tensor | None = None,
-                     num_documents: int | None = None, label_counts: torch.Tensor | None = None,
-                     epsilon_low: float = 0.2, epsilon_high: float = 0.2, weighting: str = "document",
-                     token_advantages: bool = False, divisor: float | None = None, logits_scale_factor: float = 1.0,
-                     compute_entropy: bool = False, chunk_size: int | None = None) -> PolicyLossOutput:
-    """GSPO of ``hidden @ weight.T (+ bias)`` without materialising the logits (see gspo_loss). The logits are
-    computed twice, chunk by chunk: once for the per-document ratios, once for the gradient."""
+                     old_log_probs: torch.Tensor | None, document_index: torch.Tensor, *,
+                     bias: torch.Tensor | None = None, num_documents: int | None = None,
+                     label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+                     weighting: str = "document", token_advantages: bool = False, divisor: float | None = None,
+                     logits_scale_factor: float = 1.0, compute_entropy: bool = False,
+                     chunk_size: int | None = None, ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
+                     loss_type: str = "ppo_clip", sapo_temperature_pos: float = 1.0,
+                     sapo_temperature_neg: float = 1.05, rollout_log_probs: torch.Tensor | None = None,
+                     rollout_correction: str | None = None, rollout_cap: float = 3.0,
+                     rollout_mask_bounds: tuple[float, float] | None = None, kl_estimator: str = "k3",
+                     kl_importance_weighted: bool = False, entropy_coefficient: float = 0.0) -> PolicyLossOutput:
+    """GSPO of ``hidden @ weight.T (+ bias)`` without materialising the logits (see gspo_loss, whose policy-family
+    options it takes). The logits are computed twice, chunk by chunk: once for the per-document ratios, once for
+    the gradient."""
+    policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
+                            rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
+                            kl_importance_weighted, entropy_coefficient)
     _check_labels("linear_gspo", target, _vocab_size(weight, 0))
     _check_document_ids("linear_gspo", document_index, num_documents)
     out = _ops.linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, bias=bias,
                            num_documents=num_documents, label_counts=label_counts, epsilon_low=epsilon_low,
                            epsilon_high=epsilon_high, weighting=weighting, token_advantages=token_advantages,
                            divisor=_divisor(divisor), logits_scale_factor=logits_scale_factor,
-                           compute_entropy=compute_entropy, chunk_size=chunk_size)
-    return _policy_output(out, compute_entropy, document_ratios=out[POLICY_OUTPUTS])
+                           compute_entropy=compute_entropy, chunk_size=chunk_size, ref_log_probs=ref_log_probs,
+                           beta=beta, **policy)
+    return _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=out[POLICY_OUTPUTS])
 
 
 for _f in (linear_cross_entropy, linear_grpo_loss, linear_gspo_loss):

@@ -182,7 +182,7 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
     if ref_log_probs is not None:
         kl = _kl_estimate(kl_estimator, lp, ref_log_probs.to(logp.dtype))
         if kl_importance_weighted:
-            kl = kl * ratio.detach()
+            kl = kl * ratio  # differentiated through the ratio too, as TRL's and Liger's
         if beta != 0.0:
             per_token = per_token + beta * kl
     entropy_tok = _entropy(logp)
