@@ -453,3 +453,23 @@ def test_linear_gspo_options():
     assert_close(out.loss, expected.loss, torch.float64)
     assert_close(out.rollout_weight_mean, expected.rollout_weight_mean, torch.float64)
     assert_close(hh.grad, x.grad @ weight, torch.float64)
+
+
+def test_gspo_config_options_reach_the_op():
+    from rl_losses.config import LanguageModelLossConfig
+
+    cfg = LanguageModelLossConfig.from_dict({"type": "gspo", "loss_type": "cispo", "epsilon_high": 1.1, "beta": 0.03,
+                                             "kl_estimator": "k1", "entropy_coefficient": 0.02, "metrics": "basic"})
+    logits, target, _, old, _, ref = make_batch(2, 8, 30, torch.float32)
+    doc = torch.tensor([[0] * 5 + [1] * 3, [1] * 2 + [2] * 6])
+    advantages = torch.randn(3)  # per document
+    batch = dict(labels=target, advantages=advantages, old_log_probabilities=old, ref_log_probs=ref,
+                 document_index=doc)
+    loss, metrics = cfg.get_loss(name="gspo")(logits, batch)
+    expected = reference.gspo_loss(logits.double(), target, advantages.double(), old.double(), doc,
+                                   loss_type="cispo", epsilon_high=1.1, ref_log_probs=ref.double(), beta=0.03,
+                                   kl_estimator="k1", entropy_coefficient=0.02)
+    assert_close(loss, expected.loss, torch.float32)
+    assert_close(metrics["gspo_kl"], expected.kl, torch.float32)
+    assert_close(metrics["gspo_advantage"], (advantages[doc] * (target >= 0)).sum() / (target >= 0).sum(),
+                 torch.float32)

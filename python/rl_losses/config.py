@@ -211,45 +211,17 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
     metrics: "none" (only ``<name>_new_logprobs``), "basic" (adds the clipped fractions, KL(new||old), ratio,
         advantage and token statistics; no extra pass over the vocabulary) or "with_entropy" (adds the mean
         entropy, fused into the kernel's pass).
+    The policy family (docs/policy_losses.md; the options of rl_losses.grpo_loss / gspo_loss): loss_type
+        ("ppo_clip", "cispo", "sapo"), sapo_temperature_pos / sapo_temperature_neg (> 0), rollout_correction (None,
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"; needs ``rollout_log_probs`` in the
+        batch), rollout_cap (> 0), rollout_mask_bounds ((lo, hi), lo < hi, "*_mask" modes), kl_estimator ("k1",
+        "k2", "k3"), kl_importance_weighted, entropy_coefficient. Without ``old_log_probabilities`` in the batch
+        the loss is on-policy (old = sg(lp)).
     """
 
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     metrics: str = "none"
-
-    def _validate(self) -> None:
-        super()._validate()
-        self._check_float("epsilon_low", low=0.0, high=1.0, high_inclusive=False)
-        self._check_float("epsilon_high", low=0.0)
-        self._check_choice("metrics", METRICS_LEVELS)
-
-
-@dataclasses.dataclass(kw_only=True, frozen=True)
-class LanguageModelGRPOLossConfig(LanguageModelPolicyGradientLossConfig):
-    """GRPO (type ``grpo``): per-token clipped importance ratio, SPEC §2.2.
-
-    delta: optional two-sided clip of the ratio (> 1 + epsilon_high), as in Liger/TRL ("ppo_clip" only).
-    beta: KL penalty towards the reference policy (>= 0; > 0 needs ``ref_log_probs`` in the batch).
-    The policy family (docs/policy_losses.md; the options of rl_losses.grpo_loss): loss_type ("ppo_clip",
-        "cispo", "sapo"), sapo_temperature_pos / sapo_temperature_neg (> 0), rollout_correction (None,
-        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"; needs ``rollout_log_probs`` in the
-        batch), rollout_cap (> 0), rollout_mask_bounds ((lo, hi), lo < hi, "*_mask" modes), kl_estimator ("k1",
-        "k2", "k3"), kl_importance_weighted, entropy_coefficient. Without ``old_log_probabilities`` in the batch
-        the loss is on-policy (old = sg(lp)).
-    loss_normalization: how tokens are weighted and what divides the sum (the loss types of TRL / verl):
-        "token"    w = mask,            D = num_labels_in_batch  (Fast-LLM, TRL dapo/bnpo, verl token-mean)
-        "sequence" w = mask/|o_i|,      D = num_documents_in_batch (GRPO paper, TRL grpo, verl seq-mean-token-mean)
-        "document" w = mask,            D = num_documents_in_batch (Fast-LLM's normalize_by_documents)
-        "dr_grpo"  w = mask,            D = num_documents_in_batch · max_completion_length (Dr. GRPO)
-    max_completion_length: the constant of "dr_grpo" (required there, unused otherwise).
-    """
-
-    type_name: ClassVar[str] = "grpo"
-
-    delta: float | None = None
-    beta: float = 0.0
-    loss_normalization: str = "token"
-    max_completion_length: int | None = None
     loss_type: str = "ppo_clip"
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
@@ -262,6 +234,9 @@ class LanguageModelGRPOLossConfig(LanguageModelPolicyGradientLossConfig):
 
     def _validate(self) -> None:
         super()._validate()
+        self._check_float("epsilon_low", low=0.0, high=1.0, high_inclusive=False)
+        self._check_float("epsilon_high", low=0.0)
+        self._check_choice("metrics", METRICS_LEVELS)
         self._check_choice("loss_type", POLICY_LOSS_TYPES)
         self._check_float("sapo_temperature_pos", low=0.0, low_inclusive=False)
         self._check_float("sapo_temperature_neg", low=0.0, low_inclusive=False)
@@ -278,6 +253,31 @@ class LanguageModelGRPOLossConfig(LanguageModelPolicyGradientLossConfig):
         self._check_choice("kl_estimator", KL_ESTIMATORS)
         self._check_bool("kl_importance_weighted")
         self._check_float("entropy_coefficient")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LanguageModelGRPOLossConfig(LanguageModelPolicyGradientLossConfig):
+    """GRPO (type ``grpo``): per-token clipped importance ratio, SPEC §2.2.
+
+    delta: optional two-sided clip of the ratio (> 1 + epsilon_high), as in Liger/TRL ("ppo_clip" only).
+    beta: KL penalty towards the reference policy (>= 0; > 0 needs ``ref_log_probs`` in the batch).
+    loss_normalization: how tokens are weighted and what divides the sum (the loss types of TRL / verl):
+        "token"    w = mask,            D = num_labels_in_batch  (Fast-LLM, TRL dapo/bnpo, verl token-mean)
+        "sequence" w = mask/|o_i|,      D = num_documents_in_batch (GRPO paper, TRL grpo, verl seq-mean-token-mean)
+        "document" w = mask,            D = num_documents_in_batch (Fast-LLM's normalize_by_documents)
+        "dr_grpo"  w = mask,            D = num_documents_in_batch · max_completion_length (Dr. GRPO)
+    max_completion_length: the constant of "dr_grpo" (required there, unused otherwise).
+    """
+
+    type_name: ClassVar[str] = "grpo"
+
+    delta: float | None = None
+    beta: float = 0.0
+    loss_normalization: str = "token"
+    max_completion_length: int | None = None
+
+    def _validate(self) -> None:
+        super()._validate()
         if self.delta is not None and self.loss_type != "ppo_clip":
             self._fail("delta", f"None with loss_type={self.loss_type!r} (the two-sided clip is ppo_clip's)")
         self._check_float("delta", optional=True)
@@ -305,15 +305,18 @@ class LanguageModelGSPOLossConfig(LanguageModelPolicyGradientLossConfig):
     weighting: "document" (each document weighs 1; Fast-LLM #517/#522) or "token" (each document weighs its
         labelled-token count; Fast-LLM #544). Either way D = num_documents_in_batch, as in Fast-LLM.
     token_advantages: GSPO-token (TRL's ``sequence_token``): each token's own advantage inside the sequence ratio.
+    beta: KL penalty towards the reference policy, per token (>= 0; > 0 needs ``ref_log_probs`` in the batch).
     """
 
     type_name: ClassVar[str] = "gspo"
 
     weighting: str = "document"
     token_advantages: bool = False
+    beta: float = 0.0
 
     def _validate(self) -> None:
         super()._validate()
+        self._check_float("beta", low=0.0)
         self._check_choice("weighting", GSPO_WEIGHTINGS)
         self._check_bool("token_advantages")
 
