@@ -105,12 +105,11 @@ CASES = {
     "tp2_gspo_uneven": Case("gspo", tp=2, vocab=25, vocab_cuts=(0, 17, 25), documents=DOCS_29,
                             options=dict(compute_entropy=True)),
     # The policy family (docs/policy_losses.md): CISPO, SAPO, rollout correction, entropy bonus, on-policy.
-    "tp2_grpo_cispo_rollout": Case("grpo", tp=2, shape=(3, 9), options=dict(
-        loss_type="cispo", epsilon_high=1.1, rollout_correction="token_truncate", rollout_cap=1.2)),
+    "tp2_grpo_cispo_rollout": Case("grpo", tp=2, shape=(3, 9), options=dict(loss_type="cispo", epsilon_high=1.1,
+                                                                          rollout_correction="token_truncate")),
     "tp2_grpo_sapo_entropy_on_policy": Case("grpo", tp=2, dtype=torch.float32, options=dict(
         loss_type="sapo", entropy_coefficient=0.05, on_policy=True, beta=0.05, kl_estimator="k2")),
-    "tp2_grpo_sequence_mask": Case("grpo", tp=2, shape=(3, 9), options=dict(
-        rollout_correction="sequence_mask", rollout_mask_bounds=(0.7, 1.4), entropy_coefficient=0.02)),
+    "tp2_grpo_sequence_mask": Case("grpo", tp=2, shape=(3, 9), options=dict(rollout_correction="sequence_mask")),
     "tp2_gspo_sapo_entropy": Case("gspo", tp=2, documents=DOCS_29, options=dict(
         loss_type="sapo", entropy_coefficient=0.04, rollout_correction="sequence_truncate", rollout_cap=1.1)),
     "sdp2_gspo_sapo_rollout_entropy": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 11, 29), options=dict(

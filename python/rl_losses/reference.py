@@ -206,9 +206,9 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
             low = mean(((ratio < 1 - epsilon_low) & (adv < 0)).to(logp.dtype))
             high = mean(((ratio > 1 + epsilon_high) & (adv > 0)).to(logp.dtype))
         else:
-            low = torch.zeros((), dtype=logp.dtype)
+            low = logp.new_zeros(())
             high = (mean(((ratio > epsilon_high) & (adv > 0)).to(logp.dtype)) if loss_type == "cispo"
-                    else torch.zeros((), dtype=logp.dtype))
+                    else logp.new_zeros(()))
         kl_old = mean(_k3(old - lp))
         with_entropy = compute_entropy or entropy_coefficient != 0.0
         entropy = mean(entropy_tok) if with_entropy else None
