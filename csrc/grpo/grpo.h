@@ -1,6 +1,6 @@
-// GRPO (SPEC §2.2): per-token importance ratio under the policy family's loss types (ppo_clip, cispo, sapo),
-// rollout correction, KL penalty and entropy bonus (docs/policy_losses.md), fused with the metrics of SPEC §2.4. The row-pass epilogue and the device-independent forward shared by the CPU and
-// CUDA registrations.
+// GRPO: the per-token importance ratio under the policy family's loss types (ppo_clip, cispo, sapo), rollout
+// correction, KL penalty and entropy bonus (docs/policy_losses.md), fused with its metrics. The row-pass
+// epilogue and the device-independent forward shared by the CPU and CUDA registrations.
 #pragma once
 
 #include <ATen/ATen.h>

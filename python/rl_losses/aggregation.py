@@ -6,12 +6,12 @@ L = Σ_t w_t·ℓ_t / D that reproduce TRL's and verl's loss normalisations (doc
 
 Presets (m_t = 1 on a completion token, B = number of sequences, |o_i| = completion tokens of sequence i):
 
-| preset                      | w_t        | D                          | TRL loss_type        | verl loss_agg_mode        |
-|-----------------------------|------------|----------------------------|----------------------|---------------------------|
-| ``token_mean``              | m_t        | Σ m (or num_items_in_batch)| dapo, bnpo, cispo    | token-mean                |
-| ``sequence_mean_token_mean``| m_t/|o_i|  | B                          | grpo, sapo           | seq-mean-token-mean       |
-| ``sequence_sum_constant``   | m_t        | B·max_completion_length    | dr_grpo              | seq-mean-token-sum-norm   |
-| ``luspo``                   | m_t        | B                          | luspo                | seq-mean-token-sum        |
+| preset                     | w_t       | D                         | TRL loss_type     | verl loss_agg_mode      |
+|----------------------------|-----------|---------------------------|-------------------|-------------------------|
+| token_mean                 | m_t       | Σm (or num_items_in_batch)| dapo, bnpo, cispo | token-mean              |
+| sequence_mean_token_mean   | m_t/|o_i| | B                         | grpo, sapo        | seq-mean-token-mean     |
+| sequence_sum_constant      | m_t       | B·max_completion_length   | dr_grpo           | seq-mean-token-sum-norm |
+| luspo                      | m_t       | B                         | luspo             | seq-mean-token-sum      |
 
 Inputs are either a padded batch (``completion_mask`` (B, T): B sequences of T positions) or a packed one
 (``labels`` and ``document_index``, any equal shapes: a token counts where its label is >= 0 and its document

@@ -212,7 +212,7 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
               compute_entropy: bool = False, inplace_backward: bool = False, vocab_start: int | None = None,
               vocab_size: int | None = None, document_index: torch.Tensor | None = None,
               **policy) -> PolicyLossOutput:
-    """Vocabulary-parallel GRPO (SPEC §2.2, §3); see rl_losses.grpo_loss (``policy``: its policy-family
+    """Vocabulary-parallel GRPO; see rl_losses.grpo_loss (``policy``: its policy-family
     options), and cross_entropy above for the shard arguments. The loss and metrics are identical on every rank
     of ``tp_group``."""
     policy = _policy_kwargs(**{**_POLICY_DEFAULTS, **policy})

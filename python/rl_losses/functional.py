@@ -166,7 +166,7 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
               rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
               kl_estimator: str = "k3", kl_importance_weighted: bool = False, entropy_coefficient: float = 0.0,
               document_index: torch.Tensor | None = None) -> PolicyLossOutput:
-    """GRPO: per-token importance ratio (SPEC §2.2), fused with its metrics (SPEC §2.4).
+    """GRPO: per-token importance ratio, fused with its metrics (docs/policy_losses.md).
 
     Args:
         logits: (..., V) float32/bfloat16/float16/float64 (this rank's shard under ``tp_group``).

@@ -151,7 +151,7 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
               sapo_temperature_neg=1.05, rollout_log_probs=None, rollout_correction=None, rollout_cap=3.0,
               rollout_mask_bounds=None, kl_estimator="k3", kl_importance_weighted=False, entropy_coefficient=0.0,
               document_index=None) -> PolicyLossOutput:
-    """SPEC §2.2 and the policy family of docs/policy_losses.md, per token; see PolicyLossOutput."""
+    """GRPO per token with the policy family of docs/policy_losses.md; see PolicyLossOutput."""
     logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
     mask = target >= 0
     maskf = mask.to(logp.dtype)
@@ -246,7 +246,7 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
               sapo_temperature_neg=1.05, rollout_log_probs=None, rollout_correction=None, rollout_cap=3.0,
               rollout_mask_bounds=None, kl_estimator="k3", kl_importance_weighted=False,
               entropy_coefficient=0.0) -> PolicyLossOutput:
-    """SPEC §2.3, sequence-level geometric-mean ratio over packed documents (vectorised with index_add), with
+    """GSPO: sequence-level geometric-mean ratio over packed documents (vectorised with index_add), with
     the policy family of docs/policy_losses.md at the sequence ratio."""
     logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
     dt = logp.dtype
