@@ -53,7 +53,7 @@ def trl_loss_type(name: str) -> tuple[str, str]:
     return TRL_LOSS_TYPES[name]
 
 
-def _sequences(completion_mask, labels, document_index, num_documents):
+def _sequences(completion_mask, labels, document_index, num_documents, dtype):
     """(mask (float), sequence id per token, number of sequences) of a padded or a packed batch."""
     if completion_mask is not None:
         if labels is not None or document_index is not None:
@@ -64,7 +64,7 @@ def _sequences(completion_mask, labels, document_index, num_documents):
                              f"{tuple(completion_mask.shape)}")
         b, t = completion_mask.shape
         seq = torch.arange(b, device=completion_mask.device).unsqueeze(1).expand(b, t)
-        return completion_mask.to(torch.float32), seq, b
+        return completion_mask.to(dtype), seq, b
     if labels is None or document_index is None:
         raise ValueError("aggregation_weights: needs completion_mask (B, T), or labels and document_index")
     if labels.shape != document_index.shape:
@@ -73,7 +73,7 @@ def _sequences(completion_mask, labels, document_index, num_documents):
     if document_index.is_floating_point():
         raise ValueError(f"aggregation_weights: document_index must be an integer tensor, got "
                          f"{document_index.dtype}")
-    mask = ((labels >= 0) & (document_index >= 0)).to(torch.float32)
+    mask = ((labels >= 0) & (document_index >= 0)).to(dtype)
     if num_documents is None:
         num_documents = int(document_index.max()) + 1 if document_index.numel() else 0
     return mask, document_index.long(), int(num_documents)
@@ -82,7 +82,8 @@ def _sequences(completion_mask, labels, document_index, num_documents):
 def aggregation_weights(preset: str, *, completion_mask: torch.Tensor | None = None,
                         labels: torch.Tensor | None = None, document_index: torch.Tensor | None = None,
                         num_documents: int | None = None, max_completion_length: int | None = None,
-                        num_items_in_batch: float | None = None) -> tuple[torch.Tensor, float | None]:
+                        num_items_in_batch: float | None = None,
+                        dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, float | None]:
     """(loss_weights, divisor) of an aggregation preset (see the module's table).
 
     Args:
@@ -93,7 +94,9 @@ def aggregation_weights(preset: str, *, completion_mask: torch.Tensor | None = N
         max_completion_length: the constant of "sequence_sum_constant" (Dr. GRPO), required there.
         num_items_in_batch: "token_mean" only: the token count to divide by in place of this batch's (TRL's dapo
             and cispo divide by the generation batch's count over all processes).
-    Returns: loss_weights (float32, shaped like the mask) and the divisor (a float, or None for the op's default:
+        dtype: of the weights: the op's working precision (float32; float64 for float64 logits), since
+            1/|o_i| is not exact in float32.
+    Returns: loss_weights (``dtype``, shaped like the mask) and the divisor (a float, or None for the op's default:
         the number of labelled tokens).
     """
     if preset not in PRESETS:
@@ -101,7 +104,7 @@ def aggregation_weights(preset: str, *, completion_mask: torch.Tensor | None = N
     if num_items_in_batch is not None and preset != "token_mean":
         raise ValueError(f"aggregation_weights: num_items_in_batch applies to 'token_mean' only, got preset "
                          f"{preset!r}")
-    mask, seq, b = _sequences(completion_mask, labels, document_index, num_documents)
+    mask, seq, b = _sequences(completion_mask, labels, document_index, num_documents, dtype)
     if preset == "token_mean":
         if num_items_in_batch is not None and not num_items_in_batch > 0:
             raise ValueError(f"aggregation_weights: num_items_in_batch must be > 0, got {num_items_in_batch}")

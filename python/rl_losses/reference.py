@@ -162,7 +162,9 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
     if loss_type == "cispo":
         per_token = -ratio.clamp(max=epsilon_high).detach() * adv * lp
     elif loss_type == "sapo":
-        tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg).to(logp.dtype)
+        # (full_like: torch.where of two Python floats would round them to float32)
+        tau = torch.where(adv > 0, torch.full_like(adv, sapo_temperature_pos),
+                          torch.full_like(adv, sapo_temperature_neg))
         per_token = -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
     else:
         capped = ratio if delta is None else ratio.clamp(max=delta)
@@ -226,7 +228,8 @@ def _surrogate(loss_type, ratio, adv, lp, epsilon_low, epsilon_high, sapo_temper
     if loss_type == "cispo":
         return -ratio.clamp(max=epsilon_high).detach() * adv * lp
     if loss_type == "sapo":
-        tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg).to(ratio.dtype)
+        tau = torch.where(adv > 0, torch.full_like(ratio, sapo_temperature_pos),
+                          torch.full_like(ratio, sapo_temperature_neg))
         return -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
     capped = ratio if delta is None else ratio.clamp(max=delta)
     return -torch.minimum(capped * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
