@@ -158,7 +158,7 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
     def _family(self, batch: Batch) -> dict[str, Any]:
         """The policy family's options (docs/policy_losses.md) with their batch tensors."""
         cfg = self.config
-        ref_log_probs = batch.get(LanguageModelLossKwargs.ref_log_probs)
+        ref_log_probs = None  # the KL (term and metric) only with beta > 0, as TRL logs it
         if cfg.beta > 0:
             ref_log_probs = _require(batch, LanguageModelLossKwargs.ref_log_probs, f"{self.name} (beta > 0)")
         rollout_log_probs = None
