@@ -28,7 +28,7 @@ import rl_losses
 from rl_losses import distributed as rl_dist
 
 from conftest import assert_close
-from helpers import assert_grad_close, label_log_probs64
+from helpers import assert_grad_close, gspo_token_shares, label_log_probs64
 
 # CPU tensors over gloo (CI); RL_LOSSES_DIST_BACKEND=nccl runs the same cases on CUDA tensors, one GPU per
 # rank (the worlds larger than the GPU count are skipped), e.g. on 2 GPUs:
@@ -407,28 +407,6 @@ def world_results(world: int) -> list:
 
 
 # ---- the single-process expectation -----------------------------------------------------------------------
-def gspo_token_shares(case: Case, inputs: dict, expected: dict) -> torch.Tensor:
-    """Each token's share κ_t·f(R_s, A)/D of the single-process GSPO loss (float64, SPEC §2.3), from the
-    single-process document ratios: a rank's loss must be the sum of its tokens' shares."""
-    o = case.options
-    doc = inputs["document_index"].reshape(-1)
-    mask = ((inputs["target"].reshape(-1) >= 0) & (doc >= 0)).double()
-    safe = doc.clamp_min(0)
-    n_docs = expected["document_ratios"].numel()
-    counts = torch.zeros(n_docs, dtype=torch.float64).index_add_(0, safe, mask)[safe]
-    u = mask / counts.clamp_min(1)
-    adv = inputs["advantages"].reshape(-1).double()
-    adv = adv if o.get("token_advantages") else torch.zeros(n_docs, dtype=torch.float64).index_add_(
-        0, safe, u * adv)[safe]
-    ratio = expected["document_ratios"].double()[safe]
-    lo, hi = 1 - o.get("epsilon_low", 0.2), 1 + o.get("epsilon_high", 0.2)
-    f = -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
-    kappa = mask if o.get("weighting") == "token" else u
-    divisor = o.get("divisor") or max(int((torch.zeros(n_docs, dtype=torch.float64).index_add_(
-        0, safe, mask) > 0).sum()), 1)
-    return (kappa * f / divisor).view(inputs["target"].shape)
-
-
 def _tolerance_scale(case: Case) -> float:
     # Sums over ranks round differently from the single pass: a few ulps more in low precision.
     return 4.0 if case.dtype in (torch.bfloat16, torch.float16) else 2.0
