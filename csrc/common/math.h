@@ -371,7 +371,8 @@ C10_HOST_DEVICE inline bool policy_clipped_high(const PolicyOptions<T>& o, T rat
 }
 
 // KL(π || ref) estimate of one token and its derivative w.r.t. lp, from lp and the reference log-prob q:
-//   k1 = lp − q (d/dlp = 1),  k2 = ½(lp − q)² (d/dlp = lp − q),  k3 = exp(q − lp) − (q − lp) − 1 (d/dlp = 1 − exp(q − lp))
+//   k1 = lp − q (d/dlp = 1),  k2 = ½(lp − q)² (d/dlp = lp − q),
+//   k3 = exp(q − lp) − (q − lp) − 1 (d/dlp = 1 − exp(q − lp))
 template <typename T>
 struct KlTerm {
   T value;
@@ -382,7 +383,7 @@ C10_HOST_DEVICE inline KlTerm<T> kl_estimate(int estimator, T log_prob, T ref_lo
   const T d = ref_log_prob - log_prob;
   if (estimator == kKlK1) return {-d, T(1)};
   if (estimator == kKlK2) return {T(0.5) * d * d, -d};
-  return {k3(d), -::expm1(d)};
+  return {k3(d), -T(::expm1(d))};  // (the host's ::expm1 of a float is the double one)
 }
 
 // The rollout-engine correction weight sg(w) from log ρ (ρ = π_old / π_rollout, per token or the geometric
