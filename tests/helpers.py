@@ -8,6 +8,11 @@ from rl_losses import reference
 
 from conftest import DEVICES, assert_close
 
+# The policy family's schema arguments at their defaults, in schema order (loss_type, sapo_temperature_pos,
+# sapo_temperature_neg, rollout_log_probs, rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
+# kl_importance_weighted, entropy_coefficient): for positional calls of the _grpo/_gspo forward ops.
+POLICY_DEFAULTS = ("ppo_clip", 1.0, 1.05, None, None, 3.0, None, "k3", False, 0.0)
+
 requires_cuda = pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the extension's CUDA kernels")
 
 
@@ -134,3 +139,37 @@ def assert_compiled_matches_eager(fn, logits, *args, backend):
         results.append((loss.detach(), *rest, x.grad))
     for eager, comp in zip(*results):
         assert_close(comp, eager, torch.float32)
+
+
+def gspo_token_shares(case, inputs: dict, expected: dict) -> torch.Tensor:
+    """Each token's share κ_t·f(R_s, A)/D of the single-process GSPO loss of a distributed test case (float64),
+    from the single-process document ratios: a rank's loss must be the sum of its tokens' shares."""
+    o = case.options
+    doc = inputs["document_index"].reshape(-1)
+    mask = ((inputs["target"].reshape(-1) >= 0) & (doc >= 0)).double()
+    safe = doc.clamp_min(0)
+    n_docs = expected["document_ratios"].numel()
+    counts = torch.zeros(n_docs, dtype=torch.float64).index_add_(0, safe, mask)[safe]
+    u = mask / counts.clamp_min(1)
+    adv = inputs["advantages"].reshape(-1).double()
+    adv = adv if o.get("token_advantages") else torch.zeros(n_docs, dtype=torch.float64).index_add_(
+        0, safe, u * adv)[safe]
+    ratio = expected["document_ratios"].double()[safe]
+    logp = torch.log_softmax(inputs["logits"].double() * o.get("logits_scale_factor", 1.0), -1).reshape(-1, case.vocab)
+    lp = torch.where(mask > 0, logp.gather(-1, inputs["target"].reshape(-1, 1).clamp_min(0)).squeeze(-1), 0.0)
+    f = reference._surrogate(o.get("loss_type", "ppo_clip"), ratio, adv, lp, o.get("epsilon_low", 0.2),
+                             o.get("epsilon_high", 0.2), o.get("sapo_temperature_pos", 1.0),
+                             o.get("sapo_temperature_neg", 1.05))
+    # The policy family's per-token terms (token-level rollout modes only under sdp_group).
+    if o.get("rollout_correction"):
+        old = lp if o.get("on_policy") else inputs["old_log_probs"].reshape(-1).double()
+        f = f * reference._rollout_weight(o["rollout_correction"], old - inputs["rollout_log_probs"].reshape(-1),
+                                          o.get("rollout_cap", 3.0), o.get("rollout_mask_bounds"))[1]
+    if o.get("beta"):
+        kl = reference._kl_estimate(o.get("kl_estimator", "k3"), lp, inputs["ref_log_probs"].reshape(-1).double())
+        f = f + o["beta"] * (kl * ratio if o.get("kl_importance_weighted") else kl)
+    f = f - o.get("entropy_coefficient", 0.0) * reference._entropy(logp)
+    kappa = mask if o.get("weighting") == "token" else u
+    divisor = o.get("divisor") or max(int((torch.zeros(n_docs, dtype=torch.float64).index_add_(
+        0, safe, mask) > 0).sum()), 1)
+    return (kappa * f / divisor).view(inputs["target"].shape)

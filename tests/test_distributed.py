@@ -28,7 +28,7 @@ import rl_losses
 from rl_losses import distributed as rl_dist
 
 from conftest import assert_close
-from helpers import assert_grad_close, label_log_probs64
+from helpers import assert_grad_close, gspo_token_shares, label_log_probs64
 
 # CPU tensors over gloo (CI); RL_LOSSES_DIST_BACKEND=nccl runs the same cases on CUDA tensors, one GPU per
 # rank (the worlds larger than the GPU count are skipped), e.g. on 2 GPUs:
@@ -104,6 +104,19 @@ CASES = {
                                    options=dict(beta=0.1, compute_entropy=True)),
     "tp2_gspo_uneven": Case("gspo", tp=2, vocab=25, vocab_cuts=(0, 17, 25), documents=DOCS_29,
                             options=dict(compute_entropy=True)),
+    # The policy family (docs/policy_losses.md): CISPO, SAPO, rollout correction, entropy bonus, on-policy.
+    "tp2_grpo_cispo_rollout": Case("grpo", tp=2, shape=(3, 9), options=dict(loss_type="cispo", epsilon_high=1.1,
+                                                                          rollout_correction="token_truncate")),
+    "tp2_grpo_sapo_entropy_on_policy": Case("grpo", tp=2, dtype=torch.float32, options=dict(
+        loss_type="sapo", entropy_coefficient=0.05, on_policy=True, beta=0.05, kl_estimator="k2")),
+    "tp2_grpo_sequence_mask": Case("grpo", tp=2, shape=(3, 9), options=dict(rollout_correction="sequence_mask")),
+    "tp2_gspo_sapo_entropy": Case("gspo", tp=2, documents=DOCS_29, options=dict(
+        loss_type="sapo", entropy_coefficient=0.04, rollout_correction="sequence_truncate", rollout_cap=1.1)),
+    "sdp2_gspo_sapo_rollout_entropy": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 11, 29), options=dict(
+        loss_type="sapo", rollout_correction="token_truncate", rollout_cap=1.15, entropy_coefficient=0.04)),
+    "sdp2_gspo_cispo_on_policy_kl": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 14, 29), options=dict(
+        loss_type="cispo", epsilon_high=1.1, on_policy=True, beta=0.05, kl_importance_weighted=True,
+        rollout_correction="token_mask", rollout_mask_bounds=(0.8, 1.3))),
     # -- world 2: SDP=2 -------------------------------------------------------------------------------------
     "sdp2_gspo_document": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 11, 29), masked_documents=(2,),
                                options=dict(compute_entropy=True, **POLICY)),
@@ -195,8 +208,11 @@ def make_inputs(name: str, case: Case) -> dict:
         offset = 0.3 * torch.randn(int(key.max()) + 1, generator=g, dtype=torch.float64)[key]
         inputs["old_log_probs"] = (lp - offset + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)).float()
         inputs["advantages"] = torch.randn(shape, generator=g)
-        if case.op == "grpo" and case.options.get("beta"):
+        if case.options.get("beta"):
             inputs["ref_log_probs"] = (lp + 0.2 * torch.randn(shape, generator=g, dtype=torch.float64)).float()
+        if case.options.get("rollout_correction"):
+            base = lp if case.options.get("on_policy") else inputs["old_log_probs"].double()
+            inputs["rollout_log_probs"] = (base + 0.3 * torch.randn(shape, generator=g, dtype=torch.float64)).float()
         if case.options.get("loss_weights"):
             inputs["loss_weights"] = torch.rand(shape, generator=g) + 0.5
     if doc is not None:
@@ -209,14 +225,14 @@ def make_inputs(name: str, case: Case) -> dict:
     return inputs
 
 
-_OPTIONS_NOT_FOR_THE_OP = ("loss_weights", "labels", "implicit_shards", "vocab_start")
+_OPTIONS_NOT_FOR_THE_OP = ("loss_weights", "labels", "implicit_shards", "vocab_start", "on_policy")
 
 
 def call_loss(case: Case, inputs: dict, logits: torch.Tensor, **group_kwargs):
     """The op through its public wrapper (rl_losses.distributed directly for explicit vocabulary shards).
     Returns (differentiable loss, dict of detached metrics)."""
     options = {k: v for k, v in case.options.items() if k not in _OPTIONS_NOT_FOR_THE_OP}
-    for name in ("loss_weights", "ref_log_probs", "label_counts"):
+    for name in ("loss_weights", "ref_log_probs", "label_counts", "rollout_log_probs"):
         if name in inputs:
             options[name] = inputs[name]
     shards = {k: group_kwargs.pop(k) for k in ("vocab_start", "vocab_size") if k in group_kwargs}
@@ -233,14 +249,14 @@ def call_loss(case: Case, inputs: dict, logits: torch.Tensor, **group_kwargs):
             target = torch.where(inputs["loss_mask"], 0, -1)
         fn = rl_dist.cross_entropy if shards else rl_losses.cross_entropy
         return fn(logits, target, **options, **group_kwargs, **shards), {}
-    args = [logits, target, inputs["advantages"], inputs["old_log_probs"]]
+    args = [logits, target, inputs["advantages"], None if case.options.get("on_policy") else inputs["old_log_probs"]]
     if case.op == "grpo":
         fn = rl_dist.grpo_loss if shards else rl_losses.grpo_loss
     else:
         fn = rl_dist.gspo_loss if shards else rl_losses.gspo_loss
         args.append(inputs["document_index"])
     out = fn(*args, **options, **group_kwargs, **shards)
-    metrics = {k: v for k, v in out._asdict().items() if k != "loss" and v is not None}
+    metrics = {k: v for k, v in out._asdict().items() if k not in ("loss", "loss_type") and v is not None}
     return out.loss, metrics
 
 
@@ -391,28 +407,6 @@ def world_results(world: int) -> list:
 
 
 # ---- the single-process expectation -----------------------------------------------------------------------
-def gspo_token_shares(case: Case, inputs: dict, expected: dict) -> torch.Tensor:
-    """Each token's share κ_t·f(R_s, A)/D of the single-process GSPO loss (float64, docs/math.md), from the
-    single-process document ratios: a rank's loss must be the sum of its tokens' shares."""
-    o = case.options
-    doc = inputs["document_index"].reshape(-1)
-    mask = ((inputs["target"].reshape(-1) >= 0) & (doc >= 0)).double()
-    safe = doc.clamp_min(0)
-    n_docs = expected["document_ratios"].numel()
-    counts = torch.zeros(n_docs, dtype=torch.float64).index_add_(0, safe, mask)[safe]
-    u = mask / counts.clamp_min(1)
-    adv = inputs["advantages"].reshape(-1).double()
-    adv = adv if o.get("token_advantages") else torch.zeros(n_docs, dtype=torch.float64).index_add_(
-        0, safe, u * adv)[safe]
-    ratio = expected["document_ratios"].double()[safe]
-    lo, hi = 1 - o.get("epsilon_low", 0.2), 1 + o.get("epsilon_high", 0.2)
-    f = -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
-    kappa = mask if o.get("weighting") == "token" else u
-    divisor = o.get("divisor") or max(int((torch.zeros(n_docs, dtype=torch.float64).index_add_(
-        0, safe, mask) > 0).sum()), 1)
-    return (kappa * f / divisor).view(inputs["target"].shape)
-
-
 def _tolerance_scale(case: Case) -> float:
     # Sums over ranks round differently from the single pass: a few ulps more in low precision.
     return 4.0 if case.dtype in (torch.bfloat16, torch.float16) else 2.0

@@ -12,7 +12,7 @@ from rl_losses import reference
 
 from conftest import assert_close
 from helpers import (assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh, label_log_probs64,
-                     make_logits, make_target, param_id as _id, requires_cuda)
+                     make_logits, make_target, param_id as _id, requires_cuda, POLICY_DEFAULTS)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(64,), (16, 8)]
@@ -440,8 +440,10 @@ def _opcheck_cases(device):
     weights = torch.rand_like(advantages)
     counts = torch.full_like(advantages, 2.0)
     # _grpo_forward(logits, target, advantages, old, ref, weights, label_counts, ε_l, ε_h, δ, β, divisor, s,
-    #               compute_entropy, row_stats, vocab_start, vocab_size[, compute_grad])
-    positional = (ref, weights, counts, 0.2, 0.25, 1.5, 0.04, None, 1.1, True, None, 0, -1)
+    #               compute_entropy, row_stats, vocab_start, vocab_size, <the policy family's options>,
+    #               document_index[, compute_grad])
+    positional = (ref, weights, counts, 0.2, 0.25, 1.5, 0.04, None, 1.1, True, None, 0, -1,
+                  *POLICY_DEFAULTS, None)
     return {
         "grpo": (_ops.grpo.default, (leaf, target, advantages, old), {}),
         "grpo_options": (_ops.grpo.default, (leaf, target, advantages, old),

@@ -12,7 +12,7 @@ from rl_losses import reference
 
 from conftest import assert_close
 from helpers import (assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh, label_log_probs64,
-                     make_logits, make_target, param_id as _id, requires_cuda)
+                     make_logits, make_target, param_id as _id, requires_cuda, POLICY_DEFAULTS)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _ops = torch.ops.rl_losses
@@ -400,7 +400,7 @@ def test_split_documents_sum_to_the_whole(weighting, device):
         out[0].backward()
         losses.append(out[0].detach())
         grads.append(x.grad)
-        assert_close(out[8][[r is not None for r in whole["document_ratios"]]],
+        assert_close(out[12][[r is not None for r in whole["document_ratios"]]],
                      torch.stack([r for r in whole["document_ratios"] if r is not None]), torch.float64)
     assert_close(losses[0] + losses[1], whole["loss"].detach(), torch.float64)
     assert_grad_close(torch.cat(grads), whole_grad, torch.float64)
@@ -531,8 +531,9 @@ def _opcheck_cases(device):
     counts = torch.full_like(advantages, 4.0)
     # _gspo_forward(logits, target, advantages, old, document_index, num_documents, label_counts, ε_l, ε_h,
     #               weighting, token_advantages, divisor, s, compute_entropy, row_stats, document_sums,
-    #               vocab_start, vocab_size[, compute_grad])
-    positional = (3, None, 0.2, 0.25, "document", False, None, 1.1, True, None, None, 0, -1)
+    #               vocab_start, vocab_size, ref_log_probs, beta, <the policy family's options>[, compute_grad])
+    positional = (3, None, 0.2, 0.25, "document", False, None, 1.1, True, None, None, 0, -1, None, 0.0,
+                  *POLICY_DEFAULTS)
     return {
         "gspo": (_ops.gspo.default, (leaf, target, advantages, old, doc), dict(num_documents=3)),
         "gspo_options": (_ops.gspo.default, (leaf, target, advantages, old, doc),

@@ -134,6 +134,8 @@ def expected_metrics(cfg, out, batch, name):
         metrics[f"{name}_num_segments"] = torch.tensor(batch["num_documents_in_batch"])
     if cfg.metrics == "with_entropy":
         metrics[f"{name}_entropy"] = out.entropy
+    if getattr(cfg, "beta", 0.0) > 0:  # the mean KL towards the reference (docs/policy_losses.md)
+        metrics[f"{name}_kl"] = out.kl
     return metrics
 
 
@@ -234,8 +236,8 @@ def test_num_documents_fallbacks():
 @pytest.mark.parametrize("config, key", [
     ({"type": "label"}, "labels"),
     ({"type": "grpo"}, "advantages"),
-    ({"type": "grpo"}, "old_log_probabilities"),
     ({"type": "grpo", "beta": 0.1}, "ref_log_probs"),
+    ({"type": "grpo", "rollout_correction": "token_mask"}, "rollout_log_probs"),
     ({"type": "grpo", "loss_normalization": "sequence"}, "label_counts"),
     ({"type": "gspo"}, "document_index"),
 ], ids=lambda v: v if isinstance(v, str) else v["type"])
@@ -243,9 +245,23 @@ def test_missing_batch_keys(config, key):
     module = LanguageModelLossConfig.from_dict({**config, "use_cuda_kernel": False}).get_loss(name="head")
     logits, batch = make_batch("cpu", torch.float32)
     set_old_log_probs(batch, logits, 1.0)
-    del batch[key]
+    batch.pop(key, None)
     with pytest.raises(ValueError, match=rf"head.*: the batch has no '{key}' \(keys given: \["):
         module(logits, batch)
+
+
+@pytest.mark.parametrize("type_name", ["grpo", "gspo"])
+def test_missing_old_log_probabilities_is_on_policy(type_name):
+    # Without old_log_probabilities the policy losses are on-policy: old = sg(lp) (docs/policy_losses.md).
+    module = LanguageModelLossConfig.from_dict({"type": type_name, "use_cuda_kernel": False}).get_loss(name="head")
+    logits, batch = make_batch("cpu", torch.float32)
+    # The current log-probs as old ones: the same loss.
+    batch["old_log_probabilities"] = reference._label_logprob(torch.log_softmax(logits.double(), -1),
+                                                              batch["labels"]).float()
+    with_old, _ = module(logits, batch)
+    del batch["old_log_probabilities"]
+    on_policy, _ = module(logits, batch)
+    assert_close(on_policy, with_old, torch.float32)
 
 
 def test_use_cuda_kernel_true_without_cuda_build(monkeypatch):

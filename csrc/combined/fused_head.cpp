@@ -37,7 +37,8 @@ std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& tar
   const auto acc = opts.dtype().toScalarType();
   FusedHeadRows rows;
   rows.ce = {1.0, label_smoothing, 0.0, static_cast<double>(f.vocab_total)};
-  rows.grpo = {{epsilon_low, epsilon_high, delta ? *delta : std::numeric_limits<double>::infinity()}, beta};
+  rows.grpo = {{epsilon_low, epsilon_high, delta ? *delta : std::numeric_limits<double>::infinity()},
+               kPpoClip, 1.0, 1.0, beta, kKlK3, false, kRolloutNone, 1.0, 0.0, 0.0, 0.0};
   for (int k = 0; k < kHeadTerms; ++k) rows.weight[k] = weights[k];
   if (grpo_weight != 0) {
     check_epsilons(op, epsilon_low, epsilon_high);

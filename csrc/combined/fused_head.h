@@ -10,6 +10,7 @@
 #include <optional>
 #include <tuple>
 
+#include "common/policy.h"
 #include "common/row_pass.h"
 #include "common/row_source.h"
 
@@ -26,7 +27,7 @@ struct FusedHeadEpilogue {
   // Without the z-loss, every term is 0 on an unlabelled token, and so is its gradient.
   static constexpr bool kSkipsUnlabelled = !kAllRows;
   CrossEntropyOptions<acc_t> ce;  // λ = 1, ε, ζ = 0, V
-  GrpoOptions<acc_t> grpo;
+  PolicyOptions<acc_t> grpo;  // ppo_clip with the k3 KL: the plain GRPO term
   acc_t weight[kHeadTerms];
   const acc_t* divisor[kHeadTerms];  // 0-dim each
   const acc_t* z_mask;               // (N,) 0/1: the z-loss's tokens; null: every token
@@ -65,11 +66,12 @@ struct FusedHeadEpilogue {
       g = {g.a + t.a, g.b + t.b, g.c + t.c};
     }
     if (weight[kHeadGrpo] != acc_t(0)) {
-      const PolicyToken<acc_t> t = grpo_token(grpo, lp, old_log_probs[row], advantages[row],
-                                              ref_log_probs != nullptr ? ref_log_probs[row] : acc_t(0));
+      const PolicyToken<acc_t> t =
+          policy_token(grpo, lp, old_log_probs[row], advantages[row], ref_log_probs != nullptr,
+                       ref_log_probs != nullptr ? ref_log_probs[row] : acc_t(0), acc_t(1)).t;
       const acc_t w = (loss_weights != nullptr ? loss_weights[row] : acc_t(1)) / *divisor[kHeadGrpo];
-      o[kHeadGrpo] = w * t.loss;
-      const acc_t coef = weight[kHeadGrpo] * w * t.coef;
+      o[kHeadGrpo] = zero_or_product(w, t.loss);  // a zero weight masks the token, even at an overflowed ratio
+      const acc_t coef = zero_or_product(weight[kHeadGrpo] * w, t.coef);
       g.a += coef;
       g.b -= coef;
     }
@@ -100,7 +102,7 @@ struct FusedHeadTotals {
 
 struct FusedHeadRows {
   CrossEntropyOptions<double> ce;
-  GrpoOptions<double> grpo;
+  PolicyOptions<double> grpo;
   double weight[kHeadTerms];
   at::Tensor divisor[kHeadTerms];
   at::Tensor z_mask;  // (N,) or undefined
@@ -114,8 +116,7 @@ FusedHeadEpilogue<acc_t, kAllRows> make_fused_head_epilogue(const FusedHeadRows&
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<acc_t>() : nullptr; };
   FusedHeadEpilogue<acc_t, kAllRows> e;
   e.ce = {acc_t(r.ce.label_weight), acc_t(r.ce.label_smoothing), acc_t(r.ce.z_loss_factor), acc_t(r.ce.vocab_size)};
-  e.grpo = {{acc_t(r.grpo.clip.epsilon_low), acc_t(r.grpo.clip.epsilon_high), acc_t(r.grpo.clip.delta)},
-            acc_t(r.grpo.beta)};
+  e.grpo = policy_options_as<acc_t>(r.grpo);
   for (int k = 0; k < kHeadTerms; ++k) {
     e.weight[k] = acc_t(r.weight[k]);
     e.divisor[k] = r.divisor[k].const_data_ptr<acc_t>();

@@ -344,11 +344,27 @@ C10_HOST_DEVICE inline T k3(T log_ratio) {
   return ::expm1(log_ratio) - log_ratio;
 }
 
-// GRPO, one token: loss ℓ_t and the coefficient of (p − onehot) in ∂ℓ_t/∂x (before the weight w_t/D).
+// The per-token objectives of the policy losses (docs/policy_losses.md), as functions of the ratio r, the
+// advantage A and the log-prob lp of the label. `coef` is −∂ℓ/∂lp, so the gradient w.r.t. x is coef·(p − onehot).
+// Every coefficient that a clip, cap or mask switches off is an exact 0, never 0·inf: the ratio of a token far
+// off-policy may overflow to inf, and its gradient must still be finite.
+enum PolicyLossType : int { kPpoClip = 0, kCispo = 1, kSapo = 2 };
+enum KlEstimator : int { kKlK1 = 1, kKlK2 = 2, kKlK3 = 3 };
+enum RolloutMode : int { kRolloutNone = 0, kRolloutTruncate = 1, kRolloutMask = 2 };
+
 template <typename T>
-struct GrpoOptions {
+struct PolicyOptions {
   ClipOptions<T> clip;
-  T beta;  // k3 penalty towards ref_log_probs; 0 disables it
+  int loss_type;          // PolicyLossType
+  T sapo_tau_pos;         // SAPO temperature where A > 0
+  T sapo_tau_neg;         // SAPO temperature where A <= 0
+  T beta;                 // KL penalty towards ref_log_probs; 0 disables it
+  int kl_estimator;       // KlEstimator
+  bool kl_importance_weighted;  // sg(r)·KL
+  int rollout_mode;       // RolloutMode
+  T rollout_cap;          // truncate: min(ρ, C)
+  T rollout_lo, rollout_hi;  // mask: ρ kept in [lo, hi], weight 0 outside
+  T entropy_coefficient;  // adds −c·H_t per token (before the token weight)
 };
 
 template <typename T>
@@ -358,18 +374,102 @@ struct PolicyToken {
   T ratio;  // r_t
 };
 
+// σ(u)·(1 − σ(u)) = e/(1 + e)² with e = exp(−|u|): no overflow, and exactly 0 for |u| = inf.
 template <typename T>
-C10_HOST_DEVICE inline PolicyToken<T> grpo_token(const GrpoOptions<T>& o, T log_prob, T old_log_prob,
-                                                 T advantage, T ref_log_prob) {
-  const T ratio = ::exp(log_prob - old_log_prob);
-  T loss = clipped_surrogate_loss(o.clip, ratio, advantage);
-  T coef = clip_gradient_factor(o.clip, ratio, advantage);
-  if (o.beta != T(0)) {
-    const T d = ref_log_prob - log_prob;
-    loss += o.beta * k3(d);
-    coef += o.beta * ::expm1(d);  // −β(1 − exp(q − lp))
+C10_HOST_DEVICE inline T sigmoid_slope(T u) {
+  const T e = ::exp(-::fabs(u));
+  return e / ((T(1) + e) * (T(1) + e));
+}
+
+// The surrogate of one loss type (its clip/cap/gate), without the rollout weight and the KL:
+//   ppo_clip: ℓ = −min(min(r, δ)·A, clip(r, 1−ε_l, 1+ε_h)·A)             coef = c(r, A)·r
+//   cispo:    ℓ = −sg(min(r, ε_h))·A·lp   (the cap is ε_h itself, as TRL's and Liger's)   coef = min(r, ε_h)·A
+//   sapo:     ℓ = −(4/τ)·σ(τ(r − 1))·A,  τ = τ_pos if A > 0 else τ_neg     coef = 4σ(1−σ)·r·A
+template <typename T>
+C10_HOST_DEVICE inline PolicyToken<T> policy_surrogate(const PolicyOptions<T>& o, T ratio, T advantage, T log_prob) {
+  if (o.loss_type == kCispo) {
+    const T w = ratio < o.clip.epsilon_high ? ratio : o.clip.epsilon_high;
+    return {-zero_or_product(w * advantage, log_prob), w * advantage, ratio};
   }
-  return {loss, coef, ratio};
+  if (o.loss_type == kSapo) {
+    const T tau = advantage > T(0) ? o.sapo_tau_pos : o.sapo_tau_neg;
+    const T u = tau * (ratio - T(1));
+    const T sig = T(1) / (T(1) + ::exp(-u));
+    return {-(T(4) / tau) * sig * advantage, zero_or_product(T(4) * sigmoid_slope(u) * advantage, ratio), ratio};
+  }
+  return {clipped_surrogate_loss(o.clip, ratio, advantage), clip_gradient_factor(o.clip, ratio, advantage),
+          ratio};
+}
+
+// Clipped-fraction flags per loss type: ppo_clip's low/high bounds; cispo's cap (r > ε_h and A > 0, counted as
+// "high", as TRL's cispo_clip_ratio); none for sapo's soft gate.
+template <typename T>
+C10_HOST_DEVICE inline bool policy_clipped_low(const PolicyOptions<T>& o, T ratio, T advantage) {
+  return o.loss_type == kPpoClip && clipped_low(o.clip, ratio, advantage);
+}
+template <typename T>
+C10_HOST_DEVICE inline bool policy_clipped_high(const PolicyOptions<T>& o, T ratio, T advantage) {
+  if (o.loss_type == kCispo) return ratio > o.clip.epsilon_high && advantage > T(0);
+  return o.loss_type == kPpoClip && clipped_high(o.clip, ratio, advantage);
+}
+
+// KL(π || ref) estimate of one token and its derivative w.r.t. lp, from lp and the reference log-prob q:
+//   k1 = lp − q (d/dlp = 1),  k2 = ½(lp − q)² (d/dlp = lp − q),
+//   k3 = exp(q − lp) − (q − lp) − 1 (d/dlp = 1 − exp(q − lp))
+template <typename T>
+struct KlTerm {
+  T value;
+  T slope;
+};
+template <typename T>
+C10_HOST_DEVICE inline KlTerm<T> kl_estimate(int estimator, T log_prob, T ref_log_prob) {
+  const T d = ref_log_prob - log_prob;
+  if (estimator == kKlK1) return {-d, T(1)};
+  if (estimator == kKlK2) return {T(0.5) * d * d, -d};
+  return {k3(d), -T(::expm1(d))};  // (the host's ::expm1 of a float is the double one)
+}
+
+// The rollout-engine correction weight sg(w) from log ρ (ρ = π_old / π_rollout, per token or the geometric
+// mean over its sequence): truncate min(ρ, C); mask ρ inside [lo, hi], 0 outside; 1 without correction.
+template <typename T>
+C10_HOST_DEVICE inline T rollout_weight(const PolicyOptions<T>& o, T log_rho) {
+  if (o.rollout_mode == kRolloutNone) return T(1);
+  const T rho = ::exp(log_rho);
+  if (o.rollout_mode == kRolloutTruncate) return rho < o.rollout_cap ? rho : o.rollout_cap;
+  return rho >= o.rollout_lo && rho <= o.rollout_hi ? rho : T(0);
+}
+
+// One token of the policy loss, before its weight w_t/D: the surrogate times the rollout weight, plus β·KL
+// (optionally r·KL). The entropy bonus is the epilogue's (it needs the row's entropy). TRL's and
+// Liger's order: the rollout weight multiplies the surrogate only, not the KL.
+template <typename T>
+struct PolicyTokenTerms {
+  PolicyToken<T> t;
+  T kl;  // the KL estimate (importance weighted when asked), 0 without a reference
+};
+template <typename T>
+C10_HOST_DEVICE inline PolicyTokenTerms<T> policy_token(const PolicyOptions<T>& o, T log_prob, T old_log_prob,
+                                                        T advantage, bool has_ref, T ref_log_prob, T rollout_w) {
+  const T ratio = ::exp(log_prob - old_log_prob);
+  PolicyToken<T> t = policy_surrogate(o, ratio, advantage, log_prob);
+  t.loss = zero_or_product(rollout_w, t.loss);
+  t.coef = zero_or_product(rollout_w, t.coef);
+  T kl = T(0);
+  if (has_ref) {
+    KlTerm<T> k = kl_estimate(o.kl_estimator, log_prob, ref_log_prob);
+    if (o.kl_importance_weighted) {
+      // r·KL, differentiated through r as well (∂r/∂lp = r), as TRL and Liger do: the gradient of the
+      // estimate then is the unbiased one.
+      k.slope = zero_or_product(ratio, k.slope + k.value);
+      k.value = zero_or_product(ratio, k.value);
+    }
+    kl = k.value;
+    if (o.beta != T(0)) {
+      t.loss += o.beta * k.value;
+      t.coef -= o.beta * k.slope;
+    }
+  }
+  return {t, kl};
 }
 
 // GSPO, one document: f_s and the per-token factor c(R, Ā)·R (docs/math.md).

@@ -111,6 +111,7 @@ inline RowPassView<scalar_t, label_t, acc_t> make_view(const RowPassArgs& a) {
 // skip reading that row and pass RowStats::empty() (the CPU pass and both CUDA kernels do; the separate
 // `row_stats` op, used by the split path and tensor parallelism, reads every row). `go` is called with
 // std::true_type/false_type flags.
+
 template <typename Epi, typename Go>
 void dispatch_stat_flags(const RowPassArgs& args, Go&& go) {
   using T = std::true_type;
@@ -155,17 +156,22 @@ C10_HOST_DEVICE inline RowStats<acc_t> load_stats(const acc_t* stats, int64_t ro
   return {s[0], s[1], s[2], s[3], s[4]};
 }
 
-// Epilogue for a gradient pass whose per-row coefficient was computed elsewhere (GSPO): the gradient is
-// coef_t·(p − onehot), i.e. (a, b, c) = (coef, −coef, 0).
-template <typename acc_t>
+// Epilogue for a gradient pass whose per-row coefficients were computed elsewhere (GSPO): the gradient is
+// coef_t·(p − onehot), i.e. (a, b, c) = (coef, −coef, 0), plus an entropy bonus's h_t·p·(log p + H_t) where
+// `entropy_h` (h_t) and `entropy` (H_t) are given.
+// kEntropyBonus: compiled with the entropy term (one more FMA per logit), only where entropy_h is given.
+template <typename acc_t, bool kEntropyBonus = false>
 struct PolicyCoefEpilogue {
-  static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = false;
-  static constexpr bool kMayUseEntropyGrad = false;
+  static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = false, kMayUseEntropyGrad = kEntropyBonus;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true, kSkipsUnlabelled = false;
   const acc_t* coef;
+  const acc_t* entropy_h = nullptr;  // (N,) or null
+  const acc_t* entropy = nullptr;    // (N,) when entropy_h is given
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t, const RowStats<acc_t>&) const {
     const acc_t c = coef[row];
-    return {c, -c, acc_t(0)};
+    if (entropy_h == nullptr) return {c, -c, acc_t(0), acc_t(0)};
+    const acc_t h = entropy_h[row];
+    return {c + h * entropy[row], -c, acc_t(0), h};
   }
 };
 
@@ -197,8 +203,12 @@ struct SumOf {
 
 // The scalar outputs of GRPO and GSPO (docs/math.md), in schema order, written by their finishing reductions:
 // 0-dim tensors of the accumulation dtype, and their pointers for the device.
+// The last four (the policy family's, docs/policy_losses.md): the mean KL estimate towards ref_log_probs, and
+// over the labelled tokens the mean rollout ratio ρ, the mean correction weight and the fraction of tokens whose
+// weight was truncated or masked.
 enum PolicyScalar : int { kPolicyLoss = 0, kPolicyNewLogProbs, kPolicyClipLow, kPolicyClipHigh, kPolicyKlOld,
-                          kPolicyEntropy, kPolicyRatioMean, kPolicyScalars };
+                          kPolicyEntropy, kPolicyRatioMean, kPolicyKl, kPolicyRolloutRatio, kPolicyRolloutWeight,
+                          kPolicyRolloutCorrected, kPolicyScalars };
 template <typename acc_t>
 struct PolicyScalarPtrs {
   acc_t* p[kPolicyScalars];
@@ -216,8 +226,9 @@ struct PolicyScalarOutputs {
   }
   // The schema's outputs: these with the per-token log-probs between entropy and ratio_mean.
   std::vector<at::Tensor> with_log_probs(const at::Tensor& log_probs) const {
-    return {t[kPolicyLoss], t[kPolicyNewLogProbs], t[kPolicyClipLow], t[kPolicyClipHigh],
-            t[kPolicyKlOld], t[kPolicyEntropy], log_probs,         t[kPolicyRatioMean]};
+    return {t[kPolicyLoss],     t[kPolicyNewLogProbs], t[kPolicyClipLow],        t[kPolicyClipHigh],
+            t[kPolicyKlOld],    t[kPolicyEntropy],     log_probs,                t[kPolicyRatioMean],
+            t[kPolicyKl],       t[kPolicyRolloutRatio], t[kPolicyRolloutWeight], t[kPolicyRolloutCorrected]};
   }
 };
 

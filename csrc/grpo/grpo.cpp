@@ -8,12 +8,16 @@
 namespace rl_losses {
 
 std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, const at::Tensor& advantages,
-                                     const at::Tensor& old_log_probs, const std::optional<at::Tensor>& ref_log_probs,
+                                     const std::optional<at::Tensor>& old_log_probs,
+                                     const std::optional<at::Tensor>& ref_log_probs,
                                      const std::optional<at::Tensor>& loss_weights,
                                      const std::optional<at::Tensor>& label_counts, double epsilon_low,
                                      double epsilon_high, std::optional<double> delta, double beta,
                                      std::optional<double> divisor, double logits_scale_factor, bool compute_entropy,
-                                     const std::optional<at::Tensor>& row_stats, const GrpoBackend& backend) {
+                                     const std::optional<at::Tensor>& row_stats,
+                                     const std::optional<at::Tensor>& rollout_log_probs,
+                                     const std::optional<at::Tensor>& document_index, const PolicyArgs& policy,
+                                     const GrpoBackend& backend) {
   const char* op = src.op();
   const FlatLogits& f = src.flat();
   check_scale(op, logits_scale_factor);
@@ -26,15 +30,24 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
   TORCH_CHECK(beta == 0 || ref_log_probs.has_value(), op, ": beta = ", beta, " > 0 needs ref_log_probs");
   check_divisor(op, divisor);
   check_row_stats(op, row_stats, f);
+  const PolicyOptions<double> opt = make_policy_options(op, policy, epsilon_low, epsilon_high, delta, beta,
+                                                        rollout_log_probs.has_value());
+  const bool sequence_rollout = sequence_level_rollout(policy);
+  TORCH_CHECK(!document_index || sequence_rollout, op, ": document_index groups the tokens of a sequence-level "
+              "rollout_correction; got it with rollout_correction = '", policy.rollout_correction.value_or("None"),
+              "'");
 
   const auto opts = src.acc_options();
   const auto acc = opts.dtype().toScalarType();
   GrpoRows rows;
-  rows.opt = {{epsilon_low, epsilon_high, delta ? *delta : std::numeric_limits<double>::infinity()}, beta};
-  rows.advantages = check_per_token(op, "advantages", advantages, target, acc);
-  rows.old_log_probs = check_per_token(op, "old_log_probs", old_log_probs, target, acc);
-  if (beta != 0) rows.ref_log_probs = check_per_token(op, "ref_log_probs", *ref_log_probs, target, acc);
+  rows.opt = opt;
+  rows.advantages = check_per_token(op, "advantages", broadcast_per_sequence(op, "advantages", advantages, target),
+                                    target, acc);
+  if (old_log_probs) rows.old_log_probs = check_per_token(op, "old_log_probs", *old_log_probs, target, acc);
+  if (ref_log_probs) rows.ref_log_probs = check_per_token(op, "ref_log_probs", *ref_log_probs, target, acc);
   if (loss_weights) rows.loss_weights = check_per_token(op, "loss_weights", *loss_weights, target, acc);
+  at::Tensor rollout;
+  if (rollout_log_probs) rollout = check_per_token(op, "rollout_log_probs", *rollout_log_probs, target, acc);
   at::Tensor counts;
   if (label_counts) {
     counts = check_label_counts(op, *label_counts, target, acc);
@@ -43,11 +56,32 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
   rows.divisor = divisor ? at::full({}, *divisor, opts) : n_labelled;
   rows.out = at::empty({f.n_rows, kGrpoFields}, opts);
   rows.log_probs = at::empty({f.n_rows}, opts);
-  rows.entropy = compute_entropy;
+  // The statistics hold Σp·x when the entropy is a metric or, with its gradient, a term of the loss.
+  rows.entropy = compute_entropy || opt.entropy_coefficient != 0;
 
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
   if (row_stats) args.stats_in = *row_stats;
-  args.entropy = compute_entropy && !row_stats;
+  args.entropy = rows.entropy && !row_stats;
+  if (sequence_rollout) {
+    auto [sequence, n_seq] = sequence_ids(op, document_index, target);
+    at::Tensor old = rows.old_log_probs;
+    if (!old.defined()) {
+      // On-policy, ρ of a sequence needs the log-probs of all its tokens before any token's loss: the statistics
+      // are computed first (one more read of the logits, as GSPO's), and the loss pass reads them.
+      if (!args.stats_in.defined()) {
+        at::Tensor stats = at::empty({f.n_rows, RowStats<double>::kFields}, opts);
+        if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.stats(a, stats); });
+        args.stats_in = stats;
+        args.entropy = false;
+      }
+      const at::Tensor& st = args.stats_in;
+      old = at::where(f.target1d >= 0, st.select(1, 4) - (st.select(1, 0) + st.select(1, 1).log()),
+                      at::zeros({}, opts));
+    }
+    rows.sequence_log_rho = sequence_log_rho(old, rollout, f.target1d, sequence, n_seq);
+  } else {
+    rows.rollout_log_probs = rollout;
+  }
   if (f.n_rows > 0) {
     src.run(args, src.wants_grad(), [&](RowPassArgs& a) {
       split_stats_pass_on_cuda(a);

@@ -1,14 +1,16 @@
-// GRPO (docs/math.md): per-token clipped importance ratio, optional k3 penalty and two-sided clip, fused with
-// its metrics. The row-pass epilogue and the device-independent forward shared by the CPU and
-// CUDA registrations.
+// GRPO: the per-token importance ratio under the policy family's loss types (ppo_clip, cispo, sapo), rollout
+// correction, KL penalty and entropy bonus (docs/policy_losses.md), fused with its metrics. The row-pass
+// epilogue and the device-independent forward shared by the CPU and CUDA registrations.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
+#include "common/policy.h"
 #include "common/row_pass.h"
 #include "common/row_source.h"
 
@@ -16,44 +18,64 @@ namespace rl_losses {
 
 // Columns of the per-token output the epilogue writes (zeros on unlabelled tokens); the log-probs, an output
 // of their own, go to a separate array.
-enum GrpoField : int { kGrpoLoss = 0, kGrpoRatio, kGrpoLow, kGrpoHigh, kGrpoKlOld, kGrpoEntropy, kGrpoFields };
+enum GrpoField : int { kGrpoLoss = 0, kGrpoRatio, kGrpoLow, kGrpoHigh, kGrpoKlOld, kGrpoEntropy, kGrpoKl,
+                       kGrpoRolloutRatio, kGrpoRolloutWeight, kGrpoRolloutCorrected, kGrpoFields };
 
-template <typename acc_t>
+// Per labelled token: the policy objective of its loss type, the rollout weight, the KL penalty and the entropy
+// bonus (common/math.h: policy_token), times w_t/D.
+// kEntropyBonus: compiled with the gradient's entropy term (one more FMA per logit), taken only when
+// entropy_coefficient != 0, so that plain GRPO keeps the kernel it had.
+template <typename acc_t, bool kEntropyBonus = false>
 struct GrpoEpilogue {
-  static constexpr bool kMayUseEntropy = true, kMayUseSmoothing = false;
-  static constexpr bool kMayUseEntropyGrad = false;
+  static constexpr bool kMayUseEntropy = true, kMayUseSmoothing = false, kMayUseEntropyGrad = kEntropyBonus;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
   static constexpr bool kSkipsUnlabelled = true;  // a masked token's outputs and gradient are zeros
-  GrpoOptions<acc_t> opt;
+  PolicyOptions<acc_t> opt;
   const acc_t* advantages;
-  const acc_t* old_log_probs;
-  const acc_t* ref_log_probs;  // null when beta == 0
-  const acc_t* loss_weights;   // null: the label mask
-  const acc_t* divisor;        // 0-dim D
-  acc_t* out;                  // (N, kGrpoFields)
-  acc_t* log_probs;            // (N,)
-  bool entropy;
+  const acc_t* old_log_probs;      // null: on-policy, old = sg(lp)
+  const acc_t* ref_log_probs;      // null without a reference
+  const acc_t* rollout_log_probs;  // null without a token-level rollout correction
+  const acc_t* sequence_log_rho;   // null without a sequence-level one: log ρ of each token's sequence
+  const acc_t* loss_weights;       // null: the label mask
+  const acc_t* divisor;            // 0-dim D
+  acc_t* out;                      // (N, kGrpoFields)
+  acc_t* log_probs;                // (N,)
+  bool entropy;                    // the statistics hold Σp·x (entropy metric or bonus)
 
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t label, const RowStats<acc_t>& st) const {
     acc_t* o = out + row * kGrpoFields;
     if (label < 0) {
       for (int k = 0; k < kGrpoFields; ++k) o[k] = acc_t(0);
       log_probs[row] = acc_t(0);
-      return {acc_t(0), acc_t(0), acc_t(0)};
+      return {acc_t(0), acc_t(0), acc_t(0), acc_t(0)};
     }
     const acc_t lp = st.log_prob(st.label);
-    const acc_t adv = advantages[row], old = old_log_probs[row];
-    const PolicyToken<acc_t> t = grpo_token(opt, lp, old, adv, ref_log_probs ? ref_log_probs[row] : acc_t(0));
+    const acc_t adv = advantages[row];
+    const acc_t old = old_log_probs != nullptr ? old_log_probs[row] : lp;
+    const acc_t log_rho = sequence_log_rho != nullptr    ? sequence_log_rho[row]
+                          : rollout_log_probs != nullptr ? old - rollout_log_probs[row]
+                                                         : acc_t(0);
+    const acc_t rw = rollout_weight(opt, log_rho);
+    const PolicyTokenTerms<acc_t> t = policy_token(opt, lp, old, adv, ref_log_probs != nullptr,
+                                                   ref_log_probs != nullptr ? ref_log_probs[row] : acc_t(0), rw);
     const acc_t w = (loss_weights ? loss_weights[row] : acc_t(1)) / *divisor;
-    o[kGrpoLoss] = zero_or_product(w, t.loss);  // a zero weight masks the token, even at an overflowed ratio
+    const acc_t h = entropy ? st.entropy() : acc_t(0);
+    const acc_t c = opt.entropy_coefficient;
+    o[kGrpoLoss] = zero_or_product(w, t.t.loss - c * h);
     log_probs[row] = lp;
-    o[kGrpoRatio] = t.ratio;
-    o[kGrpoLow] = clipped_low(opt.clip, t.ratio, adv) ? acc_t(1) : acc_t(0);
-    o[kGrpoHigh] = clipped_high(opt.clip, t.ratio, adv) ? acc_t(1) : acc_t(0);
+    o[kGrpoRatio] = t.t.ratio;
+    o[kGrpoLow] = policy_clipped_low(opt, t.t.ratio, adv) ? acc_t(1) : acc_t(0);
+    o[kGrpoHigh] = policy_clipped_high(opt, t.t.ratio, adv) ? acc_t(1) : acc_t(0);
     o[kGrpoKlOld] = k3(old - lp);
-    o[kGrpoEntropy] = entropy ? st.entropy() : acc_t(0);
-    const acc_t coef = zero_or_product(w, t.coef);
-    return {coef, -coef, acc_t(0)};
+    o[kGrpoEntropy] = h;
+    o[kGrpoKl] = t.kl;
+    const bool corrected = opt.rollout_mode != kRolloutNone;
+    o[kGrpoRolloutRatio] = corrected ? ::exp(log_rho) : acc_t(1);
+    o[kGrpoRolloutWeight] = rw;
+    o[kGrpoRolloutCorrected] = corrected && rw != o[kGrpoRolloutRatio] ? acc_t(1) : acc_t(0);
+    // −c·H_t has ∂/∂x_j = c·p_j·(log p_j + H_t): the h term and c·H_t in a.
+    const acc_t coef = zero_or_product(w, t.t.coef);
+    return {coef + w * c * h, -coef, acc_t(0), w * c};
   }
 };
 
@@ -89,29 +111,33 @@ struct GrpoMetrics {
     *dst.p[kPolicyKlOld] = s[kGrpoKlOld] / n;
     *dst.p[kPolicyEntropy] = s[kGrpoEntropy] / n;
     *dst.p[kPolicyRatioMean] = s[kGrpoRatio] / n;
+    *dst.p[kPolicyKl] = s[kGrpoKl] / n;
+    *dst.p[kPolicyRolloutRatio] = s[kGrpoRolloutRatio] / n;
+    *dst.p[kPolicyRolloutWeight] = s[kGrpoRolloutWeight] / n;
+    *dst.p[kPolicyRolloutCorrected] = s[kGrpoRolloutCorrected] / n;
   }
 };
 
 struct GrpoRows {
-  GrpoOptions<double> opt;
-  at::Tensor advantages, old_log_probs, ref_log_probs, loss_weights;  // (N,) acc dtype; last two optional
+  PolicyOptions<double> opt;
+  at::Tensor advantages, old_log_probs, ref_log_probs, rollout_log_probs, sequence_log_rho, loss_weights;  // (N,)
   at::Tensor divisor;
   at::Tensor out;        // (N, kGrpoFields)
   at::Tensor log_probs;  // (N,)
   bool entropy;
 };
 
-template <typename acc_t>
-GrpoEpilogue<acc_t> make_grpo_epilogue(const GrpoRows& r) {
-  const auto& o = r.opt;
+template <typename acc_t, bool kEntropyBonus>
+GrpoEpilogue<acc_t, kEntropyBonus> make_grpo_epilogue(const GrpoRows& r) {
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<acc_t>() : nullptr; };
-  return {{{acc_t(o.clip.epsilon_low), acc_t(o.clip.epsilon_high), acc_t(o.clip.delta)}, acc_t(o.beta)},
-          ptr(r.advantages), ptr(r.old_log_probs), ptr(r.ref_log_probs), ptr(r.loss_weights),
-          r.divisor.const_data_ptr<acc_t>(), r.out.data_ptr<acc_t>(), r.log_probs.data_ptr<acc_t>(), r.entropy};
+  return {policy_options_as<acc_t>(r.opt), ptr(r.advantages), ptr(r.old_log_probs), ptr(r.ref_log_probs),
+          ptr(r.rollout_log_probs), ptr(r.sequence_log_rho), ptr(r.loss_weights), r.divisor.const_data_ptr<acc_t>(),
+          r.out.data_ptr<acc_t>(), r.log_probs.data_ptr<acc_t>(), r.entropy};
 }
 
 // The back-end: the row pass and the metrics reduction, on one device.
 struct GrpoBackend {
+  void (*stats)(const RowPassArgs&, const at::Tensor& out);  // the statistics alone (see grpo_forward)
   void (*rows)(const RowPassArgs&, const GrpoRows&);
   void (*metrics)(const GrpoRows&, const at::Tensor& target1d, const at::Tensor& counts,
                   const at::Tensor& n_labelled, const PolicyScalarOutputs& dst);
@@ -119,10 +145,22 @@ struct GrpoBackend {
 
 template <typename Runner>
 struct GrpoBackendImpl {
-  static void rows(const RowPassArgs& args, const GrpoRows& r) {
+  static void stats(const RowPassArgs& args, const at::Tensor& out) {
     Runner::row_pass(args, "grpo", [&](auto* tag) {
-      return make_grpo_epilogue<std::remove_pointer_t<decltype(tag)>>(r);
+      using acc_t = std::remove_pointer_t<decltype(tag)>;
+      return StoreStatsEpilogue<acc_t, true>{out.data_ptr<acc_t>()};
     });
+  }
+  static void rows(const RowPassArgs& args, const GrpoRows& r) {
+    if (r.opt.entropy_coefficient != 0) {
+      Runner::row_pass(args, "grpo", [&](auto* tag) {
+        return make_grpo_epilogue<std::remove_pointer_t<decltype(tag)>, true>(r);
+      });
+    } else {
+      Runner::row_pass(args, "grpo", [&](auto* tag) {
+        return make_grpo_epilogue<std::remove_pointer_t<decltype(tag)>, false>(r);
+      });
+    }
   }
   static void metrics(const GrpoRows& r, const at::Tensor& target1d, const at::Tensor& counts,
                       const at::Tensor& n_labelled, const PolicyScalarOutputs& dst) {
@@ -135,40 +173,52 @@ struct GrpoBackendImpl {
                                                             dst.ptrs<scalar_t>()});
     });
   }
-  static constexpr GrpoBackend backend() { return {&rows, &metrics}; }
+  static constexpr GrpoBackend backend() { return {&stats, &rows, &metrics}; }
 };
 
-// Returns the 8 outputs of the `grpo` schema; the gradient, when the source wants one, is the source's.
+// Returns the outputs of the `grpo` schema; the gradient, when the source wants one, is the source's.
 std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, const at::Tensor& advantages,
-                                     const at::Tensor& old_log_probs, const std::optional<at::Tensor>& ref_log_probs,
+                                     const std::optional<at::Tensor>& old_log_probs,
+                                     const std::optional<at::Tensor>& ref_log_probs,
                                      const std::optional<at::Tensor>& loss_weights,
                                      const std::optional<at::Tensor>& label_counts, double epsilon_low,
                                      double epsilon_high, std::optional<double> delta, double beta,
                                      std::optional<double> divisor, double logits_scale_factor, bool compute_entropy,
-                                     const std::optional<at::Tensor>& row_stats, const GrpoBackend& backend);
-
-using T8 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-using T9 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                      at::Tensor>;
+                                     const std::optional<at::Tensor>& row_stats,
+                                     const std::optional<at::Tensor>& rollout_log_probs,
+                                     const std::optional<at::Tensor>& document_index, const PolicyArgs& policy,
+                                     const GrpoBackend& backend);
 
 template <const GrpoBackend& (*kBackend)()>
 struct GrpoOps {
   using Opt = std::optional<at::Tensor>;
-  static T9 forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv, const at::Tensor& old,
-                    const Opt& ref, const Opt& w, const Opt& counts, double el, double eh, std::optional<double> delta,
-                    double beta, std::optional<double> d, double s, bool entropy, const Opt& stats, int64_t vs,
-                    int64_t vn, bool compute_grad) {
+  using SV = c10::string_view;
+  static auto forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv, const Opt& old,
+                      const Opt& ref, const Opt& w, const Opt& counts, double el, double eh,
+                      std::optional<double> delta, double beta, std::optional<double> d, double s, bool entropy,
+                      const Opt& stats, int64_t vs, int64_t vn, SV loss_type, double tau_pos, double tau_neg,
+                      const Opt& rollout, std::optional<SV> correction, double cap,
+                      std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
+                      const Opt& doc, bool compute_grad) {
     LogitsSource src("grpo", logits, target, vs, vn, compute_grad, false);
-    auto o = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, stats, kBackend());
-    return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], src.grads()[0]};
+    auto o = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, stats, rollout,
+                          doc, policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef),
+                          kBackend());
+    o.push_back(src.grads()[0]);
+    return tensors_as_tuple<kPolicyOutputs + 1>(o);
   }
-  static T8 forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
-                            const at::Tensor& old, const Opt& ref, const Opt& w, const Opt& counts, double el,
-                            double eh, std::optional<double> delta, double beta, std::optional<double> d, double s,
-                            bool entropy, const Opt& stats, int64_t vs, int64_t vn) {
+  static auto forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
+                              const Opt& old, const Opt& ref, const Opt& w, const Opt& counts, double el, double eh,
+                              std::optional<double> delta, double beta, std::optional<double> d, double s,
+                              bool entropy, const Opt& stats, int64_t vs, int64_t vn, SV loss_type, double tau_pos,
+                              double tau_neg, const Opt& rollout, std::optional<SV> correction, double cap,
+                              std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
+                              const Opt& doc) {
     LogitsSource src("grpo", logits, target, vs, vn, false, true);
-    auto o = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, stats, kBackend());
-    return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]};
+    auto o = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, stats, rollout,
+                          doc, policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef),
+                          kBackend());
+    return tensors_as_tuple<kPolicyOutputs>(o);
   }
 };
 

@@ -1,5 +1,6 @@
 #include "gspo/gspo.h"
 
+#include <cmath>
 #include <limits>
 
 #include "common/checks.h"
@@ -18,10 +19,17 @@ void sum_document_terms(GspoState& g, const GspoBackend& backend) {
   backend.token_terms(g);
 }
 
+// The sequence-level rollout ratio of each token's document, log ρ_s = mean over the document's labelled tokens
+// of (old − rollout), with old = lp on-policy.
+void rows_log_rho(GspoState& g, const at::Tensor& rollout, int64_t n_docs) {
+  const at::Tensor old = g.old_log_probs.defined() ? g.old_log_probs : g.log_probs;
+  g.sequence_log_rho = sequence_log_rho(old, rollout, g.target, g.document, n_docs);
+}
+
 }  // namespace
 
 at::Tensor gspo_document_sums(const at::Tensor& log_probs, const at::Tensor& target, const at::Tensor& advantages,
-                              const at::Tensor& old_log_probs, const at::Tensor& document_index,
+                              const std::optional<at::Tensor>& old_log_probs, const at::Tensor& document_index,
                               const at::Tensor& label_counts, int64_t num_documents, const GspoBackend& backend) {
   constexpr const char* op = "gspo_document_sums";
   check_num_documents(op, num_documents);
@@ -31,7 +39,7 @@ at::Tensor gspo_document_sums(const at::Tensor& log_probs, const at::Tensor& tar
   g.log_probs = check_per_token(op, "log_probs", log_probs, target, acc);
   g.target = check_per_token_int(op, "target", target, target);
   g.advantages = check_per_token(op, "advantages", advantages, target, acc);
-  g.old_log_probs = check_per_token(op, "old_log_probs", old_log_probs, target, acc);
+  if (old_log_probs) g.old_log_probs = check_per_token(op, "old_log_probs", *old_log_probs, target, acc);
   g.document = check_per_token_int(op, "document_index", document_index, target);
   g.label_counts = check_label_counts(op, label_counts, target, acc);
   sum_document_terms(g, backend);
@@ -39,13 +47,14 @@ at::Tensor gspo_document_sums(const at::Tensor& log_probs, const at::Tensor& tar
 }
 
 std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, const at::Tensor& advantages,
-                                     const at::Tensor& old_log_probs, const at::Tensor& document_index,
+                                     const std::optional<at::Tensor>& old_log_probs, const at::Tensor& document_index,
                                      std::optional<int64_t> num_documents,
                                      const std::optional<at::Tensor>& label_counts, double epsilon_low,
                                      double epsilon_high, const std::string& weighting, bool token_advantages,
                                      std::optional<double> divisor, double logits_scale_factor, bool compute_entropy,
                                      const std::optional<at::Tensor>& row_stats,
-                                     const std::optional<at::Tensor>& document_sums, const GspoBackend& backend) {
+                                     const std::optional<at::Tensor>& document_sums, const GspoPolicyInputs& policy,
+                                     const GspoBackend& backend) {
   const char* op = src.op();
   const FlatLogits& f = src.flat();
   check_scale(op, logits_scale_factor);
@@ -54,14 +63,22 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
   check_row_stats(op, row_stats, f);
   TORCH_CHECK(weighting == "document" || weighting == "token", op,
               ": weighting must be 'document' or 'token', got '", weighting, "'");
+  const double beta = policy.beta;
+  TORCH_CHECK(std::isfinite(beta) && beta >= 0, op, ": beta must be >= 0, got ", beta);
+  TORCH_CHECK(beta == 0 || policy.ref_log_probs.has_value(), op, ": beta = ", beta, " > 0 needs ref_log_probs");
   const auto opts = src.acc_options();
   const auto acc = opts.dtype().toScalarType();
   GspoState g;
-  g.clip = {epsilon_low, epsilon_high, std::numeric_limits<double>::infinity()};
+  g.opt = make_policy_options(op, policy.args, epsilon_low, epsilon_high, std::nullopt, beta,
+                              policy.rollout_log_probs.has_value());
   g.target = f.target1d;
-  g.advantages = check_per_token(op, "advantages", advantages, target, acc);
-  g.old_log_probs = check_per_token(op, "old_log_probs", old_log_probs, target, acc);
   g.document = check_per_token_int(op, "document_index", document_index, target);
+  if (old_log_probs) g.old_log_probs = check_per_token(op, "old_log_probs", *old_log_probs, target, acc);
+  if (policy.ref_log_probs) g.ref_log_probs = check_per_token(op, "ref_log_probs", *policy.ref_log_probs, target, acc);
+  at::Tensor rollout;
+  if (policy.rollout_log_probs) {
+    rollout = check_per_token(op, "rollout_log_probs", *policy.rollout_log_probs, target, acc);
+  }
   if (label_counts) g.label_counts = check_label_counts(op, *label_counts, target, acc);
   g.divisor = divisor;
   g.token_advantages = token_advantages;
@@ -83,6 +100,12 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
     TORCH_CHECK(high < n_docs, op, ": document_index holds ", high, " but num_documents is ", n_docs);
   }
   g.num_documents = n_docs;
+  // Advantages per token, per sequence ((B,) for (B, T) labels) or per document ((num_documents,)).
+  at::Tensor adv = broadcast_per_sequence(op, "advantages", advantages, target);
+  if (adv.dim() == 1 && adv.sizes() != target.sizes() && adv.size(0) == n_docs && adv.device() == g.document.device()) {
+    adv = adv.index_select(0, at::where(g.document >= 0, g.document, at::zeros_like(g.document))).view(target.sizes());
+  }
+  g.advantages = check_per_token(op, "advantages", adv, target, acc);
   if (document_sums) {
     TORCH_CHECK(document_sums->dim() == 2 && document_sums->size(0) == n_docs && document_sums->size(1) == kGspoSums &&
                     document_sums->scalar_type() == acc && document_sums->device() == opts.device(),
@@ -98,7 +121,7 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
     g.stats = *row_stats;
   } else {
     g.stats = at::empty({f.n_rows, 5}, opts);
-    args.entropy = compute_entropy;
+    args.entropy = compute_entropy || g.opt.entropy_coefficient != 0;
     if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.stats(a, g.stats); });
     args.entropy = false;
   }
@@ -107,13 +130,20 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
   // shapes feel): the per-token log-probs and document terms, their sums per document, each document's ratio
   // and metrics and their totals (with D), then each token's loss share and gradient coefficient.
   g.log_probs = at::empty({f.n_rows}, opts);
-  if (compute_entropy) g.entropy = at::empty({f.n_rows}, opts);
+  if (compute_entropy || g.opt.entropy_coefficient != 0) g.entropy = at::empty({f.n_rows}, opts);
   sum_document_terms(g, backend);
   g.sums = at::empty({n_docs, kGspoSums}, opts);
   g.fields = at::empty({n_docs, kGspoDocFields}, opts);
   g.ratios = at::empty({n_docs}, opts);
   g.totals = at::empty({kGspoTotals}, opts);
   backend.documents(g);
+  if (sequence_level_rollout(policy.args)) {
+    // The sequences are the documents: ρ_s from this call's tokens (under sdp_group, of this rank's part).
+    rows_log_rho(g, rollout, n_docs);
+  } else if (rollout.defined()) {
+    g.rollout_log_probs = rollout;
+  }
+  if (g.opt.entropy_coefficient != 0) g.entropy_h = at::empty({f.n_rows}, opts);
   g.token_out = at::empty({f.n_rows, kGspoTokenFields}, opts);
   g.coef = at::empty({f.n_rows}, opts);
   backend.tokens(g);
@@ -121,7 +151,7 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
   // Pass 2: the gradient.
   if (src.wants_grad() && f.n_rows > 0) {
     args.stats_in = g.stats;
-    src.run(args, true, [&](RowPassArgs& a) { backend.grad(a, g.coef); });
+    src.run(args, true, [&](RowPassArgs& a) { backend.grad(a, g); });
   }
 
   // Metrics (docs/math.md), one reduction over the tokens.

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/policy.h"
 #include "common/row_pass.h"
 #include "common/row_source.h"
 
@@ -28,15 +29,17 @@ enum GspoDocField : int { kGspoLow = 0, kGspoHigh, kGspoKlOld, kGspoHasLabel, kG
 enum GspoTotal : int { kGspoLabelledDocs = kGspoDocFields, kGspoDivisor, kGspoTotals };
 // Columns of the per-token outputs summed for the metrics.
 enum GspoTokenField : int { kGspoTokenLoss = 0, kGspoTokenLogProb, kGspoTokenEntropy, kGspoTokenLabelled,
+                            kGspoTokenKl, kGspoTokenRolloutRatio, kGspoTokenRolloutWeight, kGspoTokenRolloutCorrected,
                             kGspoTokenFields };
 
 // Everything between the two row passes, as tensors of the accumulation dtype (int64 for ids): the inputs,
 // then what each step writes. Optional ones are undefined when absent.
 struct GspoState {
-  ClipOptions<double> clip;
+  PolicyOptions<double> opt;  // the loss type and the policy family's options (common/policy.h)
   int64_t num_documents;
   at::Tensor stats;          // (N, 5) row statistics; undefined: log_probs is an input (gspo_document_sums)
-  at::Tensor target, document, advantages, old_log_probs;  // (N,)
+  at::Tensor target, document, advantages, old_log_probs;  // (N,); old_log_probs undefined: on-policy
+  at::Tensor ref_log_probs, rollout_log_probs, sequence_log_rho;  // (N,) or undefined
   at::Tensor label_counts;   // (N,) or undefined: each document's labelled tokens on this rank
   at::Tensor given_sums;     // (S, kGspoSums) document_sums (the SDP all-reduce), or undefined
   std::optional<double> divisor;
@@ -48,6 +51,7 @@ struct GspoState {
   at::Tensor sums, fields, ratios, totals;  // (S, kGspoSums), (S, kGspoDocFields), (S,), (kGspoTotals,)
   // GspoTokenStep
   at::Tensor token_out, coef;  // (N, kGspoTokenFields), (N,)
+  at::Tensor entropy_h;        // (N,) the entropy bonus's gradient coefficient h_t, or undefined
 };
 
 // Per token: m_t (labelled, not padding), its log-prob from the row statistics (and entropy) unless given,
@@ -60,8 +64,8 @@ struct GspoTokenTerms {
   const int64_t* target;
   const int64_t* document;
   const acc_t* advantages;
-  const acc_t* old_log_probs;
-  const acc_t* label_counts;  // or null
+  const acc_t* old_log_probs;  // or null: on-policy
+  const acc_t* label_counts;   // or null
   int64_t num_documents;
   acc_t* log_probs;
   acc_t* entropy;  // or null
@@ -85,7 +89,8 @@ struct GspoTokenTerms {
     }
     const acc_t u = !on ? acc_t(0) : label_counts == nullptr ? acc_t(1) : acc_t(1) / at_least_one(label_counts[i]);
     acc_t* t = terms + i * kGspoSums;
-    t[kGspoLogRatio] = on ? u * (lp - old_log_probs[i]) : acc_t(0);
+    // On-policy (old = sg(lp)) the log-ratio is 0 in value.
+    t[kGspoLogRatio] = on && old_log_probs != nullptr ? u * (lp - old_log_probs[i]) : acc_t(0);
     t[kGspoAdvantage] = on ? u * advantages[i] : acc_t(0);
     t[kGspoCount] = on ? acc_t(1) : acc_t(0);
     safe_document[i] = s >= 0 ? s : 0;
@@ -96,7 +101,7 @@ struct GspoTokenTerms {
 // count when the terms were not), R_s, and the metrics (docs/math.md).
 template <typename acc_t>
 struct GspoDocumentStep {
-  ClipOptions<acc_t> clip;
+  PolicyOptions<acc_t> opt;
   const acc_t* local;  // (S, kGspoSums)
   const acc_t* given;  // (S, kGspoSums) or null
   bool divide;
@@ -116,8 +121,8 @@ struct GspoDocumentStep {
     const acc_t ratio = ::exp(d[kGspoLogRatio]);
     ratios[s] = ratio;
     acc_t* o = fields + s * kGspoDocFields;
-    o[kGspoLow] = has && clipped_low(clip, ratio, d[kGspoAdvantage]) ? acc_t(1) : acc_t(0);
-    o[kGspoHigh] = has && clipped_high(clip, ratio, d[kGspoAdvantage]) ? acc_t(1) : acc_t(0);
+    o[kGspoLow] = has && policy_clipped_low(opt, ratio, d[kGspoAdvantage]) ? acc_t(1) : acc_t(0);
+    o[kGspoHigh] = has && policy_clipped_high(opt, ratio, d[kGspoAdvantage]) ? acc_t(1) : acc_t(0);
     o[kGspoKlOld] = has ? k3(-d[kGspoLogRatio]) : acc_t(0);
     o[kGspoHasLabel] = has ? acc_t(1) : acc_t(0);
     o[kGspoLabelledRatio] = has ? ratio : acc_t(0);
@@ -144,32 +149,40 @@ struct GspoDocumentTotals {
   }
 };
 
-// Per token: its share of the loss, κ_t·f(R_s, A)/D, and its gradient coefficient κ_t·c(R_s, A)·R_s/D, with
-// A = Ā_s (or A_t for GSPO-token) and κ_t = u_t (weighting "document") or m_t ("token"). Summing the shares
-// of a document's tokens gives f_s (or N_s·f_s) because Σ u_t = 1 over the whole document. Also the
-// per-token terms of the metrics: u_t·lp_t, the entropy, m_t.
+// Per token: its share of the loss, κ_t·f(R_s, A)/D, and its gradient coefficient κ_t·(−∂f/∂lp)/D, with
+// A = Ā_s (or A_t for GSPO-token), κ_t = u_t (weighting "document") or m_t ("token") and f the surrogate of the
+// loss type at the sequence ratio R_s (common/math.h: policy_surrogate), times the rollout weight, plus the
+// token's own KL (β·KL_t, or β·sg(R_s)·KL_t importance weighted) and entropy bonus (−c·H_t), each weighted by
+// κ_t as well. Summing the shares of a document's tokens gives f_s (or N_s·f_s) because Σ u_t = 1 over the
+// whole document. Also the per-token terms of the metrics: u_t·lp_t, the entropy, m_t, KL, ρ, ω.
 template <typename acc_t>
 struct GspoTokenStep {
-  ClipOptions<acc_t> clip;
-  const acc_t* sums;          // (S, kGspoSums)
-  const acc_t* local;         // (S, kGspoSums): the counts N_t when label_counts is null
-  const int64_t* target;      // (N,)
-  const int64_t* document;    // (N,)
-  const acc_t* label_counts;  // (N,) or null
-  const acc_t* advantages;    // (N,)
-  const acc_t* log_probs;     // (N,)
-  const acc_t* entropy;       // (N,) or null
-  const acc_t* totals;        // (kGspoTotals,)
+  PolicyOptions<acc_t> opt;
+  const acc_t* sums;               // (S, kGspoSums)
+  const acc_t* local;              // (S, kGspoSums): the counts N_t when label_counts is null
+  const int64_t* target;           // (N,)
+  const int64_t* document;         // (N,)
+  const acc_t* label_counts;       // (N,) or null
+  const acc_t* advantages;         // (N,)
+  const acc_t* log_probs;          // (N,)
+  const acc_t* entropy;            // (N,) or null
+  const acc_t* old_log_probs;      // (N,) or null: on-policy
+  const acc_t* ref_log_probs;      // (N,) or null
+  const acc_t* rollout_log_probs;  // (N,) or null (token-level correction)
+  const acc_t* sequence_log_rho;   // (N,) or null (sequence-level correction)
+  const acc_t* totals;             // (kGspoTotals,)
   bool token_advantages;
   bool token_weighting;
-  acc_t* out;   // (N, kGspoTokenFields)
-  acc_t* coef;  // (N,)
+  acc_t* out;        // (N, kGspoTokenFields)
+  acc_t* coef;       // (N,)
+  acc_t* entropy_h;  // (N,) or null
   C10_HOST_DEVICE void operator()(int64_t i) const {
     acc_t* o = out + i * kGspoTokenFields;
     const int64_t s = document[i];
     if (target[i] < 0 || s < 0) {
       for (int k = 0; k < kGspoTokenFields; ++k) o[k] = acc_t(0);
       coef[i] = acc_t(0);
+      if (entropy_h != nullptr) entropy_h[i] = acc_t(0);
       return;
     }
     const acc_t* d = sums + s * kGspoSums;
@@ -177,12 +190,41 @@ struct GspoTokenStep {
     const acc_t count = at_least_one(n_t);
     const acc_t kappa = (token_weighting ? acc_t(1) : acc_t(1) / count) / totals[kGspoDivisor];
     const acc_t adv = token_advantages ? advantages[i] : d[kGspoAdvantage];
-    const PolicyToken<acc_t> t = gspo_document(clip, d[kGspoLogRatio], adv);
-    o[kGspoTokenLoss] = kappa * t.loss;
-    o[kGspoTokenLogProb] = log_probs[i] / count;
-    o[kGspoTokenEntropy] = entropy != nullptr ? entropy[i] : acc_t(0);
+    const acc_t lp = log_probs[i];
+    const acc_t ratio = ::exp(d[kGspoLogRatio]);
+    PolicyToken<acc_t> t = policy_surrogate(opt, ratio, adv, lp);
+    const acc_t old = old_log_probs != nullptr ? old_log_probs[i] : lp;
+    const acc_t log_rho = sequence_log_rho != nullptr    ? sequence_log_rho[i]
+                          : rollout_log_probs != nullptr ? old - rollout_log_probs[i]
+                                                         : acc_t(0);
+    const acc_t rw = rollout_weight(opt, log_rho);
+    t.loss = zero_or_product(rw, t.loss);
+    t.coef = zero_or_product(rw, t.coef);
+    acc_t kl = acc_t(0);
+    if (ref_log_probs != nullptr) {
+      KlTerm<acc_t> k = kl_estimate(opt.kl_estimator, lp, ref_log_probs[i]);
+      if (opt.kl_importance_weighted) {
+        k.value = zero_or_product(k.value, ratio);
+        k.slope = zero_or_product(k.slope, ratio);
+      }
+      kl = k.value;
+      if (opt.beta != acc_t(0)) {
+        t.loss += opt.beta * k.value;
+        t.coef -= opt.beta * k.slope;
+      }
+    }
+    const acc_t h = entropy != nullptr ? entropy[i] : acc_t(0);
+    o[kGspoTokenLoss] = zero_or_product(kappa, t.loss - opt.entropy_coefficient * h);
+    o[kGspoTokenLogProb] = lp / count;
+    o[kGspoTokenEntropy] = h;
     o[kGspoTokenLabelled] = acc_t(1);
-    coef[i] = kappa * t.coef;
+    o[kGspoTokenKl] = kl;
+    const bool corrected = opt.rollout_mode != kRolloutNone;
+    o[kGspoTokenRolloutRatio] = corrected ? ::exp(log_rho) : acc_t(1);
+    o[kGspoTokenRolloutWeight] = rw;
+    o[kGspoTokenRolloutCorrected] = corrected && rw != o[kGspoTokenRolloutRatio] ? acc_t(1) : acc_t(0);
+    coef[i] = zero_or_product(kappa, t.coef);
+    if (entropy_h != nullptr) entropy_h[i] = kappa * opt.entropy_coefficient;
   }
 };
 
@@ -208,13 +250,17 @@ struct GspoMetrics {
     *dst.p[kPolicyKlOld] = totals[kGspoKlOld] / n;
     *dst.p[kPolicyEntropy] = entropy ? s[kGspoTokenEntropy] / labelled : acc_t(0);
     *dst.p[kPolicyRatioMean] = totals[kGspoLabelledRatio] / n;
+    *dst.p[kPolicyKl] = s[kGspoTokenKl] / labelled;
+    *dst.p[kPolicyRolloutRatio] = s[kGspoTokenRolloutRatio] / labelled;
+    *dst.p[kPolicyRolloutWeight] = s[kGspoTokenRolloutWeight] / labelled;
+    *dst.p[kPolicyRolloutCorrected] = s[kGspoTokenRolloutCorrected] / labelled;
   }
 };
 
 // The back-end: the two row passes and the O(N + S) steps between and after them, on one device.
 struct GspoBackend {
   void (*stats)(const RowPassArgs&, const at::Tensor& out);
-  void (*grad)(const RowPassArgs&, const at::Tensor& coef);
+  void (*grad)(const RowPassArgs&, const GspoState&);         // PolicyCoefEpilogue
   void (*token_terms)(const GspoState&);                      // GspoTokenTerms
   void (*documents)(const GspoState&);                        // GspoDocumentStep, GspoDocumentTotals
   void (*tokens)(const GspoState&);                           // GspoTokenStep
@@ -223,50 +269,64 @@ struct GspoBackend {
 
 // The per-document sums of this rank's tokens (see registration.cpp: gspo_document_sums).
 at::Tensor gspo_document_sums(const at::Tensor& log_probs, const at::Tensor& target, const at::Tensor& advantages,
-                              const at::Tensor& old_log_probs, const at::Tensor& document_index,
+                              const std::optional<at::Tensor>& old_log_probs, const at::Tensor& document_index,
                               const at::Tensor& label_counts, int64_t num_documents, const GspoBackend& backend);
 
-// The 9 outputs of the `gspo` schema; the gradient, when the source wants one, is the source's.
+// The policy family's inputs of GSPO beside its own (docs/policy_losses.md).
+struct GspoPolicyInputs {
+  std::optional<at::Tensor> ref_log_probs;
+  double beta = 0.0;
+  std::optional<at::Tensor> rollout_log_probs;
+  PolicyArgs args;
+};
+
+// The outputs of the `gspo` schema; the gradient, when the source wants one, is the source's.
 std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, const at::Tensor& advantages,
-                                     const at::Tensor& old_log_probs, const at::Tensor& document_index,
+                                     const std::optional<at::Tensor>& old_log_probs, const at::Tensor& document_index,
                                      std::optional<int64_t> num_documents,
                                      const std::optional<at::Tensor>& label_counts, double epsilon_low,
                                      double epsilon_high, const std::string& weighting, bool token_advantages,
                                      std::optional<double> divisor, double logits_scale_factor, bool compute_entropy,
                                      const std::optional<at::Tensor>& row_stats,
-                                     const std::optional<at::Tensor>& document_sums, const GspoBackend& backend);
+                                     const std::optional<at::Tensor>& document_sums, const GspoPolicyInputs& policy,
+                                     const GspoBackend& backend);
 
 // The registered forward ops, given a back-end (the CPU and CUDA registrations bind it).
-using GspoOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                               at::Tensor, at::Tensor>;
-using GspoOutputsAndGrad = decltype(std::tuple_cat(std::declval<GspoOutputs>(), std::declval<std::tuple<at::Tensor>>()));
-
 template <const GspoBackend& (*kBackend)()>
 struct GspoOps {
   using Opt = std::optional<at::Tensor>;
-  static GspoOutputsAndGrad forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
-                                    const at::Tensor& old, const at::Tensor& doc, std::optional<int64_t> n_docs,
-                                    const Opt& counts, double el, double eh, c10::string_view weighting,
-                                    bool token_adv, std::optional<double> d, double s, bool entropy, const Opt& stats,
-                                    const Opt& sums, int64_t vs, int64_t vn, bool compute_grad) {
+  using SV = c10::string_view;
+  static auto forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv, const Opt& old,
+                      const at::Tensor& doc, std::optional<int64_t> n_docs, const Opt& counts, double el, double eh,
+                      SV weighting, bool token_adv, std::optional<double> d, double s, bool entropy, const Opt& stats,
+                      const Opt& sums, int64_t vs, int64_t vn, const Opt& ref, double beta, SV loss_type,
+                      double tau_pos, double tau_neg, const Opt& rollout, std::optional<SV> correction, double cap,
+                      std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
+                      bool compute_grad) {
     LogitsSource src("gspo", logits, target, vs, vn, compute_grad, false);
+    const GspoPolicyInputs p{ref, beta, rollout,
+                             policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef)};
     auto o = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d, s,
-                          entropy, stats, sums, kBackend());
-    return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], src.grads()[0]};
+                          entropy, stats, sums, p, kBackend());
+    o.push_back(src.grads()[0]);
+    return tensors_as_tuple<kPolicyOutputs + 2>(o);
   }
-  static GspoOutputs forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
-                                     const at::Tensor& old, const at::Tensor& doc, std::optional<int64_t> n_docs,
-                                     const Opt& counts, double el, double eh, c10::string_view weighting,
-                                     bool token_adv, std::optional<double> d, double s, bool entropy,
-                                     const Opt& stats, const Opt& sums, int64_t vs, int64_t vn) {
+  static auto forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
+                              const Opt& old, const at::Tensor& doc, std::optional<int64_t> n_docs, const Opt& counts,
+                              double el, double eh, SV weighting, bool token_adv, std::optional<double> d, double s,
+                              bool entropy, const Opt& stats, const Opt& sums, int64_t vs, int64_t vn,
+                              const Opt& ref, double beta, SV loss_type, double tau_pos, double tau_neg,
+                              const Opt& rollout, std::optional<SV> correction, double cap,
+                              std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef) {
     LogitsSource src("gspo", logits, target, vs, vn, false, true);
+    const GspoPolicyInputs p{ref, beta, rollout,
+                             policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef)};
     auto o = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d, s,
-                          entropy, stats, sums, kBackend());
-    return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8]};
+                          entropy, stats, sums, p, kBackend());
+    return tensors_as_tuple<kPolicyOutputs + 1>(o);
   }
   static at::Tensor document_sums(const at::Tensor& lp, const at::Tensor& target, const at::Tensor& adv,
-                                  const at::Tensor& old, const at::Tensor& doc, const at::Tensor& counts,
-                                  int64_t n_docs) {
+                                  const Opt& old, const at::Tensor& doc, const at::Tensor& counts, int64_t n_docs) {
     return gspo_document_sums(lp, target, adv, old, doc, counts, n_docs, kBackend());
   }
 };
@@ -274,10 +334,6 @@ struct GspoOps {
 // The back-end functions, written once over a device runner (CpuRunner / CudaRunner).
 template <typename Runner>
 struct GspoBackendImpl {
-  template <typename acc_t>
-  static ClipOptions<acc_t> clip_as(const ClipOptions<double>& c) {
-    return {acc_t(c.epsilon_low), acc_t(c.epsilon_high), acc_t(c.delta)};
-  }
   template <typename T>
   static T* ptr(const at::Tensor& t) {
     return t.defined() ? t.data_ptr<T>() : nullptr;
@@ -291,11 +347,19 @@ struct GspoBackendImpl {
       return StoreStatsEpilogue<acc_t, true>{out.data_ptr<acc_t>()};
     });
   }
-  static void grad(const RowPassArgs& args, const at::Tensor& coef) {
-    Runner::row_pass(args, "gspo", [&](auto* tag) {
-      using acc_t = std::remove_pointer_t<decltype(tag)>;
-      return PolicyCoefEpilogue<acc_t>{coef.const_data_ptr<acc_t>()};
-    });
+  static void grad(const RowPassArgs& args, const GspoState& g) {
+    if (g.entropy_h.defined()) {
+      Runner::row_pass(args, "gspo", [&](auto* tag) {
+        using acc_t = std::remove_pointer_t<decltype(tag)>;
+        return PolicyCoefEpilogue<acc_t, true>{g.coef.const_data_ptr<acc_t>(), ptr<acc_t>(g.entropy_h),
+                                               ptr<acc_t>(g.entropy)};
+      });
+    } else {
+      Runner::row_pass(args, "gspo", [&](auto* tag) {
+        using acc_t = std::remove_pointer_t<decltype(tag)>;
+        return PolicyCoefEpilogue<acc_t>{g.coef.const_data_ptr<acc_t>()};
+      });
+    }
   }
   static void token_terms(const GspoState& g) {
     RL_LOSSES_DISPATCH_ACC(g.terms, [&] {
@@ -312,7 +376,7 @@ struct GspoBackendImpl {
   static void documents(const GspoState& g) {
     RL_LOSSES_DISPATCH_ACC(g.sums, [&] {
       Runner::for_each(g.num_documents,
-                       GspoDocumentStep<scalar_t>{clip_as<scalar_t>(g.clip), ptr<scalar_t>(g.local_sums),
+                       GspoDocumentStep<scalar_t>{policy_options_as<scalar_t>(g.opt), ptr<scalar_t>(g.local_sums),
                                                   ptr<scalar_t>(g.given_sums), !g.label_counts.defined(),
                                                   ptr<scalar_t>(g.sums), ptr<scalar_t>(g.fields),
                                                   ptr<scalar_t>(g.ratios)});
@@ -325,13 +389,15 @@ struct GspoBackendImpl {
   static void tokens(const GspoState& g) {
     RL_LOSSES_DISPATCH_ACC(g.sums, [&] {
       Runner::for_each(g.target.numel(),
-                       GspoTokenStep<scalar_t>{clip_as<scalar_t>(g.clip), ptr<scalar_t>(g.sums),
+                       GspoTokenStep<scalar_t>{policy_options_as<scalar_t>(g.opt), ptr<scalar_t>(g.sums),
                                                ptr<scalar_t>(g.local_sums), ptr<int64_t>(g.target),
                                                ptr<int64_t>(g.document), ptr<scalar_t>(g.label_counts),
                                                ptr<scalar_t>(g.advantages), ptr<scalar_t>(g.log_probs),
-                                               ptr<scalar_t>(g.entropy), ptr<scalar_t>(g.totals),
+                                               ptr<scalar_t>(g.entropy), ptr<scalar_t>(g.old_log_probs),
+                                               ptr<scalar_t>(g.ref_log_probs), ptr<scalar_t>(g.rollout_log_probs),
+                                               ptr<scalar_t>(g.sequence_log_rho), ptr<scalar_t>(g.totals),
                                                g.token_advantages, g.token_weighting, ptr<scalar_t>(g.token_out),
-                                               ptr<scalar_t>(g.coef)});
+                                               ptr<scalar_t>(g.coef), ptr<scalar_t>(g.entropy_h)});
     });
   }
   static void metrics(const GspoState& g, const PolicyScalarOutputs& dst) {

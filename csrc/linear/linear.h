@@ -56,30 +56,40 @@ struct LinearCrossEntropyOp {
 template <const GrpoBackend& (*kBackend)(), WeightGradFn kWeightGrad>
 struct LinearGrpoOp {
   using Opt = linear_detail::Opt;
+  using SV = c10::string_view;
   static auto forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
-                      const at::Tensor& adv, const at::Tensor& old, const Opt& bias, const Opt& ref, const Opt& w,
+                      const at::Tensor& adv, const Opt& old, const Opt& bias, const Opt& ref, const Opt& w,
                       const Opt& counts, double el, double eh, std::optional<double> delta, double beta,
                       std::optional<double> d, double s, bool entropy, std::optional<int64_t> chunk,
-                      std::array<bool, 3> mask) {
+                      SV loss_type, double tau_pos, double tau_neg, const Opt& rollout, std::optional<SV> correction,
+                      double cap, std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
+                      const Opt& doc, std::array<bool, 3> mask) {
     LinearSource src("linear_grpo", hidden, weight, bias, target, chunk, mask, kWeightGrad);
     auto out = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, std::nullopt,
+                            rollout, doc,
+                            policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef),
                             kBackend());
-    return linear_detail::with_grads<11>(std::move(out), src);
+    return linear_detail::with_grads<kPolicyOutputs + 3>(std::move(out), src);
   }
 };
 
 template <const GspoBackend& (*kBackend)(), WeightGradFn kWeightGrad>
 struct LinearGspoOp {
   using Opt = linear_detail::Opt;
+  using SV = c10::string_view;
   static auto forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
-                      const at::Tensor& adv, const at::Tensor& old, const at::Tensor& doc, const Opt& bias,
-                      std::optional<int64_t> n_docs, const Opt& counts, double el, double eh,
-                      c10::string_view weighting, bool token_adv, std::optional<double> d, double s, bool entropy,
-                      std::optional<int64_t> chunk, std::array<bool, 3> mask) {
+                      const at::Tensor& adv, const Opt& old, const at::Tensor& doc, const Opt& bias,
+                      std::optional<int64_t> n_docs, const Opt& counts, double el, double eh, SV weighting,
+                      bool token_adv, std::optional<double> d, double s, bool entropy, std::optional<int64_t> chunk,
+                      const Opt& ref, double beta, SV loss_type, double tau_pos, double tau_neg, const Opt& rollout,
+                      std::optional<SV> correction, double cap, std::optional<c10::ArrayRef<double>> bounds, SV kl,
+                      bool kl_iw, double ent_coef, std::array<bool, 3> mask) {
     LinearSource src("linear_gspo", hidden, weight, bias, target, chunk, mask, kWeightGrad);
+    const GspoPolicyInputs p{ref, beta, rollout,
+                             policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef)};
     auto out = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d,
-                            s, entropy, std::nullopt, std::nullopt, kBackend());
-    return linear_detail::with_grads<12>(std::move(out), src);
+                            s, entropy, std::nullopt, std::nullopt, p, kBackend());
+    return linear_detail::with_grads<kPolicyOutputs + 4>(std::move(out), src);
   }
 };
 

@@ -39,7 +39,7 @@ from rl_losses.functional import (
 from rl_losses.distillation import DistillationOutput, distillation_loss, linear_distillation_loss
 from rl_losses.dpo import DpoOutput, dpo_loss
 from rl_losses.head import fused_head_loss
-from rl_losses import config, distributed, head, losses, packing, reference  # noqa: F401  (submodules)
+from rl_losses import aggregation, config, distributed, head, losses, packing, reference  # noqa: F401  (submodules)
 from rl_losses.config import LanguageModelLossConfig
 from rl_losses.packing import Document, pack_documents
 
@@ -75,4 +75,6 @@ __all__ = [
     # the reference and the distributed layer
     "reference",
     "distributed",
+    # aggregation presets (TRL / verl loss conventions as loss_weights and divisor)
+    "aggregation",
 ]

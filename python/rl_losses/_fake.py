@@ -77,7 +77,8 @@ def _policy_outputs(logits, target, num_documents=None):
     acc = _acc(logits.dtype)
     scalars = [logits.new_empty([], dtype=acc) for _ in range(6)]  # loss, new_lp, low, high, kl_old, entropy
     log_probs = logits.new_empty(_batch(target), dtype=acc)
-    out = scalars + [log_probs, logits.new_empty([], dtype=acc)]
+    # ratio_mean, then the policy family's kl, rollout_ratio_mean, rollout_weight_mean, rollout_corrected_fraction
+    out = scalars + [log_probs] + [logits.new_empty([], dtype=acc) for _ in range(5)]
     if num_documents is not None:
         out.append(logits.new_empty([num_documents], dtype=acc))
     return out

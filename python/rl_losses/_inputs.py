@@ -46,7 +46,31 @@ def _divisor(divisor) -> float | None:
     return float(divisor)
 
 
-def _policy_output(out, compute_entropy: bool, document_ratios=None) -> PolicyLossOutput:
-    loss, new_lp, low, high, kl_old, entropy, log_probs, ratio_mean = out[:8]
+# The number of outputs of the policy ops before GSPO's document_ratios (csrc/registration.cpp).
+POLICY_OUTPUTS = 12
+
+
+def _policy_output(out, compute_entropy: bool, document_ratios=None, *, loss_type: str = "ppo_clip",
+                   has_kl: bool = False, has_rollout: bool = False) -> PolicyLossOutput:
+    loss, new_lp, low, high, kl_old, entropy, log_probs, ratio_mean, kl, rho, weight, corrected = out[:POLICY_OUTPUTS]
     return PolicyLossOutput(loss, new_lp, low, high, kl_old, entropy if compute_entropy else None, log_probs,
-                            ratio_mean, document_ratios)
+                            ratio_mean, document_ratios, kl if has_kl else None, rho if has_rollout else None,
+                            weight if has_rollout else None, corrected if has_rollout else None, loss_type=loss_type)
+
+
+def _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs, rollout_correction,
+                   rollout_cap, rollout_mask_bounds, kl_estimator, kl_importance_weighted, entropy_coefficient):
+    # The policy family's options as the ops take them (csrc/registration.cpp: RL_LOSSES_POLICY_KWARGS).
+    return dict(loss_type=loss_type, sapo_temperature_pos=float(sapo_temperature_pos),
+                sapo_temperature_neg=float(sapo_temperature_neg), rollout_log_probs=rollout_log_probs,
+                rollout_correction=rollout_correction, rollout_cap=float(rollout_cap),
+                rollout_mask_bounds=None if rollout_mask_bounds is None else [float(b) for b in rollout_mask_bounds],
+                kl_estimator=kl_estimator, kl_importance_weighted=bool(kl_importance_weighted),
+                entropy_coefficient=float(entropy_coefficient))
+
+
+def _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=None) -> PolicyLossOutput:
+    # The named result of grpo/gspo: the optional metrics set where their option is on.
+    return _policy_output(out, compute_entropy or policy["entropy_coefficient"] != 0.0, document_ratios,
+                          loss_type=policy["loss_type"], has_kl=ref_log_probs is not None,
+                          has_rollout=policy["rollout_correction"] is not None)

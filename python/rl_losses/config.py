@@ -29,6 +29,9 @@ _REGISTRY: dict[str, type[LanguageModelLossConfig]] = {}
 METRICS_LEVELS = ("none", "basic", "with_entropy")
 GRPO_NORMALIZATIONS = ("token", "sequence", "document", "dr_grpo")
 GSPO_WEIGHTINGS = ("document", "token")
+POLICY_LOSS_TYPES = ("ppo_clip", "cispo", "sapo")
+ROLLOUT_CORRECTIONS = (None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -204,25 +207,56 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
     metrics: "none" (only ``<name>_new_logprobs``), "basic" (adds the clipped fractions, KL(new||old), ratio,
         advantage and token statistics; no extra pass over the vocabulary) or "with_entropy" (adds the mean
         entropy, fused into the kernel's pass).
+    The policy family (docs/policy_losses.md; the options of rl_losses.grpo_loss / gspo_loss): loss_type
+        ("ppo_clip", "cispo", "sapo"), sapo_temperature_pos / sapo_temperature_neg (> 0), rollout_correction (None,
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"; needs ``rollout_log_probs`` in the
+        batch), rollout_cap (> 0), rollout_mask_bounds ((lo, hi), lo < hi, "*_mask" modes), kl_estimator ("k1",
+        "k2", "k3"), kl_importance_weighted, entropy_coefficient. Without ``old_log_probabilities`` in the batch
+        the loss is on-policy (old = sg(lp)).
     """
 
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     metrics: str = "none"
+    loss_type: str = "ppo_clip"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    rollout_correction: str | None = None
+    rollout_cap: float = 3.0
+    rollout_mask_bounds: tuple[float, float] | None = None
+    kl_estimator: str = "k3"
+    kl_importance_weighted: bool = False
+    entropy_coefficient: float = 0.0
 
     def _validate(self) -> None:
         super()._validate()
         self._check_float("epsilon_low", low=0.0, high=1.0, high_inclusive=False)
         self._check_float("epsilon_high", low=0.0)
         self._check_choice("metrics", METRICS_LEVELS)
+        self._check_choice("loss_type", POLICY_LOSS_TYPES)
+        self._check_float("sapo_temperature_pos", low=0.0, low_inclusive=False)
+        self._check_float("sapo_temperature_neg", low=0.0, low_inclusive=False)
+        self._check_choice("rollout_correction", ROLLOUT_CORRECTIONS)
+        self._check_float("rollout_cap", low=0.0, low_inclusive=False)
+        b = self.rollout_mask_bounds
+        if b is not None:
+            if (not isinstance(b, (tuple, list)) or len(b) != 2
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in b) or not b[0] < b[1]):
+                self._fail("rollout_mask_bounds", "None or (lo, hi) with lo < hi")
+            if self.rollout_correction is None or not self.rollout_correction.endswith("_mask"):
+                self._fail("rollout_mask_bounds", "None unless rollout_correction is a '*_mask' mode")
+            object.__setattr__(self, "rollout_mask_bounds", (float(b[0]), float(b[1])))
+        self._check_choice("kl_estimator", KL_ESTIMATORS)
+        self._check_bool("kl_importance_weighted")
+        self._check_float("entropy_coefficient")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class LanguageModelGRPOLossConfig(LanguageModelPolicyGradientLossConfig):
     """GRPO (type ``grpo``): per-token clipped importance ratio (docs/math.md).
 
-    delta: optional two-sided clip of the ratio (> 1 + epsilon_high), as in Liger/TRL.
-    beta: k3 KL penalty towards the reference policy (>= 0; > 0 needs ``ref_log_probs`` in the batch).
+    delta: optional two-sided clip of the ratio (> 1 + epsilon_high), as in Liger/TRL ("ppo_clip" only).
+    beta: KL penalty towards the reference policy (>= 0; > 0 needs ``ref_log_probs`` in the batch).
     loss_normalization: how tokens are weighted and what divides the sum (the loss types of TRL / verl):
         "token"    w = mask,            D = num_labels_in_batch  (Fast-LLM, TRL dapo/bnpo, verl token-mean)
         "sequence" w = mask/|o_i|,      D = num_documents_in_batch (GRPO paper, TRL grpo, verl seq-mean-token-mean)
@@ -240,6 +274,8 @@ class LanguageModelGRPOLossConfig(LanguageModelPolicyGradientLossConfig):
 
     def _validate(self) -> None:
         super()._validate()
+        if self.delta is not None and self.loss_type != "ppo_clip":
+            self._fail("delta", f"None with loss_type={self.loss_type!r} (the two-sided clip is ppo_clip's)")
         self._check_float("delta", optional=True)
         if self.delta is not None and self.delta <= 1.0 + self.epsilon_high:
             self._fail("delta", f"> 1 + epsilon_high = {1.0 + self.epsilon_high}")
@@ -263,15 +299,18 @@ class LanguageModelGSPOLossConfig(LanguageModelPolicyGradientLossConfig):
     weighting: "document" (each document weighs 1; Fast-LLM #517/#522) or "token" (each document weighs its
         labelled-token count; Fast-LLM #544). Either way D = num_documents_in_batch, as in Fast-LLM.
     token_advantages: GSPO-token (TRL's ``sequence_token``): each token's own advantage inside the sequence ratio.
+    beta: KL penalty towards the reference policy, per token (>= 0; > 0 needs ``ref_log_probs`` in the batch).
     """
 
     type_name: ClassVar[str] = "gspo"
 
     weighting: str = "document"
     token_advantages: bool = False
+    beta: float = 0.0
 
     def _validate(self) -> None:
         super()._validate()
+        self._check_float("beta", low=0.0)
         self._check_choice("weighting", GSPO_WEIGHTINGS)
         self._check_bool("token_advantages")
 

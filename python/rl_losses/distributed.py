@@ -68,8 +68,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rl_losses._inputs import _check_inputs_enabled, _check_labels, _divisor, _policy_output
+from rl_losses._inputs import (POLICY_OUTPUTS, _check_inputs_enabled, _check_labels, _divisor, _grpo_output,
+                               _policy_kwargs, _policy_output)
 from rl_losses.reference import PolicyLossOutput
+
+# The defaults of the policy family's options (rl_losses.grpo_loss).
+_POLICY_DEFAULTS = dict(loss_type="ppo_clip", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+                        rollout_log_probs=None, rollout_correction=None, rollout_cap=3.0, rollout_mask_bounds=None,
+                        kl_estimator="k3", kl_importance_weighted=False, entropy_coefficient=0.0)
 
 _ops = torch.ops.rl_losses
 
@@ -199,23 +205,29 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, tp_group, logit
     return loss
 
 
-def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor,
-              *, tp_group, epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
-              ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
+def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
+              old_log_probs: torch.Tensor | None, *, tp_group, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+              delta: float | None = None, ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
               loss_weights: torch.Tensor | None = None, divisor: float | None = None,
               logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
               compute_entropy: bool = False, inplace_backward: bool = False, vocab_start: int | None = None,
-              vocab_size: int | None = None) -> PolicyLossOutput:
-    """Vocabulary-parallel GRPO (docs/distributed.md); see rl_losses.grpo_loss, and cross_entropy above for the
-    shard arguments. The loss and metrics are identical on every rank of ``tp_group``."""
+              vocab_size: int | None = None, document_index: torch.Tensor | None = None,
+              **policy) -> PolicyLossOutput:
+    """Vocabulary-parallel GRPO; see rl_losses.grpo_loss (``policy``: its policy-family
+    options), and cross_entropy above for the shard arguments. The loss and metrics are identical on every rank
+    of ``tp_group``."""
+    policy = _policy_kwargs(**{**_POLICY_DEFAULTS, **policy})
+    # The entropy bonus needs Σp·x in the statistics, as the entropy metric does.
+    entropy = compute_entropy or policy["entropy_coefficient"] != 0.0
     stats, start, total = _tp_setup("grpo_loss", logits, target, tp_group, logits_scale_factor, vocab_start,
-                                    vocab_size, entropy=compute_entropy)
+                                    vocab_size, entropy=entropy)
     out = _ops.grpo(logits, target, advantages, old_log_probs, ref_log_probs=ref_log_probs,
                     loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
                     epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
                     logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                    inplace_backward=inplace_backward, row_stats=stats, vocab_start=start, vocab_size=total)
-    return _policy_output(out, compute_entropy)
+                    inplace_backward=inplace_backward, row_stats=stats, vocab_start=start, vocab_size=total,
+                    document_index=document_index, **policy)
+    return _grpo_output(out, compute_entropy, policy, ref_log_probs)
 
 
 def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, tp_group, logits_scale_factor: float = 1.0,
@@ -271,31 +283,47 @@ def _sdp_local_sums(op, stats, target, advantages, old_log_probs, document_index
     return payload
 
 
-def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor,
-              document_index: torch.Tensor, *, tp_group=None, sdp_group=None, num_documents: int | None = None,
-              label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
-              weighting: str = "document", token_advantages: bool = False, divisor: float | None = None,
-              logits_scale_factor: float = 1.0, compute_entropy: bool = False, inplace_backward: bool = False,
-              vocab_start: int | None = None, vocab_size: int | None = None) -> PolicyLossOutput:
-    """GSPO over a vocabulary-parallel and/or sequence-data-parallel group (docs/distributed.md); see
+def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
+              old_log_probs: torch.Tensor | None, document_index: torch.Tensor, *, tp_group=None, sdp_group=None,
+              num_documents: int | None = None, label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2,
+              epsilon_high: float = 0.2, weighting: str = "document", token_advantages: bool = False,
+              divisor: float | None = None, logits_scale_factor: float = 1.0, compute_entropy: bool = False,
+              inplace_backward: bool = False, vocab_start: int | None = None, vocab_size: int | None = None,
+              ref_log_probs: torch.Tensor | None = None, beta: float = 0.0, **policy) -> PolicyLossOutput:
+    """GSPO over a vocabulary-parallel and/or sequence-data-parallel group (docs/math.md, docs/distributed.md); see
     rl_losses.gspo_loss, and cross_entropy above for the shard arguments.
 
     Under ``sdp_group``: ``document_index`` holds global document ids; ``label_counts`` (when given) are the
     counts of each token's whole document over the group; ``num_documents`` (the global number) defaults to
     the group's max(document_index)+1 (a host synchronisation). The loss is this rank's tokens' share (the
-    sum over the group is the loss); the metrics are the group's.
+    sum over the group is the loss); the metrics are the group's, except the policy family's kl and rollout
+    metrics, which cover this rank's tokens. ``policy``: rl_losses.gspo_loss's policy-family options; a
+    sequence-level rollout_correction is not available under sdp_group (a document's ratio would need one more
+    all-reduce): use a token-level mode.
     """
+    policy = _policy_kwargs(**{**_POLICY_DEFAULTS, **policy})
+    entropy = compute_entropy or policy["entropy_coefficient"] != 0.0  # the bonus needs Σp·x too
     op = "gspo_loss"
     tp = (op, logits, target, tp_group, logits_scale_factor, vocab_start, vocab_size)
     options = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, weighting=weighting,
                    token_advantages=token_advantages, divisor=_divisor(divisor),
                    logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                   inplace_backward=inplace_backward)
+                   inplace_backward=inplace_backward, ref_log_probs=ref_log_probs, beta=beta, **policy)
     if sdp_group is None:
-        stats, start, total = _tp_setup(*tp, entropy=compute_entropy)
+        stats, start, total = _tp_setup(*tp, entropy=entropy)
         out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
                         label_counts=label_counts, row_stats=stats, vocab_start=start, vocab_size=total, **options)
-        return _policy_output(out, compute_entropy, document_ratios=out[8])
+        return _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=out[POLICY_OUTPUTS])
+    # The per-document sums need one advantage per token: broadcast per-sequence / per-document ones here.
+    if advantages.shape != target.shape:
+        if advantages.dim() < target.dim() and advantages.shape == target.shape[:advantages.dim()]:
+            advantages = advantages.reshape(advantages.shape + (1,) * (target.dim() - advantages.dim()))
+        else:
+            advantages = advantages[torch.where(document_index >= 0, document_index, 0).long()]
+        advantages = advantages.expand(target.shape)
+    if policy["rollout_correction"] is not None and policy["rollout_correction"].startswith("sequence"):
+        raise ValueError(f"{op}: rollout_correction={policy['rollout_correction']!r} is not available under "
+                         f"sdp_group (a document split over ranks needs its whole ratio); use a token-level mode")
 
     if num_documents is None:
         if torch.compiler.is_compiling():
@@ -308,16 +336,16 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     checked = _host_checks(logits)
     error = None
     try:
-        stats, start, total = _tp_setup(*tp, entropy=compute_entropy)
+        stats, start, total = _tp_setup(*tp, entropy=entropy)
         if stats is None:  # no tensor parallelism: this rank's statistics are the whole vocabulary's
             _check_labels(op, target, logits.shape[-1])
             stats = _ops.row_stats(logits.detach(), target, logits_scale_factor=logits_scale_factor,
-                                   entropy=compute_entropy).reshape(-1, 5)
+                                   entropy=entropy).reshape(-1, 5)
         payload = _sdp_local_sums(op, stats, target, advantages, old_log_probs, document_index, label_counts,
-                                  num_documents, compute_entropy, checked)
+                                  num_documents, entropy, checked)
     except (RuntimeError, ValueError) as e:
         error = _caught(e, checked)
-        payload = torch.zeros(num_documents + compute_entropy, 4, dtype=_acc(logits.dtype), device=logits.device)
+        payload = torch.zeros(num_documents + entropy, 4, dtype=_acc(logits.dtype), device=logits.device)
     if checked:
         payload = torch.cat([payload, payload.new_tensor([[float(error is not None), 0, 0, 0]])])
     if payload.numel():
@@ -337,6 +365,17 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
                     vocab_start=start, vocab_size=total, **options)
     # The op's new_logprobs and entropy cover this rank's tokens only: the group's come from the all-reduce.
     new_logprobs = docs[:, 3].sum() / (count > 0).sum().clamp_min(1)
-    entropy = payload[num_documents, 0] / payload[num_documents, 1].clamp_min(1) if compute_entropy else None
-    result = _policy_output(out, compute_entropy, document_ratios=out[8])
-    return result._replace(new_logprobs=new_logprobs, entropy=entropy)
+    group_entropy = payload[num_documents, 0] / payload[num_documents, 1].clamp_min(1) if entropy else None
+    result = _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=out[POLICY_OUTPUTS])
+    result = result._replace(new_logprobs=new_logprobs, entropy=group_entropy)
+    if result.kl is not None or result.rollout_ratio_mean is not None:
+        # The op's KL and rollout metrics are means over this rank's labelled tokens: one more small all-reduce
+        # of their sums makes them the group's (after the op: the importance-weighted KL needs the ratios).
+        n = ((target >= 0) & (document_index >= 0)).sum().to(out[0].dtype)
+        means = [result.kl, result.rollout_ratio_mean, result.rollout_weight_mean, result.rollout_corrected_fraction]
+        sums = torch.stack([n] + [n * m if m is not None else n.new_zeros(()) for m in means])
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=sdp_group)
+        group = [sums[k + 1] / sums[0].clamp_min(1) if m is not None else None for k, m in enumerate(means)]
+        result = result._replace(kl=group[0], rollout_ratio_mean=group[1], rollout_weight_mean=group[2],
+                                 rollout_corrected_fraction=group[3])
+    return result

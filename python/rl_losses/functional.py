@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from rl_losses import distributed
-from rl_losses._inputs import _check_document_ids, _check_labels, _divisor, _policy_output, _vocab_size
+from rl_losses._inputs import (POLICY_OUTPUTS, _check_document_ids, _check_labels, _divisor, _grpo_output,  # noqa: F401
+                               _policy_kwargs, _policy_output, _vocab_size)
 from rl_losses.reference import PolicyLossOutput  # noqa: F401  (re-exported: the ops' named result)
 
 _ops = torch.ops.rl_losses
@@ -96,97 +97,113 @@ def z_loss(logits: torch.Tensor, *, loss_mask: torch.Tensor | None = None, logit
     return loss
 
 
-def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor,
-              *, epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
-              ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
+_POLICY_DOC = """
+    The policy family (docs/policy_losses.md has every formula):
+        old_log_probs: None for on-policy training (old = sg(lp): r = 1 in value, gradient A·∇lp).
+        advantages: per token, or per sequence: (B,) for (B, T) labels, broadcast over each row.
+        loss_type: "ppo_clip" (default), "cispo" (−sg(min(r, ε_h))·A·lp: the cap is epsilon_high itself, as
+            TRL's and Liger's) or "sapo" (−(4/τ)·σ(τ(r−1))·A, τ = sapo_temperature_pos if A > 0 else
+            sapo_temperature_neg). TRL's grpo/bnpo/dapo/dr_grpo/luspo are "ppo_clip" with an aggregation preset
+            (rl_losses.aggregation). delta is for "ppo_clip" only.
+        rollout_log_probs: (...) the inference engine's log-probs; ρ = exp(old − rollout).
+        rollout_correction: None, "token_truncate", "token_mask", "sequence_truncate" or "sequence_mask" (TRL's
+            vllm_importance_sampling_mode): the surrogate of each token (not its KL or entropy term) is
+            multiplied by sg(min(ρ, rollout_cap)) ("truncate") or sg(ρ·[lo ≤ ρ ≤ hi]) ("mask",
+            rollout_mask_bounds = (lo, hi), default (0, rollout_cap)). Sequence level: ρ is the geometric mean
+            over the sequence's labelled tokens (document_index, else the rows of (B, T) labels).
+        kl_estimator: "k1" (lp − q), "k2" (½(lp − q)²) or "k3" (default) towards ref_log_probs, times beta;
+            kl_importance_weighted: r·KL, differentiated through r too (TRL's and Liger's
+            use_bias_correction_kl; GSPO: sg(R_s)·KL).
+        entropy_coefficient: c, adds −c·Σ_t w_t·H_t / D (differentiated, same pass).
+"""
+
+
+def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
+              old_log_probs: torch.Tensor | None, *, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+              delta: float | None = None, ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
               loss_weights: torch.Tensor | None = None, divisor: float | None = None,
               logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
-              compute_entropy: bool = False, inplace_backward: bool = False, tp_group=None) -> PolicyLossOutput:
-    """GRPO: per-token clipped importance ratio (docs/math.md), fused with its metrics.
+              compute_entropy: bool = False, inplace_backward: bool = False, tp_group=None,
+              loss_type: str = "ppo_clip", sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+              rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
+              rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
+              kl_estimator: str = "k3", kl_importance_weighted: bool = False, entropy_coefficient: float = 0.0,
+              document_index: torch.Tensor | None = None) -> PolicyLossOutput:
+    """GRPO: per-token importance ratio, fused with its metrics (docs/policy_losses.md).
 
     Args:
-        logits: (..., V) float32/bfloat16/float16/float64, unit stride in the last dim.
-        target: (...) int64/int32 next-token labels (``target[t] = input_ids[t + 1]``), negative = no label.
-        advantages: (...) float, the advantage of each token (a sequence's advantage repeated on its tokens).
-        old_log_probs: (...) float, the log-prob of each token's label under the policy that sampled it.
-        epsilon_low: ε_l in [0, 1); the ratio is clipped below at 1 - ε_l.
-        epsilon_high: ε_h >= 0; the ratio is clipped above at 1 + ε_h (DAPO's clip-higher: ε_h > ε_l).
-        delta: optional two-sided clip: the ratio is capped at δ > 1 + ε_h for negative advantages.
-        ref_log_probs: (...) float, log-probs under the reference policy; needed when ``beta`` > 0.
-        beta: β >= 0, weight of the k3 estimate of KL(new || ref).
-        loss_weights: (...) float per-token weights w_t (default: the label mask), e.g. mask / |o_i| for the
-            sequence mean of token means; forced to 0 where there is no label (docs/conventions.md).
-        divisor: D, a number or 0-dim tensor (default: the number of labelled tokens).
-        logits_scale_factor: s > 0; every softmax is over s·logits (a sampling temperature T is s = 1/T); the
-            gradient carries the factor s.
-        label_counts: (...) the labelled-token count of each token's document; used only by the
+        logits: (..., V) float32/bfloat16/float16/float64 (this rank's shard under ``tp_group``).
+        target: (...) int64/int32 label ids, negative = no label.
+        advantages: (...) float per token, or (B,) per sequence for (B, T) labels.
+        old_log_probs: (...) float per token, or None (on-policy).
+        epsilon_low/epsilon_high: clip range [1-ε_l, 1+ε_h]. delta: optional two-sided clip (> 1+ε_h).
+        ref_log_probs: (...) float, with ``beta`` > 0: KL penalty towards the reference policy.
+        loss_weights: (...) float per-token weights w_t (default: the label mask), e.g. mask/|o_i| for the
+            sequence mean of token means (rl_losses.aggregation builds them). divisor: D (default: the number
+            of labelled tokens).
+        label_counts: (...) the labelled-token count of each token's document; only used by the
             ``new_logprobs`` metric (mean over documents of each document's mean log-prob).
-        compute_entropy: also compute the mean entropy over labelled tokens (fused into the same pass).
-        inplace_backward: write the gradient into ``logits``' own storage during the forward (zero extra
-            memory); ``logits`` then holds the gradient, so nothing else may use it afterwards. Refused for a leaf
-            that requires grad (or a view of one) and for logits whose rows overlap in memory.
-        tp_group: vocabulary-parallel process group: ``logits`` is then this rank's contiguous slice of the
-            vocabulary (even shards; uneven ones through rl_losses.distributed), ``target`` holds global ids,
-            and the loss is the same on every rank (docs/distributed.md). None: one device.
-    Returns: PolicyLossOutput: ``loss`` (differentiable scalar), then the detached metrics new_logprobs,
-        clipped_fraction_low/high, kl_old, entropy (None unless ``compute_entropy``), log_probs (per
-        token), ratio_mean; document_ratios is None.
+        compute_entropy: also return the mean entropy over labelled tokens.
+        inplace_backward: write the gradient into ``logits``.
+        document_index: (...) int, the sequence of each token for a sequence-level rollout correction
+            (negative = padding).
+    Returns: PolicyLossOutput (``loss`` is differentiable; the rest are detached metrics;
+        ``trl_metrics()`` gives them under TRL's names).
     """
+    policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
+                            rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
+                            kl_importance_weighted, entropy_coefficient)
     if tp_group is not None:
         return distributed.grpo_loss(logits, target, advantages, old_log_probs, tp_group=tp_group,
                                      epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
                                      ref_log_probs=ref_log_probs, beta=beta, loss_weights=loss_weights,
                                      divisor=_divisor(divisor), logits_scale_factor=logits_scale_factor,
                                      label_counts=label_counts, compute_entropy=compute_entropy,
-                                     inplace_backward=inplace_backward)
+                                     inplace_backward=inplace_backward, document_index=document_index, **policy)
     _check_labels("grpo", target, _vocab_size(logits, -1))
     out = _ops.grpo(logits, target, advantages, old_log_probs, ref_log_probs=ref_log_probs,
                     loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
                     epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
                     logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                    inplace_backward=inplace_backward)
-    return _policy_output(out, compute_entropy)
+                    inplace_backward=inplace_backward, document_index=document_index, **policy)
+    return _grpo_output(out, compute_entropy, policy, ref_log_probs)
 
 
-def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor,
-              document_index: torch.Tensor, *, num_documents: int | None = None,
+grpo_loss.__doc__ += _POLICY_DOC
+
+
+def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
+              old_log_probs: torch.Tensor | None, document_index: torch.Tensor, *, num_documents: int | None = None,
               label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
               weighting: str = "document", token_advantages: bool = False, divisor: float | None = None,
               logits_scale_factor: float = 1.0, compute_entropy: bool = False, inplace_backward: bool = False,
-              tp_group=None, sdp_group=None) -> PolicyLossOutput:
-    """GSPO: sequence-level geometric-mean ratio over packed documents (docs/math.md), with its metrics.
+              tp_group=None, sdp_group=None, ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
+              loss_type: str = "ppo_clip", sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+              rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
+              rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
+              kl_estimator: str = "k3", kl_importance_weighted: bool = False,
+              entropy_coefficient: float = 0.0) -> PolicyLossOutput:
+    """GSPO: sequence-level geometric-mean ratio over packed documents (docs/math.md) with its metrics.
 
     Args:
-        logits: (..., V) float32/bfloat16/float16/float64, unit stride in the last dim.
-        target: (...) int64/int32 next-token labels (``target[t] = input_ids[t + 1]``), negative = no label.
-        advantages: (...) float per token; averaged over each document's labelled tokens (unless
-            ``token_advantages``).
-        old_log_probs: (...) float, the log-prob of each token's label under the policy that sampled it.
-        document_index: (...) int64/int32, the 0-based document of each token; negative = padding (ignored).
-        num_documents: size of the per-document buffers (default: max(document_index) + 1, which
-            synchronises with the host).
-        label_counts: (...) the labelled-token count of each token's whole document (default: counted from
-            ``document_index`` and the labels; give it when a document is split over calls or ranks).
-        epsilon_low: ε_l in [0, 1); the sequence ratio is clipped below at 1 - ε_l.
-        epsilon_high: ε_h >= 0; clipped above at 1 + ε_h.
+        logits: (..., V) float; target: (...) int labels, negative = no label.
+        advantages: (...) float per token (averaged per document), (B,) per sequence for (B, T) labels, or
+            (num_documents,) per document.
+        old_log_probs: (...) float per token, or None (on-policy).
+        document_index: (...) int, 0-based document of each token; negative = padding (ignored).
+        num_documents: size of the per-document buffers (default max(document_index)+1, which synchronises).
+        label_counts: (...) labelled-token count of each token's whole document (default: counted).
         weighting: "document" (each document weighs 1) or "token" (each weighs its labelled-token count).
         token_advantages: GSPO-token: each token's own advantage inside the sequence ratio.
-        divisor: D, a number or 0-dim tensor (default: the documents holding at least one labelled token).
-        logits_scale_factor: s > 0; every softmax is over s·logits (a sampling temperature T is s = 1/T); the
-            gradient carries the factor s.
-        compute_entropy: also compute the mean entropy over labelled tokens (fused into the first pass).
-        inplace_backward: write the gradient into ``logits``' own storage during the forward (zero extra
-            memory); ``logits`` then holds the gradient, so nothing else may use it afterwards. Refused for a leaf
-            that requires grad (or a view of one) and for logits whose rows overlap in memory.
-        tp_group: vocabulary-parallel process group: ``logits`` is then this rank's contiguous slice of the
-            vocabulary (even shards; uneven ones through rl_losses.distributed), ``target`` holds global ids,
-            and the loss is the same on every rank (docs/distributed.md). None: one device.
-        sdp_group: sequence-data-parallel group: documents may be split over its ranks (global document ids);
-            the per-document sums are all-reduced, and the ranks' losses add up to the whole batch's.
-    Returns: PolicyLossOutput with ``document_ratios`` (num_documents,) set: ``loss`` (differentiable
-        scalar), then the detached metrics new_logprobs, clipped_fraction_low/high (fractions of documents),
-        kl_old, entropy (None unless ``compute_entropy``), log_probs, ratio_mean, document_ratios.
+        divisor: D (default: documents holding at least one labelled token).
+        sdp_group: sequence-data-parallel group over which documents are split (rl_losses.distributed).
+    The policy family applies at the sequence ratio R_s (loss_type, no delta); the rollout correction, KL and
+    entropy bonus per token, each weighted like the token's share of its document (docs/policy_losses.md).
+    Returns: PolicyLossOutput with ``document_ratios`` (num_documents,) set.
     """
+    policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
+                            rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
+                            kl_importance_weighted, entropy_coefficient)
     if tp_group is not None or sdp_group is not None:
         return distributed.gspo_loss(logits, target, advantages, old_log_probs, document_index,
                                      tp_group=tp_group, sdp_group=sdp_group, num_documents=num_documents,
@@ -194,15 +211,19 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
                                      epsilon_high=epsilon_high, weighting=weighting,
                                      token_advantages=token_advantages, divisor=_divisor(divisor),
                                      logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                                     inplace_backward=inplace_backward)
+                                     inplace_backward=inplace_backward, ref_log_probs=ref_log_probs, beta=beta,
+                                     **policy)
     _check_labels("gspo", target, _vocab_size(logits, -1))
     _check_document_ids("gspo", document_index, num_documents)
     out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
                     label_counts=label_counts, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                     weighting=weighting, token_advantages=token_advantages, divisor=_divisor(divisor),
                     logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                    inplace_backward=inplace_backward)
-    return _policy_output(out, compute_entropy, document_ratios=out[8])
+                    inplace_backward=inplace_backward, ref_log_probs=ref_log_probs, beta=beta, **policy)
+    return _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=out[POLICY_OUTPUTS])
+
+
+gspo_loss.__doc__ += _POLICY_DOC
 
 
 # ---- fused lm_head -------------------------------------------------------------------------------------------
@@ -256,34 +277,50 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
 
 
 def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
-                     old_log_probs: torch.Tensor, *, bias: torch.Tensor | None = None, epsilon_low: float = 0.2,
-                     epsilon_high: float = 0.2, delta: float | None = None,
+                     old_log_probs: torch.Tensor | None, *, bias: torch.Tensor | None = None,
+                     epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
                      ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
                      loss_weights: torch.Tensor | None = None, divisor: float | None = None,
                      logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
-                     compute_entropy: bool = False, chunk_size: int | None = None) -> PolicyLossOutput:
-    """GRPO of ``hidden @ weight.T (+ bias)`` without materialising the logits. ``target``, ``advantages``,
-    ``old_log_probs`` and the options are those of ``grpo_loss``; returns its PolicyLossOutput."""
+                     compute_entropy: bool = False, chunk_size: int | None = None, loss_type: str = "ppo_clip",
+                     sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+                     rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
+                     rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
+                     kl_estimator: str = "k3", kl_importance_weighted: bool = False,
+                     entropy_coefficient: float = 0.0, document_index: torch.Tensor | None = None) -> PolicyLossOutput:
+    """GRPO of ``hidden @ weight.T (+ bias)`` without materialising the logits (see grpo_loss, whose policy-family
+    options it takes)."""
+    policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
+                            rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
+                            kl_importance_weighted, entropy_coefficient)
     weight, bias = _plain_lm_head("linear_grpo", hidden, weight, bias)
     _check_labels("linear_grpo", target, _vocab_size(weight, 0))
     out = _ops.linear_grpo(hidden, weight, target, advantages, old_log_probs, bias=bias, ref_log_probs=ref_log_probs,
                            loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
                            epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
                            logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                           chunk_size=chunk_size)
-    return _policy_output(out, compute_entropy)
+                           chunk_size=chunk_size, document_index=document_index, **policy)
+    return _grpo_output(out, compute_entropy, policy, ref_log_probs)
 
 
 def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
-                     old_log_probs: torch.Tensor, document_index: torch.Tensor, *, bias: torch.Tensor | None = None,
-                     num_documents: int | None = None, label_counts: torch.Tensor | None = None,
-                     epsilon_low: float = 0.2, epsilon_high: float = 0.2, weighting: str = "document",
-                     token_advantages: bool = False, divisor: float | None = None, logits_scale_factor: float = 1.0,
-                     compute_entropy: bool = False, chunk_size: int | None = None) -> PolicyLossOutput:
-    """GSPO of ``hidden @ weight.T (+ bias)`` without materialising the logits. ``target``, ``advantages``,
-    ``old_log_probs``, ``document_index`` and the options are those of ``gspo_loss``; returns its
-    PolicyLossOutput. The logits are computed twice, chunk by chunk: once for the per-document ratios, once
-    for the gradient."""
+                     old_log_probs: torch.Tensor | None, document_index: torch.Tensor, *,
+                     bias: torch.Tensor | None = None, num_documents: int | None = None,
+                     label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+                     weighting: str = "document", token_advantages: bool = False, divisor: float | None = None,
+                     logits_scale_factor: float = 1.0, compute_entropy: bool = False,
+                     chunk_size: int | None = None, ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
+                     loss_type: str = "ppo_clip", sapo_temperature_pos: float = 1.0,
+                     sapo_temperature_neg: float = 1.05, rollout_log_probs: torch.Tensor | None = None,
+                     rollout_correction: str | None = None, rollout_cap: float = 3.0,
+                     rollout_mask_bounds: tuple[float, float] | None = None, kl_estimator: str = "k3",
+                     kl_importance_weighted: bool = False, entropy_coefficient: float = 0.0) -> PolicyLossOutput:
+    """GSPO of ``hidden @ weight.T (+ bias)`` without materialising the logits (see gspo_loss, whose policy-family
+    options it takes). The logits are computed twice, chunk by chunk: once for the per-document ratios, once for
+    the gradient."""
+    policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
+                            rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
+                            kl_importance_weighted, entropy_coefficient)
     weight, bias = _plain_lm_head("linear_gspo", hidden, weight, bias)
     _check_labels("linear_gspo", target, _vocab_size(weight, 0))
     _check_document_ids("linear_gspo", document_index, num_documents)
@@ -291,8 +328,9 @@ def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                            num_documents=num_documents, label_counts=label_counts, epsilon_low=epsilon_low,
                            epsilon_high=epsilon_high, weighting=weighting, token_advantages=token_advantages,
                            divisor=_divisor(divisor), logits_scale_factor=logits_scale_factor,
-                           compute_entropy=compute_entropy, chunk_size=chunk_size)
-    return _policy_output(out, compute_entropy, document_ratios=out[8])
+                           compute_entropy=compute_entropy, chunk_size=chunk_size, ref_log_probs=ref_log_probs,
+                           beta=beta, **policy)
+    return _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=out[POLICY_OUTPUTS])
 
 
 for _f in (linear_cross_entropy, linear_grpo_loss, linear_gspo_loss):

@@ -43,6 +43,7 @@ class LanguageModelLossKwargs:
     advantages = "advantages"  # float, per token
     old_log_probabilities = "old_log_probabilities"  # float, log-prob of the label under the sampling policy
     ref_log_probs = "ref_log_probs"  # float, under the reference policy (GRPO with beta > 0)
+    rollout_log_probs = "rollout_log_probs"  # float, under the inference engine (GRPO's rollout_correction)
     label_counts = "label_counts"  # int/float, labelled-token count of each token's document
     document_index = "document_index"  # int, 0-based document of each token, negative = padding (GSPO)
     num_documents = "num_documents"  # int, size of the per-document buffers (GSPO; default max(index) + 1)
@@ -150,10 +151,29 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
 
     config: LanguageModelPolicyGradientLossConfig
 
-    def _policy_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(_require(batch, key, self.name) for key in (
-            LanguageModelLossKwargs.labels, LanguageModelLossKwargs.advantages,
-            LanguageModelLossKwargs.old_log_probabilities))
+    def _policy_inputs(self, batch: Batch, *, on_policy_allowed: bool = False):
+        labels, advantages = (_require(batch, key, self.name) for key in (
+            LanguageModelLossKwargs.labels, LanguageModelLossKwargs.advantages))
+        key = LanguageModelLossKwargs.old_log_probabilities
+        old = batch.get(key) if on_policy_allowed else _require(batch, key, self.name)
+        return labels, advantages, old
+
+    def _family(self, batch: Batch) -> dict[str, Any]:
+        """The policy family's options (docs/policy_losses.md) with their batch tensors."""
+        cfg = self.config
+        ref_log_probs = None  # the KL (term and metric) only with beta > 0, as TRL logs it
+        if cfg.beta > 0:
+            ref_log_probs = _require(batch, LanguageModelLossKwargs.ref_log_probs, f"{self.name} (beta > 0)")
+        rollout_log_probs = None
+        if cfg.rollout_correction is not None:
+            rollout_log_probs = _require(batch, LanguageModelLossKwargs.rollout_log_probs,
+                                         f"{self.name} (rollout_correction={cfg.rollout_correction!r})")
+        return dict(ref_log_probs=ref_log_probs, beta=cfg.beta, loss_type=cfg.loss_type,
+                    sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
+                    rollout_log_probs=rollout_log_probs, rollout_correction=cfg.rollout_correction,
+                    rollout_cap=cfg.rollout_cap, rollout_mask_bounds=cfg.rollout_mask_bounds,
+                    kl_estimator=cfg.kl_estimator, kl_importance_weighted=cfg.kl_importance_weighted,
+                    entropy_coefficient=cfg.entropy_coefficient)
 
     def _metrics(self, out: functional.PolicyLossOutput, batch: Batch, mask: torch.Tensor,
                  num_segments: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -173,7 +193,15 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
         with torch.no_grad():
             dtype = out.new_logprobs.dtype
             advantages = batch[LanguageModelLossKwargs.advantages].to(dtype)
-            old = batch[LanguageModelLossKwargs.old_log_probabilities].to(dtype)
+            if advantages.shape != mask.shape:
+                if advantages.dim() < mask.dim() and advantages.shape == mask.shape[:advantages.dim()]:
+                    # per sequence: broadcast over its tokens
+                    advantages = advantages.reshape(advantages.shape + (1,) * (mask.dim() - advantages.dim()))
+                    advantages = advantages.expand(mask.shape)
+                else:  # per document (GSPO)
+                    advantages = advantages[batch[LanguageModelLossKwargs.document_index].clamp_min(0).long()]
+            old = batch.get(LanguageModelLossKwargs.old_log_probabilities)
+            old = out.log_probs.to(dtype) if old is None else old.to(dtype)  # on-policy: old = lp
             counts = batch.get(LanguageModelLossKwargs.label_counts)
             weight = mask.to(dtype) if counts is None else mask / counts.to(dtype).clamp_min(1)
             total = weight.sum().clamp_min(1e-30)
@@ -187,6 +215,12 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
                 metrics[f"{n}_num_segments"] = num_segments
         if out.entropy is not None:
             metrics[f"{n}_entropy"] = out.entropy
+        if out.kl is not None:
+            metrics[f"{n}_kl"] = out.kl
+        if out.rollout_ratio_mean is not None:
+            metrics[f"{n}_rollout_ratio"] = out.rollout_ratio_mean
+            metrics[f"{n}_rollout_weight"] = out.rollout_weight_mean
+            metrics[f"{n}_rollout_corrected_fraction"] = out.rollout_corrected_fraction
         return metrics
 
 
@@ -210,7 +244,7 @@ class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
                          f"batch (keys given: {sorted(batch)})")
 
     def _forward(self, logits, batch, kernel):
-        labels, advantages, old_log_probs = self._policy_inputs(batch)
+        labels, advantages, old_log_probs = self._policy_inputs(batch, on_policy_allowed=True)
         cfg = self.config
         mask = labels >= 0
         loss_weights = None
@@ -224,15 +258,16 @@ class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
                 loss_weights = mask / counts.to(torch.promote_types(logits.dtype, torch.float32)).clamp_min(1)
             elif cfg.loss_normalization == "dr_grpo":
                 divisor = divisor * cfg.max_completion_length
-        ref_log_probs = None
-        if cfg.beta > 0:
-            ref_log_probs = _require(batch, LanguageModelLossKwargs.ref_log_probs, f"{self.name} (beta > 0)")
+        document_index = batch.get(LanguageModelLossKwargs.document_index)
+        sequence_rollout = cfg.rollout_correction is not None and cfg.rollout_correction.startswith("sequence")
         fn = functional.grpo_loss if kernel else reference.grpo_loss
         out = fn(logits, labels, advantages, old_log_probs, epsilon_low=cfg.epsilon_low,
-                 epsilon_high=cfg.epsilon_high, delta=cfg.delta, ref_log_probs=ref_log_probs, beta=cfg.beta,
-                 loss_weights=loss_weights, divisor=divisor, logits_scale_factor=cfg.logits_scale_factor,
+                 epsilon_high=cfg.epsilon_high, delta=cfg.delta, loss_weights=loss_weights, divisor=divisor,
+                 logits_scale_factor=cfg.logits_scale_factor,
                  label_counts=batch.get(LanguageModelLossKwargs.label_counts),
-                 compute_entropy=cfg.metrics == "with_entropy", **self._options(kernel))
+                 compute_entropy=cfg.metrics == "with_entropy",
+                 document_index=document_index if sequence_rollout else None, **self._family(batch),
+                 **self._options(kernel))
         return out.loss, self._metrics(out, batch, mask)
 
 
@@ -243,7 +278,7 @@ class LanguageModelGSPOLoss(LanguageModelPolicyGradientLoss):
     config: LanguageModelGSPOLossConfig
 
     def _forward(self, logits, batch, kernel):
-        labels, advantages, old_log_probs = self._policy_inputs(batch)
+        labels, advantages, old_log_probs = self._policy_inputs(batch, on_policy_allowed=True)
         document_index = _require(batch, LanguageModelLossKwargs.document_index, self.name)
         cfg = self.config
         fn = functional.gspo_loss if kernel else reference.gspo_loss
@@ -253,7 +288,7 @@ class LanguageModelGSPOLoss(LanguageModelPolicyGradientLoss):
                  epsilon_high=cfg.epsilon_high, weighting=cfg.weighting, token_advantages=cfg.token_advantages,
                  divisor=batch.get(LanguageModelLossKwargs.num_documents_in_batch),
                  logits_scale_factor=cfg.logits_scale_factor, compute_entropy=cfg.metrics == "with_entropy",
-                 **self._options(kernel))
+                 **self._family(batch), **self._options(kernel))
         mask = (labels >= 0) & (document_index >= 0)
         num_segments = None
         if cfg.metrics != "none":

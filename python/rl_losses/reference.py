@@ -32,6 +32,36 @@ class PolicyLossOutput(NamedTuple):
     log_probs: torch.Tensor
     ratio_mean: torch.Tensor
     document_ratios: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+    rollout_ratio_mean: torch.Tensor | None = None
+    rollout_weight_mean: torch.Tensor | None = None
+    rollout_corrected_fraction: torch.Tensor | None = None
+    loss_type: str = "ppo_clip"
+
+    def trl_metrics(self) -> dict[str, torch.Tensor]:
+        """The metrics under the names TRL's GRPOTrainer logs (the values stay 0-dim tensors: no host sync).
+
+        ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (ppo_clip) or
+        ``cispo_clip_ratio`` (cispo); ``entropy`` when computed; ``kl`` with a reference;
+        ``sampling/importance_sampling_ratio/mean`` (the mean correction weight, as TRL logs it after
+        truncation or masking) with a rollout correction. Ours are means over labelled tokens (GRPO) or
+        documents (GSPO's clip fractions) of this call; TRL averages over its whole batch.
+        """
+        out: dict[str, torch.Tensor] = {}
+        if self.loss_type == "ppo_clip":
+            out["clip_ratio/low_mean"] = self.clipped_fraction_low
+            out["clip_ratio/high_mean"] = self.clipped_fraction_high
+            # The two events exclude each other (A < 0 vs A > 0), so the region fraction is their sum.
+            out["clip_ratio/region_mean"] = self.clipped_fraction_low + self.clipped_fraction_high
+        elif self.loss_type == "cispo":
+            out["cispo_clip_ratio"] = self.clipped_fraction_high
+        if self.entropy is not None:
+            out["entropy"] = self.entropy
+        if self.kl is not None:
+            out["kl"] = self.kl
+        if self.rollout_weight_mean is not None:
+            out["sampling/importance_sampling_ratio/mean"] = self.rollout_weight_mean
+        return out
 
 
 def _work_dtype(t: torch.Tensor) -> torch.dtype:
@@ -86,48 +116,146 @@ def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return log_ratio.exp() - log_ratio - 1
 
 
-def grpo_loss(logits, target, advantages, old_log_probs, *, epsilon_low=0.2, epsilon_high=0.2, delta=None,
+def _per_sequence(t: torch.Tensor | None, target: torch.Tensor) -> torch.Tensor | None:
+    # (B,) advantages for (B, T) labels: one value per sequence, broadcast over its tokens.
+    if t is None or t.dim() >= target.dim() or t.shape != target.shape[:t.dim()]:
+        return t
+    return t.reshape(tuple(t.shape) + (1,) * (target.dim() - t.dim())).expand(target.shape)
+
+
+def _kl_estimate(estimator: str, lp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    if estimator == "k1":
+        return lp - ref
+    if estimator == "k2":
+        return 0.5 * (lp - ref) ** 2
+    return _k3(ref - lp)
+
+
+def _rollout_weight(mode, log_rho, rollout_cap, rollout_mask_bounds):
+    rho = log_rho.exp()
+    if mode.endswith("truncate"):
+        return rho, rho.clamp(max=rollout_cap)
+    lo, hi = rollout_mask_bounds if rollout_mask_bounds is not None else (0.0, rollout_cap)
+    return rho, torch.where((rho >= lo) & (rho <= hi), rho, 0.0)
+
+
+def _sequence_mean(values, mask, sequence):
+    # Each token gets the mean of `values` over its sequence's labelled tokens.
+    seq = torch.where(sequence >= 0, sequence, 0).reshape(-1)
+    n = int(seq.max()) + 1 if seq.numel() else 1
+    on = (mask & (sequence >= 0)).reshape(-1).to(values.dtype)
+    sums = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, seq, values.reshape(-1) * on)
+    counts = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, seq, on)
+    return (sums / counts.clamp_min(1))[seq].reshape(values.shape)
+
+
+def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2, epsilon_high=0.2, delta=None,
               ref_log_probs=None, beta=0.0, loss_weights=None, divisor=None, logits_scale_factor=1.0,
-              label_counts=None, compute_entropy=False) -> PolicyLossOutput:
-    """GRPO (docs/math.md), per-token clipped ratio: the arguments and result of rl_losses.grpo_loss, without
-    ``inplace_backward`` and ``tp_group``; see PolicyLossOutput for the metrics."""
+              label_counts=None, compute_entropy=False, loss_type="ppo_clip", sapo_temperature_pos=1.0,
+              sapo_temperature_neg=1.05, rollout_log_probs=None, rollout_correction=None, rollout_cap=3.0,
+              rollout_mask_bounds=None, kl_estimator="k3", kl_importance_weighted=False, entropy_coefficient=0.0,
+              document_index=None) -> PolicyLossOutput:
+    """GRPO per token with the policy family of docs/policy_losses.md; see PolicyLossOutput."""
     logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
     mask = target >= 0
     maskf = mask.to(logp.dtype)
     lp = _label_logprob(logp, target)
-    adv = advantages.to(logp.dtype)
-    old = old_log_probs.to(logp.dtype)
+    adv = _per_sequence(advantages, target).to(logp.dtype)
+    old = lp.detach() if old_log_probs is None else old_log_probs.to(logp.dtype)
     ratio = torch.exp(lp - old)
-    capped = ratio if delta is None else ratio.clamp(max=delta)
-    per_token = -torch.minimum(capped * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
-    if beta != 0.0:
-        per_token = per_token + beta * _k3(ref_log_probs.to(logp.dtype) - lp)
+    if loss_type == "cispo":
+        per_token = -ratio.clamp(max=epsilon_high).detach() * adv * lp
+    elif loss_type == "sapo":
+        # (full_like: torch.where of two Python floats would round them to float32)
+        tau = torch.where(adv > 0, torch.full_like(adv, sapo_temperature_pos),
+                          torch.full_like(adv, sapo_temperature_neg))
+        per_token = -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
+    else:
+        capped = ratio if delta is None else ratio.clamp(max=delta)
+        per_token = -torch.minimum(capped * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
+    rho = weight = None
+    if rollout_correction is not None:
+        log_rho = old.detach() - rollout_log_probs.to(logp.dtype)
+        if rollout_correction.startswith("sequence"):
+            if document_index is None:
+                # The rows of the labels' leading dimensions are the sequences.
+                rows = torch.arange(target.numel() // target.shape[-1], device=target.device)
+                document_index = rows.reshape(target.shape[:-1]).unsqueeze(-1).expand(target.shape)
+            log_rho = _sequence_mean(log_rho, mask, document_index)
+        rho, weight = _rollout_weight(rollout_correction, log_rho, rollout_cap, rollout_mask_bounds)
+        per_token = per_token * weight.detach()
+    kl = None
+    if ref_log_probs is not None:
+        kl = _kl_estimate(kl_estimator, lp, ref_log_probs.to(logp.dtype))
+        if kl_importance_weighted:
+            kl = kl * ratio  # differentiated through the ratio too, as TRL's and Liger's
+        if beta != 0.0:
+            per_token = per_token + beta * kl
+    entropy_tok = _entropy(logp)
+    if entropy_coefficient != 0.0:
+        per_token = per_token - entropy_coefficient * entropy_tok
     weights = maskf if loss_weights is None else torch.where(mask, loss_weights.to(logp.dtype), 0.0)
     if divisor is None:
         divisor = mask.sum().clamp_min(1)
     # A token of weight 0 does not count: an exact 0, even where its own terms are not finite.
-    loss = torch.where(weights != 0, weights * per_token, 0.0).sum() / divisor
+    loss = torch.where(mask & (weights != 0), weights * per_token, 0.0).sum() / divisor
 
     with torch.no_grad():
         n_lab = mask.sum().clamp_min(1)
+
+        def mean(x):
+            return torch.where(mask, x, 0.0).sum() / n_lab
+
         counts = maskf if label_counts is None else label_counts.to(logp.dtype).clamp_min(1)
         doc_weight = torch.where(mask, 1 / counts, 0.0)
         new_logprobs = (doc_weight * lp).sum() / doc_weight.sum().clamp_min(1e-30)
-        low = ((ratio < 1 - epsilon_low) & (adv < 0) & mask).to(logp.dtype).sum() / n_lab
-        high = ((ratio > 1 + epsilon_high) & (adv > 0) & mask).to(logp.dtype).sum() / n_lab
-        kl_old = (torch.where(mask, _k3(old - lp), 0.0)).sum() / n_lab
-        entropy = (torch.where(mask, _entropy(logp), 0.0)).sum() / n_lab if compute_entropy else None
-        ratio_mean = torch.where(mask, ratio, 0.0).sum() / n_lab
-    return PolicyLossOutput(loss, new_logprobs.detach(), low, high, kl_old,
-                            entropy, lp.detach(), ratio_mean)
+        if loss_type == "ppo_clip":
+            low = mean(((ratio < 1 - epsilon_low) & (adv < 0)).to(logp.dtype))
+            high = mean(((ratio > 1 + epsilon_high) & (adv > 0)).to(logp.dtype))
+        else:
+            low = logp.new_zeros(())
+            high = (mean(((ratio > epsilon_high) & (adv > 0)).to(logp.dtype)) if loss_type == "cispo"
+                    else logp.new_zeros(()))
+        kl_old = mean(_k3(old - lp))
+        with_entropy = compute_entropy or entropy_coefficient != 0.0
+        entropy = mean(entropy_tok) if with_entropy else None
+        ratio_mean = mean(ratio)
+        kl_mean = mean(kl) if kl is not None else None
+        rollout = (None, None, None) if rho is None else (
+            mean(rho), mean(weight), mean((weight != rho).to(logp.dtype)))
+    return PolicyLossOutput(loss, new_logprobs.detach(), low, high, kl_old, entropy, lp.detach(), ratio_mean, None,
+                            kl_mean, *rollout, loss_type=loss_type)
+
+
+def _surrogate(loss_type, ratio, adv, lp, epsilon_low, epsilon_high, sapo_temperature_pos, sapo_temperature_neg,
+               delta=None):
+    """The per-token objective of each loss type at ratio r (docs/policy_losses.md)."""
+    if loss_type == "cispo":
+        return -ratio.clamp(max=epsilon_high).detach() * adv * lp
+    if loss_type == "sapo":
+        tau = torch.where(adv > 0, torch.full_like(ratio, sapo_temperature_pos),
+                          torch.full_like(ratio, sapo_temperature_neg))
+        return -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
+    capped = ratio if delta is None else ratio.clamp(max=delta)
+    return -torch.minimum(capped * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
+
+
+def _clip_flags(loss_type, ratio, adv, epsilon_low, epsilon_high):
+    if loss_type == "ppo_clip":
+        return (ratio < 1 - epsilon_low) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)
+    high = (ratio > epsilon_high) & (adv > 0) if loss_type == "cispo" else torch.zeros_like(ratio, dtype=torch.bool)
+    return torch.zeros_like(ratio, dtype=torch.bool), high
 
 
 def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_documents=None,
               label_counts=None, epsilon_low=0.2, epsilon_high=0.2, weighting="document",
               token_advantages=False, divisor=None, logits_scale_factor=1.0,
-              compute_entropy=False) -> PolicyLossOutput:
-    """GSPO (docs/math.md), sequence-level geometric-mean ratio over packed documents (vectorised with
-    index_add): the arguments and result of rl_losses.gspo_loss, without ``inplace_backward`` and the groups."""
+              compute_entropy=False, ref_log_probs=None, beta=0.0, loss_type="ppo_clip", sapo_temperature_pos=1.0,
+              sapo_temperature_neg=1.05, rollout_log_probs=None, rollout_correction=None, rollout_cap=3.0,
+              rollout_mask_bounds=None, kl_estimator="k3", kl_importance_weighted=False,
+              entropy_coefficient=0.0) -> PolicyLossOutput:
+    """GSPO: sequence-level geometric-mean ratio over packed documents (vectorised with index_add), with
+    the policy family of docs/policy_losses.md at the sequence ratio."""
     logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
     dt = logp.dtype
     doc = document_index.reshape(-1).long()
@@ -135,11 +263,14 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
     maskf = mask.to(dt)
     # Tokens outside the mask (unlabelled, or padding of document -1) count nowhere, even with non-finite logits.
     lp = torch.where(mask, _label_logprob(logp, target).reshape(-1), 0.0)
-    adv = advantages.reshape(-1).to(dt)
-    old = old_log_probs.reshape(-1).to(dt)
     if num_documents is None:
         num_documents = int(doc.max().item()) + 1 if doc.numel() > 0 else 0
     safe_doc = torch.where(doc >= 0, doc, 0)
+    advantages = _per_sequence(advantages, target)
+    if advantages.shape != target.shape:  # one advantage per document
+        advantages = advantages[safe_doc]
+    adv = advantages.reshape(-1).to(dt)
+    old = lp.detach() if old_log_probs is None else old_log_probs.reshape(-1).to(dt)
     if label_counts is None:
         per_doc_count = torch.zeros(num_documents, dtype=dt, device=lp.device).index_add_(0, safe_doc, maskf)
         counts = per_doc_count[safe_doc]
@@ -161,7 +292,25 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
     else:
         tok_ratio = ratio[safe_doc]
         tok_adv = adv_mean[safe_doc]
-    f_tok = -torch.minimum(tok_ratio * tok_adv, tok_ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * tok_adv)
+    f_tok = _surrogate(loss_type, tok_ratio, tok_adv, lp, epsilon_low, epsilon_high, sapo_temperature_pos,
+                       sapo_temperature_neg)
+    rho = weight = None
+    if rollout_correction is not None:
+        log_rho = old.detach() - rollout_log_probs.reshape(-1).to(dt)
+        if rollout_correction.startswith("sequence"):
+            log_rho = _sequence_mean(log_rho, mask, doc)
+        rho, weight = _rollout_weight(rollout_correction, log_rho, rollout_cap, rollout_mask_bounds)
+        f_tok = f_tok * weight.detach()
+    kl = None
+    if ref_log_probs is not None:
+        kl = _kl_estimate(kl_estimator, lp, ref_log_probs.reshape(-1).to(dt))
+        if kl_importance_weighted:
+            kl = kl * ratio[safe_doc].detach()
+        if beta != 0.0:
+            f_tok = f_tok + beta * kl
+    entropy_tok = _entropy(logp).reshape(-1)
+    if entropy_coefficient != 0.0:
+        f_tok = f_tok - entropy_coefficient * entropy_tok
     kappa = maskf if weighting == "token" else u
     if divisor is None:
         divisor = has_label.sum().clamp_min(1)
@@ -169,15 +318,25 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
 
     with torch.no_grad():
         n_docs = has_label.sum().clamp_min(1)
-        new_logprobs = zeros.index_add(0, safe_doc, u * lp).sum() / n_docs
-        low = ((ratio < 1 - epsilon_low) & (adv_mean < 0) & has_label).to(dt).sum() / n_docs
-        high = ((ratio > 1 + epsilon_high) & (adv_mean > 0) & has_label).to(dt).sum() / n_docs
-        kl_old = torch.where(has_label, _k3(-log_ratio), 0.0).sum() / n_docs
         n_lab = mask.sum().clamp_min(1)
-        entropy = (torch.where(mask, _entropy(logp).reshape(-1), 0.0)).sum() / n_lab if compute_entropy else None
+
+        def mean(x):
+            return torch.where(mask, x, 0.0).sum() / n_lab
+
+        new_logprobs = zeros.index_add(0, safe_doc, u * lp).sum() / n_docs
+        low_flag, high_flag = _clip_flags(loss_type, ratio, adv_mean, epsilon_low, epsilon_high)
+        low = (low_flag & has_label).to(dt).sum() / n_docs
+        high = (high_flag & has_label).to(dt).sum() / n_docs
+        kl_old = torch.where(has_label, _k3(-log_ratio), 0.0).sum() / n_docs
+        with_entropy = compute_entropy or entropy_coefficient != 0.0
+        entropy = mean(entropy_tok) if with_entropy else None
         ratio_mean = torch.where(has_label, ratio, 0.0).sum() / n_docs
+        kl_mean = mean(kl) if kl is not None else None
+        rollout = (None, None, None) if rho is None else (
+            mean(rho), mean(weight), mean((weight != rho).to(dt)))
     return PolicyLossOutput(loss, new_logprobs, low, high, kl_old, entropy,
-                            torch.where(mask, lp, 0.0).detach().reshape(target.shape), ratio_mean, ratio.detach())
+                            torch.where(mask, lp, 0.0).detach().reshape(target.shape), ratio_mean, ratio.detach(),
+                            kl_mean, *rollout, loss_type=loss_type)
 
 
 class DistillationOutput(NamedTuple):

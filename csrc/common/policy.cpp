@@ -1,0 +1,130 @@
+#include "common/policy.h"
+
+#include <cmath>
+#include <algorithm>
+#include <limits>
+
+namespace rl_losses {
+
+PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, double epsilon_low,
+                                          double epsilon_high, std::optional<double> delta, double beta,
+                                          bool has_rollout) {
+  PolicyOptions<double> o{};
+  o.clip = {epsilon_low, epsilon_high, delta ? *delta : std::numeric_limits<double>::infinity()};
+  if (a.loss_type == "ppo_clip") {
+    o.loss_type = kPpoClip;
+  } else if (a.loss_type == "cispo") {
+    o.loss_type = kCispo;
+  } else if (a.loss_type == "sapo") {
+    o.loss_type = kSapo;
+  } else {
+    TORCH_CHECK(false, op, ": loss_type must be 'ppo_clip', 'cispo' or 'sapo', got '", a.loss_type,
+                "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are ppo_clip with an aggregation preset: "
+                "rl_losses.aggregation.TRL_LOSS_TYPES)");
+  }
+  TORCH_CHECK(o.loss_type == kPpoClip || !delta, op, ": delta (the two-sided clip) applies to loss_type "
+              "'ppo_clip' only, got loss_type '", a.loss_type, "' with delta = ", delta ? *delta : 0.0);
+  TORCH_CHECK(o.loss_type != kCispo || epsilon_high > 0, op, ": loss_type 'cispo' caps the ratio at "
+              "epsilon_high, which must be > 0, got ", epsilon_high);
+  for (const auto& [name, tau] : {std::pair<const char*, double>{"sapo_temperature_pos", a.sapo_temperature_pos},
+                                  {"sapo_temperature_neg", a.sapo_temperature_neg}}) {
+    TORCH_CHECK(std::isfinite(tau) && tau > 0, op, ": ", name, " must be a finite value > 0, got ", tau);
+  }
+  o.sapo_tau_pos = a.sapo_temperature_pos;
+  o.sapo_tau_neg = a.sapo_temperature_neg;
+
+  o.beta = beta;
+  if (a.kl_estimator == "k1") {
+    o.kl_estimator = kKlK1;
+  } else if (a.kl_estimator == "k2") {
+    o.kl_estimator = kKlK2;
+  } else if (a.kl_estimator == "k3") {
+    o.kl_estimator = kKlK3;
+  } else {
+    TORCH_CHECK(false, op, ": kl_estimator must be 'k1', 'k2' or 'k3', got '", a.kl_estimator, "'");
+  }
+  o.kl_importance_weighted = a.kl_importance_weighted;
+
+  o.rollout_mode = kRolloutNone;
+  o.rollout_cap = a.rollout_cap;
+  o.rollout_lo = 0;
+  o.rollout_hi = std::numeric_limits<double>::infinity();
+  if (a.rollout_correction) {
+    const std::string& m = *a.rollout_correction;
+    TORCH_CHECK(m == "token_truncate" || m == "token_mask" || m == "sequence_truncate" || m == "sequence_mask", op,
+                ": rollout_correction must be None, 'token_truncate', 'token_mask', 'sequence_truncate' or "
+                "'sequence_mask', got '", m, "'");
+    TORCH_CHECK(has_rollout, op, ": rollout_correction = '", m, "' needs rollout_log_probs");
+    const bool truncate = m.find("truncate") != std::string::npos;
+    o.rollout_mode = truncate ? kRolloutTruncate : kRolloutMask;
+    if (truncate) {
+      TORCH_CHECK(std::isfinite(a.rollout_cap) && a.rollout_cap > 0, op, ": rollout_cap must be a finite value > 0, ",
+                  "got ", a.rollout_cap);
+      TORCH_CHECK(!a.rollout_mask_bounds, op, ": rollout_mask_bounds apply to the '*_mask' modes, got "
+                  "rollout_correction = '", m, "'");
+    } else if (a.rollout_mask_bounds) {
+      const auto& b = *a.rollout_mask_bounds;
+      TORCH_CHECK(b.size() == 2, op, ": rollout_mask_bounds must be (lo, hi), got ", b.size(), " values");
+      TORCH_CHECK(!std::isnan(b[0]) && !std::isnan(b[1]) && b[0] < b[1], op,
+                  ": rollout_mask_bounds must satisfy lo < hi, got (", b[0], ", ", b[1], ")");
+      o.rollout_lo = b[0];
+      o.rollout_hi = b[1];
+    } else {
+      // TRL's default: ratios above the cap are masked, none below.
+      TORCH_CHECK(std::isfinite(a.rollout_cap) && a.rollout_cap > 0, op, ": rollout_cap must be a finite value > 0, ",
+                  "got ", a.rollout_cap);
+      o.rollout_hi = a.rollout_cap;
+    }
+  } else {
+    TORCH_CHECK(!has_rollout, op, ": rollout_log_probs given without rollout_correction (one of 'token_truncate', ",
+                "'token_mask', 'sequence_truncate', 'sequence_mask')");
+    TORCH_CHECK(!a.rollout_mask_bounds, op, ": rollout_mask_bounds given without a '*_mask' rollout_correction");
+  }
+  TORCH_CHECK(std::isfinite(a.entropy_coefficient), op, ": entropy_coefficient must be finite, got ",
+              a.entropy_coefficient);
+  o.entropy_coefficient = a.entropy_coefficient;
+  return o;
+}
+
+at::Tensor broadcast_per_sequence(const char* op, const char* name, const at::Tensor& t, const at::Tensor& target) {
+  if (t.dim() < target.dim() && t.dim() >= 1 && t.sizes() == target.sizes().slice(0, t.dim())) {
+    at::Tensor v = t;
+    while (v.dim() < target.dim()) v = v.unsqueeze(-1);
+    return v.expand(target.sizes());
+  }
+  (void)op;
+  (void)name;
+  return t;  // check_per_token reports any other shape
+}
+
+std::pair<at::Tensor, int64_t> sequence_ids(const char* op, const std::optional<at::Tensor>& document_index,
+                                            const at::Tensor& target) {
+  if (document_index) {
+    const at::Tensor& d = *document_index;
+    TORCH_CHECK(at::isIntegralType(d.scalar_type(), false) && d.sizes() == target.sizes() &&
+                    d.device() == target.device(),
+                op, ": document_index must be an integer tensor shaped like target ", target.sizes(), " on ",
+                target.device(), ", got ", d.scalar_type(), " ", d.sizes(), " on ", d.device());
+    at::Tensor ids = d.reshape({-1}).to(at::kLong).contiguous();
+    const int64_t n = ids.numel() > 0 ? std::max<int64_t>(ids.max().item<int64_t>() + 1, 0) : 0;
+    return {ids, n};
+  }
+  TORCH_CHECK(target.dim() >= 2, op, ": a sequence-level rollout_correction needs the sequences: pass ",
+              "document_index, or labels shaped (B, T), got labels of shape ", target.sizes());
+  const int64_t t = target.size(-1);
+  const int64_t n = t > 0 ? target.numel() / t : 0;
+  return {at::arange(target.numel(), target.options().dtype(at::kLong)).div(t, "floor"), n};
+}
+
+at::Tensor sequence_log_rho(const at::Tensor& old_log_probs, const at::Tensor& rollout_log_probs,
+                            const at::Tensor& target1d, const at::Tensor& sequence, int64_t num_sequences) {
+  const at::Tensor on = (target1d >= 0).logical_and(sequence >= 0);
+  const at::Tensor seq = at::where(sequence >= 0, sequence, at::zeros_like(sequence));
+  const at::Tensor diff = at::where(on, old_log_probs - rollout_log_probs, at::zeros_like(old_log_probs));
+  const at::Tensor sums = at::zeros({std::max<int64_t>(num_sequences, 1), 2}, old_log_probs.options())
+                              .index_add_(0, seq, at::stack({diff, on.to(diff.scalar_type())}, 1));
+  const at::Tensor mean = sums.select(1, 0) / sums.select(1, 1).clamp_min(1);
+  return at::where(on, mean.index_select(0, seq), at::zeros_like(diff));
+}
+
+}  // namespace rl_losses
