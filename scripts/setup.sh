@@ -26,8 +26,8 @@ then
 fi
 "$VPY" -m pip install -q numpy pytest expecttest ninja setuptools wheel matplotlib tqdm pyyaml
 # Test-only peers: the property tests (hypothesis) and the trainers the integrations are proven against
-# (TRL and verl, pinned to the versions the tests were written for; verl needs transformers < 5.11).
-"$VPY" -m pip install -q hypothesis "trl==1.16.0" "transformers==5.10.4" "verl==0.9.1"
+# (TRL, verl and Liger-Kernel, pinned to the versions the tests were written for; verl needs transformers < 5.11).
+"$VPY" -m pip install -q hypothesis "trl==1.16.0" "transformers==5.10.4" "verl==0.9.1" "liger-kernel==0.8.5"
 
 # torch finds CUDA through CUDA_HOME or nvcc on PATH; a wrapper nvcc in /usr/local/bin would make it guess
 # /usr/local, so point it at the toolkit itself when one is installed there.
