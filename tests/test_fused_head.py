@@ -92,9 +92,12 @@ def test_equals_the_sum_of_the_separate_ops(terms, vocab, dtype, option, device)
     (out.loss * 1.3).backward()
     y = logits.clone().requires_grad_()
     (separate_ops(y, target, kwargs) * 1.3).backward()
-    # The same fp32 formulas in another order: the gradient to its dtype's rounding, the loss to fp32's.
+    # The same fp32 formulas in another order: the gradient to its dtype's rounding, the loss to fp32's. The
+    # separate ops' gradient is a sum of terms each rounded to the dtype, which may cancel (the label column of
+    # CE and GRPO): in bf16/fp16 its own error reaches a few roundings of the terms.
     assert_close(out.loss.detach(), separate_ops(logits, target, kwargs).detach(), torch.float32, scale=4.0)
-    assert_grad_close(x.grad, y.grad, dtype, scale=2.0)
+    low_precision = dtype in (torch.bfloat16, torch.float16)
+    assert_grad_close(x.grad, y.grad, dtype, scale=8.0 if low_precision and len(terms) > 1 else 2.0)
     # And against the float64 reference, loss, every term and the gradient.
     z = logits.detach().double().requires_grad_()
     ref = reference.fused_head_loss(z, target, **{k: v.double() if isinstance(v, torch.Tensor) and

@@ -299,5 +299,10 @@ def test_fp16_loss_scale_cuda_per_row():
     x64 = x.detach().double().requires_grad_()
     reference.cross_entropy(x64, target, reduction="none").backward(torch.full((32,), 65536.0, device="cuda",
                                                                                 dtype=torch.float64))
-    assert torch.isfinite(x.grad).all()
-    assert_grad_close(x.grad, x64.grad, torch.float16)
+    # Finite wherever eager fp16 PyTorch is (a gradient of 65536·(p − 1) may round past the fp16 range in both).
+    xe = x.detach().clone().requires_grad_()
+    torch.nn.functional.cross_entropy(xe, torch.where(target < 0, -100, target), reduction="none").backward(
+        torch.full((32,), 65536.0, device="cuda", dtype=torch.float16))
+    eager_finite = torch.isfinite(xe.grad)
+    assert torch.isfinite(x.grad)[eager_finite].all()
+    assert_grad_close(torch.where(eager_finite, x.grad, 0), torch.where(eager_finite, x64.grad, 0), torch.float16)

@@ -159,6 +159,59 @@ def cross_entropy_options(op, logits, n_rows, s, eps, z, lw, reduction, divisor,
     _check(reduction != "none" or divisor is None, op, "divisor has no meaning with reduction='none'")
 
 
+POLICY_DEFAULTS = dict(loss_type="ppo_clip", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, rollout_log_probs=None,
+                       rollout_correction=None, rollout_cap=3.0, rollout_mask_bounds=None, kl_estimator="k3",
+                       kl_importance_weighted=False, entropy_coefficient=0.0)
+_ROLLOUT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def policy_options(op, target, epsilon_high, delta, loss_type, sapo_temperature_pos, sapo_temperature_neg,
+                   rollout_log_probs, rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
+                   kl_importance_weighted, entropy_coefficient):
+    # csrc/common/policy.cpp: make_policy_options, in the same order with the same messages.
+    _check(loss_type in ("ppo_clip", "cispo", "sapo"), op, "loss_type must be 'ppo_clip', 'cispo' or 'sapo', got '",
+           loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are ppo_clip with an aggregation preset: "
+           "rl_losses.aggregation.TRL_LOSS_TYPES)")
+    _check(loss_type == "ppo_clip" or delta is None, op, "delta (the two-sided clip) applies to loss_type "
+           "'ppo_clip' only, got loss_type '", loss_type, "' with delta = ", _num(delta if delta is not None else 0.0))
+    _check(loss_type != "cispo" or epsilon_high > 0, op, "loss_type 'cispo' caps the ratio at epsilon_high, which "
+           "must be > 0, got ", _num(epsilon_high))
+    for name, tau in (("sapo_temperature_pos", sapo_temperature_pos), ("sapo_temperature_neg", sapo_temperature_neg)):
+        _check(math.isfinite(tau) and tau > 0, op, name, " must be a finite value > 0, got ", _num(tau))
+    _check(kl_estimator in ("k1", "k2", "k3"), op, "kl_estimator must be 'k1', 'k2' or 'k3', got '", kl_estimator, "'")
+    has_rollout = rollout_log_probs is not None
+    if rollout_correction is not None:
+        m = rollout_correction
+        _check(m in _ROLLOUT_MODES, op, "rollout_correction must be None, 'token_truncate', 'token_mask', "
+               "'sequence_truncate' or 'sequence_mask', got '", m, "'")
+        _check(has_rollout, op, "rollout_correction = '", m, "' needs rollout_log_probs")
+        if "truncate" in m or rollout_mask_bounds is None:
+            _check(math.isfinite(rollout_cap) and rollout_cap > 0, op, "rollout_cap must be a finite value > 0, got ",
+                   _num(rollout_cap))
+        if "truncate" in m:
+            _check(rollout_mask_bounds is None, op, "rollout_mask_bounds apply to the '*_mask' modes, got "
+                   "rollout_correction = '", m, "'")
+        elif rollout_mask_bounds is not None:
+            b = list(rollout_mask_bounds)
+            _check(len(b) == 2, op, "rollout_mask_bounds must be (lo, hi), got ", len(b), " values")
+            _check(not math.isnan(b[0]) and not math.isnan(b[1]) and b[0] < b[1], op,
+                   "rollout_mask_bounds must satisfy lo < hi, got (", _num(b[0]), ", ", _num(b[1]), ")")
+    else:
+        _check(not has_rollout, op, "rollout_log_probs given without rollout_correction (one of 'token_truncate', "
+               "'token_mask', 'sequence_truncate', 'sequence_mask')")
+        _check(rollout_mask_bounds is None, op, "rollout_mask_bounds given without a '*_mask' rollout_correction")
+    _check(math.isfinite(entropy_coefficient), op, "entropy_coefficient must be finite, got ", _num(entropy_coefficient))
+    if has_rollout:
+        check_per_token(op, "rollout_log_probs", rollout_log_probs, target)
+
+
+def per_sequence(t, target):
+    """A (B,) per-sequence tensor for (B, T) labels, seen per token (csrc/common/policy.cpp: broadcast_per_sequence)."""
+    if 1 <= t.dim() < target.dim() and list(t.shape) == list(target.shape[:t.dim()]):
+        return t.reshape(list(t.shape) + [1] * (target.dim() - t.dim())).expand(target.shape)
+    return t
+
+
 def grpo_options(op, logits, target, n_rows, advantages, old_log_probs, ref_log_probs, loss_weights, label_counts,
                  epsilon_low, epsilon_high, delta, beta, divisor, s, row_stats):
     check_scale(op, s)
@@ -171,8 +224,9 @@ def grpo_options(op, logits, target, n_rows, advantages, old_log_probs, ref_log_
     _check(beta == 0 or ref_log_probs is not None, op, "beta = ", _num(beta), " > 0 needs ref_log_probs")
     check_divisor(op, divisor)
     check_row_stats(op, row_stats, logits, n_rows)
-    check_per_token(op, "advantages", advantages, target)
-    check_per_token(op, "old_log_probs", old_log_probs, target)
+    check_per_token(op, "advantages", per_sequence(advantages, target), target)
+    if old_log_probs is not None:  # None: on-policy
+        check_per_token(op, "old_log_probs", old_log_probs, target)
     if beta != 0:
         check_per_token(op, "ref_log_probs", ref_log_probs, target)
     if loss_weights is not None:
@@ -188,8 +242,10 @@ def gspo_options(op, logits, target, n_rows, advantages, old_log_probs, document
     check_divisor(op, divisor)
     check_row_stats(op, row_stats, logits, n_rows)
     _check(weighting in ("document", "token"), op, "weighting must be 'document' or 'token', got '", weighting, "'")
-    check_per_token(op, "advantages", advantages, target)
-    check_per_token(op, "old_log_probs", old_log_probs, target)
+    if not (advantages.dim() == 1 and target.dim() == 1 and advantages.shape != target.shape):  # else per document
+        check_per_token(op, "advantages", per_sequence(advantages, target), target)
+    if old_log_probs is not None:  # None: on-policy
+        check_per_token(op, "old_log_probs", old_log_probs, target)
     check_per_token_int(op, "document_index", document_index, target)
     if label_counts is not None:
         check_label_counts(op, label_counts, target)
@@ -213,8 +269,10 @@ def gspo_document_sums(log_probs, target, advantages, old_log_probs, document_in
     check_num_documents(op, num_documents)
     check_per_token(op, "log_probs", log_probs, target)
     check_per_token_int(op, "target", target, target)
-    check_per_token(op, "advantages", advantages, target)
-    check_per_token(op, "old_log_probs", old_log_probs, target)
+    if not (advantages.dim() == 1 and target.dim() == 1 and advantages.shape != target.shape):  # else per document
+        check_per_token(op, "advantages", per_sequence(advantages, target), target)
+    if old_log_probs is not None:  # None: on-policy
+        check_per_token(op, "old_log_probs", old_log_probs, target)
     check_per_token_int(op, "document_index", document_index, target)
     check_label_counts(op, label_counts, target)
 

@@ -93,13 +93,22 @@ def _grad(logits, compute_grad):
 #   delta, beta, divisor, s, compute_entropy, row_stats, vocab_start, vocab_size[, compute_grad])
 def _check_grpo(logits, target, advantages, old_log_probs, ref_log_probs=None, loss_weights=None, label_counts=None,
                 epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0, divisor=None, logits_scale_factor=1.0,
-                compute_entropy=False, row_stats=None, vocab_start=0, vocab_size=-1, inplace=False):
+                compute_entropy=False, row_stats=None, vocab_start=0, vocab_size=-1, *policy, document_index=None,
+                inplace=False, **policy_kwargs):
     op = "grpo"
     rows = _checks.check_and_flatten(op, logits, target, vocab_start, vocab_size)
     if inplace:
         _checks.check_inplace(op, logits, rows)
     _checks.grpo_options(op, logits, target, target.numel(), advantages, old_log_probs, ref_log_probs, loss_weights,
                          label_counts, epsilon_low, epsilon_high, delta, beta, divisor, logits_scale_factor, row_stats)
+    _check_policy(op, target, epsilon_high, delta, policy, policy_kwargs)
+
+
+def _check_policy(op, target, epsilon_high, delta, positional, keywords):
+    # The policy family's arguments, positional (the _forward ops: RL_LOSSES_POLICY_ARGS order) or by keyword.
+    names = list(_checks.POLICY_DEFAULTS)
+    values = {**_checks.POLICY_DEFAULTS, **dict(zip(names, positional)), **keywords}
+    _checks.policy_options(op, target, epsilon_high, delta, *(values[k] for k in names))
 
 
 @register_fake("rl_losses::grpo")
@@ -110,13 +119,14 @@ def _grpo(logits, target, advantages, old_log_probs, *, inplace_backward=False, 
 
 @register_fake("rl_losses::_grpo_forward")
 def _grpo_forward(logits, target, advantages, old_log_probs, *args):
-    _check_grpo(logits, target, advantages, old_log_probs, *args[:-1])
+    # (..., vocab_size, <10 policy args>, document_index, compute_grad)
+    _check_grpo(logits, target, advantages, old_log_probs, *args[:-2], document_index=args[-2])
     return tuple(_policy_outputs(logits, target) + [_grad(logits, args[-1])])
 
 
 @register_fake("rl_losses::_grpo_forward_inplace")
 def _grpo_forward_inplace(logits, target, advantages, old_log_probs, *args):
-    _check_grpo(logits, target, advantages, old_log_probs, *args, inplace=True)
+    _check_grpo(logits, target, advantages, old_log_probs, *args[:-1], document_index=args[-1], inplace=True)
     return tuple(_policy_outputs(logits, target))
 
 
@@ -135,7 +145,7 @@ def _num_documents(num_documents, document_sums):
 def _check_gspo(logits, target, advantages, old_log_probs, document_index, num_documents=None, label_counts=None,
                 epsilon_low=0.2, epsilon_high=0.2, weighting="document", token_advantages=False, divisor=None,
                 logits_scale_factor=1.0, compute_entropy=False, row_stats=None, document_sums=None, vocab_start=0,
-                vocab_size=-1, inplace=False):
+                vocab_size=-1, ref_log_probs=None, beta=0.0, *policy, inplace=False, **policy_kwargs):
     op = "gspo"
     rows = _checks.check_and_flatten(op, logits, target, vocab_start, vocab_size)
     if inplace:
@@ -143,6 +153,7 @@ def _check_gspo(logits, target, advantages, old_log_probs, document_index, num_d
     _checks.gspo_options(op, logits, target, target.numel(), advantages, old_log_probs, document_index,
                          num_documents, label_counts, epsilon_low, epsilon_high, weighting, divisor,
                          logits_scale_factor, row_stats, document_sums)
+    _check_policy(op, target, epsilon_high, None, policy, policy_kwargs)
     return _num_documents(num_documents, document_sums)
 
 
@@ -212,11 +223,13 @@ def _linear_cross_entropy_forward(hidden, weight, target, bias, s, eps, z, lw, r
 #   label_counts, ε_l, ε_h, delta, beta, divisor, s, compute_entropy, chunk_size, output_mask)
 def _check_linear_grpo(hidden, weight, target, advantages, old_log_probs, bias=None, ref_log_probs=None,
                        loss_weights=None, label_counts=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
-                       divisor=None, logits_scale_factor=1.0, compute_entropy=False, chunk_size=None):
+                       divisor=None, logits_scale_factor=1.0, compute_entropy=False, chunk_size=None, *policy,
+                       document_index=None, **policy_kwargs):
     op = "linear_grpo"
     _checks.check_linear(op, hidden, weight, bias, target, chunk_size)
     _checks.grpo_options(op, hidden, target, target.numel(), advantages, old_log_probs, ref_log_probs, loss_weights,
                          label_counts, epsilon_low, epsilon_high, delta, beta, divisor, logits_scale_factor, None)
+    _check_policy(op, target, epsilon_high, delta, policy, policy_kwargs)
 
 
 @register_fake("rl_losses::linear_grpo")
@@ -227,7 +240,8 @@ def _linear_grpo(hidden, weight, target, advantages, old_log_probs, **kwargs):
 
 @register_fake("rl_losses::_linear_grpo_forward")
 def _linear_grpo_forward(hidden, weight, target, advantages, old_log_probs, bias, *args):
-    _check_linear_grpo(hidden, weight, target, advantages, old_log_probs, bias, *args[:-1])
+    # (..., chunk_size, <10 policy args>, document_index, output_mask)
+    _check_linear_grpo(hidden, weight, target, advantages, old_log_probs, bias, *args[:-2], document_index=args[-2])
     return tuple(_policy_outputs(hidden, target) + _linear_grads(hidden, weight, bias, args[-1]))
 
 
@@ -236,12 +250,13 @@ def _linear_grpo_forward(hidden, weight, target, advantages, old_log_probs, bias
 def _check_linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, bias=None,
                        num_documents=None, label_counts=None, epsilon_low=0.2, epsilon_high=0.2, weighting="document",
                        token_advantages=False, divisor=None, logits_scale_factor=1.0, compute_entropy=False,
-                       chunk_size=None):
+                       chunk_size=None, ref_log_probs=None, beta=0.0, *policy, **policy_kwargs):
     op = "linear_gspo"
     _checks.check_linear(op, hidden, weight, bias, target, chunk_size)
     _checks.gspo_options(op, hidden, target, target.numel(), advantages, old_log_probs, document_index,
                          num_documents, label_counts, epsilon_low, epsilon_high, weighting, divisor,
                          logits_scale_factor, None, None)
+    _check_policy(op, target, epsilon_high, None, policy, policy_kwargs)
     return _num_documents(num_documents, None)
 
 

@@ -129,26 +129,40 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
               rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
               kl_estimator: str = "k3", kl_importance_weighted: bool = False, entropy_coefficient: float = 0.0,
               document_index: torch.Tensor | None = None) -> PolicyLossOutput:
-    """GRPO: per-token importance ratio, fused with its metrics (docs/policy_losses.md).
+    """GRPO: per-token clipped importance ratio (docs/math.md), fused with its metrics.
 
     Args:
-        logits: (..., V) float32/bfloat16/float16/float64 (this rank's shard under ``tp_group``).
-        target: (...) int64/int32 label ids, negative = no label.
-        advantages: (...) float per token, or (B,) per sequence for (B, T) labels.
-        old_log_probs: (...) float per token, or None (on-policy).
-        epsilon_low/epsilon_high: clip range [1-ε_l, 1+ε_h]. delta: optional two-sided clip (> 1+ε_h).
-        ref_log_probs: (...) float, with ``beta`` > 0: KL penalty towards the reference policy.
-        loss_weights: (...) float per-token weights w_t (default: the label mask), e.g. mask/|o_i| for the
-            sequence mean of token means (rl_losses.aggregation builds them). divisor: D (default: the number
-            of labelled tokens).
-        label_counts: (...) the labelled-token count of each token's document; only used by the
+        logits: (..., V) float32/bfloat16/float16/float64, unit stride in the last dim.
+        target: (...) int64/int32 next-token labels (``target[t] = input_ids[t + 1]``), negative = no label.
+        advantages: (...) float per token, or (B,) per sequence for (B, T) labels (broadcast).
+        old_log_probs: (...) float, the log-prob of each token's label under the policy that sampled it;
+            None for on-policy training.
+        epsilon_low: ε_l in [0, 1); the ratio is clipped below at 1 - ε_l.
+        epsilon_high: ε_h >= 0; the ratio is clipped above at 1 + ε_h (DAPO's clip-higher: ε_h > ε_l).
+        delta: optional two-sided clip: the ratio is capped at δ > 1 + ε_h for negative advantages.
+        ref_log_probs: (...) float, log-probs under the reference policy; needed when ``beta`` > 0.
+        beta: β >= 0, weight of the k3 estimate of KL(new || ref).
+        loss_weights: (...) float per-token weights w_t (default: the label mask), e.g. mask / |o_i| for the
+            sequence mean of token means; forced to 0 where there is no label (docs/conventions.md).
+        divisor: D, a number or 0-dim tensor (default: the number of labelled tokens).
+        logits_scale_factor: s > 0; every softmax is over s·logits (a sampling temperature T is s = 1/T); the
+            gradient carries the factor s.
+        label_counts: (...) the labelled-token count of each token's document; used only by the
             ``new_logprobs`` metric (mean over documents of each document's mean log-prob).
-        compute_entropy: also return the mean entropy over labelled tokens.
-        inplace_backward: write the gradient into ``logits``.
+        compute_entropy: also compute the mean entropy over labelled tokens (fused into the same pass).
+        inplace_backward: write the gradient into ``logits``' own storage during the forward (zero extra
+            memory); ``logits`` then holds the gradient, so nothing else may use it afterwards. Refused for a leaf
+            that requires grad (or a view of one) and for logits whose rows overlap in memory.
+        tp_group: vocabulary-parallel process group: ``logits`` is then this rank's contiguous slice of the
+            vocabulary (even shards; uneven ones through rl_losses.distributed), ``target`` holds global ids,
+            and the loss is the same on every rank (docs/distributed.md). None: one device.
         document_index: (...) int, the sequence of each token for a sequence-level rollout correction
-            (negative = padding).
-    Returns: PolicyLossOutput (``loss`` is differentiable; the rest are detached metrics;
-        ``trl_metrics()`` gives them under TRL's names).
+            (negative = padding; default: the rows of (B, T) labels).
+        The policy-family options (loss_type ... entropy_coefficient) are described below.
+    Returns: PolicyLossOutput: ``loss`` (differentiable scalar), then the detached metrics new_logprobs,
+        clipped_fraction_low/high, kl_old, entropy (None unless ``compute_entropy`` or an entropy bonus), log_probs (per
+        token), ratio_mean, then kl, rollout ratio/weight/corrected fraction where those options are on;
+        ``trl_metrics()`` gives them under TRL's logged names.
     """
     policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
                             rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
@@ -183,23 +197,43 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
               rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
               kl_estimator: str = "k3", kl_importance_weighted: bool = False,
               entropy_coefficient: float = 0.0) -> PolicyLossOutput:
-    """GSPO: sequence-level geometric-mean ratio over packed documents (docs/math.md) with its metrics.
+    """GSPO: sequence-level geometric-mean ratio over packed documents (docs/math.md), with its metrics.
 
     Args:
-        logits: (..., V) float; target: (...) int labels, negative = no label.
-        advantages: (...) float per token (averaged per document), (B,) per sequence for (B, T) labels, or
-            (num_documents,) per document.
-        old_log_probs: (...) float per token, or None (on-policy).
-        document_index: (...) int, 0-based document of each token; negative = padding (ignored).
-        num_documents: size of the per-document buffers (default max(document_index)+1, which synchronises).
-        label_counts: (...) labelled-token count of each token's whole document (default: counted).
+        logits: (..., V) float32/bfloat16/float16/float64, unit stride in the last dim.
+        target: (...) int64/int32 next-token labels (``target[t] = input_ids[t + 1]``), negative = no label.
+        advantages: (...) float per token (averaged over each document's labelled tokens unless
+            ``token_advantages``), (B,) per sequence for (B, T) labels, or (num_documents,) per document.
+        old_log_probs: (...) float, the log-prob of each token's label under the policy that sampled it;
+            None for on-policy training.
+        document_index: (...) int64/int32, the 0-based document of each token; negative = padding (ignored).
+        num_documents: size of the per-document buffers (default: max(document_index) + 1, which
+            synchronises with the host).
+        label_counts: (...) the labelled-token count of each token's whole document (default: counted from
+            ``document_index`` and the labels; give it when a document is split over calls or ranks).
+        epsilon_low: ε_l in [0, 1); the sequence ratio is clipped below at 1 - ε_l.
+        epsilon_high: ε_h >= 0; clipped above at 1 + ε_h.
         weighting: "document" (each document weighs 1) or "token" (each weighs its labelled-token count).
         token_advantages: GSPO-token: each token's own advantage inside the sequence ratio.
-        divisor: D (default: documents holding at least one labelled token).
-        sdp_group: sequence-data-parallel group over which documents are split (rl_losses.distributed).
-    The policy family applies at the sequence ratio R_s (loss_type, no delta); the rollout correction, KL and
-    entropy bonus per token, each weighted like the token's share of its document (docs/policy_losses.md).
-    Returns: PolicyLossOutput with ``document_ratios`` (num_documents,) set.
+        divisor: D, a number or 0-dim tensor (default: the documents holding at least one labelled token).
+        logits_scale_factor: s > 0; every softmax is over s·logits (a sampling temperature T is s = 1/T); the
+            gradient carries the factor s.
+        compute_entropy: also compute the mean entropy over labelled tokens (fused into the first pass).
+        inplace_backward: write the gradient into ``logits``' own storage during the forward (zero extra
+            memory); ``logits`` then holds the gradient, so nothing else may use it afterwards. Refused for a leaf
+            that requires grad (or a view of one) and for logits whose rows overlap in memory.
+        tp_group: vocabulary-parallel process group: ``logits`` is then this rank's contiguous slice of the
+            vocabulary (even shards; uneven ones through rl_losses.distributed), ``target`` holds global ids,
+            and the loss is the same on every rank (docs/distributed.md). None: one device.
+        sdp_group: sequence-data-parallel group: documents may be split over its ranks (global document ids);
+            the per-document sums are all-reduced, and the ranks' losses add up to the whole batch's.
+        ref_log_probs: (...) float, log-probs under the reference policy; needed when ``beta`` > 0.
+        beta: β >= 0, weight of the per-token KL estimate towards ``ref_log_probs``.
+        The policy-family options (loss_type ... entropy_coefficient) apply at the sequence ratio R_s (the
+        rollout correction, KL and entropy bonus per token); they are described below.
+    Returns: PolicyLossOutput with ``document_ratios`` (num_documents,) set: ``loss`` (differentiable
+        scalar), then the detached metrics new_logprobs, clipped_fraction_low/high (fractions of documents),
+        kl_old, entropy (None unless ``compute_entropy``), log_probs, ratio_mean, document_ratios.
     """
     policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
                             rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
@@ -288,8 +322,8 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                      rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
                      kl_estimator: str = "k3", kl_importance_weighted: bool = False,
                      entropy_coefficient: float = 0.0, document_index: torch.Tensor | None = None) -> PolicyLossOutput:
-    """GRPO of ``hidden @ weight.T (+ bias)`` without materialising the logits (see grpo_loss, whose policy-family
-    options it takes)."""
+    """GRPO of ``hidden @ weight.T (+ bias)`` without materialising the logits. ``target``, ``advantages``,
+    ``old_log_probs`` and the options (the policy family's included) are those of ``grpo_loss``; returns its PolicyLossOutput."""
     policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
                             rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
                             kl_importance_weighted, entropy_coefficient)
@@ -315,9 +349,10 @@ def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                      rollout_correction: str | None = None, rollout_cap: float = 3.0,
                      rollout_mask_bounds: tuple[float, float] | None = None, kl_estimator: str = "k3",
                      kl_importance_weighted: bool = False, entropy_coefficient: float = 0.0) -> PolicyLossOutput:
-    """GSPO of ``hidden @ weight.T (+ bias)`` without materialising the logits (see gspo_loss, whose policy-family
-    options it takes). The logits are computed twice, chunk by chunk: once for the per-document ratios, once for
-    the gradient."""
+    """GSPO of ``hidden @ weight.T (+ bias)`` without materialising the logits. ``target``, ``advantages``,
+    ``old_log_probs``, ``document_index`` and the options (the policy family's included) are those of ``gspo_loss``; returns its
+    PolicyLossOutput. The logits are computed twice, chunk by chunk: once for the per-document ratios, once
+    for the gradient."""
     policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
                             rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
                             kl_importance_weighted, entropy_coefficient)
