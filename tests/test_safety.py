@@ -301,8 +301,9 @@ def test_fp16_loss_scale_cuda_per_row():
                                                                                 dtype=torch.float64))
     # Finite wherever eager fp16 PyTorch is (a gradient of 65536·(p − 1) may round past the fp16 range in both).
     xe = x.detach().clone().requires_grad_()
-    torch.nn.functional.cross_entropy(xe, torch.where(target < 0, -100, target), reduction="none").backward(
-        torch.full((32,), 65536.0, device="cuda", dtype=torch.float16))
+    # (eager's fp16 path: fp32 math, the fp32 upstream gradient, one rounding to fp16 at the leaf)
+    torch.nn.functional.cross_entropy(xe.float(), torch.where(target < 0, -100, target), reduction="none").backward(
+        torch.full((32,), 65536.0, device="cuda"))
     eager_finite = torch.isfinite(xe.grad)
     assert torch.isfinite(x.grad)[eager_finite].all()
     assert_grad_close(torch.where(eager_finite, x.grad, 0), torch.where(eager_finite, x64.grad, 0), torch.float16)

@@ -187,7 +187,17 @@ RL_LOSSES_UNROLL
       if (kEntropy) sum_px *= factor;
       max = chunk_max;
     }
-    if (max == neg_inf<T>()) return;  // every value so far is -inf: nothing to add
+    if (max == neg_inf<T>()) {
+      // Every value so far is -inf: no exponential to add, but Σx (label smoothing) still counts them (-inf):
+      // a thread whose values are all -inf must not drop them from the row's sum.
+      if (kSmoothing) {
+        T x[K];
+RL_LOSSES_UNROLL
+        for (int i = 0; i < K; ++i) x[i] = s * z[i];
+        sum_x += tree_reduce(x, [](T a, T b) { return a + b; });
+      }
+      return;
+    }
     const ExpShifted<T> exp_shifted(s, max);
     T e[K], px[K], x[K];
 RL_LOSSES_UNROLL

@@ -36,6 +36,7 @@ RowStats<acc_t> row_stats_cpu(const scalar_t* x, int64_t n, acc_t scale) {
       const acc_t xj = static_cast<acc_t>(x[j]);
       if (xj != xj) return {xj, xj, xj, xj, acc_t(0)};
     }
+    if (kSmoothing && n > 0) st.sum_x = neg_inf<acc_t>();  // Σx of -inf values (label smoothing)
     return st;
   }
   st.max = m;
