@@ -139,13 +139,11 @@ RL_LOSSES_UNROLL
   return a[0];
 }
 
-// ---------------------------------------------------------------------------------------------------------
 // Online softmax statistics of one row (or one shard of a row) of scaled logits x = s*z.
 // `max` and `sumexp` form the usual online log-sum-exp pair; `sum_px` is Σ exp(x-max)·x (for the entropy),
 // `sum_x` is Σ x (for label smoothing), `label` the label's scaled logit (0 where this row/shard has none).
 // Partial states combine associatively, which is what the CUDA block reduction and the tensor-parallel
 // all-reduce both rely on.
-// ---------------------------------------------------------------------------------------------------------
 template <typename T>
 struct RowStats {
   T max;
@@ -261,12 +259,10 @@ struct GradCoef {
   T h;
 };
 
-// ---------------------------------------------------------------------------------------------------------
 // Cross-entropy and z-loss (docs/math.md), one labelled row with weight w = m_t·g/D:
 //   ℓ = λ[(1−ε)(lse − x_y) + ε(lse − Σx/V)] + ζ·lse²
 //   ∂ℓ/∂x_j = λ[p_j − (1−ε)[j=y] − ε/V] + 2ζ·lse·p_j
 // λ = 1 for cross-entropy, λ = 0 for the z-loss alone.
-// ---------------------------------------------------------------------------------------------------------
 template <typename T>
 struct CrossEntropyOptions {
   T label_weight;     // λ
@@ -292,9 +288,7 @@ C10_HOST_DEVICE inline GradCoef<T> cross_entropy_grad(const CrossEntropyOptions<
           -w * o.label_weight * o.label_smoothing / o.vocab_size};
 }
 
-// ---------------------------------------------------------------------------------------------------------
 // Policy-gradient pieces shared by GRPO (per token) and GSPO (per document), docs/math.md.
-// ---------------------------------------------------------------------------------------------------------
 template <typename T>
 struct ClipOptions {
   T epsilon_low;
@@ -489,13 +483,11 @@ C10_HOST_DEVICE inline PolicyToken<T> gspo_document(const ClipOptions<T>& o, T l
   return {clipped_surrogate_loss(o, ratio, advantage), clip_gradient_factor(o, ratio, advantage), ratio};
 }
 
-// ---------------------------------------------------------------------------------------------------------
 // Per-token log-prob and entropy with arbitrary upstream gradients g_lp, g_H (docs/token_log_probs.md):
 //   lp = x_y − lse        ∂lp/∂x_j = [j = y] − p_j
 //   H  = lse − Σ p·x      ∂H/∂x_j  = −p_j·(log p_j + H)
 // so dL/dx_j = (−g_lp − g_H·H)·p_j + g_lp·[j = y] − g_H·p_j·log p_j. A row without a label has no lp (0, no
 // gradient through it); its entropy is still defined and differentiated.
-// ---------------------------------------------------------------------------------------------------------
 template <typename T>
 C10_HOST_DEVICE inline GradCoef<T> token_log_prob_grad(T grad_log_prob, T grad_entropy, T entropy, bool has_label) {
   const T g_lp = has_label ? grad_log_prob : T(0);
