@@ -5,19 +5,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rl_losses._inputs import _divisor
 from rl_losses.reference import DistillationOutput  # noqa: F401  (re-exported: the op's named result)
 
 _ops = torch.ops.rl_losses
 
 DISTILLATION_KINDS = ("forward_kl", "reverse_kl", "cross_entropy", "jsd")
-
-
-def _divisor(divisor) -> float | None:
-    if divisor is None:
-        return None
-    if isinstance(divisor, torch.Tensor):
-        divisor = divisor.item()
-    return float(divisor)
 
 
 def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, *, kind: str = "forward_kl",

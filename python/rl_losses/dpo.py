@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_losses._inputs import _divisor
 from rl_losses.reference import DpoOutput  # noqa: F401  (re-exported: the op's named result)
 
 _ops = torch.ops.rl_losses
@@ -33,7 +34,7 @@ def dpo_loss(logits: torch.Tensor, target: torch.Tensor, document_index: torch.T
     """
     out = _ops.dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs,
                    beta=beta, logits_scale_factor=logits_scale_factor,
-                   divisor=None if divisor is None else float(divisor), inplace_backward=inplace_backward)
+                   divisor=_divisor(divisor), inplace_backward=inplace_backward)
     return DpoOutput(*out)
 
 

@@ -9,6 +9,7 @@ import torch
 from rl_losses import dpo as dpo_ops
 from rl_losses import distillation as distillation_ops
 from rl_losses import reference
+from rl_losses._inputs import _divisor
 from rl_losses.losses import Batch, LanguageModelLoss, LanguageModelLossKwargs, _require
 from rl_losses.reference import FusedHeadOutput  # noqa: F401  (re-exported: the op's named result)
 
@@ -20,10 +21,6 @@ if typing.TYPE_CHECKING:  # the configs import this module (configs depend on lo
     )
 
 _ops = torch.ops.rl_losses
-
-
-def _float(x) -> float | None:
-    return None if x is None else float(x.item() if isinstance(x, torch.Tensor) else x)
 
 
 def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, label_weight: float = 0.0,
@@ -50,12 +47,12 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, label_weight:
         and each term unweighted and detached.
     """
     out = _ops.fused_head_loss(logits, target, label_weight=label_weight, label_smoothing=label_smoothing,
-                               label_divisor=_float(label_divisor), z_loss_weight=z_loss_weight,
-                               z_loss_divisor=_float(z_loss_divisor), z_loss_mask=z_loss_mask, grpo_weight=grpo_weight,
-                               advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
-                               loss_weights=loss_weights,
+                               label_divisor=_divisor(label_divisor), z_loss_weight=z_loss_weight,
+                               z_loss_divisor=_divisor(z_loss_divisor), z_loss_mask=z_loss_mask,
+                               grpo_weight=grpo_weight, advantages=advantages, old_log_probs=old_log_probs,
+                               ref_log_probs=ref_log_probs, loss_weights=loss_weights,
                                epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
-                               grpo_divisor=_float(grpo_divisor), logits_scale_factor=logits_scale_factor,
+                               grpo_divisor=_divisor(grpo_divisor), logits_scale_factor=logits_scale_factor,
                                inplace_backward=inplace_backward)
     return FusedHeadOutput(*out)
 
