@@ -2,12 +2,16 @@
 
     python3 benchmarks/bench_gpu.py --quick --out OUT [--time-budget S]   # headline shape + a few
     python3 benchmarks/bench_gpu.py --out OUT                              # the whole grid
+    python3 benchmarks/bench_gpu.py --grid --out OUT                       # every op over GRID4 vs Liger (~4 min)
     python3 benchmarks/bench_gpu.py --dry-run --out /tmp/x                 # CPU, tiny shapes: checks the logic
 
 Per (op, shape, provider): the median of >= 20 CUDA-event-timed fwd+bwd runs after warm-up, effective GB/s
 over the minimal bytes (CE/GRPO 2·N·V·bytes, GSPO 3·N·V·bytes), % of the device-to-device copy bandwidth
 measured in the same run, the extra peak memory over the inputs, the speed-up of rl_losses over each peer,
 and a check that the peer computes the same loss (and first gradient rows) as the first provider.
+--grid: every op over N in {1024, 4096, 16384, 32768} x V in {32000, 128256, 151936, 262144}, rl_losses against
+Liger only, few repetitions at large shapes, and for each rl_losses case the kernels of one call and the device
+time of an empty chain of as many launches (the fixed cost no call of that many kernels can go below).
 Jobs run in priority order (headline shape first) and the JSON/CSV are rewritten after each job, so a run
 cut short by --time-budget or a kill still leaves every finished number. The printed table comes last.
 """
@@ -32,10 +36,18 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cases  # noqa: E402
+import plot  # noqa: E402
+import profile_calls  # noqa: E402
 import report  # noqa: E402
 
 HEADLINE = (16384, 128256)
 GRID = [(n, v) for n in (4096, 16384, 32768) for v in (32000, 128256, 151936, 262144)]
+# --grid: every op of the grid, rl_losses and Liger side by side (CE: Liger writes in place, so rl_losses in place
+# too); a job's timed calls fill about GRID_JOB_MS of device time, between 5 and --reps calls.
+GRID4 = [(n, v) for n in (1024, 4096, 16384, 32768) for v in (32000, 128256, 151936, 262144)]
+GRID4_PROVIDERS = {"ce": ["rl_losses", "rl_losses_inplace", "liger"], "grpo": ["rl_losses", "liger"],
+                   "gspo": ["rl_losses", "liger"]}
+GRID_JOB_MS = 200.0
 QUICK_SHAPES = [(16384, 32000), (16384, 262144), (4096, 128256), (32768, 128256)]
 QUICK_OPS = ["ce", "grpo"]
 MAIN_PROVIDERS = ["rl_losses", "rl_losses_inplace", "torch_eager", "liger", "liger_inplace"]
@@ -188,7 +200,10 @@ def run_job(op, n, v, provider, args, device, timer, refs, ceiling_gbps) -> dict
             row["extra_peak_mib"] = round(extra / 2**20, 1)
             row["extra_peak_x_logits"] = round(extra / logits_bytes, 3)
         timer.sync()
-        times = timer(step, args.reps, before=restore)
+        reps = args.reps
+        if args.grid and ceiling_gbps:  # about GRID_JOB_MS of device time at the op's ideal speed
+            reps = max(5, min(reps, int(GRID_JOB_MS / (row["min_bytes"] / ceiling_gbps / 1e6))))
+        times = timer(step, reps, before=restore)
         ms = statistics.median(times)
         q = statistics.quantiles(times, n=5) if len(times) >= 2 else [ms] * 4
         row.update(ms=round(ms, 4), ms_p20=round(q[0], 4), ms_p80=round(q[3], 4), reps=len(times),
@@ -197,6 +212,10 @@ def run_job(op, n, v, provider, args, device, timer, refs, ceiling_gbps) -> dict
             row["host_ms"] = round(timer.host_ms, 4)
         row["gbps"] = round(row["min_bytes"] / ms / 1e6, 1)
         row["pct_ceiling"] = round(100 * row["gbps"] / ceiling_gbps, 1) if ceiling_gbps else None
+        if args.grid and device.type == "cuda" and provider.name.startswith("rl_losses") and ceiling_gbps:
+            if restore is not None:
+                restore()
+            profile_calls.add_launches(row, step, ceiling_gbps)
     except torch.cuda.OutOfMemoryError as e:
         row["error"] = "OOM: " + str(e).splitlines()[0][:120]
     except Exception as e:  # noqa: BLE001  (one provider failing must not stop the run)
@@ -235,6 +254,11 @@ def plan_jobs(args) -> list[tuple[str, int, int, str]]:
     head, grid, quick = (DRY["headline"], DRY["grid"], DRY["quick"]) if args.dry_run else (HEADLINE, GRID, QUICK_SHAPES)
     ops = list(cases.OPS)
     grid_ops = [o for o in ops if not cases.OPS[o].headline_only]
+    if args.grid:  # the headline first, then the smallest shapes first: a run cut short loses the largest
+        shapes = DRY["grid"] if args.dry_run else GRID4
+        order = [head] + sorted((sh for sh in shapes if sh != head), key=lambda sh: (sh[0] * sh[1], sh))
+        jobs = [(o, n, v, p) for n, v in order for o in grid_ops for p in GRID4_PROVIDERS[cases.OPS[o].kind]]
+        return filter_jobs(jobs, args)
     jobs = [(o, *head, p) for o in ops for p in MAIN_PROVIDERS]
     if args.compile != "none":
         jobs += [("ce", *head, "torch_compile")]
@@ -250,6 +274,14 @@ def plan_jobs(args) -> list[tuple[str, int, int, str]]:
         keep = {tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")}
         extra_shapes = [sh for sh in keep if sh != head and not any((n, v) == sh for _, n, v, _ in jobs)]
         jobs += [(o, *sh, p) for sh in extra_shapes for o in grid_ops for p in grid_provs]
+        jobs = [j for j in jobs if (j[1], j[2]) in keep]
+    return filter_jobs(jobs, args)
+
+
+def filter_jobs(jobs, args):
+    """--shapes, --ops and --providers applied to a plan; duplicates dropped, order kept."""
+    if args.grid and args.shapes:
+        keep = {tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")}
         jobs = [j for j in jobs if (j[1], j[2]) in keep]
     if args.ops:
         jobs = [j for j in jobs if j[0] in args.ops.split(",")]
@@ -293,6 +325,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/out/gpu", help="folder for bench.json/.csv/.png and table.md")
     ap.add_argument("--quick", action="store_true", help="headline shape (all ops) + 4 shapes for CE and GRPO")
+    ap.add_argument("--grid", action="store_true",
+                    help="every op over GRID4 against Liger, few repetitions at large shapes, launches per call")
     ap.add_argument("--ops", help=f"comma list of {','.join(cases.OPS)}")
     ap.add_argument("--shapes", help="comma list of NxV, e.g. 16384x128256,4096x32000 (restricts the plan)")
     ap.add_argument("--providers", help=f"comma list of {','.join(cases.PROVIDER_ORDER)}")
@@ -312,6 +346,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
     args.seq_scale = DRY["seq_scale"] if args.dry_run else 1
+    if args.grid:
+        args.warmup, args.compile = min(args.warmup, 1), "none"
     if args.dry_run:
         args.reps, args.warmup, args.copy_gib = min(args.reps, 3), min(args.warmup, 1), 1 / 16
     return args
@@ -380,7 +416,8 @@ def main(argv=None) -> int:
         op = cases.OPS[op_name]
         base = {"op": op_name, "n": n, "v": v, "provider": pname}
         elapsed = time.time() - t_start
-        need = 75 if pname == "torch_compile" else 6  # rough seconds a job takes (compiles are the long ones)
+        # rough seconds a job takes (compiles are the long ones; the grid's jobs time fewer calls)
+        need = 75 if pname == "torch_compile" else 2 if args.grid else 6
         if (op_name, n, v, pname) in done:
             continue
         if f"{pname}:{op_name}" in args.exclude:
@@ -403,6 +440,9 @@ def main(argv=None) -> int:
             status = f"{row['ms']:.3f} ms {row['gbps']:.0f} GB/s {row['pct_ceiling']}% {mem} {row['check']}"
             if row.get("check") == "MISMATCH":
                 status += f" ({row['check_detail']})"
+            if row.get("kernels") is not None:
+                status += (f" | {row['kernels']} kernels, empty chain {row['chain_us']:.1f} us, "
+                           f"{row['beyond_copy_us']:.1f} us beyond the copy: {row['target']}")
         if row.get("skipped") != "time budget":
             print(f"[{time.time() - t_start:6.1f}s] {op_name} {n}x{v} {pname}: {status}", flush=True)
         if row.get("error") and device.type == "cuda" and not cuda_alive() and len(args.exclude) < 8:
@@ -414,7 +454,7 @@ def main(argv=None) -> int:
     skipped = sum(1 for r in rows if r.get("skipped") == "time budget")
     report.write_json(json_path, meta, rows)
     report.write_csv(csv_path, rows)
-    why_no_plot = report.plot(os.path.join(args.out, "bench.png"), rows, meta, list(cases.OPS), cases.PROVIDER_ORDER)
+    why_no_plot = plot.plot(os.path.join(args.out, "bench.png"), rows, meta, list(cases.OPS), cases.PROVIDER_ORDER)
 
     head = DRY["headline"] if args.dry_run else HEADLINE
     order = {p: i for i, p in enumerate(cases.PROVIDER_ORDER)}
@@ -436,6 +476,8 @@ def main(argv=None) -> int:
     print(f"\nwrote {args.out}/bench.json, bench.csv, table.md" + ("" if why_no_plot else ", bench.png")
           + (f" ({why_no_plot})" if why_no_plot else "") + f"; {meta['total_s']} s"
           + (f"; {skipped} jobs skipped for the time budget" if skipped else ""))
+    if args.grid:
+        print("\n" + report.grid_summary(rows))
     print(f"\n{header}Headline N x V = {head[0]} x {head[1]}, {meta['dtype']}, fwd+bwd "
           f"(rl_losses speed-up = peer ms / rl_losses ms):\n" + report.format_table(headline, with_shape=False))
     return 0

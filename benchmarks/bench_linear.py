@@ -1,6 +1,7 @@
 """GPU benchmark of the fused lm_head losses: rl_losses.linear_{cross_entropy,grpo_loss,gspo_loss}.
 
     python3 benchmarks/bench_linear.py --out OUT [--quick] [--time-budget S]
+    python3 benchmarks/bench_linear.py --cce --out OUT    # CE against Cut Cross-Entropy, N=16384, H x V grid
     python3 benchmarks/bench_linear.py --dry-run --out /tmp/x      # CPU, tiny shapes: checks the logic
 
 N=16384, H=4096, V=128256, bf16 hidden and weight requiring grad, fwd+bwd (loss.backward()). Per op (ce, grpo,
@@ -8,6 +9,8 @@ gspo with 8 documents of 2048 tokens) and provider: median ms of >= 20 CUDA-even
 GEMM floor (the 3 GEMMs, 4 for GSPO, that no fused op avoids, as plain bf16 matmuls), extra peak memory (and
 beyond the gradients), speed-ups, and loss / |grad_weight| agreement with rl_losses_unfused. Jobs run in
 priority order; OUT/bench_linear.{json,csv} are rewritten after each job (a cut-short run keeps its numbers).
+--cce (or --shapes NxHxV,...): the CE case at each shape of CCE_SHAPES against Cut Cross-Entropy
+(`cut_cross_entropy.linear_cross_entropy`, its default gradient filtering and exact), time and extra memory.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from bench_gpu import Timer, peak_extra_bytes  # noqa: E402
 
 HEADLINE = {"n": 16384, "h": 4096, "v": 128256, "seq": 2048, "chunks": (1024, 2048, 4096)}
 DRY = {"n": 256, "h": 64, "v": 1000, "seq": 64, "chunks": (32, 64, 128)}  # chunks < N: chunking is exercised
+CCE_SHAPES = [(16384, h, v) for h in (2048, 4096) for v in (128256, 151936)]
 OPS = {"ce": cases.OPS["ce"], "grpo": cases.OPS["grpo"], "gspo": cases.OPS["gspo_2048"]}
 EPS = cases.EPS_LOW  # = EPS_HIGH = 0.2
 TOL_LOSS, TOL_GRAD = 1e-3, 1e-2  # relative; the gradients are bf16, the loss fp32 from the same bf16 logits
@@ -41,6 +45,9 @@ NOTES = {
     "torch_eager": "CE: F.cross_entropy(logits.float()); GRPO/GSPO: rl_losses.reference on bf16 logits",
     "liger": "see definition notes (Liger's defaults: bf16 grad_weight accumulation for CE)",
     "liger_fp32acc": "Liger CE with accum_dtype=float32 (fp32 grad_weight accumulator, like ours)",
+    "cce": "cut_cross_entropy.linear_cross_entropy, defaults (filter_eps='high': gradient entries below bf16 "
+           "resolution skipped)",
+    "cce_exact": "cut_cross_entropy.linear_cross_entropy(filter_eps=None): no gradient filtering",
 }
 DEFINITION_NOTES = [
     "Same seeded inputs for every provider of an op: hidden ~ N(0,1), weight ~ N(0, 4/H) (logits std ~2), every "
@@ -65,7 +72,8 @@ DEFINITION_NOTES = [
     "H * 2 bytes), which 'beyond grads' subtracts.",
 ]
 FIELDS = ["op", "provider", "chunk", "chunk_rows", "n", "h", "v", "ms", "ms_p20", "ms_p80", "reps", "x_floor",
-          "extra_mib", "beyond_grads_mib", "speedup_vs_unfused", "speedup_vs_eager", "speedup_vs_liger", "loss",
+          "extra_mib", "beyond_grads_mib", "speedup_vs_unfused", "speedup_vs_eager", "speedup_vs_liger",
+          "speedup_vs_cce", "speedup_vs_cce_exact", "loss",
           "gw_norm", "d_loss", "d_gw", "check", "first_call_s", "note", "error", "skipped"]
 
 
@@ -151,8 +159,16 @@ def liger_loss(op, s, chunk, fp32_acc=False):
                       s["advantages_seq"], old_per_token_logps=s["old_log_probs"].view(b, t))[0]  # (loss, metrics)
 
 
+def cce_loss(op, s, chunk, filter_eps="high"):
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(s["hidden"], s["weight"], s["target"], filter_eps=filter_eps)
+
+
 PROVIDERS = {"rl_losses": fused_loss, "rl_losses_unfused": unfused_loss, "torch_eager": eager_loss,
-             "liger": liger_loss, "liger_fp32acc": lambda op, s, c: liger_loss(op, s, c, fp32_acc=True)}
+             "liger": liger_loss, "liger_fp32acc": lambda op, s, c: liger_loss(op, s, c, fp32_acc=True),
+             "cce": cce_loss, "cce_exact": lambda op, s, c: cce_loss(op, s, c, filter_eps=None)}
+CE_ONLY = ("liger_fp32acc", "cce", "cce_exact")
 
 
 def floor_step(op, s):
@@ -224,14 +240,17 @@ def run_job(op_name, provider, chunk, shape, args, device, timer) -> dict:
 
 def derive(rows: list[dict]) -> None:
     """Ratios against the other rows of the same op (recomputed after each job: any order of jobs works)."""
-    by = {(r["op"], r["provider"]): r for r in rows if r.get("chunk") is None}
+    shape = lambda r: (r.get("n"), r.get("h"), r.get("v"))  # noqa: E731
+    by = {(r["op"], r["provider"], shape(r)): r for r in rows if r.get("chunk") is None}
     for r in rows:
-        get = lambda p: by.get((r["op"], p), {})  # noqa: E731
-        floor, ref = get("gemm_floor").get("ms"), get("rl_losses_unfused")
+        get = lambda p: by.get((r["op"], p, shape(r)), {})  # noqa: E731
+        # The agreement reference: the unfused op where it ran (the --cce runs leave it out), else the fused one.
+        floor, ref = get("gemm_floor").get("ms"), get("rl_losses_unfused") or get("rl_losses")
         if r.get("ms") and floor and r["provider"] != "gemm_floor":
             r["x_floor"] = round(r["ms"] / floor, 3)
         if r.get("ms") and r["provider"] == "rl_losses":
-            for peer, key in (("rl_losses_unfused", "unfused"), ("torch_eager", "eager"), ("liger", "liger")):
+            for peer, key in (("rl_losses_unfused", "unfused"), ("torch_eager", "eager"), ("liger", "liger"),
+                              ("cce", "cce"), ("cce_exact", "cce_exact")):
                 if get(peer).get("ms"):
                     r[f"speedup_vs_{key}"] = round(get(peer)["ms"] / r["ms"], 3)
         if r.get("loss") is not None and ref.get("loss") is not None:
@@ -246,15 +265,15 @@ def derive(rows: list[dict]) -> None:
 
 def format_rows(rows: list[dict]) -> str:
     f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
-    head = ["op", "provider", "chunk", "ms", "x floor", "extra MiB", "beyond grads", "vs unfused", "vs eager",
-            "vs liger", "d_loss", "d_|gw|", "check / status"]
+    head = ["op", "H x V", "provider", "chunk", "ms", "x floor", "extra MiB", "beyond grads", "vs unfused", "vs eager",
+            "vs liger", "vs cce", "d_loss", "d_|gw|", "check / status"]
     body = []
     for r in rows:
         chunk = "-" if "chunk_rows" not in r else f"{r['chunk_rows']}" + (" (default)" if r["chunk"] is None else "")
         status = r.get("error") or r.get("skipped") or r.get("check") or "-"
-        body.append([r["op"], r["provider"], chunk, f(r.get("ms"), ".2f"), f(r.get("x_floor"), ".3f"),
-                     f(r.get("extra_mib"), ".0f"), f(r.get("beyond_grads_mib"), ".0f")]
-                    + [f(r.get(f"speedup_vs_{k}"), ".2f") for k in ("unfused", "eager", "liger")]
+        body.append([r["op"], f"{r.get('h')}x{r.get('v')}", r["provider"], chunk, f(r.get("ms"), ".2f"),
+                     f(r.get("x_floor"), ".3f"), f(r.get("extra_mib"), ".0f"), f(r.get("beyond_grads_mib"), ".0f")]
+                    + [f(r.get(f"speedup_vs_{k}"), ".2f") for k in ("unfused", "eager", "liger", "cce")]
                     + [f(r.get("d_loss"), ".1e"), f(r.get("d_gw"), ".1e"), str(status)[:100]])
     return report.text_table(head, body)
 
@@ -268,7 +287,9 @@ def plan(args, shape) -> list[tuple[str, str, int | None]]:
     order = [("rl_losses", None), ("gemm_floor", None), ("liger", None), ("rl_losses_unfused", None),
              ("rl_losses", shape["chunks"][1]), ("torch_eager", None), ("liger_fp32acc", None)]
     order += [("rl_losses", c) for c in chunks if ("rl_losses", c) not in order]
-    jobs = [(o, p, c) for p, c in order for o in ops if not (p == "liger_fp32acc" and o != "ce")]
+    if args.cce:
+        order = [("rl_losses", None), ("gemm_floor", None), ("cce", None), ("cce_exact", None), ("liger", None)]
+    jobs = [(o, p, c) for p, c in order for o in ops if not (p in CE_ONLY and o != "ce")]
     return [j for j in jobs if not args.providers or j[1] in args.providers.split(",")]
 
 
@@ -282,11 +303,28 @@ def parse_args(argv=None):
     ap.add_argument("--ops", help=f"comma list of {','.join(OPS)}")
     ap.add_argument("--providers", help=f"comma list of gemm_floor,{','.join(PROVIDERS)}")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (N=256, H=64, V=1000, docs of 64)")
+    ap.add_argument("--shapes", help="comma list of NxHxV (default: the headline 16384x4096x128256)")
+    ap.add_argument("--cce", action="store_true", help="CE only, rl_losses against Cut Cross-Entropy (and "
+                    "Liger) at CCE_SHAPES (or --shapes)")
     ap.add_argument("--list", action="store_true", help="print the plan and exit")
     args = ap.parse_args(argv)
     if args.dry_run:
         args.reps, args.warmup = min(args.reps, 3), min(args.warmup, 1)
+    if args.cce:
+        args.ops = "ce"
     return args
+
+
+def shapes_of(args) -> list[dict]:
+    """The shapes to run: --shapes, the CCE grid for --cce, else the headline (DRY on --dry-run)."""
+    base = DRY if args.dry_run else HEADLINE
+    if args.shapes:
+        dims = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+    elif args.cce and not args.dry_run:
+        dims = CCE_SHAPES
+    else:
+        return [base]
+    return [dict(base, n=n, h=h, v=v) for n, h, v in dims]
 
 
 def collect_meta(args, shape, device) -> dict:
@@ -299,7 +337,8 @@ def collect_meta(args, shape, device) -> dict:
             "liger_kernel": cases.liger_version(), "shape": {"n": n, "h": h, "v": v, "doc_tokens": shape["seq"]},
             "dtype": "bfloat16", "default_chunk": default_chunk(n, v, 2), "reps": args.reps, "warmup": args.warmup,
             "grad_bytes": (n + v) * h * 2, "definition_notes": DEFINITION_NOTES, "unavailable": {}}
-    for name, mod in (("rl_losses", "rl_losses"), ("liger", "liger_kernel.chunked_loss")):
+    for name, mod in (("rl_losses", "rl_losses"), ("liger", "liger_kernel.chunked_loss"),
+                      ("cce", "cut_cross_entropy")):
         try:
             __import__(mod)
         except Exception as e:  # noqa: BLE001  (a broken build or a missing wheel: measure the others)
@@ -311,10 +350,11 @@ def collect_meta(args, shape, device) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.time()
-    shape = DRY if args.dry_run else HEADLINE
-    jobs = plan(args, shape)
+    shapes = shapes_of(args)
+    shape = shapes[0]
+    jobs = [(sh, *job) for sh in shapes for job in plan(args, sh)]
     if args.list:
-        print("\n".join(" ".join(map(str, j)) for j in jobs))
+        print("\n".join(f"{sh['n']}x{sh['h']}x{sh['v']} " + " ".join(map(str, j)) for sh, *j in jobs))
         return 0
     if not args.dry_run and not torch.cuda.is_available():
         print("bench_linear: no CUDA device (use --dry-run on a CPU machine)", file=sys.stderr)
@@ -325,30 +365,35 @@ def main(argv=None) -> int:
     paths = {k: os.path.join(args.out, f"bench_linear.{k}") for k in ("json", "csv", "md")}
     n, h, v = shape["n"], shape["h"], shape["v"]
     meta = collect_meta(args, shape, device)
+    if len(shapes) > 1:
+        meta["shapes"] = [{k: sh[k] for k in ("n", "h", "v")} for sh in shapes]
     unavailable = meta["unavailable"]
     print(f"bench_linear: {meta['device']} · torch {meta['torch']} · liger-kernel {meta['liger_kernel']} · "
-          f"{meta['date']}\nN={n} H={h} V={v} bf16, default chunk {meta['default_chunk']} rows; {len(jobs)} jobs"
+          f"{meta['date']}\nN={n} H={h} V={v}" + (f" (and {len(shapes) - 1} more shapes)" if len(shapes) > 1 else "")
+          + f" bf16, default chunk {meta['default_chunk']} rows; {len(jobs)} jobs"
           + (f", time budget {args.time_budget:.0f} s" if args.time_budget else "")
           + "".join(f"\n  {name}: {why}" for name, why in unavailable.items()), flush=True)
 
     rows = []
-    for op_name, provider, chunk in jobs:
+    for sh, op_name, provider, chunk in jobs:
         need = 60 if provider == "liger" and op_name != "ce" else 10  # rough seconds (Liger compiles its loss)
         dep = next((d for d in unavailable if provider.startswith(d)), None)  # rl_losses_unfused needs rl_losses
+        base = {"op": op_name, "provider": provider, "chunk": chunk, "n": sh["n"], "h": sh["h"], "v": sh["v"]}
         if dep:
-            row = {"op": op_name, "provider": provider, "chunk": chunk, "skipped": unavailable[dep]}
+            row = dict(base, skipped=unavailable[dep])
         elif args.time_budget and time.time() - t_start + need > args.time_budget:
-            row = {"op": op_name, "provider": provider, "chunk": chunk, "skipped": "time budget"}
+            row = dict(base, skipped="time budget")
         else:
-            row = run_job(op_name, provider, chunk, shape, args, device, timer)
+            row = run_job(op_name, provider, chunk, sh, args, device, timer)
         if provider == "rl_losses":
-            row["chunk_rows"] = chunk or meta["default_chunk"]
+            row["chunk_rows"] = chunk or default_chunk(sh["n"], sh["v"], 2)
         rows.append(row)
         derive(rows)
         report.write_json(paths["json"], meta, rows)
         report.write_csv(paths["csv"], rows, FIELDS)
         done = {k: row[k] for k in ("ms", "x_floor", "extra_mib", "beyond_grads_mib", "check") if row.get(k)}
-        print(f"[{time.time() - t_start:6.1f}s] {op_name} {provider} {row.get('chunk_rows', '')}: "
+        print(f"[{time.time() - t_start:6.1f}s] {op_name} H={sh['h']} V={sh['v']} {provider} "
+              f"{row.get('chunk_rows', '')}: "
               f"{row.get('error') or row.get('skipped') or done}", flush=True)
         if row.get("error") and device.type == "cuda" and not bench_gpu.cuda_alive():
             print("CUDA context lost: stopping (rerun the rest with --providers/--ops)", flush=True)
@@ -357,8 +402,8 @@ def main(argv=None) -> int:
     meta["total_s"] = round(time.time() - t_start, 1)
     report.write_json(paths["json"], meta, rows)
     provs = ["gemm_floor", *PROVIDERS]
-    table = format_rows(sorted(rows, key=lambda r: (list(OPS).index(r["op"]), provs.index(r["provider"]),
-                                                     r.get("chunk") or 0)))
+    table = format_rows(sorted(rows, key=lambda r: (list(OPS).index(r["op"]), r.get("h") or 0, r.get("v") or 0,
+                                                     provs.index(r["provider"]), r.get("chunk") or 0)))
     notes = "\n".join(f"- {x}" for x in DEFINITION_NOTES)
     header = (f"{meta['device']} · {meta['date']} · torch {meta['torch']} · liger-kernel {meta['liger_kernel']}\n"
               f"command: {meta['command']}\nN={n} H={h} V={v} bf16 fwd+bwd; inputs and their bf16 gradients "

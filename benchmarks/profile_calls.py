@@ -110,6 +110,30 @@ def empty_chain_ms(k: int) -> float:
     return device_ms(chain)
 
 
+# A case meets its target at >= TARGET_PCT% of the copy ceiling, or when its time beyond the copy of its
+# minimal bytes is within TARGET_CHAIN_US of the device time of an empty chain of as many launches as it makes
+# (bench_gpu.py --grid).
+TARGET_PCT, TARGET_CHAIN_US = 85.0, 5.0
+_chain_us: dict[int, float] = {}
+
+
+def add_launches(row: dict, step, ceiling_gbps: float) -> None:
+    """The kernels of one call (torch.profiler), the device time of an empty chain of as many launches (measured
+    once per count), the call's time beyond the copy of its minimal bytes, and whether the case meets its target
+    (TARGET_PCT of the ceiling, or within TARGET_CHAIN_US of the empty chain)."""
+    k = round(sum(count for _, count, _ in kernels_of(step, calls=1)))
+    if k not in _chain_us:
+        _chain_us[k] = empty_chain_ms(k) * 1e3
+    beyond = row["ms"] * 1e3 - row["min_bytes"] / ceiling_gbps / 1e3
+    row.update(kernels=k, chain_us=round(_chain_us[k], 1), beyond_copy_us=round(beyond, 1))
+    if row["pct_ceiling"] >= TARGET_PCT:
+        row["target"] = f">= {TARGET_PCT:.0f}%"
+    elif beyond <= _chain_us[k] + TARGET_CHAIN_US:
+        row["target"] = "launch chain"
+    else:
+        row["target"] = "missed"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="4096x32000,16384x128256")

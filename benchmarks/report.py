@@ -1,6 +1,6 @@
 """Outputs of the benchmarks, and the page of current numbers generated from the recorded ones.
 
-1. For bench_gpu.py (and bench_linear.py): the JSON of raw numbers, the CSV, the text tables and the PNG plot.
+1. For bench_gpu.py (and bench_linear.py): the JSON of raw numbers, the CSV and the text tables (the PNG: plot.py).
    Every row is one (op, N, V, provider) job as bench_gpu.run_job returns it; ``meta`` holds the device, the
    versions, the command, the copy ceiling and the definition notes.
 2. ``benchmarks/results/<device>-<date>.json`` (one file per device and date: device, date, torch, and its
@@ -26,7 +26,7 @@ import sys
 
 CSV_FIELDS = ["op", "n", "v", "dtype", "provider", "ms", "ms_p20", "ms_p80", "reps", "gbps", "pct_ceiling",
               "extra_peak_mib", "extra_peak_x_logits", "speedup_of_rl", "vs", "first_call_s", "loss", "check",
-              "check_detail", "error"]
+              "check_detail", "kernels", "chain_us", "beyond_copy_us", "target", "error"]
 
 
 def write_json(path: str, meta: dict, rows: list[dict]) -> None:
@@ -64,22 +64,42 @@ def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
-def _row_cells(r: dict, with_shape: bool) -> list[str]:
+def _row_cells(r: dict, with_shape: bool, launches: bool = False) -> list[str]:
     status = r.get("error") or r.get("skipped")
     cells = [r["op"]] + ([f"{r['n']}x{r['v']}"] if with_shape else []) + [r["provider"]]
     if status and r.get("ms") is None:
-        return cells + ["-"] * 5 + [str(status)[:90]]
+        return cells + ["-"] * (8 if launches else 5) + [str(status)[:90]]
     mem = "-" if r.get("extra_peak_mib") is None else f"{r['extra_peak_mib']:.0f} ({r['extra_peak_x_logits']:.2f}x)"
     sp = "-" if r.get("speedup_of_rl") is None else f"{r['speedup_of_rl']:.2f}x"
     chk = r.get("check") or "-"
+    extra = [_fmt(r.get("kernels"), "d"), _fmt(r.get("chain_us"), ".1f"), r.get("target") or "-"] if launches else []
     return cells + [_fmt(r.get("ms"), ".3f"), _fmt(r.get("gbps"), ".0f"), _fmt(r.get("pct_ceiling"), ".1f"), mem,
-                    sp, chk]
+                    sp] + extra + [chk]
 
 
 def format_table(rows: list[dict], with_shape: bool = True) -> str:
+    """One line per row; with the kernels per call, the empty chain's µs and the target where rows have them
+    (bench_gpu.py --grid)."""
+    launches = any(r.get("kernels") is not None for r in rows)
     head = ["op"] + (["N x V"] if with_shape else []) + ["provider", "ms", "GB/s", "%ceil", "extra MiB (x logits)",
-                                                        "rl_losses speed-up", "check"]
-    return text_table(head, [_row_cells(r, with_shape) for r in rows])
+                                                        "rl_losses speed-up"]
+    head += ["kernels", "chain us", "target"] if launches else []
+    return text_table(head + ["check"], [_row_cells(r, with_shape, launches) for r in rows])
+
+
+def grid_summary(rows: list[dict]) -> str:
+    """The targets of a grid run: rl_losses cases at >= 85% of the ceiling or within 5 µs of their empty launch
+    chain, and the cases where a peer was faster."""
+    mine = [r for r in rows if r["provider"] == "rl_losses" and r.get("target")]
+    missed = [r for r in mine if r["target"] == "missed"]
+    lost = [r for r in rows if r.get("speedup_of_rl") is not None and r["speedup_of_rl"] < 1]
+    lines = [f"targets: {len(mine) - len(missed)} of {len(mine)} rl_losses cases met "
+             f"(>= 85% of the copy ceiling, or within 5 us of the empty chain of their launches)"]
+    lines += [f"  missed: {r['op']} {r['n']}x{r['v']} {r['ms']:.3f} ms, {r['pct_ceiling']}%, {r['kernels']} kernels, "
+              f"{r['beyond_copy_us']:.1f} us beyond the copy vs chain {r['chain_us']:.1f} us" for r in missed]
+    lines.append(f"cases where a peer was faster: {len(lost)}")
+    lines += [f"  {r['op']} {r['n']}x{r['v']} {r['provider']}: {r['speedup_of_rl']:.2f}x of {r['vs']}" for r in lost]
+    return "\n".join(lines)
 
 
 def text_table(head: list[str], body: list[list]) -> str:
@@ -87,44 +107,6 @@ def text_table(head: list[str], body: list[list]) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
     line = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([line(head), "-+-".join("-" * w for w in widths)] + [line(b) for b in body])
-
-
-def plot(path: str, rows: list[dict], meta: dict, ops: list[str], providers: list[str]) -> str | None:
-    """One panel per op: % of the copy ceiling per shape, one bar per provider; lines at 90% and 75%."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        return f"no plot: {e}"
-    ops = [o for o in ops if any(r["op"] == o and r.get("pct_ceiling") is not None for r in rows)]
-    if not ops:
-        return "no plot: no timed rows"
-    fig, axes = plt.subplots(len(ops), 1, figsize=(14, 3.2 * len(ops)), squeeze=False)
-    for ax, op in zip(axes[:, 0], ops):
-        mine = [r for r in rows if r["op"] == op and r.get("pct_ceiling") is not None]
-        shapes = sorted({(r["n"], r["v"]) for r in mine}, key=lambda s: (s[0] * s[1], s))
-        provs = [p for p in providers if any(r["provider"] == p for r in mine)]
-        width = 0.8 / max(1, len(provs))
-        for i, p in enumerate(provs):
-            vals = {(r["n"], r["v"]): r["pct_ceiling"] for r in mine if r["provider"] == p}
-            xs = [j + i * width for j, s in enumerate(shapes) if s in vals]
-            ax.bar(xs, [vals[s] for s in shapes if s in vals], width, label=p)
-        ax.axhline(90, color="k", ls="--", lw=0.8)
-        ax.axhline(75, color="gray", ls=":", lw=0.8)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
-        ax.set_xticklabels([f"{n}x{v}" for n, v in shapes], fontsize=8)
-        ax.set_ylabel("% of copy ceiling")
-        ax.set_ylim(0, max([105.0] + [1.05 * r["pct_ceiling"] for r in mine]))
-        ax.set_title(f"{op}: fwd+bwd effective bandwidth (minimal bytes) / D2D copy "
-                     f"({meta.get('copy_ceiling_gbps', 0):.0f} GB/s)", fontsize=9)
-        ax.legend(fontsize=7, ncol=len(provs))
-    fig.suptitle(f"{meta.get('device')} · {meta.get('date')} · torch {meta.get('torch')}", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.98))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
 
 
 # ----------------------------------------------------------------------------- RESULTS.md and the README table
@@ -268,6 +250,7 @@ def gpu_section(doc: dict) -> list[str]:
         timed = [r for (op, n, v, p), r in rows.items() if p == "rl_losses" and op in grid_ops and _ms(r)]
         lost = [r for (op, n, v, p), r in rows.items() if p != "rl_losses" and _ms(r)
                 and r.get("speedup_of_rl") is not None and r["speedup_of_rl"] < 1]
+        out += launches_table(rows, shapes, grid_ops)
         if timed:
             out += ["", f"{len(timed)} cases timed for rl_losses, at {min(r['pct_ceiling'] for r in timed):.1f}–"
                         f"{max(r['pct_ceiling'] for r in timed):.1f}% of the ceiling (or floor); cases where a "
@@ -276,27 +259,58 @@ def gpu_section(doc: dict) -> list[str]:
     return out
 
 
+def launches_table(rows: dict, shapes, ops) -> list[str]:
+    """Where a grid run (bench_gpu.py --grid) recorded them: per shape and op, the kernels of one rl_losses call,
+    the device time of an empty chain of as many launches, the time beyond the copy of the minimal bytes, and
+    the target met (>= 85% of the ceiling, or within 5 µs of the chain)."""
+    get = lambda op, n, v: rows.get((op, n, v, "rl_losses"))  # noqa: E731
+    if not any((get(op, n, v) or {}).get("kernels") is not None for n, v in shapes for op in ops):
+        return []
+    out = ["", "Launches per call (rl_losses): kernels · empty chain of as many launches · time beyond the copy "
+               "of the minimal bytes · target (≥ 85% of the ceiling, or within 5 µs of the chain).", "",
+           "| N × V | " + " | ".join(GPU_OPS[op] for op in ops) + " |", "|---" * (len(ops) + 1) + "|"]
+    for n, v in shapes:
+        cells = []
+        for op in ops:
+            r = get(op, n, v)
+            cells.append("–" if r is None or r.get("kernels") is None else
+                         f"{r['kernels']} · {r['chain_us']:.0f} µs · {r['beyond_copy_us']:.0f} µs · {r['target']}")
+        out.append(f"| {n} × {v} | " + " | ".join(cells) + " |")
+    return out
+
+
 def linear_section(doc: dict) -> list[str]:
-    rows = latest_rows(doc, "bench_linear.py", lambda r: (r["op"], r["provider"], r.get("chunk")))
+    """One table per shape measured (bench_linear.py; --cce runs several), with a Cut Cross-Entropy column where
+    it was measured."""
+    rows = latest_rows(doc, "bench_linear.py",
+                       lambda r: (r["op"], r["provider"], r.get("chunk"), r.get("n"), r.get("h"), r.get("v")))
     if not rows:
         return []
-    run = max((r for r in doc["runs"] if r["script"] == "bench_linear.py"), key=lambda r: r["time"])
-    shape = run.get("shape", {})
-    get = lambda op, p: rows.get((op, p, None))  # noqa: E731
-    out = [f"### Fused lm_head from hidden states (bench_linear.py: N = {shape.get('n')}, H = {shape.get('h')}, "
-           f"V = {shape.get('v')}, bf16)", "",
-           "ms (× the GEMMs no implementation avoids); memory beyond the inputs and their gradients.", "",
-           "| op | GEMM floor | rl_losses (default chunk) | beyond grads | unfused (logits + our op) | eager PyTorch "
-           "| Liger-Kernel |", "|---|---|---|---|---|---|---|"]
-    for op in ("ce", "grpo", "gspo"):
-        rl, floor = get(op, "rl_losses"), get(op, "gemm_floor")
-        if rl is None:
-            continue
-        x = lambda r: "–" if _ms(r) is None else f"{_fmt_ms(r['ms'])} ({r['x_floor']:.2f}×)"  # noqa: E731
-        mib = "–" if rl.get("beyond_grads_mib") is None else f"{rl['beyond_grads_mib']:.0f} MiB"
-        out.append(f"| {op} | {_cell(floor, '.1f')} | {x(rl)} | {mib} | {x(get(op, 'rl_losses_unfused'))} | "
-                   f"{x(get(op, 'torch_eager'))} | {x(get(op, 'liger'))} |")
-    return out + [""]
+    shapes = sorted({k[3:] for k in rows if k[1] == "rl_losses" and None not in k[3:]})
+    x = lambda r: "–" if _ms(r) is None else f"{_fmt_ms(r['ms'])} ({r['x_floor']:.2f}×)"  # noqa: E731
+    mib = lambda r: ("–" if r is None or r.get("beyond_grads_mib") is None  # noqa: E731
+                     else f"{r['beyond_grads_mib']:.0f} MiB")
+    out = []
+    for n, h, v in shapes:
+        get = lambda op, p: rows.get((op, p, None, n, h, v))  # noqa: E731
+        cce = any(get(op, "cce") for op in ("ce", "grpo", "gspo"))
+        out += [f"### Fused lm_head from hidden states (bench_linear.py: N = {n}, H = {h}, V = {v}, bf16)", "",
+                "ms (× the GEMMs no implementation avoids); memory beyond the inputs and their gradients.", "",
+                "| op | GEMM floor | rl_losses (default chunk) | beyond grads | unfused (logits + our op) | "
+                "eager PyTorch | Liger-Kernel |"
+                + (" Cut Cross-Entropy · beyond grads | CCE exact · beyond grads |" if cce else ""),
+                "|---|---|---|---|---|---|---|" + ("---|---|" if cce else "")]
+        for op in ("ce", "grpo", "gspo"):
+            rl, floor = get(op, "rl_losses"), get(op, "gemm_floor")
+            if rl is None:
+                continue
+            line = (f"| {op} | {_cell(floor, '.1f')} | {x(rl)} | {mib(rl)} | {x(get(op, 'rl_losses_unfused'))} | "
+                    f"{x(get(op, 'torch_eager'))} | {x(get(op, 'liger'))} |")
+            if cce:
+                line += "".join(f" {x(get(op, p))} · {mib(get(op, p))} |" for p in ("cce", "cce_exact"))
+            out.append(line)
+        out.append("")
+    return out
 
 
 def tp_section(doc: dict) -> list[str]:
