@@ -164,6 +164,20 @@ at::Tensor labelled_count(const at::Tensor& target1d, at::ScalarType dtype) {
   return out;
 }
 
+std::pair<at::Tensor, at::Tensor> labelled_count_and_constant(const at::Tensor& target1d, at::ScalarType dtype,
+                                                              double constant) {
+  at::Tensor out = at::empty({}, target1d.options().dtype(dtype));
+  at::Tensor c = at::empty({}, out.options());
+#ifdef RL_LOSSES_WITH_CUDA
+  if (target1d.is_cuda()) {
+    labelled_count_and_constant_cuda(target1d, out, c, constant);
+    return {out, c};
+  }
+#endif
+  labelled_count_and_constant_cpu(target1d, out, c, constant);
+  return {out, c};
+}
+
 at::Tensor sum_1d(const at::Tensor& x) {
   TORCH_INTERNAL_ASSERT(x.dim() == 1 && x.is_contiguous() && at::isFloatingType(x.scalar_type()),
                         "rl_losses: sum_1d takes a contiguous 1-D floating tensor");

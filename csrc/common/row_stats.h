@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include <utility>
+
 #include "common/checks.h"
 #include "common/row_pass.h"
 
@@ -38,5 +40,41 @@ void labelled_count_on(const at::Tensor& target1d, const at::Tensor& out) {
   });
 }
 void labelled_count_cpu(const at::Tensor& target1d, const at::Tensor& out);
+
+// The labelled count, and a value known on the host (a given divisor) written into a 0-dim tensor by the same
+// launch: where an op needs both on the device, one reduction instead of the reduction and a fill kernel.
+template <typename T>
+struct LabelledCountAndConstant {
+  using acc_t = T;
+  static constexpr int kTerms = 1;
+  LabelledCount<T> count;
+  acc_t* constant_out;  // 0-dim
+  acc_t constant;
+  C10_HOST_DEVICE void terms(int64_t i, acc_t* v) const { count.terms(i, v); }
+  C10_HOST_DEVICE void finish(const acc_t* s) const {
+    count.finish(s);
+    *constant_out = constant;
+  }
+};
+template <typename Runner>
+void labelled_count_and_constant_on(const at::Tensor& target1d, const at::Tensor& out, const at::Tensor& constant_out,
+                                    double constant) {
+  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "labelled_count", [&] {
+    Runner::sum_then(target1d.numel(),
+                     LabelledCountAndConstant<scalar_t>{{target1d.const_data_ptr<int64_t>(), out.data_ptr<scalar_t>()},
+                                                        constant_out.data_ptr<scalar_t>(),
+                                                        static_cast<scalar_t>(constant)});
+  });
+}
+void labelled_count_and_constant_cpu(const at::Tensor& target1d, const at::Tensor& out, const at::Tensor& constant_out,
+                                     double constant);
+#ifdef RL_LOSSES_WITH_CUDA
+void labelled_count_and_constant_cuda(const at::Tensor& target1d, const at::Tensor& out,
+                                      const at::Tensor& constant_out, double constant);
+#endif
+
+// (labelled_count(target1d, dtype), a 0-dim `dtype` tensor holding `constant`) on the target's device.
+std::pair<at::Tensor, at::Tensor> labelled_count_and_constant(const at::Tensor& target1d, at::ScalarType dtype,
+                                                              double constant);
 
 }  // namespace rl_losses

@@ -64,6 +64,11 @@ void labelled_count_cpu(const at::Tensor& target1d, const at::Tensor& out) {
   labelled_count_on<CpuRunner>(target1d, out);
 }
 
+void labelled_count_and_constant_cpu(const at::Tensor& target1d, const at::Tensor& out, const at::Tensor& constant_out,
+                                     double constant) {
+  labelled_count_and_constant_on<CpuRunner>(target1d, out, constant_out, constant);
+}
+
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   m.impl("row_stats", &row_stats_op<stats_cpu>);
   m.impl("_scale_grad_", &scale_grad_cpu);

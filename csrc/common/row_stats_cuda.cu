@@ -11,6 +11,11 @@ void labelled_count_cuda(const at::Tensor& target1d, const at::Tensor& out) {
   labelled_count_on<CudaRunner>(target1d, out);
 }
 
+void labelled_count_and_constant_cuda(const at::Tensor& target1d, const at::Tensor& out,
+                                      const at::Tensor& constant_out, double constant) {
+  labelled_count_and_constant_on<CudaRunner>(target1d, out, constant_out, constant);
+}
+
 void sum_cuda(const at::Tensor& x, const at::Tensor& out) {
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "sum_1d", [&] {
     CudaRunner::sum_then(x.numel(), SumOf<scalar_t>{x.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>()});

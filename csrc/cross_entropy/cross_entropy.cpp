@@ -28,18 +28,20 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(RowSource& src, const a
 
   const auto opts = src.acc_options();
   const auto acc = opts.dtype().toScalarType();
+  // The divisor: the labelled count (one reduction on the device) for a token mean without a given divisor;
+  // otherwise a host value the epilogue takes by value (an at::full here would be a fill kernel per call).
   at::Tensor d;
+  double d_value = 1.0;
   if (reduction == "none") {
     TORCH_CHECK(!divisor, op, ": divisor has no meaning with reduction='none'");
-    d = at::ones({}, opts);
   } else if (divisor || reduction == "sum") {
-    d = at::full({}, divisor.value_or(1.0), opts);
+    d_value = divisor.value_or(1.0);
   } else {
     d = labelled_count(f.target1d, acc);
   }
 
   CrossEntropyRows rows{{label_weight, label_smoothing, z_loss_factor, static_cast<double>(f.vocab_total)},
-                        d, at::empty({f.n_rows}, opts), at::empty({f.n_rows}, opts)};
+                        d, d_value, at::empty({f.n_rows}, opts), at::empty({f.n_rows}, opts)};
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
   if (row_stats) args.stats_in = *row_stats;
   args.smoothing = label_smoothing != 0 && label_weight != 0;

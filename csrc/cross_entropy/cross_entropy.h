@@ -21,7 +21,10 @@ struct CrossEntropyEpilogue {
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
   static constexpr bool kSkipsUnlabelled = false;  // lse is an output of every row, labelled or not
   CrossEntropyOptions<acc_t> opt;
-  const acc_t* divisor;  // 0-dim: D (1 for reduction "none")
+  // D: counted on the device (0-dim, the labelled tokens) or, when that is null, known on the host (a given
+  // divisor, 1 for reduction "sum" or "none"): a host value needs no fill kernel before the row pass.
+  const acc_t* divisor;
+  acc_t divisor_value;
   acc_t* row_loss;       // (N,) m_t·ℓ_t / D
   acc_t* lse;            // (N,)
 
@@ -32,7 +35,7 @@ struct CrossEntropyEpilogue {
       row_loss[row] = acc_t(0);
       return {acc_t(0), acc_t(0), acc_t(0)};
     }
-    const acc_t inv_d = acc_t(1) / *divisor;
+    const acc_t inv_d = acc_t(1) / (divisor != nullptr ? *divisor : divisor_value);
     row_loss[row] = cross_entropy_loss(opt, l, st.log_prob(st.label), st.sum_x) * inv_d;
     return cross_entropy_grad(opt, l, inv_d);
   }
@@ -41,7 +44,8 @@ struct CrossEntropyEpilogue {
 // What the back-end fills: row_loss and lse (N,), and the gradient when args.grad is defined.
 struct CrossEntropyRows {
   CrossEntropyOptions<double> opt;
-  at::Tensor divisor;
+  at::Tensor divisor;           // 0-dim D on the device, or undefined: divisor_value
+  double divisor_value = 1.0;
   at::Tensor row_loss;
   at::Tensor lse;
 };
@@ -82,7 +86,8 @@ template <typename acc_t>
 CrossEntropyEpilogue<acc_t> make_cross_entropy_epilogue(const CrossEntropyRows& rows) {
   const auto& o = rows.opt;
   return {{acc_t(o.label_weight), acc_t(o.label_smoothing), acc_t(o.z_loss_factor), acc_t(o.vocab_size)},
-          rows.divisor.const_data_ptr<acc_t>(), rows.row_loss.data_ptr<acc_t>(), rows.lse.data_ptr<acc_t>()};
+          rows.divisor.defined() ? rows.divisor.const_data_ptr<acc_t>() : nullptr, acc_t(rows.divisor_value),
+          rows.row_loss.data_ptr<acc_t>(), rows.lse.data_ptr<acc_t>()};
 }
 
 }  // namespace rl_losses

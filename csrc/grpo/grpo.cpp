@@ -2,8 +2,10 @@
 
 #include <cmath>
 #include <limits>
+#include <tuple>
 
 #include "common/checks.h"
+#include "common/row_stats.h"
 
 namespace rl_losses {
 
@@ -52,8 +54,14 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
   if (label_counts) {
     counts = check_label_counts(op, *label_counts, target, acc);
   }
-  const at::Tensor n_labelled = labelled_count(f.target1d, acc);
-  rows.divisor = divisor ? at::full({}, *divisor, opts) : n_labelled;
+  // The metrics need the labelled count; a given divisor is written by the same launch (no fill kernel).
+  at::Tensor n_labelled;
+  if (divisor) {
+    std::tie(n_labelled, rows.divisor) = labelled_count_and_constant(f.target1d, acc, *divisor);
+  } else {
+    n_labelled = labelled_count(f.target1d, acc);
+    rows.divisor = n_labelled;
+  }
   rows.out = at::empty({f.n_rows, kGrpoFields}, opts);
   rows.log_probs = at::empty({f.n_rows}, opts);
   // The statistics hold Σp·x when the entropy is a metric or, with its gradient, a term of the loss.
