@@ -213,21 +213,30 @@ class Provider:
 
 
 class RlLosses(Provider):
-    def __init__(self, inplace=False):
+    """`static_divisor`: CE and GRPO get their token count as a `divisor` (counted once, at prepare), as a
+    trainer that knows its batch passes it; by default they count the labelled tokens on the device."""
+
+    def __init__(self, inplace=False, static_divisor=False):
         import rl_losses
 
         self.rl = rl_losses
         self.inplace = inplace
+        self.static_divisor = static_divisor
         self.name = "rl_losses_inplace" if inplace else "rl_losses"
+
+    def prepare(self, op, inp):
+        s = super().prepare(op, inp)
+        s["divisor"] = float(max(int((s["target"] >= 0).sum()), 1)) if self.static_divisor else None
+        return s
 
     def loss(self, op, s, logits):
         rl, ip = self.rl, self.inplace
         if op.kind == "ce":
-            return rl.cross_entropy(logits, s["target"], inplace_backward=ip)
+            return rl.cross_entropy(logits, s["target"], inplace_backward=ip, divisor=s.get("divisor"))
         if op.kind == "grpo":
             return rl.grpo_loss(logits, s["target"], s["advantages"], s["old_log_probs"],
                                 epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, ref_log_probs=s["ref_log_probs"],
-                                beta=op.beta, inplace_backward=ip).loss
+                                beta=op.beta, divisor=s.get("divisor"), inplace_backward=ip).loss
         # num_documents and divisor given, as Fast-LLM does: no host sync for max(d)+1 or the document count.
         return rl.gspo_loss(logits, s["target"], s["advantages"], s["old_log_probs"], s["document_index"],
                             num_documents=s["num_seqs"], divisor=float(s["num_seqs"]), epsilon_low=EPS_LOW,

@@ -1,7 +1,7 @@
 """Where the time of one loss call goes on a GPU: the kernels it launches (name, count, device time), the
 host's time per call, and the fixed cost of an empty chain of as many launches.
 
-    python3 benchmarks/profile_calls.py [--shapes 4096x32000,16384x128256] [--ops ce,grpo,gspo_2048]
+    python3 benchmarks/profile_calls.py [--shapes 4096x32000,16384x128256] [--ops ce,grpo,gspo_2048] [--divisor]
 
 Each op runs fwd+bwd as bench_gpu.py runs it (rl_losses provider, bf16). Per (op, shape):
   kernels   the CUDA kernels of one call (torch.profiler, the median of 10 profiled calls' durations);
@@ -138,10 +138,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="4096x32000,16384x128256")
     ap.add_argument("--ops", default="ce,grpo,gspo_2048")
+    ap.add_argument("--divisor", action="store_true",
+                    help="CE and GRPO with a given divisor (static sizes, as GSPO's num_documents and divisor)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     print(f"device {torch.cuda.get_device_name(0)} | torch {torch.__version__}")
-    provider = cases.build_provider("rl_losses")
+    provider = cases.RlLosses(static_divisor=args.divisor)
     for shape in args.shapes.split(","):
         n, v = (int(x) for x in shape.split("x"))
         for name in args.ops.split(","):
