@@ -116,6 +116,13 @@ def random_lengths(n_tokens, n_documents):
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def packed(device, shape=(8, 16)):
+    """Seven documents of 4 to 30 tokens filling a (8, 16) batch, or five random ones for another shape."""
+    n_tokens = shape[0] * shape[1]
+    lengths = [11, 30, 4, 25, 19, 22, 17] if shape == (8, 16) else random_lengths(n_tokens, 5)
+    return document_index_from_lengths(lengths, n_tokens, device).view(shape)
+
+
 def make_inputs(shape, vocab, dtype, device, document_index, *, masked=0.5, logits_scale_factor=1.0,
                 doc_spread=0.3, token_spread=0.1):
     """Logits, labels, per-token advantages, and old log-probs whose per-document mean log-ratio is
@@ -201,10 +208,3 @@ def check(logits, target, advantages, old_log_probs, document_index, upstream=1.
     ignored = (target < 0) | ~counted
     assert torch.count_nonzero(grad[ignored]) == 0
     return out, grad
-
-
-def packed(device, shape=(8, 16)):
-    """Seven documents of 4 to 30 tokens filling a (8, 16) batch, or five random ones for another shape."""
-    n_tokens = shape[0] * shape[1]
-    lengths = [11, 30, 4, 25, 19, 22, 17] if shape == (8, 16) else random_lengths(n_tokens, 5)
-    return document_index_from_lengths(lengths, n_tokens, device).view(shape)

@@ -1,11 +1,13 @@
-"""Tests of the documentation: every relative link and every repository path it names exists, and the README's
-Python snippets run.
+"""Tests of the documentation (README.md, csrc/README.md, benchmarks/README.md, docs/): every relative link
+and every repository path it names exists, and the README's Python snippets run.
 
-A path is a backticked token that looks like one (a "/" in it, or a file extension): with a "/", it resolves
-against the repository root or the page's own folder; a bare file name must be the name of a tracked file. A
-placeholder (`<op>/<op>.h`, `common/checks.*`, `$OUT/...`), an absolute path and a git-ignored output
-(`examples/out/metrics.csv`) are not checked. `file.py::name` also needs `name` defined in the file.
+A path is a backticked file name with a known extension, or a folder written with its trailing "/" (a bare
+`a/b` is a metric name). It exists when it resolves against the repository root or the page's folder, or ends
+a tracked path (`cuda/row_kernel.cuh` beside the name of its folder); `file.py::name` also needs `name` defined
+in the file. Placeholders (`<op>/<op>.h`, `common/checks.*`, `$OUT/...`) are not paths, and a git-ignored one
+(`examples/out/metrics.csv`) is an output, not checked.
 """
+import fnmatch
 import re
 import subprocess
 from pathlib import Path
@@ -29,14 +31,36 @@ def _page_id(page):
     return str(page.relative_to(ROOT))
 
 
+def _in_checkout():
+    return subprocess.run(["git", "rev-parse", "--git-dir"], cwd=ROOT, capture_output=True).returncode == 0
+
+
+def _ignore_patterns():
+    lines = (ROOT / ".gitignore").read_text().splitlines() if (ROOT / ".gitignore").exists() else []
+    return [line.strip().strip("/") for line in lines if line.strip() and not line.startswith("#")]
+
+
+def _ignored_by_patterns(relative):
+    parts = Path(relative).parts
+    return any(fnmatch.fnmatch(part, pattern) or fnmatch.fnmatch("/".join(parts[:i + 1]), pattern)
+               for pattern in _ignore_patterns() for i, part in enumerate(parts))
+
+
 def _tracked_files():
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return set(files.split())
+    """The repository's files: git's list in a checkout, else every file but the ignored ones (a copy of the
+    tree without its .git, as on a test machine)."""
+    if _in_checkout():
+        out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        return set(out.split())
+    files = (str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file())
+    return {f for f in files if not f.startswith(".git/") and not _ignored_by_patterns(f)}
 
 
 def _ignored(relative):
     """A git-ignored path (a build or run output, the virtual environment): generated, not in the tree."""
-    return subprocess.run(["git", "check-ignore", "-q", relative], cwd=ROOT).returncode == 0
+    if _in_checkout():
+        return subprocess.run(["git", "check-ignore", "-q", relative], cwd=ROOT).returncode == 0
+    return _ignored_by_patterns(relative)
 
 
 def _path_of(token):
@@ -51,10 +75,7 @@ def _path_of(token):
 
 
 def _missing_paths(page, text, tracked):
-    """The backticked paths of `text` (a page's prose, code blocks left out) that name nothing in the tree.
-
-    A path exists when it resolves against the repository root or the page's folder, or ends a tracked path
-    (`cuda/row_kernel.cuh` beside the name of its folder); a git-ignored one is an output, not checked."""
+    """The backticked paths of `text` (a page's prose, code blocks left out) that name nothing in the tree."""
     missing = []
     for token in CODE.findall(FENCE.sub("", text)):
         path = _path_of(token.strip())
@@ -129,7 +150,8 @@ def _tour_inputs(device):
         "logits": leaf, "logits_shard": leaf, "tp": None, "sdp": None,  # no group: one process holds it all
         "labels": labels, "advantages": adv, "adv": adv, "old_log_probs": old, "old": old,
         "ref": old - 0.05, "document_index": document_index, "doc": document_index,
-        "rollouts": [(torch.tensor([1, 2, 3]), torch.tensor([4, 5]), 0.5), (torch.tensor([6]), torch.tensor([7]), -1.0)],
+        "rollouts": [(torch.tensor([1, 2, 3]), torch.tensor([4, 5]), 0.5),
+                     (torch.tensor([6]), torch.tensor([7]), -1.0)],  # (prompt ids, completion ids, advantage)
         "hidden": torch.randn(n, hidden_size, device=device, requires_grad=True),
         "lm_head": torch.nn.Linear(hidden_size, vocab, bias=False, device=device),
     }
