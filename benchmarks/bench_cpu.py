@@ -10,8 +10,7 @@ It is exact when the run raises the high-water mark (the usual case: every N x V
 and returned on free, so the mark is the live peak); otherwise it is an upper bound, flagged "<=". The
 gradient handed back (cases.GradSink) counts, as on the GPU. Time: the median of --reps runs after
 --warmup, host clock (perf_counter), torch's intra-op threads (--threads, default torch's). Every provider's
-loss and first gradient rows are checked against the first provider's. GRPO/GSPO rows show the op's error until the op
-exists on the CPU; the script picks them up as soon as they work.
+loss and first gradient rows are checked against the first provider's.
 """
 from __future__ import annotations
 

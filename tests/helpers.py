@@ -13,6 +13,9 @@ from conftest import DEVICES, assert_close
 # kl_importance_weighted, entropy_coefficient): for positional calls of the _grpo/_gspo forward ops.
 POLICY_DEFAULTS = ("ppo_clip", 1.0, 1.05, None, None, 3.0, None, "k3", False, 0.0)
 
+# The logits dtypes of the op tests' grids (float64 is tested on its own, with the reference's tolerance).
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
 requires_cuda = pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the extension's CUDA kernels")
 
 
@@ -23,6 +26,11 @@ def param_id(value):
     if isinstance(value, tuple):
         return "x".join(map(str, value))
     return None
+
+
+def to64(value):
+    """A floating-point tensor in float64 (any other value as it is): an op's options, for the reference."""
+    return value.double() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
 
 def make_logits(shape, vocab, dtype, device, *, std=2.0):
