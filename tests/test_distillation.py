@@ -101,7 +101,7 @@ def test_teacher_dtypes(dtype, teacher_dtype, device):
         check(logits, teacher, kind=kind, temperature=1.3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
 @pytest.mark.parametrize("vocab", [32000, 50257])
 @pytest.mark.parametrize("kind", KINDS)
 def test_large_vocab(kind, vocab, dtype, device):
