@@ -161,7 +161,10 @@ def main() -> None:
     adv = torch.randn(n, device="cuda")
     with torch.no_grad():
         old = torch.log_softmax(x.float(), -1).gather(-1, target.clamp_min(0)[:, None])[:, 0] + 0.1
-    head = dict(label_weight=1.0, z_loss_weight=1e-4, grpo_weight=1.0, advantages=adv, old_log_probs=old)
+    # The z-loss over the labelled tokens (Fast-LLM's loss_mask), as the separate ops below: then the head reads
+    # the rows GRPO alone reads, and the target is within 5% of it.
+    head = dict(label_weight=1.0, z_loss_weight=1e-4, z_loss_mask=target >= 0, grpo_weight=1.0, advantages=adv,
+                old_log_probs=old)
     rows = {"fused CE+z+GRPO": step(lambda: fused_head_loss(x, target, **head).loss),
             "fused CE+GRPO": step(lambda: fused_head_loss(x, target, label_weight=1.0, grpo_weight=1.0,
                                                           advantages=adv, old_log_probs=old).loss),

@@ -403,15 +403,17 @@ def _dpo_per_pair(name, t, n_pairs, logits):
     _check(t.device == logits.device, op, name, " is on ", t.device, " but logits is on ", logits.device)
 
 
-def dpo(logits, target, document_index, pairs, ref_chosen, ref_rejected, beta, s, divisor, inplace=False):
+def dpo(logits, target, document_index, pairs, ref_chosen, ref_rejected, beta, s, divisor, row_stats=None,
+        vocab_start=0, vocab_size=-1, inplace=False):
     """dpo_forward, in its order. The pairing itself (every document in exactly one pair) and max(document_index)
     are the data's, checked by the real kernel."""
     op = "dpo"
-    rows = check_and_flatten(op, logits, target, 0, -1)
+    rows = check_and_flatten(op, logits, target, vocab_start, vocab_size)
     if inplace:
         check_inplace(op, logits, rows)
     check_scale(op, s)
     check_divisor(op, divisor)
+    check_row_stats(op, row_stats, logits, target.numel())
     _check(math.isfinite(beta) and beta > 0, op, "beta must be finite and > 0, got ", _num(beta))
     _check(_integral(pairs.dtype), op, "pairs must be an integer tensor of (chosen, rejected) document ids, got ",
            _dt(pairs.dtype))
@@ -429,10 +431,11 @@ def dpo(logits, target, document_index, pairs, ref_chosen, ref_rejected, beta, s
 # ---- combined/fused_head.cpp ---------------------------------------------------------------------------------------
 def fused_head(logits, target, label_weight, label_smoothing, label_divisor, z_loss_weight, z_loss_divisor,
                z_loss_mask, grpo_weight, advantages, old_log_probs, ref_log_probs, loss_weights, epsilon_low,
-               epsilon_high, delta, beta, grpo_divisor, s, inplace=False):
+               epsilon_high, delta, beta, grpo_divisor, s, row_stats=None, vocab_start=0, vocab_size=-1,
+               inplace=False):
     """fused_head_forward, in its order."""
     op = "fused_head_loss"
-    rows = check_and_flatten(op, logits, target, 0, -1)
+    rows = check_and_flatten(op, logits, target, vocab_start, vocab_size)
     if inplace:
         check_inplace(op, logits, rows)
     check_scale(op, s)
@@ -442,6 +445,7 @@ def fused_head(logits, target, label_weight, label_smoothing, label_divisor, z_l
            _num(label_smoothing))
     for d in (label_divisor, z_loss_divisor, grpo_divisor):
         check_divisor(op, d)
+    check_row_stats(op, row_stats, logits, target.numel())
     if grpo_weight != 0:
         check_epsilons(op, epsilon_low, epsilon_high)
         _check(delta is None or (math.isfinite(delta) and delta > 1 + epsilon_high), op,

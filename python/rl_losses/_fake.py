@@ -324,21 +324,26 @@ def _dpo_outputs(logits, target, n_pairs):
 
 @register_fake("rl_losses::dpo")
 def _dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs, *,
-         beta=1.0, logits_scale_factor=1.0, divisor=None, inplace_backward=False):
+         beta=1.0, logits_scale_factor=1.0, divisor=None, inplace_backward=False, row_stats=None, vocab_start=0,
+         vocab_size=-1):
     n = _checks.dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs,
-                    beta, logits_scale_factor, divisor)
+                    beta, logits_scale_factor, divisor, row_stats, vocab_start, vocab_size)
     return tuple(_dpo_outputs(logits, target, n))
 
 
 @register_fake("rl_losses::_dpo_forward")
-def _dpo_forward(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, compute_grad):
-    n = _checks.dpo(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor)
+def _dpo_forward(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats, vocab_start,
+                 vocab_size, compute_grad):
+    n = _checks.dpo(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats, vocab_start,
+                    vocab_size)
     return tuple(_dpo_outputs(logits, target, n) + [_grad(logits, compute_grad)])
 
 
 @register_fake("rl_losses::_dpo_forward_inplace")
-def _dpo_forward_inplace(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor):
-    n = _checks.dpo(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, inplace=True)
+def _dpo_forward_inplace(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats,
+                         vocab_start, vocab_size):
+    n = _checks.dpo(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats, vocab_start,
+                    vocab_size, inplace=True)
     return tuple(_dpo_outputs(logits, target, n))
 
 
@@ -346,7 +351,7 @@ def _dpo_forward_inplace(logits, target, document_index, pairs, ref_c, ref_r, be
 _HEAD_DEFAULTS = dict(label_weight=0.0, label_smoothing=0.0, label_divisor=None, z_loss_weight=0.0,
                       z_loss_divisor=None, z_loss_mask=None, grpo_weight=0.0, advantages=None, old_log_probs=None,
                       ref_log_probs=None, loss_weights=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
-                      grpo_divisor=None, logits_scale_factor=1.0)
+                      grpo_divisor=None, logits_scale_factor=1.0, row_stats=None, vocab_start=0, vocab_size=-1)
 
 
 def _head_outputs(logits, target):
