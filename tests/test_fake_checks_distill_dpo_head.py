@@ -128,7 +128,13 @@ def _bad_inputs():
         ("dpo_doc_dtype", lambda d: _dpo(d, doc=torch.zeros(6, device=d)), "document_index must be an integer"),
         ("dpo_doc_shape", lambda d: _dpo(d, doc=torch.zeros(5, dtype=torch.long, device=d)),
          r"document_index has shape \[5\] but target has shape \[6\]"),
+        ("dpo_row_stats", lambda d: _dpo(d, row_stats=torch.zeros(6, 4, device=d)),
+         r"row_stats must have shape \(6, 5\), got \[6, 4\]"),
+        ("dpo_vocab_size", lambda d: _dpo(d, vocab_start=4, vocab_size=10), "vocab_size 10 is smaller than"),
         # the fused head
+        ("head_row_stats", lambda d: _head(d, row_stats=torch.zeros(4, 5, dtype=torch.float64, device=d)),
+         "row_stats must be float32"),
+        ("head_vocab_start", lambda d: _head(d, vocab_start=-1), "vocab_start must be >= 0"),
         ("head_int_logits", lambda d: _head(d, logits=torch.zeros(4, 7, dtype=torch.long, device=d)),
          "fused_head_loss: logits must be a floating-point tensor"),
         ("head_scale", lambda d: _head(d, logits_scale_factor=math.nan), "logits_scale_factor must be finite"),
