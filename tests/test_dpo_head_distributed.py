@@ -85,6 +85,34 @@ def _reference(name, logits, args, kwargs):
     return {"loss": loss.detach(), "grad": x.grad, **metrics}
 
 
+HEAD_LOSSES = {"ce": {"type": "label", "weight": 0.5, "label_smoothing": 0.1}, "z": {"type": "z_loss", "weight": 0.1},
+               "pg": {"type": "grpo", "weight": 2.0, "epsilon_high": 0.3}}
+CONFIG_VOCAB, CONFIG_CUT = 22, 11
+
+
+def _config_inputs():
+    g = torch.Generator().manual_seed(4242)
+    shape = (2, 7)
+    logits = torch.randn(*shape, CONFIG_VOCAB, generator=g, dtype=torch.float64) * 2
+    target = torch.randint(0, CONFIG_VOCAB, shape, generator=g)
+    target[torch.rand(shape, generator=g) < 0.3] = -100
+    batch = {"labels": target, "advantages": torch.randn(shape, generator=g),
+             "old_log_probabilities": torch.randn(shape, generator=g) - 3,
+             "loss_mask": torch.rand(shape, generator=g) > 0.2}
+    return logits, batch
+
+
+def _run_config(logits, batch, tp_group=None):
+    from rl_losses.config import LanguageModelLossConfig
+
+    head = LanguageModelLossConfig.from_dict({"type": "head", "losses": HEAD_LOSSES}).get_loss(name="head",
+                                                                                               tp_group=tp_group)
+    x = logits.detach().clone().requires_grad_()
+    loss, metrics = head(x, batch)
+    loss.backward()
+    return {"loss": loss.detach(), "grad": x.grad, **{k: v.detach() for k, v in metrics.items()}}
+
+
 def _worker(rank, path, out_dir):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's connections on the loopback interface only
     torch.set_num_threads(1)
@@ -98,6 +126,14 @@ def _worker(rank, path, out_dir):
             shard = dict(vocab_start=cols.start, vocab_size=vocab) if 2 * cut != vocab else {}
             results[name] = _run(name, logits[..., cols].contiguous(), args, kwargs, tp_group=dist.group.WORLD,
                                  **shard)
+        logits, batch = _config_inputs()
+        cols = slice(0, CONFIG_CUT) if rank == 0 else slice(CONFIG_CUT, CONFIG_VOCAB)
+        import rl_losses.head
+
+        calls, fused = [], rl_losses.head.fused_head_loss
+        rl_losses.head.fused_head_loss = lambda *a, **k: calls.append(k) or fused(*a, **k)
+        results["head_config"] = _run_config(logits[..., cols].contiguous(), batch, tp_group=dist.group.WORLD)
+        results["head_config"]["fused_calls"] = torch.tensor(len(calls))
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -124,6 +160,22 @@ def test_matches_the_float64_reference(name, world_results):
         assert_grad_close(got["grad"], expected["grad"][..., cols], dtype, natural_scale=1.3 / logits[..., 0].numel(),
                           scale=2.0)
         assert torch.count_nonzero(got["grad"]) > 0
+
+
+def test_head_config_under_tp_group_matches_one_process(world_results, monkeypatch):
+    """The head config fuses under tp_group too (one call of the op) and equals the one-process head (itself
+    tested against the separate modules and the reference in tests/test_fused_head.py), in float64."""
+    logits, batch = _config_inputs()
+    expected = _run_config(logits, batch)
+    for rank, results in enumerate(world_results):
+        got = results["head_config"]
+        cols = slice(0, CONFIG_CUT) if rank == 0 else slice(CONFIG_CUT, CONFIG_VOCAB)
+        assert got.pop("fused_calls") == 1, "the three losses must run as one fused call"
+        assert set(got) == set(expected)
+        for key, value in expected.items():
+            if key != "grad":
+                assert_close(got[key], value, torch.float64, scale=4.0, msg=f"{key}, rank {rank}")
+        assert_grad_close(got["grad"], expected["grad"][..., cols], torch.float64, scale=2.0)
 
 
 def test_tp_group_shard_arguments_are_checked():
