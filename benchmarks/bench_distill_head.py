@@ -1,18 +1,26 @@
 """Times distillation and the fused head on a GPU, side by side with their peers, in one run.
 
-    python benchmarks/bench_distill_head.py [--n 16384] [--v 128256] [--dtype bfloat16] [--reps 20]
+    python benchmarks/bench_distill_head.py [--n 16384] [--v 128256] [--dtype bfloat16] [--reps 20] \
+        [--hidden 4096] [--out OUT.json]
 
 Distillation (forward KL, reverse KL, JSD β=0.5; student and teacher logits of one dtype): rl_losses against
-torch.compile of the float64-free reference formula, and Liger-Kernel's LigerJSD (when installed; it takes
-log-probabilities, so its time includes a log_softmax of each input), forward + backward, with the floor
-(read the student, read the teacher, write the gradient) at the measured copy rate. The fused head:
-CE + z-loss + GRPO in one call against GRPO alone and the three separate ops. CUDA-event timing after warm-up,
-median of `reps` runs. Prints one line per case.
+torch.compile of the reference formula and Liger-Kernel's JSD kernel (liger_kernel.ops.jsd through LigerJSD,
+when installed; it takes log-probabilities, so its time includes a log_softmax of each input), forward +
+backward, with the floor (read the student, read the teacher, write the gradient) at the measured copy rate.
+From hidden states (``--hidden`` > 0): rl_losses.linear_distillation_loss after the teacher's matmul against
+Liger's LigerFusedLinearJSD, which does both. The fused head: CE + z-loss + GRPO in one call against GRPO alone
+and the three separate ops. CUDA-event timing after warm-up, median of `reps` runs. Prints one line per case;
+``--out`` writes the rows as JSON for ``benchmarks/report.py --add``.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import shlex
 import statistics
+import subprocess
+import sys
 
 import torch
 
@@ -56,12 +64,23 @@ def torch_distillation(x, t, kind):
     return per.mean()
 
 
+def _git() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--v", type=int, default=128256)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--hidden", type=int, default=4096, help="hidden size of the linear cases (0: skip them)")
+    ap.add_argument("--linear-n", type=int, default=4096, help="tokens of the linear cases")
+    ap.add_argument("--out", help="write the rows as JSON (benchmarks/report.py --add)")
     args = ap.parse_args()
     dtype, n, v = getattr(torch, args.dtype), args.n, args.v
     print(f"device {torch.cuda.get_device_name()}, N={n}, V={v}, {args.dtype}, torch {torch.__version__}")
@@ -72,13 +91,26 @@ def main() -> None:
     floor_ms = 3 * n * v * elem / rate
     compiled = torch.compile(torch_distillation)
     try:
-        from liger_kernel.transformers import LigerJSD
-    except ImportError:
-        LigerJSD = None
+        from importlib.metadata import version
 
-    def step(loss_fn):
+        from liger_kernel.transformers import LigerFusedLinearJSD, LigerJSD
+        liger_version = version("liger-kernel")
+    except ImportError:
+        LigerJSD = LigerFusedLinearJSD = liger_version = None
+    results = []
+
+    def record(op, provider, ms, n_rows, vocab, floor=None):
+        row = {"op": op, "n": n_rows, "v": vocab, "dtype": args.dtype, "provider": provider, "ms": round(ms, 4)}
+        if floor is not None:
+            row["floor_ms"] = round(floor, 4)
+            row["pct_ceiling"] = round(100 * floor / ms, 1)
+        results.append(row)
+        return row
+
+    def step(loss_fn, *tensors):
         def run():
-            x.grad = None
+            for t in tensors or (x,):
+                t.grad = None
             loss_fn().backward()
         return run
 
@@ -91,9 +123,37 @@ def main() -> None:
             rows["liger"] = step(lambda: jsd(torch.log_softmax(x.float(), -1).to(dtype),
                                              torch.log_softmax(teacher.float(), -1).to(dtype)))
         for name, fn in rows.items():
-            ms = timed(fn, args.reps)
+            try:
+                ms = timed(fn, args.reps)
+            except Exception as e:  # a peer failing (memory, compile) leaves the other rows
+                print(f"distillation {kind:11s} {name:14s} failed: {type(e).__name__}: {e}"[:200])
+                continue
+            record(f"distill_{kind}", name, ms, n, v, floor_ms)
             print(f"distillation {kind:11s} {name:14s} {ms:8.3f} ms   floor {floor_ms:.3f} ms "
                   f"({100 * floor_ms / ms:5.1f}% of it)")
+        torch.cuda.empty_cache()
+
+    if args.hidden > 0:
+        # From hidden states: the teacher's logits are its matmul (no gradient), the student's never whole.
+        ln, h = args.linear_n, args.hidden
+        hs = (torch.randn(ln, h, device="cuda") / h ** 0.5).to(dtype).requires_grad_()
+        ws = (torch.randn(v, h, device="cuda")).to(dtype).requires_grad_()
+        ht = (hs.detach().float() + 0.1 * torch.randn(ln, h, device="cuda")).to(dtype)
+        wt = (ws.detach().float() + 0.1 * torch.randn(v, h, device="cuda")).to(dtype)
+        rows = {"rl_losses": step(lambda: rl_losses.linear_distillation_loss(
+            hs, ws, ht @ wt.t(), kind="jsd", beta=0.5), hs, ws)}
+        if LigerFusedLinearJSD is not None:
+            fused = LigerFusedLinearJSD(jsd_beta=0.5)
+            rows["liger"] = step(lambda: fused(hs, ws, ht, wt, None), hs, ws)
+        for name, fn in rows.items():
+            try:
+                ms = timed(fn, args.reps)
+            except Exception as e:
+                print(f"linear jsd {name:14s} failed: {type(e).__name__}: {e}"[:200])
+                continue
+            record(f"linear_distill_jsd_h{h}", name, ms, ln, v)
+            print(f"linear jsd (N={ln}, H={h}) {name:14s} {ms:8.3f} ms")
+        del hs, ws, ht, wt
         torch.cuda.empty_cache()
 
     target = torch.randint(0, v, (n,), device="cuda")
@@ -101,13 +161,34 @@ def main() -> None:
     adv = torch.randn(n, device="cuda")
     with torch.no_grad():
         old = torch.log_softmax(x.float(), -1).gather(-1, target.clamp_min(0)[:, None])[:, 0] + 0.1
-    head = dict(label_weight=1.0, z_loss_weight=1e-4, grpo_weight=1.0, advantages=adv, old_log_probs=old)
+    # The z-loss over the labelled tokens (Fast-LLM's loss_mask), as the separate ops below: then the head reads
+    # the rows GRPO alone reads, and the target is within 5% of it.
+    head = dict(label_weight=1.0, z_loss_weight=1e-4, z_loss_mask=target >= 0, grpo_weight=1.0, advantages=adv,
+                old_log_probs=old)
     rows = {"fused CE+z+GRPO": step(lambda: fused_head_loss(x, target, **head).loss),
+            "fused CE+GRPO": step(lambda: fused_head_loss(x, target, label_weight=1.0, grpo_weight=1.0,
+                                                          advantages=adv, old_log_probs=old).loss),
             "GRPO alone": step(lambda: rl_losses.grpo_loss(x, target, adv, old).loss),
             "3 separate ops": step(lambda: rl_losses.cross_entropy(x, target) + 1e-4 * rl_losses.z_loss(
                 x, loss_mask=target >= 0) + rl_losses.grpo_loss(x, target, adv, old).loss)}
+    times = {}
     for name, fn in rows.items():
-        print(f"head {name:18s} {timed(fn, args.reps):8.3f} ms")
+        times[name] = timed(fn, args.reps)
+        record("head", name, times[name], n, v)
+        print(f"head {name:18s} {times[name]:8.3f} ms")
+    base = times["GRPO alone"]
+    for name in ("fused CE+z+GRPO", "fused CE+GRPO"):
+        print(f"head {name} over GRPO alone: {100 * (times[name] / base - 1):+.1f}% (target: within +5%)")
+
+    if args.out:
+        meta = {"script": "bench_distill_head.py", "device": torch.cuda.get_device_name(),
+                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "command": " ".join(["python", *map(shlex.quote, sys.argv)]), "git": _git(),
+                "torch": torch.__version__, "liger_kernel": liger_version,
+                "copy_ceiling_gbps": round(rate / 1e6)}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -332,6 +332,20 @@ def tp_section(doc: dict) -> list[str]:
     return out + [""]
 
 
+def distill_head_section(doc: dict) -> list[str]:
+    """bench_distill_head.py: distillation against its floor and peers, the fused head against GRPO alone."""
+    rows = latest_rows(doc, "bench_distill_head.py", _gpu_key)
+    if not rows:
+        return []
+    out = ["### Distillation and the fused head (bench_distill_head.py)", "",
+           "Milliseconds, forward + backward; % of the floor (read the student, read the teacher, write the "
+           "gradient, at the copy ceiling) for the distillation rows.", "",
+           "| case | N × V | dtype | provider | ms | % of floor |", "|---|---|---|---|---|---|"]
+    for r in rows.values():
+        out.append(f"| {r['op']} | {r['n']} × {r['v']} | {r['dtype']} | {r['provider']} | {_cell(r)} | {_pct(r)} |")
+    return out + [""]
+
+
 def cpu_section(doc: dict) -> list[str]:
     rows = latest_rows(doc, "bench_cpu.py", lambda r: (r["op"], r["provider"]))
     if not rows:
@@ -362,7 +376,7 @@ def render_results(docs: list[dict]) -> str:
            "ceiling): `docs/performance.md`; how the kernels got there: `docs/design.md`.", ""]
     for doc in docs:
         out += [f"## {doc['host']} — {doc['date']} (`results/{doc['file']}`)", "", "Runs:", ""] + runs_list(doc) + [""]
-        out += gpu_section(doc) + linear_section(doc) + tp_section(doc) + cpu_section(doc)
+        out += gpu_section(doc) + linear_section(doc) + distill_head_section(doc) + tp_section(doc) + cpu_section(doc)
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -425,8 +439,8 @@ def run_from_output(path: str) -> tuple[dict, dict]:
         head = {"device": d["device"], "host": f"{d['world']} × {d['device']} ({d['backend']})", "world": d["world"]}
         return head, run
     m, rows = d["meta"], d["results"]
-    script = ("bench_linear.py" if "gemm_floor" in {r.get("provider") for r in rows}
-              else "bench_cpu.py" if "threads" in m else "bench_gpu.py")
+    script = m.get("script") or ("bench_linear.py" if "gemm_floor" in {r.get("provider") for r in rows}
+                                 else "bench_cpu.py" if "threads" in m else "bench_gpu.py")
     run = {"script": script, "time": m["date"], "command": m["command"], "git": m.get("git"), "torch": m["torch"],
            "liger_kernel": m.get("liger_kernel"), "rows": [{k: v for k, v in r.items() if k != "times_ms"}
                                                            for r in rows]}

@@ -112,7 +112,12 @@ def test_opcheck(device):
     logits, target, doc, pairs, ref_c, ref_r = make_inputs(2, 9, torch.float32, device)
     torch.library.opcheck(_ops.dpo, (logits.clone().requires_grad_(), target, doc, pairs, ref_c, ref_r),
                           dict(beta=0.5))
-    torch.library.opcheck(_ops._dpo_forward, (logits, target, doc, pairs, ref_c, ref_r, 0.5, 1.0, None, True))
+    torch.library.opcheck(_ops._dpo_forward, (logits, target, doc, pairs, ref_c, ref_r, 0.5, 1.0, None, None, 0, -1,
+                                              True))
+    # The tensor-parallel hooks: given statistics (as the all-reduce leaves them), a shard's columns.
+    stats = _ops.row_stats(logits, target).reshape(-1, 5)
+    torch.library.opcheck(_ops.dpo, (logits[:, 3:].clone().requires_grad_(), target, doc, pairs, ref_c, ref_r),
+                          dict(beta=0.5, row_stats=stats, vocab_start=3, vocab_size=9))
 
 
 def test_compile_fullgraph(device):

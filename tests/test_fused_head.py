@@ -113,6 +113,33 @@ def test_equals_the_sum_of_the_separate_ops(terms, vocab, dtype, option, device)
         assert torch.count_nonzero(x.grad[target < 0]) == 0
 
 
+@pytest.mark.parametrize("vocab", [7, 769])
+@pytest.mark.parametrize("z_mask", ["labels", "random", "none"])
+def test_reads_only_the_rows_its_terms_use(z_mask, vocab, device):
+    """A row with neither a label nor the z-loss is skipped unread (NaN logits there change nothing, and its
+    gradient is 0); the z-loss's unlabelled rows are read and get their gradient."""
+    inputs = make_inputs((4, 9), vocab, torch.float32, device)
+    logits, target = inputs[:2]
+    kwargs = head_kwargs(TERMS, inputs, {"z_loss_mask": z_mask == "random", "label_smoothing": 0.1})
+    if z_mask == "labels":
+        kwargs["z_loss_mask"] = target >= 0
+    z_rows = kwargs["z_loss_mask"] if kwargs["z_loss_mask"] is not None else torch.ones_like(target, dtype=bool)
+    unused = (target < 0) & ~z_rows
+    poisoned = logits.masked_fill(unused[..., None], float("nan"))
+    x = poisoned.clone().requires_grad_()
+    out = fused_head_loss(x, target, **kwargs)
+    (out.loss * 0.9).backward()
+    z = logits.detach().double().requires_grad_()
+    ref = reference.fused_head_loss(z, target, **{k: v.double() if isinstance(v, torch.Tensor) and
+                                                   v.is_floating_point() else v for k, v in kwargs.items()})
+    (ref.loss * 0.9).backward()
+    for name in ("loss", "label_loss", "z_loss", "grpo_loss", "log_probs"):
+        assert_close(getattr(out, name).detach(), getattr(ref, name).detach(), torch.float32, msg=name)
+    assert_grad_close(x.grad, z.grad, torch.float32)
+    assert torch.count_nonzero(x.grad[unused]) == 0
+    assert torch.count_nonzero(x.grad[(target < 0) & z_rows]) == ((target < 0) & z_rows).sum() * vocab
+
+
 def test_inplace_backward_matches(device):
     inputs = make_inputs((4, 5), 97, torch.float32, device)
     logits, target = inputs[:2]
@@ -139,6 +166,10 @@ def test_opcheck(device):
     logits, target = inputs[:2]
     kwargs = head_kwargs(TERMS, inputs, OPTIONS["options"])
     torch.library.opcheck(_ops.fused_head_loss, (logits.clone().requires_grad_(), target), kwargs)
+    # The tensor-parallel hooks: given statistics (as the all-reduce leaves them), a shard's columns.
+    stats = _ops.row_stats(logits, target, logits_scale_factor=kwargs["logits_scale_factor"], smoothing=True)
+    torch.library.opcheck(_ops.fused_head_loss, (logits[:, 4:].clone().requires_grad_(), target),
+                          dict(kwargs, row_stats=stats, vocab_start=4, vocab_size=11))
 
 
 def test_compile_fullgraph(device):

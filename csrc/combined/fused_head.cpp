@@ -18,6 +18,7 @@ std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& tar
                                            const std::optional<at::Tensor>& loss_weights, double epsilon_low,
                                            double epsilon_high, std::optional<double> delta, double beta,
                                            std::optional<double> grpo_divisor, double logits_scale_factor,
+                                           const std::optional<at::Tensor>& row_stats,
                                            const FusedHeadBackend& backend) {
   const char* op = src.op();
   const FlatLogits& f = src.flat();
@@ -33,6 +34,7 @@ std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& tar
   check_divisor(op, label_divisor);
   check_divisor(op, z_loss_divisor);
   check_divisor(op, grpo_divisor);
+  check_row_stats(op, row_stats, f);
   const auto opts = src.acc_options();
   const auto acc = opts.dtype().toScalarType();
   FusedHeadRows rows;
@@ -82,6 +84,22 @@ std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& tar
   for (auto& t : rows.scalars) t = at::empty({}, opts);
 
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
+  rows.labels = f.target1d;
+  if (row_stats) args.stats_in = *row_stats;
+  if (z_loss_weight != 0) {
+    // The z-loss's unlabelled tokens get the stand-in label 0, so that the row pass reads them (the epilogue
+    // reads the true labels); the other unlabelled rows stay skipped.
+    at::Tensor z_only = f.target1d < 0;
+    if (rows.z_mask.defined()) z_only = z_only.logical_and(rows.z_mask != 0);
+    args.target = at::where(z_only, at::zeros({}, f.target1d.options()), f.target1d);
+    // The row pass takes the label's logit from the statistics, which, given (tensor parallelism), hold 0 on
+    // those rows: the shard holding column 0 puts its logit there (read before any in-place gradient).
+    if (row_stats && f.vocab_start == 0 && f.n_rows > 0 && f.vocab > 0) {
+      at::Tensor label_logit = f.logits2d.select(1, 0).to(acc) * logits_scale_factor;
+      args.stats_in = row_stats->clone(at::MemoryFormat::Contiguous);
+      args.stats_in.select(1, 4).copy_(at::where(z_only, label_logit, args.stats_in.select(1, 4)));
+    }
+  }
   args.smoothing = label_smoothing != 0 && label_weight != 0;
   if (f.n_rows > 0) {
     src.run(args, src.wants_grad(), [&](RowPassArgs& a) {

@@ -18,18 +18,22 @@ namespace rl_losses {
 
 enum FusedHeadTerm : int { kHeadLabel = 0, kHeadZLoss, kHeadGrpo, kHeadTerms };
 
-// kAllRows: the z-loss covers tokens without a label too (its own mask), so no row may be skipped unread.
-template <typename acc_t, bool kAllRows>
+// A row that no term uses (no label and no z-loss) is skipped unread, as GRPO alone skips it. The z-loss also
+// covers unlabelled tokens (its own mask): the row pass gets a stand-in label 0 on those rows, so that they
+// are read, and the epilogue reads the true labels from `labels` (the stand-in's one-hot term has weight 0).
+// So the head reads exactly the rows its terms need, which is the rows GRPO alone reads when the z-loss mask
+// is the label mask.
+template <typename acc_t>
 struct FusedHeadEpilogue {
   static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = true;
   static constexpr bool kMayUseEntropyGrad = false;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
-  // Without the z-loss, every term is 0 on an unlabelled token, and so is its gradient.
-  static constexpr bool kSkipsUnlabelled = !kAllRows;
+  static constexpr bool kSkipsUnlabelled = true;
   CrossEntropyOptions<acc_t> ce;  // λ = 1, ε, ζ = 0, V
   PolicyOptions<acc_t> grpo;  // ppo_clip with the k3 KL: the plain GRPO term
   acc_t weight[kHeadTerms];
   const acc_t* divisor[kHeadTerms];  // 0-dim each
+  const int64_t* labels;             // (N,) the true labels (the row pass's may be a stand-in, see above)
   const acc_t* z_mask;               // (N,) 0/1: the z-loss's tokens; null: every token
   const acc_t* advantages;           // null unless the GRPO term is on
   const acc_t* old_log_probs;
@@ -38,12 +42,14 @@ struct FusedHeadEpilogue {
   acc_t* out;                  // (N, kHeadTerms): each term's share, unweighted
   acc_t* log_probs;            // (N,)
 
-  C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t label, const RowStats<acc_t>& st) const {
+  C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t /*row pass's label*/,
+                                             const RowStats<acc_t>& st) const {
     acc_t* o = out + row * kHeadTerms;
     for (int k = 0; k < kHeadTerms; ++k) o[k] = acc_t(0);
     GradCoef<acc_t> g{acc_t(0), acc_t(0), acc_t(0)};
+    const int64_t label = labels[row];
     const bool z_on = weight[kHeadZLoss] != acc_t(0) && (z_mask == nullptr || z_mask[row] != acc_t(0));
-    if (label < 0 && !(kAllRows && z_on)) {
+    if (label < 0 && !z_on) {
       log_probs[row] = acc_t(0);
       return g;
     }
@@ -105,16 +111,18 @@ struct FusedHeadRows {
   PolicyOptions<double> grpo;
   double weight[kHeadTerms];
   at::Tensor divisor[kHeadTerms];
+  at::Tensor labels;  // (N,) int64, the true labels
   at::Tensor z_mask;  // (N,) or undefined
   at::Tensor advantages, old_log_probs, ref_log_probs, loss_weights;
   at::Tensor out, log_probs;
   at::Tensor scalars[kHeadTerms + 1];
 };
 
-template <typename acc_t, bool kAllRows>
-FusedHeadEpilogue<acc_t, kAllRows> make_fused_head_epilogue(const FusedHeadRows& r) {
+template <typename acc_t>
+FusedHeadEpilogue<acc_t> make_fused_head_epilogue(const FusedHeadRows& r) {
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<acc_t>() : nullptr; };
-  FusedHeadEpilogue<acc_t, kAllRows> e;
+  FusedHeadEpilogue<acc_t> e;
+  e.labels = r.labels.const_data_ptr<int64_t>();
   e.ce = {acc_t(r.ce.label_weight), acc_t(r.ce.label_smoothing), acc_t(r.ce.z_loss_factor), acc_t(r.ce.vocab_size)};
   e.grpo = policy_options_as<acc_t>(r.grpo);
   for (int k = 0; k < kHeadTerms; ++k) {
@@ -139,15 +147,9 @@ struct FusedHeadBackend {
 template <typename Runner>
 struct FusedHeadBackendImpl {
   static void rows(const RowPassArgs& args, const FusedHeadRows& r) {
-    if (r.weight[kHeadZLoss] != 0) {
-      Runner::row_pass(args, "fused_head_loss", [&](auto* tag) {
-        return make_fused_head_epilogue<std::remove_pointer_t<decltype(tag)>, true>(r);
-      });
-    } else {
-      Runner::row_pass(args, "fused_head_loss", [&](auto* tag) {
-        return make_fused_head_epilogue<std::remove_pointer_t<decltype(tag)>, false>(r);
-      });
-    }
+    Runner::row_pass(args, "fused_head_loss", [&](auto* tag) {
+      return make_fused_head_epilogue<std::remove_pointer_t<decltype(tag)>>(r);
+    });
   }
   static void totals(const FusedHeadRows& r) {
     AT_DISPATCH_FLOATING_TYPES(r.out.scalar_type(), "fused_head_loss", [&] {
@@ -162,6 +164,9 @@ struct FusedHeadBackendImpl {
 };
 
 // Outputs: loss (the weighted total), label_loss, z_loss, grpo_loss (unweighted, detached), log_probs.
+// Tensor parallelism: `row_stats` are the statistics all-reduced over the vocabulary shards (with Σx where the
+// label term smooths), and the source's vocab_start / vocab_size place the shard; the op then reads its shard
+// once, for the loss and the gradient.
 std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& target, double label_weight,
                                            double label_smoothing, std::optional<double> label_divisor,
                                            double z_loss_weight, std::optional<double> z_loss_divisor,
@@ -172,6 +177,7 @@ std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& tar
                                            const std::optional<at::Tensor>& loss_weights, double epsilon_low,
                                            double epsilon_high, std::optional<double> delta, double beta,
                                            std::optional<double> grpo_divisor, double logits_scale_factor,
+                                           const std::optional<at::Tensor>& row_stats,
                                            const FusedHeadBackend& backend);
 
 using HeadOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
@@ -184,24 +190,26 @@ struct FusedHeadOps {
   static std::vector<at::Tensor> run(RowSource& src, const at::Tensor& target, double lw, double eps, OptD ld,
                                      double zw, OptD zd, const Opt& zm, double gw, const Opt& adv, const Opt& old,
                                      const Opt& ref, const Opt& w, double el, double eh, OptD delta, double beta,
-                                     OptD gd, double s) {
+                                     OptD gd, double s, const Opt& row_stats) {
     return fused_head_forward(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, s,
-                              kBackend());
+                              row_stats, kBackend());
   }
   static HeadOutputsAndGrad forward(const at::Tensor& logits, const at::Tensor& target, double lw, double eps,
                                     OptD ld, double zw, OptD zd, const Opt& zm, double gw, const Opt& adv,
                                     const Opt& old, const Opt& ref, const Opt& w, double el, double eh, OptD delta,
-                                    double beta, OptD gd, double s, bool compute_grad) {
-    LogitsSource src("fused_head_loss", logits, target, 0, -1, compute_grad, false);
-    auto o = run(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, s);
+                                    double beta, OptD gd, double s, const Opt& row_stats, int64_t vocab_start,
+                                    int64_t vocab_size, bool compute_grad) {
+    LogitsSource src("fused_head_loss", logits, target, vocab_start, vocab_size, compute_grad, false);
+    auto o = run(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, s, row_stats);
     return {o[0], o[1], o[2], o[3], o[4], src.grads()[0]};
   }
   static HeadOutputs forward_inplace(const at::Tensor& logits, const at::Tensor& target, double lw, double eps,
                                      OptD ld, double zw, OptD zd, const Opt& zm, double gw, const Opt& adv,
                                      const Opt& old, const Opt& ref, const Opt& w, double el, double eh, OptD delta,
-                                     double beta, OptD gd, double s) {
-    LogitsSource src("fused_head_loss", logits, target, 0, -1, false, true);
-    auto o = run(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, s);
+                                     double beta, OptD gd, double s, const Opt& row_stats, int64_t vocab_start,
+                                     int64_t vocab_size) {
+    LogitsSource src("fused_head_loss", logits, target, vocab_start, vocab_size, false, true);
+    auto o = run(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, s, row_stats);
     return {o[0], o[1], o[2], o[3], o[4]};
   }
 };

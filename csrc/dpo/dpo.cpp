@@ -55,12 +55,14 @@ std::vector<at::Tensor> dpo_forward(const at::Tensor& logits, const at::Tensor& 
                                     const at::Tensor& document_index, const at::Tensor& pairs,
                                     const at::Tensor& reference_chosen_log_probs,
                                     const at::Tensor& reference_rejected_log_probs, double beta,
-                                    double logits_scale_factor, std::optional<double> divisor, bool compute_grad,
-                                    bool inplace, const DpoBackend& backend) {
-  LogitsSource src(kOp, logits, target, 0, -1, compute_grad, inplace);
+                                    double logits_scale_factor, std::optional<double> divisor,
+                                    const std::optional<at::Tensor>& row_stats, int64_t vocab_start,
+                                    int64_t vocab_size, bool compute_grad, bool inplace, const DpoBackend& backend) {
+  LogitsSource src(kOp, logits, target, vocab_start, vocab_size, compute_grad, inplace);
   const FlatLogits& f = src.flat();
   check_scale(kOp, logits_scale_factor);
   check_divisor(kOp, divisor);
+  check_row_stats(kOp, row_stats, f);
   TORCH_CHECK(std::isfinite(beta) && beta > 0, kOp, ": beta must be finite and > 0, got ", beta);
   const auto opts = src.acc_options();
   const auto acc = opts.dtype().toScalarType();
@@ -83,8 +85,12 @@ std::vector<at::Tensor> dpo_forward(const at::Tensor& logits, const at::Tensor& 
   g.divisor = at::full({}, divisor.value_or(static_cast<double>(g.num_pairs)), opts);
 
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
-  g.stats = at::empty({f.n_rows, 5}, opts);
-  if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.stats(a, g.stats); });
+  if (row_stats) {
+    g.stats = *row_stats;
+  } else {
+    g.stats = at::empty({f.n_rows, 5}, opts);
+    if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.stats(a, g.stats); });
+  }
   g.log_probs = at::empty({f.n_rows}, opts);
   g.safe_document = at::empty({f.n_rows}, g.document.options());
   g.document_sums = at::empty({g.num_documents}, opts);

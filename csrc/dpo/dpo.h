@@ -132,13 +132,16 @@ struct DpoBackend {
 };
 
 // Outputs: loss, rewards_chosen, rewards_rejected, accuracy, margin (0-dim), log_probs (batch shape),
-// document_log_probs (2P,); the gradient, when asked, last.
+// document_log_probs (2P,); the gradient, when asked, last. Tensor parallelism: `row_stats` are the statistics
+// all-reduced over the vocabulary shards (the op then reads its shard once, for the gradient), and
+// vocab_start / vocab_size place the shard in the vocabulary.
 std::vector<at::Tensor> dpo_forward(const at::Tensor& logits, const at::Tensor& target,
                                     const at::Tensor& document_index, const at::Tensor& pairs,
                                     const at::Tensor& reference_chosen_log_probs,
                                     const at::Tensor& reference_rejected_log_probs, double beta,
-                                    double logits_scale_factor, std::optional<double> divisor, bool compute_grad,
-                                    bool inplace, const DpoBackend& backend);
+                                    double logits_scale_factor, std::optional<double> divisor,
+                                    const std::optional<at::Tensor>& row_stats, int64_t vocab_start,
+                                    int64_t vocab_size, bool compute_grad, bool inplace, const DpoBackend& backend);
 
 using DpoOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using DpoOutputsAndGrad =
@@ -146,16 +149,21 @@ using DpoOutputsAndGrad =
 
 template <const DpoBackend& (*kBackend)()>
 struct DpoOps {
+  using Opt = std::optional<at::Tensor>;
   static DpoOutputsAndGrad forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& doc,
                                    const at::Tensor& pairs, const at::Tensor& ref_c, const at::Tensor& ref_r,
-                                   double beta, double s, std::optional<double> d, bool compute_grad) {
-    auto o = dpo_forward(logits, target, doc, pairs, ref_c, ref_r, beta, s, d, compute_grad, false, kBackend());
+                                   double beta, double s, std::optional<double> d, const Opt& row_stats,
+                                   int64_t vocab_start, int64_t vocab_size, bool compute_grad) {
+    auto o = dpo_forward(logits, target, doc, pairs, ref_c, ref_r, beta, s, d, row_stats, vocab_start, vocab_size,
+                         compute_grad, false, kBackend());
     return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]};
   }
   static DpoOutputs forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& doc,
                                     const at::Tensor& pairs, const at::Tensor& ref_c, const at::Tensor& ref_r,
-                                    double beta, double s, std::optional<double> d) {
-    auto o = dpo_forward(logits, target, doc, pairs, ref_c, ref_r, beta, s, d, false, true, kBackend());
+                                    double beta, double s, std::optional<double> d, const Opt& row_stats,
+                                    int64_t vocab_start, int64_t vocab_size) {
+    auto o = dpo_forward(logits, target, doc, pairs, ref_c, ref_r, beta, s, d, row_stats, vocab_start, vocab_size,
+                         false, true, kBackend());
     return {o[0], o[1], o[2], o[3], o[4], o[5], o[6]};
   }
 };

@@ -272,27 +272,8 @@ def _linear_gspo_forward(hidden, weight, target, advantages, old_log_probs, docu
     return tuple(_policy_outputs(hidden, target, n_docs) + _linear_grads(hidden, weight, bias, args[-1]))
 
 
-# ---- distillation: (loss, divergence[, grad]); the checks the C++ op makes on shapes and options ----------------
-_DISTILL_KINDS = ("forward_kl", "reverse_kl", "cross_entropy", "jsd")
-
-
-def _distill_check(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask):
-    torch._check(logits.dtype.is_floating_point and teacher_logits.dtype.is_floating_point,
-                 lambda: "distillation: logits and teacher_logits must be floating-point tensors")
-    torch._check(logits.dim() >= 1 and logits.shape[-1] >= 1,
-                 lambda: f"distillation: logits must have a non-empty vocabulary dimension, got {tuple(logits.shape)}")
-    torch._check(tuple(teacher_logits.shape) == tuple(logits.shape),
-                 lambda: f"distillation: teacher_logits has shape {tuple(teacher_logits.shape)} but logits has shape "
-                         f"{tuple(logits.shape)}")
-    torch._check(kind in _DISTILL_KINDS, lambda: f"distillation: kind must be one of {_DISTILL_KINDS}, got {kind!r}")
-    torch._check(0.0 <= beta <= 1.0, lambda: f"distillation: beta must be in [0, 1], got {beta}")
-    torch._check(temperature > 0, lambda: f"distillation: temperature must be finite and > 0, got {temperature}")
-    torch._check(logits_scale_factor > 0,
-                 lambda: f"distillation: logits_scale_factor must be finite and > 0, got {logits_scale_factor}")
-    if loss_mask is not None:
-        torch._check(tuple(loss_mask.shape) == tuple(logits.shape[:-1]),
-                     lambda: f"distillation: loss_mask has shape {tuple(loss_mask.shape)} but logits has batch shape "
-                             f"{tuple(logits.shape[:-1])}")
+# ---- distillation: (loss, divergence[, grad]) -----------------------------------------------------------------
+def _distill_outputs(logits):
     acc = _acc(logits.dtype)
     return logits.new_empty([], dtype=acc), logits.new_empty(list(logits.shape[:-1]), dtype=acc)
 
@@ -300,76 +281,99 @@ def _distill_check(logits, teacher_logits, kind, beta, temperature, logits_scale
 @register_fake("rl_losses::distillation")
 def _distillation(logits, teacher_logits, *, kind="forward_kl", beta=0.5, temperature=1.0, logits_scale_factor=1.0,
                   loss_mask=None, divisor=None, inplace_backward=False, row_stats=None, jsd_sums=None):
-    return _distill_check(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask)
+    # Without autograd (the only way here) inplace_backward writes nothing, so its checks do not apply.
+    _checks.distillation(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask, divisor,
+                         row_stats, jsd_sums)
+    return _distill_outputs(logits)
 
 
 @register_fake("rl_losses::_distillation_forward")
 def _distillation_forward(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask, divisor,
                           row_stats, jsd_sums, compute_grad):
-    loss, divergence = _distill_check(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask)
-    return loss, divergence, _grad(logits, compute_grad)
+    _checks.distillation(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask, divisor,
+                         row_stats, jsd_sums)
+    return (*_distill_outputs(logits), _grad(logits, compute_grad))
 
 
 @register_fake("rl_losses::_distillation_forward_inplace")
 def _distillation_forward_inplace(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask,
                                   divisor, row_stats, jsd_sums):
-    return _distill_check(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask)
+    _checks.distillation(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask, divisor,
+                         row_stats, jsd_sums, inplace=True)
+    return _distill_outputs(logits)
 
 
 @register_fake("rl_losses::distillation_stats")
 def _distillation_stats(logits, teacher_logits, *, temperature=1.0, logits_scale_factor=1.0):
-    _distill_check(logits, teacher_logits, "forward_kl", 0.5, temperature, logits_scale_factor, None)
-    return logits.new_empty(list(logits.shape[:-1]) + [7], dtype=_acc(logits.dtype))
+    _checks.distillation_stats(logits, teacher_logits, temperature, logits_scale_factor)
+    return logits.new_empty(list(logits.shape[:-1]) + [_checks.DISTILL_STATS_FIELDS], dtype=_acc(logits.dtype))
 
 
 @register_fake("rl_losses::distillation_jsd_sums")
 def _distillation_jsd_sums(logits, teacher_logits, row_stats, *, beta=0.5, temperature=1.0, logits_scale_factor=1.0):
-    _distill_check(logits, teacher_logits, "jsd", beta, temperature, logits_scale_factor, None)
+    _checks.distillation_jsd_sums(logits, teacher_logits, row_stats, beta, temperature, logits_scale_factor)
     return logits.new_empty(list(logits.shape[:-1]) + [2], dtype=_acc(logits.dtype))
 
 
 # ---- DPO: 5 scalars, the per-token log-probs and the per-document sums (2 per pair) -------------------------------
-def _dpo_outputs(logits, target, pairs):
+def _dpo_outputs(logits, target, n_pairs):
     acc = _acc(logits.dtype)
-    torch._check(pairs.dim() == 2 and pairs.shape[1] == 2,
-                 lambda: f"dpo: pairs must have shape (num_pairs, 2), got {tuple(pairs.shape)}")
     scalars = [logits.new_empty([], dtype=acc) for _ in range(5)]
-    return scalars + [logits.new_empty(_batch(target), dtype=acc), logits.new_empty([2 * pairs.shape[0]], dtype=acc)]
+    return scalars + [logits.new_empty(_batch(target), dtype=acc), logits.new_empty([2 * n_pairs], dtype=acc)]
 
 
 @register_fake("rl_losses::dpo")
-def _dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs, **kwargs):
-    return tuple(_dpo_outputs(logits, target, pairs))
+def _dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs, *,
+         beta=1.0, logits_scale_factor=1.0, divisor=None, inplace_backward=False, row_stats=None, vocab_start=0,
+         vocab_size=-1):
+    n = _checks.dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs,
+                    beta, logits_scale_factor, divisor, row_stats, vocab_start, vocab_size)
+    return tuple(_dpo_outputs(logits, target, n))
 
 
 @register_fake("rl_losses::_dpo_forward")
-def _dpo_forward(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, compute_grad):
-    return tuple(_dpo_outputs(logits, target, pairs) + [_grad(logits, compute_grad)])
+def _dpo_forward(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats, vocab_start,
+                 vocab_size, compute_grad):
+    n = _checks.dpo(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats, vocab_start,
+                    vocab_size)
+    return tuple(_dpo_outputs(logits, target, n) + [_grad(logits, compute_grad)])
 
 
 @register_fake("rl_losses::_dpo_forward_inplace")
-def _dpo_forward_inplace(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor):
-    return tuple(_dpo_outputs(logits, target, pairs))
+def _dpo_forward_inplace(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats,
+                         vocab_start, vocab_size):
+    n = _checks.dpo(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats, vocab_start,
+                    vocab_size, inplace=True)
+    return tuple(_dpo_outputs(logits, target, n))
 
 
 # ---- the fused head: loss, label_loss, z_loss, grpo_loss (0-dim) and the per-token log-probs ----------------------
+_HEAD_DEFAULTS = dict(label_weight=0.0, label_smoothing=0.0, label_divisor=None, z_loss_weight=0.0,
+                      z_loss_divisor=None, z_loss_mask=None, grpo_weight=0.0, advantages=None, old_log_probs=None,
+                      ref_log_probs=None, loss_weights=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
+                      grpo_divisor=None, logits_scale_factor=1.0, row_stats=None, vocab_start=0, vocab_size=-1)
+
+
 def _head_outputs(logits, target):
     acc = _acc(logits.dtype)
     return [logits.new_empty([], dtype=acc) for _ in range(4)] + [logits.new_empty(_batch(target), dtype=acc)]
 
 
 @register_fake("rl_losses::fused_head_loss")
-def _fused_head_loss(logits, target, **kwargs):
+def _fused_head_loss(logits, target, *, inplace_backward=False, **kwargs):
+    _checks.fused_head(logits, target, *{**_HEAD_DEFAULTS, **kwargs}.values())
     return tuple(_head_outputs(logits, target))
 
 
 @register_fake("rl_losses::_fused_head_loss_forward")
 def _fused_head_loss_forward(logits, target, *args):
+    _checks.fused_head(logits, target, *args[:-1])
     return tuple(_head_outputs(logits, target) + [_grad(logits, args[-1])])
 
 
 @register_fake("rl_losses::_fused_head_loss_forward_inplace")
 def _fused_head_loss_forward_inplace(logits, target, *args):
+    _checks.fused_head(logits, target, *args, inplace=True)
     return tuple(_head_outputs(logits, target))
 
 

@@ -13,7 +13,8 @@ _ops = torch.ops.rl_losses
 def dpo_loss(logits: torch.Tensor, target: torch.Tensor, document_index: torch.Tensor, pairs: torch.Tensor,
              reference_chosen_log_probs: torch.Tensor, reference_rejected_log_probs: torch.Tensor, *,
              beta: float = 1.0, logits_scale_factor: float = 1.0, divisor: float | None = None,
-             inplace_backward: bool = False) -> DpoOutput:
+             inplace_backward: bool = False, tp_group=None, vocab_start: int | None = None,
+             vocab_size: int | None = None) -> DpoOutput:
     """Fused DPO loss (Fast-LLM's ``dpo`` type) over a packed batch.
 
     Each document (the tokens sharing a ``document_index``) is the chosen or the rejected response of one pair;
@@ -30,11 +31,19 @@ def dpo_loss(logits: torch.Tensor, target: torch.Tensor, document_index: torch.T
             pair's chosen / rejected document.
         beta: β > 0 (Fast-LLM's default 1). divisor: D (default: the number of pairs, the mean over pairs).
         inplace_backward: write the gradient into ``logits``.
+        tp_group: vocabulary-parallel process group: ``logits`` hold this rank's columns (every rank the same
+            tokens, labels, documents and pairs); the row statistics are all-reduced over the group before the
+            op, which then reads its shard once, for the gradient. The loss and metrics are identical on every
+            rank; the gradient is this rank's column block. vocab_start, vocab_size: this shard's first global
+            column and the global V, for uneven shards (default: even shards).
     Returns: DpoOutput (``loss`` differentiable; rewards, accuracy, margin, log-probs detached).
     """
+    from rl_losses.distributed import _tp_setup
+
+    stats, start, total = _tp_setup("dpo", logits, target, tp_group, logits_scale_factor, vocab_start, vocab_size)
     out = _ops.dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs,
-                   beta=beta, logits_scale_factor=logits_scale_factor,
-                   divisor=_divisor(divisor), inplace_backward=inplace_backward)
+                   beta=beta, logits_scale_factor=logits_scale_factor, divisor=_divisor(divisor),
+                   inplace_backward=inplace_backward, row_stats=stats, vocab_start=start, vocab_size=total)
     return DpoOutput(*out)
 
 

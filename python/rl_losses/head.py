@@ -31,7 +31,8 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, label_weight:
                     ref_log_probs: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None,
                     epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
                     beta: float = 0.0, grpo_divisor: float | None = None, logits_scale_factor: float = 1.0,
-                    inplace_backward: bool = False) -> FusedHeadOutput:
+                    inplace_backward: bool = False, tp_group=None, vocab_start: int | None = None,
+                    vocab_size: int | None = None) -> FusedHeadOutput:
     """Label cross-entropy, z-loss and GRPO in one pass over the logits, with one summed gradient.
 
     ``loss = label_weight·CE + z_loss_weight·Z + grpo_weight·GRPO``, each term as the separate op computes it
@@ -43,9 +44,17 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, label_weight:
     Args:
         logits: (..., V) float32/bfloat16/float16/float64; target: (...) int labels, negative = no label.
         advantages, old_log_probs (and ref_log_probs with beta > 0, optional loss_weights): (...) float, for GRPO.
+        tp_group: vocabulary-parallel process group: ``logits`` hold this rank's columns, labels are global ids;
+            the row statistics are all-reduced over the group first, then the op reads its shard once, for the
+            terms and the gradient. Every output is identical on every rank; the gradient is this rank's column
+            block. vocab_start, vocab_size: this shard's first global column and the global V, for uneven shards.
     Returns: FusedHeadOutput(loss, label_loss, z_loss, grpo_loss, log_probs): the differentiable weighted total,
         and each term unweighted and detached.
     """
+    from rl_losses.distributed import _tp_setup
+
+    stats, start, total = _tp_setup("fused_head_loss", logits, target, tp_group, logits_scale_factor, vocab_start,
+                                    vocab_size, smoothing=label_smoothing != 0 and label_weight != 0)
     out = _ops.fused_head_loss(logits, target, label_weight=label_weight, label_smoothing=label_smoothing,
                                label_divisor=_divisor(label_divisor), z_loss_weight=z_loss_weight,
                                z_loss_divisor=_divisor(z_loss_divisor), z_loss_mask=z_loss_mask,
@@ -53,7 +62,8 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, label_weight:
                                ref_log_probs=ref_log_probs, loss_weights=loss_weights,
                                epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
                                grpo_divisor=_divisor(grpo_divisor), logits_scale_factor=logits_scale_factor,
-                               inplace_backward=inplace_backward)
+                               inplace_backward=inplace_backward, row_stats=stats, vocab_start=start,
+                               vocab_size=total)
     return FusedHeadOutput(*out)
 
 
@@ -85,11 +95,6 @@ class LanguageModelDPOLoss(LanguageModelLoss):
 
     config: LanguageModelDPOLossConfig
 
-    def __init__(self, config, *, name, tp_group=None):
-        super().__init__(config, name=name, tp_group=tp_group)
-        if tp_group is not None:
-            raise ValueError(f"{type(self).__name__} {name!r}: DPO has no tensor-parallel form")
-
     def _forward(self, logits, batch, kernel):
         labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
         if batch.get("document_index") is not None and batch.get("dpo_pairs") is not None:
@@ -107,10 +112,10 @@ class LanguageModelDPOLoss(LanguageModelLoss):
                 ref_logits = _reference_logits(batch, cfg.reference_model, self.name)
                 zeros = torch.zeros(pairs.shape[0], device=labels.device)
                 sums = fn(ref_logits, labels, document_index, pairs, zeros, zeros,
-                          logits_scale_factor=cfg.logits_scale_factor).document_log_probs
+                          logits_scale_factor=cfg.logits_scale_factor, **self._options(kernel)).document_log_probs
                 ref_c, ref_r = sums[pairs[:, 0]], sums[pairs[:, 1]]
         out = fn(logits, labels, document_index, pairs, ref_c, ref_r, beta=cfg.beta,
-                 logits_scale_factor=cfg.logits_scale_factor)
+                 logits_scale_factor=cfg.logits_scale_factor, **self._options(kernel))
         n = self.name
         return out.loss, {f"{n}_rewards_chosen": out.rewards_chosen, f"{n}_rewards_rejected": out.rewards_rejected,
                           f"{n}_accuracy": out.accuracy, f"{n}_margin": out.margin}
@@ -129,7 +134,7 @@ class LanguageModelHeadLoss(LanguageModelLoss):
     def _fusable(self, name: str, logits: torch.Tensor, batch: Batch) -> bool:
         cfg = self.config.losses[name]
         module = self.losses[name]
-        if self.tp_group is not None or not module.uses_kernel(logits) or logits.device.type == "meta":
+        if not module.uses_kernel(logits) or logits.device.type == "meta":
             return False
         if cfg.type_name == "label":
             return cfg.z_loss_factor == 0
@@ -155,7 +160,7 @@ class LanguageModelHeadLoss(LanguageModelLoss):
         return total, metrics
 
     def _fused(self, names, logits, batch, scale):
-        kwargs = dict(logits_scale_factor=scale)
+        kwargs = dict(logits_scale_factor=scale, tp_group=self.tp_group)
         labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
         divisor = batch.get(LanguageModelLossKwargs.num_labels_in_batch)
         for name in names:
