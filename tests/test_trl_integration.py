@@ -225,7 +225,7 @@ def test_op_options_maps_trl_config():
     """op_options: TRL's names to the op's, and the reasons a configuration keeps TRL's formula."""
     vocab_size = 53
     tok = make_tokenizer(vocab_size)
-    trainer = make_trainer(trl.GRPOTrainer, make_model(vocab_size), tok, vocab_size, loss_type="sapo", beta=0.1,
+    trainer = make_trainer(trl.GRPOTrainer, saved_model(vocab_size), tok, vocab_size, loss_type="sapo", beta=0.1,
                            sapo_temperature_pos=0.7, vllm_importance_sampling_correction=True,
                            vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.5,
                            vllm_importance_sampling_clip_max=None)
