@@ -134,6 +134,7 @@ BAD = [
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 @pytest.mark.parametrize("bad,message", BAD, ids=[m[:30] for _, m in BAD])
 def test_bad_inputs(bad, message, device):
+    bad = dict(bad)  # the parametrised dict is shared by the devices
     args = dict(log_probs=torch.zeros(3, 5), old_log_probs=torch.zeros(3, 5), advantages=torch.zeros(3))
     args.update({k: bad.pop(k) for k in list(bad) if k in args})
     args = {k: v.to(device) for k, v in args.items()}
@@ -145,9 +146,9 @@ def test_bad_inputs(bad, message, device):
 def test_opcheck_and_compile():
     lp, old, adv, ref, rollout = make_inputs((3, 8), torch.float32, "cpu", seed=9)
     lp.requires_grad_(True)
-    kwargs = dict(ref_log_probs=ref, beta=0.1, rollout_log_probs=rollout, rollout_correction="token_mask",
-                  rollout_mask_bounds=[0.5, 2.0], kl_importance_weighted=True)
-    torch.library.opcheck(torch.ops.rl_losses.policy_token_loss, (lp, old, adv), kwargs)
+    kwargs = dict(beta=0.1, rollout_correction="token_mask", rollout_mask_bounds=[0.5, 2.0],
+                  kl_importance_weighted=True)
+    torch.library.opcheck(torch.ops.rl_losses.policy_token_loss, (lp, old, adv, ref, rollout), kwargs)
     torch.library.opcheck(torch.ops.rl_losses.policy_token_loss, (lp, None, adv), dict(loss_type="sapo"))
 
     def f(lp):

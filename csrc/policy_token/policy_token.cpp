@@ -2,7 +2,10 @@
 #include "policy_token/policy_token.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
 #include <torch/library.h>
+
+#include <string>
 
 #include "common/checks.h"
 
@@ -29,7 +32,7 @@ std::vector<at::Tensor> policy_token_loss(const at::Tensor& log_probs, const std
   TORCH_CHECK(std::isfinite(beta) && beta >= 0, op, ": beta must be >= 0, got ", beta);
   TORCH_CHECK(beta == 0 || ref_log_probs, op, ": beta = ", beta, " > 0 needs ref_log_probs");
   // The sequence-level modes need every token of a sequence: the fused ops have them, an elementwise op not.
-  TORCH_CHECK(!rollout_correction || rollout_correction->rfind("sequence_", 0) != 0, op,
+  TORCH_CHECK(!rollout_correction || std::string(*rollout_correction).rfind("sequence_", 0) != 0, op,
               ": rollout_correction must be None, 'token_truncate' or 'token_mask' (the sequence-level modes are the "
               "fused ops'), got '", std::string(*rollout_correction), "'");
   const PolicyArgs args = policy_args(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_correction,
@@ -66,9 +69,9 @@ void policy_token_cpu(const PolicyTokenInputs& in) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
     const at::Tensor& log_probs, const std::optional<at::Tensor>& old_log_probs, const at::Tensor& advantages,
-    double epsilon_low, double epsilon_high, std::optional<double> delta, const std::optional<at::Tensor>& ref,
-    double beta, c10::string_view loss_type, double tau_pos, double tau_neg, const std::optional<at::Tensor>& rollout,
-    std::optional<c10::string_view> mode, double cap, std::optional<c10::ArrayRef<double>> bounds,
+    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& rollout, double epsilon_low,
+    double epsilon_high, std::optional<double> delta, double beta, c10::string_view loss_type, double tau_pos,
+    double tau_neg, std::optional<c10::string_view> mode, double cap, std::optional<c10::ArrayRef<double>> bounds,
     c10::string_view kl_estimator, bool kl_importance_weighted) {
   return tensors_as_tuple<kPolicyTokenOutputs>(policy_token_loss(
       log_probs, old_log_probs, advantages, epsilon_low, epsilon_high, delta, ref, beta, loss_type, tau_pos, tau_neg,
@@ -81,12 +84,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 TORCH_LIBRARY_FRAGMENT(rl_losses, m) {
   // Per-token policy loss ℓ_t and ∂ℓ_t/∂lp_t from per-token log-probs (the fused ops' per-token math, without the
   // logits): (loss, grad_log_probs, ratio, clipped_low, clipped_high, kl, rollout_weight), each shaped like
-  // log_probs, float32 (float64 for float64 log-probs). Aggregation is the caller's.
+  // log_probs, float32 (float64 for float64 log-probs). Aggregation is the caller's. Every tensor argument is
+  // positional: torch.library.register_autograd (python/rl_losses/policy_token.py) needs it so.
   m.def(
-      "policy_token_loss(Tensor log_probs, Tensor? old_log_probs, Tensor advantages, *, float epsilon_low=0.2, "
-      "float epsilon_high=0.2, float? delta=None, Tensor? ref_log_probs=None, float beta=0.0, "
-      "str loss_type=\"ppo_clip\", float sapo_temperature_pos=1.0, float sapo_temperature_neg=1.05, "
-      "Tensor? rollout_log_probs=None, str? rollout_correction=None, float rollout_cap=3.0, "
+      "policy_token_loss(Tensor log_probs, Tensor? old_log_probs, Tensor advantages, Tensor? ref_log_probs=None, "
+      "Tensor? rollout_log_probs=None, *, float epsilon_low=0.2, float epsilon_high=0.2, float? delta=None, "
+      "float beta=0.0, str loss_type=\"ppo_clip\", float sapo_temperature_pos=1.0, float sapo_temperature_neg=1.05, "
+      "str? rollout_correction=None, float rollout_cap=3.0, "
       "float[]? rollout_mask_bounds=None, str kl_estimator=\"k3\", bool kl_importance_weighted=False) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

@@ -28,9 +28,9 @@ void policy_token_cuda(const PolicyTokenInputs& in) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cuda(
     const at::Tensor& log_probs, const std::optional<at::Tensor>& old_log_probs, const at::Tensor& advantages,
-    double epsilon_low, double epsilon_high, std::optional<double> delta, const std::optional<at::Tensor>& ref,
-    double beta, c10::string_view loss_type, double tau_pos, double tau_neg, const std::optional<at::Tensor>& rollout,
-    std::optional<c10::string_view> mode, double cap, std::optional<c10::ArrayRef<double>> bounds,
+    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& rollout, double epsilon_low,
+    double epsilon_high, std::optional<double> delta, double beta, c10::string_view loss_type, double tau_pos,
+    double tau_neg, std::optional<c10::string_view> mode, double cap, std::optional<c10::ArrayRef<double>> bounds,
     c10::string_view kl_estimator, bool kl_importance_weighted) {
   const c10::cuda::CUDAGuard guard(log_probs.device());
   return tensors_as_tuple<kPolicyTokenOutputs>(policy_token_loss(

@@ -12,7 +12,6 @@ from typing import NamedTuple
 
 import torch
 
-_N_ARGS = 18  # the schema's arguments: the backward returns one gradient (or None) for each
 
 
 class PolicyTokenOutput(NamedTuple):
@@ -31,7 +30,7 @@ class PolicyTokenOutput(NamedTuple):
     rollout_weight: torch.Tensor
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.input_dtype = inputs[0].dtype
     ctx.save_for_backward(output[1])
 
@@ -39,7 +38,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, *_unused):
     (slope,) = ctx.saved_tensors
     grad = None if grad_loss is None else (grad_loss * slope).to(ctx.input_dtype)
-    return (grad,) + (None,) * (_N_ARGS - 1)
+    # One gradient (or None) per positional argument of the schema (the tensors): only log_probs has one.
+    positional = sum(not a.kwarg_only for a in torch.ops.rl_losses.policy_token_loss.default._schema.arguments)
+    return (grad,) + (None,) * (positional - 1)
 
 
 torch.library.register_autograd("rl_losses::policy_token_loss", _backward, setup_context=_setup_context)
@@ -64,9 +65,9 @@ def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | Non
         sequence-level modes and the entropy bonus need the fused ops.
     """
     out = torch.ops.rl_losses.policy_token_loss(
-        log_probs, old_log_probs, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-        ref_log_probs=ref_log_probs, beta=beta, loss_type=loss_type, sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg, rollout_log_probs=rollout_log_probs,
+        log_probs, old_log_probs, advantages, ref_log_probs, rollout_log_probs, epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high, delta=delta, beta=beta, loss_type=loss_type,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
         rollout_correction=rollout_correction, rollout_cap=rollout_cap,
         rollout_mask_bounds=None if rollout_mask_bounds is None else list(rollout_mask_bounds),
         kl_estimator=kl_estimator, kl_importance_weighted=kl_importance_weighted)

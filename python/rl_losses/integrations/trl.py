@@ -53,7 +53,7 @@ def op_options(trainer) -> tuple[dict, str | None]:
     options = dict(loss_type=loss_type, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
                    beta=trainer.beta)
     sequence = trainer.importance_sampling_level == "sequence" and loss_type != "vespo"
-    if args.delta is not None:
+    if args.delta is not None and loss_type == "ppo_clip":  # TRL's other loss types ignore delta
         if sequence:
             reasons.append("delta with importance_sampling_level='sequence'")
         options["delta"] = args.delta

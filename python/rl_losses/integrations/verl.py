@@ -161,9 +161,10 @@ def _aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, c
 
 
 def _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
-                 op_old_log_prob=None, **options):
+                 op_old_log_prob=None, clipped=None, **options):
     """One registered loss: the op's per-token loss (from ``op_old_log_prob`` in place of the old log-probs when
-    given), verl's rollout weights, the aggregation, verl's metrics."""
+    given), verl's rollout weights, the aggregation, verl's metrics (``clipped(out)``: the tokens verl's
+    ``pg_clipfrac`` counts, when not the op's clipped flags)."""
     op_old = old_log_prob if op_old_log_prob is None else op_old_log_prob
     out = rl_losses.policy_token_loss(log_prob, op_old, advantages, **options)
     loss_mat = out.loss if rollout_is_weights is None else out.loss * rollout_is_weights
@@ -174,7 +175,8 @@ def _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
     if options.get("delta") is not None:  # the dual clip's region: r > clip_ratio_c where A < 0
         lower = (((out.ratio > options["delta"]) & (advantages < 0)) * mask).sum() / count
     metrics = {
-        "actor/pg_clipfrac": (((out.clipped_low + out.clipped_high) * mask).sum() / count).item(),
+        "actor/pg_clipfrac": (((out.clipped_low + out.clipped_high if clipped is None else clipped(out)) * mask).sum()
+                              / count).item(),
         "actor/ppo_kl": (((old_log_prob - log_prob).detach() * mask).sum() / count).item(),
         "actor/pg_clipfrac_lower": lower.item(),
     }
@@ -221,8 +223,10 @@ def cispo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_ag
     if low < 1.0:
         raise ValueError(f"rl_losses_cispo caps the importance weight above only: set clip_ratio_low >= 1 (no lower "
                          f"bound), got clip_ratio_low={low}")
+    # verl counts every token whose weight is capped, whatever the advantage's sign.
     return _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
-                        loss_type="cispo", epsilon_high=1.0 + high)
+                        clipped=lambda out: (out.ratio > 1.0 + high).to(out.ratio.dtype), loss_type="cispo",
+                        epsilon_high=1.0 + high)
 
 
 POLICY_LOSSES = {
