@@ -130,6 +130,8 @@ CASES = {  # GRPOConfig options over DEFAULTS (num_iterations=2: old log-probs r
                                    vllm_importance_sampling_clip_max=1.5),
     "vllm-sequence_mask": dict(vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_min=0.5,
                                vllm_importance_sampling_clip_max=2.0),
+    "vllm-gspo-sequence_mask": dict(SEQ, vllm_importance_sampling_mode="sequence_mask",
+                                    vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0),
     "vllm-cispo-token_truncate": dict(loss_type="cispo", epsilon_high=1.1,
                                       vllm_importance_sampling_mode="token_truncate"),
     "vllm-vespo-token_truncate": dict(loss_type="vespo", vllm_importance_sampling_mode="token_truncate",
