@@ -111,6 +111,10 @@ CASES = {  # GRPOConfig options over DEFAULTS (num_iterations=2: old log-probs r
     "luspo": dict(loss_type="luspo"),
     "cispo": dict(loss_type="cispo", epsilon_high=1.1),
     "cispo-kl-on-policy": dict(KL, loss_type="cispo", epsilon_high=1.1, num_iterations=1),
+    "bnpo-entropy-bonus": dict(loss_type="bnpo", entropy_coef=0.3),
+    "dapo-entropy-bonus-kl": dict(KL, loss_type="dapo", entropy_coef=0.3),
+    "dr_grpo-entropy-bonus-on-policy": dict(loss_type="dr_grpo", entropy_coef=0.3, num_iterations=1),
+    "luspo-gspo-entropy-bonus": dict(SEQ, loss_type="luspo", entropy_coef=0.3),
     "sapo": dict(loss_type="sapo"),
     "sapo-kl": dict(KL, loss_type="sapo", sapo_temperature_pos=0.8, sapo_temperature_neg=1.3),
     "vespo": dict(loss_type="vespo"),
@@ -138,7 +142,8 @@ CASES = {  # GRPOConfig options over DEFAULTS (num_iterations=2: old log-probs r
                                       vllm_importance_sampling_clip_max=1.2),
 }
 METRICS = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-           "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean")
+           "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean", "policy_loss",
+           "entropy_coef")
 
 
 def simulate_vllm(trainer, inputs, generator):
@@ -244,6 +249,10 @@ def test_op_options_maps_trl_config():
     trainer.importance_sampling_level = "sequence"
     assert "'token_truncate' with importance_sampling_level='sequence'" in rl_trl.op_options(trainer)[1]
     assert "beta != 0 with importance_sampling_level='sequence'" in rl_trl.op_options(trainer)[1]
+    trainer.loss_type, trainer.entropy_coef, trainer._entropy_bonus_enabled = "sapo", 0.1, True
+    assert "an entropy bonus with loss_type='sapo'" in rl_trl.op_options(trainer)[1]
+    trainer.use_adaptive_entropy = True
+    assert "use_adaptive_entropy" in rl_trl.op_options(trainer)[1]
     trainer.loss_type = "unknown"
     assert rl_trl.op_options(trainer) == ({}, "loss_type='unknown'")
 

@@ -11,10 +11,12 @@ What changes against TRL's own trainer:
     ``_aggregation`` turns the loss type into per-token weights and a divisor;
   * every other log-prob the trainer computes (old-policy and reference log-probs, and the loss of the options
     the fused ops do not cover, below) goes through ``rl_losses.linear_token_log_probs``.
-Options without a fused form — ``off_policy_mask_threshold``, ``top_entropy_quantile < 1``, an entropy bonus, a
-MoE aux loss, multimodal inputs, ``beta != 0`` or ``delta`` with ``importance_sampling_level="sequence"``, a
-truncating vLLM correction with ``vllm_importance_sampling_clip_min`` or without a ``clip_max``, logit scaling
-or softcapping in the model config — keep TRL's own loss formula, computed from rl_losses' log-probs; the
+A static entropy bonus (``entropy_coef``) becomes the op's ``entropy_coefficient`` (rescaled to its divisor).
+Options without a fused form — ``off_policy_mask_threshold``, ``top_entropy_quantile < 1``, the adaptive
+entropy bonus or a bonus with ``loss_type`` grpo/sapo, a MoE aux loss, multimodal inputs, ``beta != 0`` or
+``delta`` with ``importance_sampling_level="sequence"``, a token-level vLLM correction with
+``importance_sampling_level="sequence"``, a truncating vLLM correction with ``vllm_importance_sampling_clip_min``
+or without a ``clip_max``, logit scaling or softcapping in the model config — keep TRL's own loss formula, computed from rl_losses' log-probs; the
 ``rl_losses/fused_loss`` metric says which path a step took (1 fused, 0 TRL's formula).
 """
 from __future__ import annotations
@@ -68,6 +70,14 @@ def op_options(trainer) -> tuple[dict, str | None]:
             # sequence; the sequence-level op weights it by the detached document ratio.
             reasons.append("beta != 0 with importance_sampling_level='sequence'")
         options["kl_importance_weighted"] = bool(args.use_bias_correction_kl)
+    if trainer._entropy_bonus_enabled:
+        if trainer.use_adaptive_entropy:
+            reasons.append("use_adaptive_entropy")
+        elif trainer.loss_type in ("grpo", "sapo"):
+            # TRL's bonus is a token mean; these weigh each token by 1/|o_i|, so no one coefficient matches.
+            reasons.append(f"an entropy bonus with loss_type={trainer.loss_type!r}")
+        # TRL divides its bonus by the token count: _fused_loss rescales c to the op's divisor.
+        options["entropy_coefficient"] = trainer.entropy_coef
     if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
         mode = trainer.vllm_importance_sampling_mode
         low, high = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
@@ -176,7 +186,6 @@ class GRPOTrainer(trl.GRPOTrainer):
             (reason is not None, reason),
             (self.off_policy_mask_threshold is not None, "off_policy_mask_threshold"),
             (self.top_entropy_quantile < 1.0, "top_entropy_quantile"),
-            (self._entropy_bonus_enabled, "an entropy bonus"),
             (self.aux_loss_enabled, "a MoE aux loss"),
             (_unsupported_scaling(model) is not None, f"the model's {_unsupported_scaling(model)}"),
         ]
@@ -238,6 +247,11 @@ class GRPOTrainer(trl.GRPOTrainer):
             # engine) gets the ratio 1, as TRL's nan_to_num of the difference gives it.
             sampling = inputs["sampling_per_token_logps"]
             rollout = torch.where(torch.isnan(sampling), old, sampling).float()
+        ga = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        tokens = float(mask.sum().clamp(min=1))
+        if "entropy_coefficient" in options:
+            # TRL subtracts c·Σ m·H / (Σ m · ga); the op subtracts c'·Σ w·H / D with w = m here.
+            options["entropy_coefficient"] *= divisor / (tokens * ga)
         options.update(divisor=divisor, compute_entropy=True, logits_scale_factor=1.0 / self.temperature,
                        rollout_log_probs=rollout, ref_log_probs=None if ref is None else ref.float())
 
@@ -261,6 +275,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         out, old_lp = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids, fused_lm_head=True,
                             rl_losses_head=head)
         self._log_metrics(out, old_lp, ref, advantages[:, :1], mask, mode, sequence, inputs)
+        if "entropy_coefficient" in options:  # TRL's metrics of the bonus: the loss without it, and c
+            policy_loss = out.loss.detach() + options["entropy_coefficient"] * out.entropy.detach() * tokens / divisor
+            if self.loss_type not in ("cispo", "dapo", "vespo"):
+                policy_loss = policy_loss * ga  # TRL logs these before its division by the accumulation steps
+            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+            if mode == "train" and self.accelerator.sync_gradients:
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         return out.loss
 
     def _log_metrics(self, out, old_lp, ref, advantages, mask, mode, sequence, inputs):
