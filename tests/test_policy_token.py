@@ -3,6 +3,7 @@ reference's per-token terms (rl_losses.reference), its gradient against autograd
 agreement with the fused grpo_loss on the same tokens, its argument checks (the fake kernel's too), opcheck and
 torch.compile, and CPU/CUDA parity when a GPU is present."""
 import math
+import re
 
 import pytest
 import torch
@@ -120,7 +121,9 @@ BAD = [
     (dict(epsilon_low=1.0), "epsilon_low must be in [0, 1), got 1"),
     (dict(delta=1.1), "delta must exceed 1 + epsilon_high = 1.2, got 1.1"),
     (dict(beta=0.5), "beta = 0.5 > 0 needs ref_log_probs"),
-    (dict(loss_type="vanilla"), "loss_type must be 'ppo_clip', 'cispo' or 'sapo', got 'vanilla'"),
+    (dict(loss_type="vanilla"), "loss_type must be 'ppo_clip', 'cispo' or 'sapo' (sequence-level loss types are "
+                                "the fused ops'), got 'vanilla'"),
+    (dict(loss_type="vespo"), "(sequence-level loss types are the fused ops'), got 'vespo'"),
     (dict(loss_type="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be a finite value > 0, got 0"),
     (dict(kl_estimator="k4"), "kl_estimator must be 'k1', 'k2' or 'k3', got 'k4'"),
     (dict(rollout_correction="sequence_mask"), "rollout_correction must be None, 'token_truncate' or 'token_mask'"),
@@ -138,8 +141,7 @@ def test_bad_inputs(bad, message, device):
     args = dict(log_probs=torch.zeros(3, 5), old_log_probs=torch.zeros(3, 5), advantages=torch.zeros(3))
     args.update({k: bad.pop(k) for k in list(bad) if k in args})
     args = {k: v.to(device) for k, v in args.items()}
-    with pytest.raises((RuntimeError, ValueError), match=message.replace("(", r"\(").replace(")", r"\)")
-                       .replace("[", r"\[").replace("]", r"\]").replace("+", r"\+")):
+    with pytest.raises((RuntimeError, ValueError), match=re.escape(message)):
         rl_losses.policy_token_loss(args["log_probs"], args["old_log_probs"], args["advantages"], **bad)
 
 

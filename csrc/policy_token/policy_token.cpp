@@ -31,6 +31,11 @@ std::vector<at::Tensor> policy_token_loss(const at::Tensor& log_probs, const std
               ", got ", delta ? *delta : 0.0);
   TORCH_CHECK(std::isfinite(beta) && beta >= 0, op, ": beta must be >= 0, got ", beta);
   TORCH_CHECK(beta == 0 || ref_log_probs, op, ": beta = ", beta, " > 0 needs ref_log_probs");
+  // Loss types whose token loss depends on the rest of its sequence are the fused ops' alone: named here, so
+  // that a loss type added to the shared options is not taken elementwise unless it is elementwise.
+  TORCH_CHECK(loss_type == "ppo_clip" || loss_type == "cispo" || loss_type == "sapo", op,
+              ": loss_type must be 'ppo_clip', 'cispo' or 'sapo' (sequence-level loss types are the fused ops'), "
+              "got '", std::string(loss_type), "'");
   // The sequence-level modes need every token of a sequence: the fused ops have them, an elementwise op not.
   TORCH_CHECK(!rollout_correction || std::string(*rollout_correction).rfind("sequence_", 0) != 0, op,
               ": rollout_correction must be None, 'token_truncate' or 'token_mask' (the sequence-level modes are the "

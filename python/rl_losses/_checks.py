@@ -312,6 +312,8 @@ def policy_token_options(log_probs, old_log_probs, advantages, epsilon_low, epsi
            _num(1 + epsilon_high), ", got ", _num(delta if delta is not None else 0.0))
     _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
     _check(beta == 0 or ref_log_probs is not None, op, "beta = ", _num(beta), " > 0 needs ref_log_probs")
+    _check(loss_type in ("ppo_clip", "cispo", "sapo"), op, "loss_type must be 'ppo_clip', 'cispo' or 'sapo' "
+           "(sequence-level loss types are the fused ops'), got '", loss_type, "'")
     _check(rollout_correction is None or not rollout_correction.startswith("sequence_"), op,
            "rollout_correction must be None, 'token_truncate' or 'token_mask' (the sequence-level modes are the "
            "fused ops'), got '", rollout_correction, "'")
