@@ -16,8 +16,9 @@ Options without a fused form — ``off_policy_mask_threshold``, ``top_entropy_qu
 entropy bonus or a bonus with ``loss_type`` grpo/sapo, a MoE aux loss, multimodal inputs, ``beta != 0`` or
 ``delta`` with ``importance_sampling_level="sequence"``, a token-level vLLM correction with
 ``importance_sampling_level="sequence"``, a truncating vLLM correction with ``vllm_importance_sampling_clip_min``
-or without a ``clip_max``, logit scaling or softcapping in the model config — keep TRL's own loss formula, computed from rl_losses' log-probs; the
-``rl_losses/fused_loss`` metric says which path a step took (1 fused, 0 TRL's formula).
+or without a ``clip_max``, logit scaling or softcapping in the model config — keep TRL's own loss formula,
+computed from rl_losses' log-probs; the ``rl_losses/fused_loss`` metric says which path a step took (1 fused, 0
+TRL's formula).
 """
 from __future__ import annotations
 
