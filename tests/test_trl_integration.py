@@ -249,6 +249,10 @@ def test_op_options_maps_trl_config():
     trainer.importance_sampling_level = "sequence"
     assert "'token_truncate' with importance_sampling_level='sequence'" in rl_trl.op_options(trainer)[1]
     assert "beta != 0 with importance_sampling_level='sequence'" in rl_trl.op_options(trainer)[1]
+    trainer.loss_type, trainer.args.delta = "vespo", 1.5  # delta is ppo_clip's only (TRL ignores it elsewhere)
+    options = rl_trl.op_options(trainer)[0]
+    assert options["loss_type"] == "vespo" and "delta" not in options
+    assert {k: options[k] for k in rl_trl._VESPO} == {k: getattr(trainer.args, k) for k in rl_trl._VESPO}
     trainer.loss_type, trainer.entropy_coef, trainer._entropy_bonus_enabled = "sapo", 0.1, True
     assert "an entropy bonus with loss_type='sapo'" in rl_trl.op_options(trainer)[1]
     trainer.use_adaptive_entropy = True
