@@ -1,9 +1,11 @@
 """rl_losses.integrations.trl.GRPOTrainer against TRL's own GRPOTrainer, on a tiny causal LM and a tokenizer
 built in code (no download), with a rule-based reward: from the same weights and seed, the generated batch,
 the old-policy and reference log-probs, the per-step loss, the gradient of every parameter and TRL's metrics
-agree (fp32), for each TRL loss_type the fused loss covers and for importance_sampling_level="sequence"
-(GSPO). The loss step's peak memory is measured at a vocabulary where the logits dominate."""
+agree (fp32), for each TRL loss_type the fused loss covers, importance_sampling_level="sequence" (GSPO), the
+ratio-weighted KL (use_bias_correction_kl) and vLLM's importance-sampling correction (simulated engine
+log-probs). The loss step's peak memory is measured at a vocabulary where the logits dominate."""
 import copy
+import math
 import tempfile
 
 import pytest
@@ -14,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 
+import rl_losses  # noqa: E402
 from rl_losses.integrations import trl as rl_trl  # noqa: E402
 
 PROMPT_WORDS = 4
@@ -70,38 +73,124 @@ def assert_rel_close(actual, expected, name, rtol=1e-5):
     torch.testing.assert_close(actual / scale, expected / scale, rtol=rtol, atol=rtol, msg=lambda m: f"{name}: {m}")
 
 
-CASES = {
-    # loss_type, importance_sampling_level, beta, num_iterations (2: old log-probs reused after an update)
-    "grpo-on-policy": ("grpo", "token", 0.0, 1),
-    "grpo-kl": ("grpo", "token", 0.05, 2),
-    "bnpo": ("bnpo", "token", 0.0, 2),
-    "dr_grpo": ("dr_grpo", "token", 0.0, 2),
-    "dapo-delta": ("dapo", "token", 0.0, 2),
-    "gspo": ("grpo", "sequence", 0.0, 2),
-    "luspo-gspo": ("luspo", "sequence", 0.0, 2),
+def _vespo_reason():
+    """Why loss_type='vespo' cannot be tested (None: the op has it)."""
+    x = torch.randn(1, 2, 5)
+    try:
+        rl_losses.grpo_loss(x, torch.tensor([[1, 2]]), torch.ones(1), None, loss_type="vespo")
+    except (RuntimeError, ValueError, TypeError) as e:
+        return f"rl_losses.grpo_loss has no loss_type='vespo' yet: {str(e).splitlines()[0]}"
+    return None
+
+
+def _sequence_rollout_reason():
+    """Why TRL's sequence-level vLLM correction cannot be matched: TRL's sequence ratio is the product of the
+    token ratios (the sum of the log-ratios); None when the op uses that definition."""
+    x = torch.randn(1, 2, 5, dtype=torch.float64)
+    target = torch.tensor([[1, 2]])
+    old = torch.log_softmax(x, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    out = rl_losses.grpo_loss(x, target, torch.ones(1), old, rollout_log_probs=old - torch.tensor([[0.1, 0.2]]),
+                              rollout_correction="sequence_truncate", rollout_cap=10.0)
+    if abs(out.rollout_weight_mean.item() - math.exp(0.3)) < 1e-9:
+        return None
+    return "the op's sequence-level rollout ratio is not yet TRL's product of the token ratios"
+
+
+DEFAULTS = dict(loss_type="grpo", importance_sampling_level="token", beta=0.0, num_iterations=2, epsilon=0.1,
+                epsilon_high=0.15)
+SEQ = dict(importance_sampling_level="sequence")
+KL = dict(beta=0.05, use_bias_correction_kl=False)
+CASES = {  # GRPOConfig options over DEFAULTS (num_iterations=2: old log-probs reused after an update)
+    "grpo-on-policy": dict(num_iterations=1),
+    "grpo-kl": KL,
+    "grpo-kl-bias-corrected": dict(KL, use_bias_correction_kl=True),
+    "grpo-kl-bias-corrected-on-policy": dict(KL, use_bias_correction_kl=True, num_iterations=1),
+    "bnpo": dict(loss_type="bnpo"),
+    "dr_grpo": dict(loss_type="dr_grpo"),
+    "dapo-delta": dict(loss_type="dapo", delta=1.3),
+    "luspo": dict(loss_type="luspo"),
+    "cispo": dict(loss_type="cispo", epsilon_high=1.1),
+    "cispo-kl-on-policy": dict(KL, loss_type="cispo", epsilon_high=1.1, num_iterations=1),
+    "bnpo-entropy-bonus": dict(loss_type="bnpo", entropy_coef=0.3),
+    "dapo-entropy-bonus-kl": dict(KL, loss_type="dapo", entropy_coef=0.3),
+    "dr_grpo-entropy-bonus-on-policy": dict(loss_type="dr_grpo", entropy_coef=0.3, num_iterations=1),
+    "luspo-gspo-entropy-bonus": dict(SEQ, loss_type="luspo", entropy_coef=0.3),
+    "sapo": dict(loss_type="sapo"),
+    "sapo-kl": dict(KL, loss_type="sapo", sapo_temperature_pos=0.8, sapo_temperature_neg=1.3),
+    "vespo": dict(loss_type="vespo"),
+    "vespo-sequence": dict(SEQ, loss_type="vespo"),
+    "gspo": SEQ,
+    "luspo-gspo": dict(SEQ, loss_type="luspo"),
+    "sapo-gspo": dict(SEQ, loss_type="sapo"),
+    "cispo-gspo": dict(SEQ, loss_type="cispo", epsilon_high=1.1),
+    # vLLM's importance-sampling correction, from simulated engine log-probs (simulate_vllm)
+    "vllm-token_truncate": dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=1.2),
+    "vllm-token_mask": dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.8,
+                            vllm_importance_sampling_clip_max=1.25),
+    "vllm-token_mask-kl-bias-corrected": dict(KL, use_bias_correction_kl=True,
+                                              vllm_importance_sampling_mode="token_mask",
+                                              vllm_importance_sampling_clip_max=1.25),
+    "vllm-sequence_truncate": dict(vllm_importance_sampling_mode="sequence_truncate",
+                                   vllm_importance_sampling_clip_max=1.5),
+    "vllm-sequence_mask": dict(vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_min=0.5,
+                               vllm_importance_sampling_clip_max=2.0),
+    "vllm-gspo-sequence_mask": dict(SEQ, vllm_importance_sampling_mode="sequence_mask",
+                                    vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0),
+    "vllm-cispo-token_truncate": dict(loss_type="cispo", epsilon_high=1.1,
+                                      vllm_importance_sampling_mode="token_truncate"),
+    "vllm-vespo-token_truncate": dict(loss_type="vespo", vllm_importance_sampling_mode="token_truncate",
+                                      vllm_importance_sampling_clip_max=1.2),
 }
+METRICS = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+           "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean", "policy_loss",
+           "entropy_coef")
+
+
+def simulate_vllm(trainer, inputs, generator):
+    """What TRL's trainer adds to the batch when the completions come from vLLM with the importance-sampling
+    correction on: the engine's log-probs ``sampling_per_token_logps`` (here the old log-probs plus noise, one
+    of them NaN, as an engine that returns none for a token) and the ratio ``importance_sampling_ratio`` that
+    TRL's _generate_and_score_completions computes from them; then the trainer is switched to vLLM mode."""
+    old, mask = inputs["old_per_token_logps"], inputs["completion_mask"]
+    sampling = old + 0.3 * torch.randn(old.shape, generator=generator, dtype=old.dtype)
+    sampling[0, 0] = float("nan")
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    mode, low, high = (trainer.vllm_importance_sampling_mode, trainer.vllm_importance_sampling_clip_min,
+                       trainer.vllm_importance_sampling_clip_max)
+    ratio = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
+    if mode.endswith("truncate"):
+        ratio = torch.clamp(ratio, min=low, max=high)
+    else:
+        ratio = ratio.masked_fill((ratio < (-math.inf if low is None else low)) |
+                                  (ratio > (math.inf if high is None else high)), 0.0)
+    trainer.use_vllm = True
+    return dict(inputs, sampling_per_token_logps=sampling, importance_sampling_ratio=ratio)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_trl(case):
-    loss_type, level, beta, iterations = CASES[case]
+    options = dict(DEFAULTS, **CASES[case])
+    vllm = "vllm_importance_sampling_mode" in options
+    if options["loss_type"] == "vespo" and _vespo_reason():
+        pytest.skip(_vespo_reason())
+    if vllm and options["vllm_importance_sampling_mode"].startswith("sequence") and _sequence_rollout_reason():
+        pytest.skip(_sequence_rollout_reason())
+    iterations = options["num_iterations"]
     vocab_size = 97
     tok = make_tokenizer(vocab_size)
     torch.manual_seed(0)
     model = saved_model(vocab_size)
-    options = dict(loss_type=loss_type, importance_sampling_level=level, beta=beta, num_iterations=iterations,
-                   epsilon=0.1, epsilon_high=0.15, delta=1.3 if case == "dapo-delta" else None)
-    if beta:
-        options["use_bias_correction_kl"] = False  # TRL's default (True) weights k3 by the ratio: not fused here
-    theirs = make_trainer(trl.GRPOTrainer, model, tok, vocab_size, **options)
-    ours = make_trainer(rl_trl.GRPOTrainer, model, tok, vocab_size, **options)
-    assert ours._rl_losses_fallback is None, ours._rl_losses_fallback
+    theirs = make_trainer(trl.GRPOTrainer, model, tok, vocab_size, vllm_importance_sampling_correction=vllm,
+                          **options)
+    ours = make_trainer(rl_trl.GRPOTrainer, model, tok, vocab_size, vllm_importance_sampling_correction=vllm,
+                        **options)
     batch = next(iter(theirs.get_train_dataloader()))
     clipped = 0.0
     for step in range(3):
         if step != 1 or iterations == 1:  # step 1 of num_iterations=2 reuses step 0's batch after an update
             inputs = []
             for trainer in (theirs, ours):
+                trainer.use_vllm = False  # generated here by transformers; the vLLM inputs are simulated below
                 torch.manual_seed(100 + step)
                 inputs.append(trainer._generate_and_score_completions(batch))
             for key in ("completion_ids", "completion_mask", "advantages"):
@@ -110,6 +199,10 @@ def test_matches_trl(case):
                 assert (inputs[0].get(key) is None) == (inputs[1].get(key) is None), key
                 if inputs[0].get(key) is not None:
                     assert_rel_close(inputs[1][key], inputs[0][key], key)
+            if vllm:
+                inputs = [simulate_vllm(t, x, torch.Generator().manual_seed(step)) for t, x in zip((theirs, ours),
+                                                                                                   inputs)]
+        assert ours._rl_losses_fallback is None, ours._rl_losses_fallback
         losses = []
         for trainer, x in zip((theirs, ours), inputs):
             trainer.model.zero_grad()
@@ -120,29 +213,63 @@ def test_matches_trl(case):
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-7)
         for (name, p), q in zip(theirs.model.named_parameters(), ours.model.parameters()):
             assert_rel_close(q.grad, p.grad, f"step {step}: grad of {name}")
-        for name in ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                     "clip_ratio/low_min", "clip_ratio/high_max"):
+        for name in METRICS:
+            assert (name in theirs._metrics["train"]) == (name in ours._metrics["train"]), name
             if name in theirs._metrics["train"]:
                 expected = theirs._metrics["train"][name][-1]
                 assert ours._metrics["train"][name][-1] == pytest.approx(expected, rel=1e-5, abs=1e-6), name
-        clipped += theirs._metrics["train"]["clip_ratio/region_mean"][-1]
+        for name in ("clip_ratio/region_mean", "cispo_clip_ratio"):
+            clipped += theirs._metrics["train"].get(name, [0.0])[-1]
         with torch.no_grad():  # the same update on both: large enough that the reused batch's ratios clip
             for p, q in zip(theirs.model.parameters(), ours.model.parameters()):
                 p -= 2.0 * p.grad
                 q.copy_(p)
-    if iterations > 1:
+    if iterations > 1 and options["loss_type"] not in ("sapo", "vespo"):
         assert clipped > 0, "the test never reached the clipped region"
 
 
+def test_op_options_maps_trl_config():
+    """op_options: TRL's names to the op's, and the reasons a configuration keeps TRL's formula."""
+    vocab_size = 53
+    tok = make_tokenizer(vocab_size)
+    trainer = make_trainer(trl.GRPOTrainer, saved_model(vocab_size), tok, vocab_size, loss_type="sapo", beta=0.1,
+                           sapo_temperature_pos=0.7, vllm_importance_sampling_correction=True,
+                           vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.5,
+                           vllm_importance_sampling_clip_max=None)
+    trainer.use_vllm = True
+    options, reason = rl_trl.op_options(trainer)
+    assert reason is None
+    assert options == dict(loss_type="sapo", epsilon_low=0.2, epsilon_high=0.2, beta=0.1,
+                           sapo_temperature_pos=0.7, sapo_temperature_neg=1.05, kl_importance_weighted=True,
+                           rollout_correction="token_mask", rollout_mask_bounds=(0.5, math.inf))
+    trainer.vllm_importance_sampling_mode = "token_truncate"
+    assert "vllm_importance_sampling_clip_min=0.5" in rl_trl.op_options(trainer)[1]
+    trainer.vllm_importance_sampling_clip_min = None
+    assert "vllm_importance_sampling_clip_max=None" in rl_trl.op_options(trainer)[1]
+    trainer.importance_sampling_level = "sequence"
+    assert "'token_truncate' with importance_sampling_level='sequence'" in rl_trl.op_options(trainer)[1]
+    assert "beta != 0 with importance_sampling_level='sequence'" in rl_trl.op_options(trainer)[1]
+    trainer.loss_type, trainer.args.delta = "vespo", 1.5  # delta is ppo_clip's only (TRL ignores it elsewhere)
+    options = rl_trl.op_options(trainer)[0]
+    assert options["loss_type"] == "vespo" and "delta" not in options
+    assert {k: options[k] for k in rl_trl._VESPO} == {k: getattr(trainer.args, k) for k in rl_trl._VESPO}
+    trainer.loss_type, trainer.entropy_coef, trainer._entropy_bonus_enabled = "sapo", 0.1, True
+    assert "an entropy bonus with loss_type='sapo'" in rl_trl.op_options(trainer)[1]
+    trainer.use_adaptive_entropy = True
+    assert "use_adaptive_entropy" in rl_trl.op_options(trainer)[1]
+    trainer.loss_type = "unknown"
+    assert rl_trl.op_options(trainer) == ({}, "loss_type='unknown'")
+
+
 def test_unsupported_options_keep_trls_formula():
-    """loss_type='sapo' has no fused form here: the loss is TRL's formula over rl_losses' log-probs."""
+    """off_policy_mask_threshold has no fused form here: the loss is TRL's formula over rl_losses' log-probs."""
     vocab_size = 53
     tok = make_tokenizer(vocab_size)
     torch.manual_seed(1)
     model = make_model(vocab_size)
-    theirs = make_trainer(trl.GRPOTrainer, copy.deepcopy(model), tok, vocab_size, loss_type="sapo")
-    ours = make_trainer(rl_trl.GRPOTrainer, copy.deepcopy(model), tok, vocab_size, loss_type="sapo")
-    assert "loss_type='sapo'" in ours._rl_losses_fallback
+    theirs = make_trainer(trl.GRPOTrainer, copy.deepcopy(model), tok, vocab_size, off_policy_mask_threshold=0.5)
+    ours = make_trainer(rl_trl.GRPOTrainer, copy.deepcopy(model), tok, vocab_size, off_policy_mask_threshold=0.5)
+    assert "off_policy_mask_threshold" in ours._rl_losses_fallback
     batch = next(iter(theirs.get_train_dataloader()))
     losses = []
     for trainer in (theirs, ours):

@@ -39,6 +39,7 @@ from rl_losses.functional import (
 from rl_losses.distillation import DistillationOutput, distillation_loss, linear_distillation_loss
 from rl_losses.dpo import DpoOutput, dpo_loss
 from rl_losses.head import fused_head_loss
+from rl_losses.policy_token import PolicyTokenOutput, policy_token_loss
 from rl_losses import aggregation, config, distributed, head, losses, packing, reference  # noqa: F401  (submodules)
 from rl_losses.config import LanguageModelLossConfig
 from rl_losses.packing import Document, pack_documents
@@ -63,6 +64,8 @@ __all__ = [
     "dpo_loss",
     "DpoOutput",
     "fused_head_loss",
+    "policy_token_loss",
+    "PolicyTokenOutput",
     "head",
     "cuda_kernels_available",
     # configs and loss modules

@@ -468,3 +468,30 @@ def fused_head(logits, target, label_weight, label_smoothing, label_divisor, z_l
         _check(m.device == logits.device and list(m.shape) == list(target.shape), op,
                "z_loss_mask must have the target's shape ", _shape(target.shape), " and device ", logits.device,
                ", got ", _shape(m.shape), " on ", m.device)
+def policy_token_options(log_probs, old_log_probs, advantages, epsilon_low, epsilon_high, delta, ref_log_probs, beta,
+                         loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs, rollout_correction,
+                         rollout_cap, rollout_mask_bounds, kl_estimator, kl_importance_weighted):
+    # csrc/policy_token/policy_token.cpp: policy_token_loss, in the same order with the same messages.
+    op = "policy_token_loss"
+    _check(log_probs.dtype.is_floating_point, op, "log_probs must be a floating-point tensor, got ",
+           _dt(log_probs.dtype))
+    check_epsilons(op, epsilon_low, epsilon_high)
+    _check(delta is None or math.isfinite(delta), op, "delta must be finite (leave it unset for no cap), got ",
+           _num(delta if delta is not None else 0.0))
+    _check(delta is None or delta > 1 + epsilon_high, op, "delta must exceed 1 + epsilon_high = ",
+           _num(1 + epsilon_high), ", got ", _num(delta if delta is not None else 0.0))
+    _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
+    _check(beta == 0 or ref_log_probs is not None, op, "beta = ", _num(beta), " > 0 needs ref_log_probs")
+    _check(loss_type in ("ppo_clip", "cispo", "sapo"), op, "loss_type must be 'ppo_clip', 'cispo' or 'sapo' "
+           "(sequence-level loss types are the fused ops'), got '", loss_type, "'")
+    _check(rollout_correction is None or not rollout_correction.startswith("sequence_"), op,
+           "rollout_correction must be None, 'token_truncate' or 'token_mask' (the sequence-level modes are the "
+           "fused ops'), got '", rollout_correction, "'")
+    policy_options(op, log_probs, epsilon_high, delta, loss_type, sapo_temperature_pos, sapo_temperature_neg,
+                   rollout_log_probs, rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
+                   kl_importance_weighted, 0.0)
+    if old_log_probs is not None:
+        check_per_token(op, "old_log_probs", old_log_probs, log_probs)
+    check_per_token(op, "advantages", per_sequence(advantages, log_probs), log_probs)
+    if ref_log_probs is not None:
+        check_per_token(op, "ref_log_probs", ref_log_probs, log_probs)

@@ -2,19 +2,27 @@
 
 What changes against TRL's own trainer:
   * the policy loss comes from the fused lm_head ops, ``rl_losses.linear_grpo_loss`` (token-level importance
-    sampling) or ``rl_losses.linear_gspo_loss`` (``importance_sampling_level="sequence"``), applied to the last
-    hidden state of the completion: loss, gradient and metrics in one chunked pass, the completion logits never
-    materialised, TRL's ``loss_type`` turned into per-token weights and a divisor (``_aggregation``);
+    sampling, and ``loss_type="vespo"`` at either level) or ``rl_losses.linear_gspo_loss``
+    (``importance_sampling_level="sequence"``), applied to the last hidden state of the completion: loss,
+    gradient and metrics in one chunked pass, the completion logits never materialised. ``op_options`` is the
+    one mapping from TRL's configuration to the op's options: ``loss_type`` (grpo, bnpo, dr_grpo, dapo, luspo,
+    cispo, sapo, vespo) and its parameters, the vLLM importance-sampling correction (the rollout correction,
+    from the batch's ``sampling_per_token_logps``), ``use_bias_correction_kl`` (the ratio-weighted KL);
+    ``_aggregation`` turns the loss type into per-token weights and a divisor;
   * every other log-prob the trainer computes (old-policy and reference log-probs, and the loss of the options
     the fused ops do not cover, below) goes through ``rl_losses.linear_token_log_probs``.
-Options without a fused form — ``loss_type`` cispo/sapo/vespo, vLLM importance-sampling correction,
-``use_bias_correction_kl``, ``off_policy_mask_threshold``, ``top_entropy_quantile < 1``, an entropy bonus, a
-MoE aux loss, multimodal inputs, ``beta != 0`` or ``delta`` with ``importance_sampling_level="sequence"``, logit
-scaling or softcapping in the model config — keep TRL's own loss formula, computed from rl_losses' log-probs; the
-``rl_losses/fused_loss`` metric says which path a step took (1 fused, 0 TRL's formula).
+A static entropy bonus (``entropy_coef``) becomes the op's ``entropy_coefficient`` (rescaled to its divisor).
+Options without a fused form — ``off_policy_mask_threshold``, ``top_entropy_quantile < 1``, the adaptive
+entropy bonus or a bonus with ``loss_type`` grpo/sapo, a MoE aux loss, multimodal inputs, ``beta != 0`` or
+``delta`` with ``importance_sampling_level="sequence"``, a token-level vLLM correction with
+``importance_sampling_level="sequence"``, a truncating vLLM correction with ``vllm_importance_sampling_clip_min``
+or without a ``clip_max``, logit scaling or softcapping in the model config — keep TRL's own loss formula,
+computed from rl_losses' log-probs; the ``rl_losses/fused_loss`` metric says which path a step took (1 fused, 0
+TRL's formula).
 """
 from __future__ import annotations
 
+import math
 import types
 
 import torch
@@ -22,8 +30,73 @@ import trl
 from trl.trainer.utils import FusedCausalLMOutput, nanmax, nanmin
 
 import rl_losses
+from rl_losses import aggregation
 
-_FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# TRL's loss_type -> the op's loss_type (the aggregation is _aggregation's).
+_LOSS_TYPES = {name: ours for name, (ours, _) in aggregation.TRL_LOSS_TYPES.items()} | {"vespo": "vespo"}
+_VESPO = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+
+
+def op_options(trainer) -> tuple[dict, str | None]:
+    """The fused policy op's options for a ``trl.GRPOTrainer``'s configuration (those that do not depend on the
+    batch), and why the configuration has no fused form (None: it has one).
+
+    Returns ``(options, reason)``: ``options`` are keyword arguments of ``rl_losses.linear_grpo_loss`` /
+    ``linear_gspo_loss``: ``loss_type`` (TRL's grpo, bnpo, dr_grpo, dapo and luspo are all ``ppo_clip``),
+    ``epsilon_low/high``, ``delta``, ``sapo_temperature_pos/neg``, ``vespo_*``, ``beta``,
+    ``kl_importance_weighted`` (``use_bias_correction_kl``), and, with the vLLM importance-sampling correction,
+    ``rollout_correction`` (``vllm_importance_sampling_mode``) with ``rollout_cap`` (truncation at
+    ``vllm_importance_sampling_clip_max``) or ``rollout_mask_bounds`` (``(clip_min or 0, clip_max or inf)``);
+    the batch's ``sampling_per_token_logps`` become ``rollout_log_probs``."""
+    args = trainer.args
+    reasons = []
+    if trainer.loss_type not in _LOSS_TYPES:
+        return {}, f"loss_type={trainer.loss_type!r}"
+    loss_type = _LOSS_TYPES[trainer.loss_type]
+    options = dict(loss_type=loss_type, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
+                   beta=trainer.beta)
+    sequence = trainer.importance_sampling_level == "sequence" and loss_type != "vespo"
+    if args.delta is not None and loss_type == "ppo_clip":  # TRL's other loss types ignore delta
+        if sequence:
+            reasons.append("delta with importance_sampling_level='sequence'")
+        options["delta"] = args.delta
+    if loss_type == "sapo":
+        options.update(sapo_temperature_pos=args.sapo_temperature_pos,
+                       sapo_temperature_neg=args.sapo_temperature_neg)
+    if loss_type == "vespo":
+        options.update({name: getattr(args, name) for name in _VESPO})
+    if trainer.beta != 0.0:
+        if trainer.importance_sampling_level == "sequence":
+            # TRL weights each token's KL by its sequence's ratio with the gradient through every token of the
+            # sequence; the sequence-level op weights it by the detached document ratio.
+            reasons.append("beta != 0 with importance_sampling_level='sequence'")
+        options["kl_importance_weighted"] = bool(args.use_bias_correction_kl)
+    if trainer._entropy_bonus_enabled:
+        if trainer.use_adaptive_entropy:
+            reasons.append("use_adaptive_entropy")
+        elif trainer.loss_type in ("grpo", "sapo"):
+            # TRL's bonus is a token mean; these weigh each token by 1/|o_i|, so no one coefficient matches.
+            reasons.append(f"an entropy bonus with loss_type={trainer.loss_type!r}")
+        # TRL divides its bonus by the token count: _fused_loss rescales c to the op's divisor.
+        options["entropy_coefficient"] = trainer.entropy_coef
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+        mode = trainer.vllm_importance_sampling_mode
+        low, high = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
+        options["rollout_correction"] = mode
+        if sequence and mode.startswith("token"):
+            # The sequence-level op's gradient does not yet carry the token weights ω_t through the sequence
+            # ratio (its loss does): TRL's formula until it does.
+            reasons.append(f"vllm_importance_sampling_mode={mode!r} with importance_sampling_level='sequence'")
+        if mode.endswith("truncate"):
+            if low is not None:
+                reasons.append(f"vllm_importance_sampling_clip_min={low} with mode {mode!r}")
+            if high is None:
+                reasons.append(f"vllm_importance_sampling_clip_max=None with mode {mode!r}")
+            options["rollout_cap"] = high
+        else:  # TRL's mask keeps low <= ratio <= high; the ratio is >= 0, so no lower bound is 0
+            options["rollout_mask_bounds"] = (0.0 if low is None else float(low),
+                                              math.inf if high is None else float(high))
+    return options, ", ".join(reasons) if reasons else None
 
 
 def _full(t):
@@ -99,24 +172,22 @@ class GRPOTrainer(trl.GRPOTrainer):
         add_fused_lm_head(model, temperature=self.temperature)
         if self.ref_model is not None:
             add_fused_lm_head(self.ref_model, temperature=self.temperature)
-        self._rl_losses_fallback = self._fallback_reason(model)
+
+    @property
+    def _rl_losses_fallback(self) -> str | None:
+        # Read at each step (a few attribute checks), so that options changed on the trainer are followed.
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return self._fallback_reason(model)
 
     # ---- which path ------------------------------------------------------------------------------------------
     def _fallback_reason(self, model) -> str | None:
         """Why the fused loss cannot express this configuration (None: it can)."""
-        args = self.args
+        _, reason = op_options(self)
         checks = [
-            (self.loss_type not in _FUSED_LOSS_TYPES, f"loss_type={self.loss_type!r}"),
-            (self.use_vllm and self.vllm_importance_sampling_correction, "vllm_importance_sampling_correction"),
-            (self.beta != 0.0 and args.use_bias_correction_kl, "use_bias_correction_kl"),
+            (reason is not None, reason),
             (self.off_policy_mask_threshold is not None, "off_policy_mask_threshold"),
             (self.top_entropy_quantile < 1.0, "top_entropy_quantile"),
-            (self._entropy_bonus_enabled, "an entropy bonus"),
             (self.aux_loss_enabled, "a MoE aux loss"),
-            (self.importance_sampling_level == "sequence" and self.beta != 0.0,
-             "beta != 0 with importance_sampling_level='sequence'"),
-            (self.importance_sampling_level == "sequence" and args.delta is not None,
-             "delta with importance_sampling_level='sequence'"),
             (_unsupported_scaling(model) is not None, f"the model's {_unsupported_scaling(model)}"),
         ]
         reasons = [why for bad, why in checks if bad]
@@ -142,7 +213,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         m = mask.to(torch.float32)
         batch = mask.shape[0]
         lengths = m.sum(-1, keepdim=True).clamp(min=1.0)
-        if self.loss_type == "grpo":  # mean over sequences of each sequence's token mean
+        if self.loss_type in ("grpo", "sapo"):  # mean over sequences of each sequence's token mean
             return m / lengths, batch * ga, "document"
         if self.loss_type == "bnpo":  # token mean over the micro-batch
             return m, float(m.sum().clamp(min=1.0)) * ga, "token"
@@ -150,7 +221,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             return m, batch * self.max_completion_length * ga, "token"
         if self.loss_type == "luspo":  # per-sequence token sums, mean over sequences
             return m, batch * ga, "token"
-        # dapo: token sum over the generation batch's token count, per accumulation window
+        # dapo, cispo, vespo: token sum over the generation batch's token count, per accumulation window
         normalizer = float(inputs["num_items_in_batch"].clamp(min=1.0)) / self.accelerator.num_processes
         if mode == "train":
             normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
@@ -169,9 +240,21 @@ class GRPOTrainer(trl.GRPOTrainer):
         old = inputs.get("old_per_token_logps")
         ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
         weights, divisor, weighting = self._aggregation(mask, inputs, mode)
-        scale = 1.0 / self.temperature
-        options = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, divisor=divisor,
-                       compute_entropy=True)
+        options, _ = op_options(self)
+        sequence = self.importance_sampling_level == "sequence" and options["loss_type"] != "vespo"
+        rollout = None
+        if "rollout_correction" in options:
+            # TRL's ratio is exp(old - sampling); a token whose sampling log-prob is NaN (not returned by the
+            # engine) gets the ratio 1, as TRL's nan_to_num of the difference gives it.
+            sampling = inputs["sampling_per_token_logps"]
+            rollout = torch.where(torch.isnan(sampling), old, sampling).float()
+        ga = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        tokens = float(mask.sum().clamp(min=1))
+        if "entropy_coefficient" in options:
+            # TRL subtracts c·Σ m·H / (Σ m · ga); the op subtracts c'·Σ w·H / D with w = m here.
+            options["entropy_coefficient"] *= divisor / (tokens * ga)
+        options.update(divisor=divisor, compute_entropy=True, logits_scale_factor=1.0 / self.temperature,
+                       rollout_log_probs=rollout, ref_log_probs=None if ref is None else ref.float())
 
         def head(hidden, weight, bias, _labels):
             hidden = hidden[:, -keep:]  # the completion's positions only
@@ -182,22 +265,27 @@ class GRPOTrainer(trl.GRPOTrainer):
                     old_lp, _ = rl_losses.linear_token_log_probs(hidden, weight, target, bias=bias,
                                                                  temperature=self.temperature)
             old_lp = old_lp.float()
-            if self.importance_sampling_level == "sequence":
+            if sequence:
                 doc = torch.arange(mask.shape[0], device=mask.device).unsqueeze(1).expand_as(mask)
-                return rl_losses.linear_gspo_loss(
-                    hidden, weight, target, advantages, old_lp, doc, bias=bias, num_documents=mask.shape[0],
-                    weighting=weighting, logits_scale_factor=scale, **options), old_lp
-            return rl_losses.linear_grpo_loss(
-                hidden, weight, target, advantages, old_lp, bias=bias, delta=self.args.delta,
-                ref_log_probs=None if ref is None else ref.float(), beta=self.beta, loss_weights=weights,
-                logits_scale_factor=scale, **options), old_lp
+                return rl_losses.linear_gspo_loss(hidden, weight, target, advantages, old_lp, doc, bias=bias,
+                                                  num_documents=mask.shape[0], weighting=weighting,
+                                                  **options), old_lp
+            return rl_losses.linear_grpo_loss(hidden, weight, target, advantages, old_lp, bias=bias,
+                                              loss_weights=weights, **options), old_lp
 
         out, old_lp = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids, fused_lm_head=True,
                             rl_losses_head=head)
-        self._log_metrics(out, old_lp, ref, advantages[:, :1], mask, mode)
+        self._log_metrics(out, old_lp, ref, advantages[:, :1], mask, mode, sequence, inputs)
+        if "entropy_coefficient" in options:  # TRL's metrics of the bonus: the loss without it, and c
+            policy_loss = out.loss.detach() + options["entropy_coefficient"] * out.entropy.detach() * tokens / divisor
+            if self.loss_type not in ("cispo", "dapo", "vespo"):
+                policy_loss = policy_loss * ga  # TRL logs these before its division by the accumulation steps
+            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+            if mode == "train" and self.accelerator.sync_gradients:
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         return out.loss
 
-    def _log_metrics(self, out, old_lp, ref, advantages, mask, mode):
+    def _log_metrics(self, out, old_lp, ref, advantages, mask, mode, sequence, inputs):
         """TRL's metric names and definitions, from the op's detached per-token log-probs."""
         maskf = mask.float()
 
@@ -212,22 +300,31 @@ class GRPOTrainer(trl.GRPOTrainer):
         def masked_seq_mean(x):
             return x.squeeze(1) if x.shape[1] == 1 else (x * maskf).sum(-1) / maskf.sum(-1)
 
+        metrics = self._metrics[mode]
         lp = out.log_probs.detach()
-        if self.importance_sampling_level == "sequence":
-            ratio = out.document_ratios.detach().unsqueeze(1)
-        else:
-            ratio = torch.exp(lp - old_lp)
+        ratio = out.document_ratios.detach().unsqueeze(1) if sequence else torch.exp(lp - old_lp)
         if self.beta != 0.0:
             d = ref - lp
-            self._metrics[mode]["kl"].append(global_masked_mean(torch.exp(d) - d - 1))
+            kl = torch.exp(d) - d - 1
+            metrics["kl"].append(global_masked_mean(kl * ratio if self.args.use_bias_correction_kl else kl))
         entropy_sum = out.entropy.detach() * maskf.sum()
         totals = self.accelerator.reduce(torch.stack([entropy_sum, maskf.sum()]), reduction="sum")
-        self._metrics[mode]["entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())
-        low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).float()
-        high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float()
-        self._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(low))
-        self._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(high))
-        self._metrics[mode]["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
-        self._metrics[mode]["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(low))).item())
-        self._metrics[mode]["clip_ratio/high_max"].append(
-            nanmax(self.accelerator.gather(masked_seq_mean(high))).item())
+        metrics["entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        if self.loss_type == "cispo":
+            metrics["cispo_clip_ratio"].append(global_masked_mean(((ratio > self.epsilon_high) & (advantages > 0))
+                                                                  .float()))
+        elif self.loss_type == "vespo":
+            ratios = inputs.get("importance_sampling_ratio") if self.use_vllm and \
+                self.vllm_importance_sampling_correction else None
+            metrics["vespo/phi_seq_mean"].append(global_masked_mean(self.get_gamma_weights(
+                advantages, lp - old_lp, maskf, ratios, k_pos=self.args.vespo_k_pos,
+                lambda_pos=self.args.vespo_lambda_pos, k_neg=self.args.vespo_k_neg,
+                lambda_neg=self.args.vespo_lambda_neg)))
+        elif self.loss_type != "sapo":
+            low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).float()
+            high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float()
+            metrics["clip_ratio/low_mean"].append(global_masked_mean(low))
+            metrics["clip_ratio/high_mean"].append(global_masked_mean(high))
+            metrics["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
+            metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(low))).item())
+            metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(masked_seq_mean(high))).item())

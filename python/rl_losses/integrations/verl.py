@@ -10,15 +10,19 @@ policy loss from them. This module provides both with the same signatures, compu
 naming it in verl's ``VERL_USE_EXTERNAL_MODULES`` or ``actor_rollout_ref.model.external_lib`` turns it on in
 every worker.
 
-verl's policy-loss registry (``register_policy_loss``) is not used: its functions receive the per-token
-log-probs after the lm_head, where a fused lm_head loss has nothing left to fuse; the fused part is this
-kernel.
+``register_verl_policy_losses()`` adds rl_losses' policy losses to verl's policy-loss registry
+(``actor_rollout_ref.actor.policy_loss.loss_mode``): ``rl_losses_ppo_clip`` (verl's ``vanilla``, dual clip
+``clip_ratio_c`` as the op's ``delta``), ``rl_losses_gspo``, ``rl_losses_sapo`` and ``rl_losses_cispo``. verl
+hands them per-token log-probs, so their per-token math is ``rl_losses.policy_token_loss`` (the fused ops'
+per-token definition, one elementwise kernel) and their aggregation is verl's ``loss_agg_mode`` as an
+``rl_losses.aggregation`` preset with verl's global batch sizes.
 """
 from __future__ import annotations
 
 import torch
 
 import rl_losses
+from rl_losses import aggregation
 
 _ops = torch.ops.rl_losses
 
@@ -118,4 +122,131 @@ def install() -> bool:
     return True
 
 
-INSTALLED = install()
+# ---- the policy-loss registry --------------------------------------------------------------------------------
+def _config_value(config, name, default=None):
+    value = config.get(name, default) if hasattr(config, "get") else getattr(config, name, default)
+    return default if value is None else value
+
+
+def _clip_ratios(config) -> tuple[float, float]:
+    clip = _config_value(config, "clip_ratio", 0.2)
+    return float(_config_value(config, "clip_ratio_low", clip)), float(_config_value(config, "clip_ratio_high", clip))
+
+
+def _aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, config) -> torch.Tensor:
+    """verl's agg_loss as Σ w·ℓ / D: the weights of the mode's rl_losses.aggregation preset, the divisor from
+    verl's ``global_batch_info`` (dp_size, batch_num_tokens, global_batch_size, loss_scale_factor) as verl's
+    agg_loss reads it (fully masked sequences not counted)."""
+    info = dict(_config_value(config, "global_batch_info", {}) or {})
+    dp = info.get("dp_size", 1) or 1
+    mask = mask.to(loss_mat.dtype)
+    if loss_agg_mode == "token-sum":
+        return (loss_mat * mask).sum() * dp
+    if loss_agg_mode not in aggregation.VERL_LOSS_AGG_MODES:
+        raise ValueError(f"rl_losses verl policy loss: loss_agg_mode must be one of "
+                         f"{sorted(aggregation.VERL_LOSS_AGG_MODES) + ['token-sum']}, got {loss_agg_mode!r}")
+    preset = aggregation.VERL_LOSS_AGG_MODES[loss_agg_mode]
+    horizon = info.get("loss_scale_factor") or mask.shape[-1]
+    weights, _ = aggregation.aggregation_weights(preset, completion_mask=mask, max_completion_length=horizon,
+                                                 dtype=loss_mat.dtype)
+    if preset == "token_mean":
+        count = info.get("batch_num_tokens")
+        divisor = mask.sum() if count is None else count
+    else:
+        count = info.get("global_batch_size")
+        divisor = (mask.sum(-1) > 0).to(loss_mat.dtype).sum() if count is None else count
+        if preset == "sequence_sum_constant":
+            divisor = divisor * horizon
+    return (loss_mat * weights).sum() / divisor * dp
+
+
+def _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+                 op_old_log_prob=None, clipped=None, **options):
+    """One registered loss: the op's per-token loss (from ``op_old_log_prob`` in place of the old log-probs when
+    given), verl's rollout weights, the aggregation, verl's metrics (``clipped(out)``: the tokens verl's
+    ``pg_clipfrac`` counts, when not the op's clipped flags)."""
+    op_old = old_log_prob if op_old_log_prob is None else op_old_log_prob
+    out = rl_losses.policy_token_loss(log_prob, op_old, advantages, **options)
+    loss_mat = out.loss if rollout_is_weights is None else out.loss * rollout_is_weights
+    loss = _aggregate(loss_mat, response_mask, loss_agg_mode, config)
+    mask = response_mask.to(out.ratio.dtype)
+    count = mask.sum().clamp(min=1)
+    lower = torch.zeros((), device=mask.device)
+    if options.get("delta") is not None:  # the dual clip's region: r > clip_ratio_c where A < 0
+        lower = (((out.ratio > options["delta"]) & (advantages < 0)) * mask).sum() / count
+    metrics = {
+        "actor/pg_clipfrac": (((out.clipped_low + out.clipped_high if clipped is None else clipped(out)) * mask).sum()
+                              / count).item(),
+        "actor/ppo_kl": (((old_log_prob - log_prob).detach() * mask).sum() / count).item(),
+        "actor/pg_clipfrac_lower": lower.item(),
+    }
+    return loss, metrics
+
+
+def ppo_clip_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                         rollout_is_weights=None):
+    """verl's ``vanilla`` (dual-clip PPO): ``clip_ratio_low/high`` are ε_l/ε_h, ``clip_ratio_c`` (default 3) the
+    cap δ of the ratio where A < 0."""
+    low, high = _clip_ratios(config)
+    return _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+                        epsilon_low=low, epsilon_high=high, delta=float(_config_value(config, "clip_ratio_c", 3.0)))
+
+
+def gspo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                     rollout_is_weights=None):
+    """verl's ``gspo``: each token's ratio is its sequence's geometric-mean ratio s_i in value, with the gradient of
+    its own log-prob (``sg(s_i)·π/sg(π)``): the token-level clip with old log-prob ``sg(lp − log s_i)``."""
+    low, high = _clip_ratios(config)
+    mask = response_mask.to(log_prob.dtype)
+    log_s = (((log_prob - old_log_prob) * mask).sum(-1) / mask.sum(-1).clamp(min=1)).detach()
+    old = log_prob.detach() - log_s.unsqueeze(-1)
+    return _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                        rollout_is_weights, op_old_log_prob=old, epsilon_low=low, epsilon_high=high)
+
+
+def sapo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean",
+                     config=None, rollout_is_weights=None):
+    """verl's ``sapo``: the soft gate with ``tau_pos``/``tau_neg``; aggregated per sequence (seq-mean-token-mean)
+    whatever ``loss_agg_mode``, as verl's own."""
+    return _policy_loss(old_log_prob, log_prob, advantages, response_mask, "seq-mean-token-mean", config,
+                        rollout_is_weights, loss_type="sapo",
+                        sapo_temperature_pos=float(_config_value(config, "tau_pos", 1.0)),
+                        sapo_temperature_neg=float(_config_value(config, "tau_neg", 1.05)))
+
+
+def cispo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                      rollout_is_weights=None):
+    """CISPO: ``−sg(min(r, 1 + clip_ratio_high))·A·lp``. The weight is capped above only (MiniMax-M1's CISPO, as
+    TRL's); verl's own ``cispo`` also clamps it below at ``1 − clip_ratio_low``, so this one needs
+    ``clip_ratio_low >= 1`` (no lower bound: the two then agree)."""
+    low, high = _clip_ratios(config)
+    if low < 1.0:
+        raise ValueError(f"rl_losses_cispo caps the importance weight above only: set clip_ratio_low >= 1 (no lower "
+                         f"bound), got clip_ratio_low={low}")
+    # verl counts every token whose weight is capped, whatever the advantage's sign.
+    return _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+                        clipped=lambda out: (out.ratio > 1.0 + high).to(out.ratio.dtype), loss_type="cispo",
+                        epsilon_high=1.0 + high)
+
+
+POLICY_LOSSES = {
+    "rl_losses_ppo_clip": ppo_clip_policy_loss,
+    "rl_losses_gspo": gspo_policy_loss,
+    "rl_losses_sapo": sapo_policy_loss,
+    "rl_losses_cispo": cispo_policy_loss,
+}
+
+
+def register_verl_policy_losses() -> bool:
+    """Register POLICY_LOSSES in verl's policy-loss registry (``loss_mode`` names ``rl_losses_*``). Returns False
+    when verl is not importable."""
+    try:
+        from verl.trainer.ppo.core_algos import register_policy_loss
+    except ImportError:
+        return False
+    for name, fn in POLICY_LOSSES.items():
+        register_policy_loss(name)(fn)
+    return True
+
+
+INSTALLED = install() and register_verl_policy_losses()

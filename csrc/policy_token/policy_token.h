@@ -1,0 +1,85 @@
+// The policy family's per-token loss on per-token log-probs (docs/integrations/verl.md): for trainers that
+// compute the log-probs themselves (verl's policy-loss registry) and only need the loss of each token and its
+// derivative w.r.t. the log-prob. Elementwise: the same policy_token() (common/math.h) the fused GRPO epilogue
+// evaluates per row, so the two cannot disagree.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+#include "common/math.h"
+#include "common/policy.h"
+
+namespace rl_losses {
+
+// The op's per-token outputs, in schema order.
+enum PolicyTokenOutput : int {
+  kPtLoss = 0,      // ℓ_t: the surrogate (times the rollout weight) + β·KL_t
+  kPtGrad,          // ∂ℓ_t/∂lp_t
+  kPtRatio,         // r_t = exp(lp_t − old_t)
+  kPtLow,           // 1 where the ratio is clipped below (ppo_clip), else 0
+  kPtHigh,          // 1 where clipped above (ppo_clip) or capped (cispo), else 0
+  kPtKl,            // KL_t (importance weighted when asked), 0 without ref_log_probs
+  kPtRolloutWeight, // ω_t, 1 without a rollout correction
+  kPolicyTokenOutputs
+};
+
+template <typename T>
+struct PolicyTokenPtrs {
+  const T* log_probs;
+  const T* old_log_probs;      // null: on-policy (old = sg(lp))
+  const T* advantages;
+  const T* ref_log_probs;      // null without a reference
+  const T* rollout_log_probs;  // null without a rollout correction
+  T* out[kPolicyTokenOutputs];
+};
+
+template <typename T>
+C10_HOST_DEVICE inline void policy_token_at(const PolicyOptions<T>& o, const PolicyTokenPtrs<T>& p, int64_t i) {
+  const T lp = p.log_probs[i];
+  const T old = p.old_log_probs != nullptr ? p.old_log_probs[i] : lp;
+  const T adv = p.advantages[i];
+  const T rw = rollout_weight(o, p.rollout_log_probs != nullptr ? old - p.rollout_log_probs[i] : T(0));
+  const bool has_ref = p.ref_log_probs != nullptr;
+  const PolicyTokenTerms<T> t = policy_token(o, lp, old, adv, has_ref, has_ref ? p.ref_log_probs[i] : T(0), rw);
+  p.out[kPtLoss][i] = t.t.loss;
+  p.out[kPtGrad][i] = -t.t.coef;  // coef is −∂ℓ/∂lp (the logits' gradient is coef·(p − onehot))
+  p.out[kPtRatio][i] = t.t.ratio;
+  p.out[kPtLow][i] = policy_clipped_low(o, t.t.ratio, adv) ? T(1) : T(0);
+  p.out[kPtHigh][i] = policy_clipped_high(o, t.t.ratio, adv) ? T(1) : T(0);
+  p.out[kPtKl][i] = t.kl;
+  p.out[kPtRolloutWeight][i] = rw;
+}
+
+// The validated inputs, flattened and in the working dtype (float32, float64 for float64 log-probs).
+struct PolicyTokenInputs {
+  PolicyOptions<double> opt;
+  at::Tensor log_probs, old_log_probs, advantages, ref_log_probs, rollout_log_probs;  // undefined: not given
+  std::vector<at::Tensor> out;                                                         // kPolicyTokenOutputs
+};
+
+template <typename T>
+PolicyTokenPtrs<T> policy_token_ptrs(const PolicyTokenInputs& in) {
+  auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<T>() : nullptr; };
+  PolicyTokenPtrs<T> p{ptr(in.log_probs), ptr(in.old_log_probs), ptr(in.advantages), ptr(in.ref_log_probs),
+                       ptr(in.rollout_log_probs), {}};
+  for (int k = 0; k < kPolicyTokenOutputs; ++k) p.out[k] = in.out[k].data_ptr<T>();
+  return p;
+}
+
+using PolicyTokenKernel = void (*)(const PolicyTokenInputs&);
+
+std::vector<at::Tensor> policy_token_loss(const at::Tensor& log_probs, const std::optional<at::Tensor>& old_log_probs,
+                                          const at::Tensor& advantages, double epsilon_low, double epsilon_high,
+                                          std::optional<double> delta, const std::optional<at::Tensor>& ref_log_probs,
+                                          double beta, c10::string_view loss_type, double sapo_temperature_pos,
+                                          double sapo_temperature_neg,
+                                          const std::optional<at::Tensor>& rollout_log_probs,
+                                          std::optional<c10::string_view> rollout_correction, double rollout_cap,
+                                          std::optional<c10::ArrayRef<double>> rollout_mask_bounds,
+                                          c10::string_view kl_estimator, bool kl_importance_weighted,
+                                          PolicyTokenKernel kernel);
+
+}  // namespace rl_losses

@@ -1,0 +1,45 @@
+// policy_token_loss on CUDA: one thread per token (elementwise; the math is policy_token_at, shared with the CPU).
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "policy_token/policy_token.h"
+
+namespace rl_losses {
+namespace {
+
+template <typename T>
+__global__ void policy_token_kernel(PolicyOptions<T> o, PolicyTokenPtrs<T> p, int64_t n) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) policy_token_at(o, p, i);
+}
+
+void policy_token_cuda(const PolicyTokenInputs& in) {
+  const int64_t n = in.log_probs.numel();
+  constexpr int kThreads = 256;
+  const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t(1) << 16);
+  AT_DISPATCH_FLOATING_TYPES(in.log_probs.scalar_type(), "policy_token_loss", [&] {
+    policy_token_kernel<scalar_t><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        policy_options_as<scalar_t>(in.opt), policy_token_ptrs<scalar_t>(in), n);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cuda(
+    const at::Tensor& log_probs, const std::optional<at::Tensor>& old_log_probs, const at::Tensor& advantages,
+    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& rollout, double epsilon_low,
+    double epsilon_high, std::optional<double> delta, double beta, c10::string_view loss_type, double tau_pos,
+    double tau_neg, std::optional<c10::string_view> mode, double cap, std::optional<c10::ArrayRef<double>> bounds,
+    c10::string_view kl_estimator, bool kl_importance_weighted) {
+  const c10::cuda::CUDAGuard guard(log_probs.device());
+  return tensors_as_tuple<kPolicyTokenOutputs>(policy_token_loss(
+      log_probs, old_log_probs, advantages, epsilon_low, epsilon_high, delta, ref, beta, loss_type, tau_pos, tau_neg,
+      rollout, mode, cap, bounds, kl_estimator, kl_importance_weighted, &policy_token_cuda));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) { m.impl("policy_token_loss", &policy_token_loss_cuda); }
+
+}  // namespace rl_losses

@@ -1,0 +1,75 @@
+"""``policy_token_loss``: the policy losses' per-token math on per-token log-probs (docs/policy_losses.md).
+
+For trainers that compute the log-probs of the labels themselves (verl's policy-loss registry,
+``rl_losses.integrations.verl``) and aggregate the per-token losses their own way: the op evaluates, per token,
+the same loss ℓ_t = ω_t·s_t + β·KL_t and derivative ∂ℓ_t/∂lp_t that the fused GRPO ops evaluate per row of
+logits (one C++ definition for both, on the CPU and in one CUDA kernel), and the loss is differentiable w.r.t.
+``log_probs`` through that derivative.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+
+class PolicyTokenOutput(NamedTuple):
+    """Per-token outputs, shaped like ``log_probs`` (float32; float64 for float64 log-probs).
+
+    loss: ℓ_t (the surrogate times the rollout weight, plus β·KL_t), differentiable w.r.t. ``log_probs``; every
+    other field is detached. ratio: r_t = exp(lp_t − old_t). clipped_low / clipped_high: 1.0 where the ratio is
+    clipped below / above (ppo_clip) or capped (cispo, as "high"), else 0. kl: KL_t (importance weighted with
+    ``kl_importance_weighted``), 0 without ``ref_log_probs``. rollout_weight: ω_t, 1 without a rollout correction.
+    """
+    loss: torch.Tensor
+    ratio: torch.Tensor
+    clipped_low: torch.Tensor
+    clipped_high: torch.Tensor
+    kl: torch.Tensor
+    rollout_weight: torch.Tensor
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.input_dtype = inputs[0].dtype
+    ctx.save_for_backward(output[1])
+
+
+def _backward(ctx, grad_loss, *_unused):
+    (slope,) = ctx.saved_tensors
+    grad = None if grad_loss is None else (grad_loss * slope).to(ctx.input_dtype)
+    # One gradient (or None) per positional argument of the schema (the tensors): only log_probs has one.
+    positional = sum(not a.kwarg_only for a in torch.ops.rl_losses.policy_token_loss.default._schema.arguments)
+    return (grad,) + (None,) * (positional - 1)
+
+
+torch.library.register_autograd("rl_losses::policy_token_loss", _backward, setup_context=_setup_context)
+
+
+def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | None, advantages: torch.Tensor, *,
+                      epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
+                      ref_log_probs: torch.Tensor | None = None, beta: float = 0.0, loss_type: str = "ppo_clip",
+                      sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+                      rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
+                      rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
+                      kl_estimator: str = "k3", kl_importance_weighted: bool = False) -> PolicyTokenOutput:
+    """Per-token policy loss from per-token log-probs (no aggregation: weigh and sum ``loss`` as you need).
+
+    Args:
+        log_probs: (...) float, the current policy's log-prob of each label (differentiable).
+        old_log_probs: (...) float, the sampling policy's; None for on-policy (r ≡ 1, with ∂r/∂lp = 1).
+        advantages: (...) float per token, or (B,) per sequence for (B, T) log-probs.
+        The options are ``rl_losses.grpo_loss``'s (``loss_type`` ppo_clip / cispo / sapo, ``delta``,
+        ``ref_log_probs``/``beta``/``kl_estimator``/``kl_importance_weighted``), and its token-level rollout
+        correction (``rollout_correction`` 'token_truncate' / 'token_mask' with ``rollout_log_probs``); the
+        sequence-level modes and the entropy bonus need the fused ops.
+    """
+    out = torch.ops.rl_losses.policy_token_loss(
+        log_probs, old_log_probs, advantages, ref_log_probs, rollout_log_probs, epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high, delta=delta, beta=beta, loss_type=loss_type,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+        rollout_correction=rollout_correction, rollout_cap=rollout_cap,
+        rollout_mask_bounds=None if rollout_mask_bounds is None else list(rollout_mask_bounds),
+        kl_estimator=kl_estimator, kl_importance_weighted=kl_importance_weighted)
+    loss, _, ratio, low, high, kl, weight = out
+    return PolicyTokenOutput(loss, ratio.detach(), low.detach(), high.detach(), kl.detach(), weight.detach())

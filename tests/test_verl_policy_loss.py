@@ -1,0 +1,99 @@
+"""rl_losses' policy losses in verl's policy-loss registry (rl_losses.integrations.verl) against verl's own
+registered losses (verl 0.9.1, verl/trainer/ppo/core_algos.py) on the same per-token inputs: the loss, its
+gradient w.r.t. the log-probs and verl's metrics, for each loss_agg_mode, verl's global batch sizes and its
+rollout importance-sampling weights (float64 to 1e-9, float32 to 1e-6)."""
+import pytest
+import torch
+
+core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+verl_config = pytest.importorskip("verl.workers.config")
+
+from rl_losses.integrations import verl as rl_verl  # noqa: E402
+
+MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
+PAIRS = {  # ours -> (verl's, config overrides)
+    "rl_losses_ppo_clip": ("vanilla", dict(clip_ratio_low=0.15, clip_ratio_high=0.25, clip_ratio_c=1.6)),
+    "rl_losses_gspo": ("gspo", dict(clip_ratio_low=0.05, clip_ratio_high=0.08)),
+    "rl_losses_sapo": ("sapo", dict(tau_pos=0.8, tau_neg=1.3)),
+    "rl_losses_cispo": ("cispo", dict(clip_ratio_low=1.0, clip_ratio_high=0.2)),
+}
+
+
+def make_config(global_batch_info=None, **overrides):
+    config = verl_config.ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+                                     use_dynamic_bsz=False, **overrides)
+    config.global_batch_info.update(global_batch_info or {})  # verl fills the dict in place, per step
+    return config
+
+
+def make_inputs(dtype, seed, batch=6, length=64):
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(batch, length, generator=g, dtype=torch.float64) * 3
+    old = lp + 0.3 * torch.randn(batch, length, generator=g, dtype=torch.float64)
+    adv = torch.randn(batch, 1, generator=g, dtype=torch.float64).expand(batch, length).contiguous()
+    lengths = torch.randint(length // 2, length + 1, (batch,), generator=g)
+    lengths[2] = 0  # a fully masked sequence: verl does not count it
+    # (lengths >= 32: verl divides a sequence's token sum by its length + 1e-8, 3e-10 relative here)
+    mask = (torch.arange(length) < lengths.unsqueeze(1)).to(dtype)
+    weights = torch.rand(batch, length, generator=g, dtype=torch.float64) * 2
+    return [t.to(dtype) for t in (lp, old, adv, weights)] + [mask]
+
+
+def run(fn, lp, old, adv, mask, mode, config, weights):
+    x = lp.clone().requires_grad_(True)
+    loss, metrics = fn(old, x, adv, mask, mode, config, weights)
+    (grad,) = torch.autograd.grad(loss, x)
+    return loss.detach(), grad, metrics
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_matches_verl(name, mode, dtype):
+    verl_name, overrides = PAIRS[name]
+    config = make_config(**overrides)
+    lp, old, adv, weights, mask = make_inputs(dtype, seed=len(name) + len(mode))
+    for rollout_is_weights in (None, weights):
+        theirs = run(core_algos.get_policy_loss_fn(verl_name), lp, old, adv, mask, mode, config, rollout_is_weights)
+        ours = run(getattr(rl_verl, rl_verl.POLICY_LOSSES[name].__name__), lp, old, adv, mask, mode, config,
+                   rollout_is_weights)
+        # verl's seq-mean-token-mean divides by (length + 1e-8): ~3e-10 of each sequence's term here, which the
+        # cancelling sum over sequences can leave as 1e-8 of the total: an absolute bound there.
+        per_sequence = mode == "seq-mean-token-mean" or name == "rl_losses_sapo"
+        tol = (dict(rtol=1e-9, atol=1e-10 if per_sequence else 1e-12) if dtype == torch.float64
+               else dict(rtol=1e-6, atol=1e-7))
+        torch.testing.assert_close(ours[0].to(dtype), theirs[0], **tol)
+        scale = theirs[1].abs().max()
+        torch.testing.assert_close(ours[1] / scale, theirs[1] / scale, **tol)
+        for key, value in theirs[2].items():
+            assert ours[2][key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+    if name == "rl_losses_ppo_clip":
+        assert theirs[2]["actor/pg_clipfrac"] > 0 and theirs[2]["actor/pg_clipfrac_lower"] > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_global_batch_info(mode):
+    """verl's data-parallel normalisation (dp_size, the global token and sequence counts, the norm constant)."""
+    info = dict(dp_size=4, batch_num_tokens=517, global_batch_size=23, loss_scale_factor=64)
+    config = make_config(info, clip_ratio_low=0.15)
+    lp, old, adv, weights, mask = make_inputs(torch.float64, seed=7)
+    theirs = run(core_algos.get_policy_loss_fn("vanilla"), lp, old, adv, mask, mode, config, weights)
+    ours = run(rl_verl.ppo_clip_policy_loss, lp, old, adv, mask, mode, config, weights)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-9, atol=1e-12)
+
+
+def test_registered():
+    assert rl_verl.register_verl_policy_losses()
+    for name, fn in rl_verl.POLICY_LOSSES.items():
+        assert core_algos.get_policy_loss_fn(name) is fn
+
+
+def test_bad_options():
+    lp, old, adv, weights, mask = make_inputs(torch.float64, seed=1)
+    with pytest.raises(ValueError, match="set clip_ratio_low >= 1 .* got clip_ratio_low=0.2"):
+        rl_verl.cispo_policy_loss(old, lp, adv, mask, "token-mean", make_config(clip_ratio_low=0.2))
+    with pytest.raises(ValueError, match="loss_agg_mode must be one of .* got 'seq-sum'"):
+        rl_verl.ppo_clip_policy_loss(old, lp, adv, mask, "seq-sum", make_config())
+    with pytest.raises(RuntimeError, match="delta must exceed 1 \\+ epsilon_high = 1.2, got 1.1"):
+        rl_verl.ppo_clip_policy_loss(old, lp, adv, mask, "token-mean", make_config(clip_ratio_c=1.1))
