@@ -322,9 +322,11 @@ def test_vespo_cpu_equals_cuda(mode, on_policy):
         out = rl_losses.grpo_loss(x, target.to(dev), advantages.to(dev), None if on_policy else old.to(dev), **opts)
         out.loss.backward()
         results[dev] = (out.loss.detach().cpu(), x.grad.cpu(), out.vespo_phi_seq_mean.cpu())
-    assert_close(results["cuda"][0], results["cpu"][0], torch.float32)
-    assert_grad_close(results["cuda"][1], results["cpu"][1].double(), torch.float32)
-    assert_close(results["cuda"][2], results["cpu"][2], torch.float32)
+    # φ's log w sums 40 token log-probs of |lp| ~ 8 (and φ moves by (k − λ·w)·δ log w): the two devices' fp32
+    # log-probs, a few ulps apart each, move φ by up to ~1e-4 relative. Hence 10× the fp32 tolerance.
+    assert_close(results["cuda"][0], results["cpu"][0], torch.float32, scale=10.0)
+    assert_grad_close(results["cuda"][1], results["cpu"][1].double(), torch.float32, scale=10.0)
+    assert_close(results["cuda"][2], results["cpu"][2], torch.float32, scale=10.0)
 
 
 # ---- GSPO: the documents are the sequences ---------------------------------------------------------------------------
