@@ -59,10 +59,9 @@ struct GrpoEpilogue {
     const acc_t rw = rollout_weight(opt, log_rho);
     // VESPO folds the rollout weights into φ (TRL, Liger): its surrogate is not multiplied by them.
     const bool vespo = vespo_phi != nullptr;
-    const PolicyTokenTerms<acc_t> t =
-        policy_token(opt, lp, old, adv, ref_log_probs != nullptr, ref_log_probs != nullptr ? ref_log_probs[row]
-                                                                                         : acc_t(0),
-                     vespo ? acc_t(1) : rw, vespo ? vespo_phi[row] : acc_t(1));
+    const acc_t ref = ref_log_probs != nullptr ? ref_log_probs[row] : acc_t(0);
+    const PolicyTokenTerms<acc_t> t = policy_token(opt, lp, old, adv, ref_log_probs != nullptr, ref,
+                                                   vespo ? acc_t(1) : rw, vespo ? vespo_phi[row] : acc_t(1));
     const acc_t w = (loss_weights ? loss_weights[row] : acc_t(1)) / *divisor;
     const acc_t h = entropy ? st.entropy() : acc_t(0);
     const acc_t c = opt.entropy_coefficient;

@@ -49,13 +49,13 @@ KL's Σκ·KL) and Σm·lp·w (for the new_logprobs metric), with w = 1/N_t when
 otherwise — then the counts are only known after the sum, and the w-weighted columns are divided by them after
 it (exact: N_s is constant over a document); an extra row carries Σm·H and Σm for the entropy metric. The op
 then runs with these ``document_sums``, the global per-token ``label_counts`` and the row statistics (so it
-reads the logits only once more, for the gradient). Its default divisor is the number of documents with a labelled token over the group, read from
-the summed count column. Each rank's loss covers its own tokens: the SUM of the rank losses equals the
-single-process loss, and each rank's gradient is that of the global loss w.r.t. its own logits (what a
-data-parallel SUM of the weight gradients expects). The metrics (new_logprobs, clipped fractions, kl_old,
-ratio_mean, entropy, document_ratios) are the global values, identical on every rank; ``log_probs`` is per
-local token. ``num_documents`` defaults to the group's max(document_index)+1, which costs one more small
-all-reduce and a host synchronisation: pass it to avoid both.
+reads the logits only once more, for the gradient). Its default divisor is the number of documents with a
+labelled token over the group, read from the summed count column. Each rank's loss covers its own tokens: the
+SUM of the rank losses equals the single-process loss, and each rank's gradient is that of the global loss
+w.r.t. its own logits (what a data-parallel SUM of the weight gradients expects). The metrics (new_logprobs,
+clipped fractions, kl_old, ratio_mean, entropy, document_ratios, the policy family's) are the global values,
+identical on every rank; ``log_probs`` is per local token. ``num_documents`` defaults to the group's
+max(document_index)+1, which costs one more small all-reduce and a host synchronisation: pass it to avoid both.
 Both groups together: the tensor-parallel statistics first, then the sequence-data-parallel sums.
 
 Bad input (an error, never a hang): under sdp_group the ranks hold different tokens, so a bad label
