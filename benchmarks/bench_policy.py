@@ -1,133 +1,240 @@
-"""GRPO with each option of the policy family (docs/policy_losses.md) against plain GRPO and against Liger's
-``triton_grpo_loss`` with the same option, fwd+bwd, side by side in one run.
+"""Plain GRPO, plain GSPO and every option of the policy family (docs/policy_losses.md), each side by side with
+Liger-Kernel's ``triton_grpo_loss`` with the same option where Liger has it, fwd+bwd, in one run.
 
     python3 benchmarks/bench_policy.py --out OUT              # N = 16384 (16 x 1024), V = 128256, bf16, CUDA
     python3 benchmarks/bench_policy.py --dry-run --out /tmp/x # CPU, a tiny shape: checks the logic only
+    python3 benchmarks/report.py --add OUT/policy.json --results benchmarks/results --write   # record it
 
-Per option: the median of --repeats CUDA-event-timed fwd+bwd calls after warm-up, its ratio to plain GRPO's
-time (the family promises no extra pass over the vocabulary: within 3%, except an on-policy sequence-level
-rollout correction, which reads the logits twice by design), and Liger's time where Liger has the option
-(it has no k1/k2 estimator, no entropy bonus and no mask bounds: those rows show '-'). Writes OUT/policy.json.
+Per option: the median of --repeats fwd+bwd calls, each timed by CUDA events behind a sleep kernel so that the
+host is ahead of the GPU (as in a training step; without it the host's ~0.4 ms of Python and dispatch per call
+lands in the timings), its ratio to plain GRPO's time (to plain GSPO's for the GSPO rows), and Liger's time and
+its ratio to ours. Liger runs in place (its default): its logits are restored before each timed call, outside
+the timing. The inputs are a training step's: old log-probs near the current ones (a step of drift), the
+rollout engine's near those, so few tokens clip (a clipped token's zero gradient row is cheaper to write, and
+inputs where most tokens clip flatter an option that clips). The family promises no extra pass over the
+vocabulary except where the math needs one: an on-policy sequence-level rollout correction and vespo (with
+old_log_probs) need every token's log-prob before any gradient (two reads of the logits, like GSPO); those rows
+are marked "2 passes". Writes OUT/policy.json (report.py's format: a bench_policy.py run of rows).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
+import subprocess
+import sys
+import time
 
 import torch
 
 import rl_losses
 
+# The options that read the logits twice (every GSPO row does).
+TWO_PASSES = {"vespo", "vespo_token_truncate", "on_policy_sequence_truncate"}
 
-def options(b, t, device, old, rollout, ref):
-    """name -> (rl_losses kwargs, Liger kwargs or None)."""
+
+def options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref):
+    """name -> (loss, rl_losses kwargs, Liger kwargs or None). Liger's rollout correction is the ratio tensor
+    its caller computes (vllm_is_ratio, (B, T) or (B, 1)); its GSPO is importance_sampling_level="sequence"."""
+    rc = lambda mode, **kw: dict(rollout_log_probs=rollout, rollout_correction=mode, **kw)  # noqa: E731
+    kl = lambda **kw: dict(ref_log_probs=ref, beta=0.04, **kw)  # noqa: E731
     return {
-        "plain": (dict(), dict()),
-        "cispo": (dict(loss_type="cispo", epsilon_high=4.0), dict(loss_type="cispo", eps_high=4.0)),
-        "sapo": (dict(loss_type="sapo"), dict(loss_type="sapo")),
-        "on_policy": (dict(on_policy=True), dict(on_policy=True)),
-        "token_truncate": (dict(rollout_log_probs=rollout, rollout_correction="token_truncate"),
-                           dict(vllm_is_ratio=True)),
-        "token_mask": (dict(rollout_log_probs=rollout, rollout_correction="token_mask"), None),
-        "sequence_truncate": (dict(rollout_log_probs=rollout, rollout_correction="sequence_truncate"),
-                              dict(vllm_is_ratio=True)),
-        "k3_beta": (dict(ref_log_probs=ref, beta=0.04), dict(beta=0.04)),
-        "k3_importance_weighted": (dict(ref_log_probs=ref, beta=0.04, kl_importance_weighted=True),
-                                   dict(beta=0.04, use_bias_correction_kl=True)),
-        "k1_beta": (dict(ref_log_probs=ref, beta=0.04, kl_estimator="k1"), None),
-        "entropy_bonus": (dict(entropy_coefficient=0.01), None),
-        "everything": (dict(loss_type="sapo", rollout_log_probs=rollout, rollout_correction="token_truncate",
-                            ref_log_probs=ref, beta=0.04, kl_importance_weighted=True, entropy_coefficient=0.01),
-                       None),
+        "plain": ("grpo", dict(), dict()),
+        "cispo": ("grpo", dict(loss_type="cispo", epsilon_high=4.0), dict(loss_type="cispo", eps_high=4.0)),
+        "sapo": ("grpo", dict(loss_type="sapo"), dict(loss_type="sapo")),
+        "vespo": ("grpo", dict(loss_type="vespo"), dict(loss_type="vespo")),
+        "vespo_on_policy": ("grpo", dict(loss_type="vespo", on_policy=True), dict(loss_type="vespo",
+                                                                                 on_policy=True)),
+        "vespo_token_truncate": ("grpo", dict(loss_type="vespo", **rc("token_truncate")),
+                                 dict(loss_type="vespo", vllm_is_ratio=rollout_tok_ratio("truncate"))),
+        "on_policy": ("grpo", dict(on_policy=True), dict(on_policy=True)),
+        "token_truncate": ("grpo", rc("token_truncate"), dict(vllm_is_ratio=rollout_tok_ratio("truncate"))),
+        "token_mask": ("grpo", rc("token_mask"), dict(vllm_is_ratio=rollout_tok_ratio("mask"))),
+        "sequence_truncate": ("grpo", rc("sequence_truncate"), dict(vllm_is_ratio=rollout_seq_ratio("truncate"))),
+        "sequence_mask": ("grpo", rc("sequence_mask"), dict(vllm_is_ratio=rollout_seq_ratio("mask"))),
+        "on_policy_sequence_truncate": ("grpo", dict(on_policy=True, **rc("sequence_truncate")), None),
+        "k1": ("grpo", kl(kl_estimator="k1"), None),
+        "k2": ("grpo", kl(kl_estimator="k2"), None),
+        "k3": ("grpo", kl(kl_estimator="k3"), dict(beta=0.04)),
+        "k3_importance_weighted": ("grpo", kl(kl_importance_weighted=True), dict(beta=0.04,
+                                                                               use_bias_correction_kl=True)),
+        "entropy_bonus": ("grpo", dict(entropy_coefficient=0.01), None),
+        "everything": ("grpo", dict(loss_type="sapo", entropy_coefficient=0.01, **rc("token_truncate"),
+                                    **kl(kl_importance_weighted=True)), None),
+        "gspo": ("gspo", dict(), dict(importance_sampling_level="sequence")),
+        "gspo_vespo": ("gspo", dict(loss_type="vespo"), None),
+        "gspo_importance_weighted_kl": ("gspo", kl(kl_importance_weighted=True),
+                                        dict(importance_sampling_level="sequence", beta=0.04,
+                                             use_bias_correction_kl=True)),
+        "gspo_sequence_truncate": ("gspo", rc("sequence_truncate"),
+                                   dict(importance_sampling_level="sequence",
+                                        vllm_is_ratio=rollout_seq_ratio("truncate"))),
     }
 
 
-def time_ms(fn, repeats, device):
-    for _ in range(3):
-        fn()
-    if device == "cpu":
-        import time
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+class Timer:
+    """Median of CUDA-event-timed calls, each queued behind a sleep kernel (the host ahead of the GPU);
+    `before` runs untimed ahead of each call (restoring an in-place provider's inputs)."""
+
+    def __init__(self, device: str, repeats: int):
+        self.device, self.repeats = device, repeats
+
+    def __call__(self, fn, before=None) -> dict:
+        for _ in range(3):
+            if before:
+                before()
             fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        times = []
+        for _ in range(self.repeats):
+            if before:
+                before()
+            if self.device == "cpu":
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+                continue
+            torch.cuda.synchronize()
+            torch.cuda._sleep(3_000_000)  # ~1.5 ms: longer than the host needs to queue the call
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        times.sort()
+        q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
+        return dict(ms=round(statistics.median(times), 4), ms_p20=round(q(0.2), 4), ms_p80=round(q(0.8), 4),
+                    reps=len(times))
 
 
-def main():
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--repeats", type=int, default=30)
-    args = p.parse_args()
+    p.add_argument("--repeats", type=int, default=25)
+    p.add_argument("--only", default=None, help="comma-separated option names")
+    p.add_argument("--no-liger", action="store_true")
+    args = p.parse_args(argv)
     device = "cpu" if args.dry_run else "cuda"
     b, t, v = (2, 8, 64) if args.dry_run else (16, 1024, 128256)
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     torch.manual_seed(0)
-    logits = (torch.randn(b, t + 1, v, device=device) * 2).to(dtype)  # Liger's layout: one more position
+    logits_full = (torch.randn(b, t + 1, v, device=device) * 2).to(dtype)  # Liger's layout: one more position
+    logits = logits_full[:, :-1]
     target = torch.randint(0, v, (b, t), device=device)
     advantages = torch.randn(b, device=device)
-    old = -torch.rand(b, t, device=device) * 5 - 8
-    rollout = old + 0.1 * torch.randn_like(old)
+    with torch.no_grad():
+        lp = rl_losses.grpo_loss(logits, target, advantages, None).log_probs
+    old = lp + 0.05 * torch.randn_like(lp)  # a step of drift
+    rollout = old + 0.05 * torch.randn_like(old)  # the inference engine's numerics
     ref = old + 0.1 * torch.randn_like(old)
+    doc = torch.arange(b, device=device).unsqueeze(1).expand(b, t).contiguous()  # GSPO: a document per row
+
+    def weight(log_rho, kind, cap=3.0):
+        rho = torch.exp(log_rho)
+        return rho.clamp(max=cap) if kind == "truncate" else torch.where(rho <= cap, rho, 0.0)
+
+    rollout_tok_ratio = lambda kind: weight(old - rollout, kind)  # noqa: E731
+    rollout_seq_ratio = lambda kind: weight((old - rollout).sum(-1, keepdim=True), kind)  # noqa: E731
     liger = None
-    if not args.dry_run:
+    if not args.dry_run and not args.no_liger:
         try:
             from liger_kernel.transformers.grpo_loss import triton_grpo_loss as liger
-        except ImportError:
-            print("liger-kernel not installed: rl_losses only")
-    x = logits[:, :-1].detach().clone().requires_grad_()
+        except ImportError as e:
+            print(f"liger-kernel not importable ({e}): rl_losses only")
+    timer = Timer(device, args.repeats)
+    x = logits.detach().clone().requires_grad_()
+    y = logits_full.detach().clone().requires_grad_()
+    table = options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref)
+    names = [n for n in table if args.only is None or n in args.only.split(",")]
     rows = []
-    for name, (ours, theirs) in options(b, t, device, old, rollout, ref).items():
+    for name in names:
+        loss, ours, theirs = table[name]
         ours = dict(ours)
         old_arg = None if ours.pop("on_policy", False) else old
-
-        def run_ours():
-            rl_losses.grpo_loss(x, target, advantages, old_arg, **ours).loss.backward()
-            x.grad = None
-
-        row = dict(option=name, rl_losses_ms=time_ms(run_ours, args.repeats, device))
+        if loss == "grpo":
+            run_ours = lambda: rl_losses.grpo_loss(x, target, advantages, old_arg, **ours).loss.backward()  # noqa
+        else:
+            run_ours = lambda: rl_losses.gspo_loss(x, target, advantages, old_arg, doc, num_documents=b,  # noqa
+                                                   **ours).loss.backward()
+        row = dict(op="policy", option=name, loss=loss, n=b * t, v=v, dtype=str(dtype).removeprefix("torch."),
+                   provider="rl_losses", passes=2 if name in TWO_PASSES or loss == "gspo" else 1)
+        try:
+            row.update(timer(lambda: (run_ours(), setattr(x, "grad", None))))
+        except Exception as e:  # a failing option is a row with its error, not the end of the run
+            row["error"] = f"{type(e).__name__}: {e}"[:200]
+        rows.append(row)
         if liger is not None and theirs is not None:
             theirs = dict(theirs)
-            is_ratio = torch.exp(old - rollout).clamp(max=3.0) if theirs.pop("vllm_is_ratio", False) else None
             liger_old = None if theirs.pop("on_policy", False) else old
             beta = theirs.pop("beta", 0.0)
-            y = logits.detach().clone().requires_grad_()
+            lrow = dict(row, provider="liger")
+            lrow.pop("error", None)
+            for k in ("ms", "ms_p20", "ms_p80", "reps"):
+                lrow.pop(k, None)
 
             def run_liger():
-                loss = liger(y, liger_old, ref if beta else None, target, advantages, temperature=1.0, beta=beta,
-                             inplace=True, vllm_is_ratio=is_ratio, reduce=True, **theirs)
-                (loss[0] if isinstance(loss, tuple) else loss).backward()
+                out = liger(y, liger_old, ref if beta else None, target, advantages, temperature=1.0, beta=beta,
+                            inplace=True, reduce=True, **theirs)
+                (out[0] if isinstance(out, tuple) else out).backward()
                 y.grad = None
 
-            row["liger_ms"] = time_ms(run_liger, args.repeats, device)
-        rows.append(row)
-    plain = rows[0]["rl_losses_ms"]
-    print(f"{'option':24s} {'rl_losses ms':>12s} {'vs plain':>9s} {'Liger ms':>9s} {'speed-up':>9s}")
+            try:
+                # Liger writes its gradient into the logits: restored (untimed) before each call.
+                lrow.update(timer(run_liger, before=lambda: y.data.copy_(logits_full)))
+            except Exception as e:
+                lrow["error"] = f"{type(e).__name__}: {e}"[:200]
+            rows.append(lrow)
+        print(f"{name}: " + ", ".join(f"{r['provider']} {r.get('ms', r.get('error'))}" for r in rows
+                                      if r["option"] == name), flush=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    # Ratios: to plain GRPO (GSPO rows: to plain GSPO), and Liger's time over ours.
+    ms = {(r["option"], r["provider"]): r.get("ms") for r in rows}
     for r in rows:
-        r["vs_plain"] = r["rl_losses_ms"] / plain
-        lg = r.get("liger_ms")
-        liger_ms = "-" if lg is None else f"{lg:.3f}"
-        speedup = "-" if lg is None else f"{lg / r['rl_losses_ms']:.2f}x"
-        print(f"{r['option']:24s} {r['rl_losses_ms']:12.3f} {r['vs_plain']:9.3f} {liger_ms:>9s} {speedup:>9s}")
+        base = ms.get(("gspo" if r["loss"] == "gspo" else "plain", r["provider"]))
+        if r.get("ms") and base:
+            r["vs_plain"] = round(r["ms"] / base, 4)
+        if r["provider"] == "liger" and r.get("ms") and ms.get((r["option"], "rl_losses")):
+            r["speedup_of_rl"] = round(r["ms"] / ms[(r["option"], "rl_losses")], 3)
+            r["vs"] = "rl_losses"
+    print(f"\n{'option':30s} {'rl_losses ms':>12s} {'x plain':>8s} {'passes':>6s} {'Liger ms':>9s} "
+          f"{'Liger x plain':>13s} {'Liger/ours':>10s}")
+    for name in names:
+        ours, theirs = next(r for r in rows if r["option"] == name and r["provider"] == "rl_losses"), next(
+            (r for r in rows if r["option"] == name and r["provider"] == "liger"), {})
+        f = lambda r, k, spec: "-" if r.get(k) is None else format(r[k], spec)  # noqa: E731
+        print(f"{name:30s} {f(ours, 'ms', '.3f'):>12s} {f(ours, 'vs_plain', '.3f'):>8s} {ours['passes']:>6d} "
+              f"{f(theirs, 'ms', '.3f'):>9s} {f(theirs, 'vs_plain', '.3f'):>13s} "
+              f"{f(theirs, 'speedup_of_rl', '.2f'):>10s}" + (f"  {ours['error']}" if ours.get("error") else ""))
     os.makedirs(args.out, exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", shape=[b * t, v],
-                dtype=str(dtype), torch=torch.__version__)
+    liger_version = None
+    try:
+        import importlib.metadata as md
+        liger_version = md.version("liger-kernel")
+    except Exception:
+        pass
+    meta = dict(script="bench_policy.py", device=torch.cuda.get_device_name() if device == "cuda" else "CPU",
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                command="python3 benchmarks/bench_policy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                git=git_commit(), torch=torch.__version__, liger_kernel=liger_version,
+                shape=dict(n=b * t, v=v, dtype=str(dtype).removeprefix("torch.")))
     with open(os.path.join(args.out, "policy.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        json.dump(dict(meta=meta, results=rows), f, indent=1)
+    print("wrote", os.path.join(args.out, "policy.json"))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """Outputs of the benchmarks, and the page of current numbers generated from the recorded ones.
 
 1. For bench_gpu.py (and bench_linear.py): the JSON of raw numbers, the CSV and the text tables (the PNG: plot.py).
+   bench_policy.py and bench_distill_head.py write their own JSON (one row per case and provider), recorded the same way.
    Every row is one (op, N, V, provider) job as bench_gpu.run_job returns it; ``meta`` holds the device, the
    versions, the command, the copy ceiling and the definition notes.
 2. ``benchmarks/results/<device>-<date>.json`` (one file per device and date: device, date, torch, and its
@@ -346,6 +347,26 @@ def distill_head_section(doc: dict) -> list[str]:
     return out + [""]
 
 
+def policy_section(doc: dict) -> list[str]:
+    rows = latest_rows(doc, "bench_policy.py", lambda r: (r["option"], r["provider"]))
+    if not rows:
+        return []
+    run = max((r for r in doc["runs"] if r["script"] == "bench_policy.py"), key=lambda r: r["time"])
+    shape = run.get("shape", {})
+    out = [f"### The policy family's options (bench_policy.py: N = {shape.get('n')}, V = {shape.get('v')}, "
+           f"{shape.get('dtype')}, fwd+bwd)", "",
+           "ms (× plain GRPO's, or plain GSPO's for the GSPO rows; 2 passes: the option reads the logits twice) · "
+           "Liger-Kernel's triton_grpo_loss with the same option (its time over ours).", "",
+           "| option | rl_losses | × plain | Liger-Kernel |", "|---|---|---|---|"]
+    for option in dict.fromkeys(o for o, _ in rows):
+        rl, liger = rows.get((option, "rl_losses")), rows.get((option, "liger"))
+        x = "–" if rl is None or rl.get("vs_plain") is None else f"{rl['vs_plain']:.3f}"
+        if rl is not None and rl.get("passes") == 2:
+            x += " (2 passes)"
+        out.append(f"| {option} | {_cell(rl)} | {x} | {_peer(liger)} |")
+    return out + [""]
+
+
 def cpu_section(doc: dict) -> list[str]:
     rows = latest_rows(doc, "bench_cpu.py", lambda r: (r["op"], r["provider"]))
     if not rows:
@@ -376,7 +397,8 @@ def render_results(docs: list[dict]) -> str:
            "ceiling): `docs/performance.md`; how the kernels got there: `docs/design.md`.", ""]
     for doc in docs:
         out += [f"## {doc['host']} — {doc['date']} (`results/{doc['file']}`)", "", "Runs:", ""] + runs_list(doc) + [""]
-        out += gpu_section(doc) + linear_section(doc) + distill_head_section(doc) + tp_section(doc) + cpu_section(doc)
+        out += (gpu_section(doc) + linear_section(doc) + policy_section(doc) + distill_head_section(doc)
+                + tp_section(doc) + cpu_section(doc))
     return "\n".join(out).rstrip() + "\n"
 
 

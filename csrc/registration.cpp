@@ -54,7 +54,9 @@ TORCH_LIBRARY(rl_losses, m) {
   // Outputs after the loss are detached metrics (docs/math.md); `entropy` is 0 unless compute_entropy.
 // The policy family's options (docs/policy_losses.md) follow each policy op's own arguments; its metrics
 // follow ratio_mean: kl (mean KL estimate towards ref_log_probs), rollout_ratio_mean (mean ρ),
-// rollout_weight_mean (mean correction weight), rollout_corrected_fraction (tokens truncated or masked).
+// rollout_weight_mean (mean correction weight), rollout_corrected_fraction (tokens truncated or masked), and,
+// last (after GSPO's document_ratios), vespo_phi_mean (the mean VESPO weight φ over the labelled sequences;
+// TRL's vespo/phi_seq_mean; 0 for the other loss types).
 #define RL_LOSSES_POLICY_OUTS                                                                           \
   "(Tensor loss, Tensor new_logprobs, Tensor clipped_fraction_low, Tensor clipped_fraction_high, "     \
   "Tensor kl_old, Tensor entropy, Tensor log_probs, Tensor ratio_mean, Tensor kl, Tensor rollout_ratio_mean, " \
@@ -62,12 +64,14 @@ TORCH_LIBRARY(rl_losses, m) {
 #define RL_LOSSES_POLICY_ARGS                                                                                   \
   "str loss_type, float sapo_temperature_pos, float sapo_temperature_neg, Tensor? rollout_log_probs, "          \
   "str? rollout_correction, float rollout_cap, float[]? rollout_mask_bounds, str kl_estimator, "                \
-  "bool kl_importance_weighted, float entropy_coefficient"
+  "bool kl_importance_weighted, float entropy_coefficient, float vespo_k_pos, float vespo_lambda_pos, "          \
+  "float vespo_k_neg, float vespo_lambda_neg"
 #define RL_LOSSES_POLICY_KWARGS                                                                                 \
   "str loss_type=\"ppo_clip\", float sapo_temperature_pos=1.0, float sapo_temperature_neg=1.05, "              \
   "Tensor? rollout_log_probs=None, str? rollout_correction=None, float rollout_cap=3.0, "                        \
   "float[]? rollout_mask_bounds=None, str kl_estimator=\"k3\", bool kl_importance_weighted=False, "             \
-  "float entropy_coefficient=0.0"
+  "float entropy_coefficient=0.0, float vespo_k_pos=2.0, float vespo_lambda_pos=3.0, float vespo_k_neg=3.0, "   \
+  "float vespo_lambda_neg=2.0"
   // old_log_probs=None: on-policy (old = sg(lp)). advantages: per token, or per sequence ((B,) for (B, T)
   // labels). document_index: the sequences of a sequence-level rollout_correction (default: the rows).
 #define RL_LOSSES_GRPO_ARGS                                                                                    \
@@ -79,17 +83,20 @@ TORCH_LIBRARY(rl_losses, m) {
       "Tensor? loss_weights=None, Tensor? label_counts=None, float epsilon_low=0.2, float epsilon_high=0.2, "
       "float? delta=None, float beta=0.0, float? divisor=None, float logits_scale_factor=1.0, "
       "bool compute_entropy=False, bool inplace_backward=False, Tensor? row_stats=None, int vocab_start=0, "
-      "int vocab_size=-1, " RL_LOSSES_POLICY_KWARGS ", Tensor? document_index=None) -> " RL_LOSSES_POLICY_OUTS ")");
+      "int vocab_size=-1, " RL_LOSSES_POLICY_KWARGS ", Tensor? document_index=None) -> " RL_LOSSES_POLICY_OUTS
+      ", Tensor vespo_phi_mean)");
   m.def("_grpo_forward(Tensor logits, Tensor target, Tensor advantages, Tensor? old_log_probs, " RL_LOSSES_GRPO_ARGS
-        ", bool compute_grad) -> " RL_LOSSES_POLICY_OUTS ", Tensor grad)");
+        ", bool compute_grad) -> " RL_LOSSES_POLICY_OUTS ", Tensor vespo_phi_mean, Tensor grad)");
   m.def("_grpo_forward_inplace(Tensor(a!) logits, Tensor target, Tensor advantages, Tensor? old_log_probs, "
-        RL_LOSSES_GRPO_ARGS ") -> " RL_LOSSES_POLICY_OUTS ")");
+        RL_LOSSES_GRPO_ARGS ") -> " RL_LOSSES_POLICY_OUTS ", Tensor vespo_phi_mean)");
 #undef RL_LOSSES_GRPO_ARGS
 
   // ---- GSPO (docs/math.md) ------------------------------------------------------------------------
-  // `document_sums` (num_documents, 3: Σu(lp−old), Σu·A, labelled-token count), when given, replaces the
-  // op's own per-document sums: the sequence-data-parallel layer all-reduces them over its group. Extra
-  // outputs: document_ratios R_s (num_documents,).
+  // `document_sums` (num_documents, 6: Σu(lp−old), Σu·A, labelled-token count, Σm(old−rollout),
+  // VESPO's Σm·clamp(lp−old) [+ Σm·clamp(log ω)], the importance-weighted KL's Σκ·KL; gspo/gspo.h: GspoSum), when
+  // given, replaces the op's own per-document sums: the sequence-data-parallel layer all-reduces them over its
+  // group. Its first 3 columns alone are accepted where the others are unused. Extra outputs: document_ratios R_s
+  // (num_documents,), then vespo_phi_mean.
 #define RL_LOSSES_GSPO_ARGS                                                                                   \
   "int? num_documents, Tensor? label_counts, float epsilon_low, float epsilon_high, str weighting, "          \
   "bool token_advantages, float? divisor, float logits_scale_factor, bool compute_entropy, Tensor? row_stats, " \
@@ -102,17 +109,21 @@ TORCH_LIBRARY(rl_losses, m) {
       "float logits_scale_factor=1.0, bool compute_entropy=False, bool inplace_backward=False, "
       "Tensor? row_stats=None, Tensor? document_sums=None, int vocab_start=0, int vocab_size=-1, "
       "Tensor? ref_log_probs=None, float beta=0.0, " RL_LOSSES_POLICY_KWARGS ") -> "
-      RL_LOSSES_POLICY_OUTS ", Tensor document_ratios)");
+      RL_LOSSES_POLICY_OUTS ", Tensor document_ratios, Tensor vespo_phi_mean)");
   m.def("_gspo_forward(Tensor logits, Tensor target, Tensor advantages, Tensor? old_log_probs, "
         "Tensor document_index, " RL_LOSSES_GSPO_ARGS ", bool compute_grad) -> " RL_LOSSES_POLICY_OUTS
-        ", Tensor document_ratios, Tensor grad)");
+        ", Tensor document_ratios, Tensor vespo_phi_mean, Tensor grad)");
   m.def("_gspo_forward_inplace(Tensor(a!) logits, Tensor target, Tensor advantages, Tensor? old_log_probs, "
-        "Tensor document_index, " RL_LOSSES_GSPO_ARGS ") -> " RL_LOSSES_POLICY_OUTS ", Tensor document_ratios)");
+        "Tensor document_index, " RL_LOSSES_GSPO_ARGS ") -> " RL_LOSSES_POLICY_OUTS
+        ", Tensor document_ratios, Tensor vespo_phi_mean)");
   // The per-document sums of one rank (for the sequence-data-parallel all-reduce), from this rank's
-  // per-token log-probs: (num_documents, 3) as described above.
+  // per-token log-probs: (num_documents, 6) as described above; the keyword options are the gspo op's that the
+  // sums depend on.
   m.def(
       "gspo_document_sums(Tensor log_probs, Tensor target, Tensor advantages, Tensor? old_log_probs, "
-      "Tensor document_index, Tensor label_counts, int num_documents) -> Tensor");
+      "Tensor document_index, Tensor label_counts, int num_documents, *, str weighting=\"document\", "
+      "bool token_advantages=False, Tensor? ref_log_probs=None, float beta=0.0, " RL_LOSSES_POLICY_KWARGS
+      ") -> Tensor");
 #undef RL_LOSSES_GSPO_ARGS
 
   // ---- fused lm_head: the same losses from hidden states (linear/linear_source.h) --------------------
@@ -130,13 +141,13 @@ TORCH_LIBRARY(rl_losses, m) {
       "Tensor? bias=None, Tensor? ref_log_probs=None, Tensor? loss_weights=None, Tensor? label_counts=None, "
       "float epsilon_low=0.2, float epsilon_high=0.2, float? delta=None, float beta=0.0, float? divisor=None, "
       "float logits_scale_factor=1.0, bool compute_entropy=False, int? chunk_size=None, " RL_LOSSES_POLICY_KWARGS
-      ", Tensor? document_index=None) -> " RL_LOSSES_POLICY_OUTS ")");
+      ", Tensor? document_index=None) -> " RL_LOSSES_POLICY_OUTS ", Tensor vespo_phi_mean)");
   m.def(
       "_linear_grpo_forward(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor? old_log_probs, "
       "Tensor? bias, Tensor? ref_log_probs, Tensor? loss_weights, Tensor? label_counts, float epsilon_low, "
       "float epsilon_high, float? delta, float beta, float? divisor, float logits_scale_factor, "
       "bool compute_entropy, int? chunk_size, " RL_LOSSES_POLICY_ARGS ", Tensor? document_index, "
-      "bool[3] output_mask) -> " RL_LOSSES_POLICY_OUTS ", "
+      "bool[3] output_mask) -> " RL_LOSSES_POLICY_OUTS ", Tensor vespo_phi_mean, "
       RL_LOSSES_LINEAR_GRADS ")");
   m.def(
       "linear_gspo(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor? old_log_probs, "
@@ -144,14 +155,14 @@ TORCH_LIBRARY(rl_losses, m) {
       "float epsilon_low=0.2, float epsilon_high=0.2, str weighting=\"document\", bool token_advantages=False, "
       "float? divisor=None, float logits_scale_factor=1.0, bool compute_entropy=False, int? chunk_size=None, "
       "Tensor? ref_log_probs=None, float beta=0.0, " RL_LOSSES_POLICY_KWARGS ") -> "
-      RL_LOSSES_POLICY_OUTS ", Tensor document_ratios)");
+      RL_LOSSES_POLICY_OUTS ", Tensor document_ratios, Tensor vespo_phi_mean)");
   m.def(
       "_linear_gspo_forward(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor? old_log_probs, "
       "Tensor document_index, Tensor? bias, int? num_documents, Tensor? label_counts, float epsilon_low, "
       "float epsilon_high, str weighting, bool token_advantages, float? divisor, float logits_scale_factor, "
       "bool compute_entropy, int? chunk_size, Tensor? ref_log_probs, float beta, " RL_LOSSES_POLICY_ARGS ", "
       "bool[3] output_mask) -> " RL_LOSSES_POLICY_OUTS ", "
-      "Tensor document_ratios, " RL_LOSSES_LINEAR_GRADS ")");
+      "Tensor document_ratios, Tensor vespo_phi_mean, " RL_LOSSES_LINEAR_GRADS ")");
 
   // ---- per-token log-probs and entropies (token_log_probs/) ------------------------------------------
   // Differentiable through both outputs with any upstream gradients, so the backward is an op of its own:

@@ -10,8 +10,9 @@ from conftest import DEVICES, assert_close
 
 # The policy family's schema arguments at their defaults, in schema order (loss_type, sapo_temperature_pos,
 # sapo_temperature_neg, rollout_log_probs, rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
-# kl_importance_weighted, entropy_coefficient): for positional calls of the _grpo/_gspo forward ops.
-POLICY_DEFAULTS = ("ppo_clip", 1.0, 1.05, None, None, 3.0, None, "k3", False, 0.0)
+# kl_importance_weighted, entropy_coefficient, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg): for
+# positional calls of the _grpo/_gspo forward ops.
+POLICY_DEFAULTS = ("ppo_clip", 1.0, 1.05, None, None, 3.0, None, "k3", False, 0.0, 2.0, 3.0, 3.0, 2.0)
 
 # The logits dtypes of the op tests' grids (float64 is tested on its own, with the reference's tolerance).
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -165,14 +166,26 @@ def gspo_token_shares(case, inputs: dict, expected: dict) -> torch.Tensor:
     ratio = expected["document_ratios"].double()[safe]
     logp = torch.log_softmax(inputs["logits"].double() * o.get("logits_scale_factor", 1.0), -1).reshape(-1, case.vocab)
     lp = torch.where(mask > 0, logp.gather(-1, inputs["target"].reshape(-1, 1).clamp_min(0)).squeeze(-1), 0.0)
-    f = reference._surrogate(o.get("loss_type", "ppo_clip"), ratio, adv, lp, o.get("epsilon_low", 0.2),
-                             o.get("epsilon_high", 0.2), o.get("sapo_temperature_pos", 1.0),
-                             o.get("sapo_temperature_neg", 1.05))
-    # The policy family's per-token terms (token-level rollout modes only under sdp_group).
-    if o.get("rollout_correction"):
-        old = lp if o.get("on_policy") else inputs["old_log_probs"].reshape(-1).double()
-        f = f * reference._rollout_weight(o["rollout_correction"], old - inputs["rollout_log_probs"].reshape(-1),
-                                          o.get("rollout_cap", 3.0), o.get("rollout_mask_bounds"))[1]
+    # The policy family's per-token terms: ρ per token or per document (the sum over the whole document), and
+    # VESPO's φ of the document's sums.
+    mode = o.get("rollout_correction")
+    old = lp if o.get("on_policy") else inputs["old_log_probs"].reshape(-1).double()
+    log_rho = None if mode is None else old - inputs["rollout_log_probs"].reshape(-1).double()
+    if o.get("loss_type") == "vespo":
+        phi, _ = reference._vespo_weights(lp, old, adv, mask > 0, doc, mode, log_rho, o.get("rollout_cap", 3.0),
+                                          o.get("rollout_mask_bounds"), o.get("vespo_k_pos", 2.0),
+                                          o.get("vespo_lambda_pos", 3.0), o.get("vespo_k_neg", 3.0),
+                                          o.get("vespo_lambda_neg", 2.0), bool(o.get("on_policy")))
+        f = -phi * adv * lp
+    else:
+        f = reference._surrogate(o.get("loss_type", "ppo_clip"), ratio, adv, lp, o.get("epsilon_low", 0.2),
+                                 o.get("epsilon_high", 0.2), o.get("sapo_temperature_pos", 1.0),
+                                 o.get("sapo_temperature_neg", 1.05))
+        if mode is not None:
+            if mode.startswith("sequence"):
+                log_rho = reference._sequence_sum(log_rho, mask > 0, doc)
+            f = f * reference._rollout_weight(mode, log_rho, o.get("rollout_cap", 3.0),
+                                              o.get("rollout_mask_bounds"))[1]
     if o.get("beta"):
         kl = reference._kl_estimate(o.get("kl_estimator", "k3"), lp, inputs["ref_log_probs"].reshape(-1).double())
         f = f + o["beta"] * (kl * ratio if o.get("kl_importance_weighted") else kl)

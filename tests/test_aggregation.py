@@ -15,7 +15,7 @@ def _trl_aggregate(name, per_token, mask, max_len):
     # grpo_trainer.py (trl 1.16.0, _compute_loss): each loss_type's reduction of (B, T) per-token losses.
     if name in ("grpo", "sapo"):
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if name in ("bnpo", "dapo", "cispo"):  # dapo/cispo: num_items_in_batch = this batch's count, one process
+    if name in ("bnpo", "dapo", "cispo", "vespo"):  # dapo/cispo/vespo: num_items_in_batch = this batch's count
         return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
     if name == "dr_grpo":
         return (per_token * mask).sum() / (per_token.size(0) * max_len)
@@ -62,7 +62,7 @@ def test_aggregation_errors():
     with pytest.raises(ValueError, match="completion_mask must be \\(B, T\\)"):
         agg.aggregation_weights("luspo", completion_mask=mask.reshape(-1))
     with pytest.raises(ValueError, match="TRL loss_type must be one of"):
-        agg.trl_loss_type("vespo")
+        agg.trl_loss_type("gpg")
 
 
 # ---- configs -------------------------------------------------------------------------------------------------------

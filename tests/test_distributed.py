@@ -117,6 +117,26 @@ CASES = {
     "sdp2_gspo_cispo_on_policy_kl": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 14, 29), options=dict(
         loss_type="cispo", epsilon_high=1.1, on_policy=True, beta=0.05, kl_importance_weighted=True,
         rollout_correction="token_mask", rollout_mask_bounds=(0.8, 1.3))),
+    # Sequence-level options (a document's ρ_s, VESPO's φ_s, the importance-weighted KL through R_s) over a
+    # document split between the ranks: one all-reduce carries their per-document sums.
+    "sdp2_gspo_sequence_truncate": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 11, 29), options=dict(
+        rollout_correction="sequence_truncate", rollout_cap=1.2, compute_entropy=True)),
+    "sdp2_gspo_sequence_mask_on_policy_token": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 14, 29),
+                                                    options=dict(rollout_correction="sequence_mask", on_policy=True,
+                                                                 rollout_mask_bounds=(0.4, 2.5), weighting="token")),
+    "sdp2_gspo_vespo_token_mask_iw_kl": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 11, 29), options=dict(
+        loss_type="vespo", rollout_correction="token_mask", rollout_mask_bounds=(0.6, 1.6), beta=0.05,
+        kl_importance_weighted=True, entropy_coefficient=0.03, vespo_k_pos=1.5, vespo_lambda_neg=1.2)),
+    "sdp2_gspo_vespo_sequence_truncate_counts_fp32": Case(
+        "gspo", sdp=2, dtype=torch.float32, documents=DOCS_29, seq_cuts=(0, 6, 29), give_label_counts=True,
+        options=dict(loss_type="vespo", rollout_correction="sequence_truncate", rollout_cap=1.5, on_policy=True)),
+    "sdp2_gspo_iw_kl_token_weighting": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 11, 29), options=dict(
+        beta=0.1, kl_importance_weighted=True, kl_estimator="k2", weighting="token")),
+    "tp2_grpo_vespo_sequence_mask": Case("grpo", tp=2, shape=(3, 9), options=dict(
+        loss_type="vespo", rollout_correction="sequence_mask", rollout_mask_bounds=(0.3, 3.0), beta=0.05,
+        entropy_coefficient=0.02)),
+    "tp2_gspo_vespo_iw_kl": Case("gspo", tp=2, documents=DOCS_29, options=dict(
+        loss_type="vespo", beta=0.05, kl_importance_weighted=True, rollout_correction="token_truncate")),
     # -- world 2: SDP=2 -------------------------------------------------------------------------------------
     "sdp2_gspo_document": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 11, 29), masked_documents=(2,),
                                options=dict(compute_entropy=True, **POLICY)),
@@ -165,6 +185,9 @@ CASES = {
     "tp2xsdp2_gspo_token_uneven_fp32": Case("gspo", tp=2, sdp=2, dtype=torch.float32, shape=(2, 15), vocab=23,
                                             vocab_cuts=(0, 9, 23), documents=DOCS_2x15, seq_cuts=(0, 9, 15),
                                             options=dict(weighting="token", token_advantages=True)),
+    "tp2xsdp2_gspo_vespo_sequence_mask": Case("gspo", tp=2, sdp=2, documents=DOCS_29, seq_cuts=(0, 12, 29),
+                                              options=dict(loss_type="vespo", rollout_correction="sequence_mask",
+                                                           rollout_mask_bounds=(0.3, 3.0), compute_entropy=True)),
 }
 
 

@@ -31,7 +31,7 @@ METRICS = ("new_logprobs", "clipped_fraction_low", "clipped_fraction_high", "kl_
 # ---- the option grid ----------------------------------------------------------------------------------------
 # Every value of each factor, and every pair of values of two factors, appears in at least one case.
 FACTORS = {
-    "loss_type": ["ppo_clip", "cispo", "sapo"],
+    "loss_type": ["ppo_clip", "cispo", "sapo", "vespo"],
     "rollout": [None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"],
     "kl": [None, "k1", "k2", "k3", "k3_weighted"],
     "on_policy": [False, True],
@@ -93,6 +93,8 @@ def case_options(case, target, old, rollout, ref, max_length):
         opts["epsilon_high"] = 1.1  # TRL's cap is epsilon_high itself: put it inside the ratios' range
     if case["loss_type"] == "sapo":
         opts.update(sapo_temperature_pos=1.3, sapo_temperature_neg=0.7)
+    if case["loss_type"] == "vespo":
+        opts.update(vespo_k_pos=1.6, vespo_lambda_pos=2.2, vespo_k_neg=2.7, vespo_lambda_neg=1.4)
     if case["rollout"] is not None:
         opts.update(rollout_log_probs=rollout, rollout_correction=case["rollout"], rollout_cap=1.2)
         if case["rollout"].endswith("mask"):
@@ -141,7 +143,7 @@ def test_option_grid_matches_reference(case):
 
 # Low precision: one case per loss type with most options on.
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
-@pytest.mark.parametrize("loss_type", ["ppo_clip", "cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["ppo_clip", "cispo", "sapo", "vespo"])
 def test_dtypes(loss_type, dtype):
     logits, target, advantages, old, rollout, ref = make_batch(3, 11, 517, dtype)
     case = dict(loss_type=loss_type, rollout="token_truncate", kl="k3_weighted", on_policy=False, entropy=0.02,
@@ -157,7 +159,7 @@ def test_on_policy_is_the_old_ratio_at_one():
     # old_log_probs=None equals passing the current log-probs as old (same loss, gradient A·∇lp).
     logits, target, advantages, _, _, _ = make_batch(4, 9, 64, torch.float64)
     old = label_log_probs64(logits, target)
-    for loss_type in ("ppo_clip", "cispo", "sapo"):
+    for loss_type in ("ppo_clip", "cispo", "sapo", "vespo"):
         a = run_both(logits, target, advantages, None, loss_type=loss_type)
         b = run_both(logits, target, advantages, old, loss_type=loss_type)
         assert_close(a[0].loss, b[0].loss, torch.float64)
@@ -202,7 +204,7 @@ def test_overflowing_ratio_gives_finite_gradient():
 # ---- bad options ------------------------------------------------------------------------------------------------
 def _errors(target, old, rollout):
     return {
-        "loss_type": (dict(loss_type="grpo"), "loss_type must be 'ppo_clip', 'cispo' or 'sapo', got 'grpo'"),
+        "loss_type": (dict(loss_type="grpo"), "loss_type must be 'ppo_clip', 'cispo', 'sapo' or 'vespo', got 'grpo'"),
         "sapo_temperature_pos": (dict(loss_type="sapo", sapo_temperature_pos=0.0),
                                  "sapo_temperature_pos must be a finite value > 0, got 0"),
         "sapo_temperature_neg": (dict(loss_type="sapo", sapo_temperature_neg=-1.0),
@@ -224,7 +226,8 @@ def _errors(target, old, rollout):
         "sequence_without_rows": (dict(rollout_correction="sequence_mask", rollout_log_probs=rollout.reshape(-1)),
                                   "needs the sequences: pass document_index"),
         "document_index_without_sequence": (dict(document_index=torch.zeros_like(target)),
-                                            "document_index groups the tokens"),
+                                            "document_index groups the tokens of a sequence-level rollout_correction "
+                                            "or of loss_type 'vespo'"),
         "rollout_shape": (dict(rollout_correction="token_mask", rollout_log_probs=rollout[:, :3]),
                           "rollout_log_probs has shape"),
         "advantages_shape": (dict(advantages=torch.randn(3)), "advantages has shape"),

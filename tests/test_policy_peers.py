@@ -1,9 +1,10 @@
 """The policy family against the peers' own formulas (docs/policy_losses.md), in fp32 on the same inputs.
 
 * Liger-Kernel's ``LigerFusedLinearGRPOFunction.ppo_loss_fn`` (liger_kernel/chunked_loss/grpo_loss.py) takes the
-  per-token log-probs directly, so it is called as is, for every TRL loss_type it accepts but vespo (which is not
-  available here), with its vLLM ratio (``vllm_is_ratio``), its KL and bias-corrected KL: loss, gradient w.r.t.
-  the logits (through the log-probs) and its KL and clip metrics.
+  per-token log-probs directly, so it is called as is, for every TRL loss_type it accepts (vespo included; more
+  vespo cases against TRL's own get_gamma_weights in test_policy_vespo.py), with its vLLM ratio
+  (``vllm_is_ratio``), its KL and bias-corrected KL: loss, gradient w.r.t. the logits (through the log-probs) and
+  its KL and clip metrics.
 * TRL's ``GRPOTrainer._compute_loss`` needs a model, so its rollout-ratio modes and entropy bonus are written
   out below from trl/trainer/grpo_trainer.py (trl 1.16.0), each at the line it reproduces.
 """

@@ -17,8 +17,10 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, d
     o.loss_type = kCispo;
   } else if (a.loss_type == "sapo") {
     o.loss_type = kSapo;
+  } else if (a.loss_type == "vespo") {
+    o.loss_type = kVespo;
   } else {
-    TORCH_CHECK(false, op, ": loss_type must be 'ppo_clip', 'cispo' or 'sapo', got '", a.loss_type,
+    TORCH_CHECK(false, op, ": loss_type must be 'ppo_clip', 'cispo', 'sapo' or 'vespo', got '", a.loss_type,
                 "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are ppo_clip with an aggregation preset: "
                 "rl_losses.aggregation.TRL_LOSS_TYPES)");
   }
@@ -32,6 +34,20 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, d
   }
   o.sapo_tau_pos = a.sapo_temperature_pos;
   o.sapo_tau_neg = a.sapo_temperature_neg;
+  for (const auto& [name, k] : {std::pair<const char*, double>{"vespo_k_pos", a.vespo_k_pos},
+                                {"vespo_k_neg", a.vespo_k_neg}}) {
+    TORCH_CHECK(std::isfinite(k), op, ": ", name, " must be finite, got ", k);
+  }
+  for (const auto& [name, lambda] : {std::pair<const char*, double>{"vespo_lambda_pos", a.vespo_lambda_pos},
+                                     {"vespo_lambda_neg", a.vespo_lambda_neg}}) {
+    TORCH_CHECK(std::isfinite(lambda) && lambda >= 0, op, ": ", name, " must be a finite value >= 0 (TRL raises "
+                "it to 1e-4), got ", lambda);
+  }
+  // TRL's get_gamma_weights: lambda.clamp(min=1e-4).
+  o.vespo_k_pos = a.vespo_k_pos;
+  o.vespo_lambda_pos = std::max(a.vespo_lambda_pos, 1e-4);
+  o.vespo_k_neg = a.vespo_k_neg;
+  o.vespo_lambda_neg = std::max(a.vespo_lambda_neg, 1e-4);
 
   o.beta = beta;
   if (a.kl_estimator == "k1") {
@@ -97,34 +113,24 @@ at::Tensor broadcast_per_sequence(const char* op, const char* name, const at::Te
   return t;  // check_per_token reports any other shape
 }
 
-std::pair<at::Tensor, int64_t> sequence_ids(const char* op, const std::optional<at::Tensor>& document_index,
-                                            const at::Tensor& target) {
+SequenceIds sequence_ids(const char* op, const std::optional<at::Tensor>& document_index, const at::Tensor& target,
+                         const char* why) {
+  SequenceIds s;
   if (document_index) {
     const at::Tensor& d = *document_index;
     TORCH_CHECK(at::isIntegralType(d.scalar_type(), false) && d.sizes() == target.sizes() &&
                     d.device() == target.device(),
                 op, ": document_index must be an integer tensor shaped like target ", target.sizes(), " on ",
                 target.device(), ", got ", d.scalar_type(), " ", d.sizes(), " on ", d.device());
-    at::Tensor ids = d.reshape({-1}).to(at::kLong).contiguous();
-    const int64_t n = ids.numel() > 0 ? std::max<int64_t>(ids.max().item<int64_t>() + 1, 0) : 0;
-    return {ids, n};
+    s.ids = d.reshape({-1}).to(at::kLong).contiguous();
+    s.count = s.ids.numel() > 0 ? std::max<int64_t>(s.ids.max().item<int64_t>() + 1, 0) : 0;
+    return s;
   }
-  TORCH_CHECK(target.dim() >= 2, op, ": a sequence-level rollout_correction needs the sequences: pass ",
-              "document_index, or labels shaped (B, T), got labels of shape ", target.sizes());
-  const int64_t t = target.size(-1);
-  const int64_t n = t > 0 ? target.numel() / t : 0;
-  return {at::arange(target.numel(), target.options().dtype(at::kLong)).div(t, "floor"), n};
-}
-
-at::Tensor sequence_log_rho(const at::Tensor& old_log_probs, const at::Tensor& rollout_log_probs,
-                            const at::Tensor& target1d, const at::Tensor& sequence, int64_t num_sequences) {
-  const at::Tensor on = (target1d >= 0).logical_and(sequence >= 0);
-  const at::Tensor seq = at::where(sequence >= 0, sequence, at::zeros_like(sequence));
-  const at::Tensor diff = at::where(on, old_log_probs - rollout_log_probs, at::zeros_like(old_log_probs));
-  const at::Tensor sums = at::zeros({std::max<int64_t>(num_sequences, 1), 2}, old_log_probs.options())
-                              .index_add_(0, seq, at::stack({diff, on.to(diff.scalar_type())}, 1));
-  const at::Tensor mean = sums.select(1, 0) / sums.select(1, 1).clamp_min(1);
-  return at::where(on, mean.index_select(0, seq), at::zeros_like(diff));
+  TORCH_CHECK(target.dim() >= 2, op, ": ", why, " needs the sequences: pass document_index, or labels shaped ",
+              "(B, T), got labels of shape ", target.sizes());
+  s.row_length = target.size(-1);
+  s.count = s.row_length > 0 ? target.numel() / s.row_length : 0;
+  return s;
 }
 
 }  // namespace rl_losses

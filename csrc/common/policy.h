@@ -28,6 +28,7 @@ struct PolicyArgs {
   std::string kl_estimator = "k3";
   bool kl_importance_weighted = false;
   double entropy_coefficient = 0.0;
+  double vespo_k_pos = 2.0, vespo_lambda_pos = 3.0, vespo_k_neg = 3.0, vespo_lambda_neg = 2.0;
 };
 
 // The policy family's schema arguments, in schema order (registration.cpp: RL_LOSSES_POLICY_ARGS), into
@@ -35,7 +36,8 @@ struct PolicyArgs {
 inline PolicyArgs policy_args(c10::string_view loss_type, double tau_pos, double tau_neg,
                               std::optional<c10::string_view> rollout_correction, double rollout_cap,
                               std::optional<c10::ArrayRef<double>> rollout_mask_bounds, c10::string_view kl_estimator,
-                              bool kl_importance_weighted, double entropy_coefficient) {
+                              bool kl_importance_weighted, double entropy_coefficient, double vespo_k_pos,
+                              double vespo_lambda_pos, double vespo_k_neg, double vespo_lambda_neg) {
   PolicyArgs a;
   a.loss_type = std::string(loss_type);
   a.sapo_temperature_pos = tau_pos;
@@ -46,10 +48,15 @@ inline PolicyArgs policy_args(c10::string_view loss_type, double tau_pos, double
   a.kl_estimator = std::string(kl_estimator);
   a.kl_importance_weighted = kl_importance_weighted;
   a.entropy_coefficient = entropy_coefficient;
+  a.vespo_k_pos = vespo_k_pos;
+  a.vespo_lambda_pos = vespo_lambda_pos;
+  a.vespo_k_neg = vespo_k_neg;
+  a.vespo_lambda_neg = vespo_lambda_neg;
   return a;
 }
 
-// Whether the rollout correction is taken per token or per sequence (geometric mean of ρ over the sequence).
+// Whether the rollout correction is taken per token or per sequence (ρ_s: the product of the token ratios
+// over the sequence, TRL's definition).
 inline bool sequence_level_rollout(const PolicyArgs& a) {
   return a.rollout_correction && a.rollout_correction->rfind("sequence_", 0) == 0;
 }
@@ -67,7 +74,11 @@ PolicyOptions<T> policy_options_as(const PolicyOptions<double>& o) {
           T(o.rollout_cap),
           T(o.rollout_lo),
           T(o.rollout_hi),
-          T(o.entropy_coefficient)};
+          T(o.entropy_coefficient),
+          T(o.vespo_k_pos),
+          T(o.vespo_lambda_pos),
+          T(o.vespo_k_neg),
+          T(o.vespo_lambda_neg)};
 }
 
 // Validates every option (messages name the argument and its value) and returns the kernels' options.
@@ -80,16 +91,17 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, d
 // like the labels' leading dimensions) become (B, T); a tensor shaped like the labels is returned as is.
 at::Tensor broadcast_per_sequence(const char* op, const char* name, const at::Tensor& t, const at::Tensor& target);
 
-// For the sequence-level rollout correction: each token's sequence id (flattened, int64) and the number of
-// sequences, from document_index (negative = padding; the count is max + 1, read on the host) or, without
-// it, the rows of the labels' leading dimensions ((B, T) labels: sequence = row b, B sequences).
-std::pair<at::Tensor, int64_t> sequence_ids(const char* op, const std::optional<at::Tensor>& document_index,
-                                            const at::Tensor& target);
-
-// log ρ of each token's sequence: the mean over the sequence's labelled tokens of (old − rollout), broadcast
-// back to the tokens (0 for unlabelled and padding tokens). O(N + S), on the tensors' device.
-at::Tensor sequence_log_rho(const at::Tensor& old_log_probs, const at::Tensor& rollout_log_probs,
-                            const at::Tensor& target1d, const at::Tensor& sequence, int64_t num_sequences);
+// The sequences of GRPO's sequence-level options (a sequence-level rollout correction, vespo): from
+// document_index (negative = padding; `ids` flattened, int64; the count is max + 1, read on the host) or,
+// without it, the rows of the labels' leading dimensions ((B, T) labels: sequence = row b, B sequences; `ids`
+// undefined and `row_length` = T: the kernels take i / T).
+struct SequenceIds {
+  at::Tensor ids;
+  int64_t row_length = 0;
+  int64_t count = 0;
+};
+SequenceIds sequence_ids(const char* op, const std::optional<at::Tensor>& document_index, const at::Tensor& target,
+                         const char* why);
 
 template <size_t... I>
 auto tensors_as_tuple(const std::vector<at::Tensor>& v, std::index_sequence<I...>) {

@@ -206,9 +206,11 @@ struct SumOf {
 // The last four (the policy family's, docs/policy_losses.md): the mean KL estimate towards ref_log_probs, and
 // over the labelled tokens the mean rollout ratio ρ, the mean correction weight and the fraction of tokens whose
 // weight was truncated or masked.
+// kPolicyVespoPhi, the mean VESPO weight over the sequences (0 for the other loss types), is the schema's last
+// output (after GSPO's document_ratios).
 enum PolicyScalar : int { kPolicyLoss = 0, kPolicyNewLogProbs, kPolicyClipLow, kPolicyClipHigh, kPolicyKlOld,
                           kPolicyEntropy, kPolicyRatioMean, kPolicyKl, kPolicyRolloutRatio, kPolicyRolloutWeight,
-                          kPolicyRolloutCorrected, kPolicyScalars };
+                          kPolicyRolloutCorrected, kPolicyVespoPhi, kPolicyScalars };
 template <typename acc_t>
 struct PolicyScalarPtrs {
   acc_t* p[kPolicyScalars];
@@ -224,7 +226,8 @@ struct PolicyScalarOutputs {
     for (int k = 0; k < kPolicyScalars; ++k) out.p[k] = t[k].data_ptr<acc_t>();
     return out;
   }
-  // The schema's outputs: these with the per-token log-probs between entropy and ratio_mean.
+  // The schema's outputs up to rollout_corrected_fraction: these with the per-token log-probs between entropy
+  // and ratio_mean (vespo_phi_mean, t[kPolicyVespoPhi], is appended by the op after its own outputs).
   std::vector<at::Tensor> with_log_probs(const at::Tensor& log_probs) const {
     return {t[kPolicyLoss],     t[kPolicyNewLogProbs], t[kPolicyClipLow],        t[kPolicyClipHigh],
             t[kPolicyKlOld],    t[kPolicyEntropy],     log_probs,                t[kPolicyRatioMean],

@@ -35,9 +35,10 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
   const PolicyOptions<double> opt = make_policy_options(op, policy, epsilon_low, epsilon_high, delta, beta,
                                                         rollout_log_probs.has_value());
   const bool sequence_rollout = sequence_level_rollout(policy);
-  TORCH_CHECK(!document_index || sequence_rollout, op, ": document_index groups the tokens of a sequence-level "
-              "rollout_correction; got it with rollout_correction = '", policy.rollout_correction.value_or("None"),
-              "'");
+  const bool vespo = opt.loss_type == kVespo;
+  TORCH_CHECK(!document_index || sequence_rollout || vespo, op, ": document_index groups the tokens of a "
+              "sequence-level rollout_correction or of loss_type 'vespo'; got it with rollout_correction = '",
+              policy.rollout_correction.value_or("None"), "' and loss_type '", policy.loss_type, "'");
 
   const auto opts = src.acc_options();
   const auto acc = opts.dtype().toScalarType();
@@ -54,14 +55,6 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
   if (label_counts) {
     counts = check_label_counts(op, *label_counts, target, acc);
   }
-  // The metrics need the labelled count; a given divisor is written by the same launch (no fill kernel).
-  at::Tensor n_labelled;
-  if (divisor) {
-    std::tie(n_labelled, rows.divisor) = labelled_count_and_constant(f.target1d, acc, *divisor);
-  } else {
-    n_labelled = labelled_count(f.target1d, acc);
-    rows.divisor = n_labelled;
-  }
   rows.out = at::empty({f.n_rows, kGrpoFields}, opts);
   rows.log_probs = at::empty({f.n_rows}, opts);
   // The statistics hold Σp·x when the entropy is a metric or, with its gradient, a term of the loss.
@@ -70,25 +63,55 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
   if (row_stats) args.stats_in = *row_stats;
   args.entropy = rows.entropy && !row_stats;
-  if (sequence_rollout) {
-    auto [sequence, n_seq] = sequence_ids(op, document_index, target);
-    at::Tensor old = rows.old_log_probs;
-    if (!old.defined()) {
-      // On-policy, ρ of a sequence needs the log-probs of all its tokens before any token's loss: the statistics
-      // are computed first (one more read of the logits, as GSPO's), and the loss pass reads them.
-      if (!args.stats_in.defined()) {
-        at::Tensor stats = at::empty({f.n_rows, RowStats<double>::kFields}, opts);
-        if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.stats(a, stats); });
-        args.stats_in = stats;
-        args.entropy = false;
-      }
-      const at::Tensor& st = args.stats_in;
-      old = at::where(f.target1d >= 0, st.select(1, 4) - (st.select(1, 0) + st.select(1, 1).log()),
-                      at::zeros({}, opts));
+  if (sequence_rollout || vespo) {
+    // The sequences' sums (docs/policy_losses.md), before the loss pass. Where they need every token's
+    // log-prob (vespo's log-ratios lp − old; on-policy, the rollout ratios with old = lp), the statistics are
+    // computed first (one more read of the logits, as GSPO's) and the loss pass reads them; otherwise the sums
+    // take only inputs and the loss stays one pass over the logits.
+    const SequenceIds seq = sequence_ids(op, document_index, target,
+                                         vespo ? "loss_type 'vespo'" : "a sequence-level rollout_correction");
+    const bool on_policy = !rows.old_log_probs.defined();
+    const bool needs_log_probs = (vespo && !on_policy) || (on_policy && rollout.defined());
+    if (needs_log_probs && !args.stats_in.defined()) {
+      at::Tensor stats = at::empty({f.n_rows, RowStats<double>::kFields}, opts);
+      if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.stats(a, stats); });
+      args.stats_in = stats;
+      args.entropy = false;
     }
-    rows.sequence_log_rho = sequence_log_rho(old, rollout, f.target1d, sequence, n_seq);
+    GrpoSequences q;
+    q.opt = opt;
+    q.target = f.target1d;
+    q.ids = seq.ids;
+    q.row_length = seq.row_length;
+    q.count = seq.count;
+    if (needs_log_probs) q.stats = args.stats_in;
+    q.old_log_probs = rows.old_log_probs;
+    q.rollout_log_probs = rollout;
+    q.advantages = rows.advantages;
+    q.sequence_rollout = sequence_rollout;
+    q.safe_sequence = at::empty({f.n_rows}, opts.dtype(at::kLong));
+    q.terms = at::empty({f.n_rows, kSeqSums}, opts);
+    q.sums = at::empty({seq.count, kSeqSums}, opts);
+    if (sequence_rollout) rows.sequence_log_rho = at::empty({f.n_rows}, opts);
+    if (vespo) {
+      rows.vespo_phi = at::empty({f.n_rows}, opts);
+      rows.sequence_share = at::empty({f.n_rows}, opts);
+    }
+    backend.sequences(q, rows);
+  }
+  // Token-level correction weights (and, with vespo, their metrics: vespo folds them into φ).
+  if (!sequence_rollout) rows.rollout_log_probs = rollout;
+  // The labelled count, a one-block launch, is the kernel right before the loss pass, here as without the
+  // sequence steps: the cluster kernel is launched while the kernel before it still runs (dependent launch),
+  // and a 64-block one (GrpoSequenceStep) there measured 25% slower (docs/design.md, 2026-11-24: the SMs
+  // holding one of its blocks when the cluster kernel's CTAs are placed).
+  // The metrics need the labelled count; a given divisor is written by the same launch (no fill kernel).
+  at::Tensor n_labelled;
+  if (divisor) {
+    std::tie(n_labelled, rows.divisor) = labelled_count_and_constant(f.target1d, acc, *divisor);
   } else {
-    rows.rollout_log_probs = rollout;
+    n_labelled = labelled_count(f.target1d, acc);
+    rows.divisor = n_labelled;
   }
   if (f.n_rows > 0) {
     src.run(args, src.wants_grad(), [&](RowPassArgs& a) {
@@ -101,7 +124,9 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
   // one launch where a column sum and a division per metric took one each (2-3 us apiece on a GPU).
   const PolicyScalarOutputs scalars(opts);
   backend.metrics(rows, f.target1d, counts, n_labelled, scalars);
-  return scalars.with_log_probs(rows.log_probs.view(target.sizes()));
+  std::vector<at::Tensor> out = scalars.with_log_probs(rows.log_probs.view(target.sizes()));
+  out.push_back(scalars.t[kPolicyVespoPhi]);
+  return out;
 }
 
 }  // namespace rl_losses

@@ -36,6 +36,7 @@ struct GrpoEpilogue {
   const acc_t* ref_log_probs;      // null without a reference
   const acc_t* rollout_log_probs;  // null without a token-level rollout correction
   const acc_t* sequence_log_rho;   // null without a sequence-level one: log ρ of each token's sequence
+  const acc_t* vespo_phi;          // loss type vespo: φ_t of each token (GrpoSequenceStep), else null
   const acc_t* loss_weights;       // null: the label mask
   const acc_t* divisor;            // 0-dim D
   acc_t* out;                      // (N, kGrpoFields)
@@ -56,8 +57,11 @@ struct GrpoEpilogue {
                           : rollout_log_probs != nullptr ? old - rollout_log_probs[row]
                                                          : acc_t(0);
     const acc_t rw = rollout_weight(opt, log_rho);
-    const PolicyTokenTerms<acc_t> t = policy_token(opt, lp, old, adv, ref_log_probs != nullptr,
-                                                   ref_log_probs != nullptr ? ref_log_probs[row] : acc_t(0), rw);
+    // VESPO folds the rollout weights into φ (TRL, Liger): its surrogate is not multiplied by them.
+    const bool vespo = vespo_phi != nullptr;
+    const acc_t ref = ref_log_probs != nullptr ? ref_log_probs[row] : acc_t(0);
+    const PolicyTokenTerms<acc_t> t = policy_token(opt, lp, old, adv, ref_log_probs != nullptr, ref,
+                                                   vespo ? acc_t(1) : rw, vespo ? vespo_phi[row] : acc_t(1));
     const acc_t w = (loss_weights ? loss_weights[row] : acc_t(1)) / *divisor;
     const acc_t h = entropy ? st.entropy() : acc_t(0);
     const acc_t c = opt.entropy_coefficient;
@@ -85,12 +89,14 @@ struct GrpoEpilogue {
 template <typename T>
 struct GrpoMetrics {
   using acc_t = T;
-  enum : int { kLogProb = kGrpoFields, kDocLogProb, kDocWeight, kTerms };
+  enum : int { kLogProb = kGrpoFields, kDocLogProb, kDocWeight, kPhiShare, kSequenceShare, kTerms };
   const acc_t* out;         // (N, kGrpoFields)
   const acc_t* log_probs;   // (N,)
   const int64_t* target;    // (N,)
   const acc_t* counts;      // (N,) label_counts, or null
   const acc_t* n_labelled;  // 0-dim, >= 1
+  const acc_t* vespo_phi;       // (N,) φ_t, or null (not vespo)
+  const acc_t* sequence_share;  // (N,) m_t / n_s (vespo): a sequence's shares sum to 1
   PolicyScalarPtrs<acc_t> dst;
   C10_HOST_DEVICE void terms(int64_t i, acc_t* v) const {
     for (int k = 0; k < kGrpoFields; ++k) v[k] = out[i * kGrpoFields + k];
@@ -99,6 +105,9 @@ struct GrpoMetrics {
     const acc_t w = counts != nullptr && target[i] >= 0 ? acc_t(1) / at_least_one(counts[i]) : acc_t(0);
     v[kDocLogProb] = w * log_probs[i];
     v[kDocWeight] = w;
+    // vespo/phi_seq_mean (TRL's metric): the mean of φ over the labelled sequences.
+    v[kPhiShare] = vespo_phi != nullptr ? vespo_phi[i] * sequence_share[i] : acc_t(0);
+    v[kSequenceShare] = vespo_phi != nullptr ? sequence_share[i] : acc_t(0);
   }
   C10_HOST_DEVICE void finish(const acc_t* s) const {
     const acc_t n = *n_labelled;
@@ -115,12 +124,101 @@ struct GrpoMetrics {
     *dst.p[kPolicyRolloutRatio] = s[kGrpoRolloutRatio] / n;
     *dst.p[kPolicyRolloutWeight] = s[kGrpoRolloutWeight] / n;
     *dst.p[kPolicyRolloutCorrected] = s[kGrpoRolloutCorrected] / n;
+    *dst.p[kPolicyVespoPhi] = s[kPhiShare] / at_least_one(s[kSequenceShare]);
   }
+};
+
+// GRPO's sequence-level options (a sequence-level rollout correction, loss type vespo), O(N + S) on the device
+// in a fixed three launches and a memset, before the loss pass: per token its terms of its sequence's sums
+// (GrpoSequenceTerms), their sums per sequence, then per token what the loss pass reads (GrpoSequenceStep).
+// Columns of the per-sequence sums:
+//   kSeqRolloutLogRatio  Σ m_t·(o_t − rollout_t)   log ρ_s: the sequence's rollout ratio is the product of its
+//                                                  token ratios (TRL's, verl's definition)
+//   kSeqVespoLogW        Σ m_t·clamp(lp_t − o_t, ±20) (+ Σ m_t·clamp(log ω_t, log 1e-8, 20), token modes)
+//   kSeqCount            Σ m_t
+enum GrpoSequenceSum : int { kSeqRolloutLogRatio = 0, kSeqVespoLogW, kSeqCount, kSeqSums };
+
+template <typename acc_t>
+struct GrpoSequenceTerms {
+  PolicyOptions<acc_t> opt;
+  const int64_t* target;           // (N,)
+  const int64_t* sequence;         // (N,) ids (negative: padding), or null: sequence = i / row_length
+  int64_t row_length;
+  int64_t num_sequences;
+  const acc_t* stats;              // (N, 5), or null where no log-prob is needed
+  const acc_t* old_log_probs;      // (N,) or null: on-policy, o = lp
+  const acc_t* rollout_log_probs;  // (N,) or null
+  bool sequence_rollout;
+  int64_t* safe_sequence;          // (N,) padding sent to sequence 0 (its terms are zero)
+  acc_t* terms;                    // (N, kSeqSums)
+  C10_HOST_DEVICE void operator()(int64_t i) const {
+    const int64_t s = sequence != nullptr ? sequence[i] : i / row_length;
+#if defined(__CUDA_ARCH__)
+    CUDA_KERNEL_ASSERT(s < num_sequences && "rl_losses: a document index is >= the number of sequences");
+#endif
+    safe_sequence[i] = s >= 0 ? s : 0;
+    acc_t* t = terms + i * kSeqSums;
+    if (target[i] < 0 || s < 0) {
+      for (int k = 0; k < kSeqSums; ++k) t[k] = acc_t(0);
+      return;
+    }
+    acc_t lp = acc_t(0);
+    if (stats != nullptr) {
+      const RowStats<acc_t> st = load_stats(stats, i);
+      lp = st.log_prob(st.label);
+    }
+    const acc_t old = old_log_probs != nullptr ? old_log_probs[i] : lp;
+    const acc_t log_rho = rollout_log_probs != nullptr ? old - rollout_log_probs[i] : acc_t(0);
+    t[kSeqRolloutLogRatio] = sequence_rollout ? log_rho : acc_t(0);
+    acc_t log_w = acc_t(0);
+    if (opt.loss_type == kVespo) {
+      if (old_log_probs != nullptr) log_w = vespo_log_ratio_term(lp - old);  // on-policy: 0
+      if (!sequence_rollout) log_w += vespo_rollout_term(opt, log_rho);
+    }
+    t[kSeqVespoLogW] = log_w;
+    t[kSeqCount] = acc_t(1);
+  }
+};
+
+template <typename acc_t>
+struct GrpoSequenceStep {
+  PolicyOptions<acc_t> opt;
+  const int64_t* safe_sequence;  // (N,)
+  const acc_t* terms;            // (N, kSeqSums): kSeqCount says whether the token counts
+  const acc_t* sums;             // (S, kSeqSums)
+  const acc_t* advantages;       // (N,)
+  bool sequence_rollout;
+  acc_t* sequence_log_rho;       // (N,) or null
+  acc_t* phi;                    // (N,) or null (not vespo)
+  acc_t* sequence_share;         // (N,) with phi
+  C10_HOST_DEVICE void operator()(int64_t i) const {
+    const bool on = terms[i * kSeqSums + kSeqCount] > acc_t(0);
+    const acc_t* d = sums + safe_sequence[i] * kSeqSums;
+    if (sequence_log_rho != nullptr) sequence_log_rho[i] = on ? d[kSeqRolloutLogRatio] : acc_t(0);
+    if (phi != nullptr) {
+      // A sequence-level correction enters log w once, as its weight ω_s (Liger's (B, 1) vllm_is_ratio).
+      const acc_t log_w =
+          d[kSeqVespoLogW] + (sequence_rollout ? vespo_rollout_term(opt, d[kSeqRolloutLogRatio]) : acc_t(0));
+      phi[i] = on ? vespo_phi(opt, log_w, advantages[i]) : acc_t(0);
+      sequence_share[i] = on ? acc_t(1) / at_least_one(d[kSeqCount]) : acc_t(0);
+    }
+  }
+};
+
+// The tensors of the sequence-level steps (undefined where absent), and their outputs.
+struct GrpoSequences {
+  PolicyOptions<double> opt;
+  at::Tensor target, ids;  // (N,) int64; ids undefined: the rows of length row_length
+  int64_t row_length = 0, count = 0;
+  at::Tensor stats, old_log_probs, rollout_log_probs, advantages;
+  bool sequence_rollout = false;
+  at::Tensor safe_sequence, terms, sums;  // (N,), (N, kSeqSums), (S, kSeqSums)
 };
 
 struct GrpoRows {
   PolicyOptions<double> opt;
   at::Tensor advantages, old_log_probs, ref_log_probs, rollout_log_probs, sequence_log_rho, loss_weights;  // (N,)
+  at::Tensor vespo_phi, sequence_share;  // (N,), vespo only
   at::Tensor divisor;
   at::Tensor out;        // (N, kGrpoFields)
   at::Tensor log_probs;  // (N,)
@@ -131,7 +229,8 @@ template <typename acc_t, bool kEntropyBonus>
 GrpoEpilogue<acc_t, kEntropyBonus> make_grpo_epilogue(const GrpoRows& r) {
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<acc_t>() : nullptr; };
   return {policy_options_as<acc_t>(r.opt), ptr(r.advantages), ptr(r.old_log_probs), ptr(r.ref_log_probs),
-          ptr(r.rollout_log_probs), ptr(r.sequence_log_rho), ptr(r.loss_weights), r.divisor.const_data_ptr<acc_t>(),
+          ptr(r.rollout_log_probs), ptr(r.sequence_log_rho), ptr(r.vespo_phi), ptr(r.loss_weights),
+          r.divisor.const_data_ptr<acc_t>(),
           r.out.data_ptr<acc_t>(), r.log_probs.data_ptr<acc_t>(), r.entropy};
 }
 
@@ -141,6 +240,9 @@ struct GrpoBackend {
   void (*rows)(const RowPassArgs&, const GrpoRows&);
   void (*metrics)(const GrpoRows&, const at::Tensor& target1d, const at::Tensor& counts,
                   const at::Tensor& n_labelled, const PolicyScalarOutputs& dst);
+  // GrpoSequenceTerms, the sums per sequence, GrpoSequenceStep (into the rows' sequence_log_rho / vespo_phi /
+  // sequence_share, those defined).
+  void (*sequences)(const GrpoSequences&, const GrpoRows&);
 };
 
 template <typename Runner>
@@ -166,14 +268,36 @@ struct GrpoBackendImpl {
                       const at::Tensor& n_labelled, const PolicyScalarOutputs& dst) {
     AT_DISPATCH_FLOATING_TYPES(r.out.scalar_type(), "grpo", [&] {
       const scalar_t* per_doc = counts.defined() ? counts.const_data_ptr<scalar_t>() : nullptr;
+      auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<scalar_t>() : nullptr; };
       Runner::sum_then(r.out.size(0), GrpoMetrics<scalar_t>{r.out.const_data_ptr<scalar_t>(),
                                                             r.log_probs.const_data_ptr<scalar_t>(),
                                                             target1d.const_data_ptr<int64_t>(), per_doc,
                                                             n_labelled.const_data_ptr<scalar_t>(),
+                                                            ptr(r.vespo_phi), ptr(r.sequence_share),
                                                             dst.ptrs<scalar_t>()});
     });
   }
-  static constexpr GrpoBackend backend() { return {&stats, &rows, &metrics}; }
+  static void sequences(const GrpoSequences& q, const GrpoRows& r) {
+    const int64_t n = q.target.numel();
+    if (n == 0) return;
+    AT_DISPATCH_FLOATING_TYPES(q.terms.scalar_type(), "grpo", [&] {
+      using T = scalar_t;
+      auto in = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<T>() : nullptr; };
+      auto out = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; };
+      const PolicyOptions<T> opt = policy_options_as<T>(q.opt);
+      Runner::for_each(n, GrpoSequenceTerms<T>{opt, q.target.const_data_ptr<int64_t>(),
+                                               q.ids.defined() ? q.ids.const_data_ptr<int64_t>() : nullptr,
+                                               q.row_length, q.count, in(q.stats), in(q.old_log_probs),
+                                               in(q.rollout_log_probs), q.sequence_rollout,
+                                               q.safe_sequence.data_ptr<int64_t>(), q.terms.data_ptr<T>()});
+      Runner::template sum_rows_by_index<kSeqSums>(q.terms, q.safe_sequence, q.sums);
+      Runner::for_each(n, GrpoSequenceStep<T>{opt, q.safe_sequence.const_data_ptr<int64_t>(),
+                                              q.terms.const_data_ptr<T>(), q.sums.const_data_ptr<T>(),
+                                              in(q.advantages), q.sequence_rollout, out(r.sequence_log_rho),
+                                              out(r.vespo_phi), out(r.sequence_share)});
+    });
+  }
+  static constexpr GrpoBackend backend() { return {&stats, &rows, &metrics, &sequences}; }
 };
 
 // Returns the outputs of the `grpo` schema; the gradient, when the source wants one, is the source's.
@@ -199,10 +323,12 @@ struct GrpoOps {
                       const Opt& stats, int64_t vs, int64_t vn, SV loss_type, double tau_pos, double tau_neg,
                       const Opt& rollout, std::optional<SV> correction, double cap,
                       std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
-                      const Opt& doc, bool compute_grad) {
+                      double kp, double lamp, double kn, double lamn, const Opt& doc, bool compute_grad) {
     LogitsSource src("grpo", logits, target, vs, vn, compute_grad, false);
     auto o = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, stats, rollout,
-                          doc, policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef),
+                          doc,
+                          policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
+                                      lamp, kn, lamn),
                           kBackend());
     o.push_back(src.grads()[0]);
     return tensors_as_tuple<kPolicyOutputs + 1>(o);
@@ -213,10 +339,12 @@ struct GrpoOps {
                               bool entropy, const Opt& stats, int64_t vs, int64_t vn, SV loss_type, double tau_pos,
                               double tau_neg, const Opt& rollout, std::optional<SV> correction, double cap,
                               std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
-                              const Opt& doc) {
+                              double kp, double lamp, double kn, double lamn, const Opt& doc) {
     LogitsSource src("grpo", logits, target, vs, vn, false, true);
     auto o = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, stats, rollout,
-                          doc, policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef),
+                          doc,
+                          policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
+                                      lamp, kn, lamn),
                           kBackend());
     return tensors_as_tuple<kPolicyOutputs>(o);
   }

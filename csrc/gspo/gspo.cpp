@@ -19,22 +19,35 @@ void sum_document_terms(GspoState& g, const GspoBackend& backend) {
   backend.token_terms(g);
 }
 
-// The sequence-level rollout ratio of each token's document, log ρ_s = mean over the document's labelled tokens
-// of (old − rollout), with old = lp on-policy.
-void rows_log_rho(GspoState& g, const at::Tensor& rollout, int64_t n_docs) {
-  const at::Tensor old = g.old_log_probs.defined() ? g.old_log_probs : g.log_probs;
-  g.sequence_log_rho = sequence_log_rho(old, rollout, g.target, g.document, n_docs);
+// The policy family's options of GspoState: the rollout log-probs (checked), whether ρ is per document, and whether
+// the importance-weighted KL's gradient through R_s needs its per-document sum.
+void set_policy_inputs(const char* op, GspoState& g, const GspoPolicyInputs& policy, const at::Tensor& target,
+                       at::ScalarType acc) {
+  if (policy.rollout_log_probs) {
+    g.rollout_log_probs = check_per_token(op, "rollout_log_probs", *policy.rollout_log_probs, target, acc);
+  }
+  if (policy.ref_log_probs) g.ref_log_probs = check_per_token(op, "ref_log_probs", *policy.ref_log_probs, target, acc);
+  g.sequence_rollout = sequence_level_rollout(policy.args);
+  g.kl_share = g.opt.kl_importance_weighted && g.opt.beta != 0 && g.ref_log_probs.defined() && !g.token_advantages;
 }
 
 }  // namespace
 
 at::Tensor gspo_document_sums(const at::Tensor& log_probs, const at::Tensor& target, const at::Tensor& advantages,
                               const std::optional<at::Tensor>& old_log_probs, const at::Tensor& document_index,
-                              const at::Tensor& label_counts, int64_t num_documents, const GspoBackend& backend) {
+                              const at::Tensor& label_counts, int64_t num_documents, const std::string& weighting,
+                              bool token_advantages, const GspoPolicyInputs& policy, const GspoBackend& backend) {
   constexpr const char* op = "gspo_document_sums";
   check_num_documents(op, num_documents);
+  TORCH_CHECK(weighting == "document" || weighting == "token", op,
+              ": weighting must be 'document' or 'token', got '", weighting, "'");
+  TORCH_CHECK(std::isfinite(policy.beta) && policy.beta >= 0, op, ": beta must be >= 0, got ", policy.beta);
   const auto acc = log_probs.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   GspoState g;
+  g.opt = make_policy_options(op, policy.args, 0.2, 0.2, std::nullopt, policy.beta,
+                              policy.rollout_log_probs.has_value());
+  g.token_advantages = token_advantages;
+  g.token_weighting = weighting == "token";
   g.num_documents = num_documents;
   g.log_probs = check_per_token(op, "log_probs", log_probs, target, acc);
   g.target = check_per_token_int(op, "target", target, target);
@@ -42,6 +55,7 @@ at::Tensor gspo_document_sums(const at::Tensor& log_probs, const at::Tensor& tar
   if (old_log_probs) g.old_log_probs = check_per_token(op, "old_log_probs", *old_log_probs, target, acc);
   g.document = check_per_token_int(op, "document_index", document_index, target);
   g.label_counts = check_label_counts(op, label_counts, target, acc);
+  set_policy_inputs(op, g, policy, target, acc);
   sum_document_terms(g, backend);
   return g.local_sums;
 }
@@ -74,15 +88,11 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
   g.target = f.target1d;
   g.document = check_per_token_int(op, "document_index", document_index, target);
   if (old_log_probs) g.old_log_probs = check_per_token(op, "old_log_probs", *old_log_probs, target, acc);
-  if (policy.ref_log_probs) g.ref_log_probs = check_per_token(op, "ref_log_probs", *policy.ref_log_probs, target, acc);
-  at::Tensor rollout;
-  if (policy.rollout_log_probs) {
-    rollout = check_per_token(op, "rollout_log_probs", *policy.rollout_log_probs, target, acc);
-  }
   if (label_counts) g.label_counts = check_label_counts(op, *label_counts, target, acc);
   g.divisor = divisor;
   g.token_advantages = token_advantages;
   g.token_weighting = weighting == "token";
+  set_policy_inputs(op, g, policy, target, acc);
 
   // The number of documents: given, implied by document_sums, or max(document_index) + 1 (which
   // synchronises with the device: pass num_documents to avoid it).
@@ -107,12 +117,17 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
   }
   g.advantages = check_per_token(op, "advantages", adv, target, acc);
   if (document_sums) {
-    TORCH_CHECK(document_sums->dim() == 2 && document_sums->size(0) == n_docs && document_sums->size(1) == kGspoSums &&
+    // (S, 3), the sums without the policy family's columns, is accepted where those are unused.
+    const bool basic = !g.sequence_rollout && g.opt.loss_type != kVespo && !g.kl_share;
+    const int64_t cols = document_sums->dim() == 2 ? document_sums->size(1) : -1;
+    TORCH_CHECK(document_sums->dim() == 2 && document_sums->size(0) == n_docs &&
+                    (cols == kGspoSums || (basic && cols == kGspoBasicSums)) &&
                     document_sums->scalar_type() == acc && document_sums->device() == opts.device(),
                 op, ": document_sums must be (", n_docs, ", ", int(kGspoSums), ") ", acc, " on ", opts.device(),
-                ", got ", document_sums->sizes(), " ", document_sums->scalar_type(), " on ",
-                document_sums->device());
-    g.given_sums = document_sums->contiguous();
+                basic ? " (or with its first 3 columns only)" : "", ", got ", document_sums->sizes(), " ",
+                document_sums->scalar_type(), " on ", document_sums->device());
+    g.given_sums = cols == kGspoSums ? document_sums->contiguous()
+                                     : at::cat({*document_sums, at::zeros({n_docs, kGspoSums - cols}, opts)}, 1);
   }
 
   // Pass 1: row statistics (unless given, e.g. all-reduced over the tensor-parallel group).
@@ -137,12 +152,6 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
   g.ratios = at::empty({n_docs}, opts);
   g.totals = at::empty({kGspoTotals}, opts);
   backend.documents(g);
-  if (sequence_level_rollout(policy.args)) {
-    // The sequences are the documents: ρ_s from this call's tokens (under sdp_group, of this rank's part).
-    rows_log_rho(g, rollout, n_docs);
-  } else if (rollout.defined()) {
-    g.rollout_log_probs = rollout;
-  }
   if (g.opt.entropy_coefficient != 0) g.entropy_h = at::empty({f.n_rows}, opts);
   g.token_out = at::empty({f.n_rows, kGspoTokenFields}, opts);
   g.coef = at::empty({f.n_rows}, opts);
@@ -159,6 +168,7 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
   backend.metrics(g, scalars);
   std::vector<at::Tensor> out = scalars.with_log_probs(g.log_probs.view(target.sizes()));
   out.push_back(g.ratios);
+  out.push_back(scalars.t[kPolicyVespoPhi]);
   return out;
 }
 

@@ -1,10 +1,10 @@
 // GSPO (docs/math.md): the sequence-level, geometric-mean importance ratio over packed documents.
 //
 // Pass 1 (the statistics row pass) reads the logits once; the per-token log-probs, the per-document sums
-// Λ_s = Σ u_t(lp_t − old_t), Ā_s = Σ u_t·A_t and the labelled counts, and each token's gradient coefficient
-// are then O(N + S) steps on the device; pass 2 reads the logits again and writes the gradient. Between the
-// two, the document sums may be replaced by their all-reduce over a sequence-data-parallel group
-// (`document_sums`), which is how documents split across ranks get one ratio.
+// (GspoSum) and each token's gradient coefficient are then O(N + S) steps on the device; pass 2 reads the logits
+// again and writes the gradient. Between the two, the document sums may be replaced by their all-reduce over a
+// sequence-data-parallel group (`document_sums`), which is how documents split across ranks get one ratio, one
+// rollout ratio, one VESPO weight and one importance-weighted KL gradient.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -21,8 +21,18 @@
 
 namespace rl_losses {
 
-// Columns of the per-document sums (the SDP all-reduce payload).
-enum GspoSum : int { kGspoLogRatio = 0, kGspoAdvantage, kGspoCount, kGspoSums };
+// Columns of the per-document sums (the SDP all-reduce payload), u_t = m_t/N_t (label_counts) or m_t (divided by
+// the document's count once summed), κ'_t = u_t (weighting "document") or m_t ("token"):
+//   kGspoLogRatio         Σ u_t·(lp_t − o_t)           log R_s
+//   kGspoAdvantage        Σ u_t·A_t                    Ā_s
+//   kGspoCount            Σ m_t                        the labelled tokens
+//   kGspoRolloutLogRatio  Σ m_t·(o_t − rollout_t)      log ρ_s (a sequence-level rollout correction)
+//   kGspoVespoLogW        Σ m_t·clamp(lp_t − o_t, ±20) (+ Σ m_t·clamp(log ω_t, log 1e-8, 20))   VESPO's log w
+//   kGspoKlShare          Σ κ'_t·KL_t                  the importance-weighted KL's gradient through R_s
+// The first three are the sums of the original (S, 3) document_sums, still accepted where the others are unused.
+enum GspoSum : int { kGspoLogRatio = 0, kGspoAdvantage, kGspoCount, kGspoRolloutLogRatio, kGspoVespoLogW,
+                     kGspoKlShare, kGspoSums };
+constexpr int kGspoBasicSums = 3;
 // Columns of the per-document metrics, summed over the documents.
 enum GspoDocField : int { kGspoLow = 0, kGspoHigh, kGspoKlOld, kGspoHasLabel, kGspoLabelledRatio, kGspoDocFields };
 // After those sums: the labelled-document count (>= 1) and the divisor D.
@@ -30,7 +40,7 @@ enum GspoTotal : int { kGspoLabelledDocs = kGspoDocFields, kGspoDivisor, kGspoTo
 // Columns of the per-token outputs summed for the metrics.
 enum GspoTokenField : int { kGspoTokenLoss = 0, kGspoTokenLogProb, kGspoTokenEntropy, kGspoTokenLabelled,
                             kGspoTokenKl, kGspoTokenRolloutRatio, kGspoTokenRolloutWeight, kGspoTokenRolloutCorrected,
-                            kGspoTokenFields };
+                            kGspoTokenVespoPhi, kGspoTokenFields };
 
 // Everything between the two row passes, as tensors of the accumulation dtype (int64 for ids): the inputs,
 // then what each step writes. Optional ones are undefined when absent.
@@ -39,7 +49,9 @@ struct GspoState {
   int64_t num_documents;
   at::Tensor stats;          // (N, 5) row statistics; undefined: log_probs is an input (gspo_document_sums)
   at::Tensor target, document, advantages, old_log_probs;  // (N,); old_log_probs undefined: on-policy
-  at::Tensor ref_log_probs, rollout_log_probs, sequence_log_rho;  // (N,) or undefined
+  at::Tensor ref_log_probs, rollout_log_probs;  // (N,) or undefined
+  bool sequence_rollout = false;  // ρ per document (kGspoRolloutLogRatio) rather than per token
+  bool kl_share = false;          // the importance-weighted KL differentiated through R_s (kGspoKlShare)
   at::Tensor label_counts;   // (N,) or undefined: each document's labelled tokens on this rank
   at::Tensor given_sums;     // (S, kGspoSums) document_sums (the SDP all-reduce), or undefined
   std::optional<double> divisor;
@@ -55,17 +67,21 @@ struct GspoState {
 };
 
 // Per token: m_t (labelled, not padding), its log-prob from the row statistics (and entropy) unless given,
-// its document with padding sent to document 0 (its terms are zero), and its terms of the document sums:
-// u_t·(lp_t − old_t), u_t·A_t, m_t, with u_t = m_t / N_t when label_counts gives N_t, else u_t = m_t (the
-// document step divides by the count once the document is summed).
+// its document with padding sent to document 0 (its terms are zero), and its terms of the document sums
+// (GspoSum), with u_t = m_t / N_t when label_counts gives N_t, else u_t = m_t (the document step divides by the
+// count once the document is summed).
 template <typename acc_t>
 struct GspoTokenTerms {
+  PolicyOptions<acc_t> opt;
   const acc_t* stats;  // (N, 5), or null: log_probs holds the log-probs already
   const int64_t* target;
   const int64_t* document;
   const acc_t* advantages;
   const acc_t* old_log_probs;  // or null: on-policy
   const acc_t* label_counts;   // or null
+  const acc_t* rollout_log_probs;  // or null
+  const acc_t* ref_log_probs;      // or null
+  bool sequence_rollout, kl_share, token_weighting;
   int64_t num_documents;
   acc_t* log_probs;
   acc_t* entropy;  // or null
@@ -93,6 +109,18 @@ struct GspoTokenTerms {
     t[kGspoLogRatio] = on && old_log_probs != nullptr ? u * (lp - old_log_probs[i]) : acc_t(0);
     t[kGspoAdvantage] = on ? u * advantages[i] : acc_t(0);
     t[kGspoCount] = on ? acc_t(1) : acc_t(0);
+    const acc_t old = old_log_probs != nullptr ? old_log_probs[i] : lp;
+    const acc_t log_rho = on && rollout_log_probs != nullptr ? old - rollout_log_probs[i] : acc_t(0);
+    t[kGspoRolloutLogRatio] = sequence_rollout ? log_rho : acc_t(0);
+    acc_t log_w = acc_t(0);
+    if (on && opt.loss_type == kVespo) {
+      if (old_log_probs != nullptr) log_w = vespo_log_ratio_term(lp - old);  // on-policy: 0
+      if (!sequence_rollout) log_w += vespo_rollout_term(opt, log_rho);
+    }
+    t[kGspoVespoLogW] = log_w;
+    t[kGspoKlShare] = on && kl_share ? (token_weighting ? acc_t(1) : u) *
+                                           kl_estimate(opt.kl_estimator, lp, ref_log_probs[i]).value
+                                     : acc_t(0);
     safe_document[i] = s >= 0 ? s : 0;
   }
 };
@@ -104,7 +132,8 @@ struct GspoDocumentStep {
   PolicyOptions<acc_t> opt;
   const acc_t* local;  // (S, kGspoSums)
   const acc_t* given;  // (S, kGspoSums) or null
-  bool divide;
+  bool divide;         // divide kGspoLogRatio and kGspoAdvantage by the count (no label_counts)
+  bool divide_kl;      // kGspoKlShare too (weighting "document")
   acc_t* sums;    // (S, kGspoSums)
   acc_t* fields;  // (S, kGspoDocFields)
   acc_t* ratios;  // (S,)
@@ -115,6 +144,7 @@ struct GspoDocumentStep {
       const acc_t count = at_least_one(d[kGspoCount]);
       d[kGspoLogRatio] /= count;
       d[kGspoAdvantage] /= count;
+      if (divide_kl) d[kGspoKlShare] /= count;
     }
     for (int k = 0; k < kGspoSums; ++k) sums[s * kGspoSums + k] = d[k];
     const bool has = d[kGspoCount] > acc_t(0);
@@ -151,10 +181,13 @@ struct GspoDocumentTotals {
 
 // Per token: its share of the loss, κ_t·f(R_s, A)/D, and its gradient coefficient κ_t·(−∂f/∂lp)/D, with
 // A = Ā_s (or A_t for GSPO-token), κ_t = u_t (weighting "document") or m_t ("token") and f the surrogate of the
-// loss type at the sequence ratio R_s (common/math.h: policy_surrogate), times the rollout weight, plus the
-// token's own KL (β·KL_t, or β·sg(R_s)·KL_t importance weighted) and entropy bonus (−c·H_t), each weighted by
-// κ_t as well. Summing the shares of a document's tokens gives f_s (or N_s·f_s) because Σ u_t = 1 over the
-// whole document. Also the per-token terms of the metrics: u_t·lp_t, the entropy, m_t, KL, ρ, ω.
+// loss type at the sequence ratio R_s (common/policy_math.h: policy_surrogate; vespo: −φ_s·A·lp_t), times the
+// rollout weight (not vespo's: it is in φ), plus the token's own KL (β·KL_t, or β·R_s·KL_t importance weighted)
+// and entropy bonus (−c·H_t), each weighted by κ_t as well. Summing the shares of a document's tokens gives f_s
+// (or N_s·f_s) because Σ u_t = 1 over the whole document. The importance-weighted KL reaches every token of the
+// document through R_s: ∂/∂lp_t of Σ_j κ_j·β·R_s·KL_j/D adds β·R_s·u_t·Σ_j κ_j·KL_j/D (kGspoKlShare) to the
+// token's own term (GSPO-token: only its own, through its own ratio). Also the per-token terms of the metrics:
+// u_t·lp_t, the entropy, m_t, KL, ρ, ω, u_t·φ.
 template <typename acc_t>
 struct GspoTokenStep {
   PolicyOptions<acc_t> opt;
@@ -168,11 +201,12 @@ struct GspoTokenStep {
   const acc_t* entropy;            // (N,) or null
   const acc_t* old_log_probs;      // (N,) or null: on-policy
   const acc_t* ref_log_probs;      // (N,) or null
-  const acc_t* rollout_log_probs;  // (N,) or null (token-level correction)
-  const acc_t* sequence_log_rho;   // (N,) or null (sequence-level correction)
+  const acc_t* rollout_log_probs;  // (N,) or null
   const acc_t* totals;             // (kGspoTotals,)
   bool token_advantages;
   bool token_weighting;
+  bool sequence_rollout;
+  bool kl_share;
   acc_t* out;        // (N, kGspoTokenFields)
   acc_t* coef;       // (N,)
   acc_t* entropy_h;  // (N,) or null
@@ -192,20 +226,31 @@ struct GspoTokenStep {
     const acc_t adv = token_advantages ? advantages[i] : d[kGspoAdvantage];
     const acc_t lp = log_probs[i];
     const acc_t ratio = ::exp(d[kGspoLogRatio]);
-    PolicyToken<acc_t> t = policy_surrogate(opt, ratio, adv, lp);
     const acc_t old = old_log_probs != nullptr ? old_log_probs[i] : lp;
-    const acc_t log_rho = sequence_log_rho != nullptr    ? sequence_log_rho[i]
+    const acc_t log_rho = sequence_rollout               ? d[kGspoRolloutLogRatio]
                           : rollout_log_probs != nullptr ? old - rollout_log_probs[i]
                                                          : acc_t(0);
     const acc_t rw = rollout_weight(opt, log_rho);
-    t.loss = zero_or_product(rw, t.loss);
-    t.coef = zero_or_product(rw, t.coef);
+    PolicyToken<acc_t> t;
+    acc_t phi = acc_t(0);
+    if (opt.loss_type == kVespo) {
+      // A sequence-level correction enters log w once, as the document's weight ω_s.
+      phi = vespo_phi(opt, d[kGspoVespoLogW] + (sequence_rollout ? vespo_rollout_term(opt, log_rho) : acc_t(0)),
+                      adv);
+      t = vespo_surrogate(phi, ratio, adv, lp);
+    } else {
+      t = policy_surrogate(opt, ratio, adv, lp);
+      t.loss = zero_or_product(rw, t.loss);
+      t.coef = zero_or_product(rw, t.coef);
+    }
     acc_t kl = acc_t(0);
     if (ref_log_probs != nullptr) {
       KlTerm<acc_t> k = kl_estimate(opt.kl_estimator, lp, ref_log_probs[i]);
       if (opt.kl_importance_weighted) {
-        k.value = zero_or_product(k.value, ratio);
-        k.slope = zero_or_product(k.slope, ratio);
+        // R·KL. Through the token's own log-prob: GSPO-token's ratio sg(R_s)·exp(lp_t − sg(lp_t)) gives
+        // R·(KL + ∂KL); the document's R_s gives R·∂KL here and the rest through kGspoKlShare below.
+        k.slope = zero_or_product(ratio, token_advantages ? k.slope + k.value : k.slope);
+        k.value = zero_or_product(ratio, k.value);
       }
       kl = k.value;
       if (opt.beta != acc_t(0)) {
@@ -223,7 +268,12 @@ struct GspoTokenStep {
     o[kGspoTokenRolloutRatio] = corrected ? ::exp(log_rho) : acc_t(1);
     o[kGspoTokenRolloutWeight] = rw;
     o[kGspoTokenRolloutCorrected] = corrected && rw != o[kGspoTokenRolloutRatio] ? acc_t(1) : acc_t(0);
+    o[kGspoTokenVespoPhi] = phi / count;
     coef[i] = zero_or_product(kappa, t.coef);
+    if (kl_share) {
+      const acc_t share = d[kGspoKlShare] / (count * totals[kGspoDivisor]);
+      coef[i] -= zero_or_product(opt.beta * share, ratio);
+    }
     if (entropy_h != nullptr) entropy_h[i] = kappa * opt.entropy_coefficient;
   }
 };
@@ -254,6 +304,7 @@ struct GspoMetrics {
     *dst.p[kPolicyRolloutRatio] = s[kGspoTokenRolloutRatio] / labelled;
     *dst.p[kPolicyRolloutWeight] = s[kGspoTokenRolloutWeight] / labelled;
     *dst.p[kPolicyRolloutCorrected] = s[kGspoTokenRolloutCorrected] / labelled;
+    *dst.p[kPolicyVespoPhi] = s[kGspoTokenVespoPhi] / n;
   }
 };
 
@@ -267,11 +318,6 @@ struct GspoBackend {
   void (*metrics)(const GspoState&, const PolicyScalarOutputs&);  // GspoMetrics
 };
 
-// The per-document sums of this rank's tokens (see registration.cpp: gspo_document_sums).
-at::Tensor gspo_document_sums(const at::Tensor& log_probs, const at::Tensor& target, const at::Tensor& advantages,
-                              const std::optional<at::Tensor>& old_log_probs, const at::Tensor& document_index,
-                              const at::Tensor& label_counts, int64_t num_documents, const GspoBackend& backend);
-
 // The policy family's inputs of GSPO beside its own (docs/policy_losses.md).
 struct GspoPolicyInputs {
   std::optional<at::Tensor> ref_log_probs;
@@ -279,6 +325,12 @@ struct GspoPolicyInputs {
   std::optional<at::Tensor> rollout_log_probs;
   PolicyArgs args;
 };
+
+// The per-document sums of this rank's tokens (see registration.cpp: gspo_document_sums).
+at::Tensor gspo_document_sums(const at::Tensor& log_probs, const at::Tensor& target, const at::Tensor& advantages,
+                              const std::optional<at::Tensor>& old_log_probs, const at::Tensor& document_index,
+                              const at::Tensor& label_counts, int64_t num_documents, const std::string& weighting,
+                              bool token_advantages, const GspoPolicyInputs& policy, const GspoBackend& backend);
 
 // The outputs of the `gspo` schema; the gradient, when the source wants one, is the source's.
 std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, const at::Tensor& advantages,
@@ -302,10 +354,11 @@ struct GspoOps {
                       const Opt& sums, int64_t vs, int64_t vn, const Opt& ref, double beta, SV loss_type,
                       double tau_pos, double tau_neg, const Opt& rollout, std::optional<SV> correction, double cap,
                       std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
-                      bool compute_grad) {
+                      double kp, double lamp, double kn, double lamn, bool compute_grad) {
     LogitsSource src("gspo", logits, target, vs, vn, compute_grad, false);
     const GspoPolicyInputs p{ref, beta, rollout,
-                             policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef)};
+                             policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
+                                         lamp, kn, lamn)};
     auto o = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d, s,
                           entropy, stats, sums, p, kBackend());
     o.push_back(src.grads()[0]);
@@ -317,17 +370,27 @@ struct GspoOps {
                               bool entropy, const Opt& stats, const Opt& sums, int64_t vs, int64_t vn,
                               const Opt& ref, double beta, SV loss_type, double tau_pos, double tau_neg,
                               const Opt& rollout, std::optional<SV> correction, double cap,
-                              std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef) {
+                              std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
+                              double kp, double lamp, double kn, double lamn) {
     LogitsSource src("gspo", logits, target, vs, vn, false, true);
     const GspoPolicyInputs p{ref, beta, rollout,
-                             policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef)};
+                             policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
+                                         lamp, kn, lamn)};
     auto o = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d, s,
                           entropy, stats, sums, p, kBackend());
     return tensors_as_tuple<kPolicyOutputs + 1>(o);
   }
   static at::Tensor document_sums(const at::Tensor& lp, const at::Tensor& target, const at::Tensor& adv,
-                                  const Opt& old, const at::Tensor& doc, const at::Tensor& counts, int64_t n_docs) {
-    return gspo_document_sums(lp, target, adv, old, doc, counts, n_docs, kBackend());
+                                  const Opt& old, const at::Tensor& doc, const at::Tensor& counts, int64_t n_docs,
+                                  SV weighting, bool token_adv, const Opt& ref, double beta, SV loss_type,
+                                  double tau_pos, double tau_neg, const Opt& rollout, std::optional<SV> correction,
+                                  double cap, std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw,
+                                  double ent_coef, double kp, double lamp, double kn, double lamn) {
+    const GspoPolicyInputs p{ref, beta, rollout,
+                             policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
+                                         lamp, kn, lamn)};
+    return gspo_document_sums(lp, target, adv, old, doc, counts, n_docs, std::string(weighting), token_adv, p,
+                              kBackend());
   }
 };
 
@@ -364,10 +427,12 @@ struct GspoBackendImpl {
   static void token_terms(const GspoState& g) {
     RL_LOSSES_DISPATCH_ACC(g.terms, [&] {
       Runner::for_each(g.target.numel(),
-                       GspoTokenTerms<scalar_t>{ptr<scalar_t>(g.stats), ptr<int64_t>(g.target),
-                                                ptr<int64_t>(g.document), ptr<scalar_t>(g.advantages),
-                                                ptr<scalar_t>(g.old_log_probs), ptr<scalar_t>(g.label_counts),
-                                                g.num_documents, ptr<scalar_t>(g.log_probs),
+                       GspoTokenTerms<scalar_t>{policy_options_as<scalar_t>(g.opt), ptr<scalar_t>(g.stats),
+                                                ptr<int64_t>(g.target), ptr<int64_t>(g.document),
+                                                ptr<scalar_t>(g.advantages), ptr<scalar_t>(g.old_log_probs),
+                                                ptr<scalar_t>(g.label_counts), ptr<scalar_t>(g.rollout_log_probs),
+                                                ptr<scalar_t>(g.ref_log_probs), g.sequence_rollout, g.kl_share,
+                                                g.token_weighting, g.num_documents, ptr<scalar_t>(g.log_probs),
                                                 ptr<scalar_t>(g.entropy), ptr<int64_t>(g.safe_document),
                                                 ptr<scalar_t>(g.terms)});
     });
@@ -378,6 +443,7 @@ struct GspoBackendImpl {
       Runner::for_each(g.num_documents,
                        GspoDocumentStep<scalar_t>{policy_options_as<scalar_t>(g.opt), ptr<scalar_t>(g.local_sums),
                                                   ptr<scalar_t>(g.given_sums), !g.label_counts.defined(),
+                                                  !g.label_counts.defined() && !g.token_weighting,
                                                   ptr<scalar_t>(g.sums), ptr<scalar_t>(g.fields),
                                                   ptr<scalar_t>(g.ratios)});
       Runner::sum_then(g.num_documents,
@@ -395,8 +461,8 @@ struct GspoBackendImpl {
                                                ptr<scalar_t>(g.advantages), ptr<scalar_t>(g.log_probs),
                                                ptr<scalar_t>(g.entropy), ptr<scalar_t>(g.old_log_probs),
                                                ptr<scalar_t>(g.ref_log_probs), ptr<scalar_t>(g.rollout_log_probs),
-                                               ptr<scalar_t>(g.sequence_log_rho), ptr<scalar_t>(g.totals),
-                                               g.token_advantages, g.token_weighting, ptr<scalar_t>(g.token_out),
+                                               ptr<scalar_t>(g.totals), g.token_advantages, g.token_weighting,
+                                               g.sequence_rollout, g.kl_share, ptr<scalar_t>(g.token_out),
                                                ptr<scalar_t>(g.coef), ptr<scalar_t>(g.entropy_h)});
     });
   }

@@ -63,11 +63,12 @@ struct LinearGrpoOp {
                       std::optional<double> d, double s, bool entropy, std::optional<int64_t> chunk,
                       SV loss_type, double tau_pos, double tau_neg, const Opt& rollout, std::optional<SV> correction,
                       double cap, std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
-                      const Opt& doc, std::array<bool, 3> mask) {
+                      double kp, double lamp, double kn, double lamn, const Opt& doc, std::array<bool, 3> mask) {
     LinearSource src("linear_grpo", hidden, weight, bias, target, chunk, mask, kWeightGrad);
     auto out = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, std::nullopt,
                             rollout, doc,
-                            policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef),
+                            policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
+                                        lamp, kn, lamn),
                             kBackend());
     return linear_detail::with_grads<kPolicyOutputs + 3>(std::move(out), src);
   }
@@ -83,10 +84,12 @@ struct LinearGspoOp {
                       bool token_adv, std::optional<double> d, double s, bool entropy, std::optional<int64_t> chunk,
                       const Opt& ref, double beta, SV loss_type, double tau_pos, double tau_neg, const Opt& rollout,
                       std::optional<SV> correction, double cap, std::optional<c10::ArrayRef<double>> bounds, SV kl,
-                      bool kl_iw, double ent_coef, std::array<bool, 3> mask) {
+                      bool kl_iw, double ent_coef, double kp, double lamp, double kn, double lamn,
+                      std::array<bool, 3> mask) {
     LinearSource src("linear_gspo", hidden, weight, bias, target, chunk, mask, kWeightGrad);
     const GspoPolicyInputs p{ref, beta, rollout,
-                             policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef)};
+                             policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
+                                         lamp, kn, lamn)};
     auto out = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d,
                             s, entropy, std::nullopt, std::nullopt, p, kBackend());
     return linear_detail::with_grads<kPolicyOutputs + 4>(std::move(out), src);

@@ -161,15 +161,18 @@ def cross_entropy_options(op, logits, n_rows, s, eps, z, lw, reduction, divisor,
 
 POLICY_DEFAULTS = dict(loss_type="ppo_clip", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, rollout_log_probs=None,
                        rollout_correction=None, rollout_cap=3.0, rollout_mask_bounds=None, kl_estimator="k3",
-                       kl_importance_weighted=False, entropy_coefficient=0.0)
+                       kl_importance_weighted=False, entropy_coefficient=0.0, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
+                       vespo_k_neg=3.0, vespo_lambda_neg=2.0)
+POLICY_LOSS_TYPES = ("ppo_clip", "cispo", "sapo", "vespo")
 _ROLLOUT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def policy_options(op, target, epsilon_high, delta, loss_type, sapo_temperature_pos, sapo_temperature_neg,
                    rollout_log_probs, rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
-                   kl_importance_weighted, entropy_coefficient):
+                   kl_importance_weighted, entropy_coefficient, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
+                   vespo_k_neg=3.0, vespo_lambda_neg=2.0):
     # csrc/common/policy.cpp: make_policy_options, in the same order with the same messages.
-    _check(loss_type in ("ppo_clip", "cispo", "sapo"), op, "loss_type must be 'ppo_clip', 'cispo' or 'sapo', got '",
+    _check(loss_type in POLICY_LOSS_TYPES, op, "loss_type must be 'ppo_clip', 'cispo', 'sapo' or 'vespo', got '",
            loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are ppo_clip with an aggregation preset: "
            "rl_losses.aggregation.TRL_LOSS_TYPES)")
     _check(loss_type == "ppo_clip" or delta is None, op, "delta (the two-sided clip) applies to loss_type "
@@ -178,6 +181,11 @@ def policy_options(op, target, epsilon_high, delta, loss_type, sapo_temperature_
            "must be > 0, got ", _num(epsilon_high))
     for name, tau in (("sapo_temperature_pos", sapo_temperature_pos), ("sapo_temperature_neg", sapo_temperature_neg)):
         _check(math.isfinite(tau) and tau > 0, op, name, " must be a finite value > 0, got ", _num(tau))
+    for name, k in (("vespo_k_pos", vespo_k_pos), ("vespo_k_neg", vespo_k_neg)):
+        _check(math.isfinite(k), op, name, " must be finite, got ", _num(k))
+    for name, lam in (("vespo_lambda_pos", vespo_lambda_pos), ("vespo_lambda_neg", vespo_lambda_neg)):
+        _check(math.isfinite(lam) and lam >= 0, op, name, " must be a finite value >= 0 (TRL raises it to 1e-4), got ",
+               _num(lam))
     _check(kl_estimator in ("k1", "k2", "k3"), op, "kl_estimator must be 'k1', 'k2' or 'k3', got '", kl_estimator, "'")
     has_rollout = rollout_log_probs is not None
     if rollout_correction is not None:
@@ -256,17 +264,34 @@ def gspo_options(op, logits, target, n_rows, advantages, old_log_probs, document
     else:
         return  # max(document_index) + 1: the data's, checked by the real kernel
     check_num_documents(op, n_docs)
-    if document_sums is not None:
-        acc = acc_dtype(logits.dtype)
-        d = document_sums
-        _check(d.dim() == 2 and d.shape[0] == n_docs and d.shape[1] == 3 and d.dtype == acc
-               and d.device == logits.device, op, "document_sums must be (", n_docs, ", 3) ", _dt(acc), " on ",
-               logits.device, ", got ", _shape(d.shape), " ", _dt(d.dtype), " on ", d.device)
 
 
-def gspo_document_sums(log_probs, target, advantages, old_log_probs, document_index, label_counts, num_documents):
+# gspo/gspo.h: kGspoSums, kGspoBasicSums.
+GSPO_SUMS, GSPO_BASIC_SUMS = 6, 3
+
+
+def gspo_document_sums_shape(op, logits, document_sums, num_documents, basic):
+    # gspo.cpp: (S, 6), or (S, 3) where the policy family's columns are unused (`basic`).
+    if document_sums is None:
+        return
+    n_docs = num_documents if num_documents is not None else document_sums.shape[0]
+    acc = acc_dtype(logits.dtype)
+    d = document_sums
+    cols = d.shape[1] if d.dim() == 2 else -1
+    _check(d.dim() == 2 and d.shape[0] == n_docs and (cols == GSPO_SUMS or (basic and cols == GSPO_BASIC_SUMS))
+           and d.dtype == acc and d.device == logits.device, op, "document_sums must be (", n_docs, ", ", GSPO_SUMS,
+           ") ", _dt(acc), " on ", logits.device, " (or with its first 3 columns only)" if basic else "", ", got ",
+           _shape(d.shape), " ", _dt(d.dtype), " on ", d.device)
+
+
+def gspo_document_sums(log_probs, target, advantages, old_log_probs, document_index, label_counts, num_documents,
+                       weighting="document", beta=0.0, policy=None):
     op = "gspo_document_sums"
     check_num_documents(op, num_documents)
+    _check(weighting in ("document", "token"), op, "weighting must be 'document' or 'token', got '", weighting, "'")
+    _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
+    values = {**POLICY_DEFAULTS, **(policy or {})}
+    policy_options(op, target, 0.2, None, *(values[k] for k in POLICY_DEFAULTS))
     check_per_token(op, "log_probs", log_probs, target)
     check_per_token_int(op, "target", target, target)
     if not (advantages.dim() == 1 and target.dim() == 1 and advantages.shape != target.shape):  # else per document

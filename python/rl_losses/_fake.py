@@ -81,6 +81,7 @@ def _policy_outputs(logits, target, num_documents=None):
     out = scalars + [log_probs] + [logits.new_empty([], dtype=acc) for _ in range(5)]
     if num_documents is not None:
         out.append(logits.new_empty([num_documents], dtype=acc))
+    out.append(logits.new_empty([], dtype=acc))  # vespo_phi_mean
     return out
 
 
@@ -104,11 +105,16 @@ def _check_grpo(logits, target, advantages, old_log_probs, ref_log_probs=None, l
     _check_policy(op, target, epsilon_high, delta, policy, policy_kwargs)
 
 
-def _check_policy(op, target, epsilon_high, delta, positional, keywords):
+def _policy_values(positional, keywords):
     # The policy family's arguments, positional (the _forward ops: RL_LOSSES_POLICY_ARGS order) or by keyword.
     names = list(_checks.POLICY_DEFAULTS)
-    values = {**_checks.POLICY_DEFAULTS, **dict(zip(names, positional)), **keywords}
-    _checks.policy_options(op, target, epsilon_high, delta, *(values[k] for k in names))
+    return {**_checks.POLICY_DEFAULTS, **dict(zip(names, positional)), **keywords}
+
+
+def _check_policy(op, target, epsilon_high, delta, positional, keywords):
+    values = _policy_values(positional, keywords)
+    _checks.policy_options(op, target, epsilon_high, delta, *(values[k] for k in _checks.POLICY_DEFAULTS))
+    return values
 
 
 @register_fake("rl_losses::grpo")
@@ -153,7 +159,12 @@ def _check_gspo(logits, target, advantages, old_log_probs, document_index, num_d
     _checks.gspo_options(op, logits, target, target.numel(), advantages, old_log_probs, document_index,
                          num_documents, label_counts, epsilon_low, epsilon_high, weighting, divisor,
                          logits_scale_factor, row_stats, document_sums)
-    _check_policy(op, target, epsilon_high, None, policy, policy_kwargs)
+    values = _check_policy(op, target, epsilon_high, None, policy, policy_kwargs)
+    mode = values["rollout_correction"]
+    kl_share = (values["kl_importance_weighted"] and beta != 0 and ref_log_probs is not None
+                and not token_advantages)
+    basic = not (mode is not None and mode.startswith("sequence")) and values["loss_type"] != "vespo" and not kl_share
+    _checks.gspo_document_sums_shape(op, logits, document_sums, num_documents, basic)
     return _num_documents(num_documents, document_sums)
 
 
@@ -176,10 +187,11 @@ def _gspo_forward_inplace(logits, target, advantages, old_log_probs, document_in
 
 
 @register_fake("rl_losses::gspo_document_sums")
-def _gspo_document_sums(log_probs, target, advantages, old_log_probs, document_index, label_counts, num_documents):
+def _gspo_document_sums(log_probs, target, advantages, old_log_probs, document_index, label_counts, num_documents, *,
+                        weighting="document", token_advantages=False, ref_log_probs=None, beta=0.0, **policy):
     _checks.gspo_document_sums(log_probs, target, advantages, old_log_probs, document_index, label_counts,
-                               num_documents)
-    return log_probs.new_empty([num_documents, 3], dtype=_checks.acc_dtype(log_probs.dtype))
+                               num_documents, weighting, beta, policy)
+    return log_probs.new_empty([num_documents, _checks.GSPO_SUMS], dtype=_checks.acc_dtype(log_probs.dtype))
 
 
 # ---- fused lm_head: outputs as the logits ops', with the hidden states' dtype and device ------------------------

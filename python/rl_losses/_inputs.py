@@ -46,7 +46,8 @@ def _divisor(divisor) -> float | None:
     return float(divisor)
 
 
-# The number of outputs of the policy ops before GSPO's document_ratios (csrc/registration.cpp).
+# The number of outputs of the policy ops before GSPO's document_ratios (csrc/registration.cpp); the last output
+# of every policy op is vespo_phi_mean.
 POLICY_OUTPUTS = 12
 
 
@@ -55,18 +56,22 @@ def _policy_output(out, compute_entropy: bool, document_ratios=None, *, loss_typ
     loss, new_lp, low, high, kl_old, entropy, log_probs, ratio_mean, kl, rho, weight, corrected = out[:POLICY_OUTPUTS]
     return PolicyLossOutput(loss, new_lp, low, high, kl_old, entropy if compute_entropy else None, log_probs,
                             ratio_mean, document_ratios, kl if has_kl else None, rho if has_rollout else None,
-                            weight if has_rollout else None, corrected if has_rollout else None, loss_type=loss_type)
+                            weight if has_rollout else None, corrected if has_rollout else None,
+                            out[-1] if loss_type == "vespo" else None, loss_type=loss_type)
 
 
 def _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs, rollout_correction,
-                   rollout_cap, rollout_mask_bounds, kl_estimator, kl_importance_weighted, entropy_coefficient):
+                   rollout_cap, rollout_mask_bounds, kl_estimator, kl_importance_weighted, entropy_coefficient,
+                   vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0):
     # The policy family's options as the ops take them (csrc/registration.cpp: RL_LOSSES_POLICY_KWARGS).
     return dict(loss_type=loss_type, sapo_temperature_pos=float(sapo_temperature_pos),
                 sapo_temperature_neg=float(sapo_temperature_neg), rollout_log_probs=rollout_log_probs,
                 rollout_correction=rollout_correction, rollout_cap=float(rollout_cap),
                 rollout_mask_bounds=None if rollout_mask_bounds is None else [float(b) for b in rollout_mask_bounds],
                 kl_estimator=kl_estimator, kl_importance_weighted=bool(kl_importance_weighted),
-                entropy_coefficient=float(entropy_coefficient))
+                entropy_coefficient=float(entropy_coefficient), vespo_k_pos=float(vespo_k_pos),
+                vespo_lambda_pos=float(vespo_lambda_pos), vespo_k_neg=float(vespo_k_neg),
+                vespo_lambda_neg=float(vespo_lambda_neg))
 
 
 def _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=None) -> PolicyLossOutput:

@@ -25,8 +25,8 @@ import torch
 
 PRESETS = ("token_mean", "sequence_mean_token_mean", "sequence_sum_constant", "luspo")
 
-# TRL GRPOTrainer's loss_type -> (our loss_type, aggregation preset). TRL's vespo has no equivalent here
-# (docs/policy_losses.md says why).
+# TRL GRPOTrainer's loss_type -> (our loss_type, aggregation preset). TRL's vespo, cispo and dapo divide by
+# num_items_in_batch: pass it to the token_mean preset.
 TRL_LOSS_TYPES = {
     "grpo": ("ppo_clip", "sequence_mean_token_mean"),
     "bnpo": ("ppo_clip", "token_mean"),
@@ -35,6 +35,7 @@ TRL_LOSS_TYPES = {
     "luspo": ("ppo_clip", "luspo"),
     "cispo": ("cispo", "token_mean"),
     "sapo": ("sapo", "sequence_mean_token_mean"),
+    "vespo": ("vespo", "token_mean"),
 }
 
 # verl's actor.loss_agg_mode -> preset.

@@ -29,7 +29,7 @@ _REGISTRY: dict[str, type[LanguageModelLossConfig]] = {}
 METRICS_LEVELS = ("none", "basic", "with_entropy")
 GRPO_NORMALIZATIONS = ("token", "sequence", "document", "dr_grpo")
 GSPO_WEIGHTINGS = ("document", "token")
-POLICY_LOSS_TYPES = ("ppo_clip", "cispo", "sapo")
+POLICY_LOSS_TYPES = ("ppo_clip", "cispo", "sapo", "vespo")
 ROLLOUT_CORRECTIONS = (None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -208,7 +208,8 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
         advantage and token statistics; no extra pass over the vocabulary) or "with_entropy" (adds the mean
         entropy, fused into the kernel's pass).
     The policy family (docs/policy_losses.md; the options of rl_losses.grpo_loss / gspo_loss): loss_type
-        ("ppo_clip", "cispo", "sapo"), sapo_temperature_pos / sapo_temperature_neg (> 0), rollout_correction (None,
+        ("ppo_clip", "cispo", "sapo", "vespo"), sapo_temperature_pos / sapo_temperature_neg (> 0), vespo_k_pos /
+        vespo_k_neg (finite) and vespo_lambda_pos / vespo_lambda_neg (>= 0; TRL's names), rollout_correction (None,
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"; needs ``rollout_log_probs`` in the
         batch), rollout_cap (> 0), rollout_mask_bounds ((lo, hi), lo < hi, "*_mask" modes), kl_estimator ("k1",
         "k2", "k3"), kl_importance_weighted, entropy_coefficient. Without ``old_log_probabilities`` in the batch
@@ -227,6 +228,10 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
     kl_estimator: str = "k3"
     kl_importance_weighted: bool = False
     entropy_coefficient: float = 0.0
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
     def _validate(self) -> None:
         super()._validate()
@@ -236,6 +241,10 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
         self._check_choice("loss_type", POLICY_LOSS_TYPES)
         self._check_float("sapo_temperature_pos", low=0.0, low_inclusive=False)
         self._check_float("sapo_temperature_neg", low=0.0, low_inclusive=False)
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            self._check_float(name)
+        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
+            self._check_float(name, low=0.0)
         self._check_choice("rollout_correction", ROLLOUT_CORRECTIONS)
         self._check_float("rollout_cap", low=0.0, low_inclusive=False)
         b = self.rollout_mask_bounds

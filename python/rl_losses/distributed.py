@@ -42,19 +42,20 @@ deadlock when only some ranks' widths change).
 
 Sequence-data parallelism (GSPO). A document's tokens may live on several ranks (document ids are global:
 the same id on every rank for a split document). Each rank computes its tokens' log-probs from the row
-statistics, then ONE all-reduce SUM over the group of a (num_documents [+1], 4) buffer carries, per document,
-Σm(lp−old)·w, Σm·A·w, Σm (the labelled count) and Σm·lp·w (for the new_logprobs metric), with w = 1/N_t when
-``label_counts`` are given, and w = 1 otherwise — then the counts are only known after the sum, and the
-first, second and fourth columns are divided by them after it (exact: N_s is constant over a document); an
-extra row carries Σm·H and Σm for the entropy metric. The op then runs with these ``document_sums``, the
-global per-token ``label_counts`` and the row statistics (so it reads the logits only once more, for the
-gradient). Its default divisor is the number of documents with a labelled token over the group, read from
-the summed count column. Each rank's loss covers its own tokens: the SUM of the rank losses equals the
-single-process loss, and each rank's gradient is that of the global loss w.r.t. its own logits (what a
-data-parallel SUM of the weight gradients expects). The metrics (new_logprobs, clipped fractions, kl_old,
-ratio_mean, entropy, document_ratios) are the global values, identical on every rank; ``log_probs`` is per
-local token. ``num_documents`` defaults to the group's max(document_index)+1, which costs one more small
-all-reduce and a host synchronisation: pass it to avoid both.
+statistics, then ONE all-reduce SUM over the group of a (num_documents [+1], 7) buffer carries, per document,
+the op's six document sums (gspo_document_sums: Σm(lp−old)·w, Σm·A·w, Σm (the labelled count), Σm(old−rollout)
+for a sequence-level rollout correction, VESPO's Σm·clamp(lp−old) (+ its rollout terms), the importance-weighted
+KL's Σκ·KL) and Σm·lp·w (for the new_logprobs metric), with w = 1/N_t when ``label_counts`` are given, and w = 1
+otherwise — then the counts are only known after the sum, and the w-weighted columns are divided by them after
+it (exact: N_s is constant over a document); an extra row carries Σm·H and Σm for the entropy metric. The op
+then runs with these ``document_sums``, the global per-token ``label_counts`` and the row statistics (so it
+reads the logits only once more, for the gradient). Its default divisor is the number of documents with a
+labelled token over the group, read from the summed count column. Each rank's loss covers its own tokens: the
+SUM of the rank losses equals the single-process loss, and each rank's gradient is that of the global loss
+w.r.t. its own logits (what a data-parallel SUM of the weight gradients expects). The metrics (new_logprobs,
+clipped fractions, kl_old, ratio_mean, entropy, document_ratios, the policy family's) are the global values,
+identical on every rank; ``log_probs`` is per local token. ``num_documents`` defaults to the group's
+max(document_index)+1, which costs one more small all-reduce and a host synchronisation: pass it to avoid both.
 Both groups together: the tensor-parallel statistics first, then the sequence-data-parallel sums.
 
 Bad input (an error, never a hang): under sdp_group the ranks hold different tokens, so a bad label
@@ -75,7 +76,13 @@ from rl_losses.reference import PolicyLossOutput
 # The defaults of the policy family's options (rl_losses.grpo_loss).
 _POLICY_DEFAULTS = dict(loss_type="ppo_clip", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
                         rollout_log_probs=None, rollout_correction=None, rollout_cap=3.0, rollout_mask_bounds=None,
-                        kl_estimator="k3", kl_importance_weighted=False, entropy_coefficient=0.0)
+                        kl_estimator="k3", kl_importance_weighted=False, entropy_coefficient=0.0, vespo_k_pos=2.0,
+                        vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)
+
+# gspo/gspo.h: the columns of the per-document sums (kGspoSums), and those divided by the count when the sums
+# were taken with w = 1 (Σu(lp−old), Σu·A; Σκ·KL under weighting "document").
+_GSPO_SUMS = 6
+_GSPO_KL_SHARE = 5
 
 _ops = torch.ops.rl_losses
 
@@ -256,8 +263,8 @@ def _group_num_documents(document_index: torch.Tensor, sdp_group) -> int:
 
 
 def _sdp_local_sums(op, stats, target, advantages, old_log_probs, document_index, label_counts, num_documents,
-                    compute_entropy, checked) -> torch.Tensor:
-    """This rank's share of the SDP all-reduce: (num_documents [+1], 4), see the module comment."""
+                    compute_entropy, checked, sum_options) -> torch.Tensor:
+    """This rank's share of the SDP all-reduce: (num_documents [+1], 7), see the module comment."""
     if checked and document_index.numel():
         high = int(document_index.max())
         if high >= num_documents:
@@ -269,7 +276,7 @@ def _sdp_local_sums(op, stats, target, advantages, old_log_probs, document_index
     counts = label_counts if label_counts is not None else torch.ones(target.shape, dtype=stats.dtype,
                                                                       device=stats.device)
     sums = _ops.gspo_document_sums(log_probs.view(target.shape), target, advantages, old_log_probs,
-                                   document_index, counts, num_documents)
+                                   document_index, counts, num_documents, **sum_options)
     doc = document_index.reshape(-1).to(torch.int64)
     mask = (labelled & (doc >= 0)).to(stats.dtype)
     weight = mask / counts.reshape(-1).to(stats.dtype).clamp_min(1)
@@ -278,8 +285,9 @@ def _sdp_local_sums(op, stats, target, advantages, old_log_probs, document_index
     payload = torch.cat([sums, lp_sums.unsqueeze(1)], dim=1)
     if compute_entropy:
         entropy = torch.where(mask > 0, lse - stats[:, 2] / stats[:, 1], 0.0)
-        zero = entropy.new_zeros(())
-        payload = torch.cat([payload, torch.stack([entropy.sum(), mask.sum(), zero, zero]).unsqueeze(0)])
+        row = torch.zeros(payload.shape[1], dtype=payload.dtype, device=payload.device)
+        row[0], row[1] = entropy.sum(), mask.sum()
+        payload = torch.cat([payload, row.unsqueeze(0)])
     return payload
 
 
@@ -296,10 +304,9 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     Under ``sdp_group``: ``document_index`` holds global document ids; ``label_counts`` (when given) are the
     counts of each token's whole document over the group; ``num_documents`` (the global number) defaults to
     the group's max(document_index)+1 (a host synchronisation). The loss is this rank's tokens' share (the
-    sum over the group is the loss); the metrics are the group's, except the policy family's kl and rollout
-    metrics, which cover this rank's tokens. ``policy``: rl_losses.gspo_loss's policy-family options; a
-    sequence-level rollout_correction is not available under sdp_group (a document's ratio would need one more
-    all-reduce): use a token-level mode.
+    sum over the group is the loss); the metrics are the group's. ``policy``: rl_losses.gspo_loss's
+    policy-family options, every one available here (a split document's rollout ratio, VESPO weight and
+    importance-weighted KL sum ride in the same all-reduce as its ratio).
     """
     policy = _policy_kwargs(**{**_POLICY_DEFAULTS, **policy})
     entropy = compute_entropy or policy["entropy_coefficient"] != 0.0  # the bonus needs Σp·x too
@@ -321,9 +328,6 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         else:
             advantages = advantages[torch.where(document_index >= 0, document_index, 0).long()]
         advantages = advantages.expand(target.shape)
-    if policy["rollout_correction"] is not None and policy["rollout_correction"].startswith("sequence"):
-        raise ValueError(f"{op}: rollout_correction={policy['rollout_correction']!r} is not available under "
-                         f"sdp_group (a document split over ranks needs its whole ratio); use a token-level mode")
 
     if num_documents is None:
         if torch.compiler.is_compiling():
@@ -341,13 +345,18 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
             _check_labels(op, target, logits.shape[-1])
             stats = _ops.row_stats(logits.detach(), target, logits_scale_factor=logits_scale_factor,
                                    entropy=entropy).reshape(-1, 5)
+        sum_options = dict(weighting=weighting, token_advantages=token_advantages, ref_log_probs=ref_log_probs,
+                           beta=beta, **policy)
         payload = _sdp_local_sums(op, stats, target, advantages, old_log_probs, document_index, label_counts,
-                                  num_documents, entropy, checked)
+                                  num_documents, entropy, checked, sum_options)
     except (RuntimeError, ValueError) as e:
         error = _caught(e, checked)
-        payload = torch.zeros(num_documents + entropy, 4, dtype=_acc(logits.dtype), device=logits.device)
+        payload = torch.zeros(num_documents + entropy, _GSPO_SUMS + 1, dtype=_acc(logits.dtype),
+                              device=logits.device)
     if checked:
-        payload = torch.cat([payload, payload.new_tensor([[float(error is not None), 0, 0, 0]])])
+        flag = payload.new_zeros(1, payload.shape[1])
+        flag[0, 0] = float(error is not None)
+        payload = torch.cat([payload, flag])
     if payload.numel():
         dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=sdp_group)
     if checked:
@@ -356,26 +365,33 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     docs, count = payload[:num_documents], payload[:num_documents, 2]
     doc = document_index.reshape(-1).to(torch.int64)
     if label_counts is None:
-        # The sums were taken with w = 1: divide by each document's (now global) labelled count.
-        scale = 1 / count.clamp_min(1)
-        docs = torch.stack([docs[:, 0] * scale, docs[:, 1] * scale, count, docs[:, 3] * scale], dim=1)
+        # The sums were taken with w = 1: divide the w-weighted columns by each document's (now global) labelled
+        # count.
+        divided = [0, 1, _GSPO_SUMS] + ([_GSPO_KL_SHARE] if weighting == "document" else [])
+        scale = torch.ones_like(docs)
+        scale[:, divided] = (1 / count.clamp_min(1)).unsqueeze(1)
+        docs = docs * scale
         label_counts = count.index_select(0, torch.where(doc >= 0, doc, 0)).view(target.shape)
     out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
-                    label_counts=label_counts, row_stats=stats, document_sums=docs[:, :3].contiguous(),
+                    label_counts=label_counts, row_stats=stats, document_sums=docs[:, :_GSPO_SUMS].contiguous(),
                     vocab_start=start, vocab_size=total, **options)
     # The op's new_logprobs and entropy cover this rank's tokens only: the group's come from the all-reduce.
-    new_logprobs = docs[:, 3].sum() / (count > 0).sum().clamp_min(1)
+    new_logprobs = docs[:, _GSPO_SUMS].sum() / (count > 0).sum().clamp_min(1)
     group_entropy = payload[num_documents, 0] / payload[num_documents, 1].clamp_min(1) if entropy else None
     result = _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=out[POLICY_OUTPUTS])
     result = result._replace(new_logprobs=new_logprobs, entropy=group_entropy)
-    if result.kl is not None or result.rollout_ratio_mean is not None:
+    if result.kl is not None or result.rollout_ratio_mean is not None or result.vespo_phi_seq_mean is not None:
         # The op's KL and rollout metrics are means over this rank's labelled tokens: one more small all-reduce
-        # of their sums makes them the group's (after the op: the importance-weighted KL needs the ratios).
+        # of their sums makes them the group's (after the op: the importance-weighted KL needs the ratios). The
+        # φ metric is already divided by the group's document count: its sum over the ranks is the group's.
         n = ((target >= 0) & (document_index >= 0)).sum().to(out[0].dtype)
         means = [result.kl, result.rollout_ratio_mean, result.rollout_weight_mean, result.rollout_corrected_fraction]
-        sums = torch.stack([n] + [n * m if m is not None else n.new_zeros(()) for m in means])
+        zero = n.new_zeros(())
+        phi = result.vespo_phi_seq_mean
+        sums = torch.stack([n] + [n * m if m is not None else zero for m in means] + [zero if phi is None else phi])
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=sdp_group)
         group = [sums[k + 1] / sums[0].clamp_min(1) if m is not None else None for k, m in enumerate(means)]
         result = result._replace(kl=group[0], rollout_ratio_mean=group[1], rollout_weight_mean=group[2],
-                                 rollout_corrected_fraction=group[3])
+                                 rollout_corrected_fraction=group[3],
+                                 vespo_phi_seq_mean=None if phi is None else sums[len(means) + 1])
     return result

@@ -102,18 +102,23 @@ _POLICY_DOC = """
         old_log_probs: None for on-policy training (old = sg(lp): r = 1 in value, gradient A·∇lp).
         advantages: per token, or per sequence: (B,) for (B, T) labels, broadcast over each row.
         loss_type: "ppo_clip" (default), "cispo" (−sg(min(r, ε_h))·A·lp: the cap is epsilon_high itself, as
-            TRL's and Liger's) or "sapo" (−(4/τ)·σ(τ(r−1))·A, τ = sapo_temperature_pos if A > 0 else
-            sapo_temperature_neg). TRL's grpo/bnpo/dapo/dr_grpo/luspo are "ppo_clip" with an aggregation preset
-            (rl_losses.aggregation). delta is for "ppo_clip" only.
+            TRL's and Liger's), "sapo" (−(4/τ)·σ(τ(r−1))·A, τ = sapo_temperature_pos if A > 0 else
+            sapo_temperature_neg) or "vespo" (−sg(φ)·A·lp, TRL's and Liger's: φ = exp(λ + k·log w − λ·w) of the
+            sequence's w = exp(Σ clamp(lp − old, ±20)) (times its rollout weights), clamped to [1e-8, e^20];
+            (k, λ) = (vespo_k_pos, vespo_lambda_pos) where A >= 0, else (vespo_k_neg, vespo_lambda_neg); the
+            sequences as for a sequence-level correction; its weight needs every token's log-prob first, so it
+            reads the logits twice unless on-policy without a correction). TRL's grpo/bnpo/dapo/dr_grpo/luspo are
+            "ppo_clip" with an aggregation preset (rl_losses.aggregation). delta is for "ppo_clip" only.
         rollout_log_probs: (...) the inference engine's log-probs; ρ = exp(old − rollout).
         rollout_correction: None, "token_truncate", "token_mask", "sequence_truncate" or "sequence_mask" (TRL's
             vllm_importance_sampling_mode): the surrogate of each token (not its KL or entropy term) is
             multiplied by sg(min(ρ, rollout_cap)) ("truncate") or sg(ρ·[lo ≤ ρ ≤ hi]) ("mask",
-            rollout_mask_bounds = (lo, hi), default (0, rollout_cap)). Sequence level: ρ is the geometric mean
-            over the sequence's labelled tokens (document_index, else the rows of (B, T) labels).
+            rollout_mask_bounds = (lo, hi), default (0, rollout_cap)). Sequence level: ρ is the product of the
+            token ratios over the sequence's labelled tokens, TRL's definition (document_index, else the rows of
+            (B, T) labels). vespo folds the weights into φ instead.
         kl_estimator: "k1" (lp − q), "k2" (½(lp − q)²) or "k3" (default) towards ref_log_probs, times beta;
             kl_importance_weighted: r·KL, differentiated through r too (TRL's and Liger's
-            use_bias_correction_kl; GSPO: sg(R_s)·KL).
+            use_bias_correction_kl; GSPO: R_s·KL, differentiated through R_s).
         entropy_coefficient: c, adds −c·Σ_t w_t·H_t / D (differentiated, same pass).
 """
 
@@ -128,7 +133,8 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
               rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
               rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
               kl_estimator: str = "k3", kl_importance_weighted: bool = False, entropy_coefficient: float = 0.0,
-              document_index: torch.Tensor | None = None) -> PolicyLossOutput:
+              vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
+              vespo_lambda_neg: float = 2.0, document_index: torch.Tensor | None = None) -> PolicyLossOutput:
     """GRPO: per-token clipped importance ratio (docs/math.md), fused with its metrics.
 
     Args:
@@ -156,17 +162,18 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         tp_group: vocabulary-parallel process group: ``logits`` is then this rank's contiguous slice of the
             vocabulary (even shards; uneven ones through rl_losses.distributed), ``target`` holds global ids,
             and the loss is the same on every rank (docs/distributed.md). None: one device.
-        document_index: (...) int, the sequence of each token for a sequence-level rollout correction
-            (negative = padding; default: the rows of (B, T) labels).
+        document_index: (...) int, the sequence of each token for a sequence-level rollout correction or
+            loss_type "vespo" (negative = padding; default: the rows of (B, T) labels).
         The policy-family options (loss_type ... entropy_coefficient) are described below.
     Returns: PolicyLossOutput: ``loss`` (differentiable scalar), then the detached metrics new_logprobs,
         clipped_fraction_low/high, kl_old, entropy (None unless ``compute_entropy`` or an entropy bonus), log_probs (per
-        token), ratio_mean, then kl, rollout ratio/weight/corrected fraction where those options are on;
-        ``trl_metrics()`` gives them under TRL's logged names.
+        token), ratio_mean, then kl, rollout ratio/weight/corrected fraction, vespo_phi_seq_mean where those
+        options are on; ``trl_metrics()`` gives them under TRL's logged names.
     """
     policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
                             rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
-                            kl_importance_weighted, entropy_coefficient)
+                            kl_importance_weighted, entropy_coefficient, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                            vespo_lambda_neg)
     if tp_group is not None:
         return distributed.grpo_loss(logits, target, advantages, old_log_probs, tp_group=tp_group,
                                      epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
@@ -196,7 +203,8 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
               rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
               rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
               kl_estimator: str = "k3", kl_importance_weighted: bool = False,
-              entropy_coefficient: float = 0.0) -> PolicyLossOutput:
+              entropy_coefficient: float = 0.0, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+              vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0) -> PolicyLossOutput:
     """GSPO: sequence-level geometric-mean ratio over packed documents (docs/math.md), with its metrics.
 
     Args:
@@ -237,7 +245,8 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     """
     policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
                             rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
-                            kl_importance_weighted, entropy_coefficient)
+                            kl_importance_weighted, entropy_coefficient, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                            vespo_lambda_neg)
     if tp_group is not None or sdp_group is not None:
         return distributed.gspo_loss(logits, target, advantages, old_log_probs, document_index,
                                      tp_group=tp_group, sdp_group=sdp_group, num_documents=num_documents,
@@ -321,12 +330,15 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                      rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
                      rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
                      kl_estimator: str = "k3", kl_importance_weighted: bool = False,
-                     entropy_coefficient: float = 0.0, document_index: torch.Tensor | None = None) -> PolicyLossOutput:
+                     entropy_coefficient: float = 0.0, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+                     vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+                     document_index: torch.Tensor | None = None) -> PolicyLossOutput:
     """GRPO of ``hidden @ weight.T (+ bias)`` without materialising the logits. ``target``, ``advantages``,
     ``old_log_probs`` and the options (the policy family's included) are those of ``grpo_loss``; returns its PolicyLossOutput."""
     policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
                             rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
-                            kl_importance_weighted, entropy_coefficient)
+                            kl_importance_weighted, entropy_coefficient, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                            vespo_lambda_neg)
     weight, bias = _plain_lm_head("linear_grpo", hidden, weight, bias)
     _check_labels("linear_grpo", target, _vocab_size(weight, 0))
     out = _ops.linear_grpo(hidden, weight, target, advantages, old_log_probs, bias=bias, ref_log_probs=ref_log_probs,
@@ -348,14 +360,17 @@ def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                      sapo_temperature_neg: float = 1.05, rollout_log_probs: torch.Tensor | None = None,
                      rollout_correction: str | None = None, rollout_cap: float = 3.0,
                      rollout_mask_bounds: tuple[float, float] | None = None, kl_estimator: str = "k3",
-                     kl_importance_weighted: bool = False, entropy_coefficient: float = 0.0) -> PolicyLossOutput:
+                     kl_importance_weighted: bool = False, entropy_coefficient: float = 0.0,
+                     vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
+                     vespo_lambda_neg: float = 2.0) -> PolicyLossOutput:
     """GSPO of ``hidden @ weight.T (+ bias)`` without materialising the logits. ``target``, ``advantages``,
     ``old_log_probs``, ``document_index`` and the options (the policy family's included) are those of ``gspo_loss``; returns its
     PolicyLossOutput. The logits are computed twice, chunk by chunk: once for the per-document ratios, once
     for the gradient."""
     policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
                             rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
-                            kl_importance_weighted, entropy_coefficient)
+                            kl_importance_weighted, entropy_coefficient, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                            vespo_lambda_neg)
     weight, bias = _plain_lm_head("linear_gspo", hidden, weight, bias)
     _check_labels("linear_gspo", target, _vocab_size(weight, 0))
     _check_document_ids("linear_gspo", document_index, num_documents)

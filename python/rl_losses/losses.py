@@ -173,7 +173,9 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
                     rollout_log_probs=rollout_log_probs, rollout_correction=cfg.rollout_correction,
                     rollout_cap=cfg.rollout_cap, rollout_mask_bounds=cfg.rollout_mask_bounds,
                     kl_estimator=cfg.kl_estimator, kl_importance_weighted=cfg.kl_importance_weighted,
-                    entropy_coefficient=cfg.entropy_coefficient)
+                    entropy_coefficient=cfg.entropy_coefficient, vespo_k_pos=cfg.vespo_k_pos,
+                    vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
+                    vespo_lambda_neg=cfg.vespo_lambda_neg)
 
     def _metrics(self, out: functional.PolicyLossOutput, batch: Batch, mask: torch.Tensor,
                  num_segments: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -221,6 +223,8 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
             metrics[f"{n}_rollout_ratio"] = out.rollout_ratio_mean
             metrics[f"{n}_rollout_weight"] = out.rollout_weight_mean
             metrics[f"{n}_rollout_corrected_fraction"] = out.rollout_corrected_fraction
+        if out.vespo_phi_seq_mean is not None:
+            metrics[f"{n}_vespo_phi"] = out.vespo_phi_seq_mean
         return metrics
 
 
@@ -259,14 +263,16 @@ class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
             elif cfg.loss_normalization == "dr_grpo":
                 divisor = divisor * cfg.max_completion_length
         document_index = batch.get(LanguageModelLossKwargs.document_index)
-        sequence_rollout = cfg.rollout_correction is not None and cfg.rollout_correction.startswith("sequence")
+        # The sequences of a sequence-level rollout correction and of vespo: the packed documents when given.
+        by_sequence = cfg.loss_type == "vespo" or (cfg.rollout_correction is not None
+                                                   and cfg.rollout_correction.startswith("sequence"))
         fn = functional.grpo_loss if kernel else reference.grpo_loss
         out = fn(logits, labels, advantages, old_log_probs, epsilon_low=cfg.epsilon_low,
                  epsilon_high=cfg.epsilon_high, delta=cfg.delta, loss_weights=loss_weights, divisor=divisor,
                  logits_scale_factor=cfg.logits_scale_factor,
                  label_counts=batch.get(LanguageModelLossKwargs.label_counts),
                  compute_entropy=cfg.metrics == "with_entropy",
-                 document_index=document_index if sequence_rollout else None, **self._family(batch),
+                 document_index=document_index if by_sequence else None, **self._family(batch),
                  **self._options(kernel))
         return out.loss, self._metrics(out, batch, mask)
 

@@ -6,6 +6,7 @@ plainest PyTorch. It materialises N×V temporaries freely; it is not meant to be
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -20,7 +21,9 @@ class PolicyLossOutput(NamedTuple):
         KL(new || old) per labelled token (GRPO) or per document on the sequence ratio (GSPO). entropy: mean
         entropy over labelled tokens, or None when not requested. log_probs: per-token log-prob of the label
         (0 where unlabelled). ratio_mean: mean ratio over labelled tokens / documents. document_ratios: R_s
-        per document (GSPO), else None.
+        per document (GSPO), else None. Then the policy family's, None where their option is off: kl (mean KL
+        estimate towards the reference), rollout_ratio_mean / rollout_weight_mean / rollout_corrected_fraction,
+        vespo_phi_seq_mean (loss_type "vespo": the mean of φ over the labelled sequences).
     """
 
     loss: torch.Tensor
@@ -36,6 +39,7 @@ class PolicyLossOutput(NamedTuple):
     rollout_ratio_mean: torch.Tensor | None = None
     rollout_weight_mean: torch.Tensor | None = None
     rollout_corrected_fraction: torch.Tensor | None = None
+    vespo_phi_seq_mean: torch.Tensor | None = None
     loss_type: str = "ppo_clip"
 
     def trl_metrics(self) -> dict[str, torch.Tensor]:
@@ -44,8 +48,8 @@ class PolicyLossOutput(NamedTuple):
         ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (ppo_clip) or
         ``cispo_clip_ratio`` (cispo); ``entropy`` when computed; ``kl`` with a reference;
         ``sampling/importance_sampling_ratio/mean`` (the mean correction weight, as TRL logs it after
-        truncation or masking) with a rollout correction. Ours are means over labelled tokens (GRPO) or
-        documents (GSPO's clip fractions) of this call; TRL averages over its whole batch.
+        truncation or masking) with a rollout correction; ``vespo/phi_seq_mean`` (vespo). Ours are means over
+        labelled tokens (GRPO) or documents (GSPO's clip fractions) of this call; TRL averages over its whole batch.
         """
         out: dict[str, torch.Tensor] = {}
         if self.loss_type == "ppo_clip":
@@ -61,6 +65,8 @@ class PolicyLossOutput(NamedTuple):
             out["kl"] = self.kl
         if self.rollout_weight_mean is not None:
             out["sampling/importance_sampling_ratio/mean"] = self.rollout_weight_mean
+        if self.vespo_phi_seq_mean is not None:
+            out["vespo/phi_seq_mean"] = self.vespo_phi_seq_mean
         return out
 
 
@@ -139,14 +145,59 @@ def _rollout_weight(mode, log_rho, rollout_cap, rollout_mask_bounds):
     return rho, torch.where((rho >= lo) & (rho <= hi), rho, 0.0)
 
 
-def _sequence_mean(values, mask, sequence):
-    # Each token gets the mean of `values` over its sequence's labelled tokens.
+def _sequence_sum(values, mask, sequence):
+    # Each token gets the sum of `values` over its sequence's labelled tokens (0 where padding or unlabelled: a
+    # sequence-level ratio is the product of its token ratios, TRL's and verl's definition).
     seq = torch.where(sequence >= 0, sequence, 0).reshape(-1)
     n = int(seq.max()) + 1 if seq.numel() else 1
-    on = (mask & (sequence >= 0)).reshape(-1).to(values.dtype)
-    sums = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, seq, values.reshape(-1) * on)
-    counts = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, seq, on)
-    return (sums / counts.clamp_min(1))[seq].reshape(values.shape)
+    on = (mask & (sequence >= 0)).reshape(-1)
+    sums = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(
+        0, seq, torch.where(on, values.reshape(-1), 0.0))
+    return torch.where(on, sums[seq], 0.0).reshape(values.shape)
+
+
+def _rows_as_sequences(target):
+    # The rows of the labels' leading dimensions are the sequences.
+    rows = torch.arange(target.numel() // target.shape[-1], device=target.device)
+    return rows.reshape(target.shape[:-1]).unsqueeze(-1).expand(target.shape)
+
+
+# VESPO (TRL's GRPOTrainer.get_gamma_weights): the clamps of its log-ratios.
+_LOG_1E8 = math.log(1e-8)
+
+
+def _vespo_rollout_term(mode, log_rho, rollout_cap, rollout_mask_bounds):
+    # clamp(log ω, log 1e-8, 20) of a correction weight ω (TRL: torch.log(importance_sampling_ratio), clamped).
+    _, weight = _rollout_weight(mode, log_rho, rollout_cap, rollout_mask_bounds)
+    return torch.log(weight).clamp(_LOG_1E8, 20.0)
+
+
+def _vespo_phi(log_w_sum, adv, k_pos, lambda_pos, k_neg, lambda_neg):
+    # φ = exp(λ + k·log w − λ·w) with log w clamped to [log 1e-8, 20]; (k, λ) by the sign of A; λ >= 1e-4; a
+    # non-finite φ is 0.
+    log_w = log_w_sum.clamp(_LOG_1E8, 20.0)
+    pos = adv >= 0
+    k = torch.where(pos, torch.full_like(log_w, k_pos), torch.full_like(log_w, k_neg))
+    lam = torch.where(pos, torch.full_like(log_w, lambda_pos), torch.full_like(log_w, lambda_neg)).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _vespo_weights(lp, old, adv, mask, sequence, rollout_correction, log_rho, rollout_cap, rollout_mask_bounds,
+                   k_pos, lambda_pos, k_neg, lambda_neg, on_policy):
+    """φ per token (detached) and each labelled token's share 1/n_s of its sequence (for the φ metric)."""
+    with torch.no_grad():
+        term = torch.zeros_like(lp) if on_policy else (lp - old).clamp(-20.0, 20.0)
+        sequence_mode = rollout_correction is not None and rollout_correction.startswith("sequence")
+        if rollout_correction is not None and not sequence_mode:
+            term = term + _vespo_rollout_term(rollout_correction, log_rho, rollout_cap, rollout_mask_bounds)
+        log_w = _sequence_sum(term, mask, sequence)
+        if sequence_mode:  # the sequence's weight ω_s, once (Liger's (B, 1) vllm_is_ratio)
+            log_w = log_w + _vespo_rollout_term(rollout_correction, _sequence_sum(log_rho, mask, sequence),
+                                                rollout_cap, rollout_mask_bounds)
+        phi = _vespo_phi(log_w, adv, k_pos, lambda_pos, k_neg, lambda_neg)
+        counts = _sequence_sum(torch.ones_like(lp), mask, sequence)
+        share = torch.where(counts > 0, 1 / counts.clamp_min(1), 0.0)
+    return phi, share
 
 
 def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2, epsilon_high=0.2, delta=None,
@@ -154,6 +205,7 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
               label_counts=None, compute_entropy=False, loss_type="ppo_clip", sapo_temperature_pos=1.0,
               sapo_temperature_neg=1.05, rollout_log_probs=None, rollout_correction=None, rollout_cap=3.0,
               rollout_mask_bounds=None, kl_estimator="k3", kl_importance_weighted=False, entropy_coefficient=0.0,
+              vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
               document_index=None) -> PolicyLossOutput:
     """GRPO per token with the policy family of docs/policy_losses.md; see PolicyLossOutput."""
     logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
@@ -163,6 +215,10 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
     adv = _per_sequence(advantages, target).to(logp.dtype)
     old = lp.detach() if old_log_probs is None else old_log_probs.to(logp.dtype)
     ratio = torch.exp(lp - old)
+    sequence = document_index if document_index is not None else (
+        _rows_as_sequences(target) if target.dim() >= 2 else None)
+    log_rho = None if rollout_correction is None else old.detach() - rollout_log_probs.to(logp.dtype)
+    phi = share = None
     if loss_type == "cispo":
         per_token = -ratio.clamp(max=epsilon_high).detach() * adv * lp
     elif loss_type == "sapo":
@@ -170,20 +226,21 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
         tau = torch.where(adv > 0, torch.full_like(adv, sapo_temperature_pos),
                           torch.full_like(adv, sapo_temperature_neg))
         per_token = -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
+    elif loss_type == "vespo":
+        phi, share = _vespo_weights(lp.detach(), old, adv, mask, sequence, rollout_correction, log_rho, rollout_cap,
+                                    rollout_mask_bounds, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
+                                    old_log_probs is None)
+        per_token = -(phi * adv) * lp
     else:
         capped = ratio if delta is None else ratio.clamp(max=delta)
         per_token = -torch.minimum(capped * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
     rho = weight = None
     if rollout_correction is not None:
-        log_rho = old.detach() - rollout_log_probs.to(logp.dtype)
         if rollout_correction.startswith("sequence"):
-            if document_index is None:
-                # The rows of the labels' leading dimensions are the sequences.
-                rows = torch.arange(target.numel() // target.shape[-1], device=target.device)
-                document_index = rows.reshape(target.shape[:-1]).unsqueeze(-1).expand(target.shape)
-            log_rho = _sequence_mean(log_rho, mask, document_index)
+            log_rho = _sequence_sum(log_rho, mask, sequence)
         rho, weight = _rollout_weight(rollout_correction, log_rho, rollout_cap, rollout_mask_bounds)
-        per_token = per_token * weight.detach()
+        if loss_type != "vespo":  # vespo folds the correction into φ
+            per_token = per_token * weight.detach()
     kl = None
     if ref_log_probs is not None:
         kl = _kl_estimate(kl_estimator, lp, ref_log_probs.to(logp.dtype))
@@ -223,8 +280,10 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
         kl_mean = mean(kl) if kl is not None else None
         rollout = (None, None, None) if rho is None else (
             mean(rho), mean(weight), mean((weight != rho).to(logp.dtype)))
+        phi_mean = None if phi is None else (torch.where(mask, phi * share, 0.0).sum()
+                                             / torch.where(mask, share, 0.0).sum().clamp_min(1))
     return PolicyLossOutput(loss, new_logprobs.detach(), low, high, kl_old, entropy, lp.detach(), ratio_mean, None,
-                            kl_mean, *rollout, loss_type=loss_type)
+                            kl_mean, *rollout, phi_mean, loss_type=loss_type)
 
 
 def _surrogate(loss_type, ratio, adv, lp, epsilon_low, epsilon_high, sapo_temperature_pos, sapo_temperature_neg,
@@ -253,9 +312,11 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
               compute_entropy=False, ref_log_probs=None, beta=0.0, loss_type="ppo_clip", sapo_temperature_pos=1.0,
               sapo_temperature_neg=1.05, rollout_log_probs=None, rollout_correction=None, rollout_cap=3.0,
               rollout_mask_bounds=None, kl_estimator="k3", kl_importance_weighted=False,
-              entropy_coefficient=0.0) -> PolicyLossOutput:
+              entropy_coefficient=0.0, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+              vespo_lambda_neg=2.0) -> PolicyLossOutput:
     """GSPO: sequence-level geometric-mean ratio over packed documents (vectorised with index_add), with
-    the policy family of docs/policy_losses.md at the sequence ratio."""
+    the policy family of docs/policy_losses.md at the sequence ratio (vespo: φ of the document's summed
+    log-ratios; the importance-weighted KL differentiated through R_s)."""
     logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
     dt = logp.dtype
     doc = document_index.reshape(-1).long()
@@ -292,20 +353,30 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
     else:
         tok_ratio = ratio[safe_doc]
         tok_adv = adv_mean[safe_doc]
-    f_tok = _surrogate(loss_type, tok_ratio, tok_adv, lp, epsilon_low, epsilon_high, sapo_temperature_pos,
-                       sapo_temperature_neg)
+    log_rho = None if rollout_correction is None else old.detach() - rollout_log_probs.reshape(-1).to(dt)
+    phi = share = None
+    if loss_type == "vespo":
+        phi, share = _vespo_weights(lp.detach(), old, tok_adv.detach(), mask, doc, rollout_correction, log_rho,
+                                    rollout_cap, rollout_mask_bounds, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                                    vespo_lambda_neg, old_log_probs is None)
+        f_tok = -(phi * tok_adv) * lp
+    else:
+        f_tok = _surrogate(loss_type, tok_ratio, tok_adv, lp, epsilon_low, epsilon_high, sapo_temperature_pos,
+                           sapo_temperature_neg)
     rho = weight = None
     if rollout_correction is not None:
-        log_rho = old.detach() - rollout_log_probs.reshape(-1).to(dt)
         if rollout_correction.startswith("sequence"):
-            log_rho = _sequence_mean(log_rho, mask, doc)
+            log_rho = _sequence_sum(log_rho, mask, doc)
         rho, weight = _rollout_weight(rollout_correction, log_rho, rollout_cap, rollout_mask_bounds)
-        f_tok = f_tok * weight.detach()
+        if loss_type != "vespo":  # vespo folds the correction into φ
+            f_tok = f_tok * weight.detach()
     kl = None
     if ref_log_probs is not None:
         kl = _kl_estimate(kl_estimator, lp, ref_log_probs.reshape(-1).to(dt))
         if kl_importance_weighted:
-            kl = kl * ratio[safe_doc].detach()
+            # Differentiated through the ratio (as GRPO's): R_s reaches every token of the document; GSPO-token's
+            # ratio only its own token.
+            kl = kl * tok_ratio
         if beta != 0.0:
             f_tok = f_tok + beta * kl
     entropy_tok = _entropy(logp).reshape(-1)
@@ -334,9 +405,10 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
         kl_mean = mean(kl) if kl is not None else None
         rollout = (None, None, None) if rho is None else (
             mean(rho), mean(weight), mean((weight != rho).to(dt)))
+        phi_mean = None if phi is None else torch.where(mask, phi * u, 0.0).sum() / n_docs
     return PolicyLossOutput(loss, new_logprobs, low, high, kl_old, entropy,
                             torch.where(mask, lp, 0.0).detach().reshape(target.shape), ratio_mean, ratio.detach(),
-                            kl_mean, *rollout, loss_type=loss_type)
+                            kl_mean, *rollout, phi_mean, loss_type=loss_type)
 
 
 class DistillationOutput(NamedTuple):

@@ -1,0 +1,211 @@
+// The per-token math of the policy-loss family (docs/policy_losses.md): the objective of each loss type, the
+// rollout-engine correction weight, the KL estimators, VESPO's sequence weight and GSPO's document term. Like
+// math.h (which includes it), one copy called by the CPU loops and the CUDA kernels alike; fp32 (fp64 for fp64
+// inputs on the CPU).
+#pragma once
+
+#include <c10/macros/Macros.h>
+
+#include <cmath>
+#include <limits>
+
+#include "common/math.h"
+
+namespace rl_losses {
+
+// The per-token objectives of the policy losses (docs/policy_losses.md), as functions of the ratio r, the
+// advantage A and the log-prob lp of the label. `coef` is −∂ℓ/∂lp, so the gradient w.r.t. x is coef·(p − onehot).
+// Every coefficient that a clip, cap or mask switches off is an exact 0, never 0·inf: the ratio of a token far
+// off-policy may overflow to inf, and its gradient must still be finite.
+enum PolicyLossType : int { kPpoClip = 0, kCispo = 1, kSapo = 2, kVespo = 3 };
+enum KlEstimator : int { kKlK1 = 1, kKlK2 = 2, kKlK3 = 3 };
+enum RolloutMode : int { kRolloutNone = 0, kRolloutTruncate = 1, kRolloutMask = 2 };
+
+template <typename T>
+struct PolicyOptions {
+  ClipOptions<T> clip;
+  int loss_type;          // PolicyLossType
+  T sapo_tau_pos;         // SAPO temperature where A > 0
+  T sapo_tau_neg;         // SAPO temperature where A <= 0
+  T beta;                 // KL penalty towards ref_log_probs; 0 disables it
+  int kl_estimator;       // KlEstimator
+  bool kl_importance_weighted;  // sg(r)·KL
+  int rollout_mode;       // RolloutMode
+  T rollout_cap;          // truncate: min(ρ, C)
+  T rollout_lo, rollout_hi;  // mask: ρ kept in [lo, hi], weight 0 outside
+  T entropy_coefficient;  // adds −c·H_t per token (before the token weight)
+  // VESPO's gamma weight φ(w) = exp(λ + k·log w − λ·w), (k, λ) = (k_pos, λ_pos) where A >= 0, else the _neg
+  // pair; λ is at least 1e-4 (TRL's clamp, applied on the host). Last, so that an aggregate initialiser that
+  // stops before them (the fused head's plain GRPO term) leaves them 0.
+  T vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg;
+};
+
+template <typename T>
+struct PolicyToken {
+  T loss;   // ℓ_t
+  T coef;   // ∂ℓ_t/∂lp_t · (−1): the gradient w.r.t. x is coef·(p − onehot)
+  T ratio;  // r_t
+};
+
+// σ(u)·(1 − σ(u)) = e/(1 + e)² with e = exp(−|u|): no overflow, and exactly 0 for |u| = inf.
+template <typename T>
+C10_HOST_DEVICE inline T sigmoid_slope(T u) {
+  const T e = ::exp(-::fabs(u));
+  return e / ((T(1) + e) * (T(1) + e));
+}
+
+// The surrogate of one loss type (its clip/cap/gate), without the rollout weight and the KL:
+//   ppo_clip: ℓ = −min(min(r, δ)·A, clip(r, 1−ε_l, 1+ε_h)·A)             coef = c(r, A)·r
+//   cispo:    ℓ = −sg(min(r, ε_h))·A·lp   (the cap is ε_h itself, as TRL's and Liger's)   coef = min(r, ε_h)·A
+//   sapo:     ℓ = −(4/τ)·σ(τ(r − 1))·A,  τ = τ_pos if A > 0 else τ_neg     coef = 4σ(1−σ)·r·A
+template <typename T>
+C10_HOST_DEVICE inline PolicyToken<T> policy_surrogate(const PolicyOptions<T>& o, T ratio, T advantage, T log_prob) {
+  if (o.loss_type == kCispo) {
+    const T w = ratio < o.clip.epsilon_high ? ratio : o.clip.epsilon_high;
+    return {-zero_or_product(w * advantage, log_prob), w * advantage, ratio};
+  }
+  if (o.loss_type == kSapo) {
+    const T tau = advantage > T(0) ? o.sapo_tau_pos : o.sapo_tau_neg;
+    const T u = tau * (ratio - T(1));
+    const T sig = T(1) / (T(1) + ::exp(-u));
+    return {-(T(4) / tau) * sig * advantage, zero_or_product(T(4) * sigmoid_slope(u) * advantage, ratio), ratio};
+  }
+  return {clipped_surrogate_loss(o.clip, ratio, advantage), clip_gradient_factor(o.clip, ratio, advantage),
+          ratio};
+}
+
+// VESPO (TRL's GRPOTrainer.get_gamma_weights, Liger's get_gamma_weights): a detached sequence-level weight
+//   ℓ_t = −sg(φ_t)·A_t·lp_t,   φ_t = exp(λ + k·log w − λ·w),   (k, λ) by the sign of A_t (A >= 0: the _pos pair)
+// with log w = clamp(Σ_s clamp(lp − old, ±20) [+ Σ_s clamp(log ω_t, log 1e-8, 20)], log 1e-8, 20) over the
+// token's sequence (the rollout term: token-level correction weights ω_t, or once the sequence's ω_s). φ(1) = 1;
+// a non-finite φ is 0 (TRL's nan_to_num).
+constexpr double kVespoLogRatioBound = 20.0;               // each token's clamp(lp − old, −20, 20)
+constexpr double kVespoLogWeightFloor = -18.420680743952367;  // log(1e-8): the floor of log ω and of log w
+
+// clamp(x, lo, hi) that keeps a NaN (as torch.clamp).
+template <typename T>
+C10_HOST_DEVICE inline T clamp_keep_nan(T x, T lo, T hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
+
+// One token's term of VESPO's log w from its log-ratio lp − old.
+template <typename T>
+C10_HOST_DEVICE inline T vespo_log_ratio_term(T log_ratio) {
+  return clamp_keep_nan(log_ratio, T(-kVespoLogRatioBound), T(kVespoLogRatioBound));
+}
+
+template <typename T>
+C10_HOST_DEVICE inline T vespo_phi(const PolicyOptions<T>& o, T log_w_sum, T advantage) {
+  const T log_w = clamp_keep_nan(log_w_sum, T(kVespoLogWeightFloor), T(kVespoLogRatioBound));
+  const bool pos = advantage >= T(0);
+  const T k = pos ? o.vespo_k_pos : o.vespo_k_neg;
+  const T lambda = pos ? o.vespo_lambda_pos : o.vespo_lambda_neg;
+  const T phi = ::exp(lambda + k * log_w - lambda * ::exp(log_w));
+  return phi <= std::numeric_limits<T>::max() ? phi : T(0);  // NaN and inf: 0
+}
+
+// −sg(φ)·A·lp; its coefficient φ·A (as cispo's, with φ for the capped ratio).
+template <typename T>
+C10_HOST_DEVICE inline PolicyToken<T> vespo_surrogate(T phi, T ratio, T advantage, T log_prob) {
+  return {-zero_or_product(phi * advantage, log_prob), phi * advantage, ratio};
+}
+
+// Clipped-fraction flags per loss type: ppo_clip's low/high bounds; cispo's cap (r > ε_h and A > 0, counted as
+// "high", as TRL's cispo_clip_ratio); none for sapo's soft gate.
+template <typename T>
+C10_HOST_DEVICE inline bool policy_clipped_low(const PolicyOptions<T>& o, T ratio, T advantage) {
+  return o.loss_type == kPpoClip && clipped_low(o.clip, ratio, advantage);
+}
+template <typename T>
+C10_HOST_DEVICE inline bool policy_clipped_high(const PolicyOptions<T>& o, T ratio, T advantage) {
+  if (o.loss_type == kCispo) return ratio > o.clip.epsilon_high && advantage > T(0);
+  return o.loss_type == kPpoClip && clipped_high(o.clip, ratio, advantage);
+}
+
+// KL(π || ref) estimate of one token and its derivative w.r.t. lp, from lp and the reference log-prob q:
+//   k1 = lp − q (d/dlp = 1),  k2 = ½(lp − q)² (d/dlp = lp − q),
+//   k3 = exp(q − lp) − (q − lp) − 1 (d/dlp = 1 − exp(q − lp))
+template <typename T>
+struct KlTerm {
+  T value;
+  T slope;
+};
+template <typename T>
+C10_HOST_DEVICE inline KlTerm<T> kl_estimate(int estimator, T log_prob, T ref_log_prob) {
+  const T d = ref_log_prob - log_prob;
+  if (estimator == kKlK1) return {-d, T(1)};
+  if (estimator == kKlK2) return {T(0.5) * d * d, -d};
+  return {k3(d), -T(::expm1(d))};  // (the host's ::expm1 of a float is the double one)
+}
+
+// The rollout-engine correction weight sg(w) from log ρ (ρ = π_old / π_rollout, per token or the geometric
+// mean over its sequence): truncate min(ρ, C); mask ρ inside [lo, hi], 0 outside; 1 without correction.
+template <typename T>
+C10_HOST_DEVICE inline T rollout_weight(const PolicyOptions<T>& o, T log_rho) {
+  if (o.rollout_mode == kRolloutNone) return T(1);
+  const T rho = ::exp(log_rho);
+  if (o.rollout_mode == kRolloutTruncate) return rho < o.rollout_cap ? rho : o.rollout_cap;
+  return rho >= o.rollout_lo && rho <= o.rollout_hi ? rho : T(0);
+}
+
+// VESPO's rollout term of log w: clamp(log ω, log 1e-8, 20) with ω = rollout_weight(log ρ) (0 without a
+// correction: ω = 1). Taken in the log domain: log min(ρ, C) = min(log ρ, log C); a masked ρ (ω = 0) gives
+// the floor, as TRL's clamp(log 0).
+template <typename T>
+C10_HOST_DEVICE inline T vespo_rollout_term(const PolicyOptions<T>& o, T log_rho) {
+  if (o.rollout_mode == kRolloutNone) return T(0);
+  T log_w;
+  if (o.rollout_mode == kRolloutTruncate) {
+    const T log_cap = ::log(o.rollout_cap);
+    log_w = log_rho < log_cap ? log_rho : log_cap;
+  } else {
+    const T rho = ::exp(log_rho);
+    log_w = rho >= o.rollout_lo && rho <= o.rollout_hi ? log_rho : T(kVespoLogWeightFloor);
+  }
+  return clamp_keep_nan(log_w, T(kVespoLogWeightFloor), T(kVespoLogRatioBound));
+}
+
+// One token of the policy loss, before its weight w_t/D: the surrogate times the rollout weight, plus β·KL
+// (optionally r·KL). The entropy bonus is the epilogue's (it needs the row's entropy). TRL's and
+// Liger's order: the rollout weight multiplies the surrogate only, not the KL.
+template <typename T>
+struct PolicyTokenTerms {
+  PolicyToken<T> t;
+  T kl;  // the KL estimate (importance weighted when asked), 0 without a reference
+};
+// `vespo_phi`: the token's φ (loss type vespo only, computed from its sequence's sums beforehand).
+template <typename T>
+C10_HOST_DEVICE inline PolicyTokenTerms<T> policy_token(const PolicyOptions<T>& o, T log_prob, T old_log_prob,
+                                                        T advantage, bool has_ref, T ref_log_prob, T rollout_w,
+                                                        T vespo_phi = T(1)) {
+  const T ratio = ::exp(log_prob - old_log_prob);
+  PolicyToken<T> t = o.loss_type == kVespo ? vespo_surrogate(vespo_phi, ratio, advantage, log_prob)
+                                           : policy_surrogate(o, ratio, advantage, log_prob);
+  t.loss = zero_or_product(rollout_w, t.loss);
+  t.coef = zero_or_product(rollout_w, t.coef);
+  T kl = T(0);
+  if (has_ref) {
+    KlTerm<T> k = kl_estimate(o.kl_estimator, log_prob, ref_log_prob);
+    if (o.kl_importance_weighted) {
+      // r·KL, differentiated through r as well (∂r/∂lp = r), as TRL and Liger do: the gradient of the
+      // estimate then is the unbiased one.
+      k.slope = zero_or_product(ratio, k.slope + k.value);
+      k.value = zero_or_product(ratio, k.value);
+    }
+    kl = k.value;
+    if (o.beta != T(0)) {
+      t.loss += o.beta * k.value;
+      t.coef -= o.beta * k.slope;
+    }
+  }
+  return {t, kl};
+}
+
+// GSPO, one document: f_s and the per-token factor c(R, Ā)·R (docs/math.md).
+template <typename T>
+C10_HOST_DEVICE inline PolicyToken<T> gspo_document(const ClipOptions<T>& o, T log_ratio_sum, T advantage) {
+  const T ratio = ::exp(log_ratio_sum);
+  return {clipped_surrogate_loss(o, ratio, advantage), clip_gradient_factor(o, ratio, advantage), ratio};
+}
+
+}  // namespace rl_losses
