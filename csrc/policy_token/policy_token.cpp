@@ -41,7 +41,9 @@ std::vector<at::Tensor> policy_token_loss(const at::Tensor& log_probs, const std
               ": rollout_correction must be None, 'token_truncate' or 'token_mask' (the sequence-level modes are the "
               "fused ops'), got '", std::string(*rollout_correction), "'");
   const PolicyArgs args = policy_args(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_correction,
-                                      rollout_cap, rollout_mask_bounds, kl_estimator, kl_importance_weighted, 0.0);
+                                      rollout_cap, rollout_mask_bounds, kl_estimator, kl_importance_weighted,
+                                      /*entropy_coefficient=*/0.0, /*vespo (refused above): TRL's defaults*/ 2.0, 3.0,
+                                      3.0, 2.0);
   PolicyTokenInputs in;
   in.opt = make_policy_options(op, args, epsilon_low, epsilon_high, delta, beta, rollout_log_probs.has_value());
   const auto acc = log_probs.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
