@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cases  # noqa: E402
 import plot  # noqa: E402
 import profile_calls  # noqa: E402
-import report  # noqa: E402
+import run_output  # noqa: E402
 
 HEADLINE = (16384, 128256)
 GRID = [(n, v) for n in (4096, 16384, 32768) for v in (32000, 128256, 151936, 262144)]
@@ -431,9 +431,9 @@ def main(argv=None) -> int:
         else:
             row = run_job(op, n, v, providers[pname], args, device, timer, refs, meta["copy_ceiling_gbps"])
         rows.append(row)
-        report.add_speedups(rows, lambda p, o: cases.counterpart(p, cases.OPS[o]))
-        report.write_json(json_path, meta, rows)
-        report.write_csv(csv_path, rows)
+        run_output.add_speedups(rows, lambda p, o: cases.counterpart(p, cases.OPS[o]))
+        run_output.write_json(json_path, meta, rows)
+        run_output.write_csv(csv_path, rows)
         status = row.get("error") or row.get("skipped")
         if row.get("ms") is not None:
             mem = "-" if row.get("extra_peak_mib") is None else f"+{row['extra_peak_mib']:.0f} MiB"
@@ -452,8 +452,8 @@ def main(argv=None) -> int:
     meta["copy_end"] = copy1
     meta["total_s"] = round(time.time() - t_start, 1)
     skipped = sum(1 for r in rows if r.get("skipped") == "time budget")
-    report.write_json(json_path, meta, rows)
-    report.write_csv(csv_path, rows)
+    run_output.write_json(json_path, meta, rows)
+    run_output.write_csv(csv_path, rows)
     why_no_plot = plot.plot(os.path.join(args.out, "bench.png"), rows, meta, list(cases.OPS), cases.PROVIDER_ORDER)
 
     head = DRY["headline"] if args.dry_run else HEADLINE
@@ -468,18 +468,18 @@ def main(argv=None) -> int:
               f"GB/s at end (the start value is the 100% of %ceil)\n")
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(f"# bench_gpu results\n\n{header}\n## Headline N x V = {head[0]} x {head[1]}\n\n```\n"
-                f"{report.format_table(headline, with_shape=False)}\n```\n\n## Other shapes\n\n```\n"
-                f"{report.format_table(others)}\n```\n\n## Definitions\n\n{notes}\n")
+                f"{run_output.format_table(headline, with_shape=False)}\n```\n\n## Other shapes\n\n```\n"
+                f"{run_output.format_table(others)}\n```\n\n## Definitions\n\n{notes}\n")
     print("\nDefinitions:\n" + notes)
     if others:
-        print("\nOther shapes:\n" + report.format_table(others))
+        print("\nOther shapes:\n" + run_output.format_table(others))
     print(f"\nwrote {args.out}/bench.json, bench.csv, table.md" + ("" if why_no_plot else ", bench.png")
           + (f" ({why_no_plot})" if why_no_plot else "") + f"; {meta['total_s']} s"
           + (f"; {skipped} jobs skipped for the time budget" if skipped else ""))
     if args.grid:
-        print("\n" + report.grid_summary(rows))
+        print("\n" + run_output.grid_summary(rows))
     print(f"\n{header}Headline N x V = {head[0]} x {head[1]}, {meta['dtype']}, fwd+bwd "
-          f"(rl_losses speed-up = peer ms / rl_losses ms):\n" + report.format_table(headline, with_shape=False))
+          f"(rl_losses speed-up = peer ms / rl_losses ms):\n" + run_output.format_table(headline, with_shape=False))
     return 0
 
 

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # bench_gpu sets TRITON_INTERPRET=1 on --dry-run before triton loads (Liger's kernels then run on the CPU).
 import bench_gpu  # noqa: E402
 import cases  # noqa: E402
-import report  # noqa: E402
+import run_output  # noqa: E402
 import torch  # noqa: E402
 from bench_gpu import Timer, peak_extra_bytes  # noqa: E402
 
@@ -275,7 +275,7 @@ def format_rows(rows: list[dict]) -> str:
                      f(r.get("x_floor"), ".3f"), f(r.get("extra_mib"), ".0f"), f(r.get("beyond_grads_mib"), ".0f")]
                     + [f(r.get(f"speedup_vs_{k}"), ".2f") for k in ("unfused", "eager", "liger", "cce")]
                     + [f(r.get("d_loss"), ".1e"), f(r.get("d_gw"), ".1e"), str(status)[:100]])
-    return report.text_table(head, body)
+    return run_output.text_table(head, body)
 
 
 # ------------------------------------------------------------------------------------------------ plan, main
@@ -389,8 +389,8 @@ def main(argv=None) -> int:
             row["chunk_rows"] = chunk or default_chunk(sh["n"], sh["v"], 2)
         rows.append(row)
         derive(rows)
-        report.write_json(paths["json"], meta, rows)
-        report.write_csv(paths["csv"], rows, FIELDS)
+        run_output.write_json(paths["json"], meta, rows)
+        run_output.write_csv(paths["csv"], rows, FIELDS)
         done = {k: row[k] for k in ("ms", "x_floor", "extra_mib", "beyond_grads_mib", "check") if row.get(k)}
         print(f"[{time.time() - t_start:6.1f}s] {op_name} H={sh['h']} V={sh['v']} {provider} "
               f"{row.get('chunk_rows', '')}: "
@@ -400,7 +400,7 @@ def main(argv=None) -> int:
             break
 
     meta["total_s"] = round(time.time() - t_start, 1)
-    report.write_json(paths["json"], meta, rows)
+    run_output.write_json(paths["json"], meta, rows)
     provs = ["gemm_floor", *PROVIDERS]
     table = format_rows(sorted(rows, key=lambda r: (list(OPS).index(r["op"]), r.get("h") or 0, r.get("v") or 0,
                                                      provs.index(r["provider"]), r.get("chunk") or 0)))
