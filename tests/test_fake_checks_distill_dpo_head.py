@@ -1,5 +1,5 @@
 """The fake (meta) kernels of distillation, DPO and the fused head refuse the bad inputs the C++ ops refuse, with
-the same message (python/rl_losses/_checks.py mirrors the C++ checks): each bad input runs on the CPU, on meta
+the same message (python/rl_losses/_checks_heads.py mirrors the C++ checks): each bad input runs on the CPU, on meta
 tensors and under FakeTensorMode, and the messages are compared."""
 import math
 

@@ -6,7 +6,7 @@ the same messages), then describes the output shapes, dtypes and devices as the 
 import torch
 from torch.library import register_fake
 
-from rl_losses import _checks
+from rl_losses import _checks, _checks_heads
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -294,7 +294,7 @@ def _distill_outputs(logits):
 def _distillation(logits, teacher_logits, *, kind="forward_kl", beta=0.5, temperature=1.0, logits_scale_factor=1.0,
                   loss_mask=None, divisor=None, inplace_backward=False, row_stats=None, jsd_sums=None):
     # Without autograd (the only way here) inplace_backward writes nothing, so its checks do not apply.
-    _checks.distillation(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask, divisor,
+    _checks_heads.distillation(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask, divisor,
                          row_stats, jsd_sums)
     return _distill_outputs(logits)
 
@@ -302,7 +302,7 @@ def _distillation(logits, teacher_logits, *, kind="forward_kl", beta=0.5, temper
 @register_fake("rl_losses::_distillation_forward")
 def _distillation_forward(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask, divisor,
                           row_stats, jsd_sums, compute_grad):
-    _checks.distillation(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask, divisor,
+    _checks_heads.distillation(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask, divisor,
                          row_stats, jsd_sums)
     return (*_distill_outputs(logits), _grad(logits, compute_grad))
 
@@ -310,20 +310,20 @@ def _distillation_forward(logits, teacher_logits, kind, beta, temperature, logit
 @register_fake("rl_losses::_distillation_forward_inplace")
 def _distillation_forward_inplace(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask,
                                   divisor, row_stats, jsd_sums):
-    _checks.distillation(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask, divisor,
+    _checks_heads.distillation(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask, divisor,
                          row_stats, jsd_sums, inplace=True)
     return _distill_outputs(logits)
 
 
 @register_fake("rl_losses::distillation_stats")
 def _distillation_stats(logits, teacher_logits, *, temperature=1.0, logits_scale_factor=1.0):
-    _checks.distillation_stats(logits, teacher_logits, temperature, logits_scale_factor)
-    return logits.new_empty(list(logits.shape[:-1]) + [_checks.DISTILL_STATS_FIELDS], dtype=_acc(logits.dtype))
+    _checks_heads.distillation_stats(logits, teacher_logits, temperature, logits_scale_factor)
+    return logits.new_empty(list(logits.shape[:-1]) + [_checks_heads.DISTILL_STATS_FIELDS], dtype=_acc(logits.dtype))
 
 
 @register_fake("rl_losses::distillation_jsd_sums")
 def _distillation_jsd_sums(logits, teacher_logits, row_stats, *, beta=0.5, temperature=1.0, logits_scale_factor=1.0):
-    _checks.distillation_jsd_sums(logits, teacher_logits, row_stats, beta, temperature, logits_scale_factor)
+    _checks_heads.distillation_jsd_sums(logits, teacher_logits, row_stats, beta, temperature, logits_scale_factor)
     return logits.new_empty(list(logits.shape[:-1]) + [2], dtype=_acc(logits.dtype))
 
 
@@ -338,7 +338,7 @@ def _dpo_outputs(logits, target, n_pairs):
 def _dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs, *,
          beta=1.0, logits_scale_factor=1.0, divisor=None, inplace_backward=False, row_stats=None, vocab_start=0,
          vocab_size=-1):
-    n = _checks.dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs,
+    n = _checks_heads.dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs,
                     beta, logits_scale_factor, divisor, row_stats, vocab_start, vocab_size)
     return tuple(_dpo_outputs(logits, target, n))
 
@@ -346,7 +346,7 @@ def _dpo(logits, target, document_index, pairs, reference_chosen_log_probs, refe
 @register_fake("rl_losses::_dpo_forward")
 def _dpo_forward(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats, vocab_start,
                  vocab_size, compute_grad):
-    n = _checks.dpo(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats, vocab_start,
+    n = _checks_heads.dpo(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats, vocab_start,
                     vocab_size)
     return tuple(_dpo_outputs(logits, target, n) + [_grad(logits, compute_grad)])
 
@@ -354,7 +354,7 @@ def _dpo_forward(logits, target, document_index, pairs, ref_c, ref_r, beta, s, d
 @register_fake("rl_losses::_dpo_forward_inplace")
 def _dpo_forward_inplace(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats,
                          vocab_start, vocab_size):
-    n = _checks.dpo(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats, vocab_start,
+    n = _checks_heads.dpo(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats, vocab_start,
                     vocab_size, inplace=True)
     return tuple(_dpo_outputs(logits, target, n))
 
@@ -373,19 +373,19 @@ def _head_outputs(logits, target):
 
 @register_fake("rl_losses::fused_head_loss")
 def _fused_head_loss(logits, target, *, inplace_backward=False, **kwargs):
-    _checks.fused_head(logits, target, *{**_HEAD_DEFAULTS, **kwargs}.values())
+    _checks_heads.fused_head(logits, target, *{**_HEAD_DEFAULTS, **kwargs}.values())
     return tuple(_head_outputs(logits, target))
 
 
 @register_fake("rl_losses::_fused_head_loss_forward")
 def _fused_head_loss_forward(logits, target, *args):
-    _checks.fused_head(logits, target, *args[:-1])
+    _checks_heads.fused_head(logits, target, *args[:-1])
     return tuple(_head_outputs(logits, target) + [_grad(logits, args[-1])])
 
 
 @register_fake("rl_losses::_fused_head_loss_forward_inplace")
 def _fused_head_loss_forward_inplace(logits, target, *args):
-    _checks.fused_head(logits, target, *args, inplace=True)
+    _checks_heads.fused_head(logits, target, *args, inplace=True)
     return tuple(_head_outputs(logits, target))
 
 

@@ -7,67 +7,9 @@ plainest PyTorch. It materialises N×V temporaries freely; it is not meant to be
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
 import torch
 
-
-class PolicyLossOutput(NamedTuple):
-    """What the policy losses return. ``loss`` is the differentiable scalar; the rest are detached metrics.
-
-    new_logprobs: mean over documents of each document's mean log-prob of the label (token mean without
-        documents). clipped_fraction_low/high: fraction of labelled tokens (GRPO) or documents (GSPO) whose
-        ratio is clipped below (r < 1-ε_l, A < 0) / above (r > 1+ε_h, A > 0). kl_old: mean k3 estimate of
-        KL(new || old) per labelled token (GRPO) or per document on the sequence ratio (GSPO). entropy: mean
-        entropy over labelled tokens, or None when not requested. log_probs: per-token log-prob of the label
-        (0 where unlabelled). ratio_mean: mean ratio over labelled tokens / documents. document_ratios: R_s
-        per document (GSPO), else None. Then the policy family's, None where their option is off: kl (mean KL
-        estimate towards the reference), rollout_ratio_mean / rollout_weight_mean / rollout_corrected_fraction,
-        vespo_phi_seq_mean (loss_type "vespo": the mean of φ over the labelled sequences).
-    """
-
-    loss: torch.Tensor
-    new_logprobs: torch.Tensor
-    clipped_fraction_low: torch.Tensor
-    clipped_fraction_high: torch.Tensor
-    kl_old: torch.Tensor
-    entropy: torch.Tensor | None
-    log_probs: torch.Tensor
-    ratio_mean: torch.Tensor
-    document_ratios: torch.Tensor | None = None
-    kl: torch.Tensor | None = None
-    rollout_ratio_mean: torch.Tensor | None = None
-    rollout_weight_mean: torch.Tensor | None = None
-    rollout_corrected_fraction: torch.Tensor | None = None
-    vespo_phi_seq_mean: torch.Tensor | None = None
-    loss_type: str = "ppo_clip"
-
-    def trl_metrics(self) -> dict[str, torch.Tensor]:
-        """The metrics under the names TRL's GRPOTrainer logs (the values stay 0-dim tensors: no host sync).
-
-        ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (ppo_clip) or
-        ``cispo_clip_ratio`` (cispo); ``entropy`` when computed; ``kl`` with a reference;
-        ``sampling/importance_sampling_ratio/mean`` (the mean correction weight, as TRL logs it after
-        truncation or masking) with a rollout correction; ``vespo/phi_seq_mean`` (vespo). Ours are means over
-        labelled tokens (GRPO) or documents (GSPO's clip fractions) of this call; TRL averages over its whole batch.
-        """
-        out: dict[str, torch.Tensor] = {}
-        if self.loss_type == "ppo_clip":
-            out["clip_ratio/low_mean"] = self.clipped_fraction_low
-            out["clip_ratio/high_mean"] = self.clipped_fraction_high
-            # The two events exclude each other (A < 0 vs A > 0), so the region fraction is their sum.
-            out["clip_ratio/region_mean"] = self.clipped_fraction_low + self.clipped_fraction_high
-        elif self.loss_type == "cispo":
-            out["cispo_clip_ratio"] = self.clipped_fraction_high
-        if self.entropy is not None:
-            out["entropy"] = self.entropy
-        if self.kl is not None:
-            out["kl"] = self.kl
-        if self.rollout_weight_mean is not None:
-            out["sampling/importance_sampling_ratio/mean"] = self.rollout_weight_mean
-        if self.vespo_phi_seq_mean is not None:
-            out["vespo/phi_seq_mean"] = self.vespo_phi_seq_mean
-        return out
+from rl_losses.outputs import DistillationOutput, DpoOutput, FusedHeadOutput, PolicyLossOutput  # noqa: F401
 
 
 def _work_dtype(t: torch.Tensor) -> torch.dtype:
@@ -411,14 +353,6 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
                             kl_mean, *rollout, phi_mean, loss_type=loss_type)
 
 
-class DistillationOutput(NamedTuple):
-    """What the distillation loss returns: ``loss`` (differentiable w.r.t. the student's logits) and the
-    detached per-token ``divergence`` ℓ_t (0 where the loss mask is off)."""
-
-    loss: torch.Tensor
-    divergence: torch.Tensor
-
-
 def distillation_loss(logits, teacher_logits, *, kind="forward_kl", beta=0.5, temperature=1.0,
                       logits_scale_factor=1.0, loss_mask=None, divisor=None) -> DistillationOutput:
     """Divergence of the student's softmax(s·z) from the teacher's softmax(z_teacher / T), per token, summed over
@@ -455,21 +389,6 @@ def distillation_loss(logits, teacher_logits, *, kind="forward_kl", beta=0.5, te
     return DistillationOutput(per_token.sum() / divisor, per_token.detach())
 
 
-class DpoOutput(NamedTuple):
-    """What the DPO loss returns: ``loss`` (differentiable) and detached metrics (TRL's names): the mean rewards
-    β·(π − ref) of the chosen and the rejected sides, the accuracy (fraction of pairs whose chosen reward is the
-    larger) and the mean margin; per token ``log_probs`` (0 where unlabelled) and per document
-    ``document_log_probs`` π_s (the sums of its labelled tokens' log-probs)."""
-
-    loss: torch.Tensor
-    rewards_chosen: torch.Tensor
-    rewards_rejected: torch.Tensor
-    accuracy: torch.Tensor
-    margin: torch.Tensor
-    log_probs: torch.Tensor
-    document_log_probs: torch.Tensor
-
-
 def dpo_loss(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs, *,
              beta=1.0, logits_scale_factor=1.0, divisor=None) -> DpoOutput:
     """DPO over packed documents: π_s = Σ of the labelled log-probs of document s; per pair k = (c, r),
@@ -488,17 +407,6 @@ def dpo_loss(logits, target, document_index, pairs, reference_chosen_log_probs, 
     with torch.no_grad():
         return DpoOutput(loss, reward_c.mean(), reward_r.mean(), (reward_c > reward_r).to(lp.dtype).mean(),
                          (reward_c - reward_r).mean(), lp.detach().reshape(target.shape), sums.detach())
-
-
-class FusedHeadOutput(NamedTuple):
-    """What the fused head returns: ``loss`` = Σ weight·term (differentiable) and each term unweighted
-    (detached): ``label_loss``, ``z_loss``, ``grpo_loss``; per token ``log_probs`` (0 where unlabelled)."""
-
-    loss: torch.Tensor
-    label_loss: torch.Tensor
-    z_loss: torch.Tensor
-    grpo_loss: torch.Tensor
-    log_probs: torch.Tensor
 
 
 def fused_head_loss(logits, target, *, label_weight=0.0, label_smoothing=0.0, label_divisor=None, z_loss_weight=0.0,

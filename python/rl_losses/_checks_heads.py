@@ -1,0 +1,182 @@
+"""The checks of the distillation, DPO and fused-head ops (csrc/distillation, csrc/dpo, csrc/combined), as
+``_checks.py`` holds the others': the same conditions in the same order, the same messages."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rl_losses._checks import (_check, _dt, _integral, _num, _shape, acc_dtype, check_and_flatten, check_divisor,
+                                check_epsilons, check_inplace, check_per_token, check_per_token_int, check_row_stats,
+                                check_scale)
+
+# ---- distillation/distillation.cpp ---------------------------------------------------------------------------------
+DISTILL_KINDS = ("forward_kl", "reverse_kl", "cross_entropy", "jsd")
+DISTILL_STATS_FIELDS = 7  # DistillStats<T>::kFields
+
+
+def _distill_rows(name, t):
+    """rows_of: returns whether the (N, V) rows are a view (else the op copies them)."""
+    op = "distillation"
+    _check(t.dtype.is_floating_point, op, name,
+           " must be a floating-point tensor (float32, float64, bfloat16 or float16), got ", _dt(t.dtype))
+    _check(t.dim() >= 1, op, name, " must have at least 1 dimension (…, vocab), got a 0-dim tensor")
+    _check(t.shape[-1] >= 1, op, name, " has an empty vocabulary dimension (shape ", _shape(t.shape), ")")
+    _check(t.stride(-1) == 1 or t.shape[-1] == 1, op, name,
+           " must have a unit stride in the vocabulary (last) dimension, got stride ", t.stride(-1))
+    v = t.shape[-1]
+    n = t.numel() // v
+    if n == 0:
+        return False
+    try:
+        t.view(n, v)
+        return True
+    except (RuntimeError, ValueError):  # ValueError: fake tensors' view
+        return False
+
+
+def _distill_pair(logits, teacher):
+    op = "distillation"
+    _check(teacher.device == logits.device, op, "teacher_logits is on ", teacher.device, " but logits is on ",
+           logits.device)
+    vocab_differs = teacher.dim() == logits.dim() and teacher.dim() > 0 and teacher.shape[-1] != logits.shape[-1]
+    _check(list(teacher.shape) == list(logits.shape), op, "teacher_logits has shape ", _shape(teacher.shape),
+           " but logits has shape ", _shape(logits.shape), " (the vocabularies differ)" if vocab_differs else "")
+
+
+def _distill_options(beta, temperature, s):
+    op = "distillation"
+    _check(math.isfinite(beta) and 0 <= beta <= 1, op, "beta must be in [0, 1], got ", _num(beta))
+    _check(math.isfinite(temperature) and temperature > 0, op, "temperature must be finite and > 0, got ",
+           _num(temperature))
+    check_scale(op, s)
+
+
+def _distill_acc_input(name, t, n, cols, logits):
+    op = "distillation"
+    acc = acc_dtype(logits.dtype)
+    _check(t.numel() == n * cols and t.dim() >= 1 and t.shape[-1] == cols, op, name, " must hold (", n, ", ", cols,
+           ") values, got shape ", _shape(t.shape))
+    _check(t.dtype == acc, op, name, " must be ", _dt(acc), " (the accumulation dtype of ", _dt(logits.dtype),
+           " logits), got ", _dt(t.dtype))
+    _check(t.device == logits.device, op, name, " is on ", t.device, " but logits is on ", logits.device)
+
+
+def distillation(logits, teacher_logits, kind, beta, temperature, s, loss_mask, divisor, row_stats, jsd_sums,
+                 inplace=False):
+    """distillation_forward, in its order."""
+    op = "distillation"
+    is_view = _distill_rows("logits", logits)
+    _distill_pair(logits, teacher_logits)
+    _distill_rows("teacher_logits", teacher_logits)
+    _distill_options(beta, temperature, s)
+    check_divisor(op, divisor)
+    _check(kind in DISTILL_KINDS, op, "kind must be 'forward_kl', 'reverse_kl', 'cross_entropy' or 'jsd', got '",
+           kind, "'")
+    n = logits.numel() // logits.shape[-1]
+    batch = list(logits.shape[:-1])
+    if loss_mask is not None:
+        m = loss_mask
+        _check(m.dtype == torch.bool or _integral(m.dtype), op, "loss_mask must be a bool or integer tensor, got ",
+               _dt(m.dtype))
+        _check(m.device == logits.device, op, "loss_mask is on ", m.device, " but logits is on ", logits.device)
+        _check(list(m.shape) == batch, op, "loss_mask has shape ", _shape(m.shape), " but logits has batch shape ",
+               _shape(batch))
+    if row_stats is not None:
+        _distill_acc_input("row_stats", row_stats, n, DISTILL_STATS_FIELDS, logits)
+    if kind == "jsd" and 0 < beta < 1 and jsd_sums is not None:  # β = 0 or 1 is a KL, which reads no sums
+        _check(row_stats is not None, op, "jsd_sums needs row_stats (both come from the tensor-parallel all-reduce)")
+        _distill_acc_input("jsd_sums", jsd_sums, n, 2, logits)
+    if inplace:
+        _check(is_view, op, "inplace_backward needs logits whose batch dimensions flatten to one row stride (got "
+               "shape ", _shape(logits.shape), ", strides ", _shape(logits.stride()), ")")
+
+
+def distillation_stats(logits, teacher_logits, temperature, s):
+    _distill_rows("logits", logits)
+    _distill_pair(logits, teacher_logits)
+    _distill_rows("teacher_logits", teacher_logits)
+    _distill_options(0.5, temperature, s)
+
+
+def distillation_jsd_sums(logits, teacher_logits, row_stats, beta, temperature, s):
+    distillation_stats(logits, teacher_logits, temperature, s)
+    _distill_options(beta, temperature, s)
+    _check(0 < beta < 1, "distillation", "the JSD sums need 0 < beta < 1, got ", _num(beta))
+    _distill_acc_input("row_stats", row_stats, logits.numel() // logits.shape[-1], DISTILL_STATS_FIELDS, logits)
+
+
+# ---- dpo/dpo.cpp ---------------------------------------------------------------------------------------------------
+def _dpo_per_pair(name, t, n_pairs, logits):
+    op = "dpo"
+    _check(t.dtype.is_floating_point, op, name, " must be a floating-point tensor")
+    _check(t.dim() == 1 and t.shape[0] == n_pairs, op, name, " must have shape (", n_pairs,
+           ",) (one value per pair), got ", _shape(t.shape))
+    _check(t.device == logits.device, op, name, " is on ", t.device, " but logits is on ", logits.device)
+
+
+def dpo(logits, target, document_index, pairs, ref_chosen, ref_rejected, beta, s, divisor, row_stats=None,
+        vocab_start=0, vocab_size=-1, inplace=False):
+    """dpo_forward, in its order. The pairing itself (every document in exactly one pair) and max(document_index)
+    are the data's, checked by the real kernel."""
+    op = "dpo"
+    rows = check_and_flatten(op, logits, target, vocab_start, vocab_size)
+    if inplace:
+        check_inplace(op, logits, rows)
+    check_scale(op, s)
+    check_divisor(op, divisor)
+    check_row_stats(op, row_stats, logits, target.numel())
+    _check(math.isfinite(beta) and beta > 0, op, "beta must be finite and > 0, got ", _num(beta))
+    _check(_integral(pairs.dtype), op, "pairs must be an integer tensor of (chosen, rejected) document ids, got ",
+           _dt(pairs.dtype))
+    _check(pairs.dim() == 2 and pairs.shape[1] == 2, op, "pairs must have shape (num_pairs, 2), got ",
+           _shape(pairs.shape))
+    _check(pairs.device == logits.device, op, "pairs is on ", pairs.device, " but logits is on ", logits.device)
+    n_pairs = pairs.shape[0]
+    _check(n_pairs > 0, op, "pairs is empty; DPO needs at least one (chosen, rejected) pair")
+    _dpo_per_pair("reference_chosen_log_probs", ref_chosen, n_pairs, logits)
+    _dpo_per_pair("reference_rejected_log_probs", ref_rejected, n_pairs, logits)
+    check_per_token_int(op, "document_index", document_index, target)
+    return n_pairs
+
+
+# ---- combined/fused_head.cpp ---------------------------------------------------------------------------------------
+def fused_head(logits, target, label_weight, label_smoothing, label_divisor, z_loss_weight, z_loss_divisor,
+               z_loss_mask, grpo_weight, advantages, old_log_probs, ref_log_probs, loss_weights, epsilon_low,
+               epsilon_high, delta, beta, grpo_divisor, s, row_stats=None, vocab_start=0, vocab_size=-1,
+               inplace=False):
+    """fused_head_forward, in its order."""
+    op = "fused_head_loss"
+    rows = check_and_flatten(op, logits, target, vocab_start, vocab_size)
+    if inplace:
+        check_inplace(op, logits, rows)
+    check_scale(op, s)
+    for name, w in (("label_weight", label_weight), ("z_loss_weight", z_loss_weight), ("grpo_weight", grpo_weight)):
+        _check(math.isfinite(w) and w >= 0, op, name, " must be finite and >= 0, got ", _num(w))
+    _check(math.isfinite(label_smoothing) and 0 <= label_smoothing < 1, op, "label_smoothing must be in [0, 1), got ",
+           _num(label_smoothing))
+    for d in (label_divisor, z_loss_divisor, grpo_divisor):
+        check_divisor(op, d)
+    check_row_stats(op, row_stats, logits, target.numel())
+    if grpo_weight != 0:
+        check_epsilons(op, epsilon_low, epsilon_high)
+        _check(delta is None or (math.isfinite(delta) and delta > 1 + epsilon_high), op,
+               "delta must exceed 1 + epsilon_high = ", _num(1 + epsilon_high), ", got ",
+               _num(delta if delta is not None else 0.0))
+        _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
+        _check(advantages is not None and old_log_probs is not None, op, "grpo_weight = ", _num(grpo_weight),
+               " > 0 needs advantages and old_log_probs")
+        _check(beta == 0 or ref_log_probs is not None, op, "beta = ", _num(beta), " > 0 needs ref_log_probs")
+        check_per_token(op, "advantages", advantages, target)
+        check_per_token(op, "old_log_probs", old_log_probs, target)
+        if beta != 0:
+            check_per_token(op, "ref_log_probs", ref_log_probs, target)
+        if loss_weights is not None:
+            check_per_token(op, "loss_weights", loss_weights, target)
+    if z_loss_weight != 0 and z_loss_mask is not None:
+        m = z_loss_mask
+        _check(m.dtype == torch.bool or _integral(m.dtype), op, "z_loss_mask must be a bool or integer tensor, got ",
+               _dt(m.dtype))
+        _check(m.device == logits.device and list(m.shape) == list(target.shape), op,
+               "z_loss_mask must have the target's shape ", _shape(target.shape), " and device ", logits.device,
+               ", got ", _shape(m.shape), " on ", m.device)
