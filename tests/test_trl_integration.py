@@ -16,7 +16,6 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 
-import rl_losses  # noqa: E402
 from rl_losses.integrations import trl as rl_trl  # noqa: E402
 
 PROMPT_WORDS = 4
@@ -73,29 +72,6 @@ def assert_rel_close(actual, expected, name, rtol=1e-5):
     torch.testing.assert_close(actual / scale, expected / scale, rtol=rtol, atol=rtol, msg=lambda m: f"{name}: {m}")
 
 
-def _vespo_reason():
-    """Why loss_type='vespo' cannot be tested (None: the op has it)."""
-    x = torch.randn(1, 2, 5)
-    try:
-        rl_losses.grpo_loss(x, torch.tensor([[1, 2]]), torch.ones(1), None, loss_type="vespo")
-    except (RuntimeError, ValueError, TypeError) as e:
-        return f"rl_losses.grpo_loss has no loss_type='vespo' yet: {str(e).splitlines()[0]}"
-    return None
-
-
-def _sequence_rollout_reason():
-    """Why TRL's sequence-level vLLM correction cannot be matched: TRL's sequence ratio is the product of the
-    token ratios (the sum of the log-ratios); None when the op uses that definition."""
-    x = torch.randn(1, 2, 5, dtype=torch.float64)
-    target = torch.tensor([[1, 2]])
-    old = torch.log_softmax(x, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    out = rl_losses.grpo_loss(x, target, torch.ones(1), old, rollout_log_probs=old - torch.tensor([[0.1, 0.2]]),
-                              rollout_correction="sequence_truncate", rollout_cap=10.0)
-    if abs(out.rollout_weight_mean.item() - math.exp(0.3)) < 1e-9:
-        return None
-    return "the op's sequence-level rollout ratio is not yet TRL's product of the token ratios"
-
-
 DEFAULTS = dict(loss_type="grpo", importance_sampling_level="token", beta=0.0, num_iterations=2, epsilon=0.1,
                 epsilon_high=0.15)
 SEQ = dict(importance_sampling_level="sequence")
@@ -123,6 +99,8 @@ CASES = {  # GRPOConfig options over DEFAULTS (num_iterations=2: old log-probs r
     "luspo-gspo": dict(SEQ, loss_type="luspo"),
     "sapo-gspo": dict(SEQ, loss_type="sapo"),
     "cispo-gspo": dict(SEQ, loss_type="cispo", epsilon_high=1.1),
+    "gspo-kl": dict(SEQ, **KL),
+    "gspo-kl-bias-corrected": dict(SEQ, **dict(KL, use_bias_correction_kl=True)),
     # vLLM's importance-sampling correction, from simulated engine log-probs (simulate_vllm)
     "vllm-token_truncate": dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=1.2),
     "vllm-token_mask": dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.8,
@@ -171,10 +149,6 @@ def simulate_vllm(trainer, inputs, generator):
 def test_matches_trl(case):
     options = dict(DEFAULTS, **CASES[case])
     vllm = "vllm_importance_sampling_mode" in options
-    if options["loss_type"] == "vespo" and _vespo_reason():
-        pytest.skip(_vespo_reason())
-    if vllm and options["vllm_importance_sampling_mode"].startswith("sequence") and _sequence_rollout_reason():
-        pytest.skip(_sequence_rollout_reason())
     iterations = options["num_iterations"]
     vocab_size = 97
     tok = make_tokenizer(vocab_size)
@@ -248,7 +222,7 @@ def test_op_options_maps_trl_config():
     assert "vllm_importance_sampling_clip_max=None" in rl_trl.op_options(trainer)[1]
     trainer.importance_sampling_level = "sequence"
     assert "'token_truncate' with importance_sampling_level='sequence'" in rl_trl.op_options(trainer)[1]
-    assert "beta != 0 with importance_sampling_level='sequence'" in rl_trl.op_options(trainer)[1]
+    assert "beta" not in rl_trl.op_options(trainer)[1]  # the KL at sequence level is fused (test_matches_trl)
     trainer.loss_type, trainer.args.delta = "vespo", 1.5  # delta is ppo_clip's only (TRL ignores it elsewhere)
     options = rl_trl.op_options(trainer)[0]
     assert options["loss_type"] == "vespo" and "delta" not in options

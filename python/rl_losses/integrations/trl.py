@@ -13,7 +13,7 @@ What changes against TRL's own trainer:
     the fused ops do not cover, below) goes through ``rl_losses.linear_token_log_probs``.
 A static entropy bonus (``entropy_coef``) becomes the op's ``entropy_coefficient`` (rescaled to its divisor).
 Options without a fused form — ``off_policy_mask_threshold``, ``top_entropy_quantile < 1``, the adaptive
-entropy bonus or a bonus with ``loss_type`` grpo/sapo, a MoE aux loss, multimodal inputs, ``beta != 0`` or
+entropy bonus or a bonus with ``loss_type`` grpo/sapo, a MoE aux loss, multimodal inputs,
 ``delta`` with ``importance_sampling_level="sequence"``, a token-level vLLM correction with
 ``importance_sampling_level="sequence"``, a truncating vLLM correction with ``vllm_importance_sampling_clip_min``
 or without a ``clip_max``, logit scaling or softcapping in the model config — keep TRL's own loss formula,
@@ -66,10 +66,6 @@ def op_options(trainer) -> tuple[dict, str | None]:
     if loss_type == "vespo":
         options.update({name: getattr(args, name) for name in _VESPO})
     if trainer.beta != 0.0:
-        if trainer.importance_sampling_level == "sequence":
-            # TRL weights each token's KL by its sequence's ratio with the gradient through every token of the
-            # sequence; the sequence-level op weights it by the detached document ratio.
-            reasons.append("beta != 0 with importance_sampling_level='sequence'")
         options["kl_importance_weighted"] = bool(args.use_bias_correction_kl)
     if trainer._entropy_bonus_enabled:
         if trainer.use_adaptive_entropy:
@@ -84,8 +80,8 @@ def op_options(trainer) -> tuple[dict, str | None]:
         low, high = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
         options["rollout_correction"] = mode
         if sequence and mode.startswith("token"):
-            # The sequence-level op's gradient does not yet carry the token weights ω_t through the sequence
-            # ratio (its loss does): TRL's formula until it does.
+            # The op's gradient for token weights ω_t under a sequence ratio differs from TRL's here (its loss
+            # agrees; the parity test of this case fails on the gradient): TRL's formula until it is resolved.
             reasons.append(f"vllm_importance_sampling_mode={mode!r} with importance_sampling_level='sequence'")
         if mode.endswith("truncate"):
             if low is not None:
