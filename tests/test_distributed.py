@@ -30,9 +30,8 @@ from rl_losses import distributed as rl_dist
 from conftest import assert_close
 from helpers import assert_grad_close, gspo_token_shares, label_log_probs64
 
-# CPU tensors over gloo (CI); RL_LOSSES_DIST_BACKEND=nccl runs the same cases on CUDA tensors, one GPU per
-# rank (the worlds larger than the GPU count are skipped), e.g. on 2 GPUs:
-#     RL_LOSSES_DIST_BACKEND=nccl python -m pytest tests/test_distributed.py -q
+# CPU tensors over gloo (CI); RL_LOSSES_DIST_BACKEND=nccl runs the same cases on CUDA tensors, one GPU per rank
+# (worlds larger than the GPU count are skipped): RL_LOSSES_DIST_BACKEND=nccl python -m pytest tests/test_distributed.py
 BACKEND = os.environ.get("RL_LOSSES_DIST_BACKEND", "gloo")
 DEVICE = "cuda" if BACKEND == "nccl" else "cpu"
 pytestmark = pytest.mark.skipif(
