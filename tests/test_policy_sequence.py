@@ -4,6 +4,8 @@
   ratios (trl 1.16 grpo_trainer.py, vllm_importance_sampling_mode="sequence_*"), as verl's rollout_is="sequence"
   (compute_rollout_correction_weights), checked against both formulas, fp32;
 * GSPO's importance-weighted KL differentiated through R_s (gradcheck and the float64 reference);
+* GSPO with a token-level rollout correction: f(R_s) reaches each token through R_s, weighted by the document's
+  Σ κ'·ω (ratios near 1, inside the clip, where it matters; float64 reference);
 * GSPO's document_sums: the (S, 6) sums of gspo_document_sums, and (S, 3) still accepted where unused.
 
 The sequence modes and vespo under sdp_group / tp_group (gloo) are cases of tests/test_distributed.py.
@@ -159,6 +161,35 @@ def test_gspo_importance_weighted_kl_gradient(weighting, token_advantages, label
         assert_close(out.kl, expected.kl, torch.float64)
 
 
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask"])
+@pytest.mark.parametrize("weighting,label_counts", [("document", False), ("token", False), ("document", True)],
+                         ids=["document", "token", "label_counts"])
+def test_gspo_token_rollout_gradient(mode, weighting, label_counts, device):
+    logits, target, _, _, _, _, _ = make_batch(3, 8, 29, torch.float64, device)
+    doc = _packed(device)
+    target = torch.where(doc < 0, -100, target)
+    lp = label_log_probs64(logits, target)
+    old = lp + 0.01 * torch.randn_like(lp)  # R_s near 1: the surrogate's gradient is not clipped away
+    rollout = old + 0.3 * torch.randn_like(lp)
+    options = dict(rollout_log_probs=rollout, rollout_correction=mode, rollout_cap=1.2, weighting=weighting,
+                   num_documents=4, epsilon_low=0.1, epsilon_high=0.15)
+    if mode == "token_mask":
+        options = dict(options, rollout_cap=3.0, rollout_mask_bounds=(0.8, 1.25))
+    if label_counts:
+        on = ((target >= 0) & (doc >= 0)).double().view(-1)
+        counts = torch.zeros(4, dtype=torch.float64, device=device).index_add_(0, doc.clamp_min(0).view(-1), on)
+        options["label_counts"] = counts[doc.clamp_min(0)]
+    advantages = torch.randn(4, dtype=torch.float64, device=device)
+    x = logits.clone().requires_grad_()
+    out = rl_losses.gspo_loss(x, target, advantages, old, doc, **options)
+    out.loss.backward()
+    x64 = logits.clone().requires_grad_()
+    expected = reference.gspo_loss(x64, target, advantages, old, doc, **options)
+    expected.loss.backward()
+    assert_close(out.loss.detach(), expected.loss.detach(), torch.float64)
+    assert_grad_close(x.grad, x64.grad, torch.float64)
+
+
 def test_gspo_importance_weighted_kl_gradcheck():
     logits, target, _, _, old, ref, _ = make_batch(3, 8, 7, torch.float64)
     doc = _packed("cpu")
@@ -193,7 +224,7 @@ def test_document_sums_columns(device):
     omega = torch.log(torch.exp(log_rho).clamp(max=1.1)).clamp(min=-18.420680743952367, max=20.0)
     kl = torch.exp(ref - lp) - (ref - lp) - 1
     expected = torch.stack([per_doc(lp - old), per_doc(advantages), per_doc(torch.ones_like(lp)),
-                            torch.zeros(4, dtype=torch.float64, device=device),
+                            per_doc(torch.exp(log_rho).clamp(max=1.1)),  # Σ κ'·ω (a token-level correction)
                             per_doc((lp - old).clamp(-20, 20) + omega), per_doc(kl)], 1)
     assert_close(sums, expected, torch.float64)
     # Without the policy family's columns in use, (S, 3) sums are still accepted; with them, refused.

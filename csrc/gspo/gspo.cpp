@@ -118,7 +118,7 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
   g.advantages = check_per_token(op, "advantages", adv, target, acc);
   if (document_sums) {
     // (S, 3), the sums without the policy family's columns, is accepted where those are unused.
-    const bool basic = !g.sequence_rollout && g.opt.loss_type != kVespo && !g.kl_share;
+    const bool basic = !g.rollout_log_probs.defined() && g.opt.loss_type != kVespo && !g.kl_share;
     const int64_t cols = document_sums->dim() == 2 ? document_sums->size(1) : -1;
     TORCH_CHECK(document_sums->dim() == 2 && document_sums->size(0) == n_docs &&
                     (cols == kGspoSums || (basic && cols == kGspoBasicSums)) &&

@@ -26,7 +26,8 @@ namespace rl_losses {
 //   kGspoLogRatio         Σ u_t·(lp_t − o_t)           log R_s
 //   kGspoAdvantage        Σ u_t·A_t                    Ā_s
 //   kGspoCount            Σ m_t                        the labelled tokens
-//   kGspoRolloutLogRatio  Σ m_t·(o_t − rollout_t)      log ρ_s (a sequence-level rollout correction)
+//   kGspoRolloutLogRatio  Σ m_t·(o_t − rollout_t)      log ρ_s (a sequence-level rollout correction), or
+//                         Σ κ'_t·ω_t                   (a token-level one) the weight the gradient through R_s carries
 //   kGspoVespoLogW        Σ m_t·clamp(lp_t − o_t, ±20) (+ Σ m_t·clamp(log ω_t, log 1e-8, 20))   VESPO's log w
 //   kGspoKlShare          Σ κ'_t·KL_t                  the importance-weighted KL's gradient through R_s
 // The first three are the sums of the original (S, 3) document_sums, still accepted where the others are unused.
@@ -111,7 +112,10 @@ struct GspoTokenTerms {
     t[kGspoCount] = on ? acc_t(1) : acc_t(0);
     const acc_t old = old_log_probs != nullptr ? old_log_probs[i] : lp;
     const acc_t log_rho = on && rollout_log_probs != nullptr ? old - rollout_log_probs[i] : acc_t(0);
-    t[kGspoRolloutLogRatio] = sequence_rollout ? log_rho : acc_t(0);
+    t[kGspoRolloutLogRatio] = sequence_rollout                           ? log_rho
+                              : on && rollout_log_probs != nullptr ? (token_weighting ? acc_t(1) : u) *
+                                                                         rollout_weight(opt, log_rho)
+                                                                   : acc_t(0);
     acc_t log_w = acc_t(0);
     if (on && opt.loss_type == kVespo) {
       if (old_log_probs != nullptr) log_w = vespo_log_ratio_term(lp - old);  // on-policy: 0
@@ -134,6 +138,7 @@ struct GspoDocumentStep {
   const acc_t* given;  // (S, kGspoSums) or null
   bool divide;         // divide kGspoLogRatio and kGspoAdvantage by the count (no label_counts)
   bool divide_kl;      // kGspoKlShare too (weighting "document")
+  bool divide_rollout;  // the token-level rollout share too (weighting "document", token-level correction)
   acc_t* sums;    // (S, kGspoSums)
   acc_t* fields;  // (S, kGspoDocFields)
   acc_t* ratios;  // (S,)
@@ -145,6 +150,7 @@ struct GspoDocumentStep {
       d[kGspoLogRatio] /= count;
       d[kGspoAdvantage] /= count;
       if (divide_kl) d[kGspoKlShare] /= count;
+      if (divide_rollout) d[kGspoRolloutLogRatio] /= count;
     }
     for (int k = 0; k < kGspoSums; ++k) sums[s * kGspoSums + k] = d[k];
     const bool has = d[kGspoCount] > acc_t(0);
@@ -240,8 +246,15 @@ struct GspoTokenStep {
       t = vespo_surrogate(phi, ratio, adv, lp);
     } else {
       t = policy_surrogate(opt, ratio, adv, lp);
+      // The token's share of the loss is weighted by its own ω_t, but f(R_s) reaches lp_t through R_s from every
+      // token of the document: with token-level weights its gradient carries the document's Σ κ'_u·ω_u / N_s
+      // (GSPO-token: the token's own ratio, and CISPO: −sg(w)·A·lp_t, reach it directly, so its own ω_t).
+      acc_t grad_weight = rw;
+      if (!sequence_rollout && rollout_log_probs != nullptr && !token_advantages && opt.loss_type != kCispo) {
+        grad_weight = token_weighting ? d[kGspoRolloutLogRatio] / count : d[kGspoRolloutLogRatio];
+      }
       t.loss = zero_or_product(rw, t.loss);
-      t.coef = zero_or_product(rw, t.coef);
+      t.coef = zero_or_product(grad_weight, t.coef);
     }
     acc_t kl = acc_t(0);
     if (ref_log_probs != nullptr) {
@@ -444,6 +457,8 @@ struct GspoBackendImpl {
                        GspoDocumentStep<scalar_t>{policy_options_as<scalar_t>(g.opt), ptr<scalar_t>(g.local_sums),
                                                   ptr<scalar_t>(g.given_sums), !g.label_counts.defined(),
                                                   !g.label_counts.defined() && !g.token_weighting,
+                                                  !g.label_counts.defined() && !g.token_weighting &&
+                                                      !g.sequence_rollout && g.rollout_log_probs.defined(),
                                                   ptr<scalar_t>(g.sums), ptr<scalar_t>(g.fields),
                                                   ptr<scalar_t>(g.ratios)});
       Runner::sum_then(g.num_documents,

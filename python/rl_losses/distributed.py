@@ -82,6 +82,7 @@ _POLICY_DEFAULTS = dict(loss_type="ppo_clip", sapo_temperature_pos=1.0, sapo_tem
 # gspo/gspo.h: the columns of the per-document sums (kGspoSums), and those divided by the count when the sums
 # were taken with w = 1 (Σu(lp−old), Σu·A; Σκ·KL under weighting "document").
 _GSPO_SUMS = 6
+_GSPO_ROLLOUT = 3  # Σ m·(o − rollout) (sequence modes) or Σ κ'·ω (token modes)
 _GSPO_KL_SHARE = 5
 
 _ops = torch.ops.rl_losses
@@ -367,7 +368,9 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     if label_counts is None:
         # The sums were taken with w = 1: divide the w-weighted columns by each document's (now global) labelled
         # count.
-        divided = [0, 1, _GSPO_SUMS] + ([_GSPO_KL_SHARE] if weighting == "document" else [])
+        mode = policy.get("rollout_correction") or ""
+        shares = [_GSPO_KL_SHARE] + ([_GSPO_ROLLOUT] if mode.startswith("token") else [])  # Σ κ'·KL, Σ κ'·ω
+        divided = [0, 1, _GSPO_SUMS] + (shares if weighting == "document" else [])
         scale = torch.ones_like(docs)
         scale[:, divided] = (1 / count.clamp_min(1)).unsqueeze(1)
         docs = docs * scale

@@ -13,8 +13,7 @@ What changes against TRL's own trainer:
     the fused ops do not cover, below) goes through ``rl_losses.linear_token_log_probs``.
 A static entropy bonus (``entropy_coef``) becomes the op's ``entropy_coefficient`` (rescaled to its divisor).
 Options without a fused form — ``off_policy_mask_threshold``, ``top_entropy_quantile < 1``, the adaptive
-entropy bonus or a bonus with ``loss_type`` grpo/sapo, a MoE aux loss, multimodal inputs,
-``delta`` with ``importance_sampling_level="sequence"``, a token-level vLLM correction with
+entropy bonus or a bonus with ``loss_type`` grpo/sapo, a MoE aux loss, multimodal inputs, ``delta`` with
 ``importance_sampling_level="sequence"``, a truncating vLLM correction with ``vllm_importance_sampling_clip_min``
 or without a ``clip_max``, logit scaling or softcapping in the model config — keep TRL's own loss formula,
 computed from rl_losses' log-probs; the ``rl_losses/fused_loss`` metric says which path a step took (1 fused, 0
@@ -79,10 +78,6 @@ def op_options(trainer) -> tuple[dict, str | None]:
         mode = trainer.vllm_importance_sampling_mode
         low, high = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
         options["rollout_correction"] = mode
-        if sequence and mode.startswith("token"):
-            # The op's gradient for token weights ω_t under a sequence ratio differs from TRL's here (its loss
-            # agrees; the parity test of this case fails on the gradient): TRL's formula until it is resolved.
-            reasons.append(f"vllm_importance_sampling_mode={mode!r} with importance_sampling_level='sequence'")
         if mode.endswith("truncate"):
             if low is not None:
                 reasons.append(f"vllm_importance_sampling_clip_min={low} with mode {mode!r}")
