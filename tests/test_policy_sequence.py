@@ -129,6 +129,13 @@ def test_sequence_sum_matches_reference_documents(device):
 
 
 # ---- GSPO: the importance-weighted KL through R_s --------------------------------------------------------------------
+def _label_counts(target, doc):
+    """Each token's document's labelled-token count (the label_counts of a document split across ranks)."""
+    on = ((target >= 0) & (doc >= 0)).double().view(-1)
+    counts = torch.zeros(4, dtype=torch.float64, device=doc.device).index_add_(0, doc.clamp_min(0).view(-1), on)
+    return counts[doc.clamp_min(0)]
+
+
 def _packed(device):
     return torch.tensor([[0] * 5 + [1] * 3, [1] * 4 + [2] * 4, [3] * 6 + [-1] * 2], device=device)
 
@@ -146,9 +153,7 @@ def test_gspo_importance_weighted_kl_gradient(weighting, token_advantages, label
     options = dict(ref_log_probs=ref, beta=0.3, kl_importance_weighted=True, kl_estimator="k3", weighting=weighting,
                    token_advantages=token_advantages, num_documents=4)
     if label_counts:
-        on = ((target >= 0) & (doc >= 0)).double().view(-1)
-        counts = torch.zeros(4, dtype=torch.float64, device=device).index_add_(0, doc.clamp_min(0).view(-1), on)
-        options["label_counts"] = counts[doc.clamp_min(0)]
+        options["label_counts"] = _label_counts(target, doc)
     for old_arg in (old, None):
         x = logits.clone().requires_grad_()
         out = rl_losses.gspo_loss(x, target, advantages, old_arg, doc, **options)
@@ -176,9 +181,7 @@ def test_gspo_token_rollout_gradient(mode, weighting, label_counts, device):
     if mode == "token_mask":
         options = dict(options, rollout_cap=3.0, rollout_mask_bounds=(0.8, 1.25))
     if label_counts:
-        on = ((target >= 0) & (doc >= 0)).double().view(-1)
-        counts = torch.zeros(4, dtype=torch.float64, device=device).index_add_(0, doc.clamp_min(0).view(-1), on)
-        options["label_counts"] = counts[doc.clamp_min(0)]
+        options["label_counts"] = _label_counts(target, doc)
     advantages = torch.randn(4, dtype=torch.float64, device=device)
     x = logits.clone().requires_grad_()
     out = rl_losses.gspo_loss(x, target, advantages, old, doc, **options)

@@ -220,16 +220,21 @@ def per_sequence(t, target):
     return t
 
 
-def grpo_options(op, logits, target, n_rows, advantages, old_log_probs, ref_log_probs, loss_weights, label_counts,
-                 epsilon_low, epsilon_high, delta, beta, divisor, s, row_stats):
-    check_scale(op, s)
-    check_epsilons(op, epsilon_low, epsilon_high)
+def _check_delta_beta(op, epsilon_high, delta, beta, ref_log_probs):
+    """The two-sided clip `delta` and the KL weight `beta` (grpo and policy_token_loss check them alike)."""
     _check(delta is None or math.isfinite(delta), op, "delta must be finite (leave it unset for no cap), got ",
            _num(delta if delta is not None else 0.0))
     _check(delta is None or delta > 1 + epsilon_high, op, "delta must exceed 1 + epsilon_high = ",
            _num(1 + epsilon_high), ", got ", _num(delta if delta is not None else 0.0))
     _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
     _check(beta == 0 or ref_log_probs is not None, op, "beta = ", _num(beta), " > 0 needs ref_log_probs")
+
+
+def grpo_options(op, logits, target, n_rows, advantages, old_log_probs, ref_log_probs, loss_weights, label_counts,
+                 epsilon_low, epsilon_high, delta, beta, divisor, s, row_stats):
+    check_scale(op, s)
+    check_epsilons(op, epsilon_low, epsilon_high)
+    _check_delta_beta(op, epsilon_high, delta, beta, ref_log_probs)
     check_divisor(op, divisor)
     check_row_stats(op, row_stats, logits, n_rows)
     check_per_token(op, "advantages", per_sequence(advantages, target), target)
@@ -331,12 +336,7 @@ def policy_token_options(log_probs, old_log_probs, advantages, epsilon_low, epsi
     _check(log_probs.dtype.is_floating_point, op, "log_probs must be a floating-point tensor, got ",
            _dt(log_probs.dtype))
     check_epsilons(op, epsilon_low, epsilon_high)
-    _check(delta is None or math.isfinite(delta), op, "delta must be finite (leave it unset for no cap), got ",
-           _num(delta if delta is not None else 0.0))
-    _check(delta is None or delta > 1 + epsilon_high, op, "delta must exceed 1 + epsilon_high = ",
-           _num(1 + epsilon_high), ", got ", _num(delta if delta is not None else 0.0))
-    _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
-    _check(beta == 0 or ref_log_probs is not None, op, "beta = ", _num(beta), " > 0 needs ref_log_probs")
+    _check_delta_beta(op, epsilon_high, delta, beta, ref_log_probs)
     _check(loss_type in ("ppo_clip", "cispo", "sapo"), op, "loss_type must be 'ppo_clip', 'cispo' or 'sapo' "
            "(sequence-level loss types are the fused ops'), got '", loss_type, "'")
     _check(rollout_correction is None or not rollout_correction.startswith("sequence_"), op,

@@ -98,6 +98,17 @@ def _sequence_sum(values, mask, sequence):
     return torch.where(on, sums[seq], 0.0).reshape(values.shape)
 
 
+def _rollout_corrected(per_token, loss_type, mode, log_rho, mask, sequence, rollout_cap, rollout_mask_bounds):
+    """The surrogate times the detached rollout weight ω (vespo folds ω into φ instead), with ρ and ω (None, None
+    without a correction); sequence modes take ρ_s from the sequence's summed log-ratios."""
+    if mode is None:
+        return per_token, None, None
+    if mode.startswith("sequence"):
+        log_rho = _sequence_sum(log_rho, mask, sequence)
+    rho, weight = _rollout_weight(mode, log_rho, rollout_cap, rollout_mask_bounds)
+    return (per_token if loss_type == "vespo" else per_token * weight.detach()), rho, weight
+
+
 def _rows_as_sequences(target):
     # The rows of the labels' leading dimensions are the sequences.
     rows = torch.arange(target.numel() // target.shape[-1], device=target.device)
@@ -176,13 +187,8 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
     else:
         capped = ratio if delta is None else ratio.clamp(max=delta)
         per_token = -torch.minimum(capped * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
-    rho = weight = None
-    if rollout_correction is not None:
-        if rollout_correction.startswith("sequence"):
-            log_rho = _sequence_sum(log_rho, mask, sequence)
-        rho, weight = _rollout_weight(rollout_correction, log_rho, rollout_cap, rollout_mask_bounds)
-        if loss_type != "vespo":  # vespo folds the correction into φ
-            per_token = per_token * weight.detach()
+    per_token, rho, weight = _rollout_corrected(per_token, loss_type, rollout_correction, log_rho, mask, sequence,
+                                                rollout_cap, rollout_mask_bounds)
     kl = None
     if ref_log_probs is not None:
         kl = _kl_estimate(kl_estimator, lp, ref_log_probs.to(logp.dtype))
@@ -305,13 +311,8 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
     else:
         f_tok = _surrogate(loss_type, tok_ratio, tok_adv, lp, epsilon_low, epsilon_high, sapo_temperature_pos,
                            sapo_temperature_neg)
-    rho = weight = None
-    if rollout_correction is not None:
-        if rollout_correction.startswith("sequence"):
-            log_rho = _sequence_sum(log_rho, mask, doc)
-        rho, weight = _rollout_weight(rollout_correction, log_rho, rollout_cap, rollout_mask_bounds)
-        if loss_type != "vespo":  # vespo folds the correction into φ
-            f_tok = f_tok * weight.detach()
+    f_tok, rho, weight = _rollout_corrected(f_tok, loss_type, rollout_correction, log_rho, mask, doc, rollout_cap,
+                                            rollout_mask_bounds)
     kl = None
     if ref_log_probs is not None:
         kl = _kl_estimate(kl_estimator, lp, ref_log_probs.reshape(-1).to(dt))
