@@ -57,6 +57,7 @@ def _worker(rank, path, out_dir):
             results[name] = _run(logits[..., cols].contiguous(), teacher[..., cols].contiguous(), kwargs,
                                  tp_group=dist.group.WORLD)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # neither rank closes its connections while the other still uses them
     finally:
         dist.destroy_process_group()
 

@@ -135,6 +135,7 @@ def _worker(rank, path, out_dir):
         results["head_config"] = _run_config(logits[..., cols].contiguous(), batch, tp_group=dist.group.WORLD)
         results["head_config"]["fused_calls"] = torch.tensor(len(calls))
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # neither rank closes its connections while the other still uses them
     finally:
         dist.destroy_process_group()
 
