@@ -1,8 +1,8 @@
 """The loss step on a GPU without the host: no synchronisation, a CUDA graph, a fixed few launches (CUDA only).
 
-A call whose sizes are known on the host (a `divisor` given, and `num_documents` for GSPO) must not wait for
-the device: a training step then runs ahead of the GPU, and the whole loss step, forward and backward, can be
-captured in a `torch.cuda.CUDAGraph` and replayed. Three checks:
+A call whose sizes are known on the host (a `divisor` given, `num_documents` for GSPO, DPO's pairs on the
+device) must not wait for the device: a training step then runs ahead of the GPU, and the whole loss step,
+forward and backward, can be captured in a `torch.cuda.CUDAGraph` and replayed. Three checks:
 - under `torch.cuda.set_sync_debug_mode("error")`, fwd+bwd of each op with static-size arguments raises no
   synchronisation;
 - the step captured in a graph and replayed on fresh values copied into the captured tensors agrees with an
@@ -41,7 +41,11 @@ def _inputs(n, v, dtype, hidden=False):
     target, adv, old, doc = policy_inputs(logits, DOCS)
     ref = old + 0.05 * torch.randn_like(old)
     rollout = old + 0.1 * torch.randn_like(old)
-    return {**main, "target": target, "adv": adv, "old": old, "ref": ref, "rollout": rollout, "doc": doc}
+    # DPO: the DOCS documents as DOCS / 2 pairs (on the device: checked there, without a synchronisation).
+    pairs = torch.arange(DOCS, device="cuda").view(-1, 2).flip(0)
+    ref_pairs = torch.randn(2, DOCS // 2, device="cuda") - 20
+    return {**main, "target": target, "adv": adv, "old": old, "ref": ref, "rollout": rollout, "doc": doc,
+            "pairs": pairs, "ref_chosen": ref_pairs[0], "ref_rejected": ref_pairs[1]}
 
 
 @dataclass
@@ -83,6 +87,10 @@ def _gspo(mod, x, d):
     return mod.gspo_loss(x, d["target"], d["adv"], d["old"], d["doc"], num_documents=DOCS, divisor=float(DOCS)).loss
 
 
+def _dpo(mod, x, d):
+    return mod.dpo_loss(x, d["target"], d["doc"], d["pairs"], d["ref_chosen"], d["ref_rejected"], beta=0.1).loss
+
+
 def _linear_ref(h, w, d):
     return h @ w.T
 
@@ -103,6 +111,7 @@ CASES = [
     Case("grpo_sapo_entropy", *_grpo({"loss_type": "sapo", "entropy_coefficient": 0.01})),
     Case("grpo_token_truncate", *_grpo({"with_rollout": True, "rollout_correction": "token_truncate"})),
     Case("gspo", lambda x, d: _gspo(rl_losses, x, d), lambda x, d: _gspo(reference, x, d)),
+    Case("dpo", lambda x, d: _dpo(rl_losses, x, d), lambda x, d: _dpo(reference, x, d)),
     Case("linear_ce", lambda h, w, d: rl_losses.linear_cross_entropy(h, w, d["target"], divisor=150.0, chunk_size=96),
          lambda h, w, d: reference.cross_entropy(_linear_ref(h, w, d), d["target"], divisor=150.0),
          hidden=True, dtype=torch.float32),

@@ -143,13 +143,29 @@ def test_documents_from_spans(device):
         documents_from_spans([[(0, 2)]], [[(1, 3)]], (1, 4))
 
 
+@pytest.mark.parametrize("pairs_on", ["cpu", "device, checked on the host"])
+def test_bad_pairing(device, pairs_on, monkeypatch):
+    # Pairs on the CPU are checked on the host at no cost; pairs on the device only when asked (a CUDA mistake
+    # otherwise stops the kernel with a device-side assert, which a test process cannot survive).
+    logits, target, doc, pairs, ref_c, ref_r = make_inputs(2, 9, torch.float32, device)
+    if pairs_on != "cpu":
+        monkeypatch.setenv("RL_LOSSES_CHECK_INPUTS", "1")
+    where = "cpu" if pairs_on == "cpu" else device
+    f = rl_losses.dpo_loss
+    with pytest.raises(RuntimeError, match=r"document 1 is in pairs\[0\] and in pairs\[1\]"):
+        f(logits, target, doc, torch.tensor([[0, 1], [1, 2]], device=where), ref_c, ref_r)
+    with pytest.raises(RuntimeError, match=r"pairs\[1\] holds document 7, but 2 pairs cover the documents 0 \.\. 3"):
+        f(logits, target, doc, torch.tensor([[0, 1], [2, 7]], device=where), ref_c, ref_r)
+    # Valid pairs from the CPU give what pairs on the device give (up to the order of atomic additions).
+    expected = f(logits, target, doc, pairs, ref_c, ref_r)
+    got = f(logits, target, doc, pairs.cpu(), ref_c, ref_r)
+    for e, g in zip(expected, got):
+        assert_close(g, e, torch.float32)
+
+
 def test_bad_input(device):
     logits, target, doc, pairs, ref_c, ref_r = make_inputs(2, 9, torch.float32, device)
     f = rl_losses.dpo_loss
-    with pytest.raises(RuntimeError, match=r"document 1 is in pairs\[0\] and in pairs\[1\]"):
-        f(logits, target, doc, torch.tensor([[0, 1], [1, 2]], device=device), ref_c, ref_r)
-    with pytest.raises(RuntimeError, match=r"pairs\[1\] holds document 7, but 2 pairs cover the documents 0 \.\. 3"):
-        f(logits, target, doc, torch.tensor([[0, 1], [2, 7]], device=device), ref_c, ref_r)
     with pytest.raises(RuntimeError, match=r"pairs must have shape \(num_pairs, 2\)"):
         f(logits, target, doc, pairs.view(-1), ref_c, ref_r)
     with pytest.raises(RuntimeError, match=r"reference_rejected_log_probs must have shape \(2,\)"):

@@ -12,20 +12,23 @@ namespace {
 
 constexpr const char* kOp = "dpo";
 
-// `pairs` must pair every document 0 .. 2P−1 exactly once, as (chosen, rejected). Checked on the host: the
-// pairs are O(P) and a pairing mistake would otherwise be a silently wrong loss.
+// `pairs` must pair every document 0 .. 2P−1 exactly once, as (chosen, rejected): a pairing mistake would
+// otherwise be a silently wrong loss. Pairs on the CPU (also with CUDA logits: documents_from_spans builds them
+// there) are checked on the host, where reading them costs no synchronisation, then copied to the logits'
+// device; pairs already on the device are checked there (DpoPairStep, DpoPairCoverage: a device-side assert),
+// so that the call never waits for the device.
 at::Tensor check_pairs(const at::Tensor& pairs, const at::Tensor& logits) {
   TORCH_CHECK(pairs.defined() && at::isIntegralType(pairs.scalar_type(), false), kOp,
               ": pairs must be an integer tensor of (chosen, rejected) document ids, got ",
               pairs.defined() ? c10::toString(pairs.scalar_type()) : "undefined");
   TORCH_CHECK(pairs.dim() == 2 && pairs.size(1) == 2, kOp, ": pairs must have shape (num_pairs, 2), got ",
               pairs.sizes());
-  TORCH_CHECK(pairs.device() == logits.device(), kOp, ": pairs is on ", pairs.device(), " but logits is on ",
-              logits.device());
+  TORCH_CHECK(pairs.device() == logits.device() || pairs.is_cpu(), kOp, ": pairs is on ", pairs.device(),
+              " but logits is on ", logits.device(), " (pairs may be on the logits' device or on the CPU)");
   const at::Tensor p = pairs.to(at::kLong).contiguous();
-  const at::Tensor host = p.cpu();
+  if (!p.is_cpu()) return p;
   const int64_t n_pairs = p.size(0), n_docs = 2 * n_pairs;
-  const int64_t* id = host.const_data_ptr<int64_t>();
+  const int64_t* id = p.const_data_ptr<int64_t>();
   std::vector<int64_t> seen(n_docs, -1);
   for (int64_t i = 0; i < n_docs; ++i) {
     TORCH_CHECK(id[i] >= 0 && id[i] < n_docs, kOp, ": pairs[", i / 2, "] holds document ", id[i], ", but ",
@@ -35,7 +38,7 @@ at::Tensor check_pairs(const at::Tensor& pairs, const at::Tensor& logits) {
                 i / 2, "]; every document must be in exactly one pair");
     seen[id[i]] = i;
   }
-  return p;
+  return p.to(logits.device(), /*non_blocking=*/true);
 }
 
 at::Tensor check_per_pair(const char* name, const at::Tensor& t, int64_t n_pairs, const at::Tensor& logits,
@@ -83,6 +86,7 @@ std::vector<at::Tensor> dpo_forward(const at::Tensor& logits, const at::Tensor& 
                 " pairs cover the documents 0 .. ", g.num_documents - 1, " (a span without a chosen/rejected pair)");
   }
   g.divisor = at::full({}, divisor.value_or(static_cast<double>(g.num_pairs)), opts);
+  g.pairs_checked = pairs.is_cpu();
 
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
   if (row_stats) {
@@ -95,7 +99,9 @@ std::vector<at::Tensor> dpo_forward(const at::Tensor& logits, const at::Tensor& 
   g.safe_document = at::empty({f.n_rows}, g.document.options());
   g.document_sums = at::empty({g.num_documents}, opts);
   g.pair_out = at::empty({g.num_pairs, kDpoPairFields}, opts);
-  g.document_coef = at::empty({g.num_documents}, opts);
+  // Unchecked pairs: NaN marks the documents no pair has claimed yet (DpoPairCoverage).
+  g.document_coef = g.pairs_checked ? at::empty({g.num_documents}, opts)
+                                    : at::full({g.num_documents}, std::nan(""), opts);
   g.coef = at::empty({f.n_rows}, opts);
   for (auto& t : g.scalars) t = at::empty({}, opts);
   backend.steps(g);

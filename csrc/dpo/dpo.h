@@ -64,8 +64,13 @@ struct DpoPairStep {
   const acc_t* divisor;        // 0-dim D
   acc_t* out;                  // (P, kDpoPairFields)
   acc_t* document_coef;        // (S,)
+  int64_t num_documents;       // 2P
   C10_HOST_DEVICE void operator()(int64_t k) const {
     const int64_t c = pairs[2 * k], r = pairs[2 * k + 1];
+#if defined(__CUDA_ARCH__)  // pairs checked on the host never reach this unchecked (dpo_forward)
+    CUDA_KERNEL_ASSERT(c >= 0 && c < num_documents && r >= 0 && r < num_documents &&
+                       "rl_losses: pairs holds a document id outside 0 .. 2 * number of pairs - 1");
+#endif
     const acc_t reward_c = beta * (document_sums[c] - ref_chosen[k]);
     const acc_t reward_r = beta * (document_sums[r] - ref_rejected[k]);
     const acc_t h = reward_c - reward_r;
@@ -79,6 +84,21 @@ struct DpoPairStep {
     const acc_t g = beta * sigmoid(-h) * inv_d;
     document_coef[c] = g;
     document_coef[r] = -g;
+  }
+};
+
+// Pairs not checked on the host: 2P ids in range that leave no document unclaimed pair every document exactly
+// once, so a document whose factor is still the NaN it started with reveals a document paired twice.
+template <typename acc_t>
+struct DpoPairCoverage {
+  const acc_t* document_coef;  // (S,)
+  C10_HOST_DEVICE void operator()(int64_t s) const {
+#if defined(__CUDA_ARCH__)
+    CUDA_KERNEL_ASSERT(document_coef[s] == document_coef[s] &&
+                       "rl_losses: a document is in no pair of pairs (and another is in two)");
+#else
+    (void)s;
+#endif
   }
 };
 
@@ -120,6 +140,7 @@ struct DpoMetrics {
 struct DpoState {
   double beta;
   int64_t num_pairs, num_documents;
+  bool pairs_checked;  // on the host; otherwise by the pair steps on the device
   at::Tensor stats, target, document, pairs, ref_chosen, ref_rejected, divisor;
   at::Tensor log_probs, safe_document, document_sums, pair_out, document_coef, coef;
   at::Tensor scalars[5];  // 0-dim: loss, rewards_chosen, rewards_rejected, accuracy, margin
@@ -196,7 +217,9 @@ struct DpoBackendImpl {
       Runner::for_each(g.num_pairs, DpoPairStep<T>{static_cast<T>(g.beta), g.pairs.const_data_ptr<int64_t>(),
                                                    g.ref_chosen.const_data_ptr<T>(), g.ref_rejected.const_data_ptr<T>(),
                                                    g.document_sums.const_data_ptr<T>(), g.divisor.const_data_ptr<T>(),
-                                                   g.pair_out.data_ptr<T>(), g.document_coef.data_ptr<T>()});
+                                                   g.pair_out.data_ptr<T>(), g.document_coef.data_ptr<T>(),
+                                                   g.num_documents});
+      if (!g.pairs_checked) Runner::for_each(g.num_documents, DpoPairCoverage<T>{g.document_coef.const_data_ptr<T>()});
       Runner::for_each(n, DpoTokenCoef<T>{g.target.const_data_ptr<int64_t>(), g.document.const_data_ptr<int64_t>(),
                                           g.document_coef.const_data_ptr<T>(), g.coef.data_ptr<T>()});
       DpoMetrics<T> metrics{g.pair_out.const_data_ptr<T>(), g.num_pairs, {}};

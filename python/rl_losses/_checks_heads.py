@@ -131,7 +131,8 @@ def dpo(logits, target, document_index, pairs, ref_chosen, ref_rejected, beta, s
            _dt(pairs.dtype))
     _check(pairs.dim() == 2 and pairs.shape[1] == 2, op, "pairs must have shape (num_pairs, 2), got ",
            _shape(pairs.shape))
-    _check(pairs.device == logits.device, op, "pairs is on ", pairs.device, " but logits is on ", logits.device)
+    _check(pairs.device == logits.device or pairs.device.type == "cpu", op, "pairs is on ", pairs.device,
+           " but logits is on ", logits.device, " (pairs may be on the logits' device or on the CPU)")
     n_pairs = pairs.shape[0]
     _check(n_pairs > 0, op, "pairs is empty; DPO needs at least one (chosen, rejected) pair")
     _dpo_per_pair("reference_chosen_log_probs", ref_chosen, n_pairs, logits)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_losses._inputs import _divisor
+from rl_losses._inputs import _check_inputs_enabled, _divisor
 from rl_losses.reference import DpoOutput  # noqa: F401  (re-exported: the op's named result)
 
 _ops = torch.ops.rl_losses
@@ -25,8 +25,11 @@ def dpo_loss(logits: torch.Tensor, target: torch.Tensor, document_index: torch.T
         logits: (..., V) float32/bfloat16/float16/float64. target: (...) int labels, negative = not in a response
             (prompt, padding).
         document_index: (...) int, the document of each token, negative = padding.
-        pairs: (P, 2) int (chosen, rejected) document ids; every document 0 .. 2P−1 must be in exactly one pair
-            (checked on the host: a span without a pair is an error).
+        pairs: (P, 2) int (chosen, rejected) document ids; every document 0 .. 2P−1 must be in exactly one pair.
+            On the CPU (also with CUDA logits) they are checked on the host, a clear error, and copied to the
+            device; on the logits' device they are checked there without a synchronisation, a pairing mistake
+            stopping the kernel with a device-side assert (with RL_LOSSES_CHECK_INPUTS=1 they are read back and
+            checked on the host instead).
         reference_chosen_log_probs, reference_rejected_log_probs: (P,) float, the reference model's π of each
             pair's chosen / rejected document.
         beta: β > 0 (Fast-LLM's default 1). divisor: D (default: the number of pairs, the mean over pairs).
@@ -40,6 +43,8 @@ def dpo_loss(logits: torch.Tensor, target: torch.Tensor, document_index: torch.T
     """
     from rl_losses.distributed import _tp_setup
 
+    if pairs.is_cuda and _check_inputs_enabled() and not torch.compiler.is_compiling():
+        pairs = pairs.cpu()  # the op's host check, then the copy back: a synchronisation the user asked for
     stats, start, total = _tp_setup("dpo", logits, target, tp_group, logits_scale_factor, vocab_start, vocab_size)
     out = _ops.dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs,
                    beta=beta, logits_scale_factor=logits_scale_factor, divisor=_divisor(divisor),
