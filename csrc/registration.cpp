@@ -73,17 +73,20 @@ TORCH_LIBRARY(rl_losses, m) {
   "float entropy_coefficient=0.0, float vespo_k_pos=2.0, float vespo_lambda_pos=3.0, float vespo_k_neg=3.0, "   \
   "float vespo_lambda_neg=2.0"
   // old_log_probs=None: on-policy (old = sg(lp)). advantages: per token, or per sequence ((B,) for (B, T)
-  // labels). document_index: the sequences of a sequence-level rollout_correction (default: the rows).
+  // labels). document_index: the sequences of a sequence-level rollout_correction or of vespo (default: the
+  // rows); num_documents: their count (default: max(document_index) + 1, read on the host).
 #define RL_LOSSES_GRPO_ARGS                                                                                    \
   "Tensor? ref_log_probs, Tensor? loss_weights, Tensor? label_counts, float epsilon_low, float epsilon_high, " \
   "float? delta, float beta, float? divisor, float logits_scale_factor, bool compute_entropy, "                \
-  "Tensor? row_stats, int vocab_start, int vocab_size, " RL_LOSSES_POLICY_ARGS ", Tensor? document_index"
+  "Tensor? row_stats, int vocab_start, int vocab_size, " RL_LOSSES_POLICY_ARGS ", Tensor? document_index, "      \
+  "int? num_documents"
   m.def(
       "grpo(Tensor logits, Tensor target, Tensor advantages, Tensor? old_log_probs, *, Tensor? ref_log_probs=None, "
       "Tensor? loss_weights=None, Tensor? label_counts=None, float epsilon_low=0.2, float epsilon_high=0.2, "
       "float? delta=None, float beta=0.0, float? divisor=None, float logits_scale_factor=1.0, "
       "bool compute_entropy=False, bool inplace_backward=False, Tensor? row_stats=None, int vocab_start=0, "
-      "int vocab_size=-1, " RL_LOSSES_POLICY_KWARGS ", Tensor? document_index=None) -> " RL_LOSSES_POLICY_OUTS
+      "int vocab_size=-1, " RL_LOSSES_POLICY_KWARGS ", Tensor? document_index=None, int? num_documents=None) -> "
+      RL_LOSSES_POLICY_OUTS
       ", Tensor vespo_phi_mean)");
   m.def("_grpo_forward(Tensor logits, Tensor target, Tensor advantages, Tensor? old_log_probs, " RL_LOSSES_GRPO_ARGS
         ", bool compute_grad) -> " RL_LOSSES_POLICY_OUTS ", Tensor vespo_phi_mean, Tensor grad)");
@@ -141,13 +144,13 @@ TORCH_LIBRARY(rl_losses, m) {
       "Tensor? bias=None, Tensor? ref_log_probs=None, Tensor? loss_weights=None, Tensor? label_counts=None, "
       "float epsilon_low=0.2, float epsilon_high=0.2, float? delta=None, float beta=0.0, float? divisor=None, "
       "float logits_scale_factor=1.0, bool compute_entropy=False, int? chunk_size=None, " RL_LOSSES_POLICY_KWARGS
-      ", Tensor? document_index=None) -> " RL_LOSSES_POLICY_OUTS ", Tensor vespo_phi_mean)");
+      ", Tensor? document_index=None, int? num_documents=None) -> " RL_LOSSES_POLICY_OUTS ", Tensor vespo_phi_mean)");
   m.def(
       "_linear_grpo_forward(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor? old_log_probs, "
       "Tensor? bias, Tensor? ref_log_probs, Tensor? loss_weights, Tensor? label_counts, float epsilon_low, "
       "float epsilon_high, float? delta, float beta, float? divisor, float logits_scale_factor, "
       "bool compute_entropy, int? chunk_size, " RL_LOSSES_POLICY_ARGS ", Tensor? document_index, "
-      "bool[3] output_mask) -> " RL_LOSSES_POLICY_OUTS ", Tensor vespo_phi_mean, "
+      "int? num_documents, bool[3] output_mask) -> " RL_LOSSES_POLICY_OUTS ", Tensor vespo_phi_mean, "
       RL_LOSSES_LINEAR_GRADS ")");
   m.def(
       "linear_gspo(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor? old_log_probs, "

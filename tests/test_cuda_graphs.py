@@ -1,7 +1,7 @@
 """The loss step on a GPU without the host: no synchronisation, a CUDA graph, a fixed few launches (CUDA only).
 
-A call whose sizes are known on the host (a `divisor` given, `num_documents` for GSPO, DPO's pairs on the
-device) must not wait for the device: a training step then runs ahead of the GPU, and the whole loss step,
+A call whose sizes are known on the host (a `divisor` given, `num_documents` with `document_index`, DPO's pairs
+on the device) must not wait for the device: a training step then runs ahead of the GPU, and the whole loss step,
 forward and backward, can be captured in a `torch.cuda.CUDAGraph` and replayed. Three checks:
 - under `torch.cuda.set_sync_debug_mode("error")`, fwd+bwd of each op with static-size arguments raises no
   synchronisation;
@@ -74,13 +74,22 @@ def _grpo(options):
 
 
 def _policy(options, d):
-    """Options that name an input ("ref", "rollout") get that tensor of `d`."""
+    """Options that name an input ("ref", "rollout", "doc") get that tensor of `d`."""
     out = dict(options)
     if out.pop("with_ref", False):
         out["ref_log_probs"] = d["ref"]
     if out.pop("with_rollout", False):
         out["rollout_log_probs"] = d["rollout"]
+    if out.pop("with_doc", False):
+        out["document_index"] = d["doc"]
     return out
+
+
+def _grpo_documents(options):
+    """grpo_loss over the DOCS documents, their count given (ours; the reference needs none)."""
+    _, ref = _grpo({**options, "with_doc": True})
+    return (lambda x, d: rl_losses.grpo_loss(x, d["target"], d["adv"], d["old"], divisor=150.0, num_documents=DOCS,
+                                             **_policy({**options, "with_doc": True}, d)).loss), ref
 
 
 def _gspo(mod, x, d):
@@ -110,6 +119,8 @@ CASES = [
     Case("grpo_cispo", *_grpo({"loss_type": "cispo", "epsilon_high": 4.0})),
     Case("grpo_sapo_entropy", *_grpo({"loss_type": "sapo", "entropy_coefficient": 0.01})),
     Case("grpo_token_truncate", *_grpo({"with_rollout": True, "rollout_correction": "token_truncate"})),
+    Case("grpo_sequence_truncate", *_grpo_documents({"with_rollout": True, "rollout_correction": "sequence_truncate"})),
+    Case("grpo_vespo", *_grpo_documents({"loss_type": "vespo"})),
     Case("gspo", lambda x, d: _gspo(rl_losses, x, d), lambda x, d: _gspo(reference, x, d)),
     Case("dpo", lambda x, d: _dpo(rl_losses, x, d), lambda x, d: _dpo(reference, x, d)),
     Case("linear_ce", lambda h, w, d: rl_losses.linear_cross_entropy(h, w, d["target"], divisor=150.0, chunk_size=96),

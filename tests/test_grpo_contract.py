@@ -55,14 +55,17 @@ def _opcheck_cases(device):
     counts = torch.full_like(advantages, 2.0)
     # _grpo_forward(logits, target, advantages, old, ref, weights, label_counts, ε_l, ε_h, δ, β, divisor, s,
     #               compute_entropy, row_stats, vocab_start, vocab_size, <the policy family's options>,
-    #               document_index[, compute_grad])
+    #               document_index, num_documents[, compute_grad])
     positional = (ref, weights, counts, 0.2, 0.25, 1.5, 0.04, None, 1.1, True, None, 0, -1,
-                  *POLICY_DEFAULTS, None)
+                  *POLICY_DEFAULTS, None, None)
+    documents = torch.arange(12, device=device).view(6, 2) // 5
     return {
         "grpo": (_ops.grpo.default, (leaf, target, advantages, old), {}),
         "grpo_options": (_ops.grpo.default, (leaf, target, advantages, old),
                          dict(ref_log_probs=ref, beta=0.04, delta=1.5, loss_weights=weights, label_counts=counts,
                               divisor=3.0, logits_scale_factor=1.1, compute_entropy=True)),
+        "grpo_documents": (_ops.grpo.default, (leaf, target, advantages, old),
+                           dict(loss_type="vespo", document_index=documents, num_documents=4)),
         "grpo_no_grad": (_ops.grpo.default, (logits, target, advantages, old), {}),
         # Without autograd: inplace_backward refuses the leaves that opcheck's autograd tests need.
         "grpo_inplace": (_ops.grpo.default, (logits.clone(), target, advantages, old), dict(inplace_backward=True)),
@@ -74,8 +77,8 @@ def _opcheck_cases(device):
     }
 
 
-@pytest.mark.parametrize("case", ["grpo", "grpo_options", "grpo_no_grad", "grpo_inplace", "_grpo_forward",
-                                  "_grpo_forward_no_grad", "_grpo_forward_inplace"])
+@pytest.mark.parametrize("case", ["grpo", "grpo_options", "grpo_documents", "grpo_no_grad", "grpo_inplace",
+                                  "_grpo_forward", "_grpo_forward_no_grad", "_grpo_forward_inplace"])
 def test_opcheck(case, device):
     op, args, kwargs = _opcheck_cases(device)[case]
     torch.library.opcheck(op, args, kwargs)

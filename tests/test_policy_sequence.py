@@ -101,8 +101,10 @@ def test_sequence_weights_match_verl(threshold):
     assert rel_err(out.rollout_weight_mean, weights[mask].mean()) <= 1e-6
 
 
-def test_sequence_sum_matches_reference_documents(device):
-    """Packed documents, one spanning two rows: ρ_s sums over the whole document, CPU and CUDA vs float64."""
+@pytest.mark.parametrize("num_documents", [None, 4, 7], ids=["counted", "given", "given_larger"])
+def test_sequence_sum_matches_reference_documents(num_documents, device):
+    """Packed documents, one spanning two rows: ρ_s sums over the whole document, CPU and CUDA vs float64; with
+    num_documents given (no host synchronisation), also a larger count than the ids need."""
     logits, target, _, _, old, _, rollout = make_batch(3, 8, 50, device=device)
     doc = torch.tensor([[0] * 5 + [1] * 3, [1] * 4 + [2] * 4, [3] * 6 + [-1] * 2], device=device)
     target = torch.where(doc < 0, -100, target)
@@ -114,7 +116,7 @@ def test_sequence_sum_matches_reference_documents(device):
                 rollout_mask_bounds=(0.8, 1.2))
             old_arg = None if on_policy else old
             x = logits.clone().requires_grad_()
-            out = rl_losses.grpo_loss(x, target, advantages, old_arg, **options)
+            out = rl_losses.grpo_loss(x, target, advantages, old_arg, num_documents=num_documents, **options)
             out.loss.backward()
             x64 = logits.double().requires_grad_()
             opts64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
@@ -126,6 +128,39 @@ def test_sequence_sum_matches_reference_documents(device):
             assert_grad_close(x.grad, x64.grad, torch.float32)
             for name in ("rollout_ratio_mean", "rollout_weight_mean", "rollout_corrected_fraction"):
                 assert_close(getattr(out, name), getattr(expected, name), torch.float32, msg=name)
+
+
+def test_linear_grpo_takes_num_documents(device):
+    """linear_grpo_loss with document_index and num_documents equals the float64 reference on the logits."""
+    g = torch.Generator(device=device).manual_seed(5)
+    hidden = torch.randn(12, 16, device=device, generator=g, dtype=torch.float64)
+    weight = torch.randn(30, 16, device=device, generator=g, dtype=torch.float64) * 0.3
+    target = torch.randint(0, 30, (12,), device=device, generator=g)
+    target[[2, 7]] = -100
+    doc = torch.tensor([0] * 5 + [1] * 4 + [2] * 3, device=device)
+    advantages = torch.randn(12, device=device, generator=g, dtype=torch.float64)
+    logits = hidden @ weight.T
+    old = label_log_probs64(logits, target) + 0.2 * torch.randn(12, device=device, generator=g, dtype=torch.float64)
+    rollout = old + 0.1 * torch.randn(12, device=device, generator=g, dtype=torch.float64)
+    options = dict(rollout_log_probs=rollout, rollout_correction="sequence_truncate", rollout_cap=1.05,
+                   document_index=doc)
+    out = rl_losses.linear_grpo_loss(hidden, weight, target, advantages, old, num_documents=3, chunk_size=5, **options)
+    expected = reference.grpo_loss(logits, target, advantages, old, **options)
+    assert_close(out.loss, expected.loss, torch.float64)
+    assert_close(out.rollout_weight_mean, expected.rollout_weight_mean, torch.float64)
+
+
+def test_num_documents_errors(device):
+    logits, target, _, advantages, old, _, rollout = make_batch(2, 6, 20, device=device)
+    doc = torch.tensor([[0] * 6, [1] * 3 + [2] * 3], device=device)
+    options = dict(rollout_log_probs=rollout, rollout_correction="sequence_truncate")
+    with pytest.raises(RuntimeError, match="num_documents = 3 counts the ids of document_index, which is not given"):
+        rl_losses.grpo_loss(logits, target, advantages, old, num_documents=3, **options)
+    with pytest.raises(RuntimeError, match=r"num_documents must be in \[0, \d+\], got -1"):
+        rl_losses.grpo_loss(logits, target, advantages, old, document_index=doc, num_documents=-1, **options)
+    if device == "cpu":  # CUDA: a device-side assert (or the host check of RL_LOSSES_CHECK_INPUTS=1)
+        with pytest.raises(RuntimeError, match="document_index holds 2 but num_documents is 2"):
+            rl_losses.grpo_loss(logits, target, advantages, old, document_index=doc, num_documents=2, **options)
 
 
 # ---- GSPO: the importance-weighted KL through R_s --------------------------------------------------------------------

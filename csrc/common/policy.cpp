@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <limits>
 
+#include "common/checks.h"
+
 namespace rl_losses {
 
 PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, double epsilon_low,
@@ -113,8 +115,8 @@ at::Tensor broadcast_per_sequence(const char* op, const char* name, const at::Te
   return t;  // check_per_token reports any other shape
 }
 
-SequenceIds sequence_ids(const char* op, const std::optional<at::Tensor>& document_index, const at::Tensor& target,
-                         const char* why) {
+SequenceIds sequence_ids(const char* op, const std::optional<at::Tensor>& document_index,
+                         std::optional<int64_t> num_documents, const at::Tensor& target, const char* why) {
   SequenceIds s;
   if (document_index) {
     const at::Tensor& d = *document_index;
@@ -123,7 +125,16 @@ SequenceIds sequence_ids(const char* op, const std::optional<at::Tensor>& docume
                 op, ": document_index must be an integer tensor shaped like target ", target.sizes(), " on ",
                 target.device(), ", got ", d.scalar_type(), " ", d.sizes(), " on ", d.device());
     s.ids = d.reshape({-1}).to(at::kLong).contiguous();
-    s.count = s.ids.numel() > 0 ? std::max<int64_t>(s.ids.max().item<int64_t>() + 1, 0) : 0;
+    if (num_documents) {
+      check_num_documents(op, *num_documents);
+      s.count = *num_documents;
+      if (!s.ids.is_cuda() && s.ids.numel() > 0) {  // CUDA: a device-side assert (GrpoSequenceTerms)
+        const int64_t high = s.ids.max().item<int64_t>();  // CPU: no device to synchronise with
+        TORCH_CHECK(high < s.count, op, ": document_index holds ", high, " but num_documents is ", s.count);
+      }
+    } else {
+      s.count = s.ids.numel() > 0 ? std::max<int64_t>(s.ids.max().item<int64_t>() + 1, 0) : 0;
+    }
     return s;
   }
   TORCH_CHECK(target.dim() >= 2, op, ": ", why, " needs the sequences: pass document_index, or labels shaped ",

@@ -92,7 +92,8 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, d
 at::Tensor broadcast_per_sequence(const char* op, const char* name, const at::Tensor& t, const at::Tensor& target);
 
 // The sequences of GRPO's sequence-level options (a sequence-level rollout correction, vespo): from
-// document_index (negative = padding; `ids` flattened, int64; the count is max + 1, read on the host) or,
+// document_index (negative = padding; `ids` flattened, int64; the count is num_documents, or else max + 1, read
+// on the host: the one synchronisation of a call, which num_documents avoids) or,
 // without it, the rows of the labels' leading dimensions ((B, T) labels: sequence = row b, B sequences; `ids`
 // undefined and `row_length` = T: the kernels take i / T).
 struct SequenceIds {
@@ -100,8 +101,8 @@ struct SequenceIds {
   int64_t row_length = 0;
   int64_t count = 0;
 };
-SequenceIds sequence_ids(const char* op, const std::optional<at::Tensor>& document_index, const at::Tensor& target,
-                         const char* why);
+SequenceIds sequence_ids(const char* op, const std::optional<at::Tensor>& document_index,
+                         std::optional<int64_t> num_documents, const at::Tensor& target, const char* why);
 
 template <size_t... I>
 auto tensors_as_tuple(const std::vector<at::Tensor>& v, std::index_sequence<I...>) {

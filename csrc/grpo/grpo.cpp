@@ -18,7 +18,8 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
                                      std::optional<double> divisor, double logits_scale_factor, bool compute_entropy,
                                      const std::optional<at::Tensor>& row_stats,
                                      const std::optional<at::Tensor>& rollout_log_probs,
-                                     const std::optional<at::Tensor>& document_index, const PolicyArgs& policy,
+                                     const std::optional<at::Tensor>& document_index,
+                                     std::optional<int64_t> num_documents, const PolicyArgs& policy,
                                      const GrpoBackend& backend) {
   const char* op = src.op();
   const FlatLogits& f = src.flat();
@@ -39,6 +40,8 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
   TORCH_CHECK(!document_index || sequence_rollout || vespo, op, ": document_index groups the tokens of a "
               "sequence-level rollout_correction or of loss_type 'vespo'; got it with rollout_correction = '",
               policy.rollout_correction.value_or("None"), "' and loss_type '", policy.loss_type, "'");
+  TORCH_CHECK(!num_documents || document_index, op, ": num_documents = ", num_documents.value_or(0),
+              " counts the ids of document_index, which is not given");
 
   const auto opts = src.acc_options();
   const auto acc = opts.dtype().toScalarType();
@@ -68,7 +71,7 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
     // log-prob (vespo's log-ratios lp − old; on-policy, the rollout ratios with old = lp), the statistics are
     // computed first (one more read of the logits, as GSPO's) and the loss pass reads them; otherwise the sums
     // take only inputs and the loss stays one pass over the logits.
-    const SequenceIds seq = sequence_ids(op, document_index, target,
+    const SequenceIds seq = sequence_ids(op, document_index, num_documents, target,
                                          vespo ? "loss_type 'vespo'" : "a sequence-level rollout_correction");
     const bool on_policy = !rows.old_log_probs.defined();
     const bool needs_log_probs = (vespo && !on_policy) || (on_policy && rollout.defined());

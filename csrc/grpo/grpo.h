@@ -310,7 +310,8 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
                                      std::optional<double> divisor, double logits_scale_factor, bool compute_entropy,
                                      const std::optional<at::Tensor>& row_stats,
                                      const std::optional<at::Tensor>& rollout_log_probs,
-                                     const std::optional<at::Tensor>& document_index, const PolicyArgs& policy,
+                                     const std::optional<at::Tensor>& document_index,
+                                     std::optional<int64_t> num_documents, const PolicyArgs& policy,
                                      const GrpoBackend& backend);
 
 template <const GrpoBackend& (*kBackend)()>
@@ -323,10 +324,11 @@ struct GrpoOps {
                       const Opt& stats, int64_t vs, int64_t vn, SV loss_type, double tau_pos, double tau_neg,
                       const Opt& rollout, std::optional<SV> correction, double cap,
                       std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
-                      double kp, double lamp, double kn, double lamn, const Opt& doc, bool compute_grad) {
+                      double kp, double lamp, double kn, double lamn, const Opt& doc, std::optional<int64_t> n_docs,
+                      bool compute_grad) {
     LogitsSource src("grpo", logits, target, vs, vn, compute_grad, false);
     auto o = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, stats, rollout,
-                          doc,
+                          doc, n_docs,
                           policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
                                       lamp, kn, lamn),
                           kBackend());
@@ -339,10 +341,11 @@ struct GrpoOps {
                               bool entropy, const Opt& stats, int64_t vs, int64_t vn, SV loss_type, double tau_pos,
                               double tau_neg, const Opt& rollout, std::optional<SV> correction, double cap,
                               std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
-                              double kp, double lamp, double kn, double lamn, const Opt& doc) {
+                              double kp, double lamp, double kn, double lamn, const Opt& doc,
+                              std::optional<int64_t> n_docs) {
     LogitsSource src("grpo", logits, target, vs, vn, false, true);
     auto o = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, stats, rollout,
-                          doc,
+                          doc, n_docs,
                           policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
                                       lamp, kn, lamn),
                           kBackend());

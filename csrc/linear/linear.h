@@ -63,10 +63,11 @@ struct LinearGrpoOp {
                       std::optional<double> d, double s, bool entropy, std::optional<int64_t> chunk,
                       SV loss_type, double tau_pos, double tau_neg, const Opt& rollout, std::optional<SV> correction,
                       double cap, std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
-                      double kp, double lamp, double kn, double lamn, const Opt& doc, std::array<bool, 3> mask) {
+                      double kp, double lamp, double kn, double lamn, const Opt& doc, std::optional<int64_t> n_docs,
+                      std::array<bool, 3> mask) {
     LinearSource src("linear_grpo", hidden, weight, bias, target, chunk, mask, kWeightGrad);
     auto out = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, std::nullopt,
-                            rollout, doc,
+                            rollout, doc, n_docs,
                             policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
                                         lamp, kn, lamn),
                             kBackend());

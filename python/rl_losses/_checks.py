@@ -230,6 +230,14 @@ def _check_delta_beta(op, epsilon_high, delta, beta, ref_log_probs):
     _check(beta == 0 or ref_log_probs is not None, op, "beta = ", _num(beta), " > 0 needs ref_log_probs")
 
 
+def sequence_count(op, document_index, num_documents):
+    # grpo's num_documents (the sequence-level options' count of document ids); the ids' range is the data's.
+    _check(num_documents is None or document_index is not None, op, "num_documents = ", num_documents,
+           " counts the ids of document_index, which is not given")
+    if num_documents is not None:
+        check_num_documents(op, num_documents)
+
+
 def grpo_options(op, logits, target, n_rows, advantages, old_log_probs, ref_log_probs, loss_weights, label_counts,
                  epsilon_low, epsilon_high, delta, beta, divisor, s, row_stats):
     check_scale(op, s)

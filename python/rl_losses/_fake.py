@@ -95,7 +95,7 @@ def _grad(logits, compute_grad):
 def _check_grpo(logits, target, advantages, old_log_probs, ref_log_probs=None, loss_weights=None, label_counts=None,
                 epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0, divisor=None, logits_scale_factor=1.0,
                 compute_entropy=False, row_stats=None, vocab_start=0, vocab_size=-1, *policy, document_index=None,
-                inplace=False, **policy_kwargs):
+                num_documents=None, inplace=False, **policy_kwargs):
     op = "grpo"
     rows = _checks.check_and_flatten(op, logits, target, vocab_start, vocab_size)
     if inplace:
@@ -103,6 +103,7 @@ def _check_grpo(logits, target, advantages, old_log_probs, ref_log_probs=None, l
     _checks.grpo_options(op, logits, target, target.numel(), advantages, old_log_probs, ref_log_probs, loss_weights,
                          label_counts, epsilon_low, epsilon_high, delta, beta, divisor, logits_scale_factor, row_stats)
     _check_policy(op, target, epsilon_high, delta, policy, policy_kwargs)
+    _checks.sequence_count(op, document_index, num_documents)
 
 
 def _policy_values(positional, keywords):
@@ -125,14 +126,15 @@ def _grpo(logits, target, advantages, old_log_probs, *, inplace_backward=False, 
 
 @register_fake("rl_losses::_grpo_forward")
 def _grpo_forward(logits, target, advantages, old_log_probs, *args):
-    # (..., vocab_size, <10 policy args>, document_index, compute_grad)
-    _check_grpo(logits, target, advantages, old_log_probs, *args[:-2], document_index=args[-2])
+    # (..., vocab_size, <14 policy args>, document_index, num_documents, compute_grad)
+    _check_grpo(logits, target, advantages, old_log_probs, *args[:-3], document_index=args[-3], num_documents=args[-2])
     return tuple(_policy_outputs(logits, target) + [_grad(logits, args[-1])])
 
 
 @register_fake("rl_losses::_grpo_forward_inplace")
 def _grpo_forward_inplace(logits, target, advantages, old_log_probs, *args):
-    _check_grpo(logits, target, advantages, old_log_probs, *args[:-1], document_index=args[-1], inplace=True)
+    _check_grpo(logits, target, advantages, old_log_probs, *args[:-2], document_index=args[-2], num_documents=args[-1],
+                inplace=True)
     return tuple(_policy_outputs(logits, target))
 
 
@@ -236,12 +238,13 @@ def _linear_cross_entropy_forward(hidden, weight, target, bias, s, eps, z, lw, r
 def _check_linear_grpo(hidden, weight, target, advantages, old_log_probs, bias=None, ref_log_probs=None,
                        loss_weights=None, label_counts=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
                        divisor=None, logits_scale_factor=1.0, compute_entropy=False, chunk_size=None, *policy,
-                       document_index=None, **policy_kwargs):
+                       document_index=None, num_documents=None, **policy_kwargs):
     op = "linear_grpo"
     _checks.check_linear(op, hidden, weight, bias, target, chunk_size)
     _checks.grpo_options(op, hidden, target, target.numel(), advantages, old_log_probs, ref_log_probs, loss_weights,
                          label_counts, epsilon_low, epsilon_high, delta, beta, divisor, logits_scale_factor, None)
     _check_policy(op, target, epsilon_high, delta, policy, policy_kwargs)
+    _checks.sequence_count(op, document_index, num_documents)
 
 
 @register_fake("rl_losses::linear_grpo")
@@ -252,8 +255,9 @@ def _linear_grpo(hidden, weight, target, advantages, old_log_probs, **kwargs):
 
 @register_fake("rl_losses::_linear_grpo_forward")
 def _linear_grpo_forward(hidden, weight, target, advantages, old_log_probs, bias, *args):
-    # (..., chunk_size, <10 policy args>, document_index, output_mask)
-    _check_linear_grpo(hidden, weight, target, advantages, old_log_probs, bias, *args[:-2], document_index=args[-2])
+    # (..., chunk_size, <14 policy args>, document_index, num_documents, output_mask)
+    _check_linear_grpo(hidden, weight, target, advantages, old_log_probs, bias, *args[:-3], document_index=args[-3],
+                       num_documents=args[-2])
     return tuple(_policy_outputs(hidden, target) + _linear_grads(hidden, weight, bias, args[-1]))
 
 

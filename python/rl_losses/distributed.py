@@ -220,7 +220,7 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
               logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
               compute_entropy: bool = False, inplace_backward: bool = False, vocab_start: int | None = None,
               vocab_size: int | None = None, document_index: torch.Tensor | None = None,
-              **policy) -> PolicyLossOutput:
+              num_documents: int | None = None, **policy) -> PolicyLossOutput:
     """Vocabulary-parallel GRPO; see rl_losses.grpo_loss (``policy``: its policy-family
     options), and cross_entropy above for the shard arguments. The loss and metrics are identical on every rank
     of ``tp_group``."""
@@ -234,7 +234,7 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
                     epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
                     logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
                     inplace_backward=inplace_backward, row_stats=stats, vocab_start=start, vocab_size=total,
-                    document_index=document_index, **policy)
+                    document_index=document_index, num_documents=num_documents, **policy)
     return _grpo_output(out, compute_entropy, policy, ref_log_probs)
 
 

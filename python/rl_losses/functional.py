@@ -134,7 +134,8 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
               rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
               kl_estimator: str = "k3", kl_importance_weighted: bool = False, entropy_coefficient: float = 0.0,
               vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
-              vespo_lambda_neg: float = 2.0, document_index: torch.Tensor | None = None) -> PolicyLossOutput:
+              vespo_lambda_neg: float = 2.0, document_index: torch.Tensor | None = None,
+              num_documents: int | None = None) -> PolicyLossOutput:
     """GRPO: per-token clipped importance ratio (docs/math.md), fused with its metrics.
 
     Args:
@@ -164,6 +165,8 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
             and the loss is the same on every rank (docs/distributed.md). None: one device.
         document_index: (...) int, the sequence of each token for a sequence-level rollout correction or
             loss_type "vespo" (negative = padding; default: the rows of (B, T) labels).
+        num_documents: the count of ``document_index``'s ids (default: max(document_index) + 1, read on the host:
+            a synchronisation on a GPU, which giving it avoids; CUDA checks the ids against it on the device).
         The policy-family options (loss_type ... entropy_coefficient) are described below.
     Returns: PolicyLossOutput: ``loss`` (differentiable scalar), then the detached metrics new_logprobs,
         clipped_fraction_low/high, kl_old, entropy (None unless ``compute_entropy`` or an entropy bonus), log_probs (per
@@ -180,13 +183,17 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
                                      ref_log_probs=ref_log_probs, beta=beta, loss_weights=loss_weights,
                                      divisor=_divisor(divisor), logits_scale_factor=logits_scale_factor,
                                      label_counts=label_counts, compute_entropy=compute_entropy,
-                                     inplace_backward=inplace_backward, document_index=document_index, **policy)
+                                     inplace_backward=inplace_backward, document_index=document_index,
+                                     num_documents=num_documents, **policy)
     _check_labels("grpo", target, _vocab_size(logits, -1))
+    if document_index is not None:
+        _check_document_ids("grpo", document_index, num_documents)
     out = _ops.grpo(logits, target, advantages, old_log_probs, ref_log_probs=ref_log_probs,
                     loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
                     epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
                     logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                    inplace_backward=inplace_backward, document_index=document_index, **policy)
+                    inplace_backward=inplace_backward, document_index=document_index, num_documents=num_documents,
+                    **policy)
     return _grpo_output(out, compute_entropy, policy, ref_log_probs)
 
 
@@ -332,7 +339,8 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                      kl_estimator: str = "k3", kl_importance_weighted: bool = False,
                      entropy_coefficient: float = 0.0, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
                      vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
-                     document_index: torch.Tensor | None = None) -> PolicyLossOutput:
+                     document_index: torch.Tensor | None = None,
+                     num_documents: int | None = None) -> PolicyLossOutput:
     """GRPO of ``hidden @ weight.T (+ bias)`` without materialising the logits. ``target``, ``advantages``,
     ``old_log_probs`` and the options (the policy family's included) are those of ``grpo_loss``; returns its PolicyLossOutput."""
     policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
@@ -341,11 +349,14 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                             vespo_lambda_neg)
     weight, bias = _plain_lm_head("linear_grpo", hidden, weight, bias)
     _check_labels("linear_grpo", target, _vocab_size(weight, 0))
+    if document_index is not None:
+        _check_document_ids("linear_grpo", document_index, num_documents)
     out = _ops.linear_grpo(hidden, weight, target, advantages, old_log_probs, bias=bias, ref_log_probs=ref_log_probs,
                            loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
                            epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
                            logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                           chunk_size=chunk_size, document_index=document_index, **policy)
+                           chunk_size=chunk_size, document_index=document_index, num_documents=num_documents,
+                           **policy)
     return _grpo_output(out, compute_entropy, policy, ref_log_probs)
 
 
