@@ -46,7 +46,7 @@ class LanguageModelLossKwargs:
     rollout_log_probs = "rollout_log_probs"  # float, under the inference engine (GRPO's rollout_correction)
     label_counts = "label_counts"  # int/float, labelled-token count of each token's document
     document_index = "document_index"  # int, 0-based document of each token, negative = padding (GSPO)
-    num_documents = "num_documents"  # int, size of the per-document buffers (GSPO; default max(index) + 1)
+    num_documents = "num_documents"  # int, the count of document_index's ids (default max(index) + 1, a sync)
     num_labels_in_batch = "num_labels_in_batch"  # token-mean divisor (global under data parallelism)
     num_documents_in_batch = "num_documents_in_batch"  # document-mean divisor (global under data parallelism)
     loss_mask = "loss_mask"  # bool, tokens the z-loss covers
@@ -272,7 +272,10 @@ class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
                  logits_scale_factor=cfg.logits_scale_factor,
                  label_counts=batch.get(LanguageModelLossKwargs.label_counts),
                  compute_entropy=cfg.metrics == "with_entropy",
-                 document_index=document_index if by_sequence else None, **self._family(batch),
+                 document_index=document_index if by_sequence else None,
+                 num_documents=batch.get(LanguageModelLossKwargs.num_documents)
+                 if by_sequence and document_index is not None else None,
+                 **self._family(batch),
                  **self._options(kernel))
         return out.loss, self._metrics(out, batch, mask)
 

@@ -159,8 +159,13 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
               sapo_temperature_neg=1.05, rollout_log_probs=None, rollout_correction=None, rollout_cap=3.0,
               rollout_mask_bounds=None, kl_estimator="k3", kl_importance_weighted=False, entropy_coefficient=0.0,
               vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
-              document_index=None) -> PolicyLossOutput:
-    """GRPO per token with the policy family of docs/policy_losses.md; see PolicyLossOutput."""
+              document_index=None, num_documents=None) -> PolicyLossOutput:
+    """GRPO per token with the policy family of docs/policy_losses.md; see PolicyLossOutput. ``num_documents``
+    only bounds ``document_index``'s ids (the sums per sequence do not depend on it)."""
+    if num_documents is not None and document_index is not None and document_index.numel():
+        if int(document_index.max()) >= num_documents:
+            raise ValueError(f"grpo: document_index holds {int(document_index.max())} but num_documents is "
+                             f"{num_documents}")
     logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
     mask = target >= 0
     maskf = mask.to(logp.dtype)
