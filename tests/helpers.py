@@ -1,7 +1,13 @@
-"""Helpers shared by the loss tests: random inputs, float64 label log-probs, gradient comparison, and a
-gradcheck that works with the ops' one-backward-per-forward contract."""
+"""Helpers shared by the loss tests: random inputs, float64 label log-probs, gradient comparison, a gradcheck
+that works with the ops' one-backward-per-forward contract, and a gloo world of processes."""
+import datetime
+import os
+import tempfile
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import rl_losses
 from rl_losses import reference
@@ -194,3 +200,23 @@ def gspo_token_shares(case, inputs: dict, expected: dict) -> torch.Tensor:
     divisor = o.get("divisor") or max(int((torch.zeros(n_docs, dtype=torch.float64).index_add_(
         0, safe, mask) > 0).sum()), 1)
     return (kappa * f / divisor).view(inputs["target"].shape)
+
+
+def _gloo_worker(rank, compute, world, path, out_dir):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's connections on the loopback interface only
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.save(compute(rank), os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # neither rank closes its connections while the other still uses them
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_world_results(compute, world=2):
+    """Each rank's `compute(rank)` (a module-level function returning tensors), run in `world` gloo processes
+    on the CPU whose group is dist.group.WORLD; returns the list of the ranks' results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_gloo_worker, args=(compute, world, os.path.join(tmp, "store"), tmp), nprocs=world, join=True)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]

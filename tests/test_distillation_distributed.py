@@ -1,19 +1,15 @@
 """Vocabulary-parallel distillation on gloo: 2 processes (CPU tensors, FileStore rendezvous) each hold a column
 shard of the student's and the teacher's logits; every rank's loss must equal the single-process loss on the
 whole vocabulary and its gradient the single-process gradient's column block, for every kind."""
-import datetime
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import rl_losses
 
 from conftest import assert_close
-from helpers import assert_grad_close
+from helpers import assert_grad_close, gloo_world_results
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -44,29 +40,19 @@ def _run(logits, teacher, kwargs, tp_group=None):
     return {"loss": out.loss.detach(), "divergence": out.divergence, "grad": x.grad}
 
 
-def _worker(rank, path, out_dir):
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's connections on the loopback interface only
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(path, WORLD), rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        results = {}
-        for name, (_, _, _, vocab, cut) in CASES.items():
-            logits, teacher, _, kwargs = _inputs(name)
-            cols = slice(0, cut) if rank == 0 else slice(cut, vocab)
-            results[name] = _run(logits[..., cols].contiguous(), teacher[..., cols].contiguous(), kwargs,
-                                 tp_group=dist.group.WORLD)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # neither rank closes its connections while the other still uses them
-    finally:
-        dist.destroy_process_group()
+def _rank_results(rank):
+    results = {}
+    for name, (_, _, _, vocab, cut) in CASES.items():
+        logits, teacher, _, kwargs = _inputs(name)
+        cols = slice(0, cut) if rank == 0 else slice(cut, vocab)
+        results[name] = _run(logits[..., cols].contiguous(), teacher[..., cols].contiguous(), kwargs,
+                             tp_group=dist.group.WORLD)
+    return results
 
 
 @pytest.fixture(scope="module")
 def world_results():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"), tmp), nprocs=WORLD, join=True)
-        yield [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    return gloo_world_results(_rank_results, WORLD)
 
 
 @pytest.mark.parametrize("name", list(CASES))
