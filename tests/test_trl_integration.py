@@ -76,6 +76,7 @@ DEFAULTS = dict(loss_type="grpo", importance_sampling_level="token", beta=0.0, n
                 epsilon_high=0.15)
 SEQ = dict(importance_sampling_level="sequence")
 KL = dict(beta=0.05, use_bias_correction_kl=False)
+ASCENT = dict(ascent=True)  # the test's parameter update goes up the loss's gradient (not a GRPOConfig option)
 CASES = {  # GRPOConfig options over DEFAULTS (num_iterations=2: old log-probs reused after an update)
     "grpo-on-policy": dict(num_iterations=1),
     "grpo-kl": KL,
@@ -101,13 +102,14 @@ CASES = {  # GRPOConfig options over DEFAULTS (num_iterations=2: old log-probs r
     "cispo-gspo": dict(SEQ, loss_type="cispo", epsilon_high=1.1),
     "gspo-kl": dict(SEQ, **KL),
     "gspo-kl-bias-corrected": dict(SEQ, **dict(KL, use_bias_correction_kl=True)),
-    "gspo-delta": dict(SEQ, delta=1.2),
-    "gspo-delta-kl-bias-corrected": dict(SEQ, **dict(KL, use_bias_correction_kl=True), delta=1.2),
+    # delta caps R_s where A < 0: the update ascends (ASCENT), which raises those sequences' ratios above it
+    "gspo-delta": dict(SEQ, **ASCENT, delta=1.2),
+    "gspo-delta-kl-bias-corrected": dict(SEQ, **ASCENT, **dict(KL, use_bias_correction_kl=True), delta=1.2),
     # TRL's bonus is a token mean; grpo and sapo weigh tokens by 1/|o_i| (moved into the advantages)
     "grpo-entropy-bonus": dict(entropy_coef=0.3),
     "grpo-entropy-bonus-delta-on-policy": dict(entropy_coef=0.3, delta=1.2, num_iterations=1),
     "sapo-entropy-bonus": dict(loss_type="sapo", entropy_coef=0.3),
-    "gspo-entropy-bonus": dict(SEQ, entropy_coef=0.3, delta=1.2),
+    "gspo-entropy-bonus": dict(SEQ, **ASCENT, entropy_coef=0.3, delta=1.2),
     "sapo-gspo-entropy-bonus": dict(SEQ, loss_type="sapo", entropy_coef=0.3),
     # vLLM's importance-sampling correction, from simulated engine log-probs (simulate_vllm)
     "vllm-token_truncate": dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=1.2),
@@ -174,6 +176,7 @@ def capped_sequences(trainer, x):
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_trl(case):
     options = dict(DEFAULTS, **CASES[case])
+    step_size = -2.0 if options.pop("ascent", False) else 2.0
     vllm = "vllm_importance_sampling_mode" in options
     iterations = options["num_iterations"]
     vocab_size = 97
@@ -224,9 +227,9 @@ def test_matches_trl(case):
             clipped += theirs._metrics["train"].get(name, [0.0])[-1]
         with torch.no_grad():  # the same update on both: large enough that the reused batch's ratios clip
             for p, q in zip(theirs.model.parameters(), ours.model.parameters()):
-                p -= 2.0 * p.grad
+                p -= step_size * p.grad
                 q.copy_(p)
-    if iterations > 1 and options["loss_type"] not in ("sapo", "vespo"):
+    if iterations > 1 and options["loss_type"] not in ("sapo", "vespo") and step_size > 0:
         assert clipped > 0, "the test never reached the clipped region"
     if options.get("delta") and options["importance_sampling_level"] == "sequence":
         assert capped > 0, "the test never reached a sequence ratio above delta"
