@@ -1,9 +1,10 @@
 """rl_losses.integrations.trl.GRPOTrainer against TRL's own GRPOTrainer, on a tiny causal LM and a tokenizer
 built in code (no download), with a rule-based reward: from the same weights and seed, the generated batch,
 the old-policy and reference log-probs, the per-step loss, the gradient of every parameter and TRL's metrics
-agree (fp32), for each TRL loss_type the fused loss covers, importance_sampling_level="sequence" (GSPO), the
-ratio-weighted KL (use_bias_correction_kl) and vLLM's importance-sampling correction (simulated engine
-log-probs). The loss step's peak memory is measured at a vocabulary where the logits dominate."""
+agree (fp32), for each TRL loss_type the fused loss covers, importance_sampling_level="sequence" (GSPO, with
+delta), the ratio-weighted KL (use_bias_correction_kl), vLLM's importance-sampling correction (simulated engine
+log-probs), the entropy bonus (static, and adaptive over accumulated micro-batches); the options without a fused
+form keep TRL's formula. The loss step's peak memory is measured at a vocabulary where the logits dominate."""
 import copy
 import math
 import tempfile
@@ -319,15 +320,25 @@ def test_op_options_maps_trl_config():
     assert rl_trl.op_options(trainer) == ({}, "loss_type='unknown'")
 
 
-def test_unsupported_options_keep_trls_formula():
-    """off_policy_mask_threshold has no fused form here: the loss is TRL's formula over rl_losses' log-probs."""
+FALLBACKS = {  # options without a fused form, and the reason given
+    "off_policy_mask": (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+    "top_entropy_quantile": (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
+    "grpo-entropy-bonus-kl": (dict(loss_type="grpo", entropy_coef=0.3, beta=0.05),
+                              "an entropy bonus with loss_type='grpo' and beta"),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_unsupported_options_keep_trls_formula(case):
+    """Options without a fused form: the loss is TRL's formula over rl_losses' log-probs."""
+    options, reason = FALLBACKS[case]
     vocab_size = 53
     tok = make_tokenizer(vocab_size)
     torch.manual_seed(1)
-    model = make_model(vocab_size)
-    theirs = make_trainer(trl.GRPOTrainer, copy.deepcopy(model), tok, vocab_size, off_policy_mask_threshold=0.5)
-    ours = make_trainer(rl_trl.GRPOTrainer, copy.deepcopy(model), tok, vocab_size, off_policy_mask_threshold=0.5)
-    assert "off_policy_mask_threshold" in ours._rl_losses_fallback
+    model = saved_model(vocab_size)
+    theirs = make_trainer(trl.GRPOTrainer, model, tok, vocab_size, **options)
+    ours = make_trainer(rl_trl.GRPOTrainer, model, tok, vocab_size, **options)
+    assert reason in ours._rl_losses_fallback
     batch = next(iter(theirs.get_train_dataloader()))
     losses = []
     for trainer in (theirs, ours):
