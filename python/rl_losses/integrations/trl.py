@@ -301,8 +301,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _update_entropy_coef(self, entropy_sum, count):
         """TRL's adaptive entropy controller, from the op's entropy (its mean over the labelled tokens times their
         count): the window's sums accumulate over the micro-batches; at the optimizer step their mean over the
-        processes moves ``entropy_coef`` by ``entropy_coef_delta`` towards ``entropy_target`` (up when the
-        entropy is at or below it), within [entropy_coef_min, entropy_coef_max], for the next window."""
+        processes raises ``entropy_coef`` by ``entropy_coef_delta`` if it is at or below ``entropy_target``, else
+        lowers it, within [entropy_coef_min, entropy_coef_max], for the next window."""
         stats = torch.stack([entropy_sum, count.to(entropy_sum.dtype)])
         self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
         if not self.accelerator.sync_gradients:
