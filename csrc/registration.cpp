@@ -101,14 +101,15 @@ TORCH_LIBRARY(rl_losses, m) {
   // group. Its first 3 columns alone are accepted where the others are unused. Extra outputs: document_ratios R_s
   // (num_documents,), then vespo_phi_mean.
 #define RL_LOSSES_GSPO_ARGS                                                                                   \
-  "int? num_documents, Tensor? label_counts, float epsilon_low, float epsilon_high, str weighting, "          \
-  "bool token_advantages, float? divisor, float logits_scale_factor, bool compute_entropy, Tensor? row_stats, " \
-  "Tensor? document_sums, int vocab_start, int vocab_size, Tensor? ref_log_probs, float beta, "                \
+  "int? num_documents, Tensor? label_counts, float epsilon_low, float epsilon_high, float? delta, "           \
+  "str weighting, bool token_advantages, float? divisor, float logits_scale_factor, bool compute_entropy, "    \
+  "Tensor? row_stats, Tensor? document_sums, int vocab_start, int vocab_size, Tensor? ref_log_probs, "          \
+  "float beta, "                                                                                               \
   RL_LOSSES_POLICY_ARGS
   m.def(
       "gspo(Tensor logits, Tensor target, Tensor advantages, Tensor? old_log_probs, Tensor document_index, *, "
       "int? num_documents=None, Tensor? label_counts=None, float epsilon_low=0.2, float epsilon_high=0.2, "
-      "str weighting=\"document\", bool token_advantages=False, float? divisor=None, "
+      "float? delta=None, str weighting=\"document\", bool token_advantages=False, float? divisor=None, "
       "float logits_scale_factor=1.0, bool compute_entropy=False, bool inplace_backward=False, "
       "Tensor? row_stats=None, Tensor? document_sums=None, int vocab_start=0, int vocab_size=-1, "
       "Tensor? ref_log_probs=None, float beta=0.0, " RL_LOSSES_POLICY_KWARGS ") -> "
@@ -155,15 +156,16 @@ TORCH_LIBRARY(rl_losses, m) {
   m.def(
       "linear_gspo(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor? old_log_probs, "
       "Tensor document_index, *, Tensor? bias=None, int? num_documents=None, Tensor? label_counts=None, "
-      "float epsilon_low=0.2, float epsilon_high=0.2, str weighting=\"document\", bool token_advantages=False, "
-      "float? divisor=None, float logits_scale_factor=1.0, bool compute_entropy=False, int? chunk_size=None, "
-      "Tensor? ref_log_probs=None, float beta=0.0, " RL_LOSSES_POLICY_KWARGS ") -> "
+      "float epsilon_low=0.2, float epsilon_high=0.2, float? delta=None, str weighting=\"document\", "
+      "bool token_advantages=False, float? divisor=None, float logits_scale_factor=1.0, bool compute_entropy=False, "
+      "int? chunk_size=None, Tensor? ref_log_probs=None, float beta=0.0, " RL_LOSSES_POLICY_KWARGS ") -> "
       RL_LOSSES_POLICY_OUTS ", Tensor document_ratios, Tensor vespo_phi_mean)");
   m.def(
       "_linear_gspo_forward(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor? old_log_probs, "
       "Tensor document_index, Tensor? bias, int? num_documents, Tensor? label_counts, float epsilon_low, "
-      "float epsilon_high, str weighting, bool token_advantages, float? divisor, float logits_scale_factor, "
-      "bool compute_entropy, int? chunk_size, Tensor? ref_log_probs, float beta, " RL_LOSSES_POLICY_ARGS ", "
+      "float epsilon_high, float? delta, str weighting, bool token_advantages, float? divisor, "
+      "float logits_scale_factor, bool compute_entropy, int? chunk_size, Tensor? ref_log_probs, float beta, "
+      RL_LOSSES_POLICY_ARGS ", "
       "bool[3] output_mask) -> " RL_LOSSES_POLICY_OUTS ", "
       "Tensor document_ratios, Tensor vespo_phi_mean, " RL_LOSSES_LINEAR_GRADS ")");
 

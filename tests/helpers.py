@@ -186,7 +186,7 @@ def gspo_token_shares(case, inputs: dict, expected: dict) -> torch.Tensor:
     else:
         f = reference._surrogate(o.get("loss_type", "ppo_clip"), ratio, adv, lp, o.get("epsilon_low", 0.2),
                                  o.get("epsilon_high", 0.2), o.get("sapo_temperature_pos", 1.0),
-                                 o.get("sapo_temperature_neg", 1.05))
+                                 o.get("sapo_temperature_neg", 1.05), o.get("delta"))
         if mode is not None:
             if mode.startswith("sequence"):
                 log_rho = reference._sequence_sum(log_rho, mask > 0, doc)

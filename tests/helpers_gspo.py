@@ -17,7 +17,7 @@ DOC_METRICS = ("new_logprobs", "clipped_fraction_low", "clipped_fraction_high", 
 
 # ---- the explicit per-document reference ------------------------------------------------------------------
 def loop_reference(logits, target, advantages, old_log_probs, document_index, *, num_documents=None,
-                   label_counts=None, epsilon_low=0.2, epsilon_high=0.2, weighting="document",
+                   label_counts=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, weighting="document",
                    token_advantages=False, divisor=None, logits_scale_factor=1.0, compute_entropy=False):
     """GSPO (docs/math.md) in float64, one document at a time. `logits` may require grad (the loss is differentiable
     through the per-token log-probs).
@@ -47,6 +47,9 @@ def loop_reference(logits, target, advantages, old_log_probs, document_index, *,
                                 dtype=torch.float64))
     per_doc = zip(*(v[order].split(sizes) for v in (token_lp, old, adv, counts)))
 
+    def cap(r):  # the two-sided clip: min(r, δ) in the unclipped term
+        return r if delta is None else torch.clamp(r, max=delta)
+
     doc_losses, doc_ratios, doc_mean_lp, low, high, kl = [], [], [], [], [], []
     for s, (lp, old_s, adv_s, n) in enumerate(per_doc):
         if not sizes[s]:  # a document without a labelled token contributes nothing
@@ -60,9 +63,9 @@ def loop_reference(logits, target, advantages, old_log_probs, document_index, *,
             # Each token's own advantage in the sequence ratio; its gradient flows through its own lp only.
             tok_ratio = (lp - lp.detach()).exp() * ratio.detach()
             clipped = tok_ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
-            f = (u * -torch.minimum(tok_ratio * adv_s, clipped * adv_s)).sum()
+            f = (u * -torch.minimum(cap(tok_ratio) * adv_s, clipped * adv_s)).sum()
         else:
-            f = -torch.minimum(ratio * mean_adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * mean_adv)
+            f = -torch.minimum(cap(ratio) * mean_adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * mean_adv)
         if weighting == "token":
             f = f * n[0]
         doc_losses.append(f)

@@ -20,8 +20,8 @@ EXAMPLES = [
     {"type": "z_loss", "weight": 1e-3, "use_cuda_kernel": True},
     {"type": "grpo", "epsilon_low": 0.1, "epsilon_high": 0.28, "delta": 2.0, "beta": 0.04, "metrics": "basic",
      "loss_normalization": "dr_grpo", "max_completion_length": 512, "logits_scale_factor": 1 / 0.7},
-    {"type": "gspo", "epsilon_low": 3e-4, "epsilon_high": 4e-4, "weighting": "token", "token_advantages": True,
-     "metrics": "with_entropy"},
+    {"type": "gspo", "epsilon_low": 3e-4, "epsilon_high": 4e-4, "delta": 1.5, "weighting": "token",
+     "token_advantages": True, "metrics": "with_entropy"},
 ]
 CLASSES = {"label": LanguageModelLabelEntropyLossConfig, "z_loss": LanguageModelZLossConfig,
            "grpo": LanguageModelGRPOLossConfig, "gspo": LanguageModelGSPOLossConfig}
@@ -54,7 +54,7 @@ def test_documented_defaults():  # docs/api.md
     assert (grpo.epsilon_low, grpo.epsilon_high, grpo.delta, grpo.beta) == (0.2, 0.2, None, 0.0)
     assert grpo.loss_normalization == "token" and grpo.metrics == "none"
     gspo = LanguageModelGSPOLossConfig()
-    assert (gspo.weighting, gspo.token_advantages) == ("document", False)
+    assert (gspo.weighting, gspo.token_advantages, gspo.delta) == ("document", False, None)
     assert isinstance(gspo, LanguageModelPolicyGradientLossConfig)
 
 
@@ -141,7 +141,11 @@ ERRORS = [
     ({"type": "gspo", "weighting": "sequence"}, ValueError,
      r"\.weighting must be one of \['document', 'token'\], got 'sequence'"),
     ({"type": "gspo", "token_advantages": 1}, TypeError, r"\.token_advantages must be True or False, got 1"),
-    ({"type": "gspo", "delta": 2.0}, ValueError, r"GSPOLossConfig: unknown field\(s\) \['delta'\]"),
+    ({"type": "gspo", "delta": 1.1}, ValueError, r"GSPOLossConfig\.delta must be > 1 \+ epsilon_high = 1.2, got 1.1"),
+    ({"type": "gspo", "delta": 2.0, "loss_type": "sapo"}, ValueError,
+     r"GSPOLossConfig\.delta must be None with loss_type='sapo'"),
+    ({"type": "gspo", "loss_normalization": "token"}, ValueError,
+     r"GSPOLossConfig: unknown field\(s\) \['loss_normalization'\]"),
 ]
 
 

@@ -94,7 +94,7 @@ CASES = {
     "tp2_grpo_weights_fp32": Case("grpo", tp=2, dtype=torch.float32, documents=DOCS_29, give_label_counts=True,
                                   options=dict(divisor=7.0, logits_scale_factor=1.25, loss_weights=True)),
     "tp2_gspo_document": Case("gspo", tp=2, documents=DOCS_29, masked_documents=(3,),
-                              options=dict(compute_entropy=True, **POLICY)),
+                              options=dict(compute_entropy=True, delta=1.28, **POLICY)),
     "tp2_gspo_token_inplace_fp32": Case("gspo", tp=2, dtype=torch.float32, documents=DOCS_29, inplace=True,
                                         options=dict(weighting="token", num_documents=6)),
     "tp2_ce_uneven": Case("cross_entropy", tp=2, vocab=25, vocab_cuts=(0, 13, 25),
@@ -138,7 +138,7 @@ CASES = {
         loss_type="vespo", beta=0.05, kl_importance_weighted=True, rollout_correction="token_truncate")),
     # -- world 2: SDP=2 -------------------------------------------------------------------------------------
     "sdp2_gspo_document": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 11, 29), masked_documents=(2,),
-                               options=dict(compute_entropy=True, **POLICY)),
+                               options=dict(compute_entropy=True, delta=1.28, **POLICY)),
     "sdp2_gspo_token_fp32": Case("gspo", sdp=2, dtype=torch.float32, documents=DOCS_29, seq_cuts=(0, 14, 29),
                                  options=dict(weighting="token", num_documents=7, divisor=3.0)),
     "sdp2_gspo_token_advantages": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 6, 29),

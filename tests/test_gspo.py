@@ -137,6 +137,37 @@ def test_tiny_clip_range(dtype, device):
 
 
 # ---- options ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["document", "token", "token_advantages"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=_id)
+def test_delta(case, dtype, device):
+    """The two-sided clip δ of R_s (TRL's delta at importance_sampling_level="sequence"): seven documents with
+    designed ratios on both sides of the clip range and of δ = 1.4, two of them above δ with Ā_s < 0 (the
+    region where δ matters: loss −δ·Ā_s, no gradient), against both references; without δ they differ."""
+    delta, designed = 1.4, torch.tensor([0.7, 0.95, 1.1, 1.25, 1.5, 2.0, 1.45], dtype=torch.float64)
+    doc = _packed(device)
+    logits, target, _, _ = make_inputs(doc.shape, 256, dtype, device, doc, masked=0.3)
+    signs = torch.tensor([-1.0, 1.0, -1.0, 1.0, -1.0, -1.0, 1.0], device=device)
+    advantages = (signs * 0.8)[doc.clamp_min(0)] + 0.1 * torch.randn(doc.shape, device=device)
+    # old = lp − log R_s + noise that sums to zero over each document: its mean log-ratio lands on log R_s.
+    noise = 0.05 * torch.randn(doc.shape, dtype=torch.float64, device=device)
+    lab = ((target >= 0) & (doc >= 0)).double()
+    per_doc = torch.zeros(8, dtype=torch.float64, device=device).index_add_(0, doc.clamp_min(0).flatten(),
+                                                                             (noise * lab).flatten())
+    count = torch.zeros(8, dtype=torch.float64, device=device).index_add_(0, doc.clamp_min(0).flatten(), lab.flatten())
+    noise = (noise - (per_doc / count.clamp_min(1))[doc.clamp_min(0)]) * lab
+    old = (label_log_probs64(logits, target) - designed.to(device).log()[doc.clamp_min(0)] + noise).to(dtype)
+    kwargs = {"document": {}, "token": {"weighting": "token"}, "token_advantages": {"token_advantages": True}}[case]
+    out, grad = check(logits, target, advantages, old, doc, 1.2, delta=delta, **kwargs)
+    assert_close(out.document_ratios[:7], designed.to(device), dtype, msg="designed ratios")
+    capped = (doc == 4) | (doc == 5)
+    labelled = target >= 0
+    assert torch.count_nonzero(grad[capped & labelled]) == 0 and torch.count_nonzero(grad[~capped & labelled]) > 0
+    plain, plain_grad = run_op(logits, target, advantages, old, doc, 1.2, **kwargs)
+    assert (out.loss - plain.loss).abs() > 1e-3 and torch.count_nonzero(plain_grad[capped & labelled]) > 0
+    for metric in DOC_METRICS:  # the metrics read the uncapped R_s
+        assert_close(getattr(out, metric), getattr(plain, metric), dtype, msg=metric)
+
+
 @pytest.mark.parametrize("weighting", ["document", "token"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
 def test_token_advantages_with_constant_advantages_equals_gspo(dtype, weighting, device):

@@ -52,15 +52,15 @@ def _opcheck_cases(device):
     leaf = logits.clone().requires_grad_()
     counts = torch.full_like(advantages, 4.0)
     # _gspo_forward(logits, target, advantages, old, document_index, num_documents, label_counts, ε_l, ε_h,
-    #               weighting, token_advantages, divisor, s, compute_entropy, row_stats, document_sums,
+    #               delta, weighting, token_advantages, divisor, s, compute_entropy, row_stats, document_sums,
     #               vocab_start, vocab_size, ref_log_probs, beta, <the policy family's options>[, compute_grad])
-    positional = (3, None, 0.2, 0.25, "document", False, None, 1.1, True, None, None, 0, -1, None, 0.0,
+    positional = (3, None, 0.2, 0.25, 1.5, "document", False, None, 1.1, True, None, None, 0, -1, None, 0.0,
                   *POLICY_DEFAULTS)
     return {
         "gspo": (_ops.gspo.default, (leaf, target, advantages, old, doc), dict(num_documents=3)),
         "gspo_options": (_ops.gspo.default, (leaf, target, advantages, old, doc),
                          dict(num_documents=4, label_counts=counts, weighting="token", token_advantages=True,
-                              divisor=2.0, logits_scale_factor=0.9, compute_entropy=True)),
+                              divisor=2.0, logits_scale_factor=0.9, compute_entropy=True, delta=1.3)),
         "gspo_inferred_num_documents": (_ops.gspo.default, (leaf, target, advantages, old, doc), {}),
         "gspo_no_grad": (_ops.gspo.default, (logits, target, advantages, old, doc), dict(num_documents=3)),
         # Without autograd: inplace_backward refuses the leaves that opcheck's autograd tests need.
@@ -93,7 +93,7 @@ def test_compile_fullgraph(backend, device):
 
     def fn(x, target, advantages, old, document_index):
         out = rl_losses.gspo_loss(x * 2, target, advantages, old, document_index, num_documents=n_docs,
-                                  logits_scale_factor=0.5, weighting="token")
+                                  logits_scale_factor=0.5, weighting="token", delta=1.3)
         return out.loss, out.kl_old, out.document_ratios
 
     logits, target, advantages, old = make_inputs(doc.shape, 129, torch.float32, device, doc)
@@ -105,7 +105,7 @@ def test_compile_fullgraph(backend, device):
 def test_cpu_matches_cuda(dtype):
     doc = _packed("cpu")
     logits, target, advantages, old = make_inputs(doc.shape, 1000, dtype, "cpu", doc)
-    kwargs = dict(weighting="token", compute_entropy=True, logits_scale_factor=1.1)
+    kwargs = dict(weighting="token", compute_entropy=True, logits_scale_factor=1.1, delta=1.3)
     cpu, cpu_grad = run_op(logits, target, advantages, old, doc, 1.3, **kwargs)
     gpu, gpu_grad = run_op(logits.cuda(), target.cuda(), advantages.cuda(), old.cuda(), doc.cuda(), 1.3, **kwargs)
     for metric in ("loss",) + DOC_METRICS + ("entropy", "document_ratios", "log_probs"):
@@ -145,6 +145,17 @@ def _bad_call(case, device):
                          "divisor must be finite and > 0, got 0"),
         "num_documents_negative": (lambda: gspo(logits, target, advantages, old, doc, num_documents=-1),
                                    "num_documents"),
+        "delta_below_clip": (lambda: gspo(logits, target, advantages, old, doc, epsilon_high=0.3, delta=1.25),
+                             r"gspo: delta must exceed 1 \+ epsilon_high = 1.3, got 1.25"),
+        "delta_infinite": (lambda: gspo(logits, target, advantages, old, doc, delta=float("inf")),
+                           r"gspo: delta must be finite \(leave it unset for no cap\), got inf"),
+        "delta_sapo": (lambda: gspo(logits, target, advantages, old, doc, delta=2.0, loss_type="sapo"),
+                       r"gspo: delta \(the two-sided clip\) applies to loss_type 'ppo_clip' only, got loss_type "
+                       r"'sapo' with delta = 2"),
+        "linear_delta_below_clip": (lambda: rl_losses.linear_gspo_loss(logits, torch.randn(5, 7, device=device),
+                                                                       target.clamp(max=4), advantages, old, doc,
+                                                                       delta=1.1),
+                                    r"linear_gspo: delta must exceed 1 \+ epsilon_high = 1.2, got 1.1"),
     }
     return cases[case]
 
@@ -152,7 +163,7 @@ def _bad_call(case, device):
 BAD_CASES = ["doc_id_too_large", "doc_index_shape", "doc_index_float", "weighting", "epsilon_low_negative",
              "epsilon_low_one", "epsilon_high_negative", "advantages_shape", "old_log_probs_shape",
              "label_counts_shape", "advantages_int", "target_shape", "scale_negative", "divisor_zero",
-             "num_documents_negative"]
+             "num_documents_negative", "delta_below_clip", "delta_infinite", "delta_sapo", "linear_delta_below_clip"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)

@@ -198,8 +198,9 @@ def packed_documents(lengths, padding, device):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
 @pytest.mark.parametrize("chunk_size", [None, 5, 7])
-@pytest.mark.parametrize("weighting,token_advantages", [("document", False), ("token", False), ("document", True)])
-def test_gspo_matches_reference(device, dtype, chunk_size, weighting, token_advantages):
+@pytest.mark.parametrize("weighting,token_advantages,delta", [("document", False, None), ("token", False, None),
+                                                               ("document", True, None), ("token", False, 1.35)])
+def test_gspo_matches_reference(device, dtype, chunk_size, weighting, token_advantages, delta):
     # 4 documents of 7, 9, 4 and 3 tokens and 2 padding tokens: chunks of 5 or 7 rows cut through documents.
     document_index = packed_documents([7, 9, 4, 3], 2, device)
     n, vocab = document_index.numel(), 61
@@ -209,8 +210,12 @@ def test_gspo_matches_reference(device, dtype, chunk_size, weighting, token_adva
     lp = torch.log_softmax(logits64, -1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
     old = (lp + 0.1 * torch.randn(n, device=device, dtype=torch.float64)).float()
     advantages = torch.randn(n, device=device)
+    if delta is not None:  # documents 0 and 3 above δ with negative advantages: the cap is on
+        doc = document_index.clamp_min(0)
+        old = old - torch.tensor([1.6, 0.9, 1.1, 1.5], device=device).log()[doc]
+        advantages = torch.tensor([-1.0, 1.0, 1.0, -1.0], device=device)[doc] + 0.2 * advantages
     options = dict(num_documents=4, weighting=weighting, token_advantages=token_advantages, compute_entropy=True,
-                   epsilon_low=0.2, epsilon_high=0.3)
+                   epsilon_low=0.2, epsilon_high=0.3, delta=delta)
     (h, w, bb), (h64, w64, b64) = leaves(hidden, weight, b)
     out = rl_losses.linear_gspo_loss(h, w, target, advantages, old, document_index, bias=bb, chunk_size=chunk_size,
                                      **options)
@@ -276,7 +281,7 @@ def _opcheck_cases(device):
     return {
         "linear_cross_entropy": (_ops.linear_cross_entropy, (*req[:2], t), dict(bias=req[2], chunk_size=3)),
         "linear_grpo": (_ops.linear_grpo, (*req[:2], t, a, o), dict(bias=req[2], chunk_size=4)),
-        "linear_gspo": (_ops.linear_gspo, (*req[:2], t, a, o, d), dict(num_documents=3, chunk_size=3)),
+        "linear_gspo": (_ops.linear_gspo, (*req[:2], t, a, o, d), dict(num_documents=3, chunk_size=3, delta=1.5)),
     }
 
 

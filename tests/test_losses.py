@@ -32,6 +32,7 @@ CONFIGS = [
     {"type": "gspo", "metrics": "basic", "epsilon_low": 3e-4, "epsilon_high": 4e-4},
     {"type": "gspo", "metrics": "with_entropy", "weighting": "token", "logits_scale_factor": 2.0},
     {"type": "gspo", "metrics": "basic", "token_advantages": True},
+    {"type": "gspo", "metrics": "basic", "delta": 1.4},  # R_s = e^0.5 ≈ 1.65 is capped
 ]
 
 
@@ -104,7 +105,7 @@ def expected_loss(cfg, logits, batch, ops=reference):
                             divisor=divisor, label_counts=batch["label_counts"], **common)
     else:
         out = ops.gspo_loss(logits, labels, adv, old, batch["document_index"], num_documents=batch["num_documents"],
-                            label_counts=batch["label_counts"], weighting=cfg.weighting,
+                            label_counts=batch["label_counts"], delta=cfg.delta, weighting=cfg.weighting,
                             token_advantages=cfg.token_advantages, divisor=n_docs, **common)
     return out.loss, out
 

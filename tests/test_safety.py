@@ -199,6 +199,8 @@ def _bad_inputs():
         ("weighting", lambda d: gspo(d, weighting="sequence", num_documents=1), "weighting must be"),
         ("float_doc", lambda d: gspo(d, doc=torch.zeros(4, device=d), num_documents=1), "document_index must be"),
         ("num_documents", lambda d: gspo(d, num_documents=2**40), "num_documents must be in"),
+        ("gspo_delta", lambda d: gspo(d, delta=1.1, num_documents=1), "delta must exceed"),
+        ("gspo_delta_sapo", lambda d: gspo(d, delta=2.0, loss_type="sapo", num_documents=1), "applies to loss_type"),
         ("weight_dim", lambda d: lin(d, weight=torch.randn(7, device=d)), "weight must be a 2-D"),
         ("chunk_size", lambda d: lin(d, chunk_size=0), "chunk_size must be >= 1"),
     ]

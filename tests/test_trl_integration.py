@@ -1,9 +1,10 @@
 """rl_losses.integrations.trl.GRPOTrainer against TRL's own GRPOTrainer, on a tiny causal LM and a tokenizer
 built in code (no download), with a rule-based reward: from the same weights and seed, the generated batch,
 the old-policy and reference log-probs, the per-step loss, the gradient of every parameter and TRL's metrics
-agree (fp32), for each TRL loss_type the fused loss covers, importance_sampling_level="sequence" (GSPO), the
-ratio-weighted KL (use_bias_correction_kl) and vLLM's importance-sampling correction (simulated engine
-log-probs). The loss step's peak memory is measured at a vocabulary where the logits dominate."""
+agree (fp32), for each TRL loss_type the fused loss covers, importance_sampling_level="sequence" (GSPO, with
+delta), the ratio-weighted KL (use_bias_correction_kl), vLLM's importance-sampling correction (simulated engine
+log-probs), the entropy bonus (static, and adaptive over accumulated micro-batches); the options without a fused
+form keep TRL's formula. The loss step's peak memory is measured at a vocabulary where the logits dominate."""
 import copy
 import math
 import tempfile
@@ -76,6 +77,7 @@ DEFAULTS = dict(loss_type="grpo", importance_sampling_level="token", beta=0.0, n
                 epsilon_high=0.15)
 SEQ = dict(importance_sampling_level="sequence")
 KL = dict(beta=0.05, use_bias_correction_kl=False)
+ASCENT = dict(ascent=True)  # the test's parameter update goes up the loss's gradient (not a GRPOConfig option)
 CASES = {  # GRPOConfig options over DEFAULTS (num_iterations=2: old log-probs reused after an update)
     "grpo-on-policy": dict(num_iterations=1),
     "grpo-kl": KL,
@@ -101,6 +103,15 @@ CASES = {  # GRPOConfig options over DEFAULTS (num_iterations=2: old log-probs r
     "cispo-gspo": dict(SEQ, loss_type="cispo", epsilon_high=1.1),
     "gspo-kl": dict(SEQ, **KL),
     "gspo-kl-bias-corrected": dict(SEQ, **dict(KL, use_bias_correction_kl=True)),
+    # delta caps R_s where A < 0: the update ascends (ASCENT), which raises those sequences' ratios above it
+    "gspo-delta": dict(SEQ, **ASCENT, delta=1.2),
+    "gspo-delta-kl-bias-corrected": dict(SEQ, **ASCENT, **dict(KL, use_bias_correction_kl=True), delta=1.2),
+    # TRL's bonus is a token mean; grpo and sapo weigh tokens by 1/|o_i| (moved into the advantages)
+    "grpo-entropy-bonus": dict(entropy_coef=0.3),
+    "grpo-entropy-bonus-delta-on-policy": dict(entropy_coef=0.3, delta=1.2, num_iterations=1),
+    "sapo-entropy-bonus": dict(loss_type="sapo", entropy_coef=0.3),
+    "gspo-entropy-bonus": dict(SEQ, **ASCENT, entropy_coef=0.3, delta=1.2),
+    "sapo-gspo-entropy-bonus": dict(SEQ, loss_type="sapo", entropy_coef=0.3),
     # vLLM's importance-sampling correction, from simulated engine log-probs (simulate_vllm)
     "vllm-token_truncate": dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=1.2),
     "vllm-token_mask": dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.8,
@@ -122,6 +133,8 @@ CASES = {  # GRPOConfig options over DEFAULTS (num_iterations=2: old log-probs r
                                       vllm_importance_sampling_mode="token_truncate"),
     "vllm-vespo-token_truncate": dict(loss_type="vespo", vllm_importance_sampling_mode="token_truncate",
                                       vllm_importance_sampling_clip_max=1.2),
+    "vllm-gspo-token_mask-entropy-bonus": dict(SEQ, entropy_coef=0.3, vllm_importance_sampling_mode="token_mask",
+                                               vllm_importance_sampling_clip_max=1.25),
 }
 METRICS = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
            "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean", "policy_loss",
@@ -149,9 +162,22 @@ def simulate_vllm(trainer, inputs, generator):
     return dict(inputs, sampling_per_token_logps=sampling, importance_sampling_ratio=ratio)
 
 
+def capped_sequences(trainer, x):
+    """The sequences where TRL's delta caps the sequence ratio (R_s > δ with A < 0), from TRL's own log-probs."""
+    mask = x["completion_mask"]
+    with torch.no_grad():
+        lp = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([x["prompt_ids"], x["completion_ids"]], 1),
+            torch.cat([x["prompt_mask"], mask], 1), mask.shape[1])[0]
+    old = lp if x.get("old_per_token_logps") is None else x["old_per_token_logps"]
+    ratio = torch.exp(((lp - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1))
+    return int(((ratio > trainer.args.delta) & (x["advantages"] < 0)).sum())
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_trl(case):
     options = dict(DEFAULTS, **CASES[case])
+    step_size = -2.0 if options.pop("ascent", False) else 2.0
     vllm = "vllm_importance_sampling_mode" in options
     iterations = options["num_iterations"]
     vocab_size = 97
@@ -163,7 +189,7 @@ def test_matches_trl(case):
     ours = make_trainer(rl_trl.GRPOTrainer, model, tok, vocab_size, vllm_importance_sampling_correction=vllm,
                         **options)
     batch = next(iter(theirs.get_train_dataloader()))
-    clipped = 0.0
+    clipped, capped = 0.0, 0
     for step in range(3):
         if step != 1 or iterations == 1:  # step 1 of num_iterations=2 reuses step 0's batch after an update
             inputs = []
@@ -181,6 +207,8 @@ def test_matches_trl(case):
                 inputs = [simulate_vllm(t, x, torch.Generator().manual_seed(step)) for t, x in zip((theirs, ours),
                                                                                                    inputs)]
         assert ours._rl_losses_fallback is None, ours._rl_losses_fallback
+        if options.get("delta") and options["importance_sampling_level"] == "sequence":
+            capped += capped_sequences(theirs, inputs[0])
         losses = []
         for trainer, x in zip((theirs, ours), inputs):
             trainer.model.zero_grad()
@@ -200,10 +228,59 @@ def test_matches_trl(case):
             clipped += theirs._metrics["train"].get(name, [0.0])[-1]
         with torch.no_grad():  # the same update on both: large enough that the reused batch's ratios clip
             for p, q in zip(theirs.model.parameters(), ours.model.parameters()):
-                p -= 2.0 * p.grad
+                p -= step_size * p.grad
                 q.copy_(p)
-    if iterations > 1 and options["loss_type"] not in ("sapo", "vespo"):
+    if iterations > 1 and options["loss_type"] not in ("sapo", "vespo") and step_size > 0:
         assert clipped > 0, "the test never reached the clipped region"
+    if options.get("delta") and options["importance_sampling_level"] == "sequence":
+        assert capped > 0, "the test never reached a sequence ratio above delta"
+
+
+def test_adaptive_entropy_matches_trl():
+    """use_adaptive_entropy over three optimizer steps of two accumulated micro-batches each (loss_type grpo: its
+    1/|o_i| in the advantages): per micro-batch the loss, per window the accumulated gradients, the applied
+    coefficient (TRL's gate on the previous step's entropy) and the controller's update from the window's
+    entropy agree. The target moves between the windows so that both sides of the gate and both branches of
+    the update are taken: coefficient 0.2 → 0.25 (nothing applied yet) → 0.3 (0.25 applied) → 0.25 (gated)."""
+    vocab_size = 97
+    tok = make_tokenizer(vocab_size)
+    torch.manual_seed(0)
+    model = saved_model(vocab_size)
+    options = dict(DEFAULTS, use_adaptive_entropy=True, entropy_coef=0.2, entropy_coef_delta=0.05,
+                   gradient_accumulation_steps=2)
+    trainers = [make_trainer(cls, model, tok, vocab_size, **options) for cls in (trl.GRPOTrainer, rl_trl.GRPOTrainer)]
+    theirs, ours = trainers
+    batches = iter(theirs.get_train_dataloader())
+    trajectory = []
+    for window, target in enumerate((10.0, 10.0, 0.0)):
+        for trainer in trainers:
+            trainer.args.entropy_target, trainer.current_gradient_accumulation_steps = target, 2
+            trainer.model.zero_grad()
+        applied = rl_trl.applied_entropy_coef(ours)
+        for micro in range(2):
+            batch = next(batches)
+            losses = []
+            for trainer in trainers:
+                trainer.accelerator.gradient_state._set_sync_gradients(micro == 1)
+                torch.manual_seed(100 * window + micro)
+                loss = trainer.compute_loss(trainer.model, trainer._generate_and_score_completions(batch))
+                loss.backward()
+                losses.append(loss.detach())
+            assert ours._rl_losses_fallback is None and ours._metrics["train"]["rl_losses/fused_loss"][-1] == 1.0
+            torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-7)
+        for (name, p), q in zip(theirs.model.named_parameters(), ours.model.parameters()):
+            assert_rel_close(q.grad, p.grad, f"window {window}: grad of {name}")
+        assert ours._last_world_entropy == pytest.approx(theirs._last_world_entropy, rel=1e-6)
+        assert ours.entropy_coef == pytest.approx(theirs.entropy_coef, abs=1e-12)
+        for name in ("entropy_coef", "policy_loss", "entropy"):
+            expected = theirs._metrics["train"][name]
+            assert ours._metrics["train"][name] == pytest.approx(expected, rel=1e-5, abs=1e-6), name
+        trajectory.append((applied, theirs.entropy_coef))
+        with torch.no_grad():
+            for p, q in zip(theirs.model.parameters(), ours.model.parameters()):
+                p -= p.grad
+                q.copy_(p)
+    assert trajectory == [pytest.approx(v) for v in ((0.0, 0.25), (0.25, 0.3), (0.0, 0.25))]
 
 
 def test_op_options_maps_trl_config():
@@ -231,22 +308,37 @@ def test_op_options_maps_trl_config():
     assert options["loss_type"] == "vespo" and "delta" not in options
     assert {k: options[k] for k in rl_trl._VESPO} == {k: getattr(trainer.args, k) for k in rl_trl._VESPO}
     trainer.loss_type, trainer.entropy_coef, trainer._entropy_bonus_enabled = "sapo", 0.1, True
-    assert "an entropy bonus with loss_type='sapo'" in rl_trl.op_options(trainer)[1]
-    trainer.use_adaptive_entropy = True
-    assert "use_adaptive_entropy" in rl_trl.op_options(trainer)[1]
+    assert "an entropy bonus with loss_type='sapo' and beta != 0" in rl_trl.op_options(trainer)[1]
+    trainer.beta = 0.0
+    options, reason = rl_trl.op_options(trainer)
+    assert options["entropy_coefficient"] == 0.1 and "entropy" not in reason
+    trainer.use_adaptive_entropy, trainer._last_world_entropy = True, math.inf  # TRL's gate: no bonus yet
+    assert rl_trl.op_options(trainer)[0]["entropy_coefficient"] == 0.0
+    trainer._last_world_entropy = trainer.args.entropy_target
+    assert rl_trl.op_options(trainer)[0]["entropy_coefficient"] == 0.1
     trainer.loss_type = "unknown"
     assert rl_trl.op_options(trainer) == ({}, "loss_type='unknown'")
 
 
-def test_unsupported_options_keep_trls_formula():
-    """off_policy_mask_threshold has no fused form here: the loss is TRL's formula over rl_losses' log-probs."""
+FALLBACKS = {  # options without a fused form, and the reason given
+    "off_policy_mask": (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+    "top_entropy_quantile": (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
+    "grpo-entropy-bonus-kl": (dict(loss_type="grpo", entropy_coef=0.3, beta=0.05),
+                              "an entropy bonus with loss_type='grpo' and beta"),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_unsupported_options_keep_trls_formula(case):
+    """Options without a fused form: the loss is TRL's formula over rl_losses' log-probs."""
+    options, reason = FALLBACKS[case]
     vocab_size = 53
     tok = make_tokenizer(vocab_size)
     torch.manual_seed(1)
-    model = make_model(vocab_size)
-    theirs = make_trainer(trl.GRPOTrainer, copy.deepcopy(model), tok, vocab_size, off_policy_mask_threshold=0.5)
-    ours = make_trainer(rl_trl.GRPOTrainer, copy.deepcopy(model), tok, vocab_size, off_policy_mask_threshold=0.5)
-    assert "off_policy_mask_threshold" in ours._rl_losses_fallback
+    model = saved_model(vocab_size)
+    theirs = make_trainer(trl.GRPOTrainer, model, tok, vocab_size, **options)
+    ours = make_trainer(rl_trl.GRPOTrainer, model, tok, vocab_size, **options)
+    assert reason in ours._rl_losses_fallback
     batch = next(iter(theirs.get_train_dataloader()))
     losses = []
     for trainer in (theirs, ours):

@@ -126,6 +126,13 @@ void check_epsilons(const char* op, double epsilon_low, double epsilon_high) {
               epsilon_high);
 }
 
+void check_delta(const char* op, std::optional<double> delta, double epsilon_high) {
+  TORCH_CHECK(!delta || std::isfinite(*delta), op, ": delta must be finite (leave it unset for no cap), got ",
+              delta ? *delta : 0.0);
+  TORCH_CHECK(!delta || *delta > 1 + epsilon_high, op, ": delta must exceed 1 + epsilon_high = ", 1 + epsilon_high,
+              ", got ", delta ? *delta : 0.0);
+}
+
 void check_num_documents(const char* op, int64_t num_documents) {
   TORCH_CHECK(num_documents >= 0 && num_documents <= kMaxDocuments, op, ": num_documents must be in [0, ",
               kMaxDocuments, "], got ", num_documents);

@@ -46,6 +46,8 @@ at::Tensor check_label_counts(const char* op, const at::Tensor& t, const at::Ten
 void check_scale(const char* op, double scale);
 void check_divisor(const char* op, std::optional<double> divisor);
 void check_epsilons(const char* op, double epsilon_low, double epsilon_high);
+// The two-sided clip δ of ppo_clip (grpo, gspo, policy_token_loss): unset, or finite and > 1 + ε_h.
+void check_delta(const char* op, std::optional<double> delta, double epsilon_high);
 // The per-document buffers hold num_documents rows: a bound far above any real batch turns a mistaken value
 // (e.g. 2**40) into this message rather than an allocator failure.
 constexpr int64_t kMaxDocuments = int64_t(1) << 31;

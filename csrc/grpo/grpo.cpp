@@ -25,10 +25,7 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
   const FlatLogits& f = src.flat();
   check_scale(op, logits_scale_factor);
   check_epsilons(op, epsilon_low, epsilon_high);
-  TORCH_CHECK(!delta || std::isfinite(*delta), op, ": delta must be finite (leave it unset for no cap), got ",
-              delta ? *delta : 0.0);
-  TORCH_CHECK(!delta || *delta > 1 + epsilon_high, op, ": delta must exceed 1 + epsilon_high = ", 1 + epsilon_high,
-              ", got ", delta ? *delta : 0.0);
+  check_delta(op, delta, epsilon_high);
   TORCH_CHECK(std::isfinite(beta) && beta >= 0, op, ": beta must be >= 0, got ", beta);
   TORCH_CHECK(beta == 0 || ref_log_probs.has_value(), op, ": beta = ", beta, " > 0 needs ref_log_probs");
   check_divisor(op, divisor);

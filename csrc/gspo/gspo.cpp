@@ -73,6 +73,7 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
   const FlatLogits& f = src.flat();
   check_scale(op, logits_scale_factor);
   check_epsilons(op, epsilon_low, epsilon_high);
+  check_delta(op, policy.delta, epsilon_high);
   check_divisor(op, divisor);
   check_row_stats(op, row_stats, f);
   TORCH_CHECK(weighting == "document" || weighting == "token", op,
@@ -83,7 +84,7 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
   const auto opts = src.acc_options();
   const auto acc = opts.dtype().toScalarType();
   GspoState g;
-  g.opt = make_policy_options(op, policy.args, epsilon_low, epsilon_high, std::nullopt, beta,
+  g.opt = make_policy_options(op, policy.args, epsilon_low, epsilon_high, policy.delta, beta,
                               policy.rollout_log_probs.has_value());
   g.target = f.target1d;
   g.document = check_per_token_int(op, "document_index", document_index, target);

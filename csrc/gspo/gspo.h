@@ -187,9 +187,10 @@ struct GspoDocumentTotals {
 
 // Per token: its share of the loss, κ_t·f(R_s, A)/D, and its gradient coefficient κ_t·(−∂f/∂lp)/D, with
 // A = Ā_s (or A_t for GSPO-token), κ_t = u_t (weighting "document") or m_t ("token") and f the surrogate of the
-// loss type at the sequence ratio R_s (common/policy_math.h: policy_surrogate; vespo: −φ_s·A·lp_t), times the
-// rollout weight (not vespo's: it is in φ), plus the token's own KL (β·KL_t, or β·R_s·KL_t importance weighted)
-// and entropy bonus (−c·H_t), each weighted by κ_t as well. Summing the shares of a document's tokens gives f_s
+// loss type at the sequence ratio R_s (common/policy_math.h: policy_surrogate, whose ppo_clip caps R_s at δ as
+// TRL's min(R_s, δ): no gradient above δ; vespo: −φ_s·A·lp_t), times the rollout weight (not vespo's: it is in
+// φ), plus the token's own KL (β·KL_t, or β·R_s·KL_t importance weighted, R_s uncapped) and entropy bonus
+// (−c·H_t), each weighted by κ_t as well. Summing the shares of a document's tokens gives f_s
 // (or N_s·f_s) because Σ u_t = 1 over the whole document. The importance-weighted KL reaches every token of the
 // document through R_s: ∂/∂lp_t of Σ_j κ_j·β·R_s·KL_j/D adds β·R_s·u_t·Σ_j κ_j·KL_j/D (kGspoKlShare) to the
 // token's own term (GSPO-token: only its own, through its own ratio). Also the per-token terms of the metrics:
@@ -337,6 +338,7 @@ struct GspoPolicyInputs {
   double beta = 0.0;
   std::optional<at::Tensor> rollout_log_probs;
   PolicyArgs args;
+  std::optional<double> delta;  // ppo_clip's two-sided clip of R_s (unset: none)
 };
 
 // The per-document sums of this rank's tokens (see registration.cpp: gspo_document_sums).
@@ -361,9 +363,10 @@ template <const GspoBackend& (*kBackend)()>
 struct GspoOps {
   using Opt = std::optional<at::Tensor>;
   using SV = c10::string_view;
+  using OptD = std::optional<double>;
   static auto forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv, const Opt& old,
                       const at::Tensor& doc, std::optional<int64_t> n_docs, const Opt& counts, double el, double eh,
-                      SV weighting, bool token_adv, std::optional<double> d, double s, bool entropy, const Opt& stats,
+                      OptD delta, SV weighting, bool token_adv, OptD d, double s, bool entropy, const Opt& stats,
                       const Opt& sums, int64_t vs, int64_t vn, const Opt& ref, double beta, SV loss_type,
                       double tau_pos, double tau_neg, const Opt& rollout, std::optional<SV> correction, double cap,
                       std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
@@ -371,7 +374,7 @@ struct GspoOps {
     LogitsSource src("gspo", logits, target, vs, vn, compute_grad, false);
     const GspoPolicyInputs p{ref, beta, rollout,
                              policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
-                                         lamp, kn, lamn)};
+                                         lamp, kn, lamn), delta};
     auto o = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d, s,
                           entropy, stats, sums, p, kBackend());
     o.push_back(src.grads()[0]);
@@ -379,7 +382,7 @@ struct GspoOps {
   }
   static auto forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
                               const Opt& old, const at::Tensor& doc, std::optional<int64_t> n_docs, const Opt& counts,
-                              double el, double eh, SV weighting, bool token_adv, std::optional<double> d, double s,
+                              double el, double eh, OptD delta, SV weighting, bool token_adv, OptD d, double s,
                               bool entropy, const Opt& stats, const Opt& sums, int64_t vs, int64_t vn,
                               const Opt& ref, double beta, SV loss_type, double tau_pos, double tau_neg,
                               const Opt& rollout, std::optional<SV> correction, double cap,
@@ -388,7 +391,7 @@ struct GspoOps {
     LogitsSource src("gspo", logits, target, vs, vn, false, true);
     const GspoPolicyInputs p{ref, beta, rollout,
                              policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
-                                         lamp, kn, lamn)};
+                                         lamp, kn, lamn), delta};
     auto o = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d, s,
                           entropy, stats, sums, p, kBackend());
     return tensors_as_tuple<kPolicyOutputs + 1>(o);

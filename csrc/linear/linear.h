@@ -81,8 +81,9 @@ struct LinearGspoOp {
   using SV = c10::string_view;
   static auto forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
                       const at::Tensor& adv, const Opt& old, const at::Tensor& doc, const Opt& bias,
-                      std::optional<int64_t> n_docs, const Opt& counts, double el, double eh, SV weighting,
-                      bool token_adv, std::optional<double> d, double s, bool entropy, std::optional<int64_t> chunk,
+                      std::optional<int64_t> n_docs, const Opt& counts, double el, double eh,
+                      std::optional<double> delta, SV weighting, bool token_adv, std::optional<double> d, double s,
+                      bool entropy, std::optional<int64_t> chunk,
                       const Opt& ref, double beta, SV loss_type, double tau_pos, double tau_neg, const Opt& rollout,
                       std::optional<SV> correction, double cap, std::optional<c10::ArrayRef<double>> bounds, SV kl,
                       bool kl_iw, double ent_coef, double kp, double lamp, double kn, double lamn,
@@ -90,7 +91,7 @@ struct LinearGspoOp {
     LinearSource src("linear_gspo", hidden, weight, bias, target, chunk, mask, kWeightGrad);
     const GspoPolicyInputs p{ref, beta, rollout,
                              policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
-                                         lamp, kn, lamn)};
+                                         lamp, kn, lamn), delta};
     auto out = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d,
                             s, entropy, std::nullopt, std::nullopt, p, kBackend());
     return linear_detail::with_grads<kPolicyOutputs + 4>(std::move(out), src);

@@ -25,10 +25,7 @@ std::vector<at::Tensor> policy_token_loss(const at::Tensor& log_probs, const std
   TORCH_CHECK(at::isFloatingType(log_probs.scalar_type()), op, ": log_probs must be a floating-point tensor, got ",
               log_probs.scalar_type());
   check_epsilons(op, epsilon_low, epsilon_high);
-  TORCH_CHECK(!delta || std::isfinite(*delta), op, ": delta must be finite (leave it unset for no cap), got ",
-              delta ? *delta : 0.0);
-  TORCH_CHECK(!delta || *delta > 1 + epsilon_high, op, ": delta must exceed 1 + epsilon_high = ", 1 + epsilon_high,
-              ", got ", delta ? *delta : 0.0);
+  check_delta(op, delta, epsilon_high);
   TORCH_CHECK(std::isfinite(beta) && beta >= 0, op, ": beta must be >= 0, got ", beta);
   TORCH_CHECK(beta == 0 || ref_log_probs, op, ": beta = ", beta, " > 0 needs ref_log_probs");
   // Loss types whose token loss depends on the rest of its sequence are the fused ops' alone: named here, so

@@ -220,12 +220,17 @@ def per_sequence(t, target):
     return t
 
 
-def _check_delta_beta(op, epsilon_high, delta, beta, ref_log_probs):
-    """The two-sided clip `delta` and the KL weight `beta` (grpo and policy_token_loss check them alike)."""
+def check_delta(op, epsilon_high, delta):
+    """The two-sided clip `delta` of ppo_clip (common/checks.cpp: check_delta)."""
     _check(delta is None or math.isfinite(delta), op, "delta must be finite (leave it unset for no cap), got ",
            _num(delta if delta is not None else 0.0))
     _check(delta is None or delta > 1 + epsilon_high, op, "delta must exceed 1 + epsilon_high = ",
            _num(1 + epsilon_high), ", got ", _num(delta if delta is not None else 0.0))
+
+
+def _check_delta_beta(op, epsilon_high, delta, beta, ref_log_probs):
+    """The two-sided clip `delta` and the KL weight `beta` (grpo and policy_token_loss check them alike)."""
+    check_delta(op, epsilon_high, delta)
     _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
     _check(beta == 0 or ref_log_probs is not None, op, "beta = ", _num(beta), " > 0 needs ref_log_probs")
 
@@ -257,9 +262,10 @@ def grpo_options(op, logits, target, n_rows, advantages, old_log_probs, ref_log_
 
 
 def gspo_options(op, logits, target, n_rows, advantages, old_log_probs, document_index, num_documents, label_counts,
-                 epsilon_low, epsilon_high, weighting, divisor, s, row_stats, document_sums):
+                 epsilon_low, epsilon_high, delta, weighting, divisor, s, row_stats, document_sums):
     check_scale(op, s)
     check_epsilons(op, epsilon_low, epsilon_high)
+    check_delta(op, epsilon_high, delta)
     check_divisor(op, divisor)
     check_row_stats(op, row_stats, logits, n_rows)
     _check(weighting in ("document", "token"), op, "weighting must be 'document' or 'token', got '", weighting, "'")

@@ -148,20 +148,20 @@ def _num_documents(num_documents, document_sums):
 
 
 # _gspo_forward(logits, target, advantages, old_log_probs, document_index, num_documents, label_counts, ε_l, ε_h,
-#   weighting, token_advantages, divisor, s, compute_entropy, row_stats, document_sums, vocab_start, vocab_size
-#   [, compute_grad])
+#   delta, weighting, token_advantages, divisor, s, compute_entropy, row_stats, document_sums, vocab_start,
+#   vocab_size[, compute_grad])
 def _check_gspo(logits, target, advantages, old_log_probs, document_index, num_documents=None, label_counts=None,
-                epsilon_low=0.2, epsilon_high=0.2, weighting="document", token_advantages=False, divisor=None,
-                logits_scale_factor=1.0, compute_entropy=False, row_stats=None, document_sums=None, vocab_start=0,
-                vocab_size=-1, ref_log_probs=None, beta=0.0, *policy, inplace=False, **policy_kwargs):
+                epsilon_low=0.2, epsilon_high=0.2, delta=None, weighting="document", token_advantages=False,
+                divisor=None, logits_scale_factor=1.0, compute_entropy=False, row_stats=None, document_sums=None,
+                vocab_start=0, vocab_size=-1, ref_log_probs=None, beta=0.0, *policy, inplace=False, **policy_kwargs):
     op = "gspo"
     rows = _checks.check_and_flatten(op, logits, target, vocab_start, vocab_size)
     if inplace:
         _checks.check_inplace(op, logits, rows)
     _checks.gspo_options(op, logits, target, target.numel(), advantages, old_log_probs, document_index,
-                         num_documents, label_counts, epsilon_low, epsilon_high, weighting, divisor,
+                         num_documents, label_counts, epsilon_low, epsilon_high, delta, weighting, divisor,
                          logits_scale_factor, row_stats, document_sums)
-    values = _check_policy(op, target, epsilon_high, None, policy, policy_kwargs)
+    values = _check_policy(op, target, epsilon_high, delta, policy, policy_kwargs)
     mode = values["rollout_correction"]
     kl_share = (values["kl_importance_weighted"] and beta != 0 and ref_log_probs is not None
                 and not token_advantages)
@@ -262,17 +262,17 @@ def _linear_grpo_forward(hidden, weight, target, advantages, old_log_probs, bias
 
 
 # _linear_gspo_forward(hidden, weight, target, advantages, old_log_probs, document_index, bias, num_documents,
-#   label_counts, ε_l, ε_h, weighting, token_advantages, divisor, s, compute_entropy, chunk_size, output_mask)
+#   label_counts, ε_l, ε_h, delta, weighting, token_advantages, divisor, s, compute_entropy, chunk_size, output_mask)
 def _check_linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, bias=None,
-                       num_documents=None, label_counts=None, epsilon_low=0.2, epsilon_high=0.2, weighting="document",
-                       token_advantages=False, divisor=None, logits_scale_factor=1.0, compute_entropy=False,
-                       chunk_size=None, ref_log_probs=None, beta=0.0, *policy, **policy_kwargs):
+                       num_documents=None, label_counts=None, epsilon_low=0.2, epsilon_high=0.2, delta=None,
+                       weighting="document", token_advantages=False, divisor=None, logits_scale_factor=1.0,
+                       compute_entropy=False, chunk_size=None, ref_log_probs=None, beta=0.0, *policy, **policy_kwargs):
     op = "linear_gspo"
     _checks.check_linear(op, hidden, weight, bias, target, chunk_size)
     _checks.gspo_options(op, hidden, target, target.numel(), advantages, old_log_probs, document_index,
-                         num_documents, label_counts, epsilon_low, epsilon_high, weighting, divisor,
+                         num_documents, label_counts, epsilon_low, epsilon_high, delta, weighting, divisor,
                          logits_scale_factor, None, None)
-    _check_policy(op, target, epsilon_high, None, policy, policy_kwargs)
+    _check_policy(op, target, epsilon_high, delta, policy, policy_kwargs)
     return _num_documents(num_documents, None)
 
 

@@ -204,6 +204,8 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
 
     epsilon_low: ε_l in [0, 1): the ratio is clipped below at 1 - ε_l. epsilon_high: ε_h >= 0: clipped above at
         1 + ε_h (DAPO's clip-higher: ε_h > ε_l).
+    delta: optional two-sided clip of the ratio (> 1 + epsilon_high), as in Liger/TRL ("ppo_clip" only; GSPO:
+        of the sequence ratio R_s).
     metrics: "none" (only ``<name>_new_logprobs``), "basic" (adds the clipped fractions, KL(new||old), ratio,
         advantage and token statistics; no extra pass over the vocabulary) or "with_entropy" (adds the mean
         entropy, fused into the kernel's pass).
@@ -218,6 +220,7 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
 
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
+    delta: float | None = None
     metrics: str = "none"
     loss_type: str = "ppo_clip"
     sapo_temperature_pos: float = 1.0
@@ -239,6 +242,11 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
         self._check_float("epsilon_high", low=0.0)
         self._check_choice("metrics", METRICS_LEVELS)
         self._check_choice("loss_type", POLICY_LOSS_TYPES)
+        if self.delta is not None and self.loss_type != "ppo_clip":
+            self._fail("delta", f"None with loss_type={self.loss_type!r} (the two-sided clip is ppo_clip's)")
+        self._check_float("delta", optional=True)
+        if self.delta is not None and self.delta <= 1.0 + self.epsilon_high:
+            self._fail("delta", f"> 1 + epsilon_high = {1.0 + self.epsilon_high}")
         self._check_float("sapo_temperature_pos", low=0.0, low_inclusive=False)
         self._check_float("sapo_temperature_neg", low=0.0, low_inclusive=False)
         for name in ("vespo_k_pos", "vespo_k_neg"):
@@ -264,7 +272,6 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
 class LanguageModelGRPOLossConfig(LanguageModelPolicyGradientLossConfig):
     """GRPO (type ``grpo``): per-token clipped importance ratio (docs/math.md).
 
-    delta: optional two-sided clip of the ratio (> 1 + epsilon_high), as in Liger/TRL ("ppo_clip" only).
     beta: KL penalty towards the reference policy (>= 0; > 0 needs ``ref_log_probs`` in the batch).
     loss_normalization: how tokens are weighted and what divides the sum (the loss types of TRL / verl):
         "token"    w = mask,            D = num_labels_in_batch  (Fast-LLM, TRL dapo/bnpo, verl token-mean)
@@ -276,18 +283,12 @@ class LanguageModelGRPOLossConfig(LanguageModelPolicyGradientLossConfig):
 
     type_name: ClassVar[str] = "grpo"
 
-    delta: float | None = None
     beta: float = 0.0
     loss_normalization: str = "token"
     max_completion_length: int | None = None
 
     def _validate(self) -> None:
         super()._validate()
-        if self.delta is not None and self.loss_type != "ppo_clip":
-            self._fail("delta", f"None with loss_type={self.loss_type!r} (the two-sided clip is ppo_clip's)")
-        self._check_float("delta", optional=True)
-        if self.delta is not None and self.delta <= 1.0 + self.epsilon_high:
-            self._fail("delta", f"> 1 + epsilon_high = {1.0 + self.epsilon_high}")
         self._check_float("beta", low=0.0)
         self._check_choice("loss_normalization", GRPO_NORMALIZATIONS)
         m = self.max_completion_length

@@ -295,10 +295,11 @@ def _sdp_local_sums(op, stats, target, advantages, old_log_probs, document_index
 def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
               old_log_probs: torch.Tensor | None, document_index: torch.Tensor, *, tp_group=None, sdp_group=None,
               num_documents: int | None = None, label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2,
-              epsilon_high: float = 0.2, weighting: str = "document", token_advantages: bool = False,
-              divisor: float | None = None, logits_scale_factor: float = 1.0, compute_entropy: bool = False,
-              inplace_backward: bool = False, vocab_start: int | None = None, vocab_size: int | None = None,
-              ref_log_probs: torch.Tensor | None = None, beta: float = 0.0, **policy) -> PolicyLossOutput:
+              epsilon_high: float = 0.2, delta: float | None = None, weighting: str = "document",
+              token_advantages: bool = False, divisor: float | None = None, logits_scale_factor: float = 1.0,
+              compute_entropy: bool = False, inplace_backward: bool = False, vocab_start: int | None = None,
+              vocab_size: int | None = None, ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
+              **policy) -> PolicyLossOutput:
     """GSPO over a vocabulary-parallel and/or sequence-data-parallel group (docs/math.md, docs/distributed.md); see
     rl_losses.gspo_loss, and cross_entropy above for the shard arguments.
 
@@ -313,7 +314,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     entropy = compute_entropy or policy["entropy_coefficient"] != 0.0  # the bonus needs Σp·x too
     op = "gspo_loss"
     tp = (op, logits, target, tp_group, logits_scale_factor, vocab_start, vocab_size)
-    options = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, weighting=weighting,
+    options = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, weighting=weighting,
                    token_advantages=token_advantages, divisor=_divisor(divisor),
                    logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
                    inplace_backward=inplace_backward, ref_log_probs=ref_log_probs, beta=beta, **policy)

@@ -203,10 +203,11 @@ grpo_loss.__doc__ += _POLICY_DOC
 def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
               old_log_probs: torch.Tensor | None, document_index: torch.Tensor, *, num_documents: int | None = None,
               label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
-              weighting: str = "document", token_advantages: bool = False, divisor: float | None = None,
-              logits_scale_factor: float = 1.0, compute_entropy: bool = False, inplace_backward: bool = False,
-              tp_group=None, sdp_group=None, ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
-              loss_type: str = "ppo_clip", sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+              delta: float | None = None, weighting: str = "document", token_advantages: bool = False,
+              divisor: float | None = None, logits_scale_factor: float = 1.0, compute_entropy: bool = False,
+              inplace_backward: bool = False, tp_group=None, sdp_group=None,
+              ref_log_probs: torch.Tensor | None = None, beta: float = 0.0, loss_type: str = "ppo_clip",
+              sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
               rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
               rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
               kl_estimator: str = "k3", kl_importance_weighted: bool = False,
@@ -228,6 +229,8 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
             ``document_index`` and the labels; give it when a document is split over calls or ranks).
         epsilon_low: ε_l in [0, 1); the sequence ratio is clipped below at 1 - ε_l.
         epsilon_high: ε_h >= 0; clipped above at 1 + ε_h.
+        delta: optional two-sided clip ("ppo_clip" only): f_s = −min(min(R_s, δ)·Ā_s, clip(R_s)·Ā_s) with
+            δ > 1 + ε_h, TRL's ``delta`` at importance_sampling_level="sequence" (no gradient where R_s > δ).
         weighting: "document" (each document weighs 1) or "token" (each weighs its labelled-token count).
         token_advantages: GSPO-token: each token's own advantage inside the sequence ratio.
         divisor: D, a number or 0-dim tensor (default: the documents holding at least one labelled token).
@@ -258,7 +261,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         return distributed.gspo_loss(logits, target, advantages, old_log_probs, document_index,
                                      tp_group=tp_group, sdp_group=sdp_group, num_documents=num_documents,
                                      label_counts=label_counts, epsilon_low=epsilon_low,
-                                     epsilon_high=epsilon_high, weighting=weighting,
+                                     epsilon_high=epsilon_high, delta=delta, weighting=weighting,
                                      token_advantages=token_advantages, divisor=_divisor(divisor),
                                      logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
                                      inplace_backward=inplace_backward, ref_log_probs=ref_log_probs, beta=beta,
@@ -266,7 +269,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     _check_labels("gspo", target, _vocab_size(logits, -1))
     _check_document_ids("gspo", document_index, num_documents)
     out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
-                    label_counts=label_counts, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                    label_counts=label_counts, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
                     weighting=weighting, token_advantages=token_advantages, divisor=_divisor(divisor),
                     logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
                     inplace_backward=inplace_backward, ref_log_probs=ref_log_probs, beta=beta, **policy)
@@ -364,8 +367,8 @@ def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                      old_log_probs: torch.Tensor | None, document_index: torch.Tensor, *,
                      bias: torch.Tensor | None = None, num_documents: int | None = None,
                      label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
-                     weighting: str = "document", token_advantages: bool = False, divisor: float | None = None,
-                     logits_scale_factor: float = 1.0, compute_entropy: bool = False,
+                     delta: float | None = None, weighting: str = "document", token_advantages: bool = False,
+                     divisor: float | None = None, logits_scale_factor: float = 1.0, compute_entropy: bool = False,
                      chunk_size: int | None = None, ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
                      loss_type: str = "ppo_clip", sapo_temperature_pos: float = 1.0,
                      sapo_temperature_neg: float = 1.05, rollout_log_probs: torch.Tensor | None = None,
@@ -387,8 +390,9 @@ def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
     _check_document_ids("linear_gspo", document_index, num_documents)
     out = _ops.linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, bias=bias,
                            num_documents=num_documents, label_counts=label_counts, epsilon_low=epsilon_low,
-                           epsilon_high=epsilon_high, weighting=weighting, token_advantages=token_advantages,
-                           divisor=_divisor(divisor), logits_scale_factor=logits_scale_factor,
+                           epsilon_high=epsilon_high, delta=delta, weighting=weighting,
+                           token_advantages=token_advantages, divisor=_divisor(divisor),
+                           logits_scale_factor=logits_scale_factor,
                            compute_entropy=compute_entropy, chunk_size=chunk_size, ref_log_probs=ref_log_probs,
                            beta=beta, **policy)
     return _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=out[POLICY_OUTPUTS])

@@ -294,7 +294,8 @@ class LanguageModelGSPOLoss(LanguageModelPolicyGradientLoss):
         out = fn(logits, labels, advantages, old_log_probs, document_index,
                  num_documents=batch.get(LanguageModelLossKwargs.num_documents),
                  label_counts=batch.get(LanguageModelLossKwargs.label_counts), epsilon_low=cfg.epsilon_low,
-                 epsilon_high=cfg.epsilon_high, weighting=cfg.weighting, token_advantages=cfg.token_advantages,
+                 epsilon_high=cfg.epsilon_high, delta=cfg.delta, weighting=cfg.weighting,
+                 token_advantages=cfg.token_advantages,
                  divisor=batch.get(LanguageModelLossKwargs.num_documents_in_batch),
                  logits_scale_factor=cfg.logits_scale_factor, compute_entropy=cfg.metrics == "with_entropy",
                  **self._family(batch), **self._options(kernel))

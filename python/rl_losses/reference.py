@@ -260,7 +260,7 @@ def _clip_flags(loss_type, ratio, adv, epsilon_low, epsilon_high):
 
 
 def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_documents=None,
-              label_counts=None, epsilon_low=0.2, epsilon_high=0.2, weighting="document",
+              label_counts=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, weighting="document",
               token_advantages=False, divisor=None, logits_scale_factor=1.0,
               compute_entropy=False, ref_log_probs=None, beta=0.0, loss_type="ppo_clip", sapo_temperature_pos=1.0,
               sapo_temperature_neg=1.05, rollout_log_probs=None, rollout_correction=None, rollout_cap=3.0,
@@ -314,8 +314,9 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
                                     vespo_lambda_neg, old_log_probs is None)
         f_tok = -(phi * tok_adv) * lp
     else:
+        # ppo_clip's δ caps R_s in the unclipped term only (TRL's coef_1 = clamp(coef_1, max=δ) after coef_2).
         f_tok = _surrogate(loss_type, tok_ratio, tok_adv, lp, epsilon_low, epsilon_high, sapo_temperature_pos,
-                           sapo_temperature_neg)
+                           sapo_temperature_neg, delta)
     f_tok, rho, weight = _rollout_corrected(f_tok, loss_type, rollout_correction, log_rho, mask, doc, rollout_cap,
                                             rollout_mask_bounds)
     kl = None

@@ -6,18 +6,25 @@ What changes against TRL's own trainer:
     (``importance_sampling_level="sequence"``), applied to the last hidden state of the completion: loss,
     gradient and metrics in one chunked pass, the completion logits never materialised. ``op_options`` is the
     one mapping from TRL's configuration to the op's options: ``loss_type`` (grpo, bnpo, dr_grpo, dapo, luspo,
-    cispo, sapo, vespo) and its parameters, the vLLM importance-sampling correction (the rollout correction,
-    from the batch's ``sampling_per_token_logps``), ``use_bias_correction_kl`` (the ratio-weighted KL);
-    ``_aggregation`` turns the loss type into per-token weights and a divisor;
+    cispo, sapo, vespo) and its parameters, ``delta`` (at either level: at sequence level TRL caps the
+    sequence ratio, ``min(R_s, δ)``, as the GSPO op's ``delta`` does), the vLLM importance-sampling correction
+    (the rollout correction, from the batch's ``sampling_per_token_logps``), ``use_bias_correction_kl`` (the
+    ratio-weighted KL); ``_aggregation`` turns the loss type into per-token weights and a divisor;
   * every other log-prob the trainer computes (old-policy and reference log-probs, and the loss of the options
     the fused ops do not cover, below) goes through ``rl_losses.linear_token_log_probs``.
-A static entropy bonus (``entropy_coef``) becomes the op's ``entropy_coefficient`` (rescaled to its divisor).
-Options without a fused form — ``off_policy_mask_threshold``, ``top_entropy_quantile < 1``, the adaptive
-entropy bonus or a bonus with ``loss_type`` grpo/sapo, a MoE aux loss, multimodal inputs, ``delta`` with
-``importance_sampling_level="sequence"``, a truncating vLLM correction with ``vllm_importance_sampling_clip_min``
-or without a ``clip_max``, logit scaling or softcapping in the model config — keep TRL's own loss formula,
-computed from rl_losses' log-probs; the ``rl_losses/fused_loss`` metric says which path a step took (1 fused, 0
-TRL's formula).
+The entropy bonus becomes the op's ``entropy_coefficient`` (rescaled to its divisor): the static one
+(``entropy_coef``) and the adaptive one (``use_adaptive_entropy``: the coefficient applied is TRL's gated
+``entropy_coef``, and the controller is updated from the op's entropy, its mean over the labelled tokens, so no
+extra output). TRL's bonus is a token mean while ``loss_type`` grpo and sapo weigh each token by 1/|o_i|: since
+their surrogates are linear in the advantage, the 1/|o_i| moves into the advantages and the tokens weigh 1,
+which leaves one coefficient for the bonus; with a KL term (``beta != 0``, not linear in A) that does not hold,
+and the op has one token weight for both terms, so that case keeps TRL's formula.
+Options without a fused form keep TRL's own loss formula, computed from rl_losses' log-probs:
+``off_policy_mask_threshold`` and ``top_entropy_quantile < 1`` (they mask tokens by the current log-probs or
+entropies of the whole batch before the loss: a second pass over the logits), the entropy bonus with grpo/sapo
+and ``beta != 0`` (above), a MoE aux loss, multimodal inputs, a truncating vLLM correction with
+``vllm_importance_sampling_clip_min`` or without a ``clip_max``, logit scaling or softcapping in the model
+config. The ``rl_losses/fused_loss`` metric says which path a step took (1 fused, 0 TRL's formula).
 """
 from __future__ import annotations
 
@@ -54,11 +61,8 @@ def op_options(trainer) -> tuple[dict, str | None]:
     loss_type = _LOSS_TYPES[trainer.loss_type]
     options = dict(loss_type=loss_type, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
                    beta=trainer.beta)
-    sequence = trainer.importance_sampling_level == "sequence" and loss_type != "vespo"
     if args.delta is not None and loss_type == "ppo_clip":  # TRL's other loss types ignore delta
-        if sequence:
-            reasons.append("delta with importance_sampling_level='sequence'")
-        options["delta"] = args.delta
+        options["delta"] = args.delta  # at sequence level: TRL's coef_1 = min(R_s, δ), as the GSPO op's
     if loss_type == "sapo":
         options.update(sapo_temperature_pos=args.sapo_temperature_pos,
                        sapo_temperature_neg=args.sapo_temperature_neg)
@@ -67,13 +71,12 @@ def op_options(trainer) -> tuple[dict, str | None]:
     if trainer.beta != 0.0:
         options["kl_importance_weighted"] = bool(args.use_bias_correction_kl)
     if trainer._entropy_bonus_enabled:
-        if trainer.use_adaptive_entropy:
-            reasons.append("use_adaptive_entropy")
-        elif trainer.loss_type in ("grpo", "sapo"):
-            # TRL's bonus is a token mean; these weigh each token by 1/|o_i|, so no one coefficient matches.
-            reasons.append(f"an entropy bonus with loss_type={trainer.loss_type!r}")
+        if trainer.loss_type in ("grpo", "sapo") and trainer.beta != 0.0:
+            # TRL's bonus is a token mean; these weigh each token by 1/|o_i|. Without a KL term the 1/|o_i| moves
+            # into the advantages (_fused_loss); the KL term is not linear in A, so it keeps TRL's formula.
+            reasons.append(f"an entropy bonus with loss_type={trainer.loss_type!r} and beta != 0")
         # TRL divides its bonus by the token count: _fused_loss rescales c to the op's divisor.
-        options["entropy_coefficient"] = trainer.entropy_coef
+        options["entropy_coefficient"] = applied_entropy_coef(trainer)
     if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
         mode = trainer.vllm_importance_sampling_mode
         low, high = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
@@ -88,6 +91,14 @@ def op_options(trainer) -> tuple[dict, str | None]:
             options["rollout_mask_bounds"] = (0.0 if low is None else float(low),
                                               math.inf if high is None else float(high))
     return options, ", ".join(reasons) if reasons else None
+
+
+def applied_entropy_coef(trainer) -> float:
+    """The entropy coefficient this step applies: ``entropy_coef``, or with ``use_adaptive_entropy`` TRL's
+    gate, ``entropy_coef`` if the last optimizer step's entropy was at or below ``entropy_target``, else 0."""
+    if trainer.use_adaptive_entropy and not trainer._last_world_entropy <= trainer.args.entropy_target:
+        return 0.0
+    return trainer.entropy_coef
 
 
 def _full(t):
@@ -233,6 +244,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         weights, divisor, weighting = self._aggregation(mask, inputs, mode)
         options, _ = op_options(self)
         sequence = self.importance_sampling_level == "sequence" and options["loss_type"] != "vespo"
+        if "entropy_coefficient" in options and self.loss_type in ("grpo", "sapo"):
+            # TRL's bonus weighs every token alike, these loss types each token by 1/|o_i|: ppo_clip's and sapo's
+            # surrogates are linear in A > 0 scalings (−min(r·kA, clip(r)·kA) = −k·min(r·A, clip(r)·A)), so
+            # A/|o_i| with token weights m gives the same policy term and leaves m for the bonus (no KL here:
+            # op_options keeps TRL's formula for it).
+            lengths = mask.sum(-1, keepdim=True).clamp(min=1).float()
+            op_advantages, weights, weighting = advantages / lengths, mask.float(), "token"
+        else:
+            op_advantages = advantages
         rollout = None
         if "rollout_correction" in options:
             # TRL's ratio is exp(old - sampling); a token whose sampling log-prob is NaN (not returned by the
@@ -258,10 +278,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             old_lp = old_lp.float()
             if sequence:
                 doc = torch.arange(mask.shape[0], device=mask.device).unsqueeze(1).expand_as(mask)
-                return rl_losses.linear_gspo_loss(hidden, weight, target, advantages, old_lp, doc, bias=bias,
+                return rl_losses.linear_gspo_loss(hidden, weight, target, op_advantages, old_lp, doc, bias=bias,
                                                   num_documents=mask.shape[0], weighting=weighting,
                                                   **options), old_lp
-            return rl_losses.linear_grpo_loss(hidden, weight, target, advantages, old_lp, bias=bias,
+            return rl_losses.linear_grpo_loss(hidden, weight, target, op_advantages, old_lp, bias=bias,
                                               loss_weights=weights, **options), old_lp
 
         out, old_lp = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids, fused_lm_head=True,
@@ -272,9 +292,30 @@ class GRPOTrainer(trl.GRPOTrainer):
             if self.loss_type not in ("cispo", "dapo", "vespo"):
                 policy_loss = policy_loss * ga  # TRL logs these before its division by the accumulation steps
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+            if self.use_adaptive_entropy and mode == "train":
+                self._update_entropy_coef(out.entropy.detach() * mask.sum(), mask.sum())
             if mode == "train" and self.accelerator.sync_gradients:
                 self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         return out.loss
+
+    def _update_entropy_coef(self, entropy_sum, count):
+        """TRL's adaptive entropy controller, from the op's entropy (its mean over the labelled tokens times their
+        count): the window's sums accumulate over the micro-batches; at the optimizer step their mean over the
+        processes raises ``entropy_coef`` by ``entropy_coef_delta`` if it is at or below ``entropy_target``, else
+        lowers it, within [entropy_coef_min, entropy_coef_max], for the next window."""
+        stats = torch.stack([entropy_sum, count.to(entropy_sum.dtype)])
+        self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+        if not self.accelerator.sync_gradients:
+            return
+        window = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
+        args = self.args
+        if world_entropy <= args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
 
     def _log_metrics(self, out, old_lp, ref, advantages, mask, mode, sequence, inputs):
         """TRL's metric names and definitions, from the op's detached per-token log-probs."""
