@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import rl_losses
 import rl_losses.head
@@ -227,44 +228,50 @@ BAD = [
     (dict(grpo_weight=1.0), "grpo_weight = 1 and gspo_weight = 2 are both > 0; the head fuses one policy term"),
     (dict(gspo_weight=-1.0), "gspo_weight must be finite and >= 0, got -1"),
     (dict(delta=1.5), "delta is the GRPO term's two-sided clip; the GSPO term has none, got delta = 1.5"),
-    (dict(loss_weights=torch.ones(4)), "loss_weights weigh the GRPO term's tokens; the GSPO term weighs them"),
+    (dict(loss_weights=lambda d: torch.ones(4, device=d)), "loss_weights weigh the GRPO term's tokens; the GSPO term weighs them"),
     (dict(weighting="sequence"), "weighting must be 'document' or 'token', got 'sequence'"),
     (dict(document_index=None), "gspo_weight = 2 > 0 needs advantages and document_index"),
     (dict(advantages=None), "gspo_weight = 2 > 0 needs advantages and document_index"),
     (dict(beta=0.1), "beta = 0.1 > 0 needs ref_log_probs"),
     (dict(epsilon_low=1.0), r"epsilon_low must be in \[0, 1\)"),
     (dict(gspo_divisor=0.0), "divisor must be finite and > 0"),
-    (dict(advantages=torch.zeros(3)), r"advantages has shape \[3\] but target has shape \[4\]"),
-    (dict(document_index=torch.zeros(4)), "document_index must be an integer tensor"),
-    (dict(label_counts=torch.ones(5)), r"label_counts must have the target's shape \[4\]"),
+    (dict(advantages=lambda d: torch.zeros(3, device=d)), r"advantages has shape \[3\] but target has shape \[4\]"),
+    (dict(document_index=lambda d: torch.zeros(4, device=d)), "document_index must be an integer tensor"),
+    (dict(label_counts=lambda d: torch.ones(5, device=d)), r"label_counts must have the target's shape \[4\]"),
     (dict(num_documents=-1), r"num_documents must be in \[0, "),
     (dict(num_documents=1), "document_index holds 1 but num_documents is 1"),
 ]
 
 
+def _bad_kwargs(t, bad, device):
+    # Tensors made on the device asked for (lambdas), so that FakeTensorMode sees its own.
+    return {**t, "gspo_weight": 2.0, **{k: v(device) if callable(v) else v for k, v in bad.items()}}
+
+
 @pytest.mark.parametrize("bad,message", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_bad_input(bad, message):
     logits, target, t = _bad("cpu")
-    kwargs = {**t, "gspo_weight": 2.0, **bad}
     with pytest.raises(RuntimeError, match=message):
-        fused_head_loss(logits, target, **kwargs)
+        fused_head_loss(logits, target, **_bad_kwargs(t, bad, "cpu"))
 
 
 @pytest.mark.parametrize("bad,message", BAD[:-1], ids=[str(i) for i in range(len(BAD) - 1)])
 def test_fake_rejects_alike(bad, message):
-    """The fake kernel (python/rl_losses/_checks_heads.py) refuses with the C++ message (the last case, the
-    document ids beyond num_documents, is the data's, which only the real kernel reads)."""
+    """The fake kernel (python/rl_losses/_checks_heads.py) refuses with the C++ message, on meta tensors and under
+    FakeTensorMode (the last case, the document ids beyond num_documents, is the data's, which only the real
+    kernel reads)."""
     def call(d):
         logits, target, t = _bad(d)
-        kwargs = {**t, "gspo_weight": 2.0, **bad}
-        kwargs = {k: v.to(d) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        return _ops.fused_head_loss(logits, target, **kwargs)
+        return _ops.fused_head_loss(logits, target, **_bad_kwargs(t, bad, d))
 
     with pytest.raises(RuntimeError, match=message) as real:
         call("cpu")
     with pytest.raises(RuntimeError) as fake:
         call("meta")
     assert str(fake.value).replace("meta", "cpu") == str(real.value)
+    with FakeTensorMode(), pytest.raises(RuntimeError) as fake_mode:
+        call("cpu")
+    assert str(real.value) in str(fake_mode.value)
 
 
 def test_fake_outputs_match():
