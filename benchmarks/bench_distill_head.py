@@ -9,7 +9,8 @@ when installed; it takes log-probabilities, so its time includes a log_softmax o
 backward, with the floor (read the student, read the teacher, write the gradient) at the measured copy rate.
 From hidden states (``--hidden`` > 0): rl_losses.linear_distillation_loss after the teacher's matmul against
 Liger's LigerFusedLinearJSD, which does both. The fused head: CE + z-loss + GRPO in one call against GRPO alone
-and the three separate ops. CUDA-event timing after warm-up, median of `reps` runs. Prints one line per case;
+and the three separate ops; CE + z-loss + GSPO (64 packed documents) against GSPO alone (both read the logits
+twice: statistics, then the gradient) and the three separate ops. CUDA-event timing after warm-up, median of `reps` runs. Prints one line per case;
 ``--out`` writes the rows as JSON for ``benchmarks/report.py --add``.
 """
 from __future__ import annotations
@@ -179,6 +180,19 @@ def main() -> None:
     base = times["GRPO alone"]
     for name in ("fused CE+z+GRPO", "fused CE+GRPO"):
         print(f"head {name} over GRPO alone: {100 * (times[name] / base - 1):+.1f}% (target: within +5%)")
+    doc = torch.arange(n, device="cuda") * 64 // n
+    gspo = dict(advantages=adv, old_log_probs=old, document_index=doc, num_documents=64)
+    rows = {"fused CE+z+GSPO": step(lambda: fused_head_loss(x, target, label_weight=1.0, z_loss_weight=1e-4,
+                                                            z_loss_mask=target >= 0, gspo_weight=1.0, **gspo).loss),
+            "GSPO alone": step(lambda: rl_losses.gspo_loss(x, target, adv, old, doc, num_documents=64).loss),
+            "3 separate ops (GSPO)": step(lambda: rl_losses.cross_entropy(x, target) + 1e-4 * rl_losses.z_loss(
+                x, loss_mask=target >= 0) + rl_losses.gspo_loss(x, target, adv, old, doc, num_documents=64).loss)}
+    for name, fn in rows.items():
+        times[name] = timed(fn, args.reps)
+        record("head", name, times[name], n, v)
+        print(f"head {name:18s} {times[name]:8.3f} ms")
+    print(f"head fused CE+z+GSPO over GSPO alone: {100 * (times['fused CE+z+GSPO'] / times['GSPO alone'] - 1):+.1f}% "
+          "(target: within +5%)")
 
     if args.out:
         meta = {"script": "bench_distill_head.py", "device": torch.cuda.get_device_name(),

@@ -249,25 +249,30 @@ TORCH_LIBRARY(rl_losses, m) {
       RL_LOSSES_DPO_OUTS ")");
 #undef RL_LOSSES_DPO_OUTS
 
-  // ---- several losses in one pass (combined/): label CE, z-loss and GRPO with weights ----------------------
-  // loss = label_weight·label_loss + z_loss_weight·z_loss + grpo_weight·grpo_loss, each term with its own
-  // divisor (default: the term's tokens: the labelled ones, z_loss_mask's for the z-loss) and each reported
-  // (detached) beside the total; one summed gradient. row_stats / vocab_start / vocab_size: the tensor-parallel
-  // hooks, as on cross_entropy.
-#define RL_LOSSES_HEAD_ARGS                                                                                  \
-  "float label_weight, float label_smoothing, float? label_divisor, float z_loss_weight, "                   \
+  // ---- several losses in one pass (combined/): label CE, z-loss and GRPO or GSPO with weights --------------
+  // loss = label_weight·label_loss + z_loss_weight·z_loss + grpo_weight·grpo_loss + gspo_weight·gspo_loss, each
+  // term with its own divisor (default: the term's tokens: the labelled ones, z_loss_mask's for the z-loss; the
+  // labelled documents for GSPO) and each reported (detached) beside the total; one summed gradient. The GSPO
+  // term shares advantages, old_log_probs, ref_log_probs, epsilon_low/high and beta with GRPO (at most one of the
+  // two is on). row_stats / vocab_start / vocab_size: the tensor-parallel hooks, as on cross_entropy.
+#define RL_LOSSES_HEAD_ARGS                                                                                    \
+  "float label_weight, float label_smoothing, float? label_divisor, float z_loss_weight, "                     \
   "float? z_loss_divisor, Tensor? z_loss_mask, float grpo_weight, Tensor? advantages, Tensor? old_log_probs, " \
   "Tensor? ref_log_probs, Tensor? loss_weights, float epsilon_low, float epsilon_high, float? delta, "         \
-  "float beta, float? grpo_divisor, float logits_scale_factor, Tensor? row_stats, int vocab_start, "           \
-  "int vocab_size"
-#define RL_LOSSES_HEAD_OUTS "(Tensor loss, Tensor label_loss, Tensor z_loss, Tensor grpo_loss, Tensor log_probs"
+  "float beta, float? grpo_divisor, float gspo_weight, Tensor? document_index, int? num_documents, "           \
+  "Tensor? label_counts, str weighting, float? gspo_divisor, float logits_scale_factor, Tensor? row_stats, "   \
+  "int vocab_start, int vocab_size"
+#define RL_LOSSES_HEAD_OUTS \
+  "(Tensor loss, Tensor label_loss, Tensor z_loss, Tensor grpo_loss, Tensor log_probs, Tensor gspo_loss"
   m.def(
       "fused_head_loss(Tensor logits, Tensor target, *, float label_weight=0.0, float label_smoothing=0.0, "
       "float? label_divisor=None, float z_loss_weight=0.0, float? z_loss_divisor=None, Tensor? z_loss_mask=None, "
       "float grpo_weight=0.0, Tensor? advantages=None, Tensor? old_log_probs=None, Tensor? ref_log_probs=None, "
       "Tensor? loss_weights=None, float epsilon_low=0.2, float epsilon_high=0.2, float? delta=None, float beta=0.0, "
-      "float? grpo_divisor=None, float logits_scale_factor=1.0, bool inplace_backward=False, Tensor? row_stats=None, "
-      "int vocab_start=0, int vocab_size=-1) -> " RL_LOSSES_HEAD_OUTS ")");
+      "float? grpo_divisor=None, float gspo_weight=0.0, Tensor? document_index=None, int? num_documents=None, "
+      "Tensor? label_counts=None, str weighting='document', float? gspo_divisor=None, float logits_scale_factor=1.0, "
+      "bool inplace_backward=False, Tensor? row_stats=None, int vocab_start=0, int vocab_size=-1) -> "
+      RL_LOSSES_HEAD_OUTS ")");
   m.def("_fused_head_loss_forward(Tensor logits, Tensor target, " RL_LOSSES_HEAD_ARGS
         ", bool compute_grad) -> " RL_LOSSES_HEAD_OUTS ", Tensor grad)");
   m.def("_fused_head_loss_forward_inplace(Tensor(a!) logits, Tensor target, " RL_LOSSES_HEAD_ARGS

@@ -29,6 +29,10 @@ CASES = {
     "head_uneven_fp32": ("head", dict(label_weight=1.0, z_loss_weight=0.5, z_loss_mask=True, grpo_weight=0.6,
                                       grpo_divisor=5.0), torch.float32, 31, 20),
     "head_z_loss_only": ("head", dict(z_loss_weight=1.0), torch.float64, 16, 8),
+    "head_gspo": ("head", dict(label_weight=0.7, z_loss_weight=0.3, gspo_weight=1.4, beta=0.05, weighting="token",
+                               logits_scale_factor=0.9), torch.float64, 26, 13),
+    "head_gspo_uneven_fp32": ("head", dict(label_weight=1.0, label_smoothing=0.1, gspo_weight=0.6, gspo_divisor=3.0),
+                              torch.float32, 31, 20),
 }
 
 
@@ -55,6 +59,16 @@ def _inputs(name):
         kwargs.update(advantages=torch.randn(shape, generator=g), old_log_probs=torch.randn(shape, generator=g) - 3)
         if kwargs.get("beta"):
             kwargs["ref_log_probs"] = torch.randn(shape, generator=g) - 3
+    if kwargs.get("gspo_weight"):  # 4 documents across the rows, the last token padding
+        doc = torch.arange(15) * 4 // 14
+        doc[-1] = -1
+        # Old log-probs near the current ones, so that the sequence ratios are not all clipped.
+        scaled = logits.double() * kwargs.get("logits_scale_factor", 1.0)
+        lp = torch.log_softmax(scaled, -1).gather(-1, target.clamp_min(0)[..., None]).squeeze(-1)
+        kwargs.update(advantages=torch.randn(shape, generator=g), document_index=doc.view(shape), num_documents=4,
+                      old_log_probs=(lp + 0.05 * torch.randn(shape, generator=g, dtype=torch.float64)).float())
+        if kwargs.get("beta"):
+            kwargs["ref_log_probs"] = torch.randn(shape, generator=g) - 3
     if kwargs.get("z_loss_mask"):
         kwargs["z_loss_mask"] = torch.rand(shape, generator=g) > 0.3
     return logits, (target,), kwargs
@@ -66,7 +80,7 @@ def _call(name, fn, x, args, kwargs):
         return out.loss, {k: getattr(out, k) for k in ("rewards_chosen", "rewards_rejected", "accuracy", "margin",
                                                        "log_probs", "document_log_probs")}
     out = fn(x, *args, **kwargs)
-    return out.loss, {k: getattr(out, k) for k in ("label_loss", "z_loss", "grpo_loss", "log_probs")}
+    return out.loss, {k: getattr(out, k) for k in ("label_loss", "z_loss", "grpo_loss", "gspo_loss", "log_probs")}
 
 
 def _run(name, logits, args, kwargs, **tp):

@@ -1,22 +1,29 @@
 // Several losses in one pass over the logits (Fast-LLM's monolithic head; docs/distillation_dpo.md): label
-// cross-entropy (with smoothing), z-loss and GRPO, each with its weight and divisor. Every term's gradient is
-// (a, b, c) of the row pass (row_pass.h), so the terms add up in one epilogue: the statistics are computed
-// once, the logits read once (where the CE/GRPO row kernel fuses) and one summed gradient written once. Each
-// term's value is an output of its own.
+// cross-entropy (with smoothing), z-loss and GRPO or GSPO, each with its weight and divisor. Every term's
+// gradient is (a, b, c) of the row pass (row_pass.h), so the terms add up in one epilogue: the statistics are
+// computed once, the logits read once (where the CE/GRPO row kernel fuses) and one summed gradient written once.
+// Each term's value is an output of its own.
+//
+// GSPO needs every document's sequence ratio before any gradient, so with a GSPO term the head costs what GSPO
+// alone costs: GSPO's statistics pass (or the given, all-reduced statistics), GSPO's own per-document steps
+// (gspo/gspo.h: GspoTokenTerms, GspoDocumentStep, GspoTokenStep), then one head pass over the rows with those
+// statistics given, whose epilogue adds GSPO's per-token coefficient to the other terms' (a, b, c).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "common/policy.h"
 #include "common/row_pass.h"
 #include "common/row_source.h"
+#include "gspo/gspo.h"
 
 namespace rl_losses {
 
-enum FusedHeadTerm : int { kHeadLabel = 0, kHeadZLoss, kHeadGrpo, kHeadTerms };
+enum FusedHeadTerm : int { kHeadLabel = 0, kHeadZLoss, kHeadGrpo, kHeadGspo, kHeadTerms };
 
 // A row that no term uses (no label and no z-loss) is skipped unread, as GRPO alone skips it. The z-loss also
 // covers unlabelled tokens (its own mask): the row pass gets a stand-in label 0 on those rows, so that they
@@ -32,13 +39,15 @@ struct FusedHeadEpilogue {
   CrossEntropyOptions<acc_t> ce;  // λ = 1, ε, ζ = 0, V
   PolicyOptions<acc_t> grpo;  // ppo_clip with the k3 KL: the plain GRPO term
   acc_t weight[kHeadTerms];
-  const acc_t* divisor[kHeadTerms];  // 0-dim each
+  const acc_t* divisor[kHeadTerms];  // 0-dim each; null for GSPO (its shares are divided already)
   const int64_t* labels;             // (N,) the true labels (the row pass's may be a stand-in, see above)
   const acc_t* z_mask;               // (N,) 0/1: the z-loss's tokens; null: every token
   const acc_t* advantages;           // null unless the GRPO term is on
   const acc_t* old_log_probs;
   const acc_t* ref_log_probs;  // null unless beta > 0
   const acc_t* loss_weights;   // null: the label mask
+  const acc_t* gspo_out;       // (N, kGspoTokenFields) GspoTokenStep's outputs; null unless the GSPO term is on
+  const acc_t* gspo_coef;      // (N,) its gradient coefficients
   acc_t* out;                  // (N, kHeadTerms): each term's share, unweighted
   acc_t* log_probs;            // (N,)
 
@@ -81,6 +90,13 @@ struct FusedHeadEpilogue {
       g.a += coef;
       g.b -= coef;
     }
+    if (weight[kHeadGspo] != acc_t(0)) {
+      // The token's share κ_t·f(R_s, A)/D and its coefficient, as the GSPO op computes them (0 off the documents).
+      o[kHeadGspo] = gspo_out[row * kGspoTokenFields + kGspoTokenLoss];
+      const acc_t coef = weight[kHeadGspo] * gspo_coef[row];
+      g.a += coef;
+      g.b -= coef;
+    }
     return g;
   }
 };
@@ -114,6 +130,7 @@ struct FusedHeadRows {
   at::Tensor labels;  // (N,) int64, the true labels
   at::Tensor z_mask;  // (N,) or undefined
   at::Tensor advantages, old_log_probs, ref_log_probs, loss_weights;
+  at::Tensor gspo_out, gspo_coef;  // GspoState's token_out and coef, or undefined
   at::Tensor out, log_probs;
   at::Tensor scalars[kHeadTerms + 1];
 };
@@ -127,13 +144,15 @@ FusedHeadEpilogue<acc_t> make_fused_head_epilogue(const FusedHeadRows& r) {
   e.grpo = policy_options_as<acc_t>(r.grpo);
   for (int k = 0; k < kHeadTerms; ++k) {
     e.weight[k] = acc_t(r.weight[k]);
-    e.divisor[k] = r.divisor[k].const_data_ptr<acc_t>();
+    e.divisor[k] = ptr(r.divisor[k]);
   }
   e.z_mask = ptr(r.z_mask);
   e.advantages = ptr(r.advantages);
   e.old_log_probs = ptr(r.old_log_probs);
   e.ref_log_probs = ptr(r.ref_log_probs);
   e.loss_weights = ptr(r.loss_weights);
+  e.gspo_out = ptr(r.gspo_out);
+  e.gspo_coef = ptr(r.gspo_coef);
   e.out = r.out.data_ptr<acc_t>();
   e.log_probs = r.log_probs.data_ptr<acc_t>();
   return e;
@@ -142,9 +161,10 @@ FusedHeadEpilogue<acc_t> make_fused_head_epilogue(const FusedHeadRows& r) {
 struct FusedHeadBackend {
   void (*rows)(const RowPassArgs&, const FusedHeadRows&);
   void (*totals)(const FusedHeadRows&);
+  const GspoBackend& (*gspo)();  // the GSPO term: GSPO's statistics pass and its steps between the passes
 };
 
-template <typename Runner>
+template <typename Runner, const GspoBackend& (*kGspo)()>
 struct FusedHeadBackendImpl {
   static void rows(const RowPassArgs& args, const FusedHeadRows& r) {
     Runner::row_pass(args, "fused_head_loss", [&](auto* tag) {
@@ -160,10 +180,20 @@ struct FusedHeadBackendImpl {
       Runner::sum_then(r.out.size(0), t);
     });
   }
-  static constexpr FusedHeadBackend backend() { return {&rows, &totals}; }
+  static constexpr FusedHeadBackend backend() { return {&rows, &totals, kGspo}; }
 };
 
-// Outputs: loss (the weighted total), label_loss, z_loss, grpo_loss (unweighted, detached), log_probs.
+// The GSPO term's own arguments (the policy inputs, epsilons and beta are shared with GRPO: one of the two runs).
+struct HeadGspoArgs {
+  double weight = 0.0;
+  std::optional<at::Tensor> document_index;
+  std::optional<int64_t> num_documents;
+  std::optional<at::Tensor> label_counts;
+  std::string weighting = "document";
+  std::optional<double> divisor;
+};
+
+// Outputs: loss (the weighted total), label_loss, z_loss, grpo_loss (unweighted, detached), log_probs, gspo_loss.
 // Tensor parallelism: `row_stats` are the statistics all-reduced over the vocabulary shards (with Σx where the
 // label term smooths), and the source's vocab_start / vocab_size place the shard; the op then reads its shard
 // once, for the loss and the gradient.
@@ -177,11 +207,12 @@ std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& tar
                                            const std::optional<at::Tensor>& loss_weights, double epsilon_low,
                                            double epsilon_high, std::optional<double> delta, double beta,
                                            std::optional<double> grpo_divisor, double logits_scale_factor,
-                                           const std::optional<at::Tensor>& row_stats,
+                                           const HeadGspoArgs& gspo, const std::optional<at::Tensor>& row_stats,
                                            const FusedHeadBackend& backend);
 
-using HeadOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-using HeadOutputsAndGrad = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using HeadOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using HeadOutputsAndGrad =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 template <const FusedHeadBackend& (*kBackend)()>
 struct FusedHeadOps {
@@ -190,27 +221,35 @@ struct FusedHeadOps {
   static std::vector<at::Tensor> run(RowSource& src, const at::Tensor& target, double lw, double eps, OptD ld,
                                      double zw, OptD zd, const Opt& zm, double gw, const Opt& adv, const Opt& old,
                                      const Opt& ref, const Opt& w, double el, double eh, OptD delta, double beta,
-                                     OptD gd, double s, const Opt& row_stats) {
+                                     OptD gd, double sw, const Opt& doc, std::optional<int64_t> n_docs,
+                                     const Opt& counts, c10::string_view weighting, OptD sd, double s,
+                                     const Opt& row_stats) {
+    const HeadGspoArgs gspo{sw, doc, n_docs, counts, std::string(weighting), sd};
     return fused_head_forward(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, s,
-                              row_stats, kBackend());
+                              gspo, row_stats, kBackend());
   }
   static HeadOutputsAndGrad forward(const at::Tensor& logits, const at::Tensor& target, double lw, double eps,
                                     OptD ld, double zw, OptD zd, const Opt& zm, double gw, const Opt& adv,
                                     const Opt& old, const Opt& ref, const Opt& w, double el, double eh, OptD delta,
-                                    double beta, OptD gd, double s, const Opt& row_stats, int64_t vocab_start,
-                                    int64_t vocab_size, bool compute_grad) {
+                                    double beta, OptD gd, double sw, const Opt& doc, std::optional<int64_t> n_docs,
+                                    const Opt& counts, c10::string_view weighting, OptD sd, double s,
+                                    const Opt& row_stats, int64_t vocab_start, int64_t vocab_size,
+                                    bool compute_grad) {
     LogitsSource src("fused_head_loss", logits, target, vocab_start, vocab_size, compute_grad, false);
-    auto o = run(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, s, row_stats);
-    return {o[0], o[1], o[2], o[3], o[4], src.grads()[0]};
+    auto o = run(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, sw, doc, n_docs,
+                 counts, weighting, sd, s, row_stats);
+    return {o[0], o[1], o[2], o[3], o[4], o[5], src.grads()[0]};
   }
   static HeadOutputs forward_inplace(const at::Tensor& logits, const at::Tensor& target, double lw, double eps,
                                      OptD ld, double zw, OptD zd, const Opt& zm, double gw, const Opt& adv,
                                      const Opt& old, const Opt& ref, const Opt& w, double el, double eh, OptD delta,
-                                     double beta, OptD gd, double s, const Opt& row_stats, int64_t vocab_start,
-                                     int64_t vocab_size) {
+                                     double beta, OptD gd, double sw, const Opt& doc, std::optional<int64_t> n_docs,
+                                     const Opt& counts, c10::string_view weighting, OptD sd, double s,
+                                     const Opt& row_stats, int64_t vocab_start, int64_t vocab_size) {
     LogitsSource src("fused_head_loss", logits, target, vocab_start, vocab_size, false, true);
-    auto o = run(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, s, row_stats);
-    return {o[0], o[1], o[2], o[3], o[4]};
+    auto o = run(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, sw, doc, n_docs,
+                 counts, weighting, sd, s, row_stats);
+    return {o[0], o[1], o[2], o[3], o[4], o[5]};
   }
 };
 

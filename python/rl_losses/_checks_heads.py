@@ -7,8 +7,8 @@ import math
 import torch
 
 from rl_losses._checks import (_check, _dt, _integral, _num, _shape, acc_dtype, check_and_flatten, check_divisor,
-                                check_epsilons, check_inplace, check_per_token, check_per_token_int, check_row_stats,
-                                check_scale)
+                                check_epsilons, check_inplace, check_label_counts, check_num_documents,
+                                check_per_token, check_per_token_int, check_row_stats, check_scale)
 
 # ---- distillation/distillation.cpp ---------------------------------------------------------------------------------
 DISTILL_KINDS = ("forward_kl", "reverse_kl", "cross_entropy", "jsd")
@@ -144,19 +144,22 @@ def dpo(logits, target, document_index, pairs, ref_chosen, ref_rejected, beta, s
 # ---- combined/fused_head.cpp ---------------------------------------------------------------------------------------
 def fused_head(logits, target, label_weight, label_smoothing, label_divisor, z_loss_weight, z_loss_divisor,
                z_loss_mask, grpo_weight, advantages, old_log_probs, ref_log_probs, loss_weights, epsilon_low,
-               epsilon_high, delta, beta, grpo_divisor, s, row_stats=None, vocab_start=0, vocab_size=-1,
-               inplace=False):
+               epsilon_high, delta, beta, grpo_divisor, gspo_weight, document_index, num_documents, label_counts,
+               weighting, gspo_divisor, s, row_stats=None, vocab_start=0, vocab_size=-1, inplace=False):
     """fused_head_forward, in its order."""
     op = "fused_head_loss"
     rows = check_and_flatten(op, logits, target, vocab_start, vocab_size)
     if inplace:
         check_inplace(op, logits, rows)
     check_scale(op, s)
-    for name, w in (("label_weight", label_weight), ("z_loss_weight", z_loss_weight), ("grpo_weight", grpo_weight)):
+    for name, w in (("label_weight", label_weight), ("z_loss_weight", z_loss_weight), ("grpo_weight", grpo_weight),
+                    ("gspo_weight", gspo_weight)):
         _check(math.isfinite(w) and w >= 0, op, name, " must be finite and >= 0, got ", _num(w))
+    _check(grpo_weight == 0 or gspo_weight == 0, op, "grpo_weight = ", _num(grpo_weight), " and gspo_weight = ",
+           _num(gspo_weight), " are both > 0; the head fuses one policy term, GRPO or GSPO")
     _check(math.isfinite(label_smoothing) and 0 <= label_smoothing < 1, op, "label_smoothing must be in [0, 1), got ",
            _num(label_smoothing))
-    for d in (label_divisor, z_loss_divisor, grpo_divisor):
+    for d in (label_divisor, z_loss_divisor, grpo_divisor, gspo_divisor):
         check_divisor(op, d)
     check_row_stats(op, row_stats, logits, target.numel())
     if grpo_weight != 0:
@@ -174,6 +177,9 @@ def fused_head(logits, target, label_weight, label_smoothing, label_divisor, z_l
             check_per_token(op, "ref_log_probs", ref_log_probs, target)
         if loss_weights is not None:
             check_per_token(op, "loss_weights", loss_weights, target)
+    if gspo_weight != 0:
+        _fused_head_gspo(op, target, gspo_weight, advantages, old_log_probs, ref_log_probs, loss_weights, epsilon_low,
+                         epsilon_high, delta, beta, document_index, num_documents, label_counts, weighting)
     if z_loss_weight != 0 and z_loss_mask is not None:
         m = z_loss_mask
         _check(m.dtype == torch.bool or _integral(m.dtype), op, "z_loss_mask must be a bool or integer tensor, got ",
@@ -181,3 +187,28 @@ def fused_head(logits, target, label_weight, label_smoothing, label_divisor, z_l
         _check(m.device == logits.device and list(m.shape) == list(target.shape), op,
                "z_loss_mask must have the target's shape ", _shape(target.shape), " and device ", logits.device,
                ", got ", _shape(m.shape), " on ", m.device)
+
+
+def _fused_head_gspo(op, target, gspo_weight, advantages, old_log_probs, ref_log_probs, loss_weights, epsilon_low,
+                     epsilon_high, delta, beta, document_index, num_documents, label_counts, weighting):
+    """fused_head.cpp: gspo_term_state, in its order. max(document_index) is the data's, checked by the kernel."""
+    check_epsilons(op, epsilon_low, epsilon_high)
+    _check(delta is None, op, "delta is the GRPO term's two-sided clip; the GSPO term has none, got delta = ",
+           _num(delta if delta is not None else 0.0))
+    _check(loss_weights is None, op, "loss_weights weigh the GRPO term's tokens; the GSPO term weighs them by "
+           "`weighting` (pass loss_weights=None)")
+    _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
+    _check(weighting in ("document", "token"), op, "weighting must be 'document' or 'token', got '", weighting, "'")
+    _check(advantages is not None and document_index is not None, op, "gspo_weight = ", _num(gspo_weight),
+           " > 0 needs advantages and document_index")
+    _check(beta == 0 or ref_log_probs is not None, op, "beta = ", _num(beta), " > 0 needs ref_log_probs")
+    check_per_token(op, "advantages", advantages, target)
+    if old_log_probs is not None:  # None: on-policy
+        check_per_token(op, "old_log_probs", old_log_probs, target)
+    if beta != 0:
+        check_per_token(op, "ref_log_probs", ref_log_probs, target)
+    check_per_token_int(op, "document_index", document_index, target)
+    if label_counts is not None:
+        check_label_counts(op, label_counts, target)
+    if num_documents is not None:
+        check_num_documents(op, num_documents)

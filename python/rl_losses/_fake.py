@@ -363,16 +363,19 @@ def _dpo_forward_inplace(logits, target, document_index, pairs, ref_c, ref_r, be
     return tuple(_dpo_outputs(logits, target, n))
 
 
-# ---- the fused head: loss, label_loss, z_loss, grpo_loss (0-dim) and the per-token log-probs ----------------------
+# ---- the fused head: loss, label_loss, z_loss, grpo_loss (0-dim), the per-token log-probs, gspo_loss (0-dim) -------
 _HEAD_DEFAULTS = dict(label_weight=0.0, label_smoothing=0.0, label_divisor=None, z_loss_weight=0.0,
                       z_loss_divisor=None, z_loss_mask=None, grpo_weight=0.0, advantages=None, old_log_probs=None,
                       ref_log_probs=None, loss_weights=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
-                      grpo_divisor=None, logits_scale_factor=1.0, row_stats=None, vocab_start=0, vocab_size=-1)
+                      grpo_divisor=None, gspo_weight=0.0, document_index=None, num_documents=None, label_counts=None,
+                      weighting="document", gspo_divisor=None, logits_scale_factor=1.0, row_stats=None, vocab_start=0,
+                      vocab_size=-1)
 
 
 def _head_outputs(logits, target):
     acc = _acc(logits.dtype)
-    return [logits.new_empty([], dtype=acc) for _ in range(4)] + [logits.new_empty(_batch(target), dtype=acc)]
+    return ([logits.new_empty([], dtype=acc) for _ in range(4)] + [logits.new_empty(_batch(target), dtype=acc)]
+            + [logits.new_empty([], dtype=acc)])
 
 
 @register_fake("rl_losses::fused_head_loss")

@@ -9,7 +9,7 @@ import torch
 from rl_losses import dpo as dpo_ops
 from rl_losses import distillation as distillation_ops
 from rl_losses import reference
-from rl_losses._inputs import _divisor
+from rl_losses._inputs import _check_document_ids, _divisor
 from rl_losses.losses import Batch, LanguageModelLoss, LanguageModelLossKwargs, _require
 from rl_losses.reference import FusedHeadOutput  # noqa: F401  (re-exported: the op's named result)
 
@@ -30,29 +30,43 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, label_weight:
                     advantages: torch.Tensor | None = None, old_log_probs: torch.Tensor | None = None,
                     ref_log_probs: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None,
                     epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
-                    beta: float = 0.0, grpo_divisor: float | None = None, logits_scale_factor: float = 1.0,
+                    beta: float = 0.0, grpo_divisor: float | None = None, gspo_weight: float = 0.0,
+                    document_index: torch.Tensor | None = None, num_documents: int | None = None,
+                    label_counts: torch.Tensor | None = None, weighting: str = "document",
+                    gspo_divisor: float | None = None, logits_scale_factor: float = 1.0,
                     inplace_backward: bool = False, tp_group=None, vocab_start: int | None = None,
                     vocab_size: int | None = None) -> FusedHeadOutput:
-    """Label cross-entropy, z-loss and GRPO in one pass over the logits, with one summed gradient.
+    """Label cross-entropy, z-loss and GRPO or GSPO in one pass over the logits, with one summed gradient.
 
-    ``loss = label_weight·CE + z_loss_weight·Z + grpo_weight·GRPO``, each term as the separate op computes it
-    (rl_losses.cross_entropy with ``label_smoothing``; rl_losses.z_loss over ``z_loss_mask``, every token without
-    one; rl_losses.grpo_loss with its options) and divided by its own divisor (default: the term's tokens). A term
-    of weight 0 is skipped. The statistics of each row are computed once, the logits read once (where the row
-    kernel fuses) and the gradient written once.
+    ``loss = label_weight·CE + z_loss_weight·Z + grpo_weight·GRPO + gspo_weight·GSPO``, each term as the separate
+    op computes it (rl_losses.cross_entropy with ``label_smoothing``; rl_losses.z_loss over ``z_loss_mask``, every
+    token without one; rl_losses.grpo_loss and rl_losses.gspo_loss with their options) and divided by its own
+    divisor (default: the term's tokens; GSPO's: the documents holding a labelled token). A term of weight 0 is
+    skipped. The statistics of each row are computed once, the logits read once (where the row kernel fuses) and
+    the gradient written once. GSPO needs every document's ratio before any gradient: with a GSPO term the logits
+    are read twice, a statistics pass then the head's pass, as rl_losses.gspo_loss alone reads them.
 
     Args:
         logits: (..., V) float32/bfloat16/float16/float64; target: (...) int labels, negative = no label.
         advantages, old_log_probs (and ref_log_probs with beta > 0, optional loss_weights): (...) float, for GRPO.
+        gspo_weight: the GSPO term's weight; GRPO and GSPO are exclusive (at most one weight > 0). The GSPO term is
+            rl_losses.gspo_loss's plain form: loss_type "ppo_clip" at the sequence ratio with epsilon_low /
+            epsilon_high, the k3 KL per token with beta, ``weighting`` "document" or "token", the documents of
+            ``document_index`` ((...) int, negative = padding; ``num_documents`` its size, default max + 1, which
+            synchronises with the host), optional ``label_counts``, ``gspo_divisor``; ``advantages`` per token
+            (averaged per document), ``old_log_probs`` None for on-policy. ``delta`` and ``loss_weights`` are the
+            GRPO term's and are refused with GSPO.
         tp_group: vocabulary-parallel process group: ``logits`` hold this rank's columns, labels are global ids;
             the row statistics are all-reduced over the group first, then the op reads its shard once, for the
             terms and the gradient. Every output is identical on every rank; the gradient is this rank's column
             block. vocab_start, vocab_size: this shard's first global column and the global V, for uneven shards.
-    Returns: FusedHeadOutput(loss, label_loss, z_loss, grpo_loss, log_probs): the differentiable weighted total,
-        and each term unweighted and detached.
+    Returns: FusedHeadOutput(loss, label_loss, z_loss, grpo_loss, log_probs, gspo_loss): the differentiable
+        weighted total, and each term unweighted and detached.
     """
     from rl_losses.distributed import _tp_setup
 
+    if gspo_weight and document_index is not None:
+        _check_document_ids("fused_head_loss", document_index, num_documents)
     stats, start, total = _tp_setup("fused_head_loss", logits, target, tp_group, logits_scale_factor, vocab_start,
                                     vocab_size, smoothing=label_smoothing != 0 and label_weight != 0)
     out = _ops.fused_head_loss(logits, target, label_weight=label_weight, label_smoothing=label_smoothing,
@@ -61,7 +75,10 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, label_weight:
                                grpo_weight=grpo_weight, advantages=advantages, old_log_probs=old_log_probs,
                                ref_log_probs=ref_log_probs, loss_weights=loss_weights,
                                epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
-                               grpo_divisor=_divisor(grpo_divisor), logits_scale_factor=logits_scale_factor,
+                               grpo_divisor=_divisor(grpo_divisor), gspo_weight=gspo_weight,
+                               document_index=document_index, num_documents=num_documents, label_counts=label_counts,
+                               weighting=weighting, gspo_divisor=_divisor(gspo_divisor),
+                               logits_scale_factor=logits_scale_factor,
                                inplace_backward=inplace_backward, row_stats=stats, vocab_start=start,
                                vocab_size=total)
     return FusedHeadOutput(*out)
@@ -122,8 +139,9 @@ class LanguageModelDPOLoss(LanguageModelLoss):
 
 
 class LanguageModelHeadLoss(LanguageModelLoss):
-    """Several losses over the same logits: the fusable ones (label CE without its own z-loss, z-loss, GRPO with
-    token normalisation and basic metrics, one logits_scale_factor) in one pass, the others one by one."""
+    """Several losses over the same logits: the fusable ones (label CE without its own z-loss, z-loss, one policy
+    term: GRPO with token normalisation or plain GSPO, each with metrics="none"; one logits_scale_factor) in one
+    pass, the others one by one."""
 
     config: LanguageModelHeadLossConfig
 
@@ -142,10 +160,20 @@ class LanguageModelHeadLoss(LanguageModelLoss):
             return True
         if cfg.type_name == "grpo":
             return cfg.loss_normalization == "token" and cfg.metrics == "none"
+        if cfg.type_name == "gspo":  # the plain form the head fuses (rl_losses.fused_head_loss), per-token advantages
+            advantages = batch.get(LanguageModelLossKwargs.advantages)
+            labels = batch.get(LanguageModelLossKwargs.labels)
+            return (cfg.metrics == "none" and cfg.loss_type == "ppo_clip" and cfg.rollout_correction is None
+                    and cfg.kl_estimator == "k3" and not cfg.kl_importance_weighted and cfg.entropy_coefficient == 0
+                    and not cfg.token_advantages and advantages is not None and labels is not None
+                    and advantages.shape == labels.shape)
         return False
 
     def _forward(self, logits, batch, kernel):
         fused = [k for k in self.losses if self._fusable(k, logits, batch)]
+        # One policy term per pass (GRPO or GSPO): any other runs on its own.
+        policy = [k for k in fused if self.config.losses[k].type_name in ("grpo", "gspo")]
+        fused = [k for k in fused if k not in policy[1:]]
         scales = {self.config.losses[k].logits_scale_factor for k in fused}
         if len(fused) < 2 or len(scales) != 1:
             fused = []  # nothing to share: every loss on its own
@@ -169,6 +197,17 @@ class LanguageModelHeadLoss(LanguageModelLoss):
                 kwargs.update(label_weight=cfg.weight, label_smoothing=cfg.label_smoothing, label_divisor=divisor)
             elif cfg.type_name == "z_loss":
                 kwargs.update(z_loss_weight=cfg.weight, z_loss_mask=batch.get(LanguageModelLossKwargs.loss_mask))
+            elif cfg.type_name == "gspo":  # as LanguageModelGSPOLoss passes it to rl_losses.gspo_loss
+                if cfg.beta > 0:
+                    kwargs["ref_log_probs"] = _require(batch, LanguageModelLossKwargs.ref_log_probs, name)
+                kwargs.update(gspo_weight=cfg.weight, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
+                              beta=cfg.beta, weighting=cfg.weighting,
+                              document_index=_require(batch, LanguageModelLossKwargs.document_index, name),
+                              num_documents=batch.get(LanguageModelLossKwargs.num_documents),
+                              label_counts=batch.get(LanguageModelLossKwargs.label_counts),
+                              gspo_divisor=batch.get(LanguageModelLossKwargs.num_documents_in_batch),
+                              advantages=_require(batch, LanguageModelLossKwargs.advantages, name),
+                              old_log_probs=batch.get(LanguageModelLossKwargs.old_log_probabilities))
             else:
                 if cfg.beta > 0:
                     kwargs["ref_log_probs"] = _require(batch, LanguageModelLossKwargs.ref_log_probs, name)
@@ -180,9 +219,11 @@ class LanguageModelHeadLoss(LanguageModelLoss):
         metrics = {}
         for name in names:
             cfg = self.config.losses[name]
-            term = (out.label_loss if cfg.type_name == "label"
-                    else out.z_loss if cfg.type_name == "z_loss" else out.grpo_loss)
+            term = {"label": out.label_loss, "z_loss": out.z_loss, "grpo": out.grpo_loss,
+                    "gspo": out.gspo_loss}[cfg.type_name]
             metrics[name] = term
+            if cfg.type_name == "gspo":
+                metrics[f"{name}_new_logprobs"] = _gspo_new_logprobs(out.log_probs, labels, kwargs)
             if cfg.type_name == "grpo":  # GRPO's own metric at metrics="none"
                 with torch.no_grad():  # the mean over documents of their mean log-prob (token mean without counts)
                     weight = (labels >= 0).to(out.log_probs.dtype)
@@ -191,3 +232,19 @@ class LanguageModelHeadLoss(LanguageModelLoss):
                         weight = weight / counts.to(weight.dtype).clamp_min(1)
                     metrics[f"{name}_new_logprobs"] = (weight * out.log_probs).sum() / weight.sum().clamp_min(1e-30)
         return out.loss, metrics
+
+
+@torch.no_grad()
+def _gspo_new_logprobs(log_probs, labels, kwargs):
+    """GSPO's metric at metrics="none": each labelled document's mean log-prob, averaged over those documents."""
+    document_index, counts = kwargs["document_index"], kwargs["label_counts"]
+    on = ((labels >= 0) & (document_index >= 0)).reshape(-1)
+    doc = torch.where(on, document_index.reshape(-1), 0).long()
+    n = kwargs["num_documents"]
+    if n is None:  # the op itself took max + 1 (a host synchronisation) already
+        n = int(doc.max()) + 1 if doc.numel() else 0
+    onf = on.to(log_probs.dtype)
+    per_document = torch.zeros(n, dtype=onf.dtype, device=onf.device).index_add_(0, doc, onf)
+    counts = per_document[doc] if counts is None else counts.reshape(-1).to(onf.dtype)
+    labelled_documents = (per_document > 0).sum().clamp_min(1)
+    return (onf * log_probs.reshape(-1) / counts.clamp_min(1)).sum() / labelled_documents

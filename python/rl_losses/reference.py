@@ -419,9 +419,10 @@ def dpo_loss(logits, target, document_index, pairs, reference_chosen_log_probs, 
 def fused_head_loss(logits, target, *, label_weight=0.0, label_smoothing=0.0, label_divisor=None, z_loss_weight=0.0,
                     z_loss_divisor=None, z_loss_mask=None, grpo_weight=0.0, advantages=None, old_log_probs=None,
                     ref_log_probs=None, loss_weights=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
-                    grpo_divisor=None, logits_scale_factor=1.0) -> FusedHeadOutput:
+                    grpo_divisor=None, gspo_weight=0.0, document_index=None, num_documents=None, label_counts=None,
+                    weighting="document", gspo_divisor=None, logits_scale_factor=1.0) -> FusedHeadOutput:
     """The weighted sum of the separate losses: CE and GRPO over the labelled tokens, the z-loss over
-    ``z_loss_mask`` (every token without one)."""
+    ``z_loss_mask`` (every token without one), GSPO (ppo_clip, k3 KL) over the documents of ``document_index``."""
     s = logits_scale_factor
     zero = logits.new_zeros((), dtype=_work_dtype(logits))
     label = cross_entropy(logits, target, logits_scale_factor=s, label_smoothing=label_smoothing,
@@ -430,9 +431,13 @@ def fused_head_loss(logits, target, *, label_weight=0.0, label_smoothing=0.0, la
     grpo = grpo_loss(logits, target, advantages, old_log_probs, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                      delta=delta, ref_log_probs=ref_log_probs, beta=beta, loss_weights=loss_weights,
                      divisor=grpo_divisor, logits_scale_factor=s).loss if grpo_weight else zero
+    gspo = gspo_loss(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
+                     label_counts=label_counts, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                     weighting=weighting, divisor=gspo_divisor, logits_scale_factor=s, ref_log_probs=ref_log_probs,
+                     beta=beta).loss if gspo_weight else zero
     lp = _label_logprob(torch.log_softmax(_scaled(logits, s), dim=-1), target)
-    total = label_weight * label + z_loss_weight * z + grpo_weight * grpo
-    return FusedHeadOutput(total, label.detach(), z.detach(), grpo.detach(), lp.detach())
+    total = label_weight * label + z_loss_weight * z + grpo_weight * grpo + gspo_weight * gspo
+    return FusedHeadOutput(total, label.detach(), z.detach(), grpo.detach(), lp.detach(), gspo.detach())
 
 
 def token_log_probs(logits, target, *, logits_scale_factor=1.0, compute_entropy=False):
