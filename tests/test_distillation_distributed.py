@@ -1,7 +1,6 @@
 """Vocabulary-parallel distillation on gloo: 2 processes (CPU tensors, FileStore rendezvous) each hold a column
 shard of the student's and the teacher's logits; every rank's loss must equal the single-process loss on the
 whole vocabulary and its gradient the single-process gradient's column block, for every kind."""
-
 import pytest
 import torch
 import torch.distributed as dist

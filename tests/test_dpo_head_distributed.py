@@ -1,21 +1,16 @@
 """Vocabulary-parallel DPO and fused head on gloo: 2 processes (CPU tensors, FileStore rendezvous) each hold a
 column shard of the logits (even and uneven cuts); every rank's loss and metrics must equal the float64
 reference on the whole vocabulary, and its gradient the reference gradient's column block."""
-import datetime
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import rl_losses
 from rl_losses import reference
 from rl_losses.head import fused_head_loss
 
 from conftest import assert_close
-from helpers import assert_grad_close
+from helpers import assert_grad_close, gloo_world_results
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -127,38 +122,28 @@ def _run_config(logits, batch, tp_group=None):
     return {"loss": loss.detach(), "grad": x.grad, **{k: v.detach() for k, v in metrics.items()}}
 
 
-def _worker(rank, path, out_dir):
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's connections on the loopback interface only
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(path, WORLD), rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        results = {}
-        for name, (_, _, _, vocab, cut) in CASES.items():
-            logits, args, kwargs = _inputs(name)
-            cols = slice(0, cut) if rank == 0 else slice(cut, vocab)
-            shard = dict(vocab_start=cols.start, vocab_size=vocab) if 2 * cut != vocab else {}
-            results[name] = _run(name, logits[..., cols].contiguous(), args, kwargs, tp_group=dist.group.WORLD,
-                                 **shard)
-        logits, batch = _config_inputs()
-        cols = slice(0, CONFIG_CUT) if rank == 0 else slice(CONFIG_CUT, CONFIG_VOCAB)
-        import rl_losses.head
+def _rank_results(rank):
+    results = {}
+    for name, (_, _, _, vocab, cut) in CASES.items():
+        logits, args, kwargs = _inputs(name)
+        cols = slice(0, cut) if rank == 0 else slice(cut, vocab)
+        shard = dict(vocab_start=cols.start, vocab_size=vocab) if 2 * cut != vocab else {}
+        results[name] = _run(name, logits[..., cols].contiguous(), args, kwargs, tp_group=dist.group.WORLD,
+                             **shard)
+    logits, batch = _config_inputs()
+    cols = slice(0, CONFIG_CUT) if rank == 0 else slice(CONFIG_CUT, CONFIG_VOCAB)
+    import rl_losses.head
 
-        calls, fused = [], rl_losses.head.fused_head_loss
-        rl_losses.head.fused_head_loss = lambda *a, **k: calls.append(k) or fused(*a, **k)
-        results["head_config"] = _run_config(logits[..., cols].contiguous(), batch, tp_group=dist.group.WORLD)
-        results["head_config"]["fused_calls"] = torch.tensor(len(calls))
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # neither rank closes its connections while the other still uses them
-    finally:
-        dist.destroy_process_group()
+    calls, fused = [], rl_losses.head.fused_head_loss
+    rl_losses.head.fused_head_loss = lambda *a, **k: calls.append(k) or fused(*a, **k)
+    results["head_config"] = _run_config(logits[..., cols].contiguous(), batch, tp_group=dist.group.WORLD)
+    results["head_config"]["fused_calls"] = torch.tensor(len(calls))
+    return results
 
 
 @pytest.fixture(scope="module")
 def world_results():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"), tmp), nprocs=WORLD, join=True)
-        yield [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    return gloo_world_results(_rank_results, WORLD)
 
 
 @pytest.mark.parametrize("name", list(CASES))
