@@ -220,3 +220,18 @@ def gloo_world_results(compute, world=2):
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_gloo_worker, args=(compute, world, os.path.join(tmp, "store"), tmp), nprocs=world, join=True)
         return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+
+
+def assert_fake_rejects_like_real(call, message):
+    """`call(device)` raises `message` on the CPU (the real kernel); the fake kernel raises the same text on meta
+    tensors (up to the device's name) and under FakeTensorMode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with pytest.raises(RuntimeError, match=message) as real:
+        call("cpu")
+    with pytest.raises(RuntimeError) as fake:
+        call("meta")
+    assert str(fake.value).replace("meta", "cpu") == str(real.value)
+    with FakeTensorMode(), pytest.raises(RuntimeError) as fake_mode:
+        call("cpu")
+    assert str(real.value) in str(fake_mode.value)

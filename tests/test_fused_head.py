@@ -15,11 +15,11 @@ from rl_losses.head import fused_head_loss
 from conftest import assert_close
 from helpers import (assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh, label_log_probs64,
                      make_logits, make_target, param_id as _id)
+from helpers_head import WEIGHTS, head_equals_separate_modules, head_equals_separate_ops, other_term_kwargs
 
 _ops = torch.ops.rl_losses
 TERMS = ("label", "z_loss", "grpo")
 COMBINATIONS = [c for r in (1, 2, 3) for c in itertools.combinations(TERMS, r)]
-WEIGHTS = {"label": 0.7, "z_loss": 0.3, "grpo": 1.4}
 
 
 def make_inputs(shape, vocab, dtype, device):
@@ -35,14 +35,7 @@ def make_inputs(shape, vocab, dtype, device):
 
 def head_kwargs(terms, inputs, options):
     _, target, advantages, old, ref, weights = inputs
-    kwargs = dict(logits_scale_factor=options.get("logits_scale_factor", 1.0))
-    if "label" in terms:
-        kwargs.update(label_weight=WEIGHTS["label"], label_smoothing=options.get("label_smoothing", 0.0),
-                      label_divisor=options.get("label_divisor"))
-    if "z_loss" in terms:
-        z_mask = (torch.rand(target.shape, device=target.device) > 0.3) if options.get("z_loss_mask") else None
-        kwargs.update(z_loss_weight=WEIGHTS["z_loss"], z_loss_divisor=options.get("z_loss_divisor"),
-                      z_loss_mask=z_mask)
+    kwargs = other_term_kwargs(terms, target, options)
     if "grpo" in terms:
         kwargs.update(grpo_weight=WEIGHTS["grpo"], advantages=advantages, old_log_probs=old,
                       epsilon_low=0.15, epsilon_high=0.25, beta=options.get("beta", 0.0),
@@ -50,25 +43,6 @@ def head_kwargs(terms, inputs, options):
                       loss_weights=weights if options.get("loss_weights") else None,
                       grpo_divisor=options.get("grpo_divisor"), delta=options.get("delta"))
     return kwargs
-
-
-def separate_ops(x, target, kwargs):
-    """The weighted sum of the separate ops (rl_losses.cross_entropy, z_loss, grpo_loss), each differentiable."""
-    s = kwargs["logits_scale_factor"]
-    total = 0.0
-    if kwargs.get("label_weight"):
-        total = total + kwargs["label_weight"] * rl_losses.cross_entropy(
-            x, target, logits_scale_factor=s, label_smoothing=kwargs["label_smoothing"],
-            divisor=kwargs["label_divisor"])
-    if kwargs.get("z_loss_weight"):
-        total = total + kwargs["z_loss_weight"] * rl_losses.z_loss(
-            x, loss_mask=kwargs["z_loss_mask"], logits_scale_factor=s, divisor=kwargs["z_loss_divisor"])
-    if kwargs.get("grpo_weight"):
-        total = total + kwargs["grpo_weight"] * rl_losses.grpo_loss(
-            x, target, kwargs["advantages"], kwargs["old_log_probs"], epsilon_low=0.15, epsilon_high=0.25,
-            delta=kwargs["delta"], beta=kwargs["beta"], ref_log_probs=kwargs["ref_log_probs"],
-            loss_weights=kwargs["loss_weights"], divisor=kwargs["grpo_divisor"], logits_scale_factor=s).loss
-    return total
 
 
 OPTIONS = {
@@ -87,30 +61,20 @@ def test_equals_the_sum_of_the_separate_ops(terms, vocab, dtype, option, device)
     inputs = make_inputs((13,), vocab, dtype, device)
     logits, target = inputs[:2]
     kwargs = head_kwargs(terms, inputs, OPTIONS[option])
-    x = logits.clone().requires_grad_()
-    out = fused_head_loss(x, target, **kwargs)
-    (out.loss * 1.3).backward()
-    y = logits.clone().requires_grad_()
-    (separate_ops(y, target, kwargs) * 1.3).backward()
-    # The same fp32 formulas in another order: the gradient to its dtype's rounding, the loss to fp32's. The
-    # separate ops' gradient is a sum of terms each rounded to the dtype, which may cancel (the label column of
-    # CE and GRPO): in bf16/fp16 its own error reaches a few roundings of the terms.
-    assert_close(out.loss.detach(), separate_ops(logits, target, kwargs).detach(), torch.float32, scale=4.0)
-    low_precision = dtype in (torch.bfloat16, torch.float16)
-    assert_grad_close(x.grad, y.grad, dtype, scale=8.0 if low_precision and len(terms) > 1 else 2.0)
+    out, grad = head_equals_separate_ops(logits, target, kwargs, dtype, len(terms))
     # And against the float64 reference, loss, every term and the gradient.
     z = logits.detach().double().requires_grad_()
     ref = reference.fused_head_loss(z, target, **{k: v.double() if isinstance(v, torch.Tensor) and
                                                    v.is_floating_point() else v for k, v in kwargs.items()})
     if "z_loss" in terms:  # the z-loss covers unlabelled tokens too (its own mask)
         z_rows = kwargs["z_loss_mask"] if kwargs["z_loss_mask"] is not None else torch.ones_like(target, dtype=bool)
-        assert torch.count_nonzero(x.grad[(target < 0) & ~z_rows]) == 0
+        assert torch.count_nonzero(grad[(target < 0) & ~z_rows]) == 0
     (ref.loss * 1.3).backward()
     for name in ("loss", "label_loss", "z_loss", "grpo_loss", "log_probs"):
         assert_close(getattr(out, name).detach(), getattr(ref, name).detach(), dtype, msg=name)
-    assert_grad_close(x.grad, z.grad, dtype)
+    assert_grad_close(grad, z.grad, dtype)
     if "z_loss" not in terms:
-        assert torch.count_nonzero(x.grad[target < 0]) == 0
+        assert torch.count_nonzero(grad[target < 0]) == 0
 
 
 @pytest.mark.parametrize("vocab", [7, 769])
@@ -193,22 +157,7 @@ def test_head_config_fuses_and_matches_the_separate_modules(device, monkeypatch)
              "loss_mask": torch.rand(target.shape, device=device) > 0.2}
     losses = {"ce": {"type": "label", "weight": 0.5, "label_smoothing": 0.1}, "z": {"type": "z_loss", "weight": 0.1},
               "pg": {"type": "grpo", "weight": 2.0, "epsilon_high": 0.3}}
-    head = LanguageModelLossConfig.from_dict({"type": "head", "losses": losses}).get_loss()
-    assert LanguageModelLossConfig.from_dict(head.config.to_dict()) == head.config
-    x = logits.clone().requires_grad_()
-    loss, metrics = head(x, batch)
-    loss.backward()
-    y = logits.clone().requires_grad_()
-    expected, expected_metrics = 0.0, {}
-    for name, cfg in losses.items():
-        part, m = LanguageModelLossConfig.from_dict(cfg).get_loss(name=name)(y, batch)
-        expected = expected + part
-        expected_metrics.update(m)
-    expected.backward()
-    assert_close(loss.detach(), expected.detach(), torch.float32, scale=4.0)
-    assert_grad_close(x.grad, y.grad, torch.float32, scale=2.0)
-    for name, value in expected_metrics.items():
-        assert_close(metrics[name], value, torch.float32, scale=4.0, msg=name)
+    head_equals_separate_modules(losses, logits, batch)
     assert len(calls) == 1 and calls[0]["label_weight"] and calls[0]["z_loss_weight"] and calls[0]["grpo_weight"]
 
 

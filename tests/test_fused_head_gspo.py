@@ -6,22 +6,20 @@ import itertools
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import rl_losses
 import rl_losses.head
 from rl_losses import reference
-from rl_losses.config import LanguageModelLossConfig
 from rl_losses.head import fused_head_loss
 
 from conftest import assert_close
-from helpers import (assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh, label_log_probs64,
-                     make_logits, make_target, param_id as _id, to64)
+from helpers import (assert_compiled_matches_eager, assert_fake_rejects_like_real, assert_grad_close, gradcheck_fresh,
+                     label_log_probs64, make_logits, make_target, param_id as _id, to64)
+from helpers_head import WEIGHTS, head_equals_separate_modules, head_equals_separate_ops, other_term_kwargs
 
 _ops = torch.ops.rl_losses
 OTHERS = ("label", "z_loss")
 COMBINATIONS = [("gspo",) + c for r in (0, 1, 2) for c in itertools.combinations(OTHERS, r)]
-WEIGHTS = {"label": 0.7, "z_loss": 0.3, "gspo": 1.4}
 NUM_DOCUMENTS = 6  # the last one holds no token: an empty document counts nowhere
 
 
@@ -42,14 +40,7 @@ def make_inputs(shape, vocab, dtype, device):
 
 def head_kwargs(terms, inputs, options):
     _, target, doc, advantages, old, ref = inputs
-    kwargs = dict(logits_scale_factor=options.get("logits_scale_factor", 1.0))
-    if "label" in terms:
-        kwargs.update(label_weight=WEIGHTS["label"], label_smoothing=options.get("label_smoothing", 0.0),
-                      label_divisor=options.get("label_divisor"))
-    if "z_loss" in terms:
-        z_mask = (torch.rand(target.shape, device=target.device) > 0.3) if options.get("z_loss_mask") else None
-        kwargs.update(z_loss_weight=WEIGHTS["z_loss"], z_loss_divisor=options.get("z_loss_divisor"),
-                      z_loss_mask=z_mask)
+    kwargs = other_term_kwargs(terms, target, options)
     counts = None
     if options.get("label_counts"):
         # Each token's whole-document count, given (a part of a document, as under sequence-data parallelism,
@@ -63,25 +54,6 @@ def head_kwargs(terms, inputs, options):
                   beta=options.get("beta", 0.0), ref_log_probs=ref if options.get("beta") else None,
                   weighting=options.get("weighting", "document"), gspo_divisor=options.get("gspo_divisor"))
     return kwargs
-
-
-def separate_ops(x, target, kwargs):
-    """The weighted sum of the separate ops (rl_losses.cross_entropy, z_loss, gspo_loss), each differentiable."""
-    s = kwargs["logits_scale_factor"]
-    total = 0.0
-    if kwargs.get("label_weight"):
-        total = total + kwargs["label_weight"] * rl_losses.cross_entropy(
-            x, target, logits_scale_factor=s, label_smoothing=kwargs["label_smoothing"],
-            divisor=kwargs["label_divisor"])
-    if kwargs.get("z_loss_weight"):
-        total = total + kwargs["z_loss_weight"] * rl_losses.z_loss(
-            x, loss_mask=kwargs["z_loss_mask"], logits_scale_factor=s, divisor=kwargs["z_loss_divisor"])
-    total = total + kwargs["gspo_weight"] * rl_losses.gspo_loss(
-        x, target, kwargs["advantages"], kwargs["old_log_probs"], kwargs["document_index"],
-        num_documents=kwargs["num_documents"], label_counts=kwargs["label_counts"], epsilon_low=0.15,
-        epsilon_high=0.25, weighting=kwargs["weighting"], divisor=kwargs["gspo_divisor"], logits_scale_factor=s,
-        ref_log_probs=kwargs["ref_log_probs"], beta=kwargs["beta"]).loss
-    return total
 
 
 def reference_of(logits, target, kwargs):
@@ -107,23 +79,15 @@ def test_equals_the_sum_of_the_separate_ops(terms, vocab, dtype, option, device)
     inputs = make_inputs((3, 7), vocab, dtype, device)
     logits, target = inputs[:2]
     kwargs = head_kwargs(terms, inputs, OPTIONS[option])
-    x = logits.clone().requires_grad_()
-    out = fused_head_loss(x, target, **kwargs)
-    (out.loss * 1.3).backward()
-    y = logits.clone().requires_grad_()
-    (separate_ops(y, target, kwargs) * 1.3).backward()
-    # The same fp32 formulas in another order (see tests/test_fused_head.py for the tolerances).
-    assert_close(out.loss.detach(), separate_ops(logits, target, kwargs).detach(), torch.float32, scale=4.0)
-    low_precision = dtype in (torch.bfloat16, torch.float16)
-    assert_grad_close(x.grad, y.grad, dtype, scale=8.0 if low_precision and len(terms) > 1 else 2.0)
+    out, grad = head_equals_separate_ops(logits, target, kwargs, dtype, len(terms))
     z, ref = reference_of(logits, target, kwargs)
     (ref.loss * 1.3).backward()
     for name in TERM_NAMES:
         assert_close(getattr(out, name).detach(), getattr(ref, name).detach(), dtype, msg=name)
-    assert_grad_close(x.grad, z.grad, dtype)
+    assert_grad_close(grad, z.grad, dtype)
     assert out.gspo_loss != 0 and out.grpo_loss == 0
     if "z_loss" not in terms:  # unlabelled rows get no gradient (padding rows with a label get CE's only)
-        assert torch.count_nonzero(x.grad[target < 0]) == 0
+        assert torch.count_nonzero(grad[target < 0]) == 0
 
 
 @pytest.mark.parametrize("z_mask", ["labels", "random", "none"])
@@ -265,14 +229,7 @@ def test_fake_rejects_alike(bad, message):
         logits, target, t = _bad(d)
         return _ops.fused_head_loss(logits, target, **_bad_kwargs(t, bad, d))
 
-    with pytest.raises(RuntimeError, match=message) as real:
-        call("cpu")
-    with pytest.raises(RuntimeError) as fake:
-        call("meta")
-    assert str(fake.value).replace("meta", "cpu") == str(real.value)
-    with FakeTensorMode(), pytest.raises(RuntimeError) as fake_mode:
-        call("cpu")
-    assert str(real.value) in str(fake_mode.value)
+    assert_fake_rejects_like_real(call, message)
 
 
 def test_fake_outputs_match():
@@ -297,26 +254,6 @@ def _config_batch(device, extras):
     return logits, batch
 
 
-def _head_and_separate(losses, logits, batch):
-    head = LanguageModelLossConfig.from_dict({"type": "head", "losses": losses}).get_loss()
-    assert LanguageModelLossConfig.from_dict(head.config.to_dict()) == head.config
-    x = logits.clone().requires_grad_()
-    loss, metrics = head(x, batch)
-    loss.backward()
-    y = logits.clone().requires_grad_()
-    expected, expected_metrics = 0.0, {}
-    for name, cfg in losses.items():
-        part, m = LanguageModelLossConfig.from_dict(cfg).get_loss(name=name)(y, batch)
-        expected = expected + part
-        expected_metrics.update(m)
-    expected.backward()
-    assert_close(loss.detach(), expected.detach(), torch.float32, scale=4.0)
-    assert_grad_close(x.grad, y.grad, torch.float32, scale=2.0)
-    assert set(metrics) == set(expected_metrics) | {"head"}  # "head": the head's own (weighted) total
-    for name, value in expected_metrics.items():
-        assert_close(metrics[name], value, torch.float32, scale=4.0, msg=name)
-
-
 @pytest.mark.parametrize("extras", [False, True], ids=["plain", "counts_divisor"])
 def test_head_config_fuses_gspo_and_matches_the_separate_modules(extras, device, monkeypatch):
     calls = []
@@ -324,7 +261,7 @@ def test_head_config_fuses_gspo_and_matches_the_separate_modules(extras, device,
     logits, batch = _config_batch(device, extras)
     losses = {"ce": {"type": "label", "weight": 0.5, "label_smoothing": 0.1}, "z": {"type": "z_loss", "weight": 0.1},
               "pg": {"type": "gspo", "weight": 2.0, "epsilon_high": 0.3, "beta": 0.05, "weighting": "token"}}
-    _head_and_separate(losses, logits, batch)
+    head_equals_separate_modules(losses, logits, batch)
     assert len(calls) == 1 and calls[0]["gspo_weight"] == 2.0 and calls[0]["label_weight"] == 0.5
     assert calls[0]["z_loss_weight"] == 0.1 and not calls[0].get("grpo_weight")
 
@@ -336,9 +273,9 @@ def test_head_config_runs_what_it_cannot_fuse_on_its_own(device, monkeypatch):
     monkeypatch.setattr(rl_losses.head, "fused_head_loss", lambda *a, **k: calls.append(k) or fused_head_loss(*a, **k))
     logits, batch = _config_batch(device, False)
     losses = {"ce": {"type": "label"}, "pg": {"type": "grpo", "weight": 0.5}, "sq": {"type": "gspo", "weight": 2.0}}
-    _head_and_separate(losses, logits, batch)
+    head_equals_separate_modules(losses, logits, batch)
     assert len(calls) == 1 and calls[0]["grpo_weight"] == 0.5 and not calls[0].get("gspo_weight")
     calls.clear()
     losses = {"ce": {"type": "label"}, "sq": {"type": "gspo", "loss_type": "cispo"}}
-    _head_and_separate(losses, logits, batch)
+    head_equals_separate_modules(losses, logits, batch)
     assert not calls
