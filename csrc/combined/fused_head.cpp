@@ -23,12 +23,11 @@ GspoState gspo_term_state(const char* op, const FlatLogits& f, const at::Tensor&
               delta ? *delta : 0.0);
   TORCH_CHECK(!loss_weights, op, ": loss_weights weigh the GRPO term's tokens; the GSPO term weighs them by "
               "`weighting` (pass loss_weights=None)");
-  TORCH_CHECK(std::isfinite(beta) && beta >= 0, op, ": beta must be >= 0, got ", beta);
+  check_beta(op, beta, ref_log_probs.has_value());
   TORCH_CHECK(gspo.weighting == "document" || gspo.weighting == "token", op,
               ": weighting must be 'document' or 'token', got '", gspo.weighting, "'");
   TORCH_CHECK(advantages && gspo.document_index, op, ": gspo_weight = ", gspo.weight,
               " > 0 needs advantages and document_index");
-  TORCH_CHECK(beta == 0 || ref_log_probs, op, ": beta = ", beta, " > 0 needs ref_log_probs");
   GspoState g;
   g.opt = options;
   g.target = f.target1d;
@@ -38,15 +37,7 @@ GspoState gspo_term_state(const char* op, const FlatLogits& f, const at::Tensor&
   g.document = check_per_token_int(op, "document_index", *gspo.document_index, target);
   if (gspo.label_counts) g.label_counts = check_label_counts(op, *gspo.label_counts, target, acc);
   // The number of documents: given, or max(document_index) + 1 (which synchronises with the device).
-  int64_t n_docs = gspo.num_documents ? *gspo.num_documents
-                   : f.n_rows > 0     ? std::max<int64_t>(g.document.max().item<int64_t>() + 1, 0)
-                                      : 0;
-  check_num_documents(op, n_docs);
-  if (!g.document.is_cuda() && f.n_rows > 0) {
-    const int64_t high = g.document.max().item<int64_t>();  // CPU: no device to synchronise with
-    TORCH_CHECK(high < n_docs, op, ": document_index holds ", high, " but num_documents is ", n_docs);
-  }
-  g.num_documents = n_docs;
+  g.num_documents = document_count(op, g.document, gspo.num_documents);
   g.divisor = gspo.divisor;
   g.token_weighting = gspo.weighting == "token";
   return g;
@@ -112,12 +103,10 @@ std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& tar
   for (int k = 0; k < kHeadTerms; ++k) rows.weight[k] = weights[k];
   if (grpo_weight != 0) {
     check_epsilons(op, epsilon_low, epsilon_high);
-    TORCH_CHECK(!delta || (std::isfinite(*delta) && *delta > 1 + epsilon_high), op,
-                ": delta must exceed 1 + epsilon_high = ", 1 + epsilon_high, ", got ", delta ? *delta : 0.0);
-    TORCH_CHECK(std::isfinite(beta) && beta >= 0, op, ": beta must be >= 0, got ", beta);
+    check_delta(op, delta, epsilon_high);
+    check_beta(op, beta, ref_log_probs.has_value());
     TORCH_CHECK(advantages && old_log_probs, op, ": grpo_weight = ", grpo_weight,
                 " > 0 needs advantages and old_log_probs");
-    TORCH_CHECK(beta == 0 || ref_log_probs, op, ": beta = ", beta, " > 0 needs ref_log_probs");
     rows.advantages = check_per_token(op, "advantages", *advantages, target, acc);
     rows.old_log_probs = check_per_token(op, "old_log_probs", *old_log_probs, target, acc);
     if (beta != 0) rows.ref_log_probs = check_per_token(op, "ref_log_probs", *ref_log_probs, target, acc);

@@ -2,6 +2,7 @@
 
 #include <ATen/TensorUtils.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "common/row_stats.h"
@@ -133,9 +134,28 @@ void check_delta(const char* op, std::optional<double> delta, double epsilon_hig
               ", got ", delta ? *delta : 0.0);
 }
 
+void check_beta(const char* op, double beta, bool has_ref_log_probs) {
+  TORCH_CHECK(std::isfinite(beta) && beta >= 0, op, ": beta must be >= 0, got ", beta);
+  TORCH_CHECK(beta == 0 || has_ref_log_probs, op, ": beta = ", beta, " > 0 needs ref_log_probs");
+}
+
 void check_num_documents(const char* op, int64_t num_documents) {
   TORCH_CHECK(num_documents >= 0 && num_documents <= kMaxDocuments, op, ": num_documents must be in [0, ",
               kMaxDocuments, "], got ", num_documents);
+}
+
+int64_t document_count(const char* op, const at::Tensor& ids, std::optional<int64_t> given) {
+  if (!given) {
+    const int64_t n = ids.numel() > 0 ? std::max<int64_t>(ids.max().item<int64_t>() + 1, 0) : 0;
+    check_num_documents(op, n);
+    return n;
+  }
+  check_num_documents(op, *given);
+  if (!ids.is_cuda() && ids.numel() > 0) {
+    const int64_t high = ids.max().item<int64_t>();  // CPU: no device to synchronise with
+    TORCH_CHECK(high < *given, op, ": document_index holds ", high, " but num_documents is ", *given);
+  }
+  return *given;
 }
 
 void check_row_stats(const char* op, const std::optional<at::Tensor>& row_stats, const FlatLogits& f) {

@@ -48,10 +48,16 @@ void check_divisor(const char* op, std::optional<double> divisor);
 void check_epsilons(const char* op, double epsilon_low, double epsilon_high);
 // The two-sided clip δ of ppo_clip (grpo, gspo, policy_token_loss): unset, or finite and > 1 + ε_h.
 void check_delta(const char* op, std::optional<double> delta, double epsilon_high);
+// The KL weight beta: finite, >= 0, and with ref_log_probs wherever it is > 0.
+void check_beta(const char* op, double beta, bool has_ref_log_probs);
 // The per-document buffers hold num_documents rows: a bound far above any real batch turns a mistaken value
 // (e.g. 2**40) into this message rather than an allocator failure.
 constexpr int64_t kMaxDocuments = int64_t(1) << 31;
 void check_num_documents(const char* op, int64_t num_documents);
+// The number of documents of `ids` (document_index flattened; negative = padding): `given`, or max(ids) + 1 read
+// on the host (a synchronisation on a GPU, which giving the count avoids); within check_num_documents' bound. On
+// the CPU the ids are checked against a given count here; CUDA kernels assert it on the device.
+int64_t document_count(const char* op, const at::Tensor& ids, std::optional<int64_t> given);
 void check_row_stats(const char* op, const std::optional<at::Tensor>& row_stats, const FlatLogits& f);
 
 // A row pass over the flattened problem, before an op sets its optional parts (statistics, flags) and its

@@ -125,16 +125,7 @@ SequenceIds sequence_ids(const char* op, const std::optional<at::Tensor>& docume
                 op, ": document_index must be an integer tensor shaped like target ", target.sizes(), " on ",
                 target.device(), ", got ", d.scalar_type(), " ", d.sizes(), " on ", d.device());
     s.ids = d.reshape({-1}).to(at::kLong).contiguous();
-    if (num_documents) {
-      check_num_documents(op, *num_documents);
-      s.count = *num_documents;
-      if (!s.ids.is_cuda() && s.ids.numel() > 0) {  // CUDA: a device-side assert (GrpoSequenceTerms)
-        const int64_t high = s.ids.max().item<int64_t>();  // CPU: no device to synchronise with
-        TORCH_CHECK(high < s.count, op, ": document_index holds ", high, " but num_documents is ", s.count);
-      }
-    } else {
-      s.count = s.ids.numel() > 0 ? std::max<int64_t>(s.ids.max().item<int64_t>() + 1, 0) : 0;
-    }
+    s.count = document_count(op, s.ids, num_documents);  // CUDA: ids >= count assert in GrpoSequenceTerms
     return s;
   }
   TORCH_CHECK(target.dim() >= 2, op, ": ", why, " needs the sequences: pass document_index, or labels shaped ",

@@ -26,8 +26,7 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
   check_scale(op, logits_scale_factor);
   check_epsilons(op, epsilon_low, epsilon_high);
   check_delta(op, delta, epsilon_high);
-  TORCH_CHECK(std::isfinite(beta) && beta >= 0, op, ": beta must be >= 0, got ", beta);
-  TORCH_CHECK(beta == 0 || ref_log_probs.has_value(), op, ": beta = ", beta, " > 0 needs ref_log_probs");
+  check_beta(op, beta, ref_log_probs.has_value());
   check_divisor(op, divisor);
   check_row_stats(op, row_stats, f);
   const PolicyOptions<double> opt = make_policy_options(op, policy, epsilon_low, epsilon_high, delta, beta,

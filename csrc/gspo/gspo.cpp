@@ -79,8 +79,7 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
   TORCH_CHECK(weighting == "document" || weighting == "token", op,
               ": weighting must be 'document' or 'token', got '", weighting, "'");
   const double beta = policy.beta;
-  TORCH_CHECK(std::isfinite(beta) && beta >= 0, op, ": beta must be >= 0, got ", beta);
-  TORCH_CHECK(beta == 0 || policy.ref_log_probs.has_value(), op, ": beta = ", beta, " > 0 needs ref_log_probs");
+  check_beta(op, beta, policy.ref_log_probs.has_value());
   const auto opts = src.acc_options();
   const auto acc = opts.dtype().toScalarType();
   GspoState g;
@@ -97,19 +96,9 @@ std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, c
 
   // The number of documents: given, implied by document_sums, or max(document_index) + 1 (which
   // synchronises with the device: pass num_documents to avoid it).
-  int64_t n_docs;
-  if (num_documents) {
-    n_docs = *num_documents;
-  } else if (document_sums) {
-    n_docs = document_sums->size(0);
-  } else {
-    n_docs = f.n_rows > 0 ? std::max<int64_t>(g.document.max().item<int64_t>() + 1, 0) : 0;
-  }
-  check_num_documents(op, n_docs);
-  if (!g.document.is_cuda() && f.n_rows > 0) {
-    const int64_t high = g.document.max().item<int64_t>();  // CPU: no device to synchronise with
-    TORCH_CHECK(high < n_docs, op, ": document_index holds ", high, " but num_documents is ", n_docs);
-  }
+  std::optional<int64_t> given = num_documents;
+  if (!given && document_sums) given = document_sums->size(0);
+  const int64_t n_docs = document_count(op, g.document, given);
   g.num_documents = n_docs;
   // Advantages per token, per sequence ((B,) for (B, T) labels) or per document ((num_documents,)).
   at::Tensor adv = broadcast_per_sequence(op, "advantages", advantages, target);

@@ -228,11 +228,16 @@ def check_delta(op, epsilon_high, delta):
            _num(1 + epsilon_high), ", got ", _num(delta if delta is not None else 0.0))
 
 
+def check_beta(op, beta, ref_log_probs):
+    """The KL weight beta: finite, >= 0, and with ref_log_probs wherever it is > 0."""
+    _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
+    _check(beta == 0 or ref_log_probs is not None, op, "beta = ", _num(beta), " > 0 needs ref_log_probs")
+
+
 def _check_delta_beta(op, epsilon_high, delta, beta, ref_log_probs):
     """The two-sided clip `delta` and the KL weight `beta` (grpo and policy_token_loss check them alike)."""
     check_delta(op, epsilon_high, delta)
-    _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
-    _check(beta == 0 or ref_log_probs is not None, op, "beta = ", _num(beta), " > 0 needs ref_log_probs")
+    check_beta(op, beta, ref_log_probs)
 
 
 def sequence_count(op, document_index, num_documents):

@@ -6,9 +6,10 @@ import math
 
 import torch
 
-from rl_losses._checks import (_check, _dt, _integral, _num, _shape, acc_dtype, check_and_flatten, check_divisor,
-                                check_epsilons, check_inplace, check_label_counts, check_num_documents,
-                                check_per_token, check_per_token_int, check_row_stats, check_scale)
+from rl_losses._checks import (_check, _dt, _integral, _num, _shape, acc_dtype, check_and_flatten, check_beta,
+                                check_delta, check_divisor, check_epsilons, check_inplace, check_label_counts,
+                                check_num_documents, check_per_token, check_per_token_int, check_row_stats,
+                                check_scale)
 
 # ---- distillation/distillation.cpp ---------------------------------------------------------------------------------
 DISTILL_KINDS = ("forward_kl", "reverse_kl", "cross_entropy", "jsd")
@@ -164,13 +165,10 @@ def fused_head(logits, target, label_weight, label_smoothing, label_divisor, z_l
     check_row_stats(op, row_stats, logits, target.numel())
     if grpo_weight != 0:
         check_epsilons(op, epsilon_low, epsilon_high)
-        _check(delta is None or (math.isfinite(delta) and delta > 1 + epsilon_high), op,
-               "delta must exceed 1 + epsilon_high = ", _num(1 + epsilon_high), ", got ",
-               _num(delta if delta is not None else 0.0))
-        _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
+        check_delta(op, epsilon_high, delta)
+        check_beta(op, beta, ref_log_probs)
         _check(advantages is not None and old_log_probs is not None, op, "grpo_weight = ", _num(grpo_weight),
                " > 0 needs advantages and old_log_probs")
-        _check(beta == 0 or ref_log_probs is not None, op, "beta = ", _num(beta), " > 0 needs ref_log_probs")
         check_per_token(op, "advantages", advantages, target)
         check_per_token(op, "old_log_probs", old_log_probs, target)
         if beta != 0:
@@ -197,11 +195,10 @@ def _fused_head_gspo(op, target, gspo_weight, advantages, old_log_probs, ref_log
            _num(delta if delta is not None else 0.0))
     _check(loss_weights is None, op, "loss_weights weigh the GRPO term's tokens; the GSPO term weighs them by "
            "`weighting` (pass loss_weights=None)")
-    _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
+    check_beta(op, beta, ref_log_probs)
     _check(weighting in ("document", "token"), op, "weighting must be 'document' or 'token', got '", weighting, "'")
     _check(advantages is not None and document_index is not None, op, "gspo_weight = ", _num(gspo_weight),
            " > 0 needs advantages and document_index")
-    _check(beta == 0 or ref_log_probs is not None, op, "beta = ", _num(beta), " > 0 needs ref_log_probs")
     check_per_token(op, "advantages", advantages, target)
     if old_log_probs is not None:  # None: on-policy
         check_per_token(op, "old_log_probs", old_log_probs, target)
