@@ -3,6 +3,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/Dispatch.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
 #include <string>
@@ -22,12 +23,12 @@ std::vector<at::Tensor> policy_token_loss(const at::Tensor& log_probs, const std
                                           c10::string_view kl_estimator, bool kl_importance_weighted,
                                           PolicyTokenKernel kernel) {
   const char* op = "policy_token_loss";
+  const c10::OptionalDeviceGuard guard(log_probs.device());  // the kernel launches on log_probs' device
   TORCH_CHECK(at::isFloatingType(log_probs.scalar_type()), op, ": log_probs must be a floating-point tensor, got ",
               log_probs.scalar_type());
   check_epsilons(op, epsilon_low, epsilon_high);
   check_delta(op, delta, epsilon_high);
-  TORCH_CHECK(std::isfinite(beta) && beta >= 0, op, ": beta must be >= 0, got ", beta);
-  TORCH_CHECK(beta == 0 || ref_log_probs, op, ": beta = ", beta, " > 0 needs ref_log_probs");
+  check_beta(op, beta, ref_log_probs.has_value());
   // Loss types whose token loss depends on the rest of its sequence are the fused ops' alone: named here, so
   // that a loss type added to the shared options is not taken elementwise unless it is elementwise.
   TORCH_CHECK(loss_type == "ppo_clip" || loss_type == "cispo" || loss_type == "sapo", op,
@@ -71,17 +72,6 @@ void policy_token_cpu(const PolicyTokenInputs& in) {
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
-    const at::Tensor& log_probs, const std::optional<at::Tensor>& old_log_probs, const at::Tensor& advantages,
-    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& rollout, double epsilon_low,
-    double epsilon_high, std::optional<double> delta, double beta, c10::string_view loss_type, double tau_pos,
-    double tau_neg, std::optional<c10::string_view> mode, double cap, std::optional<c10::ArrayRef<double>> bounds,
-    c10::string_view kl_estimator, bool kl_importance_weighted) {
-  return tensors_as_tuple<kPolicyTokenOutputs>(policy_token_loss(
-      log_probs, old_log_probs, advantages, epsilon_low, epsilon_high, delta, ref, beta, loss_type, tau_pos, tau_neg,
-      rollout, mode, cap, bounds, kl_estimator, kl_importance_weighted, &policy_token_cpu));
-}
-
 }  // namespace
 
 // A fragment of its own: the op is not a row pass and shares no schema macro with the fused ones.
@@ -99,6 +89,6 @@ TORCH_LIBRARY_FRAGMENT(rl_losses, m) {
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(rl_losses, CPU, m) { m.impl("policy_token_loss", &policy_token_loss_cpu); }
+TORCH_LIBRARY_IMPL(rl_losses, CPU, m) { m.impl("policy_token_loss", &policy_token_op<&policy_token_cpu>); }
 
 }  // namespace rl_losses

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "common/math.h"
@@ -81,5 +82,18 @@ std::vector<at::Tensor> policy_token_loss(const at::Tensor& log_probs, const std
                                           std::optional<c10::ArrayRef<double>> rollout_mask_bounds,
                                           c10::string_view kl_estimator, bool kl_importance_weighted,
                                           PolicyTokenKernel kernel);
+
+// The schema's argument order (tensors first), over one device's kernel: the CPU and CUDA registrations.
+template <PolicyTokenKernel kKernel>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_op(
+    const at::Tensor& log_probs, const std::optional<at::Tensor>& old_log_probs, const at::Tensor& advantages,
+    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& rollout, double epsilon_low,
+    double epsilon_high, std::optional<double> delta, double beta, c10::string_view loss_type, double tau_pos,
+    double tau_neg, std::optional<c10::string_view> mode, double cap, std::optional<c10::ArrayRef<double>> bounds,
+    c10::string_view kl_estimator, bool kl_importance_weighted) {
+  return tensors_as_tuple<kPolicyTokenOutputs>(policy_token_loss(
+      log_probs, old_log_probs, advantages, epsilon_low, epsilon_high, delta, ref, beta, loss_type, tau_pos, tau_neg,
+      rollout, mode, cap, bounds, kl_estimator, kl_importance_weighted, kKernel));
+}
 
 }  // namespace rl_losses

@@ -1,7 +1,6 @@
 // policy_token_loss on CUDA: one thread per token (elementwise; the math is policy_token_at, shared with the CPU).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include "policy_token/policy_token.h"
@@ -26,20 +25,8 @@ void policy_token_cuda(const PolicyTokenInputs& in) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cuda(
-    const at::Tensor& log_probs, const std::optional<at::Tensor>& old_log_probs, const at::Tensor& advantages,
-    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& rollout, double epsilon_low,
-    double epsilon_high, std::optional<double> delta, double beta, c10::string_view loss_type, double tau_pos,
-    double tau_neg, std::optional<c10::string_view> mode, double cap, std::optional<c10::ArrayRef<double>> bounds,
-    c10::string_view kl_estimator, bool kl_importance_weighted) {
-  const c10::cuda::CUDAGuard guard(log_probs.device());
-  return tensors_as_tuple<kPolicyTokenOutputs>(policy_token_loss(
-      log_probs, old_log_probs, advantages, epsilon_low, epsilon_high, delta, ref, beta, loss_type, tau_pos, tau_neg,
-      rollout, mode, cap, bounds, kl_estimator, kl_importance_weighted, &policy_token_cuda));
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) { m.impl("policy_token_loss", &policy_token_loss_cuda); }
+TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) { m.impl("policy_token_loss", &policy_token_op<&policy_token_cuda>); }
 
 }  // namespace rl_losses
