@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import types
 
 import torch
 
 import rl_losses
+from timing import median_ms
 
 HEADLINE = dict(n=16384, h=4096, v=151936)
 DRY = dict(n=256, h=64, v=1000)
@@ -79,27 +79,6 @@ def gemm_floor(h, w):
     torch.mm(logits.t(), h)
 
 
-def measure(fn, reps, device):
-    if device == "cpu":
-        import time
-
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -122,7 +101,7 @@ def main():
 
     with torch.no_grad():
         gemm_floor(hidden, weight)
-        results["gemm_floor_ms"] = measure(lambda: gemm_floor(hidden, weight), args.reps, device)
+        results["gemm_floor_ms"] = median_ms(lambda: gemm_floor(hidden, weight), args.reps, device)
     reference = None
     for name, fn in providers(args.verl_kernels).items():
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -144,7 +123,7 @@ def main():
             h.grad = w.grad = None
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        ms = measure(step, args.reps, device)
+        ms = median_ms(step, args.reps, device)
         entry = {"ms": ms, "vs_gemm_floor": ms / results["gemm_floor_ms"]}
         if name == "rl_losses":
             entry["target_vs_gemm_floor"] = 1.15

@@ -19,11 +19,11 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import tempfile
-import time
 
 import torch
+
+from timing import median_ms
 
 HEADLINE = dict(vocab=151936, hidden=2048, heads=16, kv_heads=2, batch=8, prompt=128, completion=1024)
 DRY = dict(vocab=512, hidden=64, heads=4, kv_heads=2, batch=4, prompt=8, completion=24)
@@ -84,23 +84,6 @@ def make_batch(s, device):
     return {k: t.to(device) for k, t in batch.items()}
 
 
-def measure(fn, reps, device):
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -139,7 +122,7 @@ def main():
                 model.zero_grad(set_to_none=True)
                 torch.cuda.reset_peak_memory_stats()
                 before = torch.cuda.memory_allocated()
-            ms = measure(step, args.reps, device)
+            ms = median_ms(step, args.reps, device)
             entry[name] = {"ms": ms, "loss": losses[-1].float().item()}
             if device == "cuda":
                 entry[name]["extra_peak_mib"] = (torch.cuda.max_memory_allocated() - before) / 2**20
