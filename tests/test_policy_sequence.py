@@ -171,6 +171,19 @@ def _label_counts(target, doc):
     return counts[doc.clamp_min(0)]
 
 
+def _gspo_matches_reference(logits, target, advantages, old, doc, options):
+    """gspo_loss on float64 logits against the reference, loss and gradient; returns both outputs."""
+    x = logits.clone().requires_grad_()
+    out = rl_losses.gspo_loss(x, target, advantages, old, doc, **options)
+    out.loss.backward()
+    x64 = logits.clone().requires_grad_()
+    expected = reference.gspo_loss(x64, target, advantages, old, doc, **options)
+    expected.loss.backward()
+    assert_close(out.loss.detach(), expected.loss.detach(), torch.float64)
+    assert_grad_close(x.grad, x64.grad, torch.float64)
+    return out, expected
+
+
 def _packed(device):
     return torch.tensor([[0] * 5 + [1] * 3, [1] * 4 + [2] * 4, [3] * 6 + [-1] * 2], device=device)
 
@@ -190,14 +203,7 @@ def test_gspo_importance_weighted_kl_gradient(weighting, token_advantages, label
     if label_counts:
         options["label_counts"] = _label_counts(target, doc)
     for old_arg in (old, None):
-        x = logits.clone().requires_grad_()
-        out = rl_losses.gspo_loss(x, target, advantages, old_arg, doc, **options)
-        out.loss.backward()
-        x64 = logits.clone().requires_grad_()
-        expected = reference.gspo_loss(x64, target, advantages, old_arg, doc, **options)
-        expected.loss.backward()
-        assert_close(out.loss.detach(), expected.loss.detach(), torch.float64)
-        assert_grad_close(x.grad, x64.grad, torch.float64)
+        out, expected = _gspo_matches_reference(logits, target, advantages, old_arg, doc, options)
         assert_close(out.kl, expected.kl, torch.float64)
 
 
@@ -218,14 +224,7 @@ def test_gspo_token_rollout_gradient(mode, weighting, label_counts, device):
     if label_counts:
         options["label_counts"] = _label_counts(target, doc)
     advantages = torch.randn(4, dtype=torch.float64, device=device)
-    x = logits.clone().requires_grad_()
-    out = rl_losses.gspo_loss(x, target, advantages, old, doc, **options)
-    out.loss.backward()
-    x64 = logits.clone().requires_grad_()
-    expected = reference.gspo_loss(x64, target, advantages, old, doc, **options)
-    expected.loss.backward()
-    assert_close(out.loss.detach(), expected.loss.detach(), torch.float64)
-    assert_grad_close(x.grad, x64.grad, torch.float64)
+    _gspo_matches_reference(logits, target, advantages, old, doc, options)
 
 
 def test_gspo_importance_weighted_kl_gradcheck():
