@@ -9,38 +9,39 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <type_traits>
-#include <utility>
-
 #include "common/cuda_backends.h"
+#include "common/loss_kernels.h"
 #include "common/row_stats.h"
 #include "cross_entropy/cross_entropy.h"
 #include "distillation/distillation.h"
 #include "dpo/dpo.h"
-#include "combined/fused_head.h"
+#include "fused_head/fused_head.h"
 #include "grpo/grpo.h"
 #include "gspo/gspo.h"
-#include "linear/linear.h"
-#include "token_log_probs/linear_token_log_probs.h"
+#include "policy_token/policy_token.h"
+#include "token_log_probs/token_log_probs.h"
 
 namespace rl_losses {
 namespace {
 
-// Op F run with its first tensor's GPU as the current device: the library's own launches (its kernels, their
-// stream, memsets, the device's properties) go to the current device, which need not be the tensors' one. The
-// one place that sets it for every CUDA op. A first tensor on the CPU (another argument on a GPU brought the
-// call here) sets nothing, so that the op's own device check reports the mismatch.
-template <auto F>
-struct OnTensorsDevice;
-template <typename R, typename First, typename... Rest, R (*F)(First, Rest...)>
-struct OnTensorsDevice<F> {
-  static_assert(std::is_same_v<std::decay_t<First>, at::Tensor>, "the op's first argument is a tensor");
-  static R call(First first, Rest... rest) {
+// Kernel F run with its first argument's GPU as the current device: the library's own launches (its kernels, their
+// stream, memsets, the device's properties) go to the current device, which need not be the tensors' one. The one
+// place that sets it for every CUDA op. A first tensor on the CPU (another argument on a GPU brought the call here)
+// sets nothing, so that the op's own device check reports the mismatch.
+template <BoxedKernel F>
+struct OnTensorsDevice {
+  static void call(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    const c10::IValue& first = *(stack->end() - op.schema().arguments().size());
     c10::cuda::OptionalCUDAGuard guard;
-    if (first.is_cuda()) guard.set_device(first.device());
-    return F(std::forward<First>(first), std::forward<Rest>(rest)...);
+    if (first.isTensor() && first.toTensor().is_cuda()) guard.set_device(first.toTensor().device());
+    F(op, ks, stack);
   }
 };
+
+template <BoxedKernel F>
+torch::CppFunction on_device() {
+  return boxed<F, OnTensorsDevice>();
+}
 
 void scale_grad_cuda(const at::Tensor& grad, const at::Tensor& grad_output) {
   if (grad.numel() == 0) return;
@@ -53,44 +54,37 @@ void scale_grad_cuda(const at::Tensor& grad, const at::Tensor& grad_output) {
   scale_grad_cuda_scalar(grad, grad_output);
 }
 
+void scale_grad_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  schema::Args args(op, stack);
+  scale_grad_cuda(args.arg("grad").toTensor(), args.arg("grad_output").toTensor());
+  args.push_results();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) {
-  using CrossEntropy = CrossEntropyOps<cross_entropy_rows_cuda>;
-  using Grpo = GrpoOps<grpo_backend_cuda>;
-  using Gspo = GspoOps<gspo_backend_cuda>;
-  using LinearCrossEntropy = LinearCrossEntropyOp<cross_entropy_rows_cuda, accumulate_weight_grad_cuda>;
-  using LinearGrpo = LinearGrpoOp<grpo_backend_cuda, accumulate_weight_grad_cuda>;
-  using LinearGspo = LinearGspoOp<gspo_backend_cuda, accumulate_weight_grad_cuda>;
-  m.impl("row_stats", &OnTensorsDevice<&row_stats_op<row_stats_cuda>>::call);
-  m.impl("_scale_grad_", &OnTensorsDevice<&scale_grad_cuda>::call);
-  m.impl("_cross_entropy_forward", &OnTensorsDevice<&CrossEntropy::forward>::call);
-  m.impl("_cross_entropy_forward_inplace", &OnTensorsDevice<&CrossEntropy::forward_inplace>::call);
-  m.impl("_grpo_forward", &OnTensorsDevice<&Grpo::forward>::call);
-  m.impl("_grpo_forward_inplace", &OnTensorsDevice<&Grpo::forward_inplace>::call);
-  m.impl("_gspo_forward", &OnTensorsDevice<&Gspo::forward>::call);
-  m.impl("_gspo_forward_inplace", &OnTensorsDevice<&Gspo::forward_inplace>::call);
-  m.impl("gspo_document_sums", &OnTensorsDevice<&Gspo::document_sums>::call);
-  m.impl("_linear_cross_entropy_forward", &OnTensorsDevice<&LinearCrossEntropy::forward>::call);
-  m.impl("_linear_grpo_forward", &OnTensorsDevice<&LinearGrpo::forward>::call);
-  m.impl("_linear_gspo_forward", &OnTensorsDevice<&LinearGspo::forward>::call);
-  using Distill = DistillOps<distill_backend_cuda>;
-  m.impl("_distillation_forward", &OnTensorsDevice<&Distill::forward>::call);
-  m.impl("_distillation_forward_inplace", &OnTensorsDevice<&Distill::forward_inplace>::call);
-  m.impl("distillation_stats", &OnTensorsDevice<&Distill::stats>::call);
-  m.impl("distillation_jsd_sums", &OnTensorsDevice<&Distill::jsd_sums>::call);
-  using Dpo = DpoOps<dpo_backend_cuda>;
-  m.impl("_dpo_forward", &OnTensorsDevice<&Dpo::forward>::call);
-  m.impl("_dpo_forward_inplace", &OnTensorsDevice<&Dpo::forward_inplace>::call);
-  using FusedHead = FusedHeadOps<fused_head_backend_cuda>;
-  m.impl("_fused_head_loss_forward", &OnTensorsDevice<&FusedHead::forward>::call);
-  m.impl("_fused_head_loss_forward_inplace", &OnTensorsDevice<&FusedHead::forward_inplace>::call);
-  using TokenLogProbs = TokenLogProbsOps<token_log_probs_backend_cuda>;
-  using LinearTokenLogProbs = LinearTokenLogProbsOps<token_log_probs_backend_cuda, accumulate_weight_grad_cuda>;
-  m.impl("_token_log_probs_forward", &OnTensorsDevice<&TokenLogProbs::forward>::call);
-  m.impl("_token_log_probs_backward", &OnTensorsDevice<&TokenLogProbs::backward>::call);
-  m.impl("_linear_token_log_probs_forward", &OnTensorsDevice<&LinearTokenLogProbs::forward>::call);
-  m.impl("_linear_token_log_probs_backward", &OnTensorsDevice<&LinearTokenLogProbs::backward>::call);
+  m.impl("row_stats", on_device<&row_stats_kernel<row_stats_cuda>>());
+  m.impl("_scale_grad_", on_device<&scale_grad_kernel>());
+  register_loss<CrossEntropyLoss<cross_entropy_rows_cuda>, OnTensorsDevice>(m);
+  register_linear_loss<CrossEntropyLoss<cross_entropy_rows_cuda>, accumulate_weight_grad_cuda, OnTensorsDevice>(m);
+  register_loss<GrpoLoss<grpo_backend_cuda>, OnTensorsDevice>(m);
+  register_linear_loss<GrpoLoss<grpo_backend_cuda>, accumulate_weight_grad_cuda, OnTensorsDevice>(m);
+  register_loss<GspoLoss<gspo_backend_cuda>, OnTensorsDevice>(m);
+  register_linear_loss<GspoLoss<gspo_backend_cuda>, accumulate_weight_grad_cuda, OnTensorsDevice>(m);
+  m.impl("gspo_document_sums", on_device<&GspoLoss<gspo_backend_cuda>::document_sums>());
+  m.impl("policy_token_loss", on_device<&policy_token_op<&policy_token_cuda>>());
+  using Distill = DistillKernels<distill_backend_cuda>;
+  m.impl("_distillation_forward", on_device<&Distill::forward<false>>());
+  m.impl("_distillation_forward_inplace", on_device<&Distill::forward<true>>());
+  m.impl("distillation_stats", on_device<&Distill::stats>());
+  m.impl("distillation_jsd_sums", on_device<&Distill::jsd_sums>());
+  register_loss<DpoLoss<dpo_backend_cuda>, OnTensorsDevice>(m);
+  register_loss<FusedHeadLoss<fused_head_backend_cuda>, OnTensorsDevice>(m);
+  using TokenLogProbs = TokenLogProbsKernels<token_log_probs_backend_cuda>;
+  m.impl("_token_log_probs_forward", on_device<&TokenLogProbs::forward>());
+  m.impl("_token_log_probs_backward", on_device<&TokenLogProbs::backward>());
+  m.impl("_linear_token_log_probs_forward", on_device<&TokenLogProbs::linear_forward<accumulate_weight_grad_cuda>>());
+  m.impl("_linear_token_log_probs_backward", on_device<&TokenLogProbs::linear_backward<accumulate_weight_grad_cuda>>());
 }
 
 }  // namespace rl_losses

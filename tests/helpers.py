@@ -10,15 +10,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import rl_losses
-from rl_losses import reference
+from rl_losses import _schema, reference
 
 from conftest import DEVICES, assert_close
 
-# The policy family's schema arguments at their defaults, in schema order (loss_type, sapo_temperature_pos,
-# sapo_temperature_neg, rollout_log_probs, rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
-# kl_importance_weighted, entropy_coefficient, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg): for
-# positional calls of the _grpo/_gspo forward ops.
-POLICY_DEFAULTS = ("ppo_clip", 1.0, 1.05, None, None, 3.0, None, "k3", False, 0.0, 2.0, 3.0, 3.0, 2.0)
+
+def forward_options(op: str, **options) -> dict:
+    """The keyword arguments of `op`'s `_forward` ops beyond its positional tensors: the public op's defaults, then
+    `options` (inplace_backward is the public op's alone)."""
+    args = {k: v for k, v in _schema.defaults(op).items() if k != "inplace_backward"}
+    args.update(options)
+    return args
 
 # The logits dtypes of the op tests' grids (float64 is tested on its own, with the reference's tolerance).
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

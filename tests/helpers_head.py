@@ -51,8 +51,8 @@ def separate_ops(x, target, kwargs):
 
 
 def head_equals_separate_modules(losses, logits, batch):
-    """The ``head`` config of `losses` gives the sum of the separate loss modules: loss, gradient, each metric."""
-    head = LanguageModelLossConfig.from_dict({"type": "head", "losses": losses}).get_loss()
+    """The ``fused_head`` config of `losses` gives the sum of the separate loss modules: loss, gradient, each metric."""
+    head = LanguageModelLossConfig.from_dict({"type": "fused_head", "losses": losses}).get_loss()
     assert LanguageModelLossConfig.from_dict(head.config.to_dict()) == head.config
     x = logits.clone().requires_grad_()
     loss, metrics = head(x, batch)
@@ -66,7 +66,7 @@ def head_equals_separate_modules(losses, logits, batch):
     expected.backward()
     assert_close(loss.detach(), expected.detach(), torch.float32, scale=4.0)
     assert_grad_close(x.grad, y.grad, torch.float32, scale=2.0)
-    assert set(metrics) == set(expected_metrics) | {"head"}  # "head": the head's own (weighted) total
+    assert set(metrics) == set(expected_metrics) | {"fused_head"}  # the head's own (weighted) total
     for name, value in expected_metrics.items():
         assert_close(metrics[name], value, torch.float32, scale=4.0, msg=name)
 
@@ -77,7 +77,7 @@ def head_equals_separate_ops(logits, target, kwargs, dtype, n_terms):
     order: the gradient to its dtype's rounding, the loss to fp32's. The separate ops' gradient is a sum of
     terms each rounded to the dtype, which may cancel (the label column of CE and a policy term): in bf16/fp16
     its own error reaches a few roundings of the terms."""
-    from rl_losses.head import fused_head_loss
+    from rl_losses.fused_head import fused_head_loss
 
     x = logits.clone().requires_grad_()
     out = fused_head_loss(x, target, **kwargs)

@@ -7,8 +7,8 @@ import rl_losses
 from rl_losses import reference
 
 from conftest import assert_close
-from helpers import (DTYPES, assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh, make_logits,
-                     make_target, param_id as _id, requires_cuda)
+from helpers import (DTYPES, assert_compiled_matches_eager, assert_grad_close, forward_options, gradcheck_fresh,
+                     make_logits, make_target, param_id as _id, requires_cuda)
 from helpers_cross_entropy import check_against_reference, rows_for, run_op
 
 _ops = torch.ops.rl_losses
@@ -64,7 +64,7 @@ def _opcheck_cases(device):
     logits = make_logits((6, 2), 11, torch.float32, device)
     target = make_target((6, 2), 11, device, masked=0.3)
     leaf = logits.clone().requires_grad_()
-    ce_positional = (1.3, 0.1, 1e-3, 1.0, "mean", None, None, 0, -1)
+    options = forward_options("cross_entropy", logits_scale_factor=1.3, label_smoothing=0.1, z_loss_factor=1e-3)
     return {
         "cross_entropy": (_ops.cross_entropy.default, (leaf, target),
                           dict(logits_scale_factor=1.3, label_smoothing=0.1, z_loss_factor=1e-3)),
@@ -76,12 +76,12 @@ def _opcheck_cases(device):
         "cross_entropy_inplace": (_ops.cross_entropy.default, (logits.clone(), target), dict(inplace_backward=True)),
         "cross_entropy_z_loss": (_ops.cross_entropy.default, (leaf, target), dict(z_loss_factor=1.0,
                                                                                    label_weight=0.0)),
-        "_cross_entropy_forward": (_ops._cross_entropy_forward.default,
-                                   (logits, target) + ce_positional + (True,), {}),
-        "_cross_entropy_forward_no_grad": (_ops._cross_entropy_forward.default,
-                                           (logits, target) + ce_positional + (False,), {}),
-        "_cross_entropy_forward_inplace": (_ops._cross_entropy_forward_inplace.default,
-                                           (logits.clone(), target) + ce_positional, {}),
+        "_cross_entropy_forward": (_ops._cross_entropy_forward.default, (logits, target),
+                                   dict(options, compute_grad=True)),
+        "_cross_entropy_forward_no_grad": (_ops._cross_entropy_forward.default, (logits, target),
+                                           dict(options, compute_grad=False)),
+        "_cross_entropy_forward_inplace": (_ops._cross_entropy_forward_inplace.default, (logits.clone(), target),
+                                           options),
         "row_stats": (_ops.row_stats.default, (logits, target), dict(logits_scale_factor=0.9, entropy=True,
                                                                      smoothing=True)),
         "_scale_grad_": (_ops._scale_grad_.default,

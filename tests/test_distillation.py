@@ -9,7 +9,7 @@ import rl_losses
 from rl_losses import reference
 
 from conftest import assert_close
-from helpers import (assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh, param_id as _id,
+from helpers import (assert_compiled_matches_eager, assert_grad_close, forward_options, gradcheck_fresh, param_id as _id,
                      requires_cuda)
 
 KINDS = ["forward_kl", "reverse_kl", "cross_entropy", "jsd"]
@@ -175,8 +175,8 @@ def test_opcheck(kind, device):
     x = logits.clone().requires_grad_()
     kwargs = dict(kind=kind, beta=0.4, temperature=1.5, loss_mask=mask)
     torch.library.opcheck(_ops.distillation, (x, teacher), kwargs)
-    torch.library.opcheck(_ops._distillation_forward, (logits, teacher, kind, 0.4, 1.5, 1.0, mask, None, None, None,
-                                                       True))
+    torch.library.opcheck(_ops._distillation_forward, (logits, teacher),
+                          forward_options("distillation", compute_grad=True, **kwargs))
     stats = _ops.distillation_stats(logits, teacher, temperature=1.5)
     torch.library.opcheck(_ops.distillation_stats, (logits, teacher), dict(temperature=1.5))
     torch.library.opcheck(_ops.distillation_jsd_sums, (logits, teacher, stats), dict(beta=0.4, temperature=1.5))

@@ -9,7 +9,7 @@ from rl_losses import reference
 from rl_losses.dpo import documents_from_spans
 
 from conftest import assert_close
-from helpers import assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh, param_id as _id
+from helpers import assert_compiled_matches_eager, assert_grad_close, forward_options, gradcheck_fresh, param_id as _id
 
 _ops = torch.ops.rl_losses
 METRICS = ("rewards_chosen", "rewards_rejected", "accuracy", "margin", "log_probs", "document_log_probs")
@@ -112,8 +112,8 @@ def test_opcheck(device):
     logits, target, doc, pairs, ref_c, ref_r = make_inputs(2, 9, torch.float32, device)
     torch.library.opcheck(_ops.dpo, (logits.clone().requires_grad_(), target, doc, pairs, ref_c, ref_r),
                           dict(beta=0.5))
-    torch.library.opcheck(_ops._dpo_forward, (logits, target, doc, pairs, ref_c, ref_r, 0.5, 1.0, None, None, 0, -1,
-                                              True))
+    torch.library.opcheck(_ops._dpo_forward, (logits, target, doc, pairs, ref_c, ref_r),
+                          forward_options("dpo", beta=0.5, compute_grad=True))
     # The tensor-parallel hooks: given statistics (as the all-reduce leaves them), a shard's columns.
     stats = _ops.row_stats(logits, target).reshape(-1, 5)
     torch.library.opcheck(_ops.dpo, (logits[:, 3:].clone().requires_grad_(), target, doc, pairs, ref_c, ref_r),

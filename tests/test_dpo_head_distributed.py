@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import rl_losses
 from rl_losses import reference
-from rl_losses.head import fused_head_loss
+from rl_losses.fused_head import fused_head_loss
 
 from conftest import assert_close
 from helpers import assert_grad_close, gloo_world_results
@@ -114,7 +114,7 @@ def _config_inputs():
 def _run_config(logits, batch, tp_group=None):
     from rl_losses.config import LanguageModelLossConfig
 
-    head = LanguageModelLossConfig.from_dict({"type": "head", "losses": HEAD_LOSSES}).get_loss(name="head",
+    head = LanguageModelLossConfig.from_dict({"type": "fused_head", "losses": HEAD_LOSSES}).get_loss(name="head",
                                                                                                tp_group=tp_group)
     x = logits.detach().clone().requires_grad_()
     loss, metrics = head(x, batch)
@@ -132,10 +132,10 @@ def _rank_results(rank):
                              **shard)
     logits, batch = _config_inputs()
     cols = slice(0, CONFIG_CUT) if rank == 0 else slice(CONFIG_CUT, CONFIG_VOCAB)
-    import rl_losses.head
+    import rl_losses.fused_head
 
-    calls, fused = [], rl_losses.head.fused_head_loss
-    rl_losses.head.fused_head_loss = lambda *a, **k: calls.append(k) or fused(*a, **k)
+    calls, fused = [], rl_losses.fused_head.fused_head_loss
+    rl_losses.fused_head.fused_head_loss = lambda *a, **k: calls.append(k) or fused(*a, **k)
     results["head_config"] = _run_config(logits[..., cols].contiguous(), batch, tp_group=dist.group.WORLD)
     results["head_config"]["fused_calls"] = torch.tensor(len(calls))
     return results

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from helpers import assert_fake_rejects_like_real
+from helpers import assert_fake_rejects_like_real, forward_options
 
 _ops = torch.ops.rl_losses
 
@@ -20,12 +20,9 @@ def _distill(d, logits=None, teacher=None, **kw):
 def _distill_fwd(d, inplace=False, logits=None, **kw):
     logits = torch.randn(4, 7, device=d) if logits is None else logits
     teacher = torch.randn(logits.shape, device=d)
-    args = dict(kind="forward_kl", beta=0.5, temperature=1.0, logits_scale_factor=1.0, loss_mask=None, divisor=None,
-                row_stats=None, jsd_sums=None)
-    args.update(kw)
     if inplace:
-        return _ops._distillation_forward_inplace(logits, teacher, *args.values())
-    return _ops._distillation_forward(logits, teacher, *args.values(), True)
+        return _ops._distillation_forward_inplace(logits, teacher, **forward_options("distillation", **kw))
+    return _ops._distillation_forward(logits, teacher, **forward_options("distillation", compute_grad=True, **kw))
 
 
 def _dpo(d, pairs=None, ref_c=None, doc=None, target=None, **kw):
@@ -39,13 +36,19 @@ def _dpo(d, pairs=None, ref_c=None, doc=None, target=None, **kw):
 
 def _head(d, logits=None, **kw):
     logits = torch.randn(4, 7, device=d) if logits is None else logits
-    return _ops.fused_head_loss(logits, torch.tensor([1, 2, -100, 3], device=d), **kw)
+    return _ops.fused_head(logits, torch.tensor([1, 2, -100, 3], device=d), **kw)
 
 
 def _grpo_head(d, **kw):
     t = dict(advantages=torch.zeros(4, device=d), old_log_probs=torch.zeros(4, device=d))
     t.update(kw)
     return _head(d, grpo_weight=1.0, **t)
+
+
+def _gspo_head(d, **kw):
+    t = dict(advantages=torch.zeros(4, device=d), document_index=torch.zeros(4, dtype=torch.long, device=d))
+    t.update(kw)
+    return _head(d, gspo_weight=1.0, **t)
 
 
 def _bad_inputs():
@@ -137,7 +140,7 @@ def _bad_inputs():
          "row_stats must be float32"),
         ("head_vocab_start", lambda d: _head(d, vocab_start=-1), "vocab_start must be >= 0"),
         ("head_int_logits", lambda d: _head(d, logits=torch.zeros(4, 7, dtype=torch.long, device=d)),
-         "fused_head_loss: logits must be a floating-point tensor"),
+         "fused_head: logits must be a floating-point tensor"),
         ("head_scale", lambda d: _head(d, logits_scale_factor=math.nan), "logits_scale_factor must be finite"),
         ("head_label_weight", lambda d: _head(d, label_weight=-1.0), "label_weight must be finite and >= 0, got -1"),
         ("head_z_weight", lambda d: _head(d, z_loss_weight=math.inf), "z_loss_weight must be finite and >= 0"),
@@ -156,6 +159,12 @@ def _bad_inputs():
          "old_log_probs must be a floating-point tensor, got Long"),
         ("head_weights_shape", lambda d: _grpo_head(d, loss_weights=torch.zeros(2, 2, device=d)),
          "loss_weights has shape"),
+        ("head_both_policy_terms", lambda d: _head(d, grpo_weight=1.0, gspo_weight=1.0), "are both > 0"),
+        ("head_gspo_inputs", lambda d: _head(d, gspo_weight=1.0),
+         "gspo_weight = 1 > 0 needs advantages and document_index"),
+        ("head_gspo_delta", lambda d: _gspo_head(d, delta=2.0), "delta is the GRPO term's two-sided clip"),
+        ("head_gspo_weights", lambda d: _gspo_head(d, loss_weights=torch.zeros(4, device=d)),
+         "loss_weights weigh the GRPO term's tokens"),
         ("head_z_mask_dtype", lambda d: _head(d, z_loss_weight=1.0, z_loss_mask=torch.ones(4, device=d)),
          "z_loss_mask must be a bool or integer tensor, got Float"),
         ("head_z_mask_shape", lambda d: _head(d, z_loss_weight=1.0, z_loss_mask=torch.ones(5, dtype=torch.bool,

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import rl_losses
-import rl_losses.head
+import rl_losses.fused_head
 from rl_losses import reference
 from rl_losses.config import LanguageModelLossConfig
-from rl_losses.head import fused_head_loss
+from rl_losses.fused_head import fused_head_loss
 
 from conftest import assert_close
 from helpers import (assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh, label_log_probs64,
@@ -129,10 +129,10 @@ def test_opcheck(device):
     inputs = make_inputs((6,), 11, torch.float32, device)
     logits, target = inputs[:2]
     kwargs = head_kwargs(TERMS, inputs, OPTIONS["options"])
-    torch.library.opcheck(_ops.fused_head_loss, (logits.clone().requires_grad_(), target), kwargs)
+    torch.library.opcheck(_ops.fused_head, (logits.clone().requires_grad_(), target), kwargs)
     # The tensor-parallel hooks: given statistics (as the all-reduce leaves them), a shard's columns.
     stats = _ops.row_stats(logits, target, logits_scale_factor=kwargs["logits_scale_factor"], smoothing=True)
-    torch.library.opcheck(_ops.fused_head_loss, (logits[:, 4:].clone().requires_grad_(), target),
+    torch.library.opcheck(_ops.fused_head, (logits[:, 4:].clone().requires_grad_(), target),
                           dict(kwargs, row_stats=stats, vocab_start=4, vocab_size=11))
 
 
@@ -150,7 +150,7 @@ def test_compile_fullgraph(device):
 
 def test_head_config_fuses_and_matches_the_separate_modules(device, monkeypatch):
     calls = []
-    monkeypatch.setattr(rl_losses.head, "fused_head_loss", lambda *a, **k: calls.append(k) or fused_head_loss(*a, **k))
+    monkeypatch.setattr(rl_losses.fused_head, "fused_head_loss", lambda *a, **k: calls.append(k) or fused_head_loss(*a, **k))
     inputs = make_inputs((12,), 40, torch.float32, device)
     logits, target, advantages, old = inputs[:4]
     batch = {"labels": target, "advantages": advantages, "old_log_probabilities": old,
@@ -174,12 +174,12 @@ def test_bad_input(device):
         fused_head_loss(logits, target, grpo_weight=1.0, advantages=torch.zeros(3, device=device),
                         old_log_probs=torch.zeros(4, device=device))
     with pytest.raises(ValueError, match="losses must be a non-empty dict"):
-        LanguageModelLossConfig.from_dict({"type": "head", "losses": {}})
+        LanguageModelLossConfig.from_dict({"type": "fused_head", "losses": {}})
 
 
 def test_head_config_adds_the_losses_it_cannot_fuse(device, monkeypatch):
     calls = []
-    monkeypatch.setattr(rl_losses.head, "fused_head_loss", lambda *a, **k: calls.append(k) or fused_head_loss(*a, **k))
+    monkeypatch.setattr(rl_losses.fused_head, "fused_head_loss", lambda *a, **k: calls.append(k) or fused_head_loss(*a, **k))
     """Distillation and DPO run on their own beside the fused pass; the head's loss and gradient are the sums."""
     inputs = make_inputs((2, 12), 40, torch.float32, device)
     logits, target = inputs[:2]
@@ -189,7 +189,7 @@ def test_head_config_adds_the_losses_it_cannot_fuse(device, monkeypatch):
     losses = {"ce": {"type": "label"}, "z": {"type": "z_loss", "weight": 0.2},
               "kd": {"type": "distillation", "loss_type": "reverse_kl", "weight": 0.5},
               "pref": {"type": "dpo", "beta": 0.2}}
-    head = LanguageModelLossConfig.from_dict({"type": "head", "losses": losses}).get_loss()
+    head = LanguageModelLossConfig.from_dict({"type": "fused_head", "losses": losses}).get_loss()
     x = logits.clone().requires_grad_()
     loss, metrics = head(x, batch)
     loss.backward()

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import rl_losses
-import rl_losses.head
+import rl_losses.fused_head
 from rl_losses import reference
-from rl_losses.head import fused_head_loss
+from rl_losses.fused_head import fused_head_loss
 
 from conftest import assert_close
 from helpers import (assert_compiled_matches_eager, assert_fake_rejects_like_real, assert_grad_close, gradcheck_fresh,
@@ -127,7 +127,7 @@ def test_given_statistics_and_a_shard(device):
     ref.loss.backward()
     for cols in (slice(0, 40), slice(0, 17), slice(17, 40)):
         x = logits[..., cols].clone().requires_grad_()
-        out = _ops.fused_head_loss(x, target, row_stats=stats, vocab_start=cols.start, vocab_size=40, **kwargs)
+        out = _ops.fused_head(x, target, row_stats=stats, vocab_start=cols.start, vocab_size=40, **kwargs)
         out[0].backward()
         for k, name in enumerate(("loss", "label_loss", "z_loss", "grpo_loss", "log_probs", "gspo_loss")):
             assert_close(out[k].detach(), getattr(ref, name).detach(), torch.float32, msg=f"{name} {cols}")
@@ -161,10 +161,10 @@ def test_opcheck(device):
     inputs = make_inputs((2, 5), 11, torch.float32, device)
     logits, target = inputs[:2]
     kwargs = head_kwargs(("label", "z_loss", "gspo"), inputs, OPTIONS["options"])
-    torch.library.opcheck(_ops.fused_head_loss, (logits.clone().requires_grad_(), target), kwargs)
+    torch.library.opcheck(_ops.fused_head, (logits.clone().requires_grad_(), target), kwargs)
     stats = _ops.row_stats(logits, target, logits_scale_factor=kwargs["logits_scale_factor"],
                            smoothing=True).reshape(-1, 5)
-    torch.library.opcheck(_ops.fused_head_loss, (logits[..., 4:].clone().requires_grad_(), target),
+    torch.library.opcheck(_ops.fused_head, (logits[..., 4:].clone().requires_grad_(), target),
                           dict(kwargs, row_stats=stats, vocab_start=4, vocab_size=11))
 
 
@@ -227,15 +227,15 @@ def test_fake_rejects_alike(bad, message):
     kernel reads)."""
     def call(d):
         logits, target, t = _bad(d)
-        return _ops.fused_head_loss(logits, target, **_bad_kwargs(t, bad, d))
+        return _ops.fused_head(logits, target, **_bad_kwargs(t, bad, d))
 
     assert_fake_rejects_like_real(call, message)
 
 
 def test_fake_outputs_match():
     logits, target, t = _bad("cpu")
-    real = _ops.fused_head_loss(logits, target, gspo_weight=1.0, label_weight=1.0, **t)
-    fake = _ops.fused_head_loss(logits.to("meta"), target.to("meta"), gspo_weight=1.0, label_weight=1.0,
+    real = _ops.fused_head(logits, target, gspo_weight=1.0, label_weight=1.0, **t)
+    fake = _ops.fused_head(logits.to("meta"), target.to("meta"), gspo_weight=1.0, label_weight=1.0,
                                 **{k: v.to("meta") for k, v in t.items()})
     assert len(real) == len(fake) == 6
     for r, f in zip(real, fake):
@@ -257,7 +257,7 @@ def _config_batch(device, extras):
 @pytest.mark.parametrize("extras", [False, True], ids=["plain", "counts_divisor"])
 def test_head_config_fuses_gspo_and_matches_the_separate_modules(extras, device, monkeypatch):
     calls = []
-    monkeypatch.setattr(rl_losses.head, "fused_head_loss", lambda *a, **k: calls.append(k) or fused_head_loss(*a, **k))
+    monkeypatch.setattr(rl_losses.fused_head, "fused_head_loss", lambda *a, **k: calls.append(k) or fused_head_loss(*a, **k))
     logits, batch = _config_batch(device, extras)
     losses = {"ce": {"type": "label", "weight": 0.5, "label_smoothing": 0.1}, "z": {"type": "z_loss", "weight": 0.1},
               "pg": {"type": "gspo", "weight": 2.0, "epsilon_high": 0.3, "beta": 0.05, "weighting": "token"}}
@@ -270,7 +270,7 @@ def test_head_config_runs_what_it_cannot_fuse_on_its_own(device, monkeypatch):
     """One policy term per pass (the GRPO one here; GSPO then runs alone), and a GSPO loss with an option the head
     does not fuse (cispo) runs alone too; the head's loss, gradient and metrics are the sums all the same."""
     calls = []
-    monkeypatch.setattr(rl_losses.head, "fused_head_loss", lambda *a, **k: calls.append(k) or fused_head_loss(*a, **k))
+    monkeypatch.setattr(rl_losses.fused_head, "fused_head_loss", lambda *a, **k: calls.append(k) or fused_head_loss(*a, **k))
     logits, batch = _config_batch(device, False)
     losses = {"ce": {"type": "label"}, "pg": {"type": "grpo", "weight": 0.5}, "sq": {"type": "gspo", "weight": 2.0}}
     head_equals_separate_modules(losses, logits, batch)

@@ -5,7 +5,7 @@ import torch
 
 import rl_losses
 
-from helpers import (DTYPES, POLICY_DEFAULTS, assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh,
+from helpers import (DTYPES, assert_compiled_matches_eager, assert_grad_close, forward_options, gradcheck_fresh,
                      label_log_probs64, param_id as _id, requires_cuda)
 from helpers_grpo import assert_outputs_close, make_inputs, run_op
 
@@ -53,11 +53,8 @@ def _opcheck_cases(device):
     leaf = logits.clone().requires_grad_()
     weights = torch.rand_like(advantages)
     counts = torch.full_like(advantages, 2.0)
-    # _grpo_forward(logits, target, advantages, old, ref, weights, label_counts, ε_l, ε_h, δ, β, divisor, s,
-    #               compute_entropy, row_stats, vocab_start, vocab_size, <the policy family's options>,
-    #               document_index, num_documents[, compute_grad])
-    positional = (ref, weights, counts, 0.2, 0.25, 1.5, 0.04, None, 1.1, True, None, 0, -1,
-                  *POLICY_DEFAULTS, None, None)
+    options = forward_options("grpo", ref_log_probs=ref, loss_weights=weights, label_counts=counts,
+                              epsilon_high=0.25, delta=1.5, beta=0.04, logits_scale_factor=1.1, compute_entropy=True)
     documents = torch.arange(12, device=device).view(6, 2) // 5
     return {
         "grpo": (_ops.grpo.default, (leaf, target, advantages, old), {}),
@@ -69,11 +66,12 @@ def _opcheck_cases(device):
         "grpo_no_grad": (_ops.grpo.default, (logits, target, advantages, old), {}),
         # Without autograd: inplace_backward refuses the leaves that opcheck's autograd tests need.
         "grpo_inplace": (_ops.grpo.default, (logits.clone(), target, advantages, old), dict(inplace_backward=True)),
-        "_grpo_forward": (_ops._grpo_forward.default, (logits, target, advantages, old) + positional + (True,), {}),
-        "_grpo_forward_no_grad": (_ops._grpo_forward.default,
-                                  (logits, target, advantages, old) + positional + (False,), {}),
-        "_grpo_forward_inplace": (_ops._grpo_forward_inplace.default,
-                                  (logits.clone(), target, advantages, old) + positional, {}),
+        "_grpo_forward": (_ops._grpo_forward.default, (logits, target, advantages, old),
+                          dict(options, compute_grad=True)),
+        "_grpo_forward_no_grad": (_ops._grpo_forward.default, (logits, target, advantages, old),
+                                  dict(options, compute_grad=False)),
+        "_grpo_forward_inplace": (_ops._grpo_forward_inplace.default, (logits.clone(), target, advantages, old),
+                                  options),
     }
 
 

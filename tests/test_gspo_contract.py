@@ -6,7 +6,7 @@ import torch
 import rl_losses
 
 from conftest import assert_close
-from helpers import (DTYPES, POLICY_DEFAULTS, assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh,
+from helpers import (DTYPES, assert_compiled_matches_eager, assert_grad_close, forward_options, gradcheck_fresh,
                      label_log_probs64, param_id as _id, requires_cuda)
 from helpers_gspo import DOC_METRICS, document_index_from_lengths, make_inputs, packed as _packed, run_op
 
@@ -51,11 +51,8 @@ def _opcheck_cases(device):
     logits, target, advantages, old = make_inputs((6, 2), 11, torch.float32, device, doc, masked=0.3)
     leaf = logits.clone().requires_grad_()
     counts = torch.full_like(advantages, 4.0)
-    # _gspo_forward(logits, target, advantages, old, document_index, num_documents, label_counts, ε_l, ε_h,
-    #               delta, weighting, token_advantages, divisor, s, compute_entropy, row_stats, document_sums,
-    #               vocab_start, vocab_size, ref_log_probs, beta, <the policy family's options>[, compute_grad])
-    positional = (3, None, 0.2, 0.25, 1.5, "document", False, None, 1.1, True, None, None, 0, -1, None, 0.0,
-                  *POLICY_DEFAULTS)
+    options = forward_options("gspo", num_documents=3, epsilon_high=0.25, delta=1.5, logits_scale_factor=1.1,
+                              compute_entropy=True)
     return {
         "gspo": (_ops.gspo.default, (leaf, target, advantages, old, doc), dict(num_documents=3)),
         "gspo_options": (_ops.gspo.default, (leaf, target, advantages, old, doc),
@@ -66,12 +63,12 @@ def _opcheck_cases(device):
         # Without autograd: inplace_backward refuses the leaves that opcheck's autograd tests need.
         "gspo_inplace": (_ops.gspo.default, (logits.clone(), target, advantages, old, doc),
                          dict(num_documents=3, inplace_backward=True)),
-        "_gspo_forward": (_ops._gspo_forward.default,
-                          (logits, target, advantages, old, doc) + positional + (True,), {}),
-        "_gspo_forward_no_grad": (_ops._gspo_forward.default,
-                                  (logits, target, advantages, old, doc) + positional + (False,), {}),
-        "_gspo_forward_inplace": (_ops._gspo_forward_inplace.default,
-                                  (logits.clone(), target, advantages, old, doc) + positional, {}),
+        "_gspo_forward": (_ops._gspo_forward.default, (logits, target, advantages, old, doc),
+                          dict(options, compute_grad=True)),
+        "_gspo_forward_no_grad": (_ops._gspo_forward.default, (logits, target, advantages, old, doc),
+                                  dict(options, compute_grad=False)),
+        "_gspo_forward_inplace": (_ops._gspo_forward_inplace.default, (logits.clone(), target, advantages, old, doc),
+                                  options),
         "gspo_document_sums": (_ops.gspo_document_sums.default,
                                (label_log_probs64(logits, target).float(), target, advantages, old, doc, counts, 3),
                                {}),

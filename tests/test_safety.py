@@ -13,7 +13,7 @@ import rl_losses
 from rl_losses import reference
 
 from conftest import assert_close
-from helpers import (assert_fake_rejects_like_real, assert_grad_close, label_log_probs64, make_logits, make_target,
+from helpers import (assert_grad_close, forward_options, label_log_probs64, make_logits, make_target,
                      requires_cuda)
 
 ops = torch.ops.rl_losses
@@ -159,69 +159,14 @@ def test_inplace_refuses_leaf_that_requires_grad(view, device):
     torch.testing.assert_close(leaf.detach(), before, rtol=0, atol=0)
 
 
-# ---- fake (meta) kernels check what the real kernels check --------------------------------------------------------
-def _bad_inputs():
-    """(name, call(device), expected message fragment): bad inputs the real kernels reject without their data."""
-    def ce(d, logits=None, target=None, **kw):
-        logits = torch.randn(4, 7, device=d) if logits is None else logits
-        target = torch.zeros(4, dtype=torch.long, device=d) if target is None else target
-        return ops.cross_entropy(logits, target, **kw)
-
-    def grpo(d, **kw):
-        t = torch.zeros(4, dtype=torch.long, device=d)
-        adv = kw.pop("adv", torch.zeros(4, device=d))
-        return ops.grpo(torch.randn(4, 7, device=d), t, adv, torch.zeros(4, device=d), **kw)
-
-    def gspo(d, **kw):
-        t = torch.zeros(4, dtype=torch.long, device=d)
-        doc = kw.pop("doc", torch.zeros(4, dtype=torch.long, device=d))
-        return ops.gspo(torch.randn(4, 7, device=d), t, torch.zeros(4, device=d), torch.zeros(4, device=d), doc,
-                        **kw)
-
-    def lin(d, weight=None, **kw):
-        w = torch.randn(7, 5, device=d) if weight is None else weight
-        return ops.linear_cross_entropy(torch.randn(4, 5, device=d), w, torch.zeros(4, dtype=torch.long, device=d),
-                                        **kw)
-
-    return [
-        ("int_logits", lambda d: ce(d, logits=torch.zeros(4, 7, dtype=torch.long, device=d)),
-         "logits must be a floating-point tensor"),
-        ("float_target", lambda d: ce(d, target=torch.zeros(4, device=d)), "target must be an integer tensor"),
-        ("target_shape", lambda d: ce(d, target=torch.zeros(3, dtype=torch.long, device=d)), "target has shape"),
-        ("vocab_stride", lambda d: ce(d, logits=torch.randn(7, 4, device=d).t()), "unit stride"),
-        ("reduction", lambda d: ce(d, reduction="avg"), "reduction must be"),
-        ("label_weight", lambda d: ce(d, label_weight=-1.0), "label_weight must be finite"),
-        ("divisor_none", lambda d: ce(d, reduction="none", divisor=2.0), "divisor has no meaning"),
-        ("row_stats", lambda d: ce(d, row_stats=torch.zeros(4, 4, device=d)), "row_stats must have shape"),
-        ("epsilon_high", lambda d: grpo(d, epsilon_high=math.inf), "epsilon_high must be finite"),
-        ("delta", lambda d: grpo(d, delta=1.1), "delta must exceed"),
-        ("beta", lambda d: grpo(d, beta=0.1), "needs ref_log_probs"),
-        ("advantages_shape", lambda d: grpo(d, adv=torch.zeros(5, device=d)), "advantages has shape"),
-        ("weighting", lambda d: gspo(d, weighting="sequence", num_documents=1), "weighting must be"),
-        ("float_doc", lambda d: gspo(d, doc=torch.zeros(4, device=d), num_documents=1), "document_index must be"),
-        ("num_documents", lambda d: gspo(d, num_documents=2**40), "num_documents must be in"),
-        ("gspo_delta", lambda d: gspo(d, delta=1.1, num_documents=1), "delta must exceed"),
-        ("gspo_delta_sapo", lambda d: gspo(d, delta=2.0, loss_type="sapo", num_documents=1), "applies to loss_type"),
-        ("weight_dim", lambda d: lin(d, weight=torch.randn(7, device=d)), "weight must be a 2-D"),
-        ("chunk_size", lambda d: lin(d, chunk_size=0), "chunk_size must be >= 1"),
-    ]
-
-
-BAD_INPUTS = _bad_inputs()
-
-
-@pytest.mark.parametrize("name,call,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_fake_and_real_reject_alike(name, call, message):
-    assert_fake_rejects_like_real(call, message)
-
-
+# ---- fake (meta) kernels check what the real kernels check (every bad input: tests/test_fake_checks.py) -----------
 def test_meta_checks_devices_and_dtypes():
     logits = torch.randn(4, 7)
     with pytest.raises(RuntimeError, match="cross_entropy: target is on meta but logits is on cpu"):
         ops.cross_entropy(logits, torch.zeros(4, dtype=torch.long, device="meta"))
     with pytest.raises(RuntimeError, match="cross_entropy: target is on meta but logits is on cpu"):
-        ops._cross_entropy_forward(logits, torch.zeros(4, dtype=torch.long, device="meta"), 1.0, 0.0, 0.0, 1.0,
-                                   "mean", None, None, 0, -1, True)
+        ops._cross_entropy_forward(logits, torch.zeros(4, dtype=torch.long, device="meta"),
+                                   **forward_options("cross_entropy", compute_grad=True))
     meta = torch.randn(4, 7, device="meta", requires_grad=True) * 1.0
     with pytest.raises(RuntimeError, match="rows do not overlap"):
         ops.cross_entropy(meta[:1].expand(4, 7), torch.zeros(4, dtype=torch.long, device="meta"),

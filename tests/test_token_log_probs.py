@@ -195,9 +195,9 @@ def _bad_cases(device):
         "target dtype": (lambda: rl_losses.token_log_probs(x, t.float()), "target must be an integer tensor"),
         "row_stats": (lambda: _ops.token_log_probs(x, t, row_stats=torch.zeros(3, 5, device=device)),
                       r"row_stats must have shape \(4, 5\)"),
-        "grad shape": (lambda: _ops._token_log_probs_backward(x, t, torch.zeros(4, 5, device=device),
-                                                              torch.zeros(3, device=device), None, 1.0, 0, -1),
-                       "grad_log_probs has shape"),
+        "grad shape": (lambda: _ops._token_log_probs_backward(
+            x, t, stats=torch.zeros(4, 5, device=device), grad_log_probs=torch.zeros(3, device=device),
+            grad_entropy=None, logits_scale_factor=1.0, vocab_start=0, vocab_size=-1), "grad_log_probs has shape"),
         "linear weight": (lambda: rl_losses.linear_token_log_probs(h, w[:, :2], t), "weight has hidden size 2"),
         "linear chunk": (lambda: rl_losses.linear_token_log_probs(h, w, t, chunk_size=0), "chunk_size must be >= 1"),
         "linear temperature": (lambda: rl_losses.linear_token_log_probs(h, w, t, temperature=-1.0),

@@ -139,6 +139,11 @@ void check_beta(const char* op, double beta, bool has_ref_log_probs) {
   TORCH_CHECK(beta == 0 || has_ref_log_probs, op, ": beta = ", beta, " > 0 needs ref_log_probs");
 }
 
+void check_weighting(const char* op, const std::string& weighting) {
+  TORCH_CHECK(weighting == "document" || weighting == "token", op, ": weighting must be 'document' or 'token', got '",
+              weighting, "'");
+}
+
 void check_num_documents(const char* op, int64_t num_documents) {
   TORCH_CHECK(num_documents >= 0 && num_documents <= kMaxDocuments, op, ": num_documents must be in [0, ",
               kMaxDocuments, "], got ", num_documents);

@@ -50,6 +50,8 @@ void check_epsilons(const char* op, double epsilon_low, double epsilon_high);
 void check_delta(const char* op, std::optional<double> delta, double epsilon_high);
 // The KL weight beta: finite, >= 0, and with ref_log_probs wherever it is > 0.
 void check_beta(const char* op, double beta, bool has_ref_log_probs);
+// GSPO's weighting of a document's tokens: 'document' or 'token' (gspo, gspo_document_sums, the fused head's term).
+void check_weighting(const char* op, const std::string& weighting);
 // The per-document buffers hold num_documents rows: a bound far above any real batch turns a mistaken value
 // (e.g. 2**40) into this message rather than an allocator failure.
 constexpr int64_t kMaxDocuments = int64_t(1) << 31;

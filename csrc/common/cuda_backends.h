@@ -14,6 +14,7 @@ struct DistillBackend;
 struct DpoBackend;
 struct FusedHeadBackend;
 struct TokenLogProbsBackend;
+struct PolicyTokenInputs;
 
 void labelled_count_cuda(const at::Tensor& target1d, const at::Tensor& out);
 void sum_cuda(const at::Tensor& x, const at::Tensor& out);
@@ -26,5 +27,6 @@ const DistillBackend& distill_backend_cuda();
 const DpoBackend& dpo_backend_cuda();
 const FusedHeadBackend& fused_head_backend_cuda();
 const TokenLogProbsBackend& token_log_probs_backend_cuda();
+void policy_token_cuda(const PolicyTokenInputs& in);
 
 }  // namespace rl_losses

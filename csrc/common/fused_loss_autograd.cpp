@@ -1,4 +1,4 @@
-// Autograd (and no-autograd) kernels of the public loss ops: cross_entropy, grpo, gspo.
+// Autograd (and no-autograd) kernels of the public loss ops (kLosses and kLinearLosses below).
 //
 // The three share one shape, so they share one kernel, written once over the op's schema:
 //   * the only differentiable input is `logits` (argument 0) and the only differentiable output is the
@@ -8,8 +8,9 @@
 //     the logits when inplace_backward;
 //   * the gradient is computed in the forward (for an upstream gradient of 1) when grad mode is on and the
 //     logits require it, saved, and scaled in the backward by the `_scale_grad_` op (common/autograd.h).
-// Being boxed, the kernel reads argument positions from the schema, so a new loss with this shape needs no
-// autograd code at all: register it below.
+// Being boxed, the kernel finds inplace_backward and bias by name, and hands the public op's arguments on to
+// the forward op, whose schema registration.cpp builds from the same list; so a new loss with this shape needs no
+// autograd code at all: list it below.
 //
 // The fused-linear ops (linear_cross_entropy, linear_grpo, linear_gspo) have the same shape with three
 // differentiable inputs, hidden (argument 0), weight (1) and the optional `bias`: `_linear_<op>_forward(<the
@@ -189,18 +190,22 @@ void linear_no_grad_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, t
 
 }  // namespace
 
+// The losses of registration.cpp's def_loss and def_linear.
+constexpr const char* kLosses[] = {"cross_entropy", "grpo", "gspo", "distillation", "dpo", "fused_head"};
+constexpr const char* kLinearLosses[] = {"linear_cross_entropy", "linear_grpo", "linear_gspo"};
+
 TORCH_LIBRARY_IMPL(rl_losses, Autograd, m) {
-  for (const char* name : {"cross_entropy", "grpo", "gspo", "distillation", "dpo", "fused_head_loss"})
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
-  for (const char* name : {"linear_cross_entropy", "linear_grpo", "linear_gspo"})
+  for (const char* name : kLosses) m.impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
+  for (const char* name : kLinearLosses) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&linear_autograd_kernel>());
+  }
 }
 
 TORCH_LIBRARY_IMPL(rl_losses, CompositeExplicitAutograd, m) {
-  for (const char* name : {"cross_entropy", "grpo", "gspo", "distillation", "dpo", "fused_head_loss"})
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_grad_kernel>());
-  for (const char* name : {"linear_cross_entropy", "linear_grpo", "linear_gspo"})
+  for (const char* name : kLosses) m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_grad_kernel>());
+  for (const char* name : kLinearLosses) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&linear_no_grad_kernel>());
+  }
 }
 
 }  // namespace rl_losses

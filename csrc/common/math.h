@@ -269,6 +269,13 @@ struct CrossEntropyOptions {
   T label_smoothing;  // ε
   T z_loss_factor;    // ζ
   T vocab_size;       // V of the whole (global) vocabulary
+  template <typename U>
+  C10_HOST_DEVICE CrossEntropyOptions<U> as() const {
+    return {.label_weight = U(label_weight),
+            .label_smoothing = U(label_smoothing),
+            .z_loss_factor = U(z_loss_factor),
+            .vocab_size = U(vocab_size)};
+  }
 };
 
 // label_log_prob = x_y − lse, taken as RowStats::log_prob does.

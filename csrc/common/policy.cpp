@@ -1,18 +1,46 @@
 #include "common/policy.h"
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <limits>
+#include <utility>
 
 #include "common/checks.h"
 
 namespace rl_losses {
 
-PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, double epsilon_low,
-                                          double epsilon_high, std::optional<double> delta, double beta,
-                                          bool has_rollout) {
+void check_clip(const char* op, const ClipArgs& clip, double beta, bool has_ref_log_probs) {
+  check_epsilons(op, clip.epsilon_low, clip.epsilon_high);
+  check_delta(op, clip.delta, clip.epsilon_high);
+  check_beta(op, beta, has_ref_log_probs);
+}
+
+PolicyOptions<double> plain_policy_options(const ClipArgs& clip, double beta) {
+  return {.clip = {.epsilon_low = clip.epsilon_low,
+                   .epsilon_high = clip.epsilon_high,
+                   .delta = clip.delta.value_or(std::numeric_limits<double>::infinity())},
+          .loss_type = kPpoClip,
+          .sapo_tau_pos = 1.0,
+          .sapo_tau_neg = 1.0,
+          .beta = beta,
+          .kl_estimator = kKlK3,
+          .kl_importance_weighted = false,
+          .rollout_mode = kRolloutNone,
+          .rollout_cap = 1.0};  // the options left out (no entropy bonus, no VESPO) are 0
+}
+
+PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, const FusedPolicyArgs* fused,
+                                          const ClipArgs* clip, double beta, bool has_rollout) {
+  const FusedPolicyArgs no_fused{};
+  const FusedPolicyArgs& f = fused ? *fused : no_fused;
+  const bool has_delta = clip && clip->delta.has_value();
+  const double delta = has_delta ? *clip->delta : 0.0;  // (0 where unset: it then prints nowhere)
   PolicyOptions<double> o{};
-  o.clip = {epsilon_low, epsilon_high, delta ? *delta : std::numeric_limits<double>::infinity()};
+  if (clip) {
+    o.clip = {.epsilon_low = clip->epsilon_low,
+              .epsilon_high = clip->epsilon_high,
+              .delta = has_delta ? delta : std::numeric_limits<double>::infinity()};
+  }
   if (a.loss_type == "ppo_clip") {
     o.loss_type = kPpoClip;
   } else if (a.loss_type == "cispo") {
@@ -26,30 +54,32 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, d
                 "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are ppo_clip with an aggregation preset: "
                 "rl_losses.aggregation.TRL_LOSS_TYPES)");
   }
-  TORCH_CHECK(o.loss_type == kPpoClip || !delta, op, ": delta (the two-sided clip) applies to loss_type "
-              "'ppo_clip' only, got loss_type '", a.loss_type, "' with delta = ", delta ? *delta : 0.0);
-  TORCH_CHECK(o.loss_type != kCispo || epsilon_high > 0, op, ": loss_type 'cispo' caps the ratio at "
-              "epsilon_high, which must be > 0, got ", epsilon_high);
+  TORCH_CHECK(o.loss_type == kPpoClip || !has_delta, op, ": delta (the two-sided clip) applies to loss_type "
+              "'ppo_clip' only, got loss_type '", a.loss_type, "' with delta = ", delta);
+  TORCH_CHECK(o.loss_type != kCispo || !clip || clip->epsilon_high > 0, op, ": loss_type 'cispo' caps the ratio "
+              "at epsilon_high, which must be > 0, got ", clip ? clip->epsilon_high : 0.0);
   for (const auto& [name, tau] : {std::pair<const char*, double>{"sapo_temperature_pos", a.sapo_temperature_pos},
                                   {"sapo_temperature_neg", a.sapo_temperature_neg}}) {
     TORCH_CHECK(std::isfinite(tau) && tau > 0, op, ": ", name, " must be a finite value > 0, got ", tau);
   }
   o.sapo_tau_pos = a.sapo_temperature_pos;
   o.sapo_tau_neg = a.sapo_temperature_neg;
-  for (const auto& [name, k] : {std::pair<const char*, double>{"vespo_k_pos", a.vespo_k_pos},
-                                {"vespo_k_neg", a.vespo_k_neg}}) {
-    TORCH_CHECK(std::isfinite(k), op, ": ", name, " must be finite, got ", k);
-  }
-  for (const auto& [name, lambda] : {std::pair<const char*, double>{"vespo_lambda_pos", a.vespo_lambda_pos},
-                                     {"vespo_lambda_neg", a.vespo_lambda_neg}}) {
-    TORCH_CHECK(std::isfinite(lambda) && lambda >= 0, op, ": ", name, " must be a finite value >= 0 (TRL raises "
-                "it to 1e-4), got ", lambda);
+  if (fused) {
+    for (const auto& [name, k] : {std::pair<const char*, double>{"vespo_k_pos", f.vespo_k_pos},
+                                  {"vespo_k_neg", f.vespo_k_neg}}) {
+      TORCH_CHECK(std::isfinite(k), op, ": ", name, " must be finite, got ", k);
+    }
+    for (const auto& [name, lambda] : {std::pair<const char*, double>{"vespo_lambda_pos", f.vespo_lambda_pos},
+                                       {"vespo_lambda_neg", f.vespo_lambda_neg}}) {
+      TORCH_CHECK(std::isfinite(lambda) && lambda >= 0, op, ": ", name, " must be a finite value >= 0 (TRL raises "
+                  "it to 1e-4), got ", lambda);
+    }
   }
   // TRL's get_gamma_weights: lambda.clamp(min=1e-4).
-  o.vespo_k_pos = a.vespo_k_pos;
-  o.vespo_lambda_pos = std::max(a.vespo_lambda_pos, 1e-4);
-  o.vespo_k_neg = a.vespo_k_neg;
-  o.vespo_lambda_neg = std::max(a.vespo_lambda_neg, 1e-4);
+  o.vespo_k_pos = f.vespo_k_pos;
+  o.vespo_lambda_pos = std::max(f.vespo_lambda_pos, 1e-4);
+  o.vespo_k_neg = f.vespo_k_neg;
+  o.vespo_lambda_neg = std::max(f.vespo_lambda_neg, 1e-4);
 
   o.beta = beta;
   if (a.kl_estimator == "k1") {
@@ -98,20 +128,18 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, d
                 "'token_mask', 'sequence_truncate', 'sequence_mask')");
     TORCH_CHECK(!a.rollout_mask_bounds, op, ": rollout_mask_bounds given without a '*_mask' rollout_correction");
   }
-  TORCH_CHECK(std::isfinite(a.entropy_coefficient), op, ": entropy_coefficient must be finite, got ",
-              a.entropy_coefficient);
-  o.entropy_coefficient = a.entropy_coefficient;
+  TORCH_CHECK(std::isfinite(f.entropy_coefficient), op, ": entropy_coefficient must be finite, got ",
+              f.entropy_coefficient);
+  o.entropy_coefficient = f.entropy_coefficient;
   return o;
 }
 
-at::Tensor broadcast_per_sequence(const char* op, const char* name, const at::Tensor& t, const at::Tensor& target) {
+at::Tensor broadcast_per_sequence(const at::Tensor& t, const at::Tensor& target) {
   if (t.dim() < target.dim() && t.dim() >= 1 && t.sizes() == target.sizes().slice(0, t.dim())) {
     at::Tensor v = t;
     while (v.dim() < target.dim()) v = v.unsqueeze(-1);
     return v.expand(target.sizes());
   }
-  (void)op;
-  (void)name;
   return t;  // check_per_token reports any other shape
 }
 

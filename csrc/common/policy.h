@@ -1,59 +1,17 @@
 // The options of the policy-loss family shared by GRPO and GSPO (docs/policy_losses.md): the loss type, the
-// rollout-engine correction, the KL estimator and the entropy bonus. Host side: the schema's arguments are
-// validated here, in one place, and turned into the PolicyOptions the kernels see (common/math.h).
+// rollout-engine correction, the KL estimator and the entropy bonus. Host side: the schema's arguments (op_args.h:
+// RL_LOSSES_CLIP, RL_LOSSES_POLICY_OPTIONS, RL_LOSSES_FUSED_POLICY_OPTIONS) are validated here, in one place, and
+// turned into the PolicyOptions the kernels see (common/policy_math.h).
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/util/string_view.h>
-
 #include <optional>
-#include <tuple>
-#include <string>
-#include <utility>
-#include <vector>
 
 #include "common/math.h"
 #include "common/row_pass.h"
+#include "op_args.h"
 
 namespace rl_losses {
-
-// The schema arguments of the policy family, as given (names as in the schemas of registration.cpp).
-struct PolicyArgs {
-  std::string loss_type = "ppo_clip";
-  double sapo_temperature_pos = 1.0;
-  double sapo_temperature_neg = 1.05;
-  std::optional<std::string> rollout_correction;
-  double rollout_cap = 3.0;
-  std::optional<std::vector<double>> rollout_mask_bounds;
-  std::string kl_estimator = "k3";
-  bool kl_importance_weighted = false;
-  double entropy_coefficient = 0.0;
-  double vespo_k_pos = 2.0, vespo_lambda_pos = 3.0, vespo_k_neg = 3.0, vespo_lambda_neg = 2.0;
-};
-
-// The policy family's schema arguments, in schema order (registration.cpp: RL_LOSSES_POLICY_ARGS), into
-// PolicyArgs.
-inline PolicyArgs policy_args(c10::string_view loss_type, double tau_pos, double tau_neg,
-                              std::optional<c10::string_view> rollout_correction, double rollout_cap,
-                              std::optional<c10::ArrayRef<double>> rollout_mask_bounds, c10::string_view kl_estimator,
-                              bool kl_importance_weighted, double entropy_coefficient, double vespo_k_pos,
-                              double vespo_lambda_pos, double vespo_k_neg, double vespo_lambda_neg) {
-  PolicyArgs a;
-  a.loss_type = std::string(loss_type);
-  a.sapo_temperature_pos = tau_pos;
-  a.sapo_temperature_neg = tau_neg;
-  if (rollout_correction) a.rollout_correction = std::string(*rollout_correction);
-  a.rollout_cap = rollout_cap;
-  if (rollout_mask_bounds) a.rollout_mask_bounds = rollout_mask_bounds->vec();
-  a.kl_estimator = std::string(kl_estimator);
-  a.kl_importance_weighted = kl_importance_weighted;
-  a.entropy_coefficient = entropy_coefficient;
-  a.vespo_k_pos = vespo_k_pos;
-  a.vespo_lambda_pos = vespo_lambda_pos;
-  a.vespo_k_neg = vespo_k_neg;
-  a.vespo_lambda_neg = vespo_lambda_neg;
-  return a;
-}
 
 // Whether the rollout correction is taken per token or per sequence (ρ_s: the product of the token ratios
 // over the sequence, TRL's definition).
@@ -61,35 +19,62 @@ inline bool sequence_level_rollout(const PolicyArgs& a) {
   return a.rollout_correction && a.rollout_correction->rfind("sequence_", 0) == 0;
 }
 
+// The kernels' options in their accumulation type, field by field.
 template <typename T>
 PolicyOptions<T> policy_options_as(const PolicyOptions<double>& o) {
-  return {{T(o.clip.epsilon_low), T(o.clip.epsilon_high), T(o.clip.delta)},
-          o.loss_type,
-          T(o.sapo_tau_pos),
-          T(o.sapo_tau_neg),
-          T(o.beta),
-          o.kl_estimator,
-          o.kl_importance_weighted,
-          o.rollout_mode,
-          T(o.rollout_cap),
-          T(o.rollout_lo),
-          T(o.rollout_hi),
-          T(o.entropy_coefficient),
-          T(o.vespo_k_pos),
-          T(o.vespo_lambda_pos),
-          T(o.vespo_k_neg),
-          T(o.vespo_lambda_neg)};
+  return {.clip = {.epsilon_low = T(o.clip.epsilon_low), .epsilon_high = T(o.clip.epsilon_high), .delta = T(o.clip.delta)},
+          .loss_type = o.loss_type,
+          .sapo_tau_pos = T(o.sapo_tau_pos),
+          .sapo_tau_neg = T(o.sapo_tau_neg),
+          .beta = T(o.beta),
+          .kl_estimator = o.kl_estimator,
+          .kl_importance_weighted = o.kl_importance_weighted,
+          .rollout_mode = o.rollout_mode,
+          .rollout_cap = T(o.rollout_cap),
+          .rollout_lo = T(o.rollout_lo),
+          .rollout_hi = T(o.rollout_hi),
+          .entropy_coefficient = T(o.entropy_coefficient),
+          .vespo_k_pos = T(o.vespo_k_pos),
+          .vespo_lambda_pos = T(o.vespo_lambda_pos),
+          .vespo_k_neg = T(o.vespo_k_neg),
+          .vespo_lambda_neg = T(o.vespo_lambda_neg)};
 }
 
+// The results of GRPO and GSPO by name: the scalars with the per-token log-probs (GSPO adds its document_ratios).
+inline PolicyResults policy_results(const PolicyScalarOutputs& s, const at::Tensor& log_probs) {
+  PolicyResults r;
+  r.loss = s.t[kPolicyLoss];
+  r.new_logprobs = s.t[kPolicyNewLogProbs];
+  r.clipped_fraction_low = s.t[kPolicyClipLow];
+  r.clipped_fraction_high = s.t[kPolicyClipHigh];
+  r.kl_old = s.t[kPolicyKlOld];
+  r.entropy = s.t[kPolicyEntropy];
+  r.log_probs = log_probs;
+  r.ratio_mean = s.t[kPolicyRatioMean];
+  r.kl = s.t[kPolicyKl];
+  r.rollout_ratio_mean = s.t[kPolicyRolloutRatio];
+  r.rollout_weight_mean = s.t[kPolicyRolloutWeight];
+  r.rollout_corrected_fraction = s.t[kPolicyRolloutCorrected];
+  r.vespo_phi_seq_mean = s.t[kPolicyVespoPhi];
+  return r;
+}
+
+// The clipped objective's checks (grpo, gspo, policy_token_loss): ε_l in [0, 1), ε_h >= 0, δ > 1 + ε_h or unset, and
+// β >= 0 with ref_log_probs wherever it is > 0.
+void check_clip(const char* op, const ClipArgs& clip, double beta, bool has_ref_log_probs);
+
 // Validates every option (messages name the argument and its value) and returns the kernels' options.
-// `has_delta`: the two-sided clip was given; `has_rollout`: rollout_log_probs was given.
-PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, double epsilon_low,
-                                          double epsilon_high, std::optional<double> delta, double beta,
-                                          bool has_rollout);
+// `fused`: the fused ops' options (null: policy_token_loss, which has none); `clip`: the clipped objective's (null:
+// gspo_document_sums, whose sums no clip reads); `has_rollout`: rollout_log_probs was given.
+PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, const FusedPolicyArgs* fused,
+                                          const ClipArgs* clip, double beta, bool has_rollout);
+
+// The plain objective of the fused head's policy terms: ppo_clip at the clip, the k3 KL weighted by beta.
+PolicyOptions<double> plain_policy_options(const ClipArgs& clip, double beta);
 
 // Per-sequence advantages broadcast to the tokens: (B,) for (B, T) labels (any batch shape: advantages shaped
 // like the labels' leading dimensions) become (B, T); a tensor shaped like the labels is returned as is.
-at::Tensor broadcast_per_sequence(const char* op, const char* name, const at::Tensor& t, const at::Tensor& target);
+at::Tensor broadcast_per_sequence(const at::Tensor& t, const at::Tensor& target);
 
 // The sequences of GRPO's sequence-level options (a sequence-level rollout correction, vespo): from
 // document_index (negative = padding; `ids` flattened, int64; the count is num_documents, or else max + 1, read
@@ -103,18 +88,5 @@ struct SequenceIds {
 };
 SequenceIds sequence_ids(const char* op, const std::optional<at::Tensor>& document_index,
                          std::optional<int64_t> num_documents, const at::Tensor& target, const char* why);
-
-template <size_t... I>
-auto tensors_as_tuple(const std::vector<at::Tensor>& v, std::index_sequence<I...>) {
-  return std::make_tuple(v[I]...);
-}
-template <size_t N>
-auto tensors_as_tuple(const std::vector<at::Tensor>& v) {
-  TORCH_INTERNAL_ASSERT(v.size() == N, "rl_losses: ", v.size(), " outputs where the schema has ", N);
-  return tensors_as_tuple(v, std::make_index_sequence<N>{});
-}
-
-// The number of outputs of the policy ops (before GSPO's document_ratios and the gradients).
-constexpr size_t kPolicyOutputs = kPolicyScalars + 1;
 
 }  // namespace rl_losses

@@ -1,5 +1,5 @@
 // The per-token math of the policy-loss family (docs/policy_losses.md): the objective of each loss type, the
-// rollout-engine correction weight, the KL estimators, VESPO's sequence weight and GSPO's document term. Like
+// rollout-engine correction weight, the KL estimators and VESPO's sequence weight. Like
 // math.h (which includes it), one copy called by the CPU loops and the CUDA kernels alike; fp32 (fp64 for fp64
 // inputs on the CPU).
 #pragma once
@@ -35,8 +35,7 @@ struct PolicyOptions {
   T rollout_lo, rollout_hi;  // mask: ρ kept in [lo, hi], weight 0 outside
   T entropy_coefficient;  // adds −c·H_t per token (before the token weight)
   // VESPO's gamma weight φ(w) = exp(λ + k·log w − λ·w), (k, λ) = (k_pos, λ_pos) where A >= 0, else the _neg
-  // pair; λ is at least 1e-4 (TRL's clamp, applied on the host). Last, so that an aggregate initialiser that
-  // stops before them (the fused head's plain GRPO term) leaves them 0.
+  // pair; λ is at least 1e-4 (TRL's clamp, applied on the host).
   T vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg;
 };
 
@@ -199,13 +198,6 @@ C10_HOST_DEVICE inline PolicyTokenTerms<T> policy_token(const PolicyOptions<T>& 
     }
   }
   return {t, kl};
-}
-
-// GSPO, one document: f_s and the per-token factor c(R, Ā)·R (docs/math.md).
-template <typename T>
-C10_HOST_DEVICE inline PolicyToken<T> gspo_document(const ClipOptions<T>& o, T log_ratio_sum, T advantage) {
-  const T ratio = ::exp(log_ratio_sum);
-  return {clipped_surrogate_loss(o, ratio, advantage), clip_gradient_factor(o, ratio, advantage), ratio};
 }
 
 }  // namespace rl_losses

@@ -201,13 +201,11 @@ struct SumOf {
   C10_HOST_DEVICE void finish(const acc_t* s) const { *out = s[0]; }
 };
 
-// The scalar outputs of GRPO and GSPO (docs/math.md), in schema order, written by their finishing reductions:
-// 0-dim tensors of the accumulation dtype, and their pointers for the device.
-// The last four (the policy family's, docs/policy_losses.md): the mean KL estimate towards ref_log_probs, and
-// over the labelled tokens the mean rollout ratio ρ, the mean correction weight and the fraction of tokens whose
-// weight was truncated or masked.
-// kPolicyVespoPhi, the mean VESPO weight over the sequences (0 for the other loss types), is the schema's last
-// output (after GSPO's document_ratios).
+// The scalar results of GRPO and GSPO (docs/math.md), written by their finishing reductions: 0-dim tensors of the
+// accumulation dtype, and their pointers for the device. The policy family's (docs/policy_losses.md): the mean KL
+// estimate towards ref_log_probs, and over the labelled tokens the mean rollout ratio ρ, the mean correction weight
+// and the fraction of tokens whose weight was truncated or masked; the mean VESPO weight over the sequences (0 for
+// the other loss types). policy_results (common/policy.h) names them.
 enum PolicyScalar : int { kPolicyLoss = 0, kPolicyNewLogProbs, kPolicyClipLow, kPolicyClipHigh, kPolicyKlOld,
                           kPolicyEntropy, kPolicyRatioMean, kPolicyKl, kPolicyRolloutRatio, kPolicyRolloutWeight,
                           kPolicyRolloutCorrected, kPolicyVespoPhi, kPolicyScalars };
@@ -225,13 +223,6 @@ struct PolicyScalarOutputs {
     PolicyScalarPtrs<acc_t> out;
     for (int k = 0; k < kPolicyScalars; ++k) out.p[k] = t[k].data_ptr<acc_t>();
     return out;
-  }
-  // The schema's outputs up to rollout_corrected_fraction: these with the per-token log-probs between entropy
-  // and ratio_mean (vespo_phi_mean, t[kPolicyVespoPhi], is appended by the op after its own outputs).
-  std::vector<at::Tensor> with_log_probs(const at::Tensor& log_probs) const {
-    return {t[kPolicyLoss],     t[kPolicyNewLogProbs], t[kPolicyClipLow],        t[kPolicyClipHigh],
-            t[kPolicyKlOld],    t[kPolicyEntropy],     log_probs,                t[kPolicyRatioMean],
-            t[kPolicyKl],       t[kPolicyRolloutRatio], t[kPolicyRolloutWeight], t[kPolicyRolloutCorrected]};
   }
 };
 

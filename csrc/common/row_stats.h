@@ -9,26 +9,34 @@
 
 #include "common/checks.h"
 #include "common/row_pass.h"
+#include "op_args.h"
 
 namespace rl_losses {
 
 using StatsBackend = void (*)(const RowPassArgs&, const at::Tensor& out);
 
+// row_stats' arguments (op_args.h).
+#define RL_LOSSES_ROW_STATS_OP_ARGS(X) \
+  RL_LOSSES_LOGITS_INPUT(X) RL_LOSSES_SCALE(X) RL_LOSSES_VOCAB_SHARD(X) RL_LOSSES_ROW_STATS_OPTIONS(X)
+RL_LOSSES_ARG_GROUP(RowStatsOpArgs, RL_LOSSES_ROW_STATS_OP_ARGS)
+
+// The op's kernel on one back-end (boxed, arguments by name: common/schema.h).
 template <StatsBackend kBackend>
-at::Tensor row_stats_op(const at::Tensor& logits, const at::Tensor& target, double logits_scale_factor,
-                        int64_t vocab_start, int64_t vocab_size, bool entropy, bool smoothing) {
-  constexpr const char* op = "row_stats";
-  const FlatLogits f = check_and_flatten(op, logits, target, vocab_start, vocab_size);
-  check_scale(op, logits_scale_factor);
-  at::Tensor out = at::empty({f.n_rows, 5}, logits.options().dtype(acc_dtype(logits.scalar_type())));
-  RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
-  args.logits = f.logits2d;
-  args.entropy = entropy;
-  args.smoothing = smoothing;
-  if (f.n_rows > 0) kBackend(args, out);
-  auto shape = target.sizes().vec();
+void row_stats_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  schema::Args args(op, stack);
+  const auto a = args.read<RowStatsOpArgs>();
+  const FlatLogits f = check_and_flatten("row_stats", a.logits, a.target, a.vocab_start, a.vocab_size);
+  check_scale("row_stats", a.logits_scale_factor);
+  at::Tensor out = at::empty({f.n_rows, 5}, a.logits.options().dtype(acc_dtype(a.logits.scalar_type())));
+  RowPassArgs pass = make_row_pass_args(f, a.logits_scale_factor);
+  pass.logits = f.logits2d;
+  pass.entropy = a.entropy;
+  pass.smoothing = a.smoothing;
+  if (f.n_rows > 0) kBackend(pass, out);
+  auto shape = a.target.sizes().vec();
   shape.push_back(5);
-  return out.view(shape);
+  StatsResult{out.view(shape)}.write(args);
+  args.push_results();
 }
 
 // labelled_count (checks.h) on one device: `out` a 0-dim floating tensor.

@@ -70,7 +70,7 @@ void labelled_count_and_constant_cpu(const at::Tensor& target1d, const at::Tenso
 }
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
-  m.impl("row_stats", &row_stats_op<stats_cpu>);
+  m.impl("row_stats", torch::CppFunction::makeFromBoxedFunction<&row_stats_kernel<stats_cpu>>());
   m.impl("_scale_grad_", &scale_grad_cpu);
 }
 

@@ -6,13 +6,13 @@
 
 namespace rl_losses {
 
-std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(RowSource& src, const at::Tensor& target,
-                                                         double logits_scale_factor, double label_smoothing,
-                                                         double z_loss_factor, double label_weight,
-                                                         const std::string& reduction, std::optional<double> divisor,
-                                                         const std::optional<at::Tensor>& row_stats,
-                                                         CrossEntropyBackend backend) {
+CrossEntropyResults cross_entropy_forward(RowSource& src, const at::Tensor& target, const CrossEntropyArgs& a,
+                                          const OptTensor& row_stats, CrossEntropyBackend backend) {
   const char* op = src.op();
+  const double logits_scale_factor = a.logits_scale_factor, label_smoothing = a.label_smoothing;
+  const double z_loss_factor = a.z_loss_factor, label_weight = a.label_weight;
+  const std::string& reduction = a.reduction;
+  const std::optional<double>& divisor = a.divisor;
   const FlatLogits& f = src.flat();
   check_scale(op, logits_scale_factor);
   TORCH_CHECK(std::isfinite(label_smoothing) && label_smoothing >= 0 && label_smoothing < 1, op,
@@ -40,8 +40,14 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(RowSource& src, const a
     d = labelled_count(f.target1d, acc);
   }
 
-  CrossEntropyRows rows{{label_weight, label_smoothing, z_loss_factor, static_cast<double>(f.vocab_total)},
-                        d, d_value, at::empty({f.n_rows}, opts), at::empty({f.n_rows}, opts)};
+  CrossEntropyRows rows{.opt = {.label_weight = label_weight,
+                                .label_smoothing = label_smoothing,
+                                .z_loss_factor = z_loss_factor,
+                                .vocab_size = static_cast<double>(f.vocab_total)},
+                        .divisor = d,
+                        .divisor_value = d_value,
+                        .row_loss = at::empty({f.n_rows}, opts),
+                        .lse = at::empty({f.n_rows}, opts)};
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
   if (row_stats) args.stats_in = *row_stats;
   args.smoothing = label_smoothing != 0 && label_weight != 0;

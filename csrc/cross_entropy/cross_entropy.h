@@ -11,6 +11,7 @@
 
 #include "common/row_pass.h"
 #include "common/row_source.h"
+#include "op_args.h"
 
 namespace rl_losses {
 
@@ -52,42 +53,41 @@ struct CrossEntropyRows {
 
 using CrossEntropyBackend = void (*)(const RowPassArgs&, const CrossEntropyRows&);
 
-// Shared forward over any row source: validation, divisor, back-end call, reduction. Returns (loss, lse);
-// the gradient, when the source wants one, is the source's (src.grads()).
-std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(RowSource& src, const at::Tensor& target,
-                                                         double logits_scale_factor, double label_smoothing,
-                                                         double z_loss_factor, double label_weight,
-                                                         const std::string& reduction, std::optional<double> divisor,
-                                                         const std::optional<at::Tensor>& row_stats,
-                                                         CrossEntropyBackend backend);
+// cross_entropy's and linear_cross_entropy's options (op_args.h).
+#define RL_LOSSES_CROSS_ENTROPY_ARGS(X) RL_LOSSES_SCALE(X) RL_LOSSES_CE_OPTIONS(X) RL_LOSSES_DIVISOR(X)
+RL_LOSSES_ARG_GROUP(CrossEntropyArgs, RL_LOSSES_CROSS_ENTROPY_ARGS)
+RL_LOSSES_RESULT_GROUP(CrossEntropyResults, RL_LOSSES_CE_RESULTS)
 
-// The registered forward ops of one back-end (its .cpp/.cu file registers these with its row function).
+// Shared forward over any row source: validation, divisor, back-end call, reduction. The gradient, when the source
+// wants one, is the source's (src.grads()).
+CrossEntropyResults cross_entropy_forward(RowSource& src, const at::Tensor& target, const CrossEntropyArgs& a,
+                                          const OptTensor& row_stats, CrossEntropyBackend backend);
+
+// The loss of the registered kernels (common/loss_kernels.h), given a back-end's row function.
 template <CrossEntropyBackend kBackend>
-struct CrossEntropyOps {
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
-      const at::Tensor& logits, const at::Tensor& target, double s, double eps, double z, double lw,
-      c10::string_view reduction, std::optional<double> d, const std::optional<at::Tensor>& stats, int64_t vs,
-      int64_t vn, bool compute_grad) {
-    LogitsSource src("cross_entropy", logits, target, vs, vn, compute_grad, false);
-    auto [loss, lse] = cross_entropy_forward(src, target, s, eps, z, lw, std::string(reduction), d, stats, kBackend);
-    return {loss, lse, src.grads()[0]};
-  }
-  static std::tuple<at::Tensor, at::Tensor> forward_inplace(
-      const at::Tensor& logits, const at::Tensor& target, double s, double eps, double z, double lw,
-      c10::string_view reduction, std::optional<double> d, const std::optional<at::Tensor>& stats, int64_t vs,
-      int64_t vn) {
-    LogitsSource src("cross_entropy", logits, target, vs, vn, false, true);
-    return cross_entropy_forward(src, target, s, eps, z, lw, std::string(reduction), d, stats, kBackend);
+struct CrossEntropyLoss {
+  static constexpr const char* kName = "cross_entropy";
+  static constexpr const char* kLinearName = "linear_cross_entropy";
+  static CrossEntropyResults run(RowSource& src, const at::Tensor& target, schema::Args& args, bool logits_op) {
+    const auto a = args.read<CrossEntropyArgs>();
+    // The fused lm_head sums the weight gradient over tokens in the forward, so one upstream value per token
+    // cannot be applied afterwards.
+    TORCH_CHECK(logits_op || a.reduction != "none" || !src.wants_grad(), src.op(),
+                ": reduction='none' cannot be differentiated (the weight gradient is summed over tokens in the "
+                "forward); use 'sum' or 'mean', or call it without gradients");
+    return cross_entropy_forward(src, target, a, logits_op ? args.read<RowStatsArg>().row_stats : std::nullopt,
+                                 kBackend);
   }
 };
 
 // Builds the epilogue for accumulation type acc_t (the back-ends call this inside their dtype dispatch).
 template <typename acc_t>
 CrossEntropyEpilogue<acc_t> make_cross_entropy_epilogue(const CrossEntropyRows& rows) {
-  const auto& o = rows.opt;
-  return {{acc_t(o.label_weight), acc_t(o.label_smoothing), acc_t(o.z_loss_factor), acc_t(o.vocab_size)},
-          rows.divisor.defined() ? rows.divisor.const_data_ptr<acc_t>() : nullptr, acc_t(rows.divisor_value),
-          rows.row_loss.data_ptr<acc_t>(), rows.lse.data_ptr<acc_t>()};
+  return {.opt = rows.opt.template as<acc_t>(),
+          .divisor = rows.divisor.defined() ? rows.divisor.const_data_ptr<acc_t>() : nullptr,
+          .divisor_value = acc_t(rows.divisor_value),
+          .row_loss = rows.row_loss.data_ptr<acc_t>(),
+          .lse = rows.lse.data_ptr<acc_t>()};
 }
 
 }  // namespace rl_losses

@@ -1,9 +1,9 @@
 // CPU registration of the cross-entropy forward ops (from logits and from hidden states).
 #include <torch/library.h>
 
+#include "common/loss_kernels.h"
 #include "common/row_pass_cpu.h"
 #include "cross_entropy/cross_entropy.h"
-#include "linear/linear.h"
 
 namespace rl_losses {
 namespace {
@@ -17,9 +17,8 @@ void rows_cpu(const RowPassArgs& args, const CrossEntropyRows& rows) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
-  m.impl("_cross_entropy_forward", &CrossEntropyOps<rows_cpu>::forward);
-  m.impl("_cross_entropy_forward_inplace", &CrossEntropyOps<rows_cpu>::forward_inplace);
-  m.impl("_linear_cross_entropy_forward", &LinearCrossEntropyOp<rows_cpu, accumulate_weight_grad_cpu>::forward);
+  register_loss<CrossEntropyLoss<rows_cpu>>(m);
+  register_linear_loss<CrossEntropyLoss<rows_cpu>, accumulate_weight_grad_cpu>(m);
 }
 
 }  // namespace rl_losses

@@ -41,8 +41,11 @@ void check_pair(const at::Tensor& logits, const at::Tensor& teacher) {
                    : ""));
 }
 
-void check_options(double beta, double temperature, double scale) {
+void check_beta(double beta) {
   TORCH_CHECK(std::isfinite(beta) && beta >= 0 && beta <= 1, kOp, ": beta must be in [0, 1], got ", beta);
+}
+
+void check_softmax(double temperature, double scale) {
   TORCH_CHECK(std::isfinite(temperature) && temperature > 0, kOp, ": temperature must be finite and > 0, got ",
               temperature);
   check_scale(kOp, scale);
@@ -61,7 +64,12 @@ void check_acc_input(const char* name, const at::Tensor& t, int64_t n, int64_t c
 DistillOptions<double> make_options(DistillKind kind, double beta, double temperature, double scale) {
   // log β and log(1−β) only matter for JSD, where 0 < β < 1.
   const bool jsd = kind == DistillKind::kJsd;
-  return {kind, scale, 1.0 / temperature, beta, jsd ? std::log(beta) : 0.0, jsd ? std::log1p(-beta) : 0.0};
+  return {.kind = kind,
+          .scale = scale,
+          .inv_temperature = 1.0 / temperature,
+          .beta = beta,
+          .log_beta = jsd ? std::log(beta) : 0.0,
+          .log_one_minus_beta = jsd ? std::log1p(-beta) : 0.0};
 }
 
 }  // namespace
@@ -79,25 +87,25 @@ DistillKind parse_distill_kind(const char* op, const std::string& kind, double b
   TORCH_CHECK(false, op, ": kind must be 'forward_kl', 'reverse_kl', 'cross_entropy' or 'jsd', got '", kind, "'");
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> distillation_forward(
-    const at::Tensor& logits, const at::Tensor& teacher_logits, const std::string& kind, double beta,
-    double temperature, double logits_scale_factor, const std::optional<at::Tensor>& loss_mask,
-    std::optional<double> divisor, const std::optional<at::Tensor>& row_stats,
-    const std::optional<at::Tensor>& jsd_sums, bool compute_grad, bool inplace, const DistillBackend& backend) {
+std::pair<DistillResults, at::Tensor> distillation_forward(const DistillationArgs& a, bool compute_grad, bool inplace,
+                                                           const DistillBackend& backend) {
+  const at::Tensor& logits = a.logits;
+  const OptTensor &loss_mask = a.loss_mask, &row_stats = a.row_stats, &jsd_sums = a.jsd_sums;
   bool is_view = false;
   at::Tensor x = rows_of("logits", logits, &is_view);
-  check_pair(logits, teacher_logits);
-  at::Tensor y = rows_of("teacher_logits", teacher_logits);
-  check_options(beta, temperature, logits_scale_factor);
-  check_divisor(kOp, divisor);
-  const DistillKind k = parse_distill_kind(kOp, kind, beta);
+  check_pair(logits, a.teacher_logits);
+  at::Tensor y = rows_of("teacher_logits", a.teacher_logits);
+  check_beta(a.beta);
+  check_softmax(a.temperature, a.logits_scale_factor);
+  check_divisor(kOp, a.divisor);
+  const DistillKind k = parse_distill_kind(kOp, a.kind, a.beta);
   const int64_t n = x.size(0);
   const auto acc = acc_dtype(logits.scalar_type());
   const auto opts = logits.options().dtype(acc);
   const auto batch = logits.sizes().slice(0, logits.dim() - 1);
 
   DistillState s;
-  s.opt = make_options(k, beta, temperature, logits_scale_factor);
+  s.opt = make_options(k, a.beta, a.temperature, a.logits_scale_factor);
   s.logits = x;
   s.teacher = y;
   if (loss_mask) {
@@ -110,8 +118,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> distillation_forward(
     s.mask = m.reshape({-1}).ne(0).to(acc).contiguous();
   }
   // D: given, or the number of rows the mask keeps (all rows without one), at least 1; no host synchronisation.
-  if (divisor) {
-    s.divisor = at::full({}, *divisor, opts);
+  if (a.divisor) {
+    s.divisor = at::full({}, *a.divisor, opts);
   } else if (s.mask.defined()) {
     s.divisor = sum_1d(s.mask).clamp_min(1);
   } else {
@@ -150,17 +158,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> distillation_forward(
     grad_out = at::empty({0}, logits.options());
   }
   if (n > 0) backend.rows(s);
-  return {sum_1d(s.row_loss), s.divergence.view(batch), grad_out};
+  return {DistillResults{sum_1d(s.row_loss), s.divergence.view(batch)}, grad_out};
 }
 
-at::Tensor distillation_stats_op(const at::Tensor& logits, const at::Tensor& teacher_logits, double temperature,
-                                 double logits_scale_factor, const DistillBackend& backend) {
+at::Tensor distillation_stats_op(const DistillStatsArgs& a, const DistillBackend& backend) {
+  const at::Tensor& logits = a.logits;
   DistillState s;
   s.logits = rows_of("logits", logits);
-  check_pair(logits, teacher_logits);
-  s.teacher = rows_of("teacher_logits", teacher_logits);
-  check_options(0.5, temperature, logits_scale_factor);
-  s.opt = make_options(DistillKind::kForwardKl, 0.5, temperature, logits_scale_factor);
+  check_pair(logits, a.teacher_logits);
+  s.teacher = rows_of("teacher_logits", a.teacher_logits);
+  check_softmax(a.temperature, a.logits_scale_factor);
+  // The statistics read no β (make_options uses it for JSD only).
+  s.opt = make_options(DistillKind::kForwardKl, 0.0, a.temperature, a.logits_scale_factor);
   const int64_t n = s.logits.size(0);
   s.stats = at::empty({n, DistillStats<double>::kFields}, logits.options().dtype(acc_dtype(logits.scalar_type())));
   if (n > 0) backend.stats(s);
@@ -169,16 +178,16 @@ at::Tensor distillation_stats_op(const at::Tensor& logits, const at::Tensor& tea
   return s.stats.view(shape);
 }
 
-at::Tensor distillation_jsd_sums_op(const at::Tensor& logits, const at::Tensor& teacher_logits,
-                                    const at::Tensor& row_stats, double beta, double temperature,
-                                    double logits_scale_factor, const DistillBackend& backend) {
+at::Tensor distillation_jsd_sums_op(const DistillJsdArgs& a, const DistillBackend& backend) {
+  const at::Tensor &logits = a.logits, &row_stats = a.row_stats;
   DistillState s;
   s.logits = rows_of("logits", logits);
-  check_pair(logits, teacher_logits);
-  s.teacher = rows_of("teacher_logits", teacher_logits);
-  check_options(beta, temperature, logits_scale_factor);
-  TORCH_CHECK(beta > 0 && beta < 1, kOp, ": the JSD sums need 0 < beta < 1, got ", beta);
-  s.opt = make_options(DistillKind::kJsd, beta, temperature, logits_scale_factor);
+  check_pair(logits, a.teacher_logits);
+  s.teacher = rows_of("teacher_logits", a.teacher_logits);
+  check_beta(a.beta);
+  check_softmax(a.temperature, a.logits_scale_factor);
+  TORCH_CHECK(a.beta > 0 && a.beta < 1, kOp, ": the JSD sums need 0 < beta < 1, got ", a.beta);
+  s.opt = make_options(DistillKind::kJsd, a.beta, a.temperature, a.logits_scale_factor);
   const int64_t n = s.logits.size(0);
   check_acc_input("row_stats", row_stats, n, DistillStats<double>::kFields, logits);
   s.stats = row_stats.reshape({n, DistillStats<double>::kFields}).contiguous();

@@ -11,9 +11,10 @@
 
 #include <optional>
 #include <string>
-#include <tuple>
+#include <utility>
 
 #include "distillation/distillation_math.h"
+#include "op_args.h"
 
 namespace rl_losses {
 
@@ -42,53 +43,62 @@ struct DistillBackend {
 
 DistillKind parse_distill_kind(const char* op, const std::string& kind, double beta);
 
-// The public op's outputs (loss, divergence); the gradient, when asked, into `grad` (the logits' own storage
-// with inplace_backward).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> distillation_forward(
-    const at::Tensor& logits, const at::Tensor& teacher_logits, const std::string& kind, double beta,
-    double temperature, double logits_scale_factor, const std::optional<at::Tensor>& loss_mask,
-    std::optional<double> divisor, const std::optional<at::Tensor>& row_stats,
-    const std::optional<at::Tensor>& jsd_sums, bool compute_grad, bool inplace, const DistillBackend& backend);
+// distillation's arguments (op_args.h), and those of its tensor-parallel statistics ops.
+#define RL_LOSSES_DISTILLATION_ARGS(X)                                                                          \
+  RL_LOSSES_DISTILL_INPUT(X) RL_LOSSES_DISTILL_OPTIONS(X) RL_LOSSES_DISTILL_BETA(X) RL_LOSSES_DISTILL_SOFTMAX(X) \
+  RL_LOSSES_DIVISOR(X) RL_LOSSES_DISTILL_HOOKS(X)
+RL_LOSSES_ARG_GROUP(DistillationArgs, RL_LOSSES_DISTILLATION_ARGS)
+#define RL_LOSSES_DISTILL_STATS_ARGS(X) RL_LOSSES_DISTILL_INPUT(X) RL_LOSSES_DISTILL_SOFTMAX(X)
+RL_LOSSES_ARG_GROUP(DistillStatsArgs, RL_LOSSES_DISTILL_STATS_ARGS)
+#define RL_LOSSES_DISTILL_JSD_ARGS(X) \
+  RL_LOSSES_DISTILL_INPUT(X) RL_LOSSES_DISTILL_STATS_INPUT(X) RL_LOSSES_DISTILL_BETA(X) RL_LOSSES_DISTILL_SOFTMAX(X)
+RL_LOSSES_ARG_GROUP(DistillJsdArgs, RL_LOSSES_DISTILL_JSD_ARGS)
+RL_LOSSES_RESULT_GROUP(DistillResults, RL_LOSSES_DISTILL_RESULTS)
+RL_LOSSES_RESULT_GROUP(DistillJsdResult, RL_LOSSES_DISTILL_JSD_RESULTS)
+
+// The public op's results (loss, divergence) and the gradient, when asked: into `grad` (the logits' own storage
+// with inplace_backward), else an empty placeholder.
+std::pair<DistillResults, at::Tensor> distillation_forward(const DistillationArgs& a, bool compute_grad, bool inplace,
+                                                           const DistillBackend& backend);
 
 // The statistics-only ops of tensor parallelism (this shard's partial statistics / JSD sums).
-at::Tensor distillation_stats_op(const at::Tensor& logits, const at::Tensor& teacher_logits, double temperature,
-                                 double logits_scale_factor, const DistillBackend& backend);
-at::Tensor distillation_jsd_sums_op(const at::Tensor& logits, const at::Tensor& teacher_logits,
-                                    const at::Tensor& row_stats, double beta, double temperature,
-                                    double logits_scale_factor, const DistillBackend& backend);
+at::Tensor distillation_stats_op(const DistillStatsArgs& a, const DistillBackend& backend);
+at::Tensor distillation_jsd_sums_op(const DistillJsdArgs& a, const DistillBackend& backend);
 
+// The registered kernels of one back-end (boxed, arguments by name: common/schema.h).
 template <const DistillBackend& (*kBackend)()>
-struct DistillOps {
-  using Opt = std::optional<at::Tensor>;
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& logits, const at::Tensor& teacher,
-                                                                c10::string_view kind, double beta, double t,
-                                                                double s, const Opt& mask, std::optional<double> d,
-                                                                const Opt& stats, const Opt& sums, bool compute_grad) {
-    return distillation_forward(logits, teacher, std::string(kind), beta, t, s, mask, d, stats, sums, compute_grad,
-                                false, kBackend());
+struct DistillKernels {
+  template <bool kInplace>
+  static void forward(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    schema::Args args(op, stack);
+    const bool compute_grad = !kInplace && args.read<ComputeGradArg>().compute_grad;
+    const auto [results, grad] = distillation_forward(args.read<DistillationArgs>(), compute_grad, kInplace,
+                                                      kBackend());
+    results.write(args);
+    if (!kInplace) GradResult{grad}.write(args);
+    args.push_results();
   }
-  static std::tuple<at::Tensor, at::Tensor> forward_inplace(const at::Tensor& logits, const at::Tensor& teacher,
-                                                            c10::string_view kind, double beta, double t, double s,
-                                                            const Opt& mask, std::optional<double> d,
-                                                            const Opt& stats, const Opt& sums) {
-    auto [loss, divergence, grad] = distillation_forward(logits, teacher, std::string(kind), beta, t, s, mask, d,
-                                                         stats, sums, true, true, kBackend());
-    return {loss, divergence};
+  static void stats(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    schema::Args args(op, stack);
+    StatsResult{distillation_stats_op(args.read<DistillStatsArgs>(), kBackend())}.write(args);
+    args.push_results();
   }
-  static at::Tensor stats(const at::Tensor& logits, const at::Tensor& teacher, double t, double s) {
-    return distillation_stats_op(logits, teacher, t, s, kBackend());
-  }
-  static at::Tensor jsd_sums(const at::Tensor& logits, const at::Tensor& teacher, const at::Tensor& row_stats,
-                             double beta, double t, double s) {
-    return distillation_jsd_sums_op(logits, teacher, row_stats, beta, t, s, kBackend());
+  static void jsd_sums(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    schema::Args args(op, stack);
+    DistillJsdResult{distillation_jsd_sums_op(args.read<DistillJsdArgs>(), kBackend())}.write(args);
+    args.push_results();
   }
 };
 
 // The options in the accumulation type.
 template <typename acc_t>
 DistillOptions<acc_t> distill_options_as(const DistillOptions<double>& o) {
-  return {o.kind, acc_t(o.scale), acc_t(o.inv_temperature), acc_t(o.beta), acc_t(o.log_beta),
-          acc_t(o.log_one_minus_beta)};
+  return {.kind = o.kind,
+          .scale = acc_t(o.scale),
+          .inv_temperature = acc_t(o.inv_temperature),
+          .beta = acc_t(o.beta),
+          .log_beta = acc_t(o.log_beta),
+          .log_one_minus_beta = acc_t(o.log_one_minus_beta)};
 }
 
 template <typename acc_t>

@@ -172,10 +172,12 @@ const DistillBackend& distill_backend_cpu() {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
-  m.impl("_distillation_forward", &DistillOps<distill_backend_cpu>::forward);
-  m.impl("_distillation_forward_inplace", &DistillOps<distill_backend_cpu>::forward_inplace);
-  m.impl("distillation_stats", &DistillOps<distill_backend_cpu>::stats);
-  m.impl("distillation_jsd_sums", &DistillOps<distill_backend_cpu>::jsd_sums);
+  using K = DistillKernels<distill_backend_cpu>;
+  using torch::CppFunction;
+  m.impl("_distillation_forward", CppFunction::makeFromBoxedFunction<&K::forward<false>>());
+  m.impl("_distillation_forward_inplace", CppFunction::makeFromBoxedFunction<&K::forward<true>>());
+  m.impl("distillation_stats", CppFunction::makeFromBoxedFunction<&K::stats>());
+  m.impl("distillation_jsd_sums", CppFunction::makeFromBoxedFunction<&K::jsd_sums>());
 }
 
 }  // namespace rl_losses

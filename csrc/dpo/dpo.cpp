@@ -17,14 +17,14 @@ constexpr const char* kOp = "dpo";
 // there) are checked on the host, where reading them costs no synchronisation, then copied to the logits'
 // device; pairs already on the device are checked there (DpoPairStep, DpoPairCoverage: a device-side assert),
 // so that the call never waits for the device.
-at::Tensor check_pairs(const at::Tensor& pairs, const at::Tensor& logits) {
+at::Tensor check_pairs(const at::Tensor& pairs, const c10::Device& logits_device) {
   TORCH_CHECK(pairs.defined() && at::isIntegralType(pairs.scalar_type(), false), kOp,
               ": pairs must be an integer tensor of (chosen, rejected) document ids, got ",
               pairs.defined() ? c10::toString(pairs.scalar_type()) : "undefined");
   TORCH_CHECK(pairs.dim() == 2 && pairs.size(1) == 2, kOp, ": pairs must have shape (num_pairs, 2), got ",
               pairs.sizes());
-  TORCH_CHECK(pairs.device() == logits.device() || pairs.is_cpu(), kOp, ": pairs is on ", pairs.device(),
-              " but logits is on ", logits.device(), " (pairs may be on the logits' device or on the CPU)");
+  TORCH_CHECK(pairs.device() == logits_device || pairs.is_cpu(), kOp, ": pairs is on ", pairs.device(),
+              " but logits is on ", logits_device, " (pairs may be on the logits' device or on the CPU)");
   const at::Tensor p = pairs.to(at::kLong).contiguous();
   if (!p.is_cpu()) return p;
   const int64_t n_pairs = p.size(0), n_docs = 2 * n_pairs;
@@ -38,57 +38,55 @@ at::Tensor check_pairs(const at::Tensor& pairs, const at::Tensor& logits) {
                 i / 2, "]; every document must be in exactly one pair");
     seen[id[i]] = i;
   }
-  return p.to(logits.device(), /*non_blocking=*/true);
+  return p.to(logits_device, /*non_blocking=*/true);
 }
 
-at::Tensor check_per_pair(const char* name, const at::Tensor& t, int64_t n_pairs, const at::Tensor& logits,
+at::Tensor check_per_pair(const char* name, const at::Tensor& t, int64_t n_pairs, const c10::Device& logits_device,
                           at::ScalarType acc) {
   TORCH_CHECK(t.defined() && at::isFloatingType(t.scalar_type()), kOp, ": ", name,
               " must be a floating-point tensor");
   TORCH_CHECK(t.dim() == 1 && t.size(0) == n_pairs, kOp, ": ", name, " must have shape (", n_pairs,
               ",) (one value per pair), got ", t.sizes());
-  TORCH_CHECK(t.device() == logits.device(), kOp, ": ", name, " is on ", t.device(), " but logits is on ",
-              logits.device());
+  TORCH_CHECK(t.device() == logits_device, kOp, ": ", name, " is on ", t.device(), " but logits is on ",
+              logits_device);
   return t.to(acc).contiguous();
 }
 
 }  // namespace
 
-std::vector<at::Tensor> dpo_forward(const at::Tensor& logits, const at::Tensor& target,
-                                    const at::Tensor& document_index, const at::Tensor& pairs,
-                                    const at::Tensor& reference_chosen_log_probs,
-                                    const at::Tensor& reference_rejected_log_probs, double beta,
-                                    double logits_scale_factor, std::optional<double> divisor,
-                                    const std::optional<at::Tensor>& row_stats, int64_t vocab_start,
-                                    int64_t vocab_size, bool compute_grad, bool inplace, const DpoBackend& backend) {
-  LogitsSource src(kOp, logits, target, vocab_start, vocab_size, compute_grad, inplace);
+DpoResults dpo_forward(RowSource& src, const at::Tensor& target, const DpoArgs& a, const OptTensor& row_stats,
+                       const DpoBackend& backend) {
   const FlatLogits& f = src.flat();
-  check_scale(kOp, logits_scale_factor);
-  check_divisor(kOp, divisor);
+  const double beta = a.beta;
+  const at::Tensor& pairs = a.pairs;
+  check_scale(kOp, a.logits_scale_factor);
+  check_divisor(kOp, a.divisor);
   check_row_stats(kOp, row_stats, f);
   TORCH_CHECK(std::isfinite(beta) && beta > 0, kOp, ": beta must be finite and > 0, got ", beta);
   const auto opts = src.acc_options();
   const auto acc = opts.dtype().toScalarType();
   DpoState g;
   g.beta = beta;
-  g.pairs = check_pairs(pairs, logits);
+  g.pairs = check_pairs(pairs, f.options.device());
   g.num_pairs = g.pairs.size(0);
   g.num_documents = 2 * g.num_pairs;
   TORCH_CHECK(g.num_pairs > 0, kOp, ": pairs is empty; DPO needs at least one (chosen, rejected) pair");
-  g.ref_chosen = check_per_pair("reference_chosen_log_probs", reference_chosen_log_probs, g.num_pairs, logits, acc);
+  g.ref_chosen = check_per_pair("reference_chosen_log_probs", a.reference_chosen_log_probs, g.num_pairs,
+                                f.options.device(), acc);
   g.ref_rejected =
-      check_per_pair("reference_rejected_log_probs", reference_rejected_log_probs, g.num_pairs, logits, acc);
+      check_per_pair("reference_rejected_log_probs", a.reference_rejected_log_probs, g.num_pairs,
+                                  f.options.device(), acc);
   g.target = f.target1d;
-  g.document = check_per_token_int(kOp, "document_index", document_index, target);
+  g.document = check_per_token_int(kOp, "document_index", a.document_index, target);
   if (!g.document.is_cuda() && f.n_rows > 0) {  // CUDA: a device-side assert in the per-token step
     const int64_t high = g.document.max().item<int64_t>();
     TORCH_CHECK(high < g.num_documents, kOp, ": document_index holds ", high, " but ", g.num_pairs,
                 " pairs cover the documents 0 .. ", g.num_documents - 1, " (a span without a chosen/rejected pair)");
   }
-  g.divisor = at::full({}, divisor.value_or(static_cast<double>(g.num_pairs)), opts);
+  g.divisor = at::full({}, a.divisor.value_or(static_cast<double>(g.num_pairs)), opts);
   g.pairs_checked = pairs.is_cpu();
 
-  RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
+  RowPassArgs args = make_row_pass_args(f, a.logits_scale_factor);
   if (row_stats) {
     g.stats = *row_stats;
   } else {
@@ -109,11 +107,15 @@ std::vector<at::Tensor> dpo_forward(const at::Tensor& logits, const at::Tensor& 
     args.stats_in = g.stats;
     src.run(args, true, [&](RowPassArgs& a) { backend.grad(a, g.coef); });
   }
-  std::vector<at::Tensor> out(std::begin(g.scalars), std::end(g.scalars));
-  out.push_back(g.log_probs.view(target.sizes()));
-  out.push_back(g.document_sums);
-  out.push_back(src.grads()[0]);
-  return out;
+  DpoResults r;
+  r.loss = g.scalars[0];
+  r.rewards_chosen = g.scalars[1];
+  r.rewards_rejected = g.scalars[2];
+  r.accuracy = g.scalars[3];
+  r.margin = g.scalars[4];
+  r.log_probs = g.log_probs.view(target.sizes());
+  r.document_log_probs = g.document_sums;
+  return r;
 }
 
 }  // namespace rl_losses

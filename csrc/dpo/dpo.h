@@ -14,6 +14,8 @@
 #include <tuple>
 
 #include "common/row_pass.h"
+#include "common/row_source.h"
+#include "op_args.h"
 
 namespace rl_losses {
 
@@ -152,40 +154,24 @@ struct DpoBackend {
   void (*steps)(DpoState&);  // log-probs, document sums, pair step, token coefficients, metrics
 };
 
-// Outputs: loss, rewards_chosen, rewards_rejected, accuracy, margin (0-dim), log_probs (batch shape),
-// document_log_probs (2P,); the gradient, when asked, last. Tensor parallelism: `row_stats` are the statistics
-// all-reduced over the vocabulary shards (the op then reads its shard once, for the gradient), and
-// vocab_start / vocab_size place the shard in the vocabulary.
-std::vector<at::Tensor> dpo_forward(const at::Tensor& logits, const at::Tensor& target,
-                                    const at::Tensor& document_index, const at::Tensor& pairs,
-                                    const at::Tensor& reference_chosen_log_probs,
-                                    const at::Tensor& reference_rejected_log_probs, double beta,
-                                    double logits_scale_factor, std::optional<double> divisor,
-                                    const std::optional<at::Tensor>& row_stats, int64_t vocab_start,
-                                    int64_t vocab_size, bool compute_grad, bool inplace, const DpoBackend& backend);
+// dpo's arguments but the logits (op_args.h).
+#define RL_LOSSES_DPO_ARGS(X) RL_LOSSES_DPO_INPUT(X) RL_LOSSES_DPO_BETA(X) RL_LOSSES_SCALE(X) RL_LOSSES_DIVISOR(X)
+RL_LOSSES_ARG_GROUP(DpoArgs, RL_LOSSES_DPO_ARGS)
+RL_LOSSES_RESULT_GROUP(DpoResults, RL_LOSSES_DPO_RESULTS)
 
-using DpoOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-using DpoOutputsAndGrad =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// The results: loss, rewards_chosen, rewards_rejected, accuracy, margin (0-dim), log_probs (batch shape),
+// document_log_probs (2P,); the gradient, when asked, is the source's. Tensor parallelism: `row_stats` are the
+// statistics all-reduced over the vocabulary shards (the op then reads its shard once, for the gradient), and
+// the source's vocab_start / vocab_size place the shard in the vocabulary.
+DpoResults dpo_forward(RowSource& src, const at::Tensor& target, const DpoArgs& a, const OptTensor& row_stats,
+                       const DpoBackend& backend);
 
+// The loss of the registered kernels (common/loss_kernels.h), given a back-end.
 template <const DpoBackend& (*kBackend)()>
-struct DpoOps {
-  using Opt = std::optional<at::Tensor>;
-  static DpoOutputsAndGrad forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& doc,
-                                   const at::Tensor& pairs, const at::Tensor& ref_c, const at::Tensor& ref_r,
-                                   double beta, double s, std::optional<double> d, const Opt& row_stats,
-                                   int64_t vocab_start, int64_t vocab_size, bool compute_grad) {
-    auto o = dpo_forward(logits, target, doc, pairs, ref_c, ref_r, beta, s, d, row_stats, vocab_start, vocab_size,
-                         compute_grad, false, kBackend());
-    return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]};
-  }
-  static DpoOutputs forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& doc,
-                                    const at::Tensor& pairs, const at::Tensor& ref_c, const at::Tensor& ref_r,
-                                    double beta, double s, std::optional<double> d, const Opt& row_stats,
-                                    int64_t vocab_start, int64_t vocab_size) {
-    auto o = dpo_forward(logits, target, doc, pairs, ref_c, ref_r, beta, s, d, row_stats, vocab_start, vocab_size,
-                         false, true, kBackend());
-    return {o[0], o[1], o[2], o[3], o[4], o[5], o[6]};
+struct DpoLoss {
+  static constexpr const char* kName = "dpo";
+  static DpoResults run(RowSource& src, const at::Tensor& target, schema::Args& args, bool /*logits_op*/) {
+    return dpo_forward(src, target, args.read<DpoArgs>(), args.read<RowStatsArg>().row_stats, kBackend());
   }
 };
 

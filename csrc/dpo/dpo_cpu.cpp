@@ -1,6 +1,7 @@
 // CPU registration of the DPO forward ops.
 #include <torch/library.h>
 
+#include "common/loss_kernels.h"
 #include "common/row_pass_cpu.h"
 #include "dpo/dpo.h"
 
@@ -14,9 +15,6 @@ const DpoBackend& dpo_backend_cpu() {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
-  m.impl("_dpo_forward", &DpoOps<dpo_backend_cpu>::forward);
-  m.impl("_dpo_forward_inplace", &DpoOps<dpo_backend_cpu>::forward_inplace);
-}
+TORCH_LIBRARY_IMPL(rl_losses, CPU, m) { register_loss<DpoLoss<dpo_backend_cpu>>(m); }
 
 }  // namespace rl_losses

@@ -9,57 +9,42 @@
 
 namespace rl_losses {
 
-std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, const at::Tensor& advantages,
-                                     const std::optional<at::Tensor>& old_log_probs,
-                                     const std::optional<at::Tensor>& ref_log_probs,
-                                     const std::optional<at::Tensor>& loss_weights,
-                                     const std::optional<at::Tensor>& label_counts, double epsilon_low,
-                                     double epsilon_high, std::optional<double> delta, double beta,
-                                     std::optional<double> divisor, double logits_scale_factor, bool compute_entropy,
-                                     const std::optional<at::Tensor>& row_stats,
-                                     const std::optional<at::Tensor>& rollout_log_probs,
-                                     const std::optional<at::Tensor>& document_index,
-                                     std::optional<int64_t> num_documents, const PolicyArgs& policy,
-                                     const GrpoBackend& backend) {
+PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoArgs& a, const OptTensor& row_stats,
+                           const GrpoBackend& backend) {
   const char* op = src.op();
   const FlatLogits& f = src.flat();
-  check_scale(op, logits_scale_factor);
-  check_epsilons(op, epsilon_low, epsilon_high);
-  check_delta(op, delta, epsilon_high);
-  check_beta(op, beta, ref_log_probs.has_value());
-  check_divisor(op, divisor);
+  check_scale(op, a.logits_scale_factor);
+  check_clip(op, a.clip, a.beta, a.ref_log_probs.has_value());
+  check_divisor(op, a.divisor);
   check_row_stats(op, row_stats, f);
-  const PolicyOptions<double> opt = make_policy_options(op, policy, epsilon_low, epsilon_high, delta, beta,
-                                                        rollout_log_probs.has_value());
-  const bool sequence_rollout = sequence_level_rollout(policy);
+  const PolicyOptions<double> opt = make_policy_options(op, a.policy, &a.fused, &a.clip, a.beta,
+                                                        a.rollout_log_probs.has_value());
+  const bool sequence_rollout = sequence_level_rollout(a.policy);
   const bool vespo = opt.loss_type == kVespo;
-  TORCH_CHECK(!document_index || sequence_rollout || vespo, op, ": document_index groups the tokens of a "
+  TORCH_CHECK(!a.document_index || sequence_rollout || vespo, op, ": document_index groups the tokens of a "
               "sequence-level rollout_correction or of loss_type 'vespo'; got it with rollout_correction = '",
-              policy.rollout_correction.value_or("None"), "' and loss_type '", policy.loss_type, "'");
-  TORCH_CHECK(!num_documents || document_index, op, ": num_documents = ", num_documents.value_or(0),
+              a.policy.rollout_correction.value_or("None"), "' and loss_type '", a.policy.loss_type, "'");
+  TORCH_CHECK(!a.num_documents || a.document_index, op, ": num_documents = ", a.num_documents.value_or(0),
               " counts the ids of document_index, which is not given");
 
   const auto opts = src.acc_options();
   const auto acc = opts.dtype().toScalarType();
   GrpoRows rows;
   rows.opt = opt;
-  rows.advantages = check_per_token(op, "advantages", broadcast_per_sequence(op, "advantages", advantages, target),
-                                    target, acc);
-  if (old_log_probs) rows.old_log_probs = check_per_token(op, "old_log_probs", *old_log_probs, target, acc);
-  if (ref_log_probs) rows.ref_log_probs = check_per_token(op, "ref_log_probs", *ref_log_probs, target, acc);
-  if (loss_weights) rows.loss_weights = check_per_token(op, "loss_weights", *loss_weights, target, acc);
+  rows.advantages = check_per_token(op, "advantages", broadcast_per_sequence(a.advantages, target), target, acc);
+  if (a.old_log_probs) rows.old_log_probs = check_per_token(op, "old_log_probs", *a.old_log_probs, target, acc);
+  if (a.ref_log_probs) rows.ref_log_probs = check_per_token(op, "ref_log_probs", *a.ref_log_probs, target, acc);
+  if (a.loss_weights) rows.loss_weights = check_per_token(op, "loss_weights", *a.loss_weights, target, acc);
   at::Tensor rollout;
-  if (rollout_log_probs) rollout = check_per_token(op, "rollout_log_probs", *rollout_log_probs, target, acc);
+  if (a.rollout_log_probs) rollout = check_per_token(op, "rollout_log_probs", *a.rollout_log_probs, target, acc);
   at::Tensor counts;
-  if (label_counts) {
-    counts = check_label_counts(op, *label_counts, target, acc);
-  }
+  if (a.label_counts) counts = check_label_counts(op, *a.label_counts, target, acc);
   rows.out = at::empty({f.n_rows, kGrpoFields}, opts);
   rows.log_probs = at::empty({f.n_rows}, opts);
   // The statistics hold Σp·x when the entropy is a metric or, with its gradient, a term of the loss.
-  rows.entropy = compute_entropy || opt.entropy_coefficient != 0;
+  rows.entropy = a.compute_entropy || opt.entropy_coefficient != 0;
 
-  RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
+  RowPassArgs args = make_row_pass_args(f, a.logits_scale_factor);
   if (row_stats) args.stats_in = *row_stats;
   args.entropy = rows.entropy && !row_stats;
   if (sequence_rollout || vespo) {
@@ -67,7 +52,7 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
     // log-prob (vespo's log-ratios lp − old; on-policy, the rollout ratios with old = lp), the statistics are
     // computed first (one more read of the logits, as GSPO's) and the loss pass reads them; otherwise the sums
     // take only inputs and the loss stays one pass over the logits.
-    const SequenceIds seq = sequence_ids(op, document_index, num_documents, target,
+    const SequenceIds seq = sequence_ids(op, a.document_index, a.num_documents, target,
                                          vespo ? "loss_type 'vespo'" : "a sequence-level rollout_correction");
     const bool on_policy = !rows.old_log_probs.defined();
     const bool needs_log_probs = (vespo && !on_policy) || (on_policy && rollout.defined());
@@ -106,8 +91,8 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
   // holding one of its blocks when the cluster kernel's CTAs are placed).
   // The metrics need the labelled count; a given divisor is written by the same launch (no fill kernel).
   at::Tensor n_labelled;
-  if (divisor) {
-    std::tie(n_labelled, rows.divisor) = labelled_count_and_constant(f.target1d, acc, *divisor);
+  if (a.divisor) {
+    std::tie(n_labelled, rows.divisor) = labelled_count_and_constant(f.target1d, acc, *a.divisor);
   } else {
     n_labelled = labelled_count(f.target1d, acc);
     rows.divisor = n_labelled;
@@ -123,9 +108,7 @@ std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, c
   // one launch where a column sum and a division per metric took one each (2-3 us apiece on a GPU).
   const PolicyScalarOutputs scalars(opts);
   backend.metrics(rows, f.target1d, counts, n_labelled, scalars);
-  std::vector<at::Tensor> out = scalars.with_log_probs(rows.log_probs.view(target.sizes()));
-  out.push_back(scalars.t[kPolicyVespoPhi]);
-  return out;
+  return policy_results(scalars, rows.log_probs.view(target.sizes()));
 }
 
 }  // namespace rl_losses

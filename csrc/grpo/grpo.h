@@ -300,56 +300,35 @@ struct GrpoBackendImpl {
   static constexpr GrpoBackend backend() { return {&stats, &rows, &metrics, &sequences}; }
 };
 
-// Returns the outputs of the `grpo` schema; the gradient, when the source wants one, is the source's.
-std::vector<at::Tensor> grpo_forward(RowSource& src, const at::Tensor& target, const at::Tensor& advantages,
-                                     const std::optional<at::Tensor>& old_log_probs,
-                                     const std::optional<at::Tensor>& ref_log_probs,
-                                     const std::optional<at::Tensor>& loss_weights,
-                                     const std::optional<at::Tensor>& label_counts, double epsilon_low,
-                                     double epsilon_high, std::optional<double> delta, double beta,
-                                     std::optional<double> divisor, double logits_scale_factor, bool compute_entropy,
-                                     const std::optional<at::Tensor>& row_stats,
-                                     const std::optional<at::Tensor>& rollout_log_probs,
-                                     const std::optional<at::Tensor>& document_index,
-                                     std::optional<int64_t> num_documents, const PolicyArgs& policy,
-                                     const GrpoBackend& backend);
-
-template <const GrpoBackend& (*kBackend)()>
-struct GrpoOps {
-  using Opt = std::optional<at::Tensor>;
-  using SV = c10::string_view;
-  static auto forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv, const Opt& old,
-                      const Opt& ref, const Opt& w, const Opt& counts, double el, double eh,
-                      std::optional<double> delta, double beta, std::optional<double> d, double s, bool entropy,
-                      const Opt& stats, int64_t vs, int64_t vn, SV loss_type, double tau_pos, double tau_neg,
-                      const Opt& rollout, std::optional<SV> correction, double cap,
-                      std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
-                      double kp, double lamp, double kn, double lamn, const Opt& doc, std::optional<int64_t> n_docs,
-                      bool compute_grad) {
-    LogitsSource src("grpo", logits, target, vs, vn, compute_grad, false);
-    auto o = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, stats, rollout,
-                          doc, n_docs,
-                          policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
-                                      lamp, kn, lamn),
-                          kBackend());
-    o.push_back(src.grads()[0]);
-    return tensors_as_tuple<kPolicyOutputs + 1>(o);
+// grpo's and linear_grpo's arguments but the source's (op_args.h).
+#define RL_LOSSES_GRPO_ARGS(X)                                                                            \
+  RL_LOSSES_POLICY_INPUTS(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_GRPO_OPTIONS(X) RL_LOSSES_KL_WEIGHT(X) \
+  RL_LOSSES_SCALE(X) RL_LOSSES_DIVISOR(X) RL_LOSSES_ENTROPY(X)
+RL_LOSSES_ARG_GROUP(GrpoOwnArgs, RL_LOSSES_GRPO_ARGS)
+struct GrpoArgs : GrpoOwnArgs {
+  ClipArgs clip;
+  PolicyArgs policy;
+  FusedPolicyArgs fused;
+  void read(schema::Args& args) {
+    GrpoOwnArgs::read(args);
+    clip.read(args);
+    policy.read(args);
+    fused.read(args);
   }
-  static auto forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
-                              const Opt& old, const Opt& ref, const Opt& w, const Opt& counts, double el, double eh,
-                              std::optional<double> delta, double beta, std::optional<double> d, double s,
-                              bool entropy, const Opt& stats, int64_t vs, int64_t vn, SV loss_type, double tau_pos,
-                              double tau_neg, const Opt& rollout, std::optional<SV> correction, double cap,
-                              std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
-                              double kp, double lamp, double kn, double lamn, const Opt& doc,
-                              std::optional<int64_t> n_docs) {
-    LogitsSource src("grpo", logits, target, vs, vn, false, true);
-    auto o = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, stats, rollout,
-                          doc, n_docs,
-                          policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
-                                      lamp, kn, lamn),
-                          kBackend());
-    return tensors_as_tuple<kPolicyOutputs>(o);
+};
+
+// The results of the `grpo` schema; the gradient, when the source wants one, is the source's.
+PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoArgs& a, const OptTensor& row_stats,
+                           const GrpoBackend& backend);
+
+// The loss of the registered kernels (common/loss_kernels.h), given a back-end.
+template <const GrpoBackend& (*kBackend)()>
+struct GrpoLoss {
+  static constexpr const char* kName = "grpo";
+  static constexpr const char* kLinearName = "linear_grpo";
+  static PolicyResults run(RowSource& src, const at::Tensor& target, schema::Args& args, bool logits_op) {
+    const OptTensor row_stats = logits_op ? args.read<RowStatsArg>().row_stats : std::nullopt;
+    return grpo_forward(src, target, args.read<GrpoArgs>(), row_stats, kBackend());
   }
 };
 

@@ -1,9 +1,9 @@
 // CPU registration of the GRPO forward ops (from logits and from hidden states).
 #include <torch/library.h>
 
+#include "common/loss_kernels.h"
 #include "common/row_pass_cpu.h"
 #include "grpo/grpo.h"
-#include "linear/linear.h"
 
 namespace rl_losses {
 namespace {
@@ -16,9 +16,8 @@ const GrpoBackend& grpo_backend_cpu() {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
-  m.impl("_grpo_forward", &GrpoOps<grpo_backend_cpu>::forward);
-  m.impl("_grpo_forward_inplace", &GrpoOps<grpo_backend_cpu>::forward_inplace);
-  m.impl("_linear_grpo_forward", &LinearGrpoOp<grpo_backend_cpu, accumulate_weight_grad_cpu>::forward);
+  register_loss<GrpoLoss<grpo_backend_cpu>>(m);
+  register_linear_loss<GrpoLoss<grpo_backend_cpu>, accumulate_weight_grad_cpu>(m);
 }
 
 }  // namespace rl_losses

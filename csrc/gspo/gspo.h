@@ -18,6 +18,7 @@
 #include "common/policy.h"
 #include "common/row_pass.h"
 #include "common/row_source.h"
+#include "op_args.h"
 
 namespace rl_losses {
 
@@ -332,81 +333,59 @@ struct GspoBackend {
   void (*metrics)(const GspoState&, const PolicyScalarOutputs&);  // GspoMetrics
 };
 
-// The policy family's inputs of GSPO beside its own (docs/policy_losses.md).
-struct GspoPolicyInputs {
-  std::optional<at::Tensor> ref_log_probs;
-  double beta = 0.0;
-  std::optional<at::Tensor> rollout_log_probs;
-  PolicyArgs args;
-  std::optional<double> delta;  // ppo_clip's two-sided clip of R_s (unset: none)
+// gspo's and linear_gspo's arguments but the source's and the hooks (op_args.h).
+#define RL_LOSSES_GSPO_ARGS(X)                                                                               \
+  RL_LOSSES_POLICY_INPUTS(X) RL_LOSSES_GSPO_DOCUMENTS(X) RL_LOSSES_GSPO_OPTIONS(X) RL_LOSSES_POLICY_TENSORS(X) \
+  RL_LOSSES_KL_WEIGHT(X) RL_LOSSES_GSPO_WEIGHTING(X) RL_LOSSES_GSPO_TOKEN_ADVANTAGES(X) RL_LOSSES_SCALE(X)     \
+  RL_LOSSES_DIVISOR(X) RL_LOSSES_ENTROPY(X)
+RL_LOSSES_ARG_GROUP(GspoOwnArgs, RL_LOSSES_GSPO_ARGS)
+struct GspoArgs : GspoOwnArgs {
+  ClipArgs clip;
+  PolicyArgs policy;
+  FusedPolicyArgs fused;
+  void read(schema::Args& args) {
+    GspoOwnArgs::read(args);
+    clip.read(args);
+    policy.read(args);
+    fused.read(args);
+  }
+};
+
+// gspo_document_sums' arguments (op_args.h).
+#define RL_LOSSES_DOCUMENT_SUMS_ARGS(X)                                                                        \
+  RL_LOSSES_DOCUMENT_SUMS_INPUT(X) RL_LOSSES_GSPO_WEIGHTING(X) RL_LOSSES_GSPO_TOKEN_ADVANTAGES(X)              \
+  RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_KL_WEIGHT(X)
+RL_LOSSES_ARG_GROUP(DocumentSumsOwnArgs, RL_LOSSES_DOCUMENT_SUMS_ARGS)
+struct DocumentSumsArgs : DocumentSumsOwnArgs {
+  PolicyArgs policy;
+  void read(schema::Args& args) {
+    DocumentSumsOwnArgs::read(args);
+    policy.read(args);
+  }
 };
 
 // The per-document sums of this rank's tokens (see registration.cpp: gspo_document_sums).
-at::Tensor gspo_document_sums(const at::Tensor& log_probs, const at::Tensor& target, const at::Tensor& advantages,
-                              const std::optional<at::Tensor>& old_log_probs, const at::Tensor& document_index,
-                              const at::Tensor& label_counts, int64_t num_documents, const std::string& weighting,
-                              bool token_advantages, const GspoPolicyInputs& policy, const GspoBackend& backend);
+at::Tensor gspo_document_sums(const DocumentSumsArgs& a, const GspoBackend& backend);
 
-// The outputs of the `gspo` schema; the gradient, when the source wants one, is the source's.
-std::vector<at::Tensor> gspo_forward(RowSource& src, const at::Tensor& target, const at::Tensor& advantages,
-                                     const std::optional<at::Tensor>& old_log_probs, const at::Tensor& document_index,
-                                     std::optional<int64_t> num_documents,
-                                     const std::optional<at::Tensor>& label_counts, double epsilon_low,
-                                     double epsilon_high, const std::string& weighting, bool token_advantages,
-                                     std::optional<double> divisor, double logits_scale_factor, bool compute_entropy,
-                                     const std::optional<at::Tensor>& row_stats,
-                                     const std::optional<at::Tensor>& document_sums, const GspoPolicyInputs& policy,
-                                     const GspoBackend& backend);
+// The results of the `gspo` schema; the gradient, when the source wants one, is the source's. `document_sums`:
+// the sequence-data-parallel hook (logits op only).
+PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoArgs& a, const OptTensor& row_stats,
+                           const OptTensor& document_sums, const GspoBackend& backend);
 
-// The registered forward ops, given a back-end (the CPU and CUDA registrations bind it).
+// The loss of the registered kernels (common/loss_kernels.h), given a back-end; and gspo_document_sums' kernel.
 template <const GspoBackend& (*kBackend)()>
-struct GspoOps {
-  using Opt = std::optional<at::Tensor>;
-  using SV = c10::string_view;
-  using OptD = std::optional<double>;
-  static auto forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv, const Opt& old,
-                      const at::Tensor& doc, std::optional<int64_t> n_docs, const Opt& counts, double el, double eh,
-                      OptD delta, SV weighting, bool token_adv, OptD d, double s, bool entropy, const Opt& stats,
-                      const Opt& sums, int64_t vs, int64_t vn, const Opt& ref, double beta, SV loss_type,
-                      double tau_pos, double tau_neg, const Opt& rollout, std::optional<SV> correction, double cap,
-                      std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
-                      double kp, double lamp, double kn, double lamn, bool compute_grad) {
-    LogitsSource src("gspo", logits, target, vs, vn, compute_grad, false);
-    const GspoPolicyInputs p{ref, beta, rollout,
-                             policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
-                                         lamp, kn, lamn), delta};
-    auto o = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d, s,
-                          entropy, stats, sums, p, kBackend());
-    o.push_back(src.grads()[0]);
-    return tensors_as_tuple<kPolicyOutputs + 2>(o);
+struct GspoLoss {
+  static constexpr const char* kName = "gspo";
+  static constexpr const char* kLinearName = "linear_gspo";
+  static PolicyResults run(RowSource& src, const at::Tensor& target, schema::Args& args, bool logits_op) {
+    const OptTensor row_stats = logits_op ? args.read<RowStatsArg>().row_stats : std::nullopt;
+    const OptTensor sums = logits_op ? args.read<GspoSumsArg>().document_sums : std::nullopt;
+    return gspo_forward(src, target, args.read<GspoArgs>(), row_stats, sums, kBackend());
   }
-  static auto forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
-                              const Opt& old, const at::Tensor& doc, std::optional<int64_t> n_docs, const Opt& counts,
-                              double el, double eh, OptD delta, SV weighting, bool token_adv, OptD d, double s,
-                              bool entropy, const Opt& stats, const Opt& sums, int64_t vs, int64_t vn,
-                              const Opt& ref, double beta, SV loss_type, double tau_pos, double tau_neg,
-                              const Opt& rollout, std::optional<SV> correction, double cap,
-                              std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
-                              double kp, double lamp, double kn, double lamn) {
-    LogitsSource src("gspo", logits, target, vs, vn, false, true);
-    const GspoPolicyInputs p{ref, beta, rollout,
-                             policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
-                                         lamp, kn, lamn), delta};
-    auto o = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d, s,
-                          entropy, stats, sums, p, kBackend());
-    return tensors_as_tuple<kPolicyOutputs + 1>(o);
-  }
-  static at::Tensor document_sums(const at::Tensor& lp, const at::Tensor& target, const at::Tensor& adv,
-                                  const Opt& old, const at::Tensor& doc, const at::Tensor& counts, int64_t n_docs,
-                                  SV weighting, bool token_adv, const Opt& ref, double beta, SV loss_type,
-                                  double tau_pos, double tau_neg, const Opt& rollout, std::optional<SV> correction,
-                                  double cap, std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw,
-                                  double ent_coef, double kp, double lamp, double kn, double lamn) {
-    const GspoPolicyInputs p{ref, beta, rollout,
-                             policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
-                                         lamp, kn, lamn)};
-    return gspo_document_sums(lp, target, adv, old, doc, counts, n_docs, std::string(weighting), token_adv, p,
-                              kBackend());
+  static void document_sums(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    schema::Args args(op, stack);
+    DocumentSumsResult{gspo_document_sums(args.read<DocumentSumsArgs>(), kBackend())}.write(args);
+    args.push_results();
   }
 };
 

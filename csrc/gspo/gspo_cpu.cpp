@@ -1,9 +1,9 @@
-// CPU registration of the GSPO ops (from logits and from hidden states).
+// CPU registration of the GSPO ops (from logits and from hidden states, and the per-document sums).
 #include <torch/library.h>
 
+#include "common/loss_kernels.h"
 #include "common/row_pass_cpu.h"
 #include "gspo/gspo.h"
-#include "linear/linear.h"
 
 namespace rl_losses {
 namespace {
@@ -16,10 +16,10 @@ const GspoBackend& gspo_backend_cpu() {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
-  m.impl("_gspo_forward", &GspoOps<gspo_backend_cpu>::forward);
-  m.impl("_gspo_forward_inplace", &GspoOps<gspo_backend_cpu>::forward_inplace);
-  m.impl("_linear_gspo_forward", &LinearGspoOp<gspo_backend_cpu, accumulate_weight_grad_cpu>::forward);
-  m.impl("gspo_document_sums", &GspoOps<gspo_backend_cpu>::document_sums);
+  using Gspo = GspoLoss<gspo_backend_cpu>;
+  register_loss<Gspo>(m);
+  register_linear_loss<Gspo, accumulate_weight_grad_cpu>(m);
+  m.impl("gspo_document_sums", torch::CppFunction::makeFromBoxedFunction<&Gspo::document_sums>());
 }
 
 }  // namespace rl_losses

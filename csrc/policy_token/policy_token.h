@@ -7,15 +7,15 @@
 #include <ATen/ATen.h>
 
 #include <optional>
-#include <tuple>
 #include <vector>
 
 #include "common/math.h"
 #include "common/policy.h"
+#include "op_args.h"
 
 namespace rl_losses {
 
-// The op's per-token outputs, in schema order.
+// The op's per-token results (PolicyTokenResults names them).
 enum PolicyTokenOutput : int {
   kPtLoss = 0,      // ℓ_t: the surrogate (times the rollout weight) + β·KL_t
   kPtGrad,          // ∂ℓ_t/∂lp_t
@@ -72,28 +72,29 @@ PolicyTokenPtrs<T> policy_token_ptrs(const PolicyTokenInputs& in) {
 
 using PolicyTokenKernel = void (*)(const PolicyTokenInputs&);
 
-std::vector<at::Tensor> policy_token_loss(const at::Tensor& log_probs, const std::optional<at::Tensor>& old_log_probs,
-                                          const at::Tensor& advantages, double epsilon_low, double epsilon_high,
-                                          std::optional<double> delta, const std::optional<at::Tensor>& ref_log_probs,
-                                          double beta, c10::string_view loss_type, double sapo_temperature_pos,
-                                          double sapo_temperature_neg,
-                                          const std::optional<at::Tensor>& rollout_log_probs,
-                                          std::optional<c10::string_view> rollout_correction, double rollout_cap,
-                                          std::optional<c10::ArrayRef<double>> rollout_mask_bounds,
-                                          c10::string_view kl_estimator, bool kl_importance_weighted,
-                                          PolicyTokenKernel kernel);
+// policy_token_loss' arguments (op_args.h).
+#define RL_LOSSES_POLICY_TOKEN_ARGS(X) \
+  RL_LOSSES_POLICY_TOKEN_INPUT(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_KL_WEIGHT(X)
+RL_LOSSES_ARG_GROUP(PolicyTokenOwnArgs, RL_LOSSES_POLICY_TOKEN_ARGS)
+struct PolicyTokenArgs : PolicyTokenOwnArgs {
+  ClipArgs clip;
+  PolicyArgs policy;
+  void read(schema::Args& args) {
+    PolicyTokenOwnArgs::read(args);
+    clip.read(args);
+    policy.read(args);
+  }
+};
+RL_LOSSES_RESULT_GROUP(PolicyTokenResults, RL_LOSSES_POLICY_TOKEN_RESULTS)
 
-// The schema's argument order (tensors first), over one device's kernel: the CPU and CUDA registrations.
+PolicyTokenResults policy_token_loss(const PolicyTokenArgs& a, PolicyTokenKernel kernel);
+
+// The op's kernel over one device's elementwise kernel (the CPU and CUDA registrations).
 template <PolicyTokenKernel kKernel>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_op(
-    const at::Tensor& log_probs, const std::optional<at::Tensor>& old_log_probs, const at::Tensor& advantages,
-    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& rollout, double epsilon_low,
-    double epsilon_high, std::optional<double> delta, double beta, c10::string_view loss_type, double tau_pos,
-    double tau_neg, std::optional<c10::string_view> mode, double cap, std::optional<c10::ArrayRef<double>> bounds,
-    c10::string_view kl_estimator, bool kl_importance_weighted) {
-  return tensors_as_tuple<kPolicyTokenOutputs>(policy_token_loss(
-      log_probs, old_log_probs, advantages, epsilon_low, epsilon_high, delta, ref, beta, loss_type, tau_pos, tau_neg,
-      rollout, mode, cap, bounds, kl_estimator, kl_importance_weighted, kKernel));
+void policy_token_op(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  schema::Args args(op, stack);
+  policy_token_loss(args.read<PolicyTokenArgs>(), kKernel).write(args);
+  args.push_results();
 }
 
 }  // namespace rl_losses

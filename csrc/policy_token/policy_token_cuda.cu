@@ -1,8 +1,9 @@
 // policy_token_loss on CUDA: one thread per token (elementwise; the math is policy_token_at, shared with the CPU).
+// Registered in cuda_registration.cpp.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
-#include <torch/library.h>
 
+#include "common/cuda_backends.h"
 #include "policy_token/policy_token.h"
 
 namespace rl_losses {
@@ -14,6 +15,8 @@ __global__ void policy_token_kernel(PolicyOptions<T> o, PolicyTokenPtrs<T> p, in
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) policy_token_at(o, p, i);
 }
 
+}  // namespace
+
 void policy_token_cuda(const PolicyTokenInputs& in) {
   const int64_t n = in.log_probs.numel();
   constexpr int kThreads = 256;
@@ -24,9 +27,5 @@ void policy_token_cuda(const PolicyTokenInputs& in) {
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) { m.impl("policy_token_loss", &policy_token_op<&policy_token_cuda>); }
 
 }  // namespace rl_losses

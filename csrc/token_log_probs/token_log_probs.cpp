@@ -4,10 +4,11 @@
 
 namespace rl_losses {
 
-std::vector<at::Tensor> token_log_probs_forward(RowSource& src, const at::Tensor& target, double logits_scale_factor,
-                                                bool compute_entropy, const std::optional<at::Tensor>& row_stats,
-                                                const TokenLogProbsBackend& backend) {
+TokenLogProbsForward token_log_probs_forward(RowSource& src, const at::Tensor& target, const TokenLogProbsArgs& a,
+                                             const OptTensor& row_stats, const TokenLogProbsBackend& backend) {
   const char* op = src.op();
+  const double logits_scale_factor = a.logits_scale_factor;
+  const bool compute_entropy = a.compute_entropy;
   const FlatLogits& f = src.flat();
   check_scale(op, logits_scale_factor);
   check_row_stats(op, row_stats, f);
@@ -23,20 +24,22 @@ std::vector<at::Tensor> token_log_probs_forward(RowSource& src, const at::Tensor
           row_stats ? at::empty({0}, opts) : rows.stats_out};
 }
 
-void token_log_probs_backward(RowSource& src, const at::Tensor& target, const at::Tensor& row_stats,
-                              const std::optional<at::Tensor>& grad_log_probs,
-                              const std::optional<at::Tensor>& grad_entropy, double logits_scale_factor,
-                              const TokenLogProbsBackend& backend) {
+void token_log_probs_backward(RowSource& src, const at::Tensor& target, const TokenLogProbsUpstream& upstream,
+                              double logits_scale_factor, const TokenLogProbsBackend& backend) {
   const char* op = src.op();
   const FlatLogits& f = src.flat();
   check_scale(op, logits_scale_factor);
-  check_row_stats(op, row_stats, f);
+  check_row_stats(op, upstream.stats, f);
   const auto acc = src.acc_options().dtype().toScalarType();
   TokenLogProbsGrads grads;
-  if (grad_log_probs) grads.grad_log_probs = check_per_token(op, "grad_log_probs", *grad_log_probs, target, acc);
-  if (grad_entropy) grads.grad_entropy = check_per_token(op, "grad_entropy", *grad_entropy, target, acc);
+  if (upstream.grad_log_probs) {
+    grads.grad_log_probs = check_per_token(op, "grad_log_probs", *upstream.grad_log_probs, target, acc);
+  }
+  if (upstream.grad_entropy) {
+    grads.grad_entropy = check_per_token(op, "grad_entropy", *upstream.grad_entropy, target, acc);
+  }
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
-  args.stats_in = row_stats;
+  args.stats_in = upstream.stats;
   if (f.n_rows > 0) src.run(args, true, [&](RowPassArgs& a) { backend.backward(a, grads); });
 }
 

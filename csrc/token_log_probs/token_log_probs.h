@@ -19,6 +19,8 @@
 
 #include "common/row_pass.h"
 #include "common/row_source.h"
+#include "linear/linear_source.h"
+#include "op_args.h"
 
 namespace rl_losses {
 
@@ -100,35 +102,73 @@ struct TokenLogProbsBackendImpl {
   static constexpr TokenLogProbsBackend backend() { return {&forward, &backward}; }
 };
 
-// (log_probs, entropy, stats): log_probs and entropy shaped like the target (entropy empty unless
-// compute_entropy), stats (N, 5) for the backward (empty when row_stats were given: those are the backward's).
-std::vector<at::Tensor> token_log_probs_forward(RowSource& src, const at::Tensor& target, double logits_scale_factor,
-                                                bool compute_entropy, const std::optional<at::Tensor>& row_stats,
-                                                const TokenLogProbsBackend& backend);
+// token_log_probs' options and the results of its forward ops (op_args.h).
+#define RL_LOSSES_TOKEN_LOG_PROBS_ARGS(X) RL_LOSSES_SCALE(X) RL_LOSSES_ENTROPY(X)
+RL_LOSSES_ARG_GROUP(TokenLogProbsArgs, RL_LOSSES_TOKEN_LOG_PROBS_ARGS)
+RL_LOSSES_ARG_GROUP(ScaleArg, RL_LOSSES_SCALE)  // the backward ops' one option
+RL_LOSSES_RESULT_GROUP(TokenLogProbsResults, RL_LOSSES_TOKEN_LOG_PROBS_RESULTS)
+#define RL_LOSSES_TOKEN_LOG_PROBS_FORWARD(X) RL_LOSSES_TOKEN_LOG_PROBS_RESULTS(X) RL_LOSSES_STATS_RESULT(X)
+RL_LOSSES_RESULT_GROUP(TokenLogProbsForward, RL_LOSSES_TOKEN_LOG_PROBS_FORWARD)
+RL_LOSSES_ARG_GROUP(TokenLogProbsUpstream, RL_LOSSES_TOKEN_LOG_PROBS_UPSTREAM)
+
+// log_probs and entropy shaped like the target (entropy empty unless compute_entropy), stats (N, 5) for the
+// backward (empty when row_stats were given: those are the backward's).
+TokenLogProbsForward token_log_probs_forward(RowSource& src, const at::Tensor& target, const TokenLogProbsArgs& a,
+                                             const OptTensor& row_stats, const TokenLogProbsBackend& backend);
 
 // Runs the gradient pass over the source (the gradient is the source's: src.grads()).
-void token_log_probs_backward(RowSource& src, const at::Tensor& target, const at::Tensor& row_stats,
-                              const std::optional<at::Tensor>& grad_log_probs,
-                              const std::optional<at::Tensor>& grad_entropy, double logits_scale_factor,
-                              const TokenLogProbsBackend& backend);
+void token_log_probs_backward(RowSource& src, const at::Tensor& target, const TokenLogProbsUpstream& upstream,
+                              double logits_scale_factor, const TokenLogProbsBackend& backend);
 
-using TokenLogProbsT3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-
-// The registered ops of one back-end, from logits (the fused-linear ones: linear_token_log_probs.h).
+// The registered kernels of one back-end (boxed, arguments by name: common/schema.h), from logits and from the
+// fused lm_head's hidden states (logits = hidden @ weight.T (+ bias) a chunk at a time; the backward, which
+// needs the upstream gradients, computes each chunk's logits again).
 template <const TokenLogProbsBackend& (*kBackend)()>
-struct TokenLogProbsOps {
-  using Opt = std::optional<at::Tensor>;
-  static TokenLogProbsT3 forward(const at::Tensor& logits, const at::Tensor& target, double s, bool entropy,
-                                 const Opt& stats, int64_t vs, int64_t vn) {
-    LogitsSource src("token_log_probs", logits, target, vs, vn, false, false);
-    auto o = token_log_probs_forward(src, target, s, entropy, stats, kBackend());
-    return {o[0], o[1], o[2]};
+struct TokenLogProbsKernels {
+  static void forward(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    schema::Args args(op, stack);
+    const auto in = args.read<LogitsInput>();
+    const auto shard = args.read<VocabShard>();
+    LogitsSource src("token_log_probs", in.logits, in.target, shard.vocab_start, shard.vocab_size, false, false);
+    token_log_probs_forward(src, in.target, args.read<TokenLogProbsArgs>(), args.read<RowStatsArg>().row_stats,
+                            kBackend())
+        .write(args);
+    args.push_results();
   }
-  static at::Tensor backward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& stats,
-                             const Opt& grad_lp, const Opt& grad_h, double s, int64_t vs, int64_t vn) {
-    LogitsSource src("token_log_probs", logits, target, vs, vn, true, false);
-    token_log_probs_backward(src, target, stats, grad_lp, grad_h, s, kBackend());
-    return src.grads()[0];
+  static void backward(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    schema::Args args(op, stack);
+    const auto in = args.read<LogitsInput>();
+    const auto shard = args.read<VocabShard>();
+    LogitsSource src("token_log_probs", in.logits, in.target, shard.vocab_start, shard.vocab_size, true, false);
+    token_log_probs_backward(src, in.target, args.read<TokenLogProbsUpstream>(),
+                             args.read<ScaleArg>().logits_scale_factor, kBackend());
+    GradResult{src.grads()[0]}.write(args);
+    args.push_results();
+  }
+  template <WeightGradFn kWeightGrad>
+  static void linear_forward(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    schema::Args args(op, stack);
+    const auto in = args.read<LinearInput>();
+    const auto linear = args.read<LinearOptions>();
+    LinearSource src("linear_token_log_probs", in.hidden, in.weight, linear.bias, in.target, linear.chunk_size,
+                     {false, false, false}, kWeightGrad);
+    token_log_probs_forward(src, in.target, args.read<TokenLogProbsArgs>(), std::nullopt, kBackend()).write(args);
+    args.push_results();
+  }
+  template <WeightGradFn kWeightGrad>
+  static void linear_backward(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    schema::Args args(op, stack);
+    const auto in = args.read<LinearInput>();
+    const auto linear = args.read<LinearOptions>();
+    LinearSource src("linear_token_log_probs", in.hidden, in.weight, linear.bias, in.target, linear.chunk_size,
+                     args.read<OutputMaskArg>().output_mask, kWeightGrad);
+    if (src.wants_grad()) {
+      token_log_probs_backward(src, in.target, args.read<TokenLogProbsUpstream>(),
+                               args.read<ScaleArg>().logits_scale_factor, kBackend());
+    }
+    const auto g = src.grads();
+    LinearGradResults{g[0], g[1], g[2]}.write(args);
+    args.push_results();
   }
 };
 

@@ -6,25 +6,23 @@
 // holds anyway) and the backward is a registered op, `_token_log_probs_backward` /
 // `_linear_token_log_probs_backward`, one gradient pass (the linear form recomputes each chunk's logits).
 // Both outputs are differentiable (the entropy only when computed); either may receive no gradient.
+// The kernels are boxed: the public op's arguments go on to its `_forward` op as they are (the same list,
+// registration.cpp), and the backward op's are set by name.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include <array>
-#include <optional>
-#include <tuple>
+#include <vector>
 
 #include "common/autograd.h"
+#include "token_log_probs/token_log_probs.h"
 
 namespace rl_losses {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using Opt = std::optional<at::Tensor>;
-using T2 = std::tuple<at::Tensor, at::Tensor>;
-using T3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
-Opt defined_or_none(const at::Tensor& t) { return t.defined() ? Opt(t) : std::nullopt; }
+c10::IValue defined_or_none(const at::Tensor& t) { return t.defined() ? c10::IValue(t) : c10::IValue(); }
 
 // A second differentiation of the backward pass would need the gradient of a row pass w.r.t. its
 // coefficients; refuse it rather than return a silently wrong (zero) second derivative.
@@ -34,130 +32,130 @@ void check_no_double_backward(const char* op) {
               "use rl_losses.reference.token_log_probs for higher derivatives");
 }
 
-const auto& forward_op() {
-  static const auto op = find_op("rl_losses::_token_log_probs_forward")
-                             .typed<T3(const at::Tensor&, const at::Tensor&, double, bool, const Opt&, int64_t,
-                                       int64_t)>();
-  return op;
+// The public op's arguments passed on to `_<op>_forward`: (log_probs, entropy, stats).
+schema::Call forward_call(const std::string& name, std::vector<c10::IValue> args) {
+  return std::move(schema::Call(find_op(("rl_losses::_" + name + "_forward").c_str()), std::move(args)).run());
 }
 
 class TokenLogProbsFunction : public torch::autograd::Function<TokenLogProbsFunction> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& target, double s,
-                               bool entropy, const Opt& row_stats, int64_t vocab_start, int64_t vocab_size) {
+  // `args`: the public op's arguments; `logits` among them, repeated for autograd.
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, std::vector<c10::IValue> args,
+                               const LogitsInput& in, const TokenLogProbsArgs& a, const VocabShard& shard,
+                               const OptTensor& row_stats) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [lp, h, stats] = forward_op().call(logits, target, s, entropy, row_stats, vocab_start, vocab_size);
-    ctx->save_for_backward({logits, target, row_stats ? *row_stats : stats});
-    ctx->saved_data["s"] = s;
-    ctx->saved_data["entropy"] = entropy;
-    ctx->saved_data["vocab_start"] = vocab_start;
-    ctx->saved_data["vocab_size"] = vocab_size;
+    const schema::Call fwd = forward_call("token_log_probs", std::move(args));
+    ctx->save_for_backward({logits, in.target, row_stats ? *row_stats : fwd.result("stats")});
+    ctx->saved_data["logits_scale_factor"] = a.logits_scale_factor;
+    ctx->saved_data["compute_entropy"] = a.compute_entropy;
+    ctx->saved_data["vocab_start"] = shard.vocab_start;
+    ctx->saved_data["vocab_size"] = shard.vocab_size;
     ctx->set_materialize_grads(false);
-    if (!entropy) ctx->mark_non_differentiable({h});
+    const at::Tensor lp = fwd.result("log_probs"), h = fwd.result("entropy");
+    if (!a.compute_entropy) ctx->mark_non_differentiable({h});
     return {lp, h};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    variable_list out(7);
-    const bool entropy = ctx->saved_data["entropy"].toBool();
+    variable_list out(6);
+    const bool entropy = ctx->saved_data["compute_entropy"].toBool();
     const at::Tensor g_lp = grad_outputs[0], g_h = entropy ? grad_outputs[1] : at::Tensor();
     if (!g_lp.defined() && !g_h.defined()) return out;
     check_no_double_backward("token_log_probs");
-    static const auto op = find_op("rl_losses::_token_log_probs_backward")
-                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Opt&,
-                                                 const Opt&, double, int64_t, int64_t)>();
+    static const auto op = find_op("rl_losses::_token_log_probs_backward");
     const auto saved = ctx->get_saved_variables();
-    out[0] = op.call(saved[0], saved[1], saved[2], defined_or_none(g_lp), defined_or_none(g_h),
-                     ctx->saved_data["s"].toDouble(), ctx->saved_data["vocab_start"].toInt(),
-                     ctx->saved_data["vocab_size"].toInt());
+    schema::Call call(op);
+    call.set("logits", saved[0]).set("target", saved[1]).set("stats", saved[2]);
+    call.set("grad_log_probs", defined_or_none(g_lp)).set("grad_entropy", defined_or_none(g_h));
+    for (const char* name : {"logits_scale_factor", "vocab_start", "vocab_size"}) call.set(name, ctx->saved_data[name]);
+    out[0] = call.run().result("grad");
     return out;
   }
 };
-
-T2 token_log_probs_autograd(const at::Tensor& logits, const at::Tensor& target, double s, bool entropy,
-                            const Opt& row_stats, int64_t vocab_start, int64_t vocab_size) {
-  auto out = TokenLogProbsFunction::apply(logits, target, s, entropy, row_stats, vocab_start, vocab_size);
-  return {out[0], out[1]};
-}
-
-T2 token_log_probs_no_grad(const at::Tensor& logits, const at::Tensor& target, double s, bool entropy,
-                           const Opt& row_stats, int64_t vocab_start, int64_t vocab_size) {
-  auto [lp, h, stats] = forward_op().call(logits, target, s, entropy, row_stats, vocab_start, vocab_size);
-  return {lp, h};
-}
-
-// ---- fused lm_head ------------------------------------------------------------------------------------
-const auto& linear_forward_op() {
-  static const auto op = find_op("rl_losses::_linear_token_log_probs_forward")
-                             .typed<T3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Opt&, double,
-                                       bool, std::optional<int64_t>)>();
-  return op;
-}
 
 class LinearTokenLogProbsFunction : public torch::autograd::Function<LinearTokenLogProbsFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
-                               const Opt& bias, const at::Tensor& target, double s, bool entropy,
-                               std::optional<int64_t> chunk_size) {
+                               const OptTensor& bias, std::vector<c10::IValue> args, const LinearInput& in,
+                               const LinearOptions& linear, const TokenLogProbsArgs& a) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [lp, h, stats] = linear_forward_op().call(hidden, weight, target, bias, s, entropy, chunk_size);
-    ctx->save_for_backward({hidden, weight, bias.value_or(at::Tensor()), target, stats});
-    ctx->saved_data["s"] = s;
-    ctx->saved_data["entropy"] = entropy;
-    ctx->saved_data["chunk_size"] = chunk_size ? c10::IValue(*chunk_size) : c10::IValue();
+    const schema::Call fwd = forward_call("linear_token_log_probs", std::move(args));
+    ctx->save_for_backward({hidden, weight, bias.value_or(at::Tensor()), in.target, fwd.result("stats")});
+    ctx->saved_data["logits_scale_factor"] = a.logits_scale_factor;
+    ctx->saved_data["compute_entropy"] = a.compute_entropy;
+    ctx->saved_data["chunk_size"] = linear.chunk_size ? c10::IValue(*linear.chunk_size) : c10::IValue();
     ctx->saved_data["has_bias"] = bias.has_value();
     ctx->set_materialize_grads(false);
-    if (!entropy) ctx->mark_non_differentiable({h});
+    const at::Tensor lp = fwd.result("log_probs"), h = fwd.result("entropy");
+    if (!a.compute_entropy) ctx->mark_non_differentiable({h});
     return {lp, h};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     variable_list out(7);
-    const bool entropy = ctx->saved_data["entropy"].toBool();
+    const bool entropy = ctx->saved_data["compute_entropy"].toBool();
     const at::Tensor g_lp = grad_outputs[0], g_h = entropy ? grad_outputs[1] : at::Tensor();
     if (!g_lp.defined() && !g_h.defined()) return out;
     check_no_double_backward("linear_token_log_probs");
-    static const auto op =
-        find_op("rl_losses::_linear_token_log_probs_backward")
-            .typed<T3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Opt&, const at::Tensor&,
-                      const Opt&, const Opt&, double, std::optional<int64_t>, std::array<bool, 3>)>();
+    static const auto op = find_op("rl_losses::_linear_token_log_probs_backward");
     const auto saved = ctx->get_saved_variables();
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    const auto chunk = ctx->saved_data["chunk_size"];
-    const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                   has_bias && ctx->needs_input_grad(2)};
-    auto [gh, gw, gb] = op.call(saved[0], saved[1], saved[3], has_bias ? Opt(saved[2]) : std::nullopt, saved[4],
-                                defined_or_none(g_lp), defined_or_none(g_h), ctx->saved_data["s"].toDouble(),
-                                chunk.isNone() ? std::nullopt : std::optional<int64_t>(chunk.toInt()), mask);
-    if (mask[0]) out[0] = gh;
-    if (mask[1]) out[1] = gw;
-    if (mask[2]) out[2] = gb;
+    const c10::List<bool> mask({ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                has_bias && ctx->needs_input_grad(2)});
+    schema::Call call(op);
+    call.set("hidden", saved[0]).set("weight", saved[1]).set("bias", has_bias ? c10::IValue(saved[2]) : c10::IValue());
+    call.set("target", saved[3]).set("stats", saved[4]).set("output_mask", mask);
+    call.set("grad_log_probs", defined_or_none(g_lp)).set("grad_entropy", defined_or_none(g_h));
+    for (const char* name : {"logits_scale_factor", "chunk_size"}) call.set(name, ctx->saved_data[name]);
+    call.run();
+    const char* names[3] = {"grad_hidden", "grad_weight", "grad_bias"};
+    for (int i = 0; i < 3; ++i) {
+      if (mask.get(i)) out[i] = call.result(names[i]);
+    }
     return out;
   }
 };
 
-T2 linear_token_log_probs_autograd(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
-                                   const Opt& bias, double s, bool entropy, std::optional<int64_t> chunk_size) {
-  auto out = LinearTokenLogProbsFunction::apply(hidden, weight, bias, target, s, entropy, chunk_size);
-  return {out[0], out[1]};
+void token_log_probs_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  schema::Args args(op, stack);
+  const auto in = args.read<LogitsInput>();
+  const auto a = args.read<TokenLogProbsArgs>();
+  const auto shard = args.read<VocabShard>();
+  const auto row_stats = args.read<RowStatsArg>().row_stats;
+  const auto out = TokenLogProbsFunction::apply(in.logits, args.arguments(), in, a, shard, row_stats);
+  TokenLogProbsResults{out[0], out[1]}.write(args);
+  args.push_results();
 }
 
-T2 linear_token_log_probs_no_grad(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
-                                  const Opt& bias, double s, bool entropy, std::optional<int64_t> chunk_size) {
-  auto [lp, h, stats] = linear_forward_op().call(hidden, weight, target, bias, s, entropy, chunk_size);
-  return {lp, h};
+void linear_token_log_probs_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  schema::Args args(op, stack);
+  const auto in = args.read<LinearInput>();
+  const auto linear = args.read<LinearOptions>();
+  const auto a = args.read<TokenLogProbsArgs>();
+  const auto out = LinearTokenLogProbsFunction::apply(in.hidden, in.weight, linear.bias, args.arguments(), in, linear,
+                                                      a);
+  TokenLogProbsResults{out[0], out[1]}.write(args);
+  args.push_results();
+}
+
+// Without autograd: the forward op alone.
+void no_grad_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  schema::Args args(op, stack);
+  const schema::Call fwd = forward_call(args.op_name(), args.arguments());
+  TokenLogProbsResults{fwd.result("log_probs"), fwd.result("entropy")}.write(args);
+  args.push_results();
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, Autograd, m) {
-  m.impl("token_log_probs", &token_log_probs_autograd);
-  m.impl("linear_token_log_probs", &linear_token_log_probs_autograd);
+  m.impl("token_log_probs", torch::CppFunction::makeFromBoxedFunction<&token_log_probs_autograd>());
+  m.impl("linear_token_log_probs", torch::CppFunction::makeFromBoxedFunction<&linear_token_log_probs_autograd>());
 }
 
 TORCH_LIBRARY_IMPL(rl_losses, CompositeExplicitAutograd, m) {
-  m.impl("token_log_probs", &token_log_probs_no_grad);
-  m.impl("linear_token_log_probs", &linear_token_log_probs_no_grad);
+  m.impl("token_log_probs", torch::CppFunction::makeFromBoxedFunction<&no_grad_kernel>());
+  m.impl("linear_token_log_probs", torch::CppFunction::makeFromBoxedFunction<&no_grad_kernel>());
 }
 
 }  // namespace rl_losses

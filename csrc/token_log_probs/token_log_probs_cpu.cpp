@@ -2,7 +2,7 @@
 #include <torch/library.h>
 
 #include "common/row_pass_cpu.h"
-#include "token_log_probs/linear_token_log_probs.h"
+#include "token_log_probs/token_log_probs.h"
 
 namespace rl_losses {
 namespace {
@@ -15,12 +15,14 @@ const TokenLogProbsBackend& token_log_probs_backend_cpu() {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
-  using Ops = TokenLogProbsOps<token_log_probs_backend_cpu>;
-  using Linear = LinearTokenLogProbsOps<token_log_probs_backend_cpu, accumulate_weight_grad_cpu>;
-  m.impl("_token_log_probs_forward", &Ops::forward);
-  m.impl("_token_log_probs_backward", &Ops::backward);
-  m.impl("_linear_token_log_probs_forward", &Linear::forward);
-  m.impl("_linear_token_log_probs_backward", &Linear::backward);
+  using K = TokenLogProbsKernels<token_log_probs_backend_cpu>;
+  using torch::CppFunction;
+  m.impl("_token_log_probs_forward", CppFunction::makeFromBoxedFunction<&K::forward>());
+  m.impl("_token_log_probs_backward", CppFunction::makeFromBoxedFunction<&K::backward>());
+  m.impl("_linear_token_log_probs_forward",
+         CppFunction::makeFromBoxedFunction<&K::linear_forward<accumulate_weight_grad_cpu>>());
+  m.impl("_linear_token_log_probs_backward",
+         CppFunction::makeFromBoxedFunction<&K::linear_backward<accumulate_weight_grad_cpu>>());
 }
 
 }  // namespace rl_losses

@@ -8,7 +8,7 @@ The ops live in ``torch.ops.rl_losses`` (C++/CUDA, loaded from ``rl_losses._C``)
 - per-token log-probs and entropies, differentiable through both (``token_log_probs``,
   ``linear_token_log_probs``), and drop-ins for trainers (``rl_losses.integrations``: TRL, verl);
 - distillation against a teacher's logits (``distillation_loss``, ``linear_distillation_loss``), DPO
-  (``dpo_loss``) and several losses in one pass over the logits (``fused_head_loss``, rl_losses.head);
+  (``dpo_loss``) and several losses in one pass over the logits (``fused_head_loss``, rl_losses.fused_head);
 - Fast-LLM-style configs (``rl_losses.config``, entry point ``LanguageModelLossConfig.from_dict``) that build
   the loss modules of ``rl_losses.losses``;
 - ``pack_documents`` / ``Document``: variable-length rollouts packed into the batch the losses take;
@@ -38,9 +38,9 @@ from rl_losses.functional import (
 )
 from rl_losses.distillation import DistillationOutput, distillation_loss, linear_distillation_loss
 from rl_losses.dpo import DpoOutput, dpo_loss
-from rl_losses.head import fused_head_loss
+from rl_losses.fused_head import fused_head_loss
 from rl_losses.policy_token import PolicyTokenOutput, policy_token_loss
-from rl_losses import aggregation, config, distributed, head, losses, packing, reference  # noqa: F401  (submodules)
+from rl_losses import aggregation, config, distributed, fused_head, losses, packing, reference  # noqa: F401  (submodules)
 from rl_losses.config import LanguageModelLossConfig
 from rl_losses.packing import Document, pack_documents
 
@@ -66,7 +66,7 @@ __all__ = [
     "fused_head_loss",
     "policy_token_loss",
     "PolicyTokenOutput",
-    "head",
+    "fused_head",
     "cuda_kernels_available",
     # configs and loss modules
     "LanguageModelLossConfig",

@@ -1,17 +1,20 @@
-"""The argument checks of the C++ ops (csrc/common/checks.cpp and each op's forward), for the fake kernels.
+"""The argument checks of the C++ ops (csrc/common/checks.cpp, the row sources and each op's forward), for the fake
+(meta) kernels of ``_fake.py``: the same conditions in the same order, with the same messages.
 
-The fake (meta) kernels in ``_fake.py`` run these before they describe their outputs, so that meta tensors and
-torch.compile's fake tensors are refused exactly where the real kernels refuse them, with the same message:
-dtypes, shapes, devices and options, in the C++ order. Checks that need the data (label ids against the
-vocabulary, max(document_index) + 1) stay with the real kernels. They are Python because a fake kernel sees
-symbolic shapes and must create the data-dependent size of GSPO's per-document outputs, which C++ meta kernels
-cannot; tests/test_safety.py feeds the same bad inputs to both and compares the messages.
+Each op's check reads the call's arguments by name (``a``: rl_losses._schema.bind). Checks that need the data (label
+ids against the vocabulary, max(document_index) + 1, DPO's pairing) stay with the real kernels. They are Python
+because a fake kernel sees symbolic shapes and must create the data-dependent size of GSPO's per-document results,
+which a C++ meta kernel cannot (docs/design.md); tests/test_fake_checks.py runs a bad input for every TORCH_CHECK
+message of csrc/ on the real op, on meta tensors and under FakeTensorMode, and compares the messages.
+The distillation, DPO and fused-head checks are in ``_checks_heads.py``.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+from rl_losses._schema import GSPO_BASIC_SUMS, GSPO_SUMS, ROW_STATS
 
 # c10's names of the dtypes, as its messages print them.
 _DTYPE_NAMES = {
@@ -22,6 +25,13 @@ _DTYPE_NAMES = {
 
 # csrc/common/checks.h: kMaxDocuments.
 MAX_DOCUMENTS = 1 << 31
+# The values the C++ checks accept (common/policy.cpp, common/checks.cpp).
+POLICY_LOSS_TYPES = ("ppo_clip", "cispo", "sapo", "vespo")
+TOKEN_LOSS_TYPES = ("ppo_clip", "cispo", "sapo")  # policy_token_loss's: the elementwise ones
+ROLLOUT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+GSPO_WEIGHTINGS = ("document", "token")
+REDUCTIONS = ("mean", "sum", "none")
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -50,7 +60,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# ---- checks.cpp ------------------------------------------------------------------------------------------------
+# ---- common/checks.cpp ------------------------------------------------------------------------------------------
 def check_target(op, target, inp, input_name):
     _check(_integral(target.dtype), op, "target must be an integer tensor of label ids (int32 or int64), got ",
            _dt(target.dtype))
@@ -63,7 +73,7 @@ def check_target(op, target, inp, input_name):
 
 
 def check_and_flatten(op, logits, target, vocab_start, vocab_size):
-    """check_and_flatten: returns the (N, V) row view of the logits, or None where their batch dims need a copy."""
+    """Returns the (N, V) row view of the logits, or None where their batch dims need a copy."""
     _check(logits.dtype.is_floating_point, op,
            "logits must be a floating-point tensor (float32, float64, bfloat16 or float16), got ", _dt(logits.dtype))
     _check(logits.dim() >= 1, op, "logits must have at least 1 dimension (…, vocab), got a 0-dim tensor")
@@ -79,19 +89,8 @@ def check_and_flatten(op, logits, target, vocab_start, vocab_size):
            "vocabulary shard (", vocab_start, " + ", v, ")")
     try:
         return logits.view(target.numel(), v)
-    except RuntimeError:
+    except (RuntimeError, ValueError):  # ValueError: fake tensors' view
         return None
-
-
-def check_inplace(op, logits, rows):
-    """LogitsSource with inplace_backward: `rows` is check_and_flatten's view."""
-    _check(rows is not None, op, "inplace_backward needs logits whose batch dimensions flatten to one row ",
-           "stride (got shape ", _shape(logits.shape), ", strides ", _shape(logits.stride()), ")")
-    n, v = rows.shape
-    stride = rows.stride(0)
-    _check(n <= 1 or v == 0 or stride >= v, op, "inplace_backward needs logits whose rows do not overlap in memory, ",
-           "got shape ", _shape(logits.shape), " with strides ", _shape(logits.stride()), " (rows ", stride,
-           " elements apart, ", v, " long); pass a tensor that owns its rows, e.g. logits.contiguous()")
 
 
 def check_per_token(op, name, t, target):
@@ -130,6 +129,22 @@ def check_epsilons(op, epsilon_low, epsilon_high):
            _num(epsilon_high))
 
 
+def check_delta(op, delta, epsilon_high):
+    _check(delta is None or math.isfinite(delta), op, "delta must be finite (leave it unset for no cap), got ",
+           _num(delta if delta is not None else 0.0))
+    _check(delta is None or delta > 1 + epsilon_high, op, "delta must exceed 1 + epsilon_high = ",
+           _num(1 + epsilon_high), ", got ", _num(delta if delta is not None else 0.0))
+
+
+def check_beta(op, beta, ref_log_probs):
+    _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
+    _check(beta == 0 or ref_log_probs is not None, op, "beta = ", _num(beta), " > 0 needs ref_log_probs")
+
+
+def check_weighting(op, weighting):
+    _check(weighting in GSPO_WEIGHTINGS, op, "weighting must be 'document' or 'token', got '", weighting, "'")
+
+
 def check_num_documents(op, n):
     _check(0 <= n <= MAX_DOCUMENTS, op, "num_documents must be in [0, ", MAX_DOCUMENTS, "], got ", n)
 
@@ -138,196 +153,33 @@ def check_row_stats(op, row_stats, logits, n_rows):
     if row_stats is None:
         return
     s = row_stats
-    _check(s.dim() == 2 and s.shape[0] == n_rows and s.shape[1] == 5, op, "row_stats must have shape (", n_rows,
-           ", 5), got ", _shape(s.shape))
+    n = len(ROW_STATS)
+    _check(s.dim() == 2 and s.shape[0] == n_rows and s.shape[1] == n, op, "row_stats must have shape (", n_rows,
+           ", ", n, "), got ", _shape(s.shape))
     _check(s.dtype == acc_dtype(logits.dtype), op, "row_stats must be float32 (float64 for float64 logits), got ",
            _dt(s.dtype))
     _check(s.device == logits.device, op, "row_stats is on ", s.device, " but logits is on ", logits.device)
     _check(s.is_contiguous(), op, "row_stats must be contiguous")
 
 
-# ---- the ops' own option checks (cross_entropy.cpp, grpo.cpp, gspo.cpp) -------------------------------------------
-def cross_entropy_options(op, logits, n_rows, s, eps, z, lw, reduction, divisor, row_stats):
-    check_scale(op, s)
-    _check(math.isfinite(eps) and 0 <= eps < 1, op, "label_smoothing must be in [0, 1), got ", _num(eps))
-    _check(math.isfinite(z) and z >= 0, op, "z_loss_factor must be >= 0, got ", _num(z))
-    _check(math.isfinite(lw) and lw >= 0, op, "label_weight must be finite and >= 0, got ", _num(lw))
-    _check(reduction in ("mean", "sum", "none"), op, "reduction must be 'mean', 'sum' or 'none', got '", reduction,
-           "'")
-    check_divisor(op, divisor)
-    check_row_stats(op, row_stats, logits, n_rows)
-    _check(reduction != "none" or divisor is None, op, "divisor has no meaning with reduction='none'")
-
-
-POLICY_DEFAULTS = dict(loss_type="ppo_clip", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, rollout_log_probs=None,
-                       rollout_correction=None, rollout_cap=3.0, rollout_mask_bounds=None, kl_estimator="k3",
-                       kl_importance_weighted=False, entropy_coefficient=0.0, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
-                       vespo_k_neg=3.0, vespo_lambda_neg=2.0)
-POLICY_LOSS_TYPES = ("ppo_clip", "cispo", "sapo", "vespo")
-_ROLLOUT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-def policy_options(op, target, epsilon_high, delta, loss_type, sapo_temperature_pos, sapo_temperature_neg,
-                   rollout_log_probs, rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
-                   kl_importance_weighted, entropy_coefficient, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
-                   vespo_k_neg=3.0, vespo_lambda_neg=2.0):
-    # csrc/common/policy.cpp: make_policy_options, in the same order with the same messages.
-    _check(loss_type in POLICY_LOSS_TYPES, op, "loss_type must be 'ppo_clip', 'cispo', 'sapo' or 'vespo', got '",
-           loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are ppo_clip with an aggregation preset: "
-           "rl_losses.aggregation.TRL_LOSS_TYPES)")
-    _check(loss_type == "ppo_clip" or delta is None, op, "delta (the two-sided clip) applies to loss_type "
-           "'ppo_clip' only, got loss_type '", loss_type, "' with delta = ", _num(delta if delta is not None else 0.0))
-    _check(loss_type != "cispo" or epsilon_high > 0, op, "loss_type 'cispo' caps the ratio at epsilon_high, which "
-           "must be > 0, got ", _num(epsilon_high))
-    for name, tau in (("sapo_temperature_pos", sapo_temperature_pos), ("sapo_temperature_neg", sapo_temperature_neg)):
-        _check(math.isfinite(tau) and tau > 0, op, name, " must be a finite value > 0, got ", _num(tau))
-    for name, k in (("vespo_k_pos", vespo_k_pos), ("vespo_k_neg", vespo_k_neg)):
-        _check(math.isfinite(k), op, name, " must be finite, got ", _num(k))
-    for name, lam in (("vespo_lambda_pos", vespo_lambda_pos), ("vespo_lambda_neg", vespo_lambda_neg)):
-        _check(math.isfinite(lam) and lam >= 0, op, name, " must be a finite value >= 0 (TRL raises it to 1e-4), got ",
-               _num(lam))
-    _check(kl_estimator in ("k1", "k2", "k3"), op, "kl_estimator must be 'k1', 'k2' or 'k3', got '", kl_estimator, "'")
-    has_rollout = rollout_log_probs is not None
-    if rollout_correction is not None:
-        m = rollout_correction
-        _check(m in _ROLLOUT_MODES, op, "rollout_correction must be None, 'token_truncate', 'token_mask', "
-               "'sequence_truncate' or 'sequence_mask', got '", m, "'")
-        _check(has_rollout, op, "rollout_correction = '", m, "' needs rollout_log_probs")
-        if "truncate" in m or rollout_mask_bounds is None:
-            _check(math.isfinite(rollout_cap) and rollout_cap > 0, op, "rollout_cap must be a finite value > 0, got ",
-                   _num(rollout_cap))
-        if "truncate" in m:
-            _check(rollout_mask_bounds is None, op, "rollout_mask_bounds apply to the '*_mask' modes, got "
-                   "rollout_correction = '", m, "'")
-        elif rollout_mask_bounds is not None:
-            b = list(rollout_mask_bounds)
-            _check(len(b) == 2, op, "rollout_mask_bounds must be (lo, hi), got ", len(b), " values")
-            _check(not math.isnan(b[0]) and not math.isnan(b[1]) and b[0] < b[1], op,
-                   "rollout_mask_bounds must satisfy lo < hi, got (", _num(b[0]), ", ", _num(b[1]), ")")
-    else:
-        _check(not has_rollout, op, "rollout_log_probs given without rollout_correction (one of 'token_truncate', "
-               "'token_mask', 'sequence_truncate', 'sequence_mask')")
-        _check(rollout_mask_bounds is None, op, "rollout_mask_bounds given without a '*_mask' rollout_correction")
-    _check(math.isfinite(entropy_coefficient), op, "entropy_coefficient must be finite, got ", _num(entropy_coefficient))
-    if has_rollout:
-        check_per_token(op, "rollout_log_probs", rollout_log_probs, target)
-
-
-def per_sequence(t, target):
-    """A (B,) per-sequence tensor for (B, T) labels, seen per token (csrc/common/policy.cpp: broadcast_per_sequence)."""
-    if 1 <= t.dim() < target.dim() and list(t.shape) == list(target.shape[:t.dim()]):
-        return t.reshape(list(t.shape) + [1] * (target.dim() - t.dim())).expand(target.shape)
-    return t
-
-
-def check_delta(op, epsilon_high, delta):
-    """The two-sided clip `delta` of ppo_clip (common/checks.cpp: check_delta)."""
-    _check(delta is None or math.isfinite(delta), op, "delta must be finite (leave it unset for no cap), got ",
-           _num(delta if delta is not None else 0.0))
-    _check(delta is None or delta > 1 + epsilon_high, op, "delta must exceed 1 + epsilon_high = ",
-           _num(1 + epsilon_high), ", got ", _num(delta if delta is not None else 0.0))
-
-
-def check_beta(op, beta, ref_log_probs):
-    """The KL weight beta: finite, >= 0, and with ref_log_probs wherever it is > 0."""
-    _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
-    _check(beta == 0 or ref_log_probs is not None, op, "beta = ", _num(beta), " > 0 needs ref_log_probs")
-
-
-def _check_delta_beta(op, epsilon_high, delta, beta, ref_log_probs):
-    """The two-sided clip `delta` and the KL weight `beta` (grpo and policy_token_loss check them alike)."""
-    check_delta(op, epsilon_high, delta)
-    check_beta(op, beta, ref_log_probs)
-
-
-def sequence_count(op, document_index, num_documents):
-    # grpo's num_documents (the sequence-level options' count of document ids); the ids' range is the data's.
-    _check(num_documents is None or document_index is not None, op, "num_documents = ", num_documents,
-           " counts the ids of document_index, which is not given")
-    if num_documents is not None:
-        check_num_documents(op, num_documents)
-
-
-def grpo_options(op, logits, target, n_rows, advantages, old_log_probs, ref_log_probs, loss_weights, label_counts,
-                 epsilon_low, epsilon_high, delta, beta, divisor, s, row_stats):
-    check_scale(op, s)
-    check_epsilons(op, epsilon_low, epsilon_high)
-    _check_delta_beta(op, epsilon_high, delta, beta, ref_log_probs)
-    check_divisor(op, divisor)
-    check_row_stats(op, row_stats, logits, n_rows)
-    check_per_token(op, "advantages", per_sequence(advantages, target), target)
-    if old_log_probs is not None:  # None: on-policy
-        check_per_token(op, "old_log_probs", old_log_probs, target)
-    if beta != 0:
-        check_per_token(op, "ref_log_probs", ref_log_probs, target)
-    if loss_weights is not None:
-        check_per_token(op, "loss_weights", loss_weights, target)
-    if label_counts is not None:
-        check_label_counts(op, label_counts, target)
-
-
-def gspo_options(op, logits, target, n_rows, advantages, old_log_probs, document_index, num_documents, label_counts,
-                 epsilon_low, epsilon_high, delta, weighting, divisor, s, row_stats, document_sums):
-    check_scale(op, s)
-    check_epsilons(op, epsilon_low, epsilon_high)
-    check_delta(op, epsilon_high, delta)
-    check_divisor(op, divisor)
-    check_row_stats(op, row_stats, logits, n_rows)
-    _check(weighting in ("document", "token"), op, "weighting must be 'document' or 'token', got '", weighting, "'")
-    if not (advantages.dim() == 1 and target.dim() == 1 and advantages.shape != target.shape):  # else per document
-        check_per_token(op, "advantages", per_sequence(advantages, target), target)
-    if old_log_probs is not None:  # None: on-policy
-        check_per_token(op, "old_log_probs", old_log_probs, target)
-    check_per_token_int(op, "document_index", document_index, target)
-    if label_counts is not None:
-        check_label_counts(op, label_counts, target)
-    if num_documents is not None:
-        n_docs = num_documents
-    elif document_sums is not None:
-        n_docs = document_sums.shape[0]
-    else:
-        return  # max(document_index) + 1: the data's, checked by the real kernel
-    check_num_documents(op, n_docs)
-
-
-# gspo/gspo.h: kGspoSums, kGspoBasicSums.
-GSPO_SUMS, GSPO_BASIC_SUMS = 6, 3
-
-
-def gspo_document_sums_shape(op, logits, document_sums, num_documents, basic):
-    # gspo.cpp: (S, 6), or (S, 3) where the policy family's columns are unused (`basic`).
-    if document_sums is None:
+# ---- the row sources: common/row_source.cpp (LogitsSource), linear/linear_source.cpp (LinearSource) --------------
+def logits_source(op, a, inplace=False):
+    """LogitsSource: the logits flattened to rows; with inplace_backward, rows that the gradient may overwrite."""
+    logits = a["logits"]
+    rows = check_and_flatten(op, logits, a["target"], a["vocab_start"], a["vocab_size"])
+    if not inplace:
         return
-    n_docs = num_documents if num_documents is not None else document_sums.shape[0]
-    acc = acc_dtype(logits.dtype)
-    d = document_sums
-    cols = d.shape[1] if d.dim() == 2 else -1
-    _check(d.dim() == 2 and d.shape[0] == n_docs and (cols == GSPO_SUMS or (basic and cols == GSPO_BASIC_SUMS))
-           and d.dtype == acc and d.device == logits.device, op, "document_sums must be (", n_docs, ", ", GSPO_SUMS,
-           ") ", _dt(acc), " on ", logits.device, " (or with its first 3 columns only)" if basic else "", ", got ",
-           _shape(d.shape), " ", _dt(d.dtype), " on ", d.device)
+    _check(rows is not None, op, "inplace_backward needs logits whose batch dimensions flatten to one row ",
+           "stride (got shape ", _shape(logits.shape), ", strides ", _shape(logits.stride()), ")")
+    n, v = rows.shape
+    stride = rows.stride(0)
+    _check(n <= 1 or v == 0 or stride >= v, op, "inplace_backward needs logits whose rows do not overlap in memory, ",
+           "got shape ", _shape(logits.shape), " with strides ", _shape(logits.stride()), " (rows ", stride,
+           " elements apart, ", v, " long); pass a tensor that owns its rows, e.g. logits.contiguous()")
 
 
-def gspo_document_sums(log_probs, target, advantages, old_log_probs, document_index, label_counts, num_documents,
-                       weighting="document", beta=0.0, policy=None):
-    op = "gspo_document_sums"
-    check_num_documents(op, num_documents)
-    _check(weighting in ("document", "token"), op, "weighting must be 'document' or 'token', got '", weighting, "'")
-    _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
-    values = {**POLICY_DEFAULTS, **(policy or {})}
-    policy_options(op, target, 0.2, None, *(values[k] for k in POLICY_DEFAULTS))
-    check_per_token(op, "log_probs", log_probs, target)
-    check_per_token_int(op, "target", target, target)
-    if not (advantages.dim() == 1 and target.dim() == 1 and advantages.shape != target.shape):  # else per document
-        check_per_token(op, "advantages", per_sequence(advantages, target), target)
-    if old_log_probs is not None:  # None: on-policy
-        check_per_token(op, "old_log_probs", old_log_probs, target)
-    check_per_token_int(op, "document_index", document_index, target)
-    check_label_counts(op, label_counts, target)
-
-
-# ---- linear/linear_source.cpp --------------------------------------------------------------------------------------
-def check_linear(op, hidden, weight, bias, target, chunk_size):
+def linear_source(op, a):
+    hidden, weight, bias = a["hidden"], a["weight"], a["bias"]
     _check(hidden.dtype.is_floating_point, op,
            "hidden must be a floating-point tensor (float32, float64, bfloat16 or float16), got ", _dt(hidden.dtype))
     _check(hidden.dim() >= 1, op, "hidden must have at least 1 dimension (..., hidden_size), got a 0-dim tensor")
@@ -342,30 +194,248 @@ def check_linear(op, hidden, weight, bias, target, chunk_size):
                ",), got ", _shape(bias.shape))
         _check(bias.dtype == hidden.dtype and bias.device == hidden.device, op, "bias must be ", _dt(hidden.dtype),
                " on ", hidden.device, ", got ", _dt(bias.dtype), " on ", bias.device)
-    check_target(op, target, hidden, "hidden")
+    check_target(op, a["target"], hidden, "hidden")
+    chunk_size = a["chunk_size"]
     _check(chunk_size is None or chunk_size >= 1, op, "chunk_size must be >= 1, got ",
            chunk_size if chunk_size is not None else 0)
 
 
-def policy_token_options(log_probs, old_log_probs, advantages, epsilon_low, epsilon_high, delta, ref_log_probs, beta,
-                         loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs, rollout_correction,
-                         rollout_cap, rollout_mask_bounds, kl_estimator, kl_importance_weighted):
-    # csrc/policy_token/policy_token.cpp: policy_token_loss, in the same order with the same messages.
+def linear_wants_grad(a) -> bool:
+    mask = a.get("output_mask") or (False, False, False)
+    return bool(mask[0] or mask[1] or (mask[2] and a["bias"] is not None))
+
+
+def source(op, a, inplace=False):
+    """The row source of a call: the fused lm_head's (hidden, weight) or the logits; returns the tensor whose dtype
+    and device the op's results take."""
+    if "hidden" in a:
+        linear_source(op, a)
+        return a["hidden"]
+    logits_source(op, a, inplace)
+    return a["logits"]
+
+
+# ---- cross_entropy/cross_entropy.{h,cpp} -------------------------------------------------------------------------
+def cross_entropy(op, a, x):
+    if "hidden" in a:
+        _check(a["reduction"] != "none" or not linear_wants_grad(a), op,
+               "reduction='none' cannot be differentiated (the weight gradient is summed over tokens in the ",
+               "forward); use 'sum' or 'mean', or call it without gradients")
+    check_scale(op, a["logits_scale_factor"])
+    eps, z, lw, reduction = a["label_smoothing"], a["z_loss_factor"], a["label_weight"], a["reduction"]
+    _check(math.isfinite(eps) and 0 <= eps < 1, op, "label_smoothing must be in [0, 1), got ", _num(eps))
+    _check(math.isfinite(z) and z >= 0, op, "z_loss_factor must be >= 0, got ", _num(z))
+    _check(math.isfinite(lw) and lw >= 0, op, "label_weight must be finite and >= 0, got ", _num(lw))
+    _check(reduction in REDUCTIONS, op, "reduction must be 'mean', 'sum' or 'none', got '", reduction, "'")
+    check_divisor(op, a["divisor"])
+    check_row_stats(op, a.get("row_stats"), x, a["target"].numel())
+    _check(reduction != "none" or a["divisor"] is None, op, "divisor has no meaning with reduction='none'")
+
+
+# ---- common/policy.{h,cpp} ---------------------------------------------------------------------------------------
+def per_sequence(t, target):
+    """A (B,) per-sequence tensor for (B, T) labels, seen per token (common/policy.cpp: broadcast_per_sequence)."""
+    if 1 <= t.dim() < target.dim() and list(t.shape) == list(target.shape[:t.dim()]):
+        return t.reshape(list(t.shape) + [1] * (target.dim() - t.dim())).expand(target.shape)
+    return t
+
+
+def sequence_level_rollout(a) -> bool:
+    mode = a["rollout_correction"]
+    return mode is not None and mode.startswith("sequence_")
+
+
+def check_clip(op, a):
+    check_epsilons(op, a["epsilon_low"], a["epsilon_high"])
+    check_delta(op, a["delta"], a["epsilon_high"])
+    check_beta(op, a["beta"], a["ref_log_probs"])
+
+
+def policy_options(op, a, *, fused: bool, clip: bool):
+    """make_policy_options: `fused` the fused ops' options (entropy bonus, VESPO) are arguments, `clip` the clipped
+    objective's."""
+    loss_type, delta = a["loss_type"], a["delta"] if clip else None
+    _check(loss_type in POLICY_LOSS_TYPES, op, "loss_type must be 'ppo_clip', 'cispo', 'sapo' or 'vespo', got '",
+           loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are ppo_clip with an aggregation preset: "
+           "rl_losses.aggregation.TRL_LOSS_TYPES)")
+    _check(loss_type == "ppo_clip" or delta is None, op, "delta (the two-sided clip) applies to loss_type "
+           "'ppo_clip' only, got loss_type '", loss_type, "' with delta = ", _num(delta if delta is not None else 0.0))
+    epsilon_high = a["epsilon_high"] if clip else 0.0
+    _check(loss_type != "cispo" or not clip or epsilon_high > 0, op, "loss_type 'cispo' caps the ratio at "
+           "epsilon_high, which must be > 0, got ", _num(epsilon_high))
+    for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        tau = a[name]
+        _check(math.isfinite(tau) and tau > 0, op, name, " must be a finite value > 0, got ", _num(tau))
+    if fused:
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            _check(math.isfinite(a[name]), op, name, " must be finite, got ", _num(a[name]))
+        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
+            lam = a[name]
+            _check(math.isfinite(lam) and lam >= 0, op, name, " must be a finite value >= 0 (TRL raises it to 1e-4), "
+                   "got ", _num(lam))
+    _check(a["kl_estimator"] in KL_ESTIMATORS, op, "kl_estimator must be 'k1', 'k2' or 'k3', got '", a["kl_estimator"],
+           "'")
+    has_rollout = a["rollout_log_probs"] is not None
+    mode, cap, bounds = a["rollout_correction"], a["rollout_cap"], a["rollout_mask_bounds"]
+    if mode is not None:
+        _check(mode in ROLLOUT_MODES, op, "rollout_correction must be None, 'token_truncate', 'token_mask', "
+               "'sequence_truncate' or 'sequence_mask', got '", mode, "'")
+        _check(has_rollout, op, "rollout_correction = '", mode, "' needs rollout_log_probs")
+        if "truncate" in mode:
+            _check(math.isfinite(cap) and cap > 0, op, "rollout_cap must be a finite value > 0, got ", _num(cap))
+            _check(bounds is None, op, "rollout_mask_bounds apply to the '*_mask' modes, got rollout_correction = '",
+                   mode, "'")
+        elif bounds is not None:
+            b = list(bounds)
+            _check(len(b) == 2, op, "rollout_mask_bounds must be (lo, hi), got ", len(b), " values")
+            _check(not math.isnan(b[0]) and not math.isnan(b[1]) and b[0] < b[1], op,
+                   "rollout_mask_bounds must satisfy lo < hi, got (", _num(b[0]), ", ", _num(b[1]), ")")
+        else:
+            _check(math.isfinite(cap) and cap > 0, op, "rollout_cap must be a finite value > 0, got ", _num(cap))
+    else:
+        _check(not has_rollout, op, "rollout_log_probs given without rollout_correction (one of 'token_truncate', "
+               "'token_mask', 'sequence_truncate', 'sequence_mask')")
+        _check(bounds is None, op, "rollout_mask_bounds given without a '*_mask' rollout_correction")
+    if fused:
+        c = a["entropy_coefficient"]
+        _check(math.isfinite(c), op, "entropy_coefficient must be finite, got ", _num(c))
+
+
+def sequence_ids(op, document_index, num_documents, target, why):
+    """sequence_ids: the sequences of GRPO's sequence-level options; their count's range where it is known."""
+    if document_index is not None:
+        d = document_index
+        _check(_integral(d.dtype) and list(d.shape) == list(target.shape) and d.device == target.device, op,
+               "document_index must be an integer tensor shaped like target ", _shape(target.shape), " on ",
+               target.device, ", got ", _dt(d.dtype), " ", _shape(d.shape), " on ", d.device)
+        if num_documents is not None:
+            check_num_documents(op, num_documents)
+        return
+    _check(target.dim() >= 2, op, why, " needs the sequences: pass document_index, or labels shaped (B, T), got "
+           "labels of shape ", _shape(target.shape))
+
+
+# ---- grpo/grpo.cpp ----------------------------------------------------------------------------------------------
+def grpo(op, a, x):
+    target = a["target"]
+    check_scale(op, a["logits_scale_factor"])
+    check_clip(op, a)
+    check_divisor(op, a["divisor"])
+    check_row_stats(op, a.get("row_stats"), x, target.numel())
+    policy_options(op, a, fused=True, clip=True)
+    sequence_rollout, vespo = sequence_level_rollout(a), a["loss_type"] == "vespo"
+    document_index, num_documents = a["document_index"], a["num_documents"]
+    _check(document_index is None or sequence_rollout or vespo, op, "document_index groups the tokens of a "
+           "sequence-level rollout_correction or of loss_type 'vespo'; got it with rollout_correction = '",
+           a["rollout_correction"] or "None", "' and loss_type '", a["loss_type"], "'")
+    _check(num_documents is None or document_index is not None, op, "num_documents = ", num_documents,
+           " counts the ids of document_index, which is not given")
+    check_per_token(op, "advantages", per_sequence(a["advantages"], target), target)
+    for name in ("old_log_probs", "ref_log_probs", "loss_weights", "rollout_log_probs"):
+        if a[name] is not None:
+            check_per_token(op, name, a[name], target)
+    if a["label_counts"] is not None:
+        check_label_counts(op, a["label_counts"], target)
+    if sequence_rollout or vespo:
+        why = "loss_type 'vespo'" if vespo else "a sequence-level rollout_correction"
+        sequence_ids(op, document_index, num_documents, target, why)
+
+
+# ---- gspo/gspo.cpp ----------------------------------------------------------------------------------------------
+def _policy_tensors(op, a, target):
+    # set_policy_inputs
+    for name in ("rollout_log_probs", "ref_log_probs"):
+        if a[name] is not None:
+            check_per_token(op, name, a[name], target)
+
+
+def gspo(op, a, x):
+    """gspo_forward; returns the number of documents where the arguments give it (None: the data's)."""
+    target = a["target"]
+    check_scale(op, a["logits_scale_factor"])
+    check_clip(op, a)
+    check_divisor(op, a["divisor"])
+    check_row_stats(op, a.get("row_stats"), x, target.numel())
+    check_weighting(op, a["weighting"])
+    policy_options(op, a, fused=True, clip=True)
+    document_index = a["document_index"]
+    check_per_token_int(op, "document_index", document_index, target)
+    if a["old_log_probs"] is not None:
+        check_per_token(op, "old_log_probs", a["old_log_probs"], target)
+    if a["label_counts"] is not None:
+        check_label_counts(op, a["label_counts"], target)
+    _policy_tensors(op, a, target)
+    sums = a.get("document_sums")
+    n_docs = a["num_documents"] if a["num_documents"] is not None else (sums.shape[0] if sums is not None else None)
+    if n_docs is not None:
+        check_num_documents(op, n_docs)
+    adv = per_sequence(a["advantages"], target)
+    per_document = (adv.dim() == 1 and list(adv.shape) != list(target.shape) and adv.device == document_index.device
+                    and (n_docs is None or adv.shape[0] == n_docs))
+    if not per_document:
+        check_per_token(op, "advantages", adv, target)
+    if sums is not None:
+        kl_share = (a["kl_importance_weighted"] and a["beta"] != 0 and a["ref_log_probs"] is not None
+                    and not a["token_advantages"])
+        basic = a["rollout_log_probs"] is None and a["loss_type"] != "vespo" and not kl_share
+        acc = acc_dtype(x.dtype)
+        cols = sums.shape[1] if sums.dim() == 2 else -1
+        n = len(GSPO_SUMS)
+        _check(sums.dim() == 2 and sums.shape[0] == n_docs and (cols == n or (basic and cols == GSPO_BASIC_SUMS))
+               and sums.dtype == acc and sums.device == x.device, op, "document_sums must be (", n_docs, ", ", n, ") ",
+               _dt(acc), " on ", x.device, " (or with its first 3 columns only)" if basic else "", ", got ",
+               _shape(sums.shape), " ", _dt(sums.dtype), " on ", sums.device)
+    return n_docs
+
+
+def document_sums(a):
+    op = "gspo_document_sums"
+    target = a["target"]
+    check_num_documents(op, a["num_documents"])
+    check_weighting(op, a["weighting"])
+    beta = a["beta"]
+    _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
+    policy_options(op, a, fused=False, clip=False)
+    check_per_token(op, "log_probs", a["log_probs"], target)
+    check_per_token_int(op, "target", target, target)
+    check_per_token(op, "advantages", a["advantages"], target)
+    if a["old_log_probs"] is not None:
+        check_per_token(op, "old_log_probs", a["old_log_probs"], target)
+    check_per_token_int(op, "document_index", a["document_index"], target)
+    check_label_counts(op, a["label_counts"], target)
+    _policy_tensors(op, a, target)
+
+
+# ---- policy_token/policy_token.cpp -------------------------------------------------------------------------------
+def policy_token(a):
     op = "policy_token_loss"
+    log_probs = a["log_probs"]
     _check(log_probs.dtype.is_floating_point, op, "log_probs must be a floating-point tensor, got ",
            _dt(log_probs.dtype))
-    check_epsilons(op, epsilon_low, epsilon_high)
-    _check_delta_beta(op, epsilon_high, delta, beta, ref_log_probs)
-    _check(loss_type in ("ppo_clip", "cispo", "sapo"), op, "loss_type must be 'ppo_clip', 'cispo' or 'sapo' "
-           "(sequence-level loss types are the fused ops'), got '", loss_type, "'")
-    _check(rollout_correction is None or not rollout_correction.startswith("sequence_"), op,
-           "rollout_correction must be None, 'token_truncate' or 'token_mask' (the sequence-level modes are the "
-           "fused ops'), got '", rollout_correction, "'")
-    policy_options(op, log_probs, epsilon_high, delta, loss_type, sapo_temperature_pos, sapo_temperature_neg,
-                   rollout_log_probs, rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
-                   kl_importance_weighted, 0.0)
-    if old_log_probs is not None:
-        check_per_token(op, "old_log_probs", old_log_probs, log_probs)
-    check_per_token(op, "advantages", per_sequence(advantages, log_probs), log_probs)
-    if ref_log_probs is not None:
-        check_per_token(op, "ref_log_probs", ref_log_probs, log_probs)
+    check_clip(op, a)
+    _check(a["loss_type"] in TOKEN_LOSS_TYPES, op, "loss_type must be 'ppo_clip', 'cispo' or 'sapo' (sequence-level "
+           "loss types are the fused ops'), got '", a["loss_type"], "'")
+    _check(not sequence_level_rollout(a), op, "rollout_correction must be None, 'token_truncate' or 'token_mask' (the "
+           "sequence-level modes are the fused ops'), got '", a["rollout_correction"] or "", "'")
+    policy_options(op, a, fused=False, clip=True)
+    if a["old_log_probs"] is not None:
+        check_per_token(op, "old_log_probs", a["old_log_probs"], log_probs)
+    check_per_token(op, "advantages", per_sequence(a["advantages"], log_probs), log_probs)
+    for name in ("ref_log_probs", "rollout_log_probs"):
+        if a[name] is not None:
+            check_per_token(op, name, a[name], log_probs)
+
+
+# ---- token_log_probs/token_log_probs.cpp -------------------------------------------------------------------------
+def token_log_probs(op, a, x):
+    check_scale(op, a["logits_scale_factor"])
+    check_row_stats(op, a.get("row_stats"), x, a["target"].numel())
+
+
+def token_log_probs_backward(op, a, x):
+    target = a["target"]
+    check_scale(op, a["logits_scale_factor"])
+    check_row_stats(op, a["stats"], x, target.numel())
+    for name in ("grad_log_probs", "grad_entropy"):
+        if a[name] is not None:
+            check_per_token(op, name, a[name], target)

@@ -1,19 +1,19 @@
-"""The checks of the distillation, DPO and fused-head ops (csrc/distillation, csrc/dpo, csrc/combined), as
-``_checks.py`` holds the others': the same conditions in the same order, the same messages."""
+"""The checks of the distillation, DPO and fused-head ops (csrc/distillation, csrc/dpo, csrc/fused_head), as
+``_checks.py`` holds the others': the same conditions in the same order, the same messages, over the call's
+arguments by name."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from rl_losses._checks import (_check, _dt, _integral, _num, _shape, acc_dtype, check_and_flatten, check_beta,
-                                check_delta, check_divisor, check_epsilons, check_inplace, check_label_counts,
-                                check_num_documents, check_per_token, check_per_token_int, check_row_stats,
-                                check_scale)
+from rl_losses._checks import (_check, _dt, _integral, _num, _shape, acc_dtype, check_beta, check_clip,
+                                check_divisor, check_epsilons, check_label_counts, check_num_documents, check_per_token,
+                                check_per_token_int, check_row_stats, check_scale, check_weighting)
+from rl_losses._schema import DISTILL_STATS
 
 # ---- distillation/distillation.cpp ---------------------------------------------------------------------------------
 DISTILL_KINDS = ("forward_kl", "reverse_kl", "cross_entropy", "jsd")
-DISTILL_STATS_FIELDS = 7  # DistillStats<T>::kFields
 
 
 def _distill_rows(name, t):
@@ -45,12 +45,14 @@ def _distill_pair(logits, teacher):
            " but logits has shape ", _shape(logits.shape), " (the vocabularies differ)" if vocab_differs else "")
 
 
-def _distill_options(beta, temperature, s):
-    op = "distillation"
-    _check(math.isfinite(beta) and 0 <= beta <= 1, op, "beta must be in [0, 1], got ", _num(beta))
-    _check(math.isfinite(temperature) and temperature > 0, op, "temperature must be finite and > 0, got ",
+def _distill_beta(beta):
+    _check(math.isfinite(beta) and 0 <= beta <= 1, "distillation", "beta must be in [0, 1], got ", _num(beta))
+
+
+def _distill_softmax(temperature, s):
+    _check(math.isfinite(temperature) and temperature > 0, "distillation", "temperature must be finite and > 0, got ",
            _num(temperature))
-    check_scale(op, s)
+    check_scale("distillation", s)
 
 
 def _distill_acc_input(name, t, n, cols, logits):
@@ -63,15 +65,17 @@ def _distill_acc_input(name, t, n, cols, logits):
     _check(t.device == logits.device, op, name, " is on ", t.device, " but logits is on ", logits.device)
 
 
-def distillation(logits, teacher_logits, kind, beta, temperature, s, loss_mask, divisor, row_stats, jsd_sums,
-                 inplace=False):
+def distillation(a, inplace=False):
     """distillation_forward, in its order."""
     op = "distillation"
+    logits, teacher_logits, kind, beta = a["logits"], a["teacher_logits"], a["kind"], a["beta"]
+    loss_mask, row_stats, jsd_sums = a["loss_mask"], a["row_stats"], a["jsd_sums"]
     is_view = _distill_rows("logits", logits)
     _distill_pair(logits, teacher_logits)
     _distill_rows("teacher_logits", teacher_logits)
-    _distill_options(beta, temperature, s)
-    check_divisor(op, divisor)
+    _distill_beta(beta)
+    _distill_softmax(a["temperature"], a["logits_scale_factor"])
+    check_divisor(op, a["divisor"])
     _check(kind in DISTILL_KINDS, op, "kind must be 'forward_kl', 'reverse_kl', 'cross_entropy' or 'jsd', got '",
            kind, "'")
     n = logits.numel() // logits.shape[-1]
@@ -84,7 +88,7 @@ def distillation(logits, teacher_logits, kind, beta, temperature, s, loss_mask, 
         _check(list(m.shape) == batch, op, "loss_mask has shape ", _shape(m.shape), " but logits has batch shape ",
                _shape(batch))
     if row_stats is not None:
-        _distill_acc_input("row_stats", row_stats, n, DISTILL_STATS_FIELDS, logits)
+        _distill_acc_input("row_stats", row_stats, n, len(DISTILL_STATS), logits)
     if kind == "jsd" and 0 < beta < 1 and jsd_sums is not None:  # β = 0 or 1 is a KL, which reads no sums
         _check(row_stats is not None, op, "jsd_sums needs row_stats (both come from the tensor-parallel all-reduce)")
         _distill_acc_input("jsd_sums", jsd_sums, n, 2, logits)
@@ -93,18 +97,24 @@ def distillation(logits, teacher_logits, kind, beta, temperature, s, loss_mask, 
                "shape ", _shape(logits.shape), ", strides ", _shape(logits.stride()), ")")
 
 
-def distillation_stats(logits, teacher_logits, temperature, s):
-    _distill_rows("logits", logits)
-    _distill_pair(logits, teacher_logits)
-    _distill_rows("teacher_logits", teacher_logits)
-    _distill_options(0.5, temperature, s)
+def _distill_inputs(a):
+    _distill_rows("logits", a["logits"])
+    _distill_pair(a["logits"], a["teacher_logits"])
+    _distill_rows("teacher_logits", a["teacher_logits"])
 
 
-def distillation_jsd_sums(logits, teacher_logits, row_stats, beta, temperature, s):
-    distillation_stats(logits, teacher_logits, temperature, s)
-    _distill_options(beta, temperature, s)
+def distillation_stats(a):
+    _distill_inputs(a)
+    _distill_softmax(a["temperature"], a["logits_scale_factor"])
+
+
+def distillation_jsd_sums(a):
+    _distill_inputs(a)
+    beta, logits = a["beta"], a["logits"]
+    _distill_beta(beta)
+    _distill_softmax(a["temperature"], a["logits_scale_factor"])
     _check(0 < beta < 1, "distillation", "the JSD sums need 0 < beta < 1, got ", _num(beta))
-    _distill_acc_input("row_stats", row_stats, logits.numel() // logits.shape[-1], DISTILL_STATS_FIELDS, logits)
+    _distill_acc_input("row_stats", a["row_stats"], logits.numel() // logits.shape[-1], len(DISTILL_STATS), logits)
 
 
 # ---- dpo/dpo.cpp ---------------------------------------------------------------------------------------------------
@@ -116,17 +126,14 @@ def _dpo_per_pair(name, t, n_pairs, logits):
     _check(t.device == logits.device, op, name, " is on ", t.device, " but logits is on ", logits.device)
 
 
-def dpo(logits, target, document_index, pairs, ref_chosen, ref_rejected, beta, s, divisor, row_stats=None,
-        vocab_start=0, vocab_size=-1, inplace=False):
-    """dpo_forward, in its order. The pairing itself (every document in exactly one pair) and max(document_index)
-    are the data's, checked by the real kernel."""
+def dpo(a):
+    """dpo_forward, in its order (after its source, _checks.source). The pairing itself (every document in exactly
+    one pair) and max(document_index) are the data's, checked by the real kernel."""
     op = "dpo"
-    rows = check_and_flatten(op, logits, target, vocab_start, vocab_size)
-    if inplace:
-        check_inplace(op, logits, rows)
-    check_scale(op, s)
-    check_divisor(op, divisor)
-    check_row_stats(op, row_stats, logits, target.numel())
+    logits, target, pairs, beta = a["logits"], a["target"], a["pairs"], a["beta"]
+    check_scale(op, a["logits_scale_factor"])
+    check_divisor(op, a["divisor"])
+    check_row_stats(op, a["row_stats"], logits, target.numel())
     _check(math.isfinite(beta) and beta > 0, op, "beta must be finite and > 0, got ", _num(beta))
     _check(_integral(pairs.dtype), op, "pairs must be an integer tensor of (chosen, rejected) document ids, got ",
            _dt(pairs.dtype))
@@ -136,50 +143,42 @@ def dpo(logits, target, document_index, pairs, ref_chosen, ref_rejected, beta, s
            " but logits is on ", logits.device, " (pairs may be on the logits' device or on the CPU)")
     n_pairs = pairs.shape[0]
     _check(n_pairs > 0, op, "pairs is empty; DPO needs at least one (chosen, rejected) pair")
-    _dpo_per_pair("reference_chosen_log_probs", ref_chosen, n_pairs, logits)
-    _dpo_per_pair("reference_rejected_log_probs", ref_rejected, n_pairs, logits)
-    check_per_token_int(op, "document_index", document_index, target)
+    _dpo_per_pair("reference_chosen_log_probs", a["reference_chosen_log_probs"], n_pairs, logits)
+    _dpo_per_pair("reference_rejected_log_probs", a["reference_rejected_log_probs"], n_pairs, logits)
+    check_per_token_int(op, "document_index", a["document_index"], target)
     return n_pairs
 
 
-# ---- combined/fused_head.cpp ---------------------------------------------------------------------------------------
-def fused_head(logits, target, label_weight, label_smoothing, label_divisor, z_loss_weight, z_loss_divisor,
-               z_loss_mask, grpo_weight, advantages, old_log_probs, ref_log_probs, loss_weights, epsilon_low,
-               epsilon_high, delta, beta, grpo_divisor, gspo_weight, document_index, num_documents, label_counts,
-               weighting, gspo_divisor, s, row_stats=None, vocab_start=0, vocab_size=-1, inplace=False):
-    """fused_head_forward, in its order."""
-    op = "fused_head_loss"
-    rows = check_and_flatten(op, logits, target, vocab_start, vocab_size)
-    if inplace:
-        check_inplace(op, logits, rows)
-    check_scale(op, s)
-    for name, w in (("label_weight", label_weight), ("z_loss_weight", z_loss_weight), ("grpo_weight", grpo_weight),
-                    ("gspo_weight", gspo_weight)):
-        _check(math.isfinite(w) and w >= 0, op, name, " must be finite and >= 0, got ", _num(w))
+# ---- fused_head/fused_head.cpp -----------------------------------------------------------------------------------
+def fused_head(a):
+    """fused_head_forward, in its order (after its source, _checks.source)."""
+    op = "fused_head"
+    logits, target = a["logits"], a["target"]
+    grpo_weight, gspo_weight = a["grpo_weight"], a["gspo_weight"]
+    check_scale(op, a["logits_scale_factor"])
+    for name in ("label_weight", "z_loss_weight", "grpo_weight", "gspo_weight"):
+        _check(math.isfinite(a[name]) and a[name] >= 0, op, name, " must be finite and >= 0, got ", _num(a[name]))
     _check(grpo_weight == 0 or gspo_weight == 0, op, "grpo_weight = ", _num(grpo_weight), " and gspo_weight = ",
            _num(gspo_weight), " are both > 0; the head fuses one policy term, GRPO or GSPO")
-    _check(math.isfinite(label_smoothing) and 0 <= label_smoothing < 1, op, "label_smoothing must be in [0, 1), got ",
-           _num(label_smoothing))
-    for d in (label_divisor, z_loss_divisor, grpo_divisor, gspo_divisor):
-        check_divisor(op, d)
-    check_row_stats(op, row_stats, logits, target.numel())
+    eps = a["label_smoothing"]
+    _check(math.isfinite(eps) and 0 <= eps < 1, op, "label_smoothing must be in [0, 1), got ", _num(eps))
+    for name in ("label_divisor", "z_loss_divisor", "grpo_divisor", "gspo_divisor"):
+        check_divisor(op, a[name])
+    check_row_stats(op, a["row_stats"], logits, target.numel())
     if grpo_weight != 0:
-        check_epsilons(op, epsilon_low, epsilon_high)
-        check_delta(op, epsilon_high, delta)
-        check_beta(op, beta, ref_log_probs)
-        _check(advantages is not None and old_log_probs is not None, op, "grpo_weight = ", _num(grpo_weight),
-               " > 0 needs advantages and old_log_probs")
-        check_per_token(op, "advantages", advantages, target)
-        check_per_token(op, "old_log_probs", old_log_probs, target)
-        if beta != 0:
-            check_per_token(op, "ref_log_probs", ref_log_probs, target)
-        if loss_weights is not None:
-            check_per_token(op, "loss_weights", loss_weights, target)
+        check_clip(op, a)
+        _check(a["advantages"] is not None and a["old_log_probs"] is not None, op, "grpo_weight = ",
+               _num(grpo_weight), " > 0 needs advantages and old_log_probs")
+        check_per_token(op, "advantages", a["advantages"], target)
+        check_per_token(op, "old_log_probs", a["old_log_probs"], target)
+        if a["beta"] != 0:
+            check_per_token(op, "ref_log_probs", a["ref_log_probs"], target)
+        if a["loss_weights"] is not None:
+            check_per_token(op, "loss_weights", a["loss_weights"], target)
     if gspo_weight != 0:
-        _fused_head_gspo(op, target, gspo_weight, advantages, old_log_probs, ref_log_probs, loss_weights, epsilon_low,
-                         epsilon_high, delta, beta, document_index, num_documents, label_counts, weighting)
-    if z_loss_weight != 0 and z_loss_mask is not None:
-        m = z_loss_mask
+        _fused_head_gspo(op, a)
+    if a["z_loss_weight"] != 0 and a["z_loss_mask"] is not None:
+        m = a["z_loss_mask"]
         _check(m.dtype == torch.bool or _integral(m.dtype), op, "z_loss_mask must be a bool or integer tensor, got ",
                _dt(m.dtype))
         _check(m.device == logits.device and list(m.shape) == list(target.shape), op,
@@ -187,25 +186,25 @@ def fused_head(logits, target, label_weight, label_smoothing, label_divisor, z_l
                ", got ", _shape(m.shape), " on ", m.device)
 
 
-def _fused_head_gspo(op, target, gspo_weight, advantages, old_log_probs, ref_log_probs, loss_weights, epsilon_low,
-                     epsilon_high, delta, beta, document_index, num_documents, label_counts, weighting):
+def _fused_head_gspo(op, a):
     """fused_head.cpp: gspo_term_state, in its order. max(document_index) is the data's, checked by the kernel."""
-    check_epsilons(op, epsilon_low, epsilon_high)
+    target, delta = a["target"], a["delta"]
+    check_epsilons(op, a["epsilon_low"], a["epsilon_high"])
     _check(delta is None, op, "delta is the GRPO term's two-sided clip; the GSPO term has none, got delta = ",
            _num(delta if delta is not None else 0.0))
-    _check(loss_weights is None, op, "loss_weights weigh the GRPO term's tokens; the GSPO term weighs them by "
+    _check(a["loss_weights"] is None, op, "loss_weights weigh the GRPO term's tokens; the GSPO term weighs them by "
            "`weighting` (pass loss_weights=None)")
-    check_beta(op, beta, ref_log_probs)
-    _check(weighting in ("document", "token"), op, "weighting must be 'document' or 'token', got '", weighting, "'")
-    _check(advantages is not None and document_index is not None, op, "gspo_weight = ", _num(gspo_weight),
-           " > 0 needs advantages and document_index")
-    check_per_token(op, "advantages", advantages, target)
-    if old_log_probs is not None:  # None: on-policy
-        check_per_token(op, "old_log_probs", old_log_probs, target)
-    if beta != 0:
-        check_per_token(op, "ref_log_probs", ref_log_probs, target)
-    check_per_token_int(op, "document_index", document_index, target)
-    if label_counts is not None:
-        check_label_counts(op, label_counts, target)
-    if num_documents is not None:
-        check_num_documents(op, num_documents)
+    check_beta(op, a["beta"], a["ref_log_probs"])
+    check_weighting(op, a["weighting"])
+    _check(a["advantages"] is not None and a["document_index"] is not None, op, "gspo_weight = ",
+           _num(a["gspo_weight"]), " > 0 needs advantages and document_index")
+    check_per_token(op, "advantages", a["advantages"], target)
+    if a["old_log_probs"] is not None:  # None: on-policy
+        check_per_token(op, "old_log_probs", a["old_log_probs"], target)
+    if a["beta"] != 0:
+        check_per_token(op, "ref_log_probs", a["ref_log_probs"], target)
+    check_per_token_int(op, "document_index", a["document_index"], target)
+    if a["label_counts"] is not None:
+        check_label_counts(op, a["label_counts"], target)
+    if a["num_documents"] is not None:
+        check_num_documents(op, a["num_documents"])

@@ -1,28 +1,81 @@
 """Fake (meta) kernels of every op, so that torch.compile and meta tensors can trace them.
 
-Each first runs the real kernel's argument checks (``_checks.py``: dtypes, shapes, devices and options, with
-the same messages), then describes the output shapes, dtypes and devices as the C++ code in csrc/ makes them.
+Each binds its call's arguments by name over the op's schema (rl_losses._schema.bind), runs the real kernel's checks
+(``_checks.py``, ``_checks_heads.py``: the same conditions in the same order, the same messages), then describes the
+results by name as the C++ code makes them (shape, dtype, device); the op's schema orders them.
 """
 import torch
 from torch.library import register_fake
 
-from rl_losses import _checks, _checks_heads
+from rl_losses import _checks, _checks_heads, _schema
+from rl_losses._schema import DISTILL_STATS, GSPO_SUMS, ROW_STATS
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _batch(target: torch.Tensor) -> list:
-    return list(target.shape)
+def _empty(x, shape, dtype=None):
+    # torch.empty on x's device (x.new_empty on meta tensors takes a slow Python path).
+    return torch.empty(shape, dtype=_acc(x.dtype) if dtype is None else dtype, device=x.device)
 
 
-@register_fake("rl_losses::row_stats")
-def _row_stats(logits, target, *, logits_scale_factor=1.0, vocab_start=0, vocab_size=-1, entropy=False,
-               smoothing=False):
-    _checks.check_and_flatten("row_stats", logits, target, vocab_start, vocab_size)
-    _checks.check_scale("row_stats", logits_scale_factor)
-    return logits.new_empty(_batch(target) + [5], dtype=_acc(logits.dtype))
+def _scalar(x):
+    return _empty(x, [])
+
+
+def _like_target(x, target):
+    return _empty(x, list(target.shape))
+
+
+def _grad(x, compute_grad):
+    return torch.empty_like(x, memory_format=torch.contiguous_format) if compute_grad else _empty(x, [0], x.dtype)
+
+
+def _linear_grads(a):
+    hidden, mask = a["hidden"], a["output_mask"]
+
+    def grad(t, wanted):
+        return torch.empty_like(t, memory_format=torch.contiguous_format) if wanted and t is not None \
+            else _empty(hidden, [0], hidden.dtype)
+    return {"grad_hidden": grad(hidden, mask[0]), "grad_weight": grad(a["weight"], mask[1]),
+            "grad_bias": grad(a["bias"], mask[2])}
+
+
+def _register(op: str, fake) -> None:
+    """Registers `fake(arguments by name) -> results by name` as the fake kernel of `op`."""
+    def kernel(*args, **kwargs):
+        values = fake(_schema.bind(op, args, kwargs))
+        names = _schema.results(op)
+        return values[names[0]] if len(names) == 1 else tuple(values[n] for n in names)
+    register_fake(f"rl_losses::{op}")(kernel)
+
+
+def _register_loss(name: str, check, results, *, linear: bool = False) -> None:
+    """A loss's ops (registration.cpp: def_loss, and def_linear with `linear`): its row source's checks, then
+    `check(op, a, x)` (x: the logits or the hidden states), whose return `results(a, x, checked)` may use."""
+    def run(op, a, inplace=False):
+        x = _checks.source(op, a, inplace)
+        return results(a, x, check(op, a, x))
+
+    # Without autograd (the only way to the public op's fake) inplace_backward writes nothing: no inplace checks.
+    _register(name, lambda a: run(name, a))
+    _register(f"_{name}_forward", lambda a: {**run(name, a), "grad": _grad(a["logits"], a["compute_grad"])})
+    _register(f"_{name}_forward_inplace", lambda a: run(name, a, inplace=True))
+    if linear:
+        op = f"linear_{name}"
+        _register(op, lambda a: run(op, a))
+        _register(f"_{op}_forward", lambda a: {**run(op, a), **_linear_grads(a)})
+
+
+# ---- shared -----------------------------------------------------------------------------------------------------
+def _row_stats(a):
+    x = _checks.source("row_stats", a)
+    _checks.check_scale("row_stats", a["logits_scale_factor"])
+    return {"stats": _empty(x, list(a["target"].shape) + [len(ROW_STATS)])}
+
+
+_register("row_stats", _row_stats)
 
 
 @register_fake("rl_losses::_scale_grad_")
@@ -30,440 +83,137 @@ def _scale_grad_(grad, grad_output):
     return None
 
 
-def _ce_outputs(logits, target, reduction):
-    acc = _acc(logits.dtype)
-    loss = logits.new_empty(_batch(target) if reduction == "none" else [], dtype=acc)
-    return loss, logits.new_empty(_batch(target), dtype=acc)
+# ---- cross-entropy ----------------------------------------------------------------------------------------------
+def _cross_entropy_results(a, x, _):
+    loss = _like_target(x, a["target"]) if a["reduction"] == "none" else _scalar(x)
+    return {"loss": loss, "lse": _like_target(x, a["target"])}
 
 
-def _check_cross_entropy(logits, target, s, eps, z, lw, reduction, divisor, row_stats, vocab_start, vocab_size,
-                         inplace=False):
-    op = "cross_entropy"
-    rows = _checks.check_and_flatten(op, logits, target, vocab_start, vocab_size)
-    if inplace:
-        _checks.check_inplace(op, logits, rows)
-    _checks.cross_entropy_options(op, logits, target.numel(), s, eps, z, lw, reduction, divisor, row_stats)
+_register_loss("cross_entropy", _checks.cross_entropy, _cross_entropy_results, linear=True)
 
 
-@register_fake("rl_losses::cross_entropy")
-def _cross_entropy(logits, target, *, logits_scale_factor=1.0, label_smoothing=0.0, z_loss_factor=0.0,
-                   label_weight=1.0, reduction="mean", divisor=None, inplace_backward=False, row_stats=None,
-                   vocab_start=0, vocab_size=-1):
-    # Without autograd (the only way here) inplace_backward writes nothing, so its checks do not apply.
-    _check_cross_entropy(logits, target, logits_scale_factor, label_smoothing, z_loss_factor, label_weight,
-                         reduction, divisor, row_stats, vocab_start, vocab_size)
-    return _ce_outputs(logits, target, reduction)
+# ---- the policy family --------------------------------------------------------------------------------------------
+def _num_documents(n):
+    # max(document_index) + 1 where the arguments do not give it: known only from the data.
+    return n if n is not None else torch.library.get_ctx().new_dynamic_size()
 
 
-@register_fake("rl_losses::_cross_entropy_forward")
-def _cross_entropy_forward(logits, target, s, eps, z, lw, reduction, divisor, row_stats, vocab_start, vocab_size,
-                           compute_grad):
-    _check_cross_entropy(logits, target, s, eps, z, lw, reduction, divisor, row_stats, vocab_start, vocab_size)
-    loss, lse = _ce_outputs(logits, target, reduction)
-    grad = (torch.empty_like(logits, memory_format=torch.contiguous_format) if compute_grad
-            else logits.new_empty([0]))
-    return loss, lse, grad
+def _policy_results(op):
+    def results(a, x, num_documents):
+        out = {name: _scalar(x) for name in _schema.results(op)}
+        out["log_probs"] = _like_target(x, a["target"])
+        if "document_ratios" in out:
+            out["document_ratios"] = _empty(x, [_num_documents(num_documents)])
+        return out
+    return results
 
 
-@register_fake("rl_losses::_cross_entropy_forward_inplace")
-def _cross_entropy_forward_inplace(logits, target, s, eps, z, lw, reduction, divisor, row_stats, vocab_start,
-                                   vocab_size):
-    _check_cross_entropy(logits, target, s, eps, z, lw, reduction, divisor, row_stats, vocab_start, vocab_size,
-                         inplace=True)
-    return _ce_outputs(logits, target, reduction)
+_register_loss("grpo", _checks.grpo, _policy_results("grpo"), linear=True)
+_register_loss("gspo", _checks.gspo, _policy_results("gspo"), linear=True)
 
 
-def _policy_outputs(logits, target, num_documents=None):
-    acc = _acc(logits.dtype)
-    scalars = [logits.new_empty([], dtype=acc) for _ in range(6)]  # loss, new_lp, low, high, kl_old, entropy
-    log_probs = logits.new_empty(_batch(target), dtype=acc)
-    # ratio_mean, then the policy family's kl, rollout_ratio_mean, rollout_weight_mean, rollout_corrected_fraction
-    out = scalars + [log_probs] + [logits.new_empty([], dtype=acc) for _ in range(5)]
-    if num_documents is not None:
-        out.append(logits.new_empty([num_documents], dtype=acc))
-    out.append(logits.new_empty([], dtype=acc))  # vespo_phi_mean
+def _document_sums(a):
+    _checks.document_sums(a)
+    lp = a["log_probs"]
+    return {"document_sums": _empty(lp, [a["num_documents"], len(GSPO_SUMS)])}
+
+
+_register("gspo_document_sums", _document_sums)
+
+
+def _policy_token_loss(a):
+    _checks.policy_token(a)
+    lp = a["log_probs"]
+    return {name: _empty(lp, lp.shape) for name in _schema.results("policy_token_loss")}
+
+
+_register("policy_token_loss", _policy_token_loss)
+
+
+# ---- per-token log-probs and entropies ----------------------------------------------------------------------------
+def _token_log_probs(name, with_stats):
+    def fake(a):
+        x = _checks.source(name, a)
+        target = a["target"]
+        _checks.token_log_probs(name, a, x)
+        out = {"log_probs": _like_target(x, target),
+               "entropy": _like_target(x, target) if a["compute_entropy"] else _empty(x, [0])}
+        if with_stats:  # the statistics for the backward, unless given (row_stats: those are the backward's)
+            computed = a.get("row_stats") is None
+            out["stats"] = _empty(x, [target.numel(), len(ROW_STATS)] if computed else [0])
+        return out
+    return fake
+
+
+for _name in ("token_log_probs", "linear_token_log_probs"):
+    _register(_name, _token_log_probs(_name, False))
+    _register(f"_{_name}_forward", _token_log_probs(_name, True))
+
+
+def _token_log_probs_backward(a):
+    x = _checks.source("token_log_probs", a)
+    _checks.token_log_probs_backward("token_log_probs", a, x)
+    return {"grad": torch.empty_like(x, memory_format=torch.contiguous_format)}
+
+
+def _linear_token_log_probs_backward(a):
+    op = "linear_token_log_probs"
+    x = _checks.source(op, a)
+    if _checks.linear_wants_grad(a):
+        _checks.token_log_probs_backward(op, a, x)
+    return _linear_grads(a)
+
+
+_register("_token_log_probs_backward", _token_log_probs_backward)
+_register("_linear_token_log_probs_backward", _linear_token_log_probs_backward)
+
+
+# ---- distillation -------------------------------------------------------------------------------------------------
+def _distillation(inplace=False, compute_grad=False):
+    def fake(a):
+        _checks_heads.distillation(a, inplace)
+        logits = a["logits"]
+        out = {"loss": _scalar(logits), "divergence": _empty(logits, list(logits.shape[:-1]))}
+        if compute_grad:
+            out["grad"] = _grad(logits, a["compute_grad"])
+        return out
+    return fake
+
+
+_register("distillation", _distillation())
+_register("_distillation_forward", _distillation(compute_grad=True))
+_register("_distillation_forward_inplace", _distillation(inplace=True))
+
+
+def _distillation_stats(a):
+    _checks_heads.distillation_stats(a)
+    logits = a["logits"]
+    return {"stats": _empty(logits, list(logits.shape[:-1]) + [len(DISTILL_STATS)])}
+
+
+def _distillation_jsd_sums(a):
+    _checks_heads.distillation_jsd_sums(a)
+    logits = a["logits"]
+    return {"jsd_sums": _empty(logits, list(logits.shape[:-1]) + [2])}
+
+
+_register("distillation_stats", _distillation_stats)
+_register("distillation_jsd_sums", _distillation_jsd_sums)
+
+
+# ---- DPO and the fused head -----------------------------------------------------------------------------------------
+def _dpo_results(a, x, n_pairs):
+    out = {name: _scalar(x) for name in _schema.results("dpo")}
+    out["log_probs"] = _like_target(x, a["target"])
+    out["document_log_probs"] = _empty(x, [2 * n_pairs])
     return out
 
 
-def _grad(logits, compute_grad):
-    return (torch.empty_like(logits, memory_format=torch.contiguous_format) if compute_grad
-            else logits.new_empty([0]))
+def _fused_head_results(a, x, _):
+    out = {name: _scalar(x) for name in _schema.results("fused_head")}
+    out["log_probs"] = _like_target(x, a["target"])
+    return out
 
 
-# _grpo_forward(logits, target, advantages, old_log_probs, ref_log_probs, loss_weights, label_counts, ε_l, ε_h,
-#   delta, beta, divisor, s, compute_entropy, row_stats, vocab_start, vocab_size[, compute_grad])
-def _check_grpo(logits, target, advantages, old_log_probs, ref_log_probs=None, loss_weights=None, label_counts=None,
-                epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0, divisor=None, logits_scale_factor=1.0,
-                compute_entropy=False, row_stats=None, vocab_start=0, vocab_size=-1, *policy, document_index=None,
-                num_documents=None, inplace=False, **policy_kwargs):
-    op = "grpo"
-    rows = _checks.check_and_flatten(op, logits, target, vocab_start, vocab_size)
-    if inplace:
-        _checks.check_inplace(op, logits, rows)
-    _checks.grpo_options(op, logits, target, target.numel(), advantages, old_log_probs, ref_log_probs, loss_weights,
-                         label_counts, epsilon_low, epsilon_high, delta, beta, divisor, logits_scale_factor, row_stats)
-    _check_policy(op, target, epsilon_high, delta, policy, policy_kwargs)
-    _checks.sequence_count(op, document_index, num_documents)
-
-
-def _policy_values(positional, keywords):
-    # The policy family's arguments, positional (the _forward ops: RL_LOSSES_POLICY_ARGS order) or by keyword.
-    names = list(_checks.POLICY_DEFAULTS)
-    return {**_checks.POLICY_DEFAULTS, **dict(zip(names, positional)), **keywords}
-
-
-def _check_policy(op, target, epsilon_high, delta, positional, keywords):
-    values = _policy_values(positional, keywords)
-    _checks.policy_options(op, target, epsilon_high, delta, *(values[k] for k in _checks.POLICY_DEFAULTS))
-    return values
-
-
-@register_fake("rl_losses::grpo")
-def _grpo(logits, target, advantages, old_log_probs, *, inplace_backward=False, **kwargs):
-    _check_grpo(logits, target, advantages, old_log_probs, **kwargs)
-    return tuple(_policy_outputs(logits, target))
-
-
-@register_fake("rl_losses::_grpo_forward")
-def _grpo_forward(logits, target, advantages, old_log_probs, *args):
-    # (..., vocab_size, <14 policy args>, document_index, num_documents, compute_grad)
-    _check_grpo(logits, target, advantages, old_log_probs, *args[:-3], document_index=args[-3], num_documents=args[-2])
-    return tuple(_policy_outputs(logits, target) + [_grad(logits, args[-1])])
-
-
-@register_fake("rl_losses::_grpo_forward_inplace")
-def _grpo_forward_inplace(logits, target, advantages, old_log_probs, *args):
-    _check_grpo(logits, target, advantages, old_log_probs, *args[:-2], document_index=args[-2], num_documents=args[-1],
-                inplace=True)
-    return tuple(_policy_outputs(logits, target))
-
-
-def _num_documents(num_documents, document_sums):
-    if num_documents is not None:
-        return num_documents
-    if document_sums is not None:
-        return document_sums.shape[0]
-    # max(document_index) + 1: known only from the data.
-    return torch.library.get_ctx().new_dynamic_size()
-
-
-# _gspo_forward(logits, target, advantages, old_log_probs, document_index, num_documents, label_counts, ε_l, ε_h,
-#   delta, weighting, token_advantages, divisor, s, compute_entropy, row_stats, document_sums, vocab_start,
-#   vocab_size[, compute_grad])
-def _check_gspo(logits, target, advantages, old_log_probs, document_index, num_documents=None, label_counts=None,
-                epsilon_low=0.2, epsilon_high=0.2, delta=None, weighting="document", token_advantages=False,
-                divisor=None, logits_scale_factor=1.0, compute_entropy=False, row_stats=None, document_sums=None,
-                vocab_start=0, vocab_size=-1, ref_log_probs=None, beta=0.0, *policy, inplace=False, **policy_kwargs):
-    op = "gspo"
-    rows = _checks.check_and_flatten(op, logits, target, vocab_start, vocab_size)
-    if inplace:
-        _checks.check_inplace(op, logits, rows)
-    _checks.gspo_options(op, logits, target, target.numel(), advantages, old_log_probs, document_index,
-                         num_documents, label_counts, epsilon_low, epsilon_high, delta, weighting, divisor,
-                         logits_scale_factor, row_stats, document_sums)
-    values = _check_policy(op, target, epsilon_high, delta, policy, policy_kwargs)
-    mode = values["rollout_correction"]
-    kl_share = (values["kl_importance_weighted"] and beta != 0 and ref_log_probs is not None
-                and not token_advantages)
-    basic = not (mode is not None and mode.startswith("sequence")) and values["loss_type"] != "vespo" and not kl_share
-    _checks.gspo_document_sums_shape(op, logits, document_sums, num_documents, basic)
-    return _num_documents(num_documents, document_sums)
-
-
-@register_fake("rl_losses::gspo")
-def _gspo(logits, target, advantages, old_log_probs, document_index, *, inplace_backward=False, **kwargs):
-    n_docs = _check_gspo(logits, target, advantages, old_log_probs, document_index, **kwargs)
-    return tuple(_policy_outputs(logits, target, n_docs))
-
-
-@register_fake("rl_losses::_gspo_forward")
-def _gspo_forward(logits, target, advantages, old_log_probs, document_index, *args):
-    n_docs = _check_gspo(logits, target, advantages, old_log_probs, document_index, *args[:-1])
-    return tuple(_policy_outputs(logits, target, n_docs) + [_grad(logits, args[-1])])
-
-
-@register_fake("rl_losses::_gspo_forward_inplace")
-def _gspo_forward_inplace(logits, target, advantages, old_log_probs, document_index, *args):
-    n_docs = _check_gspo(logits, target, advantages, old_log_probs, document_index, *args, inplace=True)
-    return tuple(_policy_outputs(logits, target, n_docs))
-
-
-@register_fake("rl_losses::gspo_document_sums")
-def _gspo_document_sums(log_probs, target, advantages, old_log_probs, document_index, label_counts, num_documents, *,
-                        weighting="document", token_advantages=False, ref_log_probs=None, beta=0.0, **policy):
-    _checks.gspo_document_sums(log_probs, target, advantages, old_log_probs, document_index, label_counts,
-                               num_documents, weighting, beta, policy)
-    return log_probs.new_empty([num_documents, _checks.GSPO_SUMS], dtype=_checks.acc_dtype(log_probs.dtype))
-
-
-# ---- fused lm_head: outputs as the logits ops', with the hidden states' dtype and device ------------------------
-def _linear_grads(hidden, weight, bias, output_mask):
-    def grad(t, wanted):
-        return torch.empty_like(t, memory_format=torch.contiguous_format) if wanted and t is not None \
-            else hidden.new_empty([0])
-    return [grad(hidden, output_mask[0]), grad(weight, output_mask[1]), grad(bias, output_mask[2])]
-
-
-def _check_linear_cross_entropy(hidden, weight, target, bias=None, logits_scale_factor=1.0, label_smoothing=0.0,
-                                z_loss_factor=0.0, label_weight=1.0, reduction="mean", divisor=None,
-                                chunk_size=None, output_mask=(False, False, False)):
-    op = "linear_cross_entropy"
-    _checks.check_linear(op, hidden, weight, bias, target, chunk_size)
-    wants_grad = output_mask[0] or output_mask[1] or (output_mask[2] and bias is not None)
-    _checks._check(reduction != "none" or not wants_grad, op,
-                   "reduction='none' cannot be differentiated (the weight gradient is summed over tokens in the ",
-                   "forward); use 'sum' or 'mean', or call it without gradients")
-    _checks.cross_entropy_options(op, hidden, target.numel(), logits_scale_factor, label_smoothing, z_loss_factor,
-                                  label_weight, reduction, divisor, None)
-
-
-@register_fake("rl_losses::linear_cross_entropy")
-def _linear_cross_entropy(hidden, weight, target, *, reduction="mean", **kwargs):
-    _check_linear_cross_entropy(hidden, weight, target, reduction=reduction, **kwargs)
-    return _ce_outputs(hidden, target, reduction)
-
-
-# _linear_cross_entropy_forward(hidden, weight, target, bias, s, ε, ζ, label_weight, reduction, divisor,
-#   chunk_size, output_mask)
-@register_fake("rl_losses::_linear_cross_entropy_forward")
-def _linear_cross_entropy_forward(hidden, weight, target, bias, s, eps, z, lw, reduction, divisor, chunk_size,
-                                  output_mask):
-    _check_linear_cross_entropy(hidden, weight, target, bias, s, eps, z, lw, reduction, divisor, chunk_size,
-                                output_mask)
-    return (*_ce_outputs(hidden, target, reduction), *_linear_grads(hidden, weight, bias, output_mask))
-
-
-# _linear_grpo_forward(hidden, weight, target, advantages, old_log_probs, bias, ref_log_probs, loss_weights,
-#   label_counts, ε_l, ε_h, delta, beta, divisor, s, compute_entropy, chunk_size, output_mask)
-def _check_linear_grpo(hidden, weight, target, advantages, old_log_probs, bias=None, ref_log_probs=None,
-                       loss_weights=None, label_counts=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
-                       divisor=None, logits_scale_factor=1.0, compute_entropy=False, chunk_size=None, *policy,
-                       document_index=None, num_documents=None, **policy_kwargs):
-    op = "linear_grpo"
-    _checks.check_linear(op, hidden, weight, bias, target, chunk_size)
-    _checks.grpo_options(op, hidden, target, target.numel(), advantages, old_log_probs, ref_log_probs, loss_weights,
-                         label_counts, epsilon_low, epsilon_high, delta, beta, divisor, logits_scale_factor, None)
-    _check_policy(op, target, epsilon_high, delta, policy, policy_kwargs)
-    _checks.sequence_count(op, document_index, num_documents)
-
-
-@register_fake("rl_losses::linear_grpo")
-def _linear_grpo(hidden, weight, target, advantages, old_log_probs, **kwargs):
-    _check_linear_grpo(hidden, weight, target, advantages, old_log_probs, **kwargs)
-    return tuple(_policy_outputs(hidden, target))
-
-
-@register_fake("rl_losses::_linear_grpo_forward")
-def _linear_grpo_forward(hidden, weight, target, advantages, old_log_probs, bias, *args):
-    # (..., chunk_size, <14 policy args>, document_index, num_documents, output_mask)
-    _check_linear_grpo(hidden, weight, target, advantages, old_log_probs, bias, *args[:-3], document_index=args[-3],
-                       num_documents=args[-2])
-    return tuple(_policy_outputs(hidden, target) + _linear_grads(hidden, weight, bias, args[-1]))
-
-
-# _linear_gspo_forward(hidden, weight, target, advantages, old_log_probs, document_index, bias, num_documents,
-#   label_counts, ε_l, ε_h, delta, weighting, token_advantages, divisor, s, compute_entropy, chunk_size, output_mask)
-def _check_linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, bias=None,
-                       num_documents=None, label_counts=None, epsilon_low=0.2, epsilon_high=0.2, delta=None,
-                       weighting="document", token_advantages=False, divisor=None, logits_scale_factor=1.0,
-                       compute_entropy=False, chunk_size=None, ref_log_probs=None, beta=0.0, *policy, **policy_kwargs):
-    op = "linear_gspo"
-    _checks.check_linear(op, hidden, weight, bias, target, chunk_size)
-    _checks.gspo_options(op, hidden, target, target.numel(), advantages, old_log_probs, document_index,
-                         num_documents, label_counts, epsilon_low, epsilon_high, delta, weighting, divisor,
-                         logits_scale_factor, None, None)
-    _check_policy(op, target, epsilon_high, delta, policy, policy_kwargs)
-    return _num_documents(num_documents, None)
-
-
-@register_fake("rl_losses::linear_gspo")
-def _linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, **kwargs):
-    n_docs = _check_linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, **kwargs)
-    return tuple(_policy_outputs(hidden, target, n_docs))
-
-
-@register_fake("rl_losses::_linear_gspo_forward")
-def _linear_gspo_forward(hidden, weight, target, advantages, old_log_probs, document_index, bias, *args):
-    n_docs = _check_linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, bias, *args[:-1])
-    return tuple(_policy_outputs(hidden, target, n_docs) + _linear_grads(hidden, weight, bias, args[-1]))
-
-
-# ---- distillation: (loss, divergence[, grad]) -----------------------------------------------------------------
-def _distill_outputs(logits):
-    acc = _acc(logits.dtype)
-    return logits.new_empty([], dtype=acc), logits.new_empty(list(logits.shape[:-1]), dtype=acc)
-
-
-@register_fake("rl_losses::distillation")
-def _distillation(logits, teacher_logits, *, kind="forward_kl", beta=0.5, temperature=1.0, logits_scale_factor=1.0,
-                  loss_mask=None, divisor=None, inplace_backward=False, row_stats=None, jsd_sums=None):
-    # Without autograd (the only way here) inplace_backward writes nothing, so its checks do not apply.
-    _checks_heads.distillation(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask, divisor,
-                         row_stats, jsd_sums)
-    return _distill_outputs(logits)
-
-
-@register_fake("rl_losses::_distillation_forward")
-def _distillation_forward(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask, divisor,
-                          row_stats, jsd_sums, compute_grad):
-    _checks_heads.distillation(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask, divisor,
-                         row_stats, jsd_sums)
-    return (*_distill_outputs(logits), _grad(logits, compute_grad))
-
-
-@register_fake("rl_losses::_distillation_forward_inplace")
-def _distillation_forward_inplace(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask,
-                                  divisor, row_stats, jsd_sums):
-    _checks_heads.distillation(logits, teacher_logits, kind, beta, temperature, logits_scale_factor, loss_mask, divisor,
-                         row_stats, jsd_sums, inplace=True)
-    return _distill_outputs(logits)
-
-
-@register_fake("rl_losses::distillation_stats")
-def _distillation_stats(logits, teacher_logits, *, temperature=1.0, logits_scale_factor=1.0):
-    _checks_heads.distillation_stats(logits, teacher_logits, temperature, logits_scale_factor)
-    return logits.new_empty(list(logits.shape[:-1]) + [_checks_heads.DISTILL_STATS_FIELDS], dtype=_acc(logits.dtype))
-
-
-@register_fake("rl_losses::distillation_jsd_sums")
-def _distillation_jsd_sums(logits, teacher_logits, row_stats, *, beta=0.5, temperature=1.0, logits_scale_factor=1.0):
-    _checks_heads.distillation_jsd_sums(logits, teacher_logits, row_stats, beta, temperature, logits_scale_factor)
-    return logits.new_empty(list(logits.shape[:-1]) + [2], dtype=_acc(logits.dtype))
-
-
-# ---- DPO: 5 scalars, the per-token log-probs and the per-document sums (2 per pair) -------------------------------
-def _dpo_outputs(logits, target, n_pairs):
-    acc = _acc(logits.dtype)
-    scalars = [logits.new_empty([], dtype=acc) for _ in range(5)]
-    return scalars + [logits.new_empty(_batch(target), dtype=acc), logits.new_empty([2 * n_pairs], dtype=acc)]
-
-
-@register_fake("rl_losses::dpo")
-def _dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs, *,
-         beta=1.0, logits_scale_factor=1.0, divisor=None, inplace_backward=False, row_stats=None, vocab_start=0,
-         vocab_size=-1):
-    n = _checks_heads.dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs,
-                    beta, logits_scale_factor, divisor, row_stats, vocab_start, vocab_size)
-    return tuple(_dpo_outputs(logits, target, n))
-
-
-@register_fake("rl_losses::_dpo_forward")
-def _dpo_forward(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats, vocab_start,
-                 vocab_size, compute_grad):
-    n = _checks_heads.dpo(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats, vocab_start,
-                    vocab_size)
-    return tuple(_dpo_outputs(logits, target, n) + [_grad(logits, compute_grad)])
-
-
-@register_fake("rl_losses::_dpo_forward_inplace")
-def _dpo_forward_inplace(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats,
-                         vocab_start, vocab_size):
-    n = _checks_heads.dpo(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats, vocab_start,
-                    vocab_size, inplace=True)
-    return tuple(_dpo_outputs(logits, target, n))
-
-
-# ---- the fused head: loss, label_loss, z_loss, grpo_loss (0-dim), the per-token log-probs, gspo_loss (0-dim) -------
-_HEAD_DEFAULTS = dict(label_weight=0.0, label_smoothing=0.0, label_divisor=None, z_loss_weight=0.0,
-                      z_loss_divisor=None, z_loss_mask=None, grpo_weight=0.0, advantages=None, old_log_probs=None,
-                      ref_log_probs=None, loss_weights=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
-                      grpo_divisor=None, gspo_weight=0.0, document_index=None, num_documents=None, label_counts=None,
-                      weighting="document", gspo_divisor=None, logits_scale_factor=1.0, row_stats=None, vocab_start=0,
-                      vocab_size=-1)
-
-
-def _head_outputs(logits, target):
-    acc = _acc(logits.dtype)
-    return ([logits.new_empty([], dtype=acc) for _ in range(4)] + [logits.new_empty(_batch(target), dtype=acc)]
-            + [logits.new_empty([], dtype=acc)])
-
-
-@register_fake("rl_losses::fused_head_loss")
-def _fused_head_loss(logits, target, *, inplace_backward=False, **kwargs):
-    _checks_heads.fused_head(logits, target, *{**_HEAD_DEFAULTS, **kwargs}.values())
-    return tuple(_head_outputs(logits, target))
-
-
-@register_fake("rl_losses::_fused_head_loss_forward")
-def _fused_head_loss_forward(logits, target, *args):
-    _checks_heads.fused_head(logits, target, *args[:-1])
-    return tuple(_head_outputs(logits, target) + [_grad(logits, args[-1])])
-
-
-@register_fake("rl_losses::_fused_head_loss_forward_inplace")
-def _fused_head_loss_forward_inplace(logits, target, *args):
-    _checks_heads.fused_head(logits, target, *args, inplace=True)
-    return tuple(_head_outputs(logits, target))
-
-
-# ---- per-token log-probs and entropies ------------------------------------------------------------------------
-def _token_log_probs_outputs(x, target, compute_entropy, with_stats):
-    acc = _acc(x.dtype)
-    log_probs = x.new_empty(_batch(target), dtype=acc)
-    entropy = x.new_empty(_batch(target) if compute_entropy else [0], dtype=acc)
-    stats = x.new_empty([target.numel(), 5] if with_stats else [0], dtype=acc)
-    return log_probs, entropy, stats
-
-
-def _check_token_log_probs(op, x, target, logits_scale_factor, row_stats=None):
-    # The checks of the real kernels that the shapes alone decide (csrc/common/checks.cpp).
-    torch._check(x.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16),
-                 lambda: f"{op}: logits must be float32, float64, bfloat16 or float16, got {x.dtype}")
-    torch._check(not target.dtype.is_floating_point and target.dtype != torch.bool,
-                 lambda: f"{op}: target must be an integer tensor, got {target.dtype}")
-    torch._check(logits_scale_factor > 0, lambda: f"{op}: logits_scale_factor must be > 0, got {logits_scale_factor}")
-    if row_stats is not None:
-        torch._check(list(row_stats.shape) == [target.numel(), 5],
-                     lambda: f"{op}: row_stats must have shape ({target.numel()}, 5), got {tuple(row_stats.shape)}")
-
-
-@register_fake("rl_losses::token_log_probs")
-def _token_log_probs(logits, target, *, logits_scale_factor=1.0, compute_entropy=False, row_stats=None,
-                     vocab_start=0, vocab_size=-1):
-    _check_token_log_probs("token_log_probs", logits, target, logits_scale_factor, row_stats)
-    return _token_log_probs_outputs(logits, target, compute_entropy, False)[:2]
-
-
-@register_fake("rl_losses::_token_log_probs_forward")
-def _token_log_probs_forward(logits, target, logits_scale_factor, compute_entropy, row_stats, vocab_start,
-                             vocab_size):
-    _check_token_log_probs("token_log_probs", logits, target, logits_scale_factor, row_stats)
-    return _token_log_probs_outputs(logits, target, compute_entropy, row_stats is None)
-
-
-@register_fake("rl_losses::_token_log_probs_backward")
-def _token_log_probs_backward(logits, target, stats, grad_log_probs, grad_entropy, logits_scale_factor, vocab_start,
-                              vocab_size):
-    _check_token_log_probs("token_log_probs", logits, target, logits_scale_factor, stats)
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
-
-
-@register_fake("rl_losses::linear_token_log_probs")
-def _linear_token_log_probs(hidden, weight, target, *, bias=None, logits_scale_factor=1.0, compute_entropy=False,
-                            chunk_size=None):
-    _check_token_log_probs("linear_token_log_probs", hidden, target, logits_scale_factor)
-    return _token_log_probs_outputs(hidden, target, compute_entropy, False)[:2]
-
-
-@register_fake("rl_losses::_linear_token_log_probs_forward")
-def _linear_token_log_probs_forward(hidden, weight, target, bias, logits_scale_factor, compute_entropy, chunk_size):
-    _check_token_log_probs("linear_token_log_probs", hidden, target, logits_scale_factor)
-    return _token_log_probs_outputs(hidden, target, compute_entropy, True)
-
-
-@register_fake("rl_losses::_linear_token_log_probs_backward")
-def _linear_token_log_probs_backward(hidden, weight, target, bias, stats, grad_log_probs, grad_entropy,
-                                     logits_scale_factor, chunk_size, output_mask):
-    return tuple(_linear_grads(hidden, weight, bias, output_mask))
-
-
-@register_fake("rl_losses::policy_token_loss")
-def _policy_token_loss(log_probs, old_log_probs, advantages, ref_log_probs=None, rollout_log_probs=None, *,
-                       epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0, loss_type="ppo_clip",
-                       sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, rollout_correction=None, rollout_cap=3.0,
-                       rollout_mask_bounds=None, kl_estimator="k3", kl_importance_weighted=False):
-    _checks.policy_token_options(log_probs, old_log_probs, advantages, epsilon_low, epsilon_high, delta,
-                                 ref_log_probs, beta, loss_type, sapo_temperature_pos, sapo_temperature_neg,
-                                 rollout_log_probs, rollout_correction, rollout_cap, rollout_mask_bounds,
-                                 kl_estimator, kl_importance_weighted)
-    return tuple(log_probs.new_empty(log_probs.shape, dtype=_acc(log_probs.dtype)) for _ in range(7))
+_register_loss("dpo", lambda op, a, x: _checks_heads.dpo(a), _dpo_results)
+_register_loss("fused_head", lambda op, a, x: _checks_heads.fused_head(a), _fused_head_results)

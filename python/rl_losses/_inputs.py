@@ -1,13 +1,14 @@
 """Input handling shared by the functional wrappers (functional.py) and the distributed losses (distributed.py):
-the opt-in host checks of label and document ids on CUDA, the divisor's normalisation and the named result of
-the policy ops. Kept apart so that functional.py can route to distributed.py without an import cycle."""
+the opt-in host checks of label and document ids on CUDA, the options' normalisation and the named result of the
+policy ops. Kept apart so that functional.py can route to distributed.py without an import cycle."""
 from __future__ import annotations
 
 import os
 
 import torch
 
-from rl_losses.reference import PolicyLossOutput
+from rl_losses import _schema
+from rl_losses.outputs import PolicyLossOutput
 
 
 def _check_inputs_enabled() -> bool:
@@ -46,36 +47,32 @@ def _divisor(divisor) -> float | None:
     return float(divisor)
 
 
-# The number of outputs of the policy ops before GSPO's document_ratios (csrc/registration.cpp); the last output
-# of every policy op is vespo_phi_mean.
-POLICY_OUTPUTS = 12
+def _options(name: str, options: dict, allowed: frozenset[str]) -> dict:
+    """A wrapper's keyword options as its op takes them: an unknown one refused as Python would, the divisors as
+    numbers (a 0-dim tensor is read on the host), the mask bounds as a list."""
+    _schema.check_keywords(name, options, allowed)
+    for key, value in options.items():
+        if key.endswith("divisor") and value is not None:
+            options[key] = _divisor(value)
+    if options.get("rollout_mask_bounds") is not None:
+        options["rollout_mask_bounds"] = [float(b) for b in options["rollout_mask_bounds"]]
+    return options
 
 
-def _policy_output(out, compute_entropy: bool, document_ratios=None, *, loss_type: str = "ppo_clip",
-                   has_kl: bool = False, has_rollout: bool = False) -> PolicyLossOutput:
-    loss, new_lp, low, high, kl_old, entropy, log_probs, ratio_mean, kl, rho, weight, corrected = out[:POLICY_OUTPUTS]
-    return PolicyLossOutput(loss, new_lp, low, high, kl_old, entropy if compute_entropy else None, log_probs,
-                            ratio_mean, document_ratios, kl if has_kl else None, rho if has_rollout else None,
-                            weight if has_rollout else None, corrected if has_rollout else None,
-                            out[-1] if loss_type == "vespo" else None, loss_type=loss_type)
+def policy_output(op: str, out, options: dict) -> PolicyLossOutput:
+    """The named result of a policy op from its results by name, with None for the metrics whose option is off."""
+    result = _schema.named(op, out)
 
+    def option(name):
+        return _schema.option(op, options, name)
 
-def _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs, rollout_correction,
-                   rollout_cap, rollout_mask_bounds, kl_estimator, kl_importance_weighted, entropy_coefficient,
-                   vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0):
-    # The policy family's options as the ops take them (csrc/registration.cpp: RL_LOSSES_POLICY_KWARGS).
-    return dict(loss_type=loss_type, sapo_temperature_pos=float(sapo_temperature_pos),
-                sapo_temperature_neg=float(sapo_temperature_neg), rollout_log_probs=rollout_log_probs,
-                rollout_correction=rollout_correction, rollout_cap=float(rollout_cap),
-                rollout_mask_bounds=None if rollout_mask_bounds is None else [float(b) for b in rollout_mask_bounds],
-                kl_estimator=kl_estimator, kl_importance_weighted=bool(kl_importance_weighted),
-                entropy_coefficient=float(entropy_coefficient), vespo_k_pos=float(vespo_k_pos),
-                vespo_lambda_pos=float(vespo_lambda_pos), vespo_k_neg=float(vespo_k_neg),
-                vespo_lambda_neg=float(vespo_lambda_neg))
-
-
-def _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=None) -> PolicyLossOutput:
-    # The named result of grpo/gspo: the optional metrics set where their option is on.
-    return _policy_output(out, compute_entropy or policy["entropy_coefficient"] != 0.0, document_ratios,
-                          loss_type=policy["loss_type"], has_kl=ref_log_probs is not None,
-                          has_rollout=policy["rollout_correction"] is not None)
+    if not option("compute_entropy") and option("entropy_coefficient") == 0:
+        result["entropy"] = None
+    if options.get("ref_log_probs") is None:
+        result["kl"] = None
+    if option("rollout_correction") is None:
+        result["rollout_ratio_mean"] = result["rollout_weight_mean"] = result["rollout_corrected_fraction"] = None
+    loss_type = option("loss_type")
+    if loss_type != "vespo":
+        result["vespo_phi_seq_mean"] = None
+    return PolicyLossOutput(**result, loss_type=loss_type)

@@ -21,17 +21,17 @@ import os
 import typing
 from typing import Any, ClassVar
 
-from rl_losses import head, losses
+from rl_losses import fused_head, losses
+from rl_losses._checks import GSPO_WEIGHTINGS, KL_ESTIMATORS, POLICY_LOSS_TYPES, ROLLOUT_MODES
+from rl_losses._checks_heads import DISTILL_KINDS
+from rl_losses._schema import default
 
 # type name -> concrete config class, filled by ``LanguageModelLossConfig.__init_subclass__``.
 _REGISTRY: dict[str, type[LanguageModelLossConfig]] = {}
 
 METRICS_LEVELS = ("none", "basic", "with_entropy")
 GRPO_NORMALIZATIONS = ("token", "sequence", "document", "dr_grpo")
-GSPO_WEIGHTINGS = ("document", "token")
-POLICY_LOSS_TYPES = ("ppo_clip", "cispo", "sapo", "vespo")
-ROLLOUT_CORRECTIONS = (None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+ROLLOUT_CORRECTIONS = (None, *ROLLOUT_MODES)
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -48,7 +48,7 @@ class LanguageModelLossConfig:
     type_name: ClassVar[str | None] = None  # the ``type`` key; None for abstract configs
 
     weight: float = 1.0
-    logits_scale_factor: float = 1.0
+    logits_scale_factor: float = default("cross_entropy", "logits_scale_factor")
     use_cuda_kernel: bool | None = None
 
     def __init_subclass__(cls, **kwargs):
@@ -173,8 +173,8 @@ class LanguageModelLabelEntropyLossConfig(LanguageModelLossConfig):
     type_name: ClassVar[str] = "label"
 
     loss_type: str = "cross_entropy"
-    label_smoothing: float = 0.0
-    z_loss_factor: float = 0.0
+    label_smoothing: float = default("cross_entropy", "label_smoothing")
+    z_loss_factor: float = default("cross_entropy", "z_loss_factor")
 
     def _validate(self) -> None:
         super()._validate()
@@ -209,6 +209,7 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
     metrics: "none" (only ``<name>_new_logprobs``), "basic" (adds the clipped fractions, KL(new||old), ratio,
         advantage and token statistics; no extra pass over the vocabulary) or "with_entropy" (adds the mean
         entropy, fused into the kernel's pass).
+    beta: KL penalty towards the reference policy, per token (>= 0; > 0 needs ``ref_log_probs`` in the batch).
     The policy family (docs/policy_losses.md; the options of rl_losses.grpo_loss / gspo_loss): loss_type
         ("ppo_clip", "cispo", "sapo", "vespo"), sapo_temperature_pos / sapo_temperature_neg (> 0), vespo_k_pos /
         vespo_k_neg (finite) and vespo_lambda_pos / vespo_lambda_neg (>= 0; TRL's names), rollout_correction (None,
@@ -218,23 +219,25 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
         the loss is on-policy (old = sg(lp)).
     """
 
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    delta: float | None = None
+    # The op's options keep the op's names and defaults (rl_losses.losses passes them on by name).
+    epsilon_low: float = default("grpo", "epsilon_low")
+    epsilon_high: float = default("grpo", "epsilon_high")
+    delta: float | None = default("grpo", "delta")
     metrics: str = "none"
-    loss_type: str = "ppo_clip"
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    rollout_correction: str | None = None
-    rollout_cap: float = 3.0
-    rollout_mask_bounds: tuple[float, float] | None = None
-    kl_estimator: str = "k3"
-    kl_importance_weighted: bool = False
-    entropy_coefficient: float = 0.0
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
+    loss_type: str = default("grpo", "loss_type")
+    sapo_temperature_pos: float = default("grpo", "sapo_temperature_pos")
+    sapo_temperature_neg: float = default("grpo", "sapo_temperature_neg")
+    rollout_correction: str | None = default("grpo", "rollout_correction")
+    rollout_cap: float = default("grpo", "rollout_cap")
+    rollout_mask_bounds: tuple[float, float] | None = default("grpo", "rollout_mask_bounds")
+    kl_estimator: str = default("grpo", "kl_estimator")
+    kl_importance_weighted: bool = default("grpo", "kl_importance_weighted")
+    entropy_coefficient: float = default("grpo", "entropy_coefficient")
+    vespo_k_pos: float = default("grpo", "vespo_k_pos")
+    vespo_lambda_pos: float = default("grpo", "vespo_lambda_pos")
+    vespo_k_neg: float = default("grpo", "vespo_k_neg")
+    vespo_lambda_neg: float = default("grpo", "vespo_lambda_neg")
+    beta: float = default("grpo", "beta")
 
     def _validate(self) -> None:
         super()._validate()
@@ -266,13 +269,13 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
         self._check_choice("kl_estimator", KL_ESTIMATORS)
         self._check_bool("kl_importance_weighted")
         self._check_float("entropy_coefficient")
+        self._check_float("beta", low=0.0)
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class LanguageModelGRPOLossConfig(LanguageModelPolicyGradientLossConfig):
     """GRPO (type ``grpo``): per-token clipped importance ratio (docs/math.md).
 
-    beta: KL penalty towards the reference policy (>= 0; > 0 needs ``ref_log_probs`` in the batch).
     loss_normalization: how tokens are weighted and what divides the sum (the loss types of TRL / verl):
         "token"    w = mask,            D = num_labels_in_batch  (Fast-LLM, TRL dapo/bnpo, verl token-mean)
         "sequence" w = mask/|o_i|,      D = num_documents_in_batch (GRPO paper, TRL grpo, verl seq-mean-token-mean)
@@ -283,13 +286,11 @@ class LanguageModelGRPOLossConfig(LanguageModelPolicyGradientLossConfig):
 
     type_name: ClassVar[str] = "grpo"
 
-    beta: float = 0.0
     loss_normalization: str = "token"
     max_completion_length: int | None = None
 
     def _validate(self) -> None:
         super()._validate()
-        self._check_float("beta", low=0.0)
         self._check_choice("loss_normalization", GRPO_NORMALIZATIONS)
         m = self.max_completion_length
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
@@ -309,27 +310,21 @@ class LanguageModelGSPOLossConfig(LanguageModelPolicyGradientLossConfig):
     weighting: "document" (each document weighs 1; Fast-LLM #517/#522) or "token" (each document weighs its
         labelled-token count; Fast-LLM #544). Either way D = num_documents_in_batch, as in Fast-LLM.
     token_advantages: GSPO-token (TRL's ``sequence_token``): each token's own advantage inside the sequence ratio.
-    beta: KL penalty towards the reference policy, per token (>= 0; > 0 needs ``ref_log_probs`` in the batch).
     """
 
     type_name: ClassVar[str] = "gspo"
 
-    weighting: str = "document"
-    token_advantages: bool = False
-    beta: float = 0.0
+    weighting: str = default("gspo", "weighting")
+    token_advantages: bool = default("gspo", "token_advantages")
 
     def _validate(self) -> None:
         super()._validate()
-        self._check_float("beta", low=0.0)
         self._check_choice("weighting", GSPO_WEIGHTINGS)
         self._check_bool("token_advantages")
 
     @property
     def loss_class(self) -> type[losses.LanguageModelGSPOLoss]:
         return losses.LanguageModelGSPOLoss
-
-
-DISTILLATION_LOSS_TYPES = ("cross_entropy", "forward_kl", "reverse_kl", "jsd")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -347,20 +342,20 @@ class LanguageModelDistillationLossConfig(LanguageModelLossConfig):
 
     loss_type: str = "cross_entropy"
     reference_model: str = "teacher"
-    temperature: float = 1.0
-    beta: float = 0.5
+    temperature: float = default("distillation", "temperature")
+    beta: float = default("distillation", "beta")
 
     def _validate(self) -> None:
         super()._validate()
-        self._check_choice("loss_type", DISTILLATION_LOSS_TYPES)
+        self._check_choice("loss_type", DISTILL_KINDS)
         if not isinstance(self.reference_model, str) or not self.reference_model:
             self._fail("reference_model", "a non-empty string", TypeError)
         self._check_float("temperature", low=0.0, low_inclusive=False)
         self._check_float("beta", low=0.0, high=1.0)
 
     @property
-    def loss_class(self) -> type[head.LanguageModelDistillationLoss]:
-        return head.LanguageModelDistillationLoss
+    def loss_class(self) -> type[losses.LanguageModelDistillationLoss]:
+        return losses.LanguageModelDistillationLoss
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -375,7 +370,7 @@ class LanguageModelDPOLossConfig(LanguageModelLossConfig):
 
     type_name: ClassVar[str] = "dpo"
 
-    beta: float = 1.0
+    beta: float = default("dpo", "beta")
     reference_model: str = "reference"
 
     def _validate(self) -> None:
@@ -385,13 +380,13 @@ class LanguageModelDPOLossConfig(LanguageModelLossConfig):
             self._fail("reference_model", "a non-empty string", TypeError)
 
     @property
-    def loss_class(self) -> type[head.LanguageModelDPOLoss]:
-        return head.LanguageModelDPOLoss
+    def loss_class(self) -> type[losses.LanguageModelDPOLoss]:
+        return losses.LanguageModelDPOLoss
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
-class LanguageModelHeadLossConfig(LanguageModelLossConfig):
-    """Several losses of one head (type ``head``; Fast-LLM's monolithic loss): ``losses`` maps each loss's name to
+class LanguageModelFusedHeadLossConfig(LanguageModelLossConfig):
+    """Several losses of one head (type ``fused_head``; Fast-LLM's monolithic loss): ``losses`` maps each loss's name to
     its config (or a dict with a ``type`` key). The module returns Σ weight·loss and every loss's metrics.
     Label cross-entropy (without its own z_loss_factor), z-loss and one policy term, token-normalised GRPO or plain
     GSPO (ppo_clip, k3 KL, per-token advantages; both with metrics "none"), sharing one logits_scale_factor run as
@@ -399,7 +394,7 @@ class LanguageModelHeadLossConfig(LanguageModelLossConfig):
     own and its gradient is added.
     """
 
-    type_name: ClassVar[str] = "head"
+    type_name: ClassVar[str] = "fused_head"
 
     losses: dict = dataclasses.field(default_factory=dict)
 
@@ -414,8 +409,8 @@ class LanguageModelHeadLossConfig(LanguageModelLossConfig):
             if not isinstance(name, str):
                 self._fail("losses", "keyed by loss names (strings)", TypeError)
             cfg = cfg if isinstance(cfg, LanguageModelLossConfig) else LanguageModelLossConfig.from_dict(cfg)
-            if isinstance(cfg, LanguageModelHeadLossConfig):
-                self._fail("losses", "free of nested 'head' configs")
+            if isinstance(cfg, LanguageModelFusedHeadLossConfig):
+                self._fail("losses", "free of nested 'fused_head' configs")
             built[name] = cfg
         object.__setattr__(self, "losses", built)
 
@@ -425,5 +420,5 @@ class LanguageModelHeadLossConfig(LanguageModelLossConfig):
         return out
 
     @property
-    def loss_class(self) -> type[head.LanguageModelHeadLoss]:
-        return head.LanguageModelHeadLoss
+    def loss_class(self) -> type[fused_head.LanguageModelFusedHeadLoss]:
+        return fused_head.LanguageModelFusedHeadLoss

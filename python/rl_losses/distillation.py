@@ -5,18 +5,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rl_losses._inputs import _divisor
-from rl_losses.reference import DistillationOutput  # noqa: F401  (re-exported: the op's named result)
+from rl_losses import _schema
+from rl_losses._checks_heads import DISTILL_KINDS
+from rl_losses._inputs import _options
+from rl_losses._schema import DISTILL_STATS, DISTILL_STUDENT_SUMS, column
+from rl_losses.outputs import DistillationOutput
 
 _ops = torch.ops.rl_losses
+_HOOKS = ("row_stats", "jsd_sums")
 
-DISTILLATION_KINDS = ("forward_kl", "reverse_kl", "cross_entropy", "jsd")
 
-
-def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, *, kind: str = "forward_kl",
-                      beta: float = 0.5, temperature: float = 1.0, logits_scale_factor: float = 1.0,
-                      loss_mask: torch.Tensor | None = None, divisor: float | None = None,
-                      inplace_backward: bool = False, tp_group=None) -> DistillationOutput:
+def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, *, tp_group=None,
+                      **options) -> DistillationOutput:
     """Fused distillation loss: a divergence between the student's and the teacher's next-token distributions.
 
     Q = softmax(logits_scale_factor·logits) (student), P = softmax(teacher_logits / temperature) (teacher); per
@@ -43,57 +43,59 @@ def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, *, kin
     Returns: DistillationOutput(loss, divergence): the loss (float32; float64 for float64 logits) and the
         detached per-token divergence ℓ_t, shaped like the batch.
     """
+    options = _options("distillation_loss", options, _KEYWORDS)
     if tp_group is not None:
-        return _distillation_tp(logits, teacher_logits, tp_group, kind=kind, beta=beta, temperature=temperature,
-                                logits_scale_factor=logits_scale_factor, loss_mask=loss_mask,
-                                divisor=_divisor(divisor), inplace_backward=inplace_backward)
-    loss, divergence = _ops.distillation(logits, teacher_logits, kind=kind, beta=beta, temperature=temperature,
-                                         logits_scale_factor=logits_scale_factor, loss_mask=loss_mask,
-                                         divisor=_divisor(divisor), inplace_backward=inplace_backward)
-    return DistillationOutput(loss, divergence)
+        return _distillation_tp(logits, teacher_logits, tp_group, options)
+    return DistillationOutput(*_ops.distillation(logits, teacher_logits, **options))
 
 
-def tp_distillation_stats(logits: torch.Tensor, teacher_logits: torch.Tensor, tp_group, *, temperature: float = 1.0,
-                          logits_scale_factor: float = 1.0) -> torch.Tensor:
-    """The (N, 7) statistics of both softmaxes over the whole vocabulary, identical on every rank of
-    ``tp_group``: this shard's, then an all-reduce MAX of the two maxima and one SUM of the five sums, each
-    rescaled to the global maximum of its side first (columns: student max, Σe^(x−max), teacher max,
-    Σe^(y−max), and three weighted sums: csrc/distillation/distillation_math.h, DistillStats)."""
-    stats = _ops.distillation_stats(logits.detach(), teacher_logits.detach(), temperature=temperature,
-                                    logits_scale_factor=logits_scale_factor).reshape(-1, 7)
-    local_max = stats[:, [0, 2]].contiguous()
+distillation_loss.__signature__ = _schema.signature("distillation", drop=_HOOKS, extra={"tp_group": None},
+                                                    returns=DistillationOutput)
+_KEYWORDS = _schema.keywords("distillation", drop=_HOOKS)
+
+
+def tp_distillation_stats(logits: torch.Tensor, teacher_logits: torch.Tensor, tp_group, **options) -> torch.Tensor:
+    """The (N, 7) statistics of both softmaxes over the whole vocabulary (rl_losses._schema.DISTILL_STATS), identical
+    on every rank of ``tp_group``: this shard's, then an all-reduce MAX of the two maxima and one SUM of the five
+    sums, each rescaled to the global maximum of its side first. ``options``: distillation_stats'
+    (temperature, logits_scale_factor)."""
+    stats = _ops.distillation_stats(logits.detach(), teacher_logits.detach(), **options).reshape(-1, len(DISTILL_STATS))
+    maxima = [column(DISTILL_STATS, "ms"), column(DISTILL_STATS, "mt")]
+    local_max = stats[:, maxima].contiguous()
     global_max = local_max.clone()
     if global_max.numel():
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
     # A shard whose values on one side are all -inf has sums 0 there; guard its factor (-inf - -inf is NaN).
     factor = torch.where(local_max == float("-inf"), 0.0, torch.exp(local_max - global_max))
-    fs, ft = factor[:, 0], factor[:, 1]
-    sums = torch.stack([stats[:, 1] * fs, stats[:, 3] * ft, stats[:, 4] * ft, stats[:, 5] * fs, stats[:, 6] * ft],
-                       dim=1)
-    if sums.numel():
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
-    return torch.stack([global_max[:, 0], sums[:, 0], global_max[:, 1], sums[:, 1], sums[:, 2], sums[:, 3],
-                        sums[:, 4]], dim=1)
+    sums = [k for k in range(len(DISTILL_STATS)) if k not in maxima]
+    # Each sum rescales with the max of its exponent's side: the student's or the teacher's.
+    side = [0 if DISTILL_STATS[k] in DISTILL_STUDENT_SUMS else 1 for k in sums]
+    summed = stats[:, sums] * factor[:, side]
+    if summed.numel():
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=tp_group)
+    out = torch.empty_like(stats)
+    out[:, maxima] = global_max
+    out[:, sums] = summed
+    return out
 
 
-def _distillation_tp(logits, teacher_logits, tp_group, *, kind, beta, temperature, logits_scale_factor, loss_mask,
-                     divisor, inplace_backward) -> DistillationOutput:
-    if kind not in DISTILLATION_KINDS:  # before any collective: the same error on every rank
-        raise ValueError(f"distillation_loss: kind must be one of {DISTILLATION_KINDS}, got {kind!r}")
-    stats = tp_distillation_stats(logits, teacher_logits, tp_group, temperature=temperature,
-                                  logits_scale_factor=logits_scale_factor)
+def _distillation_tp(logits, teacher_logits, tp_group, options) -> DistillationOutput:
+    def option(name):
+        return _schema.option("distillation", options, name)
+
+    kind, beta = option("kind"), option("beta")
+    if kind not in DISTILL_KINDS:  # before any collective: the same error on every rank
+        raise ValueError(f"distillation_loss: kind must be one of {DISTILL_KINDS}, got {kind!r}")
+    softmax = {name: option(name) for name in _schema.keywords("distillation_stats")}
+    stats = tp_distillation_stats(logits, teacher_logits, tp_group, **softmax)
     jsd_sums = None
     if kind == "jsd" and 0.0 < beta < 1.0:
         jsd_sums = _ops.distillation_jsd_sums(logits.detach(), teacher_logits.detach(), stats, beta=beta,
-                                              temperature=temperature,
-                                              logits_scale_factor=logits_scale_factor).reshape(-1, 2).clone()
+                                              **softmax).reshape(-1, 2).clone()
         if jsd_sums.numel():
             dist.all_reduce(jsd_sums, op=dist.ReduceOp.SUM, group=tp_group)
-    loss, divergence = _ops.distillation(logits, teacher_logits, kind=kind, beta=beta, temperature=temperature,
-                                         logits_scale_factor=logits_scale_factor, loss_mask=loss_mask,
-                                         divisor=divisor, inplace_backward=inplace_backward, row_stats=stats,
-                                         jsd_sums=jsd_sums)
-    return DistillationOutput(loss, divergence)
+    return DistillationOutput(*_ops.distillation(logits, teacher_logits, row_stats=stats, jsd_sums=jsd_sums,
+                                                 **options))
 
 
 class _LinearDistillation(torch.autograd.Function):
@@ -115,10 +117,9 @@ class _LinearDistillation(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             rows = slice(start, min(n, start + chunk_size))
             logits = h[rows] @ weight.t()
-            loss, _, grad = _ops._distillation_forward(logits, teacher[rows], options["kind"], options["beta"],
-                                                       options["temperature"], options["logits_scale_factor"],
-                                                       None if mask is None else mask[rows], divisor, None, None,
-                                                       need_h or need_w)
+            loss, _, grad = _ops._distillation_forward(
+                logits, teacher[rows], loss_mask=None if mask is None else mask[rows], divisor=divisor, row_stats=None,
+                jsd_sums=None, compute_grad=need_h or need_w, **options)
             total = loss if total is None else total + loss
             if need_h:
                 grad_h[rows] = grad @ weight
@@ -136,13 +137,13 @@ class _LinearDistillation(torch.autograd.Function):
 
 
 def linear_distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_logits: torch.Tensor, *,
-                             kind: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0,
-                             logits_scale_factor: float = 1.0, loss_mask: torch.Tensor | None = None,
-                             divisor: float | None = None, chunk_size: int = 4096) -> torch.Tensor:
+                             chunk_size: int = 4096, **options) -> torch.Tensor:
     """Distillation loss of the student's ``hidden @ weight.T`` against ``teacher_logits`` (see
     distillation_loss), chunk_size rows of student logits at a time: the student's (N, V) logits and their
     gradient are never materialised whole. Differentiable w.r.t. ``hidden`` (..., H) and ``weight`` (V, H).
     The default divisor (the tokens of ``loss_mask``) is read on the host once."""
+    options = _options("linear_distillation_loss", options, _LINEAR_KEYWORDS)
+    loss_mask, divisor = options.pop("loss_mask", None), options.pop("divisor", None)
     if chunk_size < 1:
         raise ValueError(f"linear_distillation_loss: chunk_size must be >= 1, got {chunk_size}")
     if teacher_logits.shape[:-1] != hidden.shape[:-1] or teacher_logits.shape[-1] != weight.shape[0]:
@@ -150,6 +151,14 @@ def linear_distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher
                          f"student's logits would have shape {tuple(hidden.shape[:-1]) + (weight.shape[0],)}")
     if divisor is None:
         divisor = float(max(int(loss_mask.bool().sum()) if loss_mask is not None else hidden[..., 0].numel(), 1))
-    options = dict(kind=kind, beta=beta, temperature=temperature, logits_scale_factor=logits_scale_factor)
-    return _LinearDistillation.apply(hidden, weight, teacher_logits, options, loss_mask, _divisor(divisor),
-                                     chunk_size)
+    # The forward op takes every option: the defaults of those not given.
+    options = {name: _schema.option("distillation", options, name) for name in ("kind", "beta", "temperature",
+                                                                                "logits_scale_factor")}
+    return _LinearDistillation.apply(hidden, weight, teacher_logits, options, loss_mask, float(divisor), chunk_size)
+
+
+# Its options are distillation's, less inplace_backward; chunk_size is its own.
+_LINEAR_DROP = _HOOKS + ("inplace_backward",)
+linear_distillation_loss.__signature__ = _schema.signature(
+    "distillation", drop=_LINEAR_DROP, rename={"logits": "hidden"}, extra={"chunk_size": 4096})
+_LINEAR_KEYWORDS = _schema.keywords("distillation", drop=_LINEAR_DROP)

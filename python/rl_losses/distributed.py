@@ -66,26 +66,18 @@ the others "another rank of <group> failed". The flag rides in the buffer of a c
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 
-from rl_losses._inputs import (POLICY_OUTPUTS, _check_inputs_enabled, _check_labels, _divisor, _grpo_output,
-                               _policy_kwargs, _policy_output)
-from rl_losses.reference import PolicyLossOutput
-
-# The defaults of the policy family's options (rl_losses.grpo_loss).
-_POLICY_DEFAULTS = dict(loss_type="ppo_clip", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-                        rollout_log_probs=None, rollout_correction=None, rollout_cap=3.0, rollout_mask_bounds=None,
-                        kl_estimator="k3", kl_importance_weighted=False, entropy_coefficient=0.0, vespo_k_pos=2.0,
-                        vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)
-
-# gspo/gspo.h: the columns of the per-document sums (kGspoSums), and those divided by the count when the sums
-# were taken with w = 1 (Σu(lp−old), Σu·A; Σκ·KL under weighting "document").
-_GSPO_SUMS = 6
-_GSPO_ROLLOUT = 3  # Σ m·(o − rollout) (sequence modes) or Σ κ'·ω (token modes)
-_GSPO_KL_SHARE = 5
+from rl_losses import _schema
+from rl_losses._inputs import _check_inputs_enabled, _check_labels, _options, policy_output
+from rl_losses._schema import GSPO_SUMS, ROW_STATS, column
+from rl_losses.outputs import PolicyLossOutput
 
 _ops = torch.ops.rl_losses
+_STATS = len(ROW_STATS)
 
 
 # ---- shared ------------------------------------------------------------------------------------------------
@@ -147,12 +139,12 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
         _check_labels(op, target, vocab_size)
         stats = _ops.row_stats(logits.detach(), target, logits_scale_factor=logits_scale_factor,
                                vocab_start=vocab_start, vocab_size=vocab_size, entropy=entropy,
-                               smoothing=smoothing).reshape(-1, 5)
+                               smoothing=smoothing).reshape(-1, _STATS)
     except (RuntimeError, ValueError) as e:
         error = _caught(e, checked)
-        stats = torch.zeros(target.numel(), 5, dtype=_acc(logits.dtype), device=logits.device)
+        stats = torch.zeros(target.numel(), _STATS, dtype=_acc(logits.dtype), device=logits.device)
     n_rows = stats.shape[0]
-    local_max = stats[:, 0]
+    local_max = stats[:, column(ROW_STATS, "max")]
     if checked:
         width = float(logits.shape[-1])
         global_max = torch.cat([local_max, local_max.new_tensor([width, -width, float(error is not None)])])
@@ -170,7 +162,10 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
         global_max = global_max[:n_rows]
     # A shard whose values are all -inf has sums 0; guard its factor (exp(-inf - -inf) would be NaN).
     factor = torch.where(local_max == float("-inf"), 0.0, torch.exp(local_max - global_max))
-    sums = torch.stack([stats[:, 1] * factor, stats[:, 2] * factor, stats[:, 3], stats[:, 4]], dim=1)
+    # The sums weighted by exp(x − max) rescale to the global max; Σx and the label's logit add as they are.
+    rescaled = ("sum_exp", "sum_exp_x")
+    sums = torch.stack([stats[:, column(ROW_STATS, c)] * (factor if c in rescaled else 1) for c in ROW_STATS[1:]],
+                       dim=1)
     if sums.numel():
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
     return torch.cat([global_max.unsqueeze(1), sums], dim=1)
@@ -189,10 +184,17 @@ def _tp_setup(op, logits, target, tp_group, logits_scale_factor, vocab_start, vo
     return stats, start, total
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, tp_group, logits_scale_factor: float = 1.0,
-                  label_smoothing: float = 0.0, z_loss_factor: float = 0.0, label_weight: float = 1.0,
-                  reduction: str = "mean", divisor: float | None = None, inplace_backward: bool = False,
-                  vocab_start: int | None = None, vocab_size: int | None = None) -> torch.Tensor:
+def _shard_signature(fn, op: str, *, extra=None, returns=None) -> frozenset[str]:
+    """Gives a distributed loss its documented signature: its op's, less the hooks this layer fills, with the
+    group(s) and the shard arguments (None: even shards); returns the keyword options it passes on."""
+    hooks = ("row_stats", "vocab_start", "vocab_size", "document_sums")
+    extra = {**(extra or {"tp_group": inspect.Parameter.empty}), "vocab_start": None, "vocab_size": None}
+    fn.__signature__ = _schema.signature(op, drop=hooks, extra=extra, returns=returns)
+    return _schema.keywords(op, drop=hooks)
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, tp_group, vocab_start: int | None = None,
+                  vocab_size: int | None = None, **options) -> torch.Tensor:
     """Vocabulary-parallel cross-entropy / z-loss (docs/distributed.md); see rl_losses.cross_entropy.
 
     Args:
@@ -203,55 +205,60 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, tp_group, logit
             (default: even shards, rank·V_loc and world·V_loc).
     Returns: the loss, identical on every rank; backward gives this rank's shard of the gradient.
     """
-    stats, start, total = _tp_setup("cross_entropy", logits, target, tp_group, logits_scale_factor, vocab_start,
-                                    vocab_size, smoothing=label_smoothing != 0 and label_weight != 0)
-    loss, _ = _ops.cross_entropy(logits, target, logits_scale_factor=logits_scale_factor,
-                                 label_smoothing=label_smoothing, z_loss_factor=z_loss_factor,
-                                 label_weight=label_weight, reduction=reduction, divisor=_divisor(divisor),
-                                 inplace_backward=inplace_backward, row_stats=stats, vocab_start=start,
-                                 vocab_size=total)
-    return loss
+    options = _options("cross_entropy", options, _CROSS_ENTROPY)
+
+    def option(name):
+        return _schema.option("cross_entropy", options, name)
+
+    stats, start, total = _tp_setup("cross_entropy", logits, target, tp_group, option("logits_scale_factor"),
+                                    vocab_start, vocab_size,
+                                    smoothing=option("label_smoothing") != 0 and option("label_weight") != 0)
+    return _ops.cross_entropy(logits, target, row_stats=stats, vocab_start=start, vocab_size=total, **options)[0]
+
+
+_CROSS_ENTROPY = _shard_signature(cross_entropy, "cross_entropy")
+
+
+def _with_entropy(op: str, options: dict) -> bool:
+    # The entropy bonus needs Σp·x in the statistics, as the entropy metric does.
+    return _schema.option(op, options, "compute_entropy") or _schema.option(op, options, "entropy_coefficient") != 0
 
 
 def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
-              old_log_probs: torch.Tensor | None, *, tp_group, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
-              delta: float | None = None, ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
-              loss_weights: torch.Tensor | None = None, divisor: float | None = None,
-              logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
-              compute_entropy: bool = False, inplace_backward: bool = False, vocab_start: int | None = None,
-              vocab_size: int | None = None, document_index: torch.Tensor | None = None,
-              num_documents: int | None = None, **policy) -> PolicyLossOutput:
-    """Vocabulary-parallel GRPO; see rl_losses.grpo_loss (``policy``: its policy-family
-    options), and cross_entropy above for the shard arguments. The loss and metrics are identical on every rank
-    of ``tp_group``."""
-    policy = _policy_kwargs(**{**_POLICY_DEFAULTS, **policy})
-    # The entropy bonus needs Σp·x in the statistics, as the entropy metric does.
-    entropy = compute_entropy or policy["entropy_coefficient"] != 0.0
-    stats, start, total = _tp_setup("grpo_loss", logits, target, tp_group, logits_scale_factor, vocab_start,
-                                    vocab_size, entropy=entropy)
-    out = _ops.grpo(logits, target, advantages, old_log_probs, ref_log_probs=ref_log_probs,
-                    loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
-                    epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
-                    logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                    inplace_backward=inplace_backward, row_stats=stats, vocab_start=start, vocab_size=total,
-                    document_index=document_index, num_documents=num_documents, **policy)
-    return _grpo_output(out, compute_entropy, policy, ref_log_probs)
+              old_log_probs: torch.Tensor | None, *, tp_group, vocab_start: int | None = None,
+              vocab_size: int | None = None, **options) -> PolicyLossOutput:
+    """Vocabulary-parallel GRPO; see rl_losses.grpo_loss for the options, and cross_entropy above for the shard
+    arguments. The loss and metrics are identical on every rank of ``tp_group``."""
+    options = _options("grpo_loss", options, _GRPO)
+    stats, start, total = _tp_setup("grpo_loss", logits, target, tp_group,
+                                    _schema.option("grpo", options, "logits_scale_factor"), vocab_start, vocab_size,
+                                    entropy=_with_entropy("grpo", options))
+    out = _ops.grpo(logits, target, advantages, old_log_probs, row_stats=stats, vocab_start=start, vocab_size=total,
+                    **options)
+    return policy_output("grpo", out, options)
 
 
-def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, tp_group, logits_scale_factor: float = 1.0,
-                    compute_entropy: bool = False, vocab_start: int | None = None,
-                    vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+_GRPO = _shard_signature(grpo_loss, "grpo", returns=PolicyLossOutput)
+
+
+def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, tp_group, vocab_start: int | None = None,
+                    vocab_size: int | None = None, **options) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Vocabulary-parallel per-token log-probs and entropies (see rl_losses.token_log_probs, and
     cross_entropy above for the shard arguments). The outputs are identical on every rank of ``tp_group``;
     the backward gives this rank's shard of the gradient, from the upstream gradients of its own outputs
     (every rank must receive the same ones, as it does when the rest of the model is replicated over the
     group)."""
-    stats, start, total = _tp_setup("token_log_probs", logits, target, tp_group, logits_scale_factor, vocab_start,
+    options = _options("token_log_probs", options, _TOKEN_LOG_PROBS)
+    compute_entropy = _schema.option("token_log_probs", options, "compute_entropy")
+    stats, start, total = _tp_setup("token_log_probs", logits, target, tp_group,
+                                    _schema.option("token_log_probs", options, "logits_scale_factor"), vocab_start,
                                     vocab_size, entropy=compute_entropy)
-    log_probs, entropy = _ops.token_log_probs(logits, target, logits_scale_factor=logits_scale_factor,
-                                              compute_entropy=compute_entropy, row_stats=stats, vocab_start=start,
-                                              vocab_size=total)
+    log_probs, entropy = _ops.token_log_probs(logits, target, row_stats=stats, vocab_start=start, vocab_size=total,
+                                              **options)
     return log_probs, entropy if compute_entropy else None
+
+
+_TOKEN_LOG_PROBS = _shard_signature(token_log_probs, "token_log_probs")
 
 
 # ---- sequence-data parallelism (GSPO) ----------------------------------------------------------------------
@@ -265,14 +272,17 @@ def _group_num_documents(document_index: torch.Tensor, sdp_group) -> int:
 
 def _sdp_local_sums(op, stats, target, advantages, old_log_probs, document_index, label_counts, num_documents,
                     compute_entropy, checked, sum_options) -> torch.Tensor:
-    """This rank's share of the SDP all-reduce: (num_documents [+1], 7), see the module comment."""
+    """This rank's share of the SDP all-reduce: (num_documents [+1], len(GSPO_SUMS) + 1), see the module comment."""
     if checked and document_index.numel():
         high = int(document_index.max())
         if high >= num_documents:
             raise ValueError(f"{op}: document_index holds {high} but num_documents is {num_documents}")
-    lse = stats[:, 0] + torch.log(stats[:, 1])
+    def stat(name):
+        return stats[:, column(ROW_STATS, name)]
+
+    lse = stat("max") + torch.log(stat("sum_exp"))
     labelled = target.reshape(-1) >= 0
-    log_probs = torch.where(labelled, stats[:, 4] - lse, 0.0)
+    log_probs = torch.where(labelled, stat("label_logit") - lse, 0.0)
     # gspo_document_sums validates the per-token inputs (shapes, dtypes, devices) against target.
     counts = label_counts if label_counts is not None else torch.ones(target.shape, dtype=stats.dtype,
                                                                       device=stats.device)
@@ -285,7 +295,7 @@ def _sdp_local_sums(op, stats, target, advantages, old_log_probs, document_index
         0, torch.where(doc >= 0, doc, 0), weight * log_probs)
     payload = torch.cat([sums, lp_sums.unsqueeze(1)], dim=1)
     if compute_entropy:
-        entropy = torch.where(mask > 0, lse - stats[:, 2] / stats[:, 1], 0.0)
+        entropy = torch.where(mask > 0, lse - stat("sum_exp_x") / stat("sum_exp"), 0.0)
         row = torch.zeros(payload.shape[1], dtype=payload.dtype, device=payload.device)
         row[0], row[1] = entropy.sum(), mask.sum()
         payload = torch.cat([payload, row.unsqueeze(0)])
@@ -294,35 +304,30 @@ def _sdp_local_sums(op, stats, target, advantages, old_log_probs, document_index
 
 def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
               old_log_probs: torch.Tensor | None, document_index: torch.Tensor, *, tp_group=None, sdp_group=None,
-              num_documents: int | None = None, label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2,
-              epsilon_high: float = 0.2, delta: float | None = None, weighting: str = "document",
-              token_advantages: bool = False, divisor: float | None = None, logits_scale_factor: float = 1.0,
-              compute_entropy: bool = False, inplace_backward: bool = False, vocab_start: int | None = None,
-              vocab_size: int | None = None, ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
-              **policy) -> PolicyLossOutput:
+              vocab_start: int | None = None, vocab_size: int | None = None, **options) -> PolicyLossOutput:
     """GSPO over a vocabulary-parallel and/or sequence-data-parallel group (docs/math.md, docs/distributed.md); see
     rl_losses.gspo_loss, and cross_entropy above for the shard arguments.
 
     Under ``sdp_group``: ``document_index`` holds global document ids; ``label_counts`` (when given) are the
     counts of each token's whole document over the group; ``num_documents`` (the global number) defaults to
     the group's max(document_index)+1 (a host synchronisation). The loss is this rank's tokens' share (the
-    sum over the group is the loss); the metrics are the group's. ``policy``: rl_losses.gspo_loss's
-    policy-family options, every one available here (a split document's rollout ratio, VESPO weight and
+    sum over the group is the loss); the metrics are the group's. The options are rl_losses.gspo_loss's, the
+    policy family's every one available here (a split document's rollout ratio, VESPO weight and
     importance-weighted KL sum ride in the same all-reduce as its ratio).
     """
-    policy = _policy_kwargs(**{**_POLICY_DEFAULTS, **policy})
-    entropy = compute_entropy or policy["entropy_coefficient"] != 0.0  # the bonus needs Σp·x too
+    options = _options("gspo_loss", options, _GSPO)
+
+    def option(name):
+        return _schema.option("gspo", options, name)
+
+    entropy = _with_entropy("gspo", options)
     op = "gspo_loss"
-    tp = (op, logits, target, tp_group, logits_scale_factor, vocab_start, vocab_size)
-    options = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, weighting=weighting,
-                   token_advantages=token_advantages, divisor=_divisor(divisor),
-                   logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                   inplace_backward=inplace_backward, ref_log_probs=ref_log_probs, beta=beta, **policy)
+    tp = (op, logits, target, tp_group, option("logits_scale_factor"), vocab_start, vocab_size)
     if sdp_group is None:
         stats, start, total = _tp_setup(*tp, entropy=entropy)
-        out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
-                        label_counts=label_counts, row_stats=stats, vocab_start=start, vocab_size=total, **options)
-        return _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=out[POLICY_OUTPUTS])
+        out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, row_stats=stats, vocab_start=start,
+                        vocab_size=total, **options)
+        return policy_output("gspo", out, options)
     # The per-document sums need one advantage per token: broadcast per-sequence / per-document ones here.
     if advantages.shape != target.shape:
         if advantages.dim() < target.dim() and advantages.shape == target.shape[:advantages.dim()]:
@@ -331,6 +336,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
             advantages = advantages[torch.where(document_index >= 0, document_index, 0).long()]
         advantages = advantages.expand(target.shape)
 
+    num_documents, label_counts = options.pop("num_documents", None), options.pop("label_counts", None)
     if num_documents is None:
         if torch.compiler.is_compiling():
             raise ValueError(f"{op}: under sdp_group and torch.compile, pass num_documents (its default needs a "
@@ -338,6 +344,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         num_documents = _group_num_documents(document_index, sdp_group)
     if num_documents < 0:
         raise ValueError(f"{op}: num_documents must be >= 0, got {num_documents}")
+    n_sums = len(GSPO_SUMS)
     # This rank's local work, up to the SDP all-reduce (the TP statistics first when there is a tp_group).
     checked = _host_checks(logits)
     error = None
@@ -345,16 +352,16 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         stats, start, total = _tp_setup(*tp, entropy=entropy)
         if stats is None:  # no tensor parallelism: this rank's statistics are the whole vocabulary's
             _check_labels(op, target, logits.shape[-1])
-            stats = _ops.row_stats(logits.detach(), target, logits_scale_factor=logits_scale_factor,
-                                   entropy=entropy).reshape(-1, 5)
-        sum_options = dict(weighting=weighting, token_advantages=token_advantages, ref_log_probs=ref_log_probs,
-                           beta=beta, **policy)
+            stats = _ops.row_stats(logits.detach(), target, logits_scale_factor=option("logits_scale_factor"),
+                                   entropy=entropy).reshape(-1, _STATS)
+        # The options the sums depend on: gspo_document_sums' keyword arguments.
+        sums_keywords = _schema.keywords("gspo_document_sums")
+        sum_options = {k: v for k, v in options.items() if k in sums_keywords}
         payload = _sdp_local_sums(op, stats, target, advantages, old_log_probs, document_index, label_counts,
                                   num_documents, entropy, checked, sum_options)
     except (RuntimeError, ValueError) as e:
         error = _caught(e, checked)
-        payload = torch.zeros(num_documents + entropy, _GSPO_SUMS + 1, dtype=_acc(logits.dtype),
-                              device=logits.device)
+        payload = torch.zeros(num_documents + entropy, n_sums + 1, dtype=_acc(logits.dtype), device=logits.device)
     if checked:
         flag = payload.new_zeros(1, payload.shape[1])
         flag[0, 0] = float(error is not None)
@@ -364,25 +371,28 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     if checked:
         _raise_if_failed(op, "sdp_group", payload[-1, 0].item() > 0, error)
 
-    docs, count = payload[:num_documents], payload[:num_documents, 2]
+    # Columns: GSPO_SUMS, then Σ w·lp (the new_logprobs metric).
+    docs, count = payload[:num_documents], payload[:num_documents, column(GSPO_SUMS, "count")]
     doc = document_index.reshape(-1).to(torch.int64)
     if label_counts is None:
         # The sums were taken with w = 1: divide the w-weighted columns by each document's (now global) labelled
-        # count.
-        mode = policy.get("rollout_correction") or ""
-        shares = [_GSPO_KL_SHARE] + ([_GSPO_ROLLOUT] if mode.startswith("token") else [])  # Σ κ'·KL, Σ κ'·ω
-        divided = [0, 1, _GSPO_SUMS] + (shares if weighting == "document" else [])
+        # count: Σu(lp−old), Σu·A, Σw·lp, and under weighting "document" Σκ'·KL and (token modes) Σκ'·ω.
+        divided = [column(GSPO_SUMS, "log_ratio"), column(GSPO_SUMS, "advantage"), n_sums]
+        if option("weighting") == "document":
+            divided.append(column(GSPO_SUMS, "kl_share"))
+            if (option("rollout_correction") or "").startswith("token"):
+                divided.append(column(GSPO_SUMS, "rollout_log_ratio"))
         scale = torch.ones_like(docs)
         scale[:, divided] = (1 / count.clamp_min(1)).unsqueeze(1)
         docs = docs * scale
         label_counts = count.index_select(0, torch.where(doc >= 0, doc, 0)).view(target.shape)
     out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
-                    label_counts=label_counts, row_stats=stats, document_sums=docs[:, :_GSPO_SUMS].contiguous(),
+                    label_counts=label_counts, row_stats=stats, document_sums=docs[:, :n_sums].contiguous(),
                     vocab_start=start, vocab_size=total, **options)
     # The op's new_logprobs and entropy cover this rank's tokens only: the group's come from the all-reduce.
-    new_logprobs = docs[:, _GSPO_SUMS].sum() / (count > 0).sum().clamp_min(1)
+    new_logprobs = docs[:, n_sums].sum() / (count > 0).sum().clamp_min(1)
     group_entropy = payload[num_documents, 0] / payload[num_documents, 1].clamp_min(1) if entropy else None
-    result = _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=out[POLICY_OUTPUTS])
+    result = policy_output("gspo", out, options)
     result = result._replace(new_logprobs=new_logprobs, entropy=group_entropy)
     if result.kl is not None or result.rollout_ratio_mean is not None or result.vespo_phi_seq_mean is not None:
         # The op's KL and rollout metrics are means over this rank's labelled tokens: one more small all-reduce
@@ -399,3 +409,6 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
                                  rollout_corrected_fraction=group[3],
                                  vespo_phi_seq_mean=None if phi is None else sums[len(means) + 1])
     return result
+
+
+_GSPO = _shard_signature(gspo_loss, "gspo", extra={"tp_group": None, "sdp_group": None}, returns=PolicyLossOutput)

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from rl_losses._inputs import _check_inputs_enabled, _divisor
-from rl_losses.reference import DpoOutput  # noqa: F401  (re-exported: the op's named result)
+from rl_losses import _schema, distributed
+from rl_losses._inputs import _check_inputs_enabled, _options
+from rl_losses.outputs import DpoOutput
 
 _ops = torch.ops.rl_losses
 
 
 def dpo_loss(logits: torch.Tensor, target: torch.Tensor, document_index: torch.Tensor, pairs: torch.Tensor,
-             reference_chosen_log_probs: torch.Tensor, reference_rejected_log_probs: torch.Tensor, *,
-             beta: float = 1.0, logits_scale_factor: float = 1.0, divisor: float | None = None,
-             inplace_backward: bool = False, tp_group=None, vocab_start: int | None = None,
-             vocab_size: int | None = None) -> DpoOutput:
+             reference_chosen_log_probs: torch.Tensor, reference_rejected_log_probs: torch.Tensor, *, tp_group=None,
+             vocab_start: int | None = None, vocab_size: int | None = None, **options) -> DpoOutput:
     """Fused DPO loss (Fast-LLM's ``dpo`` type) over a packed batch.
 
     Each document (the tokens sharing a ``document_index``) is the chosen or the rejected response of one pair;
@@ -41,15 +40,18 @@ def dpo_loss(logits: torch.Tensor, target: torch.Tensor, document_index: torch.T
             column and the global V, for uneven shards (default: even shards).
     Returns: DpoOutput (``loss`` differentiable; rewards, accuracy, margin, log-probs detached).
     """
-    from rl_losses.distributed import _tp_setup
-
+    options = _options("dpo_loss", options, _KEYWORDS)
     if pairs.is_cuda and _check_inputs_enabled() and not torch.compiler.is_compiling():
         pairs = pairs.cpu()  # the op's host check, then the copy back: a synchronisation the user asked for
-    stats, start, total = _tp_setup("dpo", logits, target, tp_group, logits_scale_factor, vocab_start, vocab_size)
+    stats, start, total = distributed._tp_setup("dpo", logits, target, tp_group,
+                                                _schema.option("dpo", options, "logits_scale_factor"), vocab_start,
+                                                vocab_size)
     out = _ops.dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs,
-                   beta=beta, logits_scale_factor=logits_scale_factor, divisor=_divisor(divisor),
-                   inplace_backward=inplace_backward, row_stats=stats, vocab_start=start, vocab_size=total)
-    return DpoOutput(*out)
+                   row_stats=stats, vocab_start=start, vocab_size=total, **options)
+    return DpoOutput(**_schema.named("dpo", out))
+
+
+_KEYWORDS = distributed._shard_signature(dpo_loss, "dpo", extra={"tp_group": None}, returns=DpoOutput)
 
 
 def documents_from_spans(chosen_spans, rejected_spans, shape, device=None) -> tuple[torch.Tensor, torch.Tensor]:

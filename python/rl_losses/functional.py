@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from rl_losses import distributed
-from rl_losses._inputs import (POLICY_OUTPUTS, _check_document_ids, _check_labels, _divisor, _grpo_output,  # noqa: F401
-                               _policy_kwargs, _policy_output, _vocab_size)
-from rl_losses.reference import PolicyLossOutput  # noqa: F401  (re-exported: the ops' named result)
+from rl_losses import _schema, distributed
+from rl_losses._inputs import _check_document_ids, _check_labels, _options, _vocab_size, policy_output
+from rl_losses.outputs import PolicyLossOutput
 
 _ops = torch.ops.rl_losses
+# The tensor-parallel hooks the wrappers fill themselves (through tp_group) and so leave out of their signatures.
+_TP_HOOKS = ("row_stats", "vocab_start", "vocab_size")
 
 
 def cuda_kernels_available() -> bool:
@@ -24,9 +25,16 @@ def cuda_kernels_available() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("rl_losses::_cross_entropy_forward", "CUDA")
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, logits_scale_factor: float = 1.0,
-                  label_smoothing: float = 0.0, z_loss_factor: float = 0.0, reduction: str = "mean",
-                  divisor: float | None = None, inplace_backward: bool = False, tp_group=None) -> torch.Tensor:
+def _wrapper(fn, op: str, *, drop=(), only=None, rename=None, extra=None, returns=None) -> frozenset[str]:
+    """Gives a wrapper over `op` its documented signature (the schema's, less `drop` or only `only`, names changed by
+    `rename`, then the wrapper's own `extra` options); returns the keyword options it passes on."""
+    if only is not None:
+        drop = tuple(a.name for a in _schema.schema(op).arguments if a.kwarg_only and a.name not in only)
+    fn.__signature__ = _schema.signature(op, drop=drop, rename=rename, extra=extra, returns=returns)
+    return _schema.keywords(op, drop=drop)
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None, **options) -> torch.Tensor:
     """Fused cross-entropy from labels, with optional label smoothing and z-loss (docs/math.md).
 
     Args:
@@ -50,16 +58,14 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, logits_scale_fa
     Returns: the loss, float32 (float64 for float64 logits): a scalar, or shaped like ``target`` for "none".
         Differentiable w.r.t. ``logits`` (the gradient is computed in the forward pass).
     """
+    options = _options("cross_entropy", options, _CROSS_ENTROPY)
     if tp_group is not None:
-        return distributed.cross_entropy(logits, target, tp_group=tp_group, logits_scale_factor=logits_scale_factor,
-                                         label_smoothing=label_smoothing, z_loss_factor=z_loss_factor,
-                                         reduction=reduction, divisor=_divisor(divisor),
-                                         inplace_backward=inplace_backward)
+        return distributed.cross_entropy(logits, target, tp_group=tp_group, **options)
     _check_labels("cross_entropy", target, _vocab_size(logits, -1))
-    loss, _ = _ops.cross_entropy(logits, target, logits_scale_factor=logits_scale_factor,
-                                 label_smoothing=label_smoothing, z_loss_factor=z_loss_factor,
-                                 reduction=reduction, divisor=_divisor(divisor), inplace_backward=inplace_backward)
-    return loss
+    return _ops.cross_entropy(logits, target, **options)[0]
+
+
+_CROSS_ENTROPY = _wrapper(cross_entropy, "cross_entropy", drop=_TP_HOOKS + ("label_weight",), extra={"tp_group": None})
 
 
 def _mask_as_target(logits: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
@@ -73,8 +79,8 @@ def _mask_as_target(logits: torch.Tensor, loss_mask: torch.Tensor | None) -> tor
     return torch.where(loss_mask.bool(), 0, -1).to(torch.long)
 
 
-def z_loss(logits: torch.Tensor, *, loss_mask: torch.Tensor | None = None, logits_scale_factor: float = 1.0,
-           divisor: float | None = None, tp_group=None) -> torch.Tensor:
+def z_loss(logits: torch.Tensor, *, loss_mask: torch.Tensor | None = None, tp_group=None,
+           **options) -> torch.Tensor:
     """Z-loss alone (Fast-LLM's ``z_loss``): Σ_t mask_t·lse_t² / D (docs/math.md).
 
     Args:
@@ -88,13 +94,18 @@ def z_loss(logits: torch.Tensor, *, loss_mask: torch.Tensor | None = None, logit
             and the loss is the same on every rank (docs/distributed.md). None: one device.
     Returns: the scalar loss, float32 (float64 for float64 logits), differentiable w.r.t. ``logits``.
     """
+    options = _options("z_loss", options, _Z_LOSS)
     target = _mask_as_target(logits, loss_mask)
     if tp_group is not None:
-        return distributed.cross_entropy(logits, target, tp_group=tp_group, logits_scale_factor=logits_scale_factor,
-                                         z_loss_factor=1.0, label_weight=0.0, divisor=_divisor(divisor))
-    loss, _ = _ops.cross_entropy(logits, target, logits_scale_factor=logits_scale_factor, z_loss_factor=1.0,
-                                 label_weight=0.0, divisor=_divisor(divisor))
-    return loss
+        return distributed.cross_entropy(logits, target, tp_group=tp_group, z_loss_factor=1.0, label_weight=0.0,
+                                         **options)
+    return _ops.cross_entropy(logits, target, z_loss_factor=1.0, label_weight=0.0, **options)[0]
+
+
+_Z_LOSS = _wrapper(z_loss, "cross_entropy", only=("logits_scale_factor", "divisor"), extra={"loss_mask": None, "tp_group": None})
+# (the z-loss's "target" only carries the mask)
+z_loss.__signature__ = z_loss.__signature__.replace(
+    parameters=[p for p in z_loss.__signature__.parameters.values() if p.name != "target"])
 
 
 _POLICY_DOC = """
@@ -124,18 +135,7 @@ _POLICY_DOC = """
 
 
 def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
-              old_log_probs: torch.Tensor | None, *, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
-              delta: float | None = None, ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
-              loss_weights: torch.Tensor | None = None, divisor: float | None = None,
-              logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
-              compute_entropy: bool = False, inplace_backward: bool = False, tp_group=None,
-              loss_type: str = "ppo_clip", sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
-              rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
-              rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
-              kl_estimator: str = "k3", kl_importance_weighted: bool = False, entropy_coefficient: float = 0.0,
-              vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
-              vespo_lambda_neg: float = 2.0, document_index: torch.Tensor | None = None,
-              num_documents: int | None = None) -> PolicyLossOutput:
+              old_log_probs: torch.Tensor | None, *, tp_group=None, **options) -> PolicyLossOutput:
     """GRPO: per-token clipped importance ratio (docs/math.md), fused with its metrics.
 
     Args:
@@ -173,46 +173,22 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         token), ratio_mean, then kl, rollout ratio/weight/corrected fraction, vespo_phi_seq_mean where those
         options are on; ``trl_metrics()`` gives them under TRL's logged names.
     """
-    policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
-                            rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
-                            kl_importance_weighted, entropy_coefficient, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-                            vespo_lambda_neg)
+    options = _options("grpo_loss", options, _GRPO)
     if tp_group is not None:
-        return distributed.grpo_loss(logits, target, advantages, old_log_probs, tp_group=tp_group,
-                                     epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-                                     ref_log_probs=ref_log_probs, beta=beta, loss_weights=loss_weights,
-                                     divisor=_divisor(divisor), logits_scale_factor=logits_scale_factor,
-                                     label_counts=label_counts, compute_entropy=compute_entropy,
-                                     inplace_backward=inplace_backward, document_index=document_index,
-                                     num_documents=num_documents, **policy)
+        return distributed.grpo_loss(logits, target, advantages, old_log_probs, tp_group=tp_group, **options)
     _check_labels("grpo", target, _vocab_size(logits, -1))
-    if document_index is not None:
-        _check_document_ids("grpo", document_index, num_documents)
-    out = _ops.grpo(logits, target, advantages, old_log_probs, ref_log_probs=ref_log_probs,
-                    loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
-                    epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
-                    logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                    inplace_backward=inplace_backward, document_index=document_index, num_documents=num_documents,
-                    **policy)
-    return _grpo_output(out, compute_entropy, policy, ref_log_probs)
+    if options.get("document_index") is not None:
+        _check_document_ids("grpo", options["document_index"], options.get("num_documents"))
+    return policy_output("grpo", _ops.grpo(logits, target, advantages, old_log_probs, **options), options)
 
 
+_GRPO = _wrapper(grpo_loss, "grpo", drop=_TP_HOOKS, extra={"tp_group": None}, returns=PolicyLossOutput)
 grpo_loss.__doc__ += _POLICY_DOC
 
 
 def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
-              old_log_probs: torch.Tensor | None, document_index: torch.Tensor, *, num_documents: int | None = None,
-              label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
-              delta: float | None = None, weighting: str = "document", token_advantages: bool = False,
-              divisor: float | None = None, logits_scale_factor: float = 1.0, compute_entropy: bool = False,
-              inplace_backward: bool = False, tp_group=None, sdp_group=None,
-              ref_log_probs: torch.Tensor | None = None, beta: float = 0.0, loss_type: str = "ppo_clip",
-              sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
-              rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
-              rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
-              kl_estimator: str = "k3", kl_importance_weighted: bool = False,
-              entropy_coefficient: float = 0.0, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
-              vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0) -> PolicyLossOutput:
+              old_log_probs: torch.Tensor | None, document_index: torch.Tensor, *, tp_group=None, sdp_group=None,
+              **options) -> PolicyLossOutput:
     """GSPO: sequence-level geometric-mean ratio over packed documents (docs/math.md), with its metrics.
 
     Args:
@@ -253,29 +229,18 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         scalar), then the detached metrics new_logprobs, clipped_fraction_low/high (fractions of documents),
         kl_old, entropy (None unless ``compute_entropy``), log_probs, ratio_mean, document_ratios.
     """
-    policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
-                            rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
-                            kl_importance_weighted, entropy_coefficient, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-                            vespo_lambda_neg)
+    options = _options("gspo_loss", options, _GSPO)
     if tp_group is not None or sdp_group is not None:
-        return distributed.gspo_loss(logits, target, advantages, old_log_probs, document_index,
-                                     tp_group=tp_group, sdp_group=sdp_group, num_documents=num_documents,
-                                     label_counts=label_counts, epsilon_low=epsilon_low,
-                                     epsilon_high=epsilon_high, delta=delta, weighting=weighting,
-                                     token_advantages=token_advantages, divisor=_divisor(divisor),
-                                     logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                                     inplace_backward=inplace_backward, ref_log_probs=ref_log_probs, beta=beta,
-                                     **policy)
+        return distributed.gspo_loss(logits, target, advantages, old_log_probs, document_index, tp_group=tp_group,
+                                     sdp_group=sdp_group, **options)
     _check_labels("gspo", target, _vocab_size(logits, -1))
-    _check_document_ids("gspo", document_index, num_documents)
-    out = _ops.gspo(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
-                    label_counts=label_counts, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-                    weighting=weighting, token_advantages=token_advantages, divisor=_divisor(divisor),
-                    logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                    inplace_backward=inplace_backward, ref_log_probs=ref_log_probs, beta=beta, **policy)
-    return _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=out[POLICY_OUTPUTS])
+    _check_document_ids("gspo", document_index, options.get("num_documents"))
+    return policy_output("gspo", _ops.gspo(logits, target, advantages, old_log_probs, document_index, **options),
+                         options)
 
 
+_GSPO = _wrapper(gspo_loss, "gspo", drop=_TP_HOOKS + ("document_sums",), extra={"tp_group": None, "sdp_group": None},
+         returns=PolicyLossOutput)
 gspo_loss.__doc__ += _POLICY_DOC
 
 
@@ -297,11 +262,11 @@ _LINEAR_ARGS_DOC = """
 """
 
 
-def _plain_lm_head(name: str, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def _plain_lm_head(name: str, hidden: torch.Tensor, weight: torch.Tensor, options: dict) -> torch.Tensor:
     """The lm_head as plain tensors. An FSDP2 / DTensor weight (sharded or replicated) is gathered whole with
     ``full_tensor()``, which autograd differentiates back to the weight's own placements (its backward
     reduce-scatters a sharded weight's gradient), as TRL's fused head does; the hidden states must be a
-    plain tensor (this rank's tokens)."""
+    plain tensor (this rank's tokens). Returns the weight; a DTensor bias is replaced in `options`."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(hidden, DTensor):
@@ -309,93 +274,55 @@ def _plain_lm_head(name: str, hidden: torch.Tensor, weight: torch.Tensor, bias: 
                          f"tensor (hidden.to_local() for sequence-sharded hidden states, or hidden.full_tensor())")
     if isinstance(weight, DTensor):
         weight = weight.full_tensor()
-    if isinstance(bias, DTensor):
-        bias = bias.full_tensor()
-    return weight, bias
+    if isinstance(options.get("bias"), DTensor):
+        options["bias"] = options["bias"].full_tensor()
+    return weight
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
-                         bias: torch.Tensor | None = None, logits_scale_factor: float = 1.0,
-                         label_smoothing: float = 0.0, z_loss_factor: float = 0.0, reduction: str = "mean",
-                         divisor: float | None = None, chunk_size: int | None = None) -> torch.Tensor:
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, **options) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits. ``target`` and the
     options are those of ``cross_entropy``; ``reduction="none"`` is available without gradients only (the
     weight gradient is summed over tokens). Returns the loss, as ``cross_entropy``."""
-    weight, bias = _plain_lm_head("linear_cross_entropy", hidden, weight, bias)
+    options = _options("linear_cross_entropy", options, _LINEAR_CROSS_ENTROPY)
+    weight = _plain_lm_head("linear_cross_entropy", hidden, weight, options)
     _check_labels("linear_cross_entropy", target, _vocab_size(weight, 0))
-    loss, _ = _ops.linear_cross_entropy(hidden, weight, target, bias=bias, logits_scale_factor=logits_scale_factor,
-                                        label_smoothing=label_smoothing, z_loss_factor=z_loss_factor,
-                                        reduction=reduction, divisor=_divisor(divisor), chunk_size=chunk_size)
-    return loss
+    return _ops.linear_cross_entropy(hidden, weight, target, **options)[0]
+
+
+_LINEAR_CROSS_ENTROPY = _wrapper(linear_cross_entropy, "linear_cross_entropy", drop=("label_weight",))
 
 
 def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
-                     old_log_probs: torch.Tensor | None, *, bias: torch.Tensor | None = None,
-                     epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
-                     ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
-                     loss_weights: torch.Tensor | None = None, divisor: float | None = None,
-                     logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
-                     compute_entropy: bool = False, chunk_size: int | None = None, loss_type: str = "ppo_clip",
-                     sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
-                     rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
-                     rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
-                     kl_estimator: str = "k3", kl_importance_weighted: bool = False,
-                     entropy_coefficient: float = 0.0, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
-                     vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
-                     document_index: torch.Tensor | None = None,
-                     num_documents: int | None = None) -> PolicyLossOutput:
+                     old_log_probs: torch.Tensor | None, **options) -> PolicyLossOutput:
     """GRPO of ``hidden @ weight.T (+ bias)`` without materialising the logits. ``target``, ``advantages``,
     ``old_log_probs`` and the options (the policy family's included) are those of ``grpo_loss``; returns its PolicyLossOutput."""
-    policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
-                            rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
-                            kl_importance_weighted, entropy_coefficient, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-                            vespo_lambda_neg)
-    weight, bias = _plain_lm_head("linear_grpo", hidden, weight, bias)
+    options = _options("linear_grpo_loss", options, _LINEAR_GRPO)
+    weight = _plain_lm_head("linear_grpo", hidden, weight, options)
     _check_labels("linear_grpo", target, _vocab_size(weight, 0))
-    if document_index is not None:
-        _check_document_ids("linear_grpo", document_index, num_documents)
-    out = _ops.linear_grpo(hidden, weight, target, advantages, old_log_probs, bias=bias, ref_log_probs=ref_log_probs,
-                           loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
-                           epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
-                           logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                           chunk_size=chunk_size, document_index=document_index, num_documents=num_documents,
-                           **policy)
-    return _grpo_output(out, compute_entropy, policy, ref_log_probs)
+    if options.get("document_index") is not None:
+        _check_document_ids("linear_grpo", options["document_index"], options.get("num_documents"))
+    return policy_output("linear_grpo", _ops.linear_grpo(hidden, weight, target, advantages, old_log_probs, **options),
+                         options)
+
+
+_LINEAR_GRPO = _wrapper(linear_grpo_loss, "linear_grpo", returns=PolicyLossOutput)
 
 
 def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
-                     old_log_probs: torch.Tensor | None, document_index: torch.Tensor, *,
-                     bias: torch.Tensor | None = None, num_documents: int | None = None,
-                     label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
-                     delta: float | None = None, weighting: str = "document", token_advantages: bool = False,
-                     divisor: float | None = None, logits_scale_factor: float = 1.0, compute_entropy: bool = False,
-                     chunk_size: int | None = None, ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
-                     loss_type: str = "ppo_clip", sapo_temperature_pos: float = 1.0,
-                     sapo_temperature_neg: float = 1.05, rollout_log_probs: torch.Tensor | None = None,
-                     rollout_correction: str | None = None, rollout_cap: float = 3.0,
-                     rollout_mask_bounds: tuple[float, float] | None = None, kl_estimator: str = "k3",
-                     kl_importance_weighted: bool = False, entropy_coefficient: float = 0.0,
-                     vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
-                     vespo_lambda_neg: float = 2.0) -> PolicyLossOutput:
+                     old_log_probs: torch.Tensor | None, document_index: torch.Tensor, **options) -> PolicyLossOutput:
     """GSPO of ``hidden @ weight.T (+ bias)`` without materialising the logits. ``target``, ``advantages``,
     ``old_log_probs``, ``document_index`` and the options (the policy family's included) are those of ``gspo_loss``; returns its
     PolicyLossOutput. The logits are computed twice, chunk by chunk: once for the per-document ratios, once
     for the gradient."""
-    policy = _policy_kwargs(loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs,
-                            rollout_correction, rollout_cap, rollout_mask_bounds, kl_estimator,
-                            kl_importance_weighted, entropy_coefficient, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-                            vespo_lambda_neg)
-    weight, bias = _plain_lm_head("linear_gspo", hidden, weight, bias)
+    options = _options("linear_gspo_loss", options, _LINEAR_GSPO)
+    weight = _plain_lm_head("linear_gspo", hidden, weight, options)
     _check_labels("linear_gspo", target, _vocab_size(weight, 0))
-    _check_document_ids("linear_gspo", document_index, num_documents)
-    out = _ops.linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, bias=bias,
-                           num_documents=num_documents, label_counts=label_counts, epsilon_low=epsilon_low,
-                           epsilon_high=epsilon_high, delta=delta, weighting=weighting,
-                           token_advantages=token_advantages, divisor=_divisor(divisor),
-                           logits_scale_factor=logits_scale_factor,
-                           compute_entropy=compute_entropy, chunk_size=chunk_size, ref_log_probs=ref_log_probs,
-                           beta=beta, **policy)
-    return _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=out[POLICY_OUTPUTS])
+    _check_document_ids("linear_gspo", document_index, options.get("num_documents"))
+    out = _ops.linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, **options)
+    return policy_output("linear_gspo", out, options)
+
+
+_LINEAR_GSPO = _wrapper(linear_gspo_loss, "linear_gspo", returns=PolicyLossOutput)
 
 
 for _f in (linear_cross_entropy, linear_grpo_loss, linear_gspo_loss):
@@ -409,9 +336,8 @@ def _scale_of_temperature(name: str, temperature: float) -> float:
     return 1.0 / float(temperature)
 
 
-def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                    compute_entropy: bool = False, tp_group=None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0, tp_group=None,
+                    **options) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probability of each label and, on request, the entropy, in one pass over the logits.
 
     ``log_probs[t] = log softmax(logits[t] / T)[labels[t]]`` and ``entropy[t] = −Σ_j p_tj log p_tj``: what
@@ -428,33 +354,35 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: 
         tp_group: vocabulary-parallel process group (rl_losses.distributed).
     Returns: (log_probs, entropy or None), each shaped like ``labels``, float32 (float64 for float64 logits).
     """
+    options = _options("token_log_probs", options, _TOKEN_LOG_PROBS)
     scale = _scale_of_temperature("token_log_probs", temperature)
     if tp_group is not None:
-        from rl_losses import distributed
-
-        return distributed.token_log_probs(logits, labels, tp_group=tp_group, logits_scale_factor=scale,
-                                           compute_entropy=compute_entropy)
+        return distributed.token_log_probs(logits, labels, tp_group=tp_group, logits_scale_factor=scale, **options)
     _check_labels("token_log_probs", labels, _vocab_size(logits, -1))
-    log_probs, entropy = _ops.token_log_probs(logits, labels, logits_scale_factor=scale,
-                                              compute_entropy=compute_entropy)
-    return log_probs, entropy if compute_entropy else None
+    log_probs, entropy = _ops.token_log_probs(logits, labels, logits_scale_factor=scale, **options)
+    return log_probs, entropy if options.get("compute_entropy") else None
+
+
+# temperature = 1 / logits_scale_factor: the scale's default.
+_TOKEN_LOG_PROBS = _wrapper(token_log_probs, "token_log_probs", drop=_TP_HOOKS + ("logits_scale_factor",), rename={"target": "labels"},
+         extra={"temperature": 1.0 / _schema.default("token_log_probs", "logits_scale_factor"), "tp_group": None})
 
 
 def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                           bias: torch.Tensor | None = None, temperature: float = 1.0,
-                           compute_entropy: bool = False, chunk_size: int | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           temperature: float = 1.0, **options) -> tuple[torch.Tensor, torch.Tensor | None]:
     """token_log_probs of ``hidden @ weight.T (+ bias)`` without materialising the logits. The backward
     computes each chunk's logits again (it needs the upstream gradients), so it costs one more GEMM per
     chunk than the forward-computed gradients of the linear losses."""
+    options = _options("linear_token_log_probs", options, _LINEAR_TOKEN_LOG_PROBS)
     scale = _scale_of_temperature("linear_token_log_probs", temperature)
-    weight, bias = _plain_lm_head("linear_token_log_probs", hidden, weight, bias)
+    weight = _plain_lm_head("linear_token_log_probs", hidden, weight, options)
     _check_labels("linear_token_log_probs", labels, _vocab_size(weight, 0))
-    log_probs, entropy = _ops.linear_token_log_probs(hidden, weight, labels, bias=bias, logits_scale_factor=scale,
-                                                     compute_entropy=compute_entropy, chunk_size=chunk_size)
-    return log_probs, entropy if compute_entropy else None
+    log_probs, entropy = _ops.linear_token_log_probs(hidden, weight, labels, logits_scale_factor=scale, **options)
+    return log_probs, entropy if options.get("compute_entropy") else None
 
 
+_LINEAR_TOKEN_LOG_PROBS = _wrapper(linear_token_log_probs, "linear_token_log_probs", drop=("logits_scale_factor",), rename={"target": "labels"},
+         extra={"temperature": 1.0 / _schema.default("linear_token_log_probs", "logits_scale_factor")})
 linear_token_log_probs.__doc__ += _LINEAR_ARGS_DOC.replace(
     "    Differentiable w.r.t. hidden, weight and bias (the gradients are computed in the forward, chunk by chunk).\n",
     "    Differentiable w.r.t. hidden, weight and bias.\n")

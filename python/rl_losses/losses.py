@@ -13,15 +13,18 @@ Fast-LLM's: ``<name>`` (the unweighted loss), ``<name>_new_logprobs``, and with 
 """
 from __future__ import annotations
 
+import dataclasses
 import typing
 from typing import Any
 
 import torch
 
-from rl_losses import functional, reference
+from rl_losses import _schema, distillation, dpo, functional, reference
 
 if typing.TYPE_CHECKING:  # the configs build these modules (config.py imports this file, not the reverse)
     from rl_losses.config import (
+        LanguageModelDistillationLossConfig,
+        LanguageModelDPOLossConfig,
         LanguageModelGRPOLossConfig,
         LanguageModelGSPOLossConfig,
         LanguageModelLabelEntropyLossConfig,
@@ -119,6 +122,12 @@ class LanguageModelLoss(torch.nn.Module):
         # Options only the extension's op takes.
         return {"tp_group": self.tp_group} if kernel else {}
 
+    def _config_options(self, op: str) -> dict[str, Any]:
+        """The config's fields that are options of `op`: the config gives them the op's names (and the reference
+        takes the same), so they pass through by name."""
+        names = _schema.arguments(op)
+        return {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config) if f.name in names}
+
 
 class LanguageModelLabelEntropyLoss(LanguageModelLoss):
     """Cross-entropy from ``labels``, divided by ``num_labels_in_batch`` (default: the labelled tokens here)."""
@@ -128,9 +137,8 @@ class LanguageModelLabelEntropyLoss(LanguageModelLoss):
     def _forward(self, logits, batch, kernel):
         labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
         fn = functional.cross_entropy if kernel else reference.cross_entropy
-        loss = fn(logits, labels, logits_scale_factor=self.config.logits_scale_factor,
-                  label_smoothing=self.config.label_smoothing, z_loss_factor=self.config.z_loss_factor,
-                  divisor=batch.get(LanguageModelLossKwargs.num_labels_in_batch), **self._options(kernel))
+        loss = fn(logits, labels, divisor=batch.get(LanguageModelLossKwargs.num_labels_in_batch),
+                  **self._config_options("cross_entropy"), **self._options(kernel))
         return loss, {}
 
 
@@ -159,7 +167,8 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
         return labels, advantages, old
 
     def _family(self, batch: Batch) -> dict[str, Any]:
-        """The policy family's options (docs/policy_losses.md) with their batch tensors."""
+        """The config's options of the op (the clip, beta, the policy family's: docs/policy_losses.md) with their batch
+        tensors."""
         cfg = self.config
         ref_log_probs = None  # the KL (term and metric) only with beta > 0, as TRL logs it
         if cfg.beta > 0:
@@ -168,14 +177,8 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
         if cfg.rollout_correction is not None:
             rollout_log_probs = _require(batch, LanguageModelLossKwargs.rollout_log_probs,
                                          f"{self.name} (rollout_correction={cfg.rollout_correction!r})")
-        return dict(ref_log_probs=ref_log_probs, beta=cfg.beta, loss_type=cfg.loss_type,
-                    sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
-                    rollout_log_probs=rollout_log_probs, rollout_correction=cfg.rollout_correction,
-                    rollout_cap=cfg.rollout_cap, rollout_mask_bounds=cfg.rollout_mask_bounds,
-                    kl_estimator=cfg.kl_estimator, kl_importance_weighted=cfg.kl_importance_weighted,
-                    entropy_coefficient=cfg.entropy_coefficient, vespo_k_pos=cfg.vespo_k_pos,
-                    vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
-                    vespo_lambda_neg=cfg.vespo_lambda_neg)
+        return dict(ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs,
+                    **self._config_options(self.config.type_name))
 
     def _metrics(self, out: functional.PolicyLossOutput, batch: Batch, mask: torch.Tensor,
                  num_segments: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -267,9 +270,7 @@ class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
         by_sequence = cfg.loss_type == "vespo" or (cfg.rollout_correction is not None
                                                    and cfg.rollout_correction.startswith("sequence"))
         fn = functional.grpo_loss if kernel else reference.grpo_loss
-        out = fn(logits, labels, advantages, old_log_probs, epsilon_low=cfg.epsilon_low,
-                 epsilon_high=cfg.epsilon_high, delta=cfg.delta, loss_weights=loss_weights, divisor=divisor,
-                 logits_scale_factor=cfg.logits_scale_factor,
+        out = fn(logits, labels, advantages, old_log_probs, loss_weights=loss_weights, divisor=divisor,
                  label_counts=batch.get(LanguageModelLossKwargs.label_counts),
                  compute_entropy=cfg.metrics == "with_entropy",
                  document_index=document_index if by_sequence else None,
@@ -293,11 +294,9 @@ class LanguageModelGSPOLoss(LanguageModelPolicyGradientLoss):
         fn = functional.gspo_loss if kernel else reference.gspo_loss
         out = fn(logits, labels, advantages, old_log_probs, document_index,
                  num_documents=batch.get(LanguageModelLossKwargs.num_documents),
-                 label_counts=batch.get(LanguageModelLossKwargs.label_counts), epsilon_low=cfg.epsilon_low,
-                 epsilon_high=cfg.epsilon_high, delta=cfg.delta, weighting=cfg.weighting,
-                 token_advantages=cfg.token_advantages,
+                 label_counts=batch.get(LanguageModelLossKwargs.label_counts),
                  divisor=batch.get(LanguageModelLossKwargs.num_documents_in_batch),
-                 logits_scale_factor=cfg.logits_scale_factor, compute_entropy=cfg.metrics == "with_entropy",
+                 compute_entropy=cfg.metrics == "with_entropy",
                  **self._family(batch), **self._options(kernel))
         mask = (labels >= 0) & (document_index >= 0)
         num_segments = None
@@ -308,3 +307,57 @@ class LanguageModelGSPOLoss(LanguageModelPolicyGradientLoss):
                 hits = torch.zeros_like(ratios).index_add_(0, index, mask.reshape(-1).to(ratios.dtype))
                 num_segments = (hits > 0).sum()
         return out.loss, self._metrics(out, batch, mask, num_segments)
+
+
+def _reference_logits(batch: Batch, name: str, owner: str) -> torch.Tensor:
+    logits = _require(batch, "reference_logits", owner)
+    if name not in logits:
+        raise ValueError(f"{owner}: batch['reference_logits'] has no {name!r} (models given: {sorted(logits)})")
+    return logits[name]
+
+
+class LanguageModelDistillationLoss(LanguageModelLoss):
+    """Distillation against ``batch["reference_logits"][config.reference_model]``, over ``loss_mask``."""
+
+    config: LanguageModelDistillationLossConfig
+
+    def _forward(self, logits, batch, kernel):
+        cfg = self.config
+        teacher = _reference_logits(batch, cfg.reference_model, self.name)
+        fn = distillation.distillation_loss if kernel else reference.distillation_loss
+        out = fn(logits, teacher, kind=cfg.loss_type, loss_mask=batch.get(LanguageModelLossKwargs.loss_mask),
+                 divisor=batch.get(LanguageModelLossKwargs.num_labels_in_batch),
+                 **self._config_options("distillation"), **self._options(kernel))
+        return out.loss, {}
+
+
+class LanguageModelDPOLoss(LanguageModelLoss):
+    """DPO over the batch's preference pairs; metrics ``<name>_rewards_chosen``, ``_rewards_rejected``,
+    ``_accuracy``, ``_margin``."""
+
+    config: LanguageModelDPOLossConfig
+
+    def _forward(self, logits, batch, kernel):
+        labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
+        if batch.get("document_index") is not None and batch.get("dpo_pairs") is not None:
+            document_index, pairs = batch["document_index"], batch["dpo_pairs"]
+        else:
+            document_index, pairs = dpo.documents_from_spans(
+                _require(batch, "chosen_spans", self.name), _require(batch, "rejected_spans", self.name),
+                labels.shape, labels.device)
+        cfg = self.config
+        fn = dpo.dpo_loss if kernel else reference.dpo_loss
+        if batch.get("reference_chosen_log_probs") is not None:
+            ref_c, ref_r = batch["reference_chosen_log_probs"], batch["reference_rejected_log_probs"]
+        else:
+            with torch.no_grad():  # the reference policy's π of each document, from its logits
+                ref_logits = _reference_logits(batch, cfg.reference_model, self.name)
+                zeros = torch.zeros(pairs.shape[0], device=labels.device)
+                sums = fn(ref_logits, labels, document_index, pairs, zeros, zeros,
+                          logits_scale_factor=cfg.logits_scale_factor, **self._options(kernel)).document_log_probs
+                ref_c, ref_r = sums[pairs[:, 0]], sums[pairs[:, 1]]
+        out = fn(logits, labels, document_index, pairs, ref_c, ref_r, **self._config_options("dpo"),
+                 **self._options(kernel))
+        n = self.name
+        return out.loss, {f"{n}_rewards_chosen": out.rewards_chosen, f"{n}_rewards_rejected": out.rewards_rejected,
+                          f"{n}_accuracy": out.accuracy, f"{n}_margin": out.margin}

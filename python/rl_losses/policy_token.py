@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import torch
 
+from rl_losses import _schema
+from rl_losses._inputs import _options
 
 
 class PolicyTokenOutput(NamedTuple):
@@ -32,27 +34,22 @@ class PolicyTokenOutput(NamedTuple):
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.input_dtype = inputs[0].dtype
-    ctx.save_for_backward(output[1])
+    ctx.save_for_backward(output[_schema.results("policy_token_loss").index("grad_log_probs")])
 
 
 def _backward(ctx, grad_loss, *_unused):
     (slope,) = ctx.saved_tensors
     grad = None if grad_loss is None else (grad_loss * slope).to(ctx.input_dtype)
     # One gradient (or None) per positional argument of the schema (the tensors): only log_probs has one.
-    positional = sum(not a.kwarg_only for a in torch.ops.rl_losses.policy_token_loss.default._schema.arguments)
+    positional = sum(not a.kwarg_only for a in _schema.schema("policy_token_loss").arguments)
     return (grad,) + (None,) * (positional - 1)
 
 
 torch.library.register_autograd("rl_losses::policy_token_loss", _backward, setup_context=_setup_context)
 
 
-def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | None, advantages: torch.Tensor, *,
-                      epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
-                      ref_log_probs: torch.Tensor | None = None, beta: float = 0.0, loss_type: str = "ppo_clip",
-                      sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
-                      rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
-                      rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
-                      kl_estimator: str = "k3", kl_importance_weighted: bool = False) -> PolicyTokenOutput:
+def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | None, advantages: torch.Tensor,
+                      **options) -> PolicyTokenOutput:
     """Per-token policy loss from per-token log-probs (no aggregation: weigh and sum ``loss`` as you need).
 
     Args:
@@ -64,12 +61,15 @@ def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | Non
         correction (``rollout_correction`` 'token_truncate' / 'token_mask' with ``rollout_log_probs``); the
         sequence-level modes and the entropy bonus need the fused ops.
     """
-    out = torch.ops.rl_losses.policy_token_loss(
-        log_probs, old_log_probs, advantages, ref_log_probs, rollout_log_probs, epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high, delta=delta, beta=beta, loss_type=loss_type,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-        rollout_correction=rollout_correction, rollout_cap=rollout_cap,
-        rollout_mask_bounds=None if rollout_mask_bounds is None else list(rollout_mask_bounds),
-        kl_estimator=kl_estimator, kl_importance_weighted=kl_importance_weighted)
-    loss, _, ratio, low, high, kl, weight = out
-    return PolicyTokenOutput(loss, ratio.detach(), low.detach(), high.detach(), kl.detach(), weight.detach())
+    options = _options("policy_token_loss", options, _KEYWORDS)
+    out = _schema.named("policy_token_loss",
+                        torch.ops.rl_losses.policy_token_loss(log_probs, old_log_probs, advantages, **options))
+    return PolicyTokenOutput(**{name: t if name == "loss" else t.detach() for name, t in out.items()
+                                if name in PolicyTokenOutput._fields})
+
+
+# ref_log_probs and rollout_log_probs are positional in the schema (register_autograd needs its tensors so) but
+# options here, as in the fused ops.
+_KEYWORDS = _schema.arguments("policy_token_loss") - {"log_probs", "old_log_probs", "advantages"}
+policy_token_loss.__signature__ = _schema.signature("policy_token_loss", keyword_only=_KEYWORDS,
+                                                    returns=PolicyTokenOutput)

@@ -36,11 +36,12 @@ import trl
 from trl.trainer.utils import FusedCausalLMOutput, nanmax, nanmin
 
 import rl_losses
-from rl_losses import aggregation
+from rl_losses import _schema, aggregation
 
 # TRL's loss_type -> the op's loss_type (the aggregation is _aggregation's).
 _LOSS_TYPES = {name: ours for name, (ours, _) in aggregation.TRL_LOSS_TYPES.items()} | {"vespo": "vespo"}
-_VESPO = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+# VESPO's options, which TRL's GRPOConfig names as the ops do.
+_VESPO = tuple(sorted(name for name in _schema.arguments("grpo") if name.startswith("vespo_")))
 
 
 def op_options(trainer) -> tuple[dict, str | None]:

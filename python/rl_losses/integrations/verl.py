@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 import rl_losses
-from rl_losses import aggregation
+from rl_losses import _schema, aggregation
 
 _ops = torch.ops.rl_losses
 
@@ -78,10 +78,12 @@ def fused_linear_for_ppo_bwd(dlog_probs: torch.Tensor | None, dentropy: torch.Te
         raise ValueError("fused_linear_for_ppo_bwd: dlog_probs and dentropy are both None")
     labels = input_ids.to(torch.int64)
     scale = 1.0 / float(temperature)
-    _, _, stats = _ops._linear_token_log_probs_forward(hidden_states, vocab_weights, labels, None, scale,
-                                                       dentropy is not None, None)
+    lm_head = dict(bias=None, chunk_size=None, logits_scale_factor=scale)
+    _, _, stats = _ops._linear_token_log_probs_forward(hidden_states, vocab_weights, labels,
+                                                       compute_entropy=dentropy is not None, **lm_head)
     d_hidden, d_weight, _ = _ops._linear_token_log_probs_backward(
-        hidden_states, vocab_weights, labels, None, stats, dlog_probs, dentropy, scale, None, [True, True, False])
+        hidden_states, vocab_weights, labels, stats=stats, grad_log_probs=dlog_probs, grad_entropy=dentropy,
+        output_mask=[True, True, False], **lm_head)
     return d_hidden, d_weight
 
 
@@ -123,6 +125,11 @@ def install() -> bool:
 
 
 # ---- the policy-loss registry --------------------------------------------------------------------------------
+def _default(name):
+    # verl's config may leave an option out: the op's default then.
+    return _schema.default("policy_token_loss", name)
+
+
 def _config_value(config, name, default=None):
     value = config.get(name, default) if hasattr(config, "get") else getattr(config, name, default)
     return default if value is None else value
@@ -210,8 +217,8 @@ def sapo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg
     whatever ``loss_agg_mode``, as verl's own."""
     return _policy_loss(old_log_prob, log_prob, advantages, response_mask, "seq-mean-token-mean", config,
                         rollout_is_weights, loss_type="sapo",
-                        sapo_temperature_pos=float(_config_value(config, "tau_pos", 1.0)),
-                        sapo_temperature_neg=float(_config_value(config, "tau_neg", 1.05)))
+                        sapo_temperature_pos=float(_config_value(config, "tau_pos", _default("sapo_temperature_pos"))),
+                        sapo_temperature_neg=float(_config_value(config, "tau_neg", _default("sapo_temperature_neg"))))
 
 
 def cispo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,

@@ -20,6 +20,7 @@
 #include "common/row_pass.h"
 #include "common/row_source.h"
 #include "gspo/gspo.h"
+#include "op_args.h"
 
 namespace rl_losses {
 
@@ -140,7 +141,7 @@ FusedHeadEpilogue<acc_t> make_fused_head_epilogue(const FusedHeadRows& r) {
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<acc_t>() : nullptr; };
   FusedHeadEpilogue<acc_t> e;
   e.labels = r.labels.const_data_ptr<int64_t>();
-  e.ce = {acc_t(r.ce.label_weight), acc_t(r.ce.label_smoothing), acc_t(r.ce.z_loss_factor), acc_t(r.ce.vocab_size)};
+  e.ce = r.ce.template as<acc_t>();
   e.grpo = policy_options_as<acc_t>(r.grpo);
   for (int k = 0; k < kHeadTerms; ++k) {
     e.weight[k] = acc_t(r.weight[k]);
@@ -167,12 +168,12 @@ struct FusedHeadBackend {
 template <typename Runner, const GspoBackend& (*kGspo)()>
 struct FusedHeadBackendImpl {
   static void rows(const RowPassArgs& args, const FusedHeadRows& r) {
-    Runner::row_pass(args, "fused_head_loss", [&](auto* tag) {
+    Runner::row_pass(args, "fused_head", [&](auto* tag) {
       return make_fused_head_epilogue<std::remove_pointer_t<decltype(tag)>>(r);
     });
   }
   static void totals(const FusedHeadRows& r) {
-    AT_DISPATCH_FLOATING_TYPES(r.out.scalar_type(), "fused_head_loss", [&] {
+    AT_DISPATCH_FLOATING_TYPES(r.out.scalar_type(), "fused_head", [&] {
       FusedHeadTotals<scalar_t> t;
       t.out = r.out.const_data_ptr<scalar_t>();
       for (int k = 0; k < kHeadTerms; ++k) t.weight[k] = scalar_t(r.weight[k]);
@@ -183,73 +184,33 @@ struct FusedHeadBackendImpl {
   static constexpr FusedHeadBackend backend() { return {&rows, &totals, kGspo}; }
 };
 
-// The GSPO term's own arguments (the policy inputs, epsilons and beta are shared with GRPO: one of the two runs).
-struct HeadGspoArgs {
-  double weight = 0.0;
-  std::optional<at::Tensor> document_index;
-  std::optional<int64_t> num_documents;
-  std::optional<at::Tensor> label_counts;
-  std::string weighting = "document";
-  std::optional<double> divisor;
+// fused_head's arguments but the logits and the hooks (op_args.h).
+#define RL_LOSSES_FUSED_HEAD_ARGS(X) \
+  RL_LOSSES_FUSED_HEAD_OPTIONS(X) RL_LOSSES_KL_WEIGHT(X) RL_LOSSES_GSPO_WEIGHTING(X) RL_LOSSES_SCALE(X)
+RL_LOSSES_ARG_GROUP(FusedHeadOwnArgs, RL_LOSSES_FUSED_HEAD_ARGS)
+struct FusedHeadArgs : FusedHeadOwnArgs {
+  ClipArgs clip;
+  void read(schema::Args& args) {
+    FusedHeadOwnArgs::read(args);
+    clip.read(args);
+  }
 };
+RL_LOSSES_RESULT_GROUP(FusedHeadResults, RL_LOSSES_FUSED_HEAD_RESULTS)
 
-// Outputs: loss (the weighted total), label_loss, z_loss, grpo_loss (unweighted, detached), log_probs, gspo_loss.
-// Tensor parallelism: `row_stats` are the statistics all-reduced over the vocabulary shards (with Σx where the
-// label term smooths), and the source's vocab_start / vocab_size place the shard; the op then reads its shard
-// once, for the loss and the gradient.
-std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& target, double label_weight,
-                                           double label_smoothing, std::optional<double> label_divisor,
-                                           double z_loss_weight, std::optional<double> z_loss_divisor,
-                                           const std::optional<at::Tensor>& z_loss_mask, double grpo_weight,
-                                           const std::optional<at::Tensor>& advantages,
-                                           const std::optional<at::Tensor>& old_log_probs,
-                                           const std::optional<at::Tensor>& ref_log_probs,
-                                           const std::optional<at::Tensor>& loss_weights, double epsilon_low,
-                                           double epsilon_high, std::optional<double> delta, double beta,
-                                           std::optional<double> grpo_divisor, double logits_scale_factor,
-                                           const HeadGspoArgs& gspo, const std::optional<at::Tensor>& row_stats,
-                                           const FusedHeadBackend& backend);
+// The results: loss (the weighted total), label_loss, z_loss, grpo_loss, gspo_loss (unweighted, detached) and
+// log_probs. Tensor parallelism: `row_stats` are the statistics all-reduced over the vocabulary shards (with Σx
+// where the label term smooths), and the source's vocab_start / vocab_size place the shard; the op then reads its
+// shard once, for the loss and the gradient.
+FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, const FusedHeadArgs& a,
+                                    const OptTensor& row_stats, const FusedHeadBackend& backend);
 
-using HeadOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-using HeadOutputsAndGrad =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
+// The loss of the registered kernels (common/loss_kernels.h), given a back-end.
 template <const FusedHeadBackend& (*kBackend)()>
-struct FusedHeadOps {
-  using Opt = std::optional<at::Tensor>;
-  using OptD = std::optional<double>;
-  static std::vector<at::Tensor> run(RowSource& src, const at::Tensor& target, double lw, double eps, OptD ld,
-                                     double zw, OptD zd, const Opt& zm, double gw, const Opt& adv, const Opt& old,
-                                     const Opt& ref, const Opt& w, double el, double eh, OptD delta, double beta,
-                                     OptD gd, double sw, const Opt& doc, std::optional<int64_t> n_docs,
-                                     const Opt& counts, c10::string_view weighting, OptD sd, double s,
-                                     const Opt& row_stats) {
-    const HeadGspoArgs gspo{sw, doc, n_docs, counts, std::string(weighting), sd};
-    return fused_head_forward(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, s,
-                              gspo, row_stats, kBackend());
-  }
-  static HeadOutputsAndGrad forward(const at::Tensor& logits, const at::Tensor& target, double lw, double eps,
-                                    OptD ld, double zw, OptD zd, const Opt& zm, double gw, const Opt& adv,
-                                    const Opt& old, const Opt& ref, const Opt& w, double el, double eh, OptD delta,
-                                    double beta, OptD gd, double sw, const Opt& doc, std::optional<int64_t> n_docs,
-                                    const Opt& counts, c10::string_view weighting, OptD sd, double s,
-                                    const Opt& row_stats, int64_t vocab_start, int64_t vocab_size,
-                                    bool compute_grad) {
-    LogitsSource src("fused_head_loss", logits, target, vocab_start, vocab_size, compute_grad, false);
-    auto o = run(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, sw, doc, n_docs,
-                 counts, weighting, sd, s, row_stats);
-    return {o[0], o[1], o[2], o[3], o[4], o[5], src.grads()[0]};
-  }
-  static HeadOutputs forward_inplace(const at::Tensor& logits, const at::Tensor& target, double lw, double eps,
-                                     OptD ld, double zw, OptD zd, const Opt& zm, double gw, const Opt& adv,
-                                     const Opt& old, const Opt& ref, const Opt& w, double el, double eh, OptD delta,
-                                     double beta, OptD gd, double sw, const Opt& doc, std::optional<int64_t> n_docs,
-                                     const Opt& counts, c10::string_view weighting, OptD sd, double s,
-                                     const Opt& row_stats, int64_t vocab_start, int64_t vocab_size) {
-    LogitsSource src("fused_head_loss", logits, target, vocab_start, vocab_size, false, true);
-    auto o = run(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, sw, doc, n_docs,
-                 counts, weighting, sd, s, row_stats);
-    return {o[0], o[1], o[2], o[3], o[4], o[5]};
+struct FusedHeadLoss {
+  static constexpr const char* kName = "fused_head";
+  static FusedHeadResults run(RowSource& src, const at::Tensor& target, schema::Args& args, bool /*logits_op*/) {
+    return fused_head_forward(src, target, args.read<FusedHeadArgs>(), args.read<RowStatsArg>().row_stats,
+                              kBackend());
   }
 };
 

@@ -1,6 +1,6 @@
 // CUDA back-end of the fused head (registered in csrc/cuda_registration.cpp): the CE/GRPO row kernels with the
 // combined epilogue; the GSPO term uses GSPO's own back-end (gspo_cuda.cu) for its statistics and steps.
-#include "combined/fused_head.h"
+#include "fused_head/fused_head.h"
 #include "common/cuda_backends.h"
 #include "common/row_pass_cuda.cuh"
 

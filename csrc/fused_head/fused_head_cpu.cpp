@@ -1,8 +1,9 @@
 // CPU registration of the fused head (several losses in one pass).
 #include <torch/library.h>
 
-#include "combined/fused_head.h"
+#include "common/loss_kernels.h"
 #include "common/row_pass_cpu.h"
+#include "fused_head/fused_head.h"
 
 namespace rl_losses {
 namespace {
@@ -24,8 +25,7 @@ const FusedHeadBackend& fused_head_backend_cpu() {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
-  m.impl("_fused_head_loss_forward", &FusedHeadOps<fused_head_backend_cpu>::forward);
-  m.impl("_fused_head_loss_forward_inplace", &FusedHeadOps<fused_head_backend_cpu>::forward_inplace);
+  register_loss<FusedHeadLoss<fused_head_backend_cpu>>(m);
 }
 
 }  // namespace rl_losses

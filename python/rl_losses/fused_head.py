@@ -1,41 +1,25 @@
-"""Several losses in one pass over the logits (``fused_head_loss``), and the loss modules of the ``distillation``,
-``dpo`` and ``head`` configs (rl_losses.config); docs/distillation_dpo.md."""
+"""Several losses in one pass over the logits: the functional wrapper of ``torch.ops.rl_losses.fused_head``
+(``fused_head_loss``) and the loss module of the ``fused_head`` config (rl_losses.config); docs/distillation_dpo.md."""
 from __future__ import annotations
 
+import dataclasses
 import typing
 
 import torch
 
-from rl_losses import dpo as dpo_ops
-from rl_losses import distillation as distillation_ops
-from rl_losses import reference
-from rl_losses._inputs import _check_document_ids, _divisor
+from rl_losses import _schema, distributed
+from rl_losses._inputs import _check_document_ids, _options
 from rl_losses.losses import Batch, LanguageModelLoss, LanguageModelLossKwargs, _require
-from rl_losses.reference import FusedHeadOutput  # noqa: F401  (re-exported: the op's named result)
+from rl_losses.outputs import FusedHeadOutput
 
 if typing.TYPE_CHECKING:  # the configs import this module (configs depend on losses, not both ways)
-    from rl_losses.config import (
-        LanguageModelDistillationLossConfig,
-        LanguageModelDPOLossConfig,
-        LanguageModelHeadLossConfig,
-    )
+    from rl_losses.config import LanguageModelFusedHeadLossConfig
 
 _ops = torch.ops.rl_losses
 
 
-def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, label_weight: float = 0.0,
-                    label_smoothing: float = 0.0, label_divisor: float | None = None, z_loss_weight: float = 0.0,
-                    z_loss_divisor: float | None = None, z_loss_mask: torch.Tensor | None = None,
-                    grpo_weight: float = 0.0,
-                    advantages: torch.Tensor | None = None, old_log_probs: torch.Tensor | None = None,
-                    ref_log_probs: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None,
-                    epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
-                    beta: float = 0.0, grpo_divisor: float | None = None, gspo_weight: float = 0.0,
-                    document_index: torch.Tensor | None = None, num_documents: int | None = None,
-                    label_counts: torch.Tensor | None = None, weighting: str = "document",
-                    gspo_divisor: float | None = None, logits_scale_factor: float = 1.0,
-                    inplace_backward: bool = False, tp_group=None, vocab_start: int | None = None,
-                    vocab_size: int | None = None) -> FusedHeadOutput:
+def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None, vocab_start: int | None = None,
+                    vocab_size: int | None = None, **options) -> FusedHeadOutput:
     """Label cross-entropy, z-loss and GRPO or GSPO in one pass over the logits, with one summed gradient.
 
     ``loss = label_weight·CE + z_loss_weight·Z + grpo_weight·GRPO + gspo_weight·GSPO``, each term as the separate
@@ -63,87 +47,29 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, label_weight:
     Returns: FusedHeadOutput(loss, label_loss, z_loss, grpo_loss, log_probs, gspo_loss): the differentiable
         weighted total, and each term unweighted and detached.
     """
-    from rl_losses.distributed import _tp_setup
+    options = _options("fused_head_loss", options, _KEYWORDS)
 
-    if gspo_weight and document_index is not None:
-        _check_document_ids("fused_head_loss", document_index, num_documents)
-    stats, start, total = _tp_setup("fused_head_loss", logits, target, tp_group, logits_scale_factor, vocab_start,
-                                    vocab_size, smoothing=label_smoothing != 0 and label_weight != 0)
-    out = _ops.fused_head_loss(logits, target, label_weight=label_weight, label_smoothing=label_smoothing,
-                               label_divisor=_divisor(label_divisor), z_loss_weight=z_loss_weight,
-                               z_loss_divisor=_divisor(z_loss_divisor), z_loss_mask=z_loss_mask,
-                               grpo_weight=grpo_weight, advantages=advantages, old_log_probs=old_log_probs,
-                               ref_log_probs=ref_log_probs, loss_weights=loss_weights,
-                               epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
-                               grpo_divisor=_divisor(grpo_divisor), gspo_weight=gspo_weight,
-                               document_index=document_index, num_documents=num_documents, label_counts=label_counts,
-                               weighting=weighting, gspo_divisor=_divisor(gspo_divisor),
-                               logits_scale_factor=logits_scale_factor,
-                               inplace_backward=inplace_backward, row_stats=stats, vocab_start=start,
-                               vocab_size=total)
-    return FusedHeadOutput(*out)
+    def option(name):
+        return _schema.option("fused_head", options, name)
+
+    if option("gspo_weight") and options.get("document_index") is not None:
+        _check_document_ids("fused_head_loss", options["document_index"], options.get("num_documents"))
+    stats, start, total = distributed._tp_setup(
+        "fused_head_loss", logits, target, tp_group, option("logits_scale_factor"), vocab_start, vocab_size,
+        smoothing=option("label_smoothing") != 0 and option("label_weight") != 0)
+    out = _ops.fused_head(logits, target, row_stats=stats, vocab_start=start, vocab_size=total, **options)
+    return FusedHeadOutput(**_schema.named("fused_head", out))
 
 
-def _reference_logits(batch: Batch, name: str, owner: str) -> torch.Tensor:
-    logits = _require(batch, "reference_logits", owner)
-    if name not in logits:
-        raise ValueError(f"{owner}: batch['reference_logits'] has no {name!r} (models given: {sorted(logits)})")
-    return logits[name]
+_KEYWORDS = distributed._shard_signature(fused_head_loss, "fused_head", extra={"tp_group": None}, returns=FusedHeadOutput)
 
 
-class LanguageModelDistillationLoss(LanguageModelLoss):
-    """Distillation against ``batch["reference_logits"][config.reference_model]``, over ``loss_mask``."""
-
-    config: LanguageModelDistillationLossConfig
-
-    def _forward(self, logits, batch, kernel):
-        cfg = self.config
-        teacher = _reference_logits(batch, cfg.reference_model, self.name)
-        fn = distillation_ops.distillation_loss if kernel else reference.distillation_loss
-        out = fn(logits, teacher, kind=cfg.loss_type, beta=cfg.beta, temperature=cfg.temperature,
-                 logits_scale_factor=cfg.logits_scale_factor, loss_mask=batch.get(LanguageModelLossKwargs.loss_mask),
-                 divisor=batch.get(LanguageModelLossKwargs.num_labels_in_batch), **self._options(kernel))
-        return out.loss, {}
-
-
-class LanguageModelDPOLoss(LanguageModelLoss):
-    """DPO over the batch's preference pairs; metrics ``<name>_rewards_chosen``, ``_rewards_rejected``,
-    ``_accuracy``, ``_margin``."""
-
-    config: LanguageModelDPOLossConfig
-
-    def _forward(self, logits, batch, kernel):
-        labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
-        if batch.get("document_index") is not None and batch.get("dpo_pairs") is not None:
-            document_index, pairs = batch["document_index"], batch["dpo_pairs"]
-        else:
-            document_index, pairs = dpo_ops.documents_from_spans(
-                _require(batch, "chosen_spans", self.name), _require(batch, "rejected_spans", self.name),
-                labels.shape, labels.device)
-        cfg = self.config
-        fn = dpo_ops.dpo_loss if kernel else reference.dpo_loss
-        if batch.get("reference_chosen_log_probs") is not None:
-            ref_c, ref_r = batch["reference_chosen_log_probs"], batch["reference_rejected_log_probs"]
-        else:
-            with torch.no_grad():  # the reference policy's π of each document, from its logits
-                ref_logits = _reference_logits(batch, cfg.reference_model, self.name)
-                zeros = torch.zeros(pairs.shape[0], device=labels.device)
-                sums = fn(ref_logits, labels, document_index, pairs, zeros, zeros,
-                          logits_scale_factor=cfg.logits_scale_factor, **self._options(kernel)).document_log_probs
-                ref_c, ref_r = sums[pairs[:, 0]], sums[pairs[:, 1]]
-        out = fn(logits, labels, document_index, pairs, ref_c, ref_r, beta=cfg.beta,
-                 logits_scale_factor=cfg.logits_scale_factor, **self._options(kernel))
-        n = self.name
-        return out.loss, {f"{n}_rewards_chosen": out.rewards_chosen, f"{n}_rewards_rejected": out.rewards_rejected,
-                          f"{n}_accuracy": out.accuracy, f"{n}_margin": out.margin}
-
-
-class LanguageModelHeadLoss(LanguageModelLoss):
+class LanguageModelFusedHeadLoss(LanguageModelLoss):
     """Several losses over the same logits: the fusable ones (label CE without its own z-loss, z-loss, one policy
     term: GRPO with token normalisation or plain GSPO, each with metrics="none"; one logits_scale_factor) in one
     pass, the others one by one."""
 
-    config: LanguageModelHeadLossConfig
+    config: LanguageModelFusedHeadLossConfig
 
     def __init__(self, config, *, name, tp_group=None):
         super().__init__(config, name=name, tp_group=tp_group)
@@ -159,14 +85,12 @@ class LanguageModelHeadLoss(LanguageModelLoss):
         if cfg.type_name == "z_loss":
             return True
         if cfg.type_name == "grpo":
-            return cfg.loss_normalization == "token" and cfg.metrics == "none"
+            return cfg.loss_normalization == "token" and cfg.metrics == "none" and _plain(cfg)
         if cfg.type_name == "gspo":  # the plain form the head fuses (rl_losses.fused_head_loss), per-token advantages
             advantages = batch.get(LanguageModelLossKwargs.advantages)
             labels = batch.get(LanguageModelLossKwargs.labels)
-            return (cfg.metrics == "none" and cfg.loss_type == "ppo_clip" and cfg.rollout_correction is None
-                    and cfg.kl_estimator == "k3" and not cfg.kl_importance_weighted and cfg.entropy_coefficient == 0
-                    and not cfg.token_advantages and advantages is not None and labels is not None
-                    and advantages.shape == labels.shape)
+            return (cfg.metrics == "none" and _plain(cfg) and cfg.delta is None and advantages is not None
+                    and labels is not None and advantages.shape == labels.shape)
         return False
 
     def _forward(self, logits, batch, kernel):
@@ -232,6 +156,14 @@ class LanguageModelHeadLoss(LanguageModelLoss):
                         weight = weight / counts.to(weight.dtype).clamp_min(1)
                     metrics[f"{name}_new_logprobs"] = (weight * out.log_probs).sum() / weight.sum().clamp_min(1e-30)
         return out.loss, metrics
+
+
+def _plain(cfg) -> bool:
+    """The policy config's options that the fused head does not take (its loss type, rollout correction, KL
+    estimator, entropy bonus, …) are at their op's defaults: the head's terms are plain GRPO and GSPO."""
+    op = cfg.type_name
+    names = _schema.arguments(op) - _schema.arguments("fused_head")
+    return all(getattr(cfg, f.name) == _schema.default(op, f.name) for f in dataclasses.fields(cfg) if f.name in names)
 
 
 @torch.no_grad()

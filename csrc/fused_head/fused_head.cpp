@@ -1,4 +1,4 @@
-#include "combined/fused_head.h"
+#include "fused_head/fused_head.h"
 
 #include <algorithm>
 #include <cmath>
@@ -12,34 +12,29 @@ namespace {
 
 // The GSPO term's checks and state (gspo.cpp: gspo_forward's, for the plain GSPO the head fuses: ppo_clip at the
 // sequence ratio, the k3 KL per token, no rollout correction, the document's mean advantage).
-GspoState gspo_term_state(const char* op, const FlatLogits& f, const at::Tensor& target, const HeadGspoArgs& gspo,
-                          const std::optional<at::Tensor>& advantages, const std::optional<at::Tensor>& old_log_probs,
-                          const std::optional<at::Tensor>& ref_log_probs,
-                          const std::optional<at::Tensor>& loss_weights, double epsilon_low, double epsilon_high,
-                          std::optional<double> delta, double beta, const PolicyOptions<double>& options,
-                          at::ScalarType acc) {
-  check_epsilons(op, epsilon_low, epsilon_high);
-  TORCH_CHECK(!delta, op, ": delta is the GRPO term's two-sided clip; the GSPO term has none, got delta = ",
-              delta ? *delta : 0.0);
-  TORCH_CHECK(!loss_weights, op, ": loss_weights weigh the GRPO term's tokens; the GSPO term weighs them by "
+GspoState gspo_term_state(const char* op, const FlatLogits& f, const at::Tensor& target, const FusedHeadArgs& a,
+                          const PolicyOptions<double>& options, at::ScalarType acc) {
+  check_epsilons(op, a.clip.epsilon_low, a.clip.epsilon_high);
+  TORCH_CHECK(!a.clip.delta, op, ": delta is the GRPO term's two-sided clip; the GSPO term has none, got delta = ",
+              a.clip.delta.value_or(0.0));
+  TORCH_CHECK(!a.loss_weights, op, ": loss_weights weigh the GRPO term's tokens; the GSPO term weighs them by "
               "`weighting` (pass loss_weights=None)");
-  check_beta(op, beta, ref_log_probs.has_value());
-  TORCH_CHECK(gspo.weighting == "document" || gspo.weighting == "token", op,
-              ": weighting must be 'document' or 'token', got '", gspo.weighting, "'");
-  TORCH_CHECK(advantages && gspo.document_index, op, ": gspo_weight = ", gspo.weight,
+  check_beta(op, a.beta, a.ref_log_probs.has_value());
+  check_weighting(op, a.weighting);
+  TORCH_CHECK(a.advantages && a.document_index, op, ": gspo_weight = ", a.gspo_weight,
               " > 0 needs advantages and document_index");
   GspoState g;
   g.opt = options;
   g.target = f.target1d;
-  g.advantages = check_per_token(op, "advantages", *advantages, target, acc);
-  if (old_log_probs) g.old_log_probs = check_per_token(op, "old_log_probs", *old_log_probs, target, acc);
-  if (beta != 0) g.ref_log_probs = check_per_token(op, "ref_log_probs", *ref_log_probs, target, acc);
-  g.document = check_per_token_int(op, "document_index", *gspo.document_index, target);
-  if (gspo.label_counts) g.label_counts = check_label_counts(op, *gspo.label_counts, target, acc);
+  g.advantages = check_per_token(op, "advantages", *a.advantages, target, acc);
+  if (a.old_log_probs) g.old_log_probs = check_per_token(op, "old_log_probs", *a.old_log_probs, target, acc);
+  if (a.beta != 0) g.ref_log_probs = check_per_token(op, "ref_log_probs", *a.ref_log_probs, target, acc);
+  g.document = check_per_token_int(op, "document_index", *a.document_index, target);
+  if (a.label_counts) g.label_counts = check_label_counts(op, *a.label_counts, target, acc);
   // The number of documents: given, or max(document_index) + 1 (which synchronises with the device).
-  g.num_documents = document_count(op, g.document, gspo.num_documents);
-  g.divisor = gspo.divisor;
-  g.token_weighting = gspo.weighting == "token";
+  g.num_documents = document_count(op, g.document, a.num_documents);
+  g.divisor = a.gspo_divisor;
+  g.token_weighting = a.weighting == "token";
   return g;
 }
 
@@ -64,61 +59,47 @@ void gspo_term_steps(GspoState& g, const GspoBackend& backend, const at::TensorO
 
 }  // namespace
 
-std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& target, double label_weight,
-                                           double label_smoothing, std::optional<double> label_divisor,
-                                           double z_loss_weight, std::optional<double> z_loss_divisor,
-                                           const std::optional<at::Tensor>& z_loss_mask, double grpo_weight,
-                                           const std::optional<at::Tensor>& advantages,
-                                           const std::optional<at::Tensor>& old_log_probs,
-                                           const std::optional<at::Tensor>& ref_log_probs,
-                                           const std::optional<at::Tensor>& loss_weights, double epsilon_low,
-                                           double epsilon_high, std::optional<double> delta, double beta,
-                                           std::optional<double> grpo_divisor, double logits_scale_factor,
-                                           const HeadGspoArgs& gspo, const std::optional<at::Tensor>& row_stats,
-                                           const FusedHeadBackend& backend) {
+FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, const FusedHeadArgs& a,
+                                    const OptTensor& row_stats, const FusedHeadBackend& backend) {
   const char* op = src.op();
   const FlatLogits& f = src.flat();
+  const double label_weight = a.label_weight, label_smoothing = a.label_smoothing, z_loss_weight = a.z_loss_weight;
+  const double grpo_weight = a.grpo_weight, gspo_weight = a.gspo_weight, logits_scale_factor = a.logits_scale_factor;
   check_scale(op, logits_scale_factor);
-  const double weights[kHeadTerms] = {label_weight, z_loss_weight, grpo_weight, gspo.weight};
+  const double weights[kHeadTerms] = {label_weight, z_loss_weight, grpo_weight, gspo_weight};
   const char* names[kHeadTerms] = {"label_weight", "z_loss_weight", "grpo_weight", "gspo_weight"};
   for (int k = 0; k < kHeadTerms; ++k) {
     TORCH_CHECK(std::isfinite(weights[k]) && weights[k] >= 0, op, ": ", names[k], " must be finite and >= 0, got ",
                 weights[k]);
   }
-  TORCH_CHECK(grpo_weight == 0 || gspo.weight == 0, op, ": grpo_weight = ", grpo_weight, " and gspo_weight = ",
-              gspo.weight, " are both > 0; the head fuses one policy term, GRPO or GSPO");
+  TORCH_CHECK(grpo_weight == 0 || gspo_weight == 0, op, ": grpo_weight = ", grpo_weight, " and gspo_weight = ",
+              gspo_weight, " are both > 0; the head fuses one policy term, GRPO or GSPO");
   TORCH_CHECK(std::isfinite(label_smoothing) && label_smoothing >= 0 && label_smoothing < 1, op,
               ": label_smoothing must be in [0, 1), got ", label_smoothing);
-  check_divisor(op, label_divisor);
-  check_divisor(op, z_loss_divisor);
-  check_divisor(op, grpo_divisor);
-  check_divisor(op, gspo.divisor);
+  for (const auto& d : {a.label_divisor, a.z_loss_divisor, a.grpo_divisor, a.gspo_divisor}) check_divisor(op, d);
   check_row_stats(op, row_stats, f);
   const auto opts = src.acc_options();
   const auto acc = opts.dtype().toScalarType();
   FusedHeadRows rows;
-  rows.ce = {1.0, label_smoothing, 0.0, static_cast<double>(f.vocab_total)};
-  rows.grpo = {{epsilon_low, epsilon_high, delta ? *delta : std::numeric_limits<double>::infinity()},
-               kPpoClip, 1.0, 1.0, beta, kKlK3, false, kRolloutNone, 1.0, 0.0, 0.0, 0.0};
+  rows.ce = {.label_weight = 1.0,
+             .label_smoothing = label_smoothing,
+             .z_loss_factor = 0.0,
+             .vocab_size = static_cast<double>(f.vocab_total)};
+  rows.grpo = plain_policy_options(a.clip, a.beta);
   for (int k = 0; k < kHeadTerms; ++k) rows.weight[k] = weights[k];
   if (grpo_weight != 0) {
-    check_epsilons(op, epsilon_low, epsilon_high);
-    check_delta(op, delta, epsilon_high);
-    check_beta(op, beta, ref_log_probs.has_value());
-    TORCH_CHECK(advantages && old_log_probs, op, ": grpo_weight = ", grpo_weight,
+    check_clip(op, a.clip, a.beta, a.ref_log_probs.has_value());
+    TORCH_CHECK(a.advantages && a.old_log_probs, op, ": grpo_weight = ", grpo_weight,
                 " > 0 needs advantages and old_log_probs");
-    rows.advantages = check_per_token(op, "advantages", *advantages, target, acc);
-    rows.old_log_probs = check_per_token(op, "old_log_probs", *old_log_probs, target, acc);
-    if (beta != 0) rows.ref_log_probs = check_per_token(op, "ref_log_probs", *ref_log_probs, target, acc);
-    if (loss_weights) rows.loss_weights = check_per_token(op, "loss_weights", *loss_weights, target, acc);
+    rows.advantages = check_per_token(op, "advantages", *a.advantages, target, acc);
+    rows.old_log_probs = check_per_token(op, "old_log_probs", *a.old_log_probs, target, acc);
+    if (a.beta != 0) rows.ref_log_probs = check_per_token(op, "ref_log_probs", *a.ref_log_probs, target, acc);
+    if (a.loss_weights) rows.loss_weights = check_per_token(op, "loss_weights", *a.loss_weights, target, acc);
   }
   GspoState g;
-  if (gspo.weight != 0) {
-    g = gspo_term_state(op, f, target, gspo, advantages, old_log_probs, ref_log_probs, loss_weights, epsilon_low,
-                        epsilon_high, delta, beta, rows.grpo, acc);
-  }
-  if (z_loss_weight != 0 && z_loss_mask) {
-    const at::Tensor& m = *z_loss_mask;
+  if (gspo_weight != 0) g = gspo_term_state(op, f, target, a, rows.grpo, acc);
+  if (z_loss_weight != 0 && a.z_loss_mask) {
+    const at::Tensor& m = *a.z_loss_mask;
     TORCH_CHECK(m.scalar_type() == at::kBool || at::isIntegralType(m.scalar_type(), false), op,
                 ": z_loss_mask must be a bool or integer tensor, got ", m.scalar_type());
     TORCH_CHECK(m.device() == f.options.device() && m.sizes() == target.sizes(), op,
@@ -130,7 +111,7 @@ std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& tar
   // ones for CE and GRPO, those of z_loss_mask (every token without one) for the z-loss. GSPO divides its shares
   // itself (GspoTokenStep: by gspo_divisor, default the labelled documents).
   at::Tensor n_labelled;
-  const std::optional<double> divisors[kHeadTerms - 1] = {label_divisor, z_loss_divisor, grpo_divisor};
+  const std::optional<double> divisors[kHeadTerms - 1] = {a.label_divisor, a.z_loss_divisor, a.grpo_divisor};
   for (int k = 0; k < kHeadTerms - 1; ++k) {
     if (divisors[k]) {
       rows.divisor[k] = at::full({}, *divisors[k], opts);
@@ -164,7 +145,7 @@ std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& tar
     }
   }
   args.smoothing = label_smoothing != 0 && label_weight != 0;
-  if (f.n_rows > 0 && gspo.weight != 0) {
+  if (f.n_rows > 0 && gspo_weight != 0) {
     // GSPO's statistics pass (unless given: every rank then computes the same document sums from the all-reduced
     // statistics), its per-document steps, then one head pass with the statistics given. The statistics pass
     // reads the rows the head pass reads (args.target holds the z-loss's stand-in labels).
@@ -186,11 +167,15 @@ std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& tar
     });
   }
   backend.totals(rows);
-  // (total, label, z, grpo), log_probs, then gspo: the outputs' order before the GSPO term, then its own.
-  std::vector<at::Tensor> out(std::begin(rows.scalars), std::begin(rows.scalars) + kHeadGspo + 1);
-  out.push_back(rows.log_probs.view(target.sizes()));
-  out.push_back(rows.scalars[kHeadGspo + 1]);
-  return out;
+  // rows.scalars: the total, then the terms.
+  FusedHeadResults r;
+  r.loss = rows.scalars[0];
+  r.label_loss = rows.scalars[kHeadLabel + 1];
+  r.z_loss = rows.scalars[kHeadZLoss + 1];
+  r.grpo_loss = rows.scalars[kHeadGrpo + 1];
+  r.gspo_loss = rows.scalars[kHeadGspo + 1];
+  r.log_probs = rows.log_probs.view(target.sizes());
+  return r;
 }
 
 }  // namespace rl_losses

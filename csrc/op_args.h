@@ -1,0 +1,258 @@
+// Every argument and result of the ops, one X-macro list per group: X(C++ type, name, default in schema syntax).
+//
+// A list is the one home of its entries: registration.cpp builds the ops' schemas from these lists (the public op
+// with the defaults, its `_forward` ops without), and each kernel reads the same list's struct by name
+// (common/schema.h). Python reads the defaults and the result names back from the schemas (rl_losses._schema).
+// An entry's place in a list is free: nothing reads an argument by position.
+#pragma once
+
+#include "common/schema.h"
+
+// ---- shared by every op ---------------------------------------------------------------------------------------
+#define RL_LOSSES_LOGITS_INPUT(X) \
+  X(at::Tensor, logits, )         \
+  X(at::Tensor, target, )
+// The fused lm_head in place of the logits: logits = hidden @ weight.T (+ bias), chunk_size rows at a time.
+#define RL_LOSSES_LINEAR_INPUT(X) \
+  X(at::Tensor, hidden, )         \
+  X(at::Tensor, weight, )         \
+  X(at::Tensor, target, )
+#define RL_LOSSES_LINEAR_OPTIONS(X) \
+  X(OptTensor, bias, None)          \
+  X(OptInt, chunk_size, None)
+// Every softmax is over logits_scale_factor · logits.
+#define RL_LOSSES_SCALE(X) X(double, logits_scale_factor, 1.0)
+// D of a mean: None is the op's own count.
+#define RL_LOSSES_DIVISOR(X) X(OptDouble, divisor, None)
+#define RL_LOSSES_ENTROPY(X) X(bool, compute_entropy, False)
+// The hooks of vocabulary (tensor) parallelism: statistics all-reduced over the group, and this rank's shard.
+#define RL_LOSSES_ROW_STATS(X) X(OptTensor, row_stats, None)
+#define RL_LOSSES_VOCAB_SHARD(X) \
+  X(int64_t, vocab_start, 0)     \
+  X(int64_t, vocab_size, -1)
+// The public loss ops' switch between a new gradient buffer and the logits' own storage (fused_loss_autograd.cpp).
+#define RL_LOSSES_INPLACE(X) X(bool, inplace_backward, False)
+// The `_forward` ops' switch: compute the gradient in the same pass or not.
+#define RL_LOSSES_COMPUTE_GRAD(X) X(bool, compute_grad, )
+// The `_linear_*_forward` ops' switch: which of grad_hidden, grad_weight, grad_bias to compute.
+#define RL_LOSSES_OUTPUT_MASK(X) X(OutputMask, output_mask, )
+#define RL_LOSSES_GRAD(X) X(at::Tensor, grad, )
+// Row statistics: row_stats' (N..., 5), token_log_probs' for its backward, distillation_stats' (N..., 7).
+#define RL_LOSSES_STATS_RESULT(X) X(at::Tensor, stats, )
+#define RL_LOSSES_LINEAR_GRADS(X) \
+  X(at::Tensor, grad_hidden, )    \
+  X(at::Tensor, grad_weight, )    \
+  X(at::Tensor, grad_bias, )
+
+// ---- row_stats: the statistics pass alone (tensor parallelism's first step) ------------------------------------
+#define RL_LOSSES_ROW_STATS_OPTIONS(X) \
+  X(bool, entropy, False)              \
+  X(bool, smoothing, False)
+
+// ---- cross-entropy (docs/math.md); label_weight = 0 with z_loss_factor > 0 is the z-loss alone ------------------
+#define RL_LOSSES_CE_OPTIONS(X)      \
+  X(double, label_smoothing, 0.0)    \
+  X(double, z_loss_factor, 0.0)      \
+  X(double, label_weight, 1.0)       \
+  X(std::string, reduction, "mean")
+#define RL_LOSSES_CE_RESULTS(X) \
+  X(at::Tensor, loss, )         \
+  X(at::Tensor, lse, )
+
+// ---- the policy family (docs/policy_losses.md): GRPO, GSPO, policy_token_loss, the fused head's terms ---------------
+#define RL_LOSSES_POLICY_INPUTS(X) \
+  X(at::Tensor, advantages, )      \
+  X(OptTensor, old_log_probs, )
+#define RL_LOSSES_POLICY_TENSORS(X)     \
+  X(OptTensor, ref_log_probs, None)     \
+  X(OptTensor, rollout_log_probs, None)
+// The clipped objective: ratio clipped to [1 − ε_l, 1 + ε_h], and ppo_clip's two-sided cap δ.
+#define RL_LOSSES_CLIP(X)         \
+  X(double, epsilon_low, 0.2)     \
+  X(double, epsilon_high, 0.2)    \
+  X(OptDouble, delta, None)
+#define RL_LOSSES_KL_WEIGHT(X) X(double, beta, 0.0)
+// The per-token options: every policy op applies them, policy_token_loss too.
+#define RL_LOSSES_POLICY_OPTIONS(X)              \
+  X(std::string, loss_type, "ppo_clip")          \
+  X(double, sapo_temperature_pos, 1.0)           \
+  X(double, sapo_temperature_neg, 1.05)          \
+  X(OptString, rollout_correction, None)         \
+  X(double, rollout_cap, 3.0)                    \
+  X(OptDoubles, rollout_mask_bounds, None)       \
+  X(std::string, kl_estimator, "k3")             \
+  X(bool, kl_importance_weighted, False)
+// The options that need the logits or whole sequences: the fused ops' alone (not policy_token_loss's).
+#define RL_LOSSES_FUSED_POLICY_OPTIONS(X) \
+  X(double, entropy_coefficient, 0.0)     \
+  X(double, vespo_k_pos, 2.0)             \
+  X(double, vespo_lambda_pos, 3.0)        \
+  X(double, vespo_k_neg, 3.0)             \
+  X(double, vespo_lambda_neg, 2.0)
+// The metrics after the loss are detached: kl (mean KL estimate towards ref_log_probs), rollout_ratio_mean (mean ρ),
+// rollout_weight_mean (mean correction weight), rollout_corrected_fraction (tokens truncated or masked); GSPO adds
+// document_ratios; vespo_phi_seq_mean (the mean VESPO weight φ over the labelled sequences, 0 for the other loss
+// types) is last.
+#define RL_LOSSES_POLICY_RESULTS(X)            \
+  X(at::Tensor, loss, )                        \
+  X(at::Tensor, new_logprobs, )                \
+  X(at::Tensor, clipped_fraction_low, )        \
+  X(at::Tensor, clipped_fraction_high, )       \
+  X(at::Tensor, kl_old, )                      \
+  X(at::Tensor, entropy, )                     \
+  X(at::Tensor, log_probs, )                   \
+  X(at::Tensor, ratio_mean, )                  \
+  X(at::Tensor, kl, )                          \
+  X(at::Tensor, rollout_ratio_mean, )          \
+  X(at::Tensor, rollout_weight_mean, )         \
+  X(at::Tensor, rollout_corrected_fraction, )
+#define RL_LOSSES_GSPO_RESULTS(X) X(at::Tensor, document_ratios, )
+#define RL_LOSSES_VESPO_RESULTS(X) X(at::Tensor, vespo_phi_seq_mean, )
+
+// ---- GRPO ---------------------------------------------------------------------------------------------------------
+// document_index: the sequences of a sequence-level rollout_correction or of vespo (default: the rows);
+// num_documents: their count (default: max(document_index) + 1, read on the host).
+#define RL_LOSSES_GRPO_OPTIONS(X)        \
+  X(OptTensor, loss_weights, None)       \
+  X(OptTensor, label_counts, None)       \
+  X(OptTensor, document_index, None)     \
+  X(OptInt, num_documents, None)
+
+// ---- GSPO ---------------------------------------------------------------------------------------------------------
+#define RL_LOSSES_GSPO_DOCUMENTS(X) X(at::Tensor, document_index, )
+#define RL_LOSSES_GSPO_OPTIONS(X)    \
+  X(OptInt, num_documents, None)     \
+  X(OptTensor, label_counts, None)
+// How a document's tokens share its loss (also the fused head's GSPO term's), and whose advantage the sequence
+// ratio takes (GSPO-token).
+#define RL_LOSSES_GSPO_WEIGHTING(X) X(std::string, weighting, "document")
+#define RL_LOSSES_GSPO_TOKEN_ADVANTAGES(X) X(bool, token_advantages, False)
+// The sequence-data-parallel hook: the per-document sums all-reduced over the group (gspo/gspo.h: GspoSum).
+#define RL_LOSSES_GSPO_SUMS(X) X(OptTensor, document_sums, None)
+// gspo_document_sums: one rank's per-document sums, from its per-token log-probs.
+#define RL_LOSSES_DOCUMENT_SUMS_INPUT(X) \
+  X(at::Tensor, log_probs, )             \
+  X(at::Tensor, target, )                \
+  X(at::Tensor, advantages, )            \
+  X(OptTensor, old_log_probs, )          \
+  X(at::Tensor, document_index, )        \
+  X(at::Tensor, label_counts, )          \
+  X(int64_t, num_documents, )
+#define RL_LOSSES_DOCUMENT_SUMS_RESULTS(X) X(at::Tensor, document_sums, )
+
+// ---- policy_token_loss: the per-token policy loss from per-token log-probs -------------------------------------
+// Every tensor is positional: torch.library.register_autograd (rl_losses/policy_token.py) needs them so.
+#define RL_LOSSES_POLICY_TOKEN_INPUT(X) \
+  X(at::Tensor, log_probs, )            \
+  X(OptTensor, old_log_probs, )         \
+  X(at::Tensor, advantages, )
+#define RL_LOSSES_POLICY_TOKEN_RESULTS(X) \
+  X(at::Tensor, loss, )                   \
+  X(at::Tensor, grad_log_probs, )         \
+  X(at::Tensor, ratio, )                  \
+  X(at::Tensor, clipped_low, )            \
+  X(at::Tensor, clipped_high, )           \
+  X(at::Tensor, kl, )                     \
+  X(at::Tensor, rollout_weight, )
+
+// ---- per-token log-probs and entropies (token_log_probs/) -------------------------------------------------------
+#define RL_LOSSES_TOKEN_LOG_PROBS_RESULTS(X) \
+  X(at::Tensor, log_probs, )                 \
+  X(at::Tensor, entropy, )
+// The backward ops' inputs: the forward's statistics and the upstream gradients.
+#define RL_LOSSES_TOKEN_LOG_PROBS_UPSTREAM(X) \
+  X(at::Tensor, stats, )                      \
+  X(OptTensor, grad_log_probs, )              \
+  X(OptTensor, grad_entropy, )
+
+// ---- distillation against a teacher's logits (distillation/) -----------------------------------------------------
+#define RL_LOSSES_DISTILL_INPUT(X) \
+  X(at::Tensor, logits, )          \
+  X(at::Tensor, teacher_logits, )
+// The teacher's softmax is over teacher_logits / temperature, the student's over logits_scale_factor · logits.
+#define RL_LOSSES_DISTILL_SOFTMAX(X) \
+  X(double, temperature, 1.0)        \
+  X(double, logits_scale_factor, 1.0)
+#define RL_LOSSES_DISTILL_BETA(X) X(double, beta, 0.5)
+#define RL_LOSSES_DISTILL_OPTIONS(X)     \
+  X(std::string, kind, "forward_kl")     \
+  X(OptTensor, loss_mask, None)
+// The tensor-parallel hooks: distillation_stats' and (JSD) distillation_jsd_sums' outputs all-reduced.
+#define RL_LOSSES_DISTILL_HOOKS(X) \
+  X(OptTensor, row_stats, None)    \
+  X(OptTensor, jsd_sums, None)
+#define RL_LOSSES_DISTILL_STATS_INPUT(X) X(at::Tensor, row_stats, )
+#define RL_LOSSES_DISTILL_RESULTS(X) \
+  X(at::Tensor, loss, )              \
+  X(at::Tensor, divergence, )
+#define RL_LOSSES_DISTILL_JSD_RESULTS(X) X(at::Tensor, jsd_sums, )
+
+// ---- DPO over packed documents (dpo/) ------------------------------------------------------------------------------
+#define RL_LOSSES_DPO_INPUT(X)                      \
+  X(at::Tensor, document_index, )                   \
+  X(at::Tensor, pairs, )                            \
+  X(at::Tensor, reference_chosen_log_probs, )       \
+  X(at::Tensor, reference_rejected_log_probs, )
+#define RL_LOSSES_DPO_BETA(X) X(double, beta, 1.0)
+#define RL_LOSSES_DPO_RESULTS(X)         \
+  X(at::Tensor, loss, )                  \
+  X(at::Tensor, rewards_chosen, )        \
+  X(at::Tensor, rewards_rejected, )      \
+  X(at::Tensor, accuracy, )              \
+  X(at::Tensor, margin, )                \
+  X(at::Tensor, log_probs, )             \
+  X(at::Tensor, document_log_probs, )
+
+// ---- the fused head: label CE, z-loss and a GRPO or GSPO term in one pass (fused_head/) ---------------------------
+#define RL_LOSSES_FUSED_HEAD_OPTIONS(X)   \
+  X(double, label_weight, 0.0)            \
+  X(double, label_smoothing, 0.0)         \
+  X(OptDouble, label_divisor, None)       \
+  X(double, z_loss_weight, 0.0)           \
+  X(OptDouble, z_loss_divisor, None)      \
+  X(OptTensor, z_loss_mask, None)         \
+  X(double, grpo_weight, 0.0)             \
+  X(OptTensor, advantages, None)          \
+  X(OptTensor, old_log_probs, None)       \
+  X(OptTensor, ref_log_probs, None)       \
+  X(OptTensor, loss_weights, None)        \
+  X(OptDouble, grpo_divisor, None)        \
+  X(double, gspo_weight, 0.0)             \
+  X(OptTensor, document_index, None)      \
+  X(OptInt, num_documents, None)          \
+  X(OptTensor, label_counts, None)        \
+  X(OptDouble, gspo_divisor, None)
+#define RL_LOSSES_FUSED_HEAD_RESULTS(X) \
+  X(at::Tensor, loss, )                 \
+  X(at::Tensor, label_loss, )           \
+  X(at::Tensor, z_loss, )               \
+  X(at::Tensor, grpo_loss, )            \
+  X(at::Tensor, log_probs, )            \
+  X(at::Tensor, gspo_loss, )
+
+namespace rl_losses {
+
+// The groups more than one op family reads; each op's own struct is in its header.
+RL_LOSSES_ARG_GROUP(LogitsInput, RL_LOSSES_LOGITS_INPUT)
+RL_LOSSES_ARG_GROUP(LinearInput, RL_LOSSES_LINEAR_INPUT)
+RL_LOSSES_ARG_GROUP(LinearOptions, RL_LOSSES_LINEAR_OPTIONS)
+RL_LOSSES_ARG_GROUP(RowStatsArg, RL_LOSSES_ROW_STATS)
+RL_LOSSES_ARG_GROUP(VocabShard, RL_LOSSES_VOCAB_SHARD)
+RL_LOSSES_ARG_GROUP(ComputeGradArg, RL_LOSSES_COMPUTE_GRAD)
+RL_LOSSES_ARG_GROUP(OutputMaskArg, RL_LOSSES_OUTPUT_MASK)
+RL_LOSSES_RESULT_GROUP(GradResult, RL_LOSSES_GRAD)
+RL_LOSSES_RESULT_GROUP(LinearGradResults, RL_LOSSES_LINEAR_GRADS)
+RL_LOSSES_RESULT_GROUP(StatsResult, RL_LOSSES_STATS_RESULT)
+
+RL_LOSSES_ARG_GROUP(GspoSumsArg, RL_LOSSES_GSPO_SUMS)
+RL_LOSSES_RESULT_GROUP(DocumentSumsResult, RL_LOSSES_DOCUMENT_SUMS_RESULTS)
+
+RL_LOSSES_ARG_GROUP(ClipArgs, RL_LOSSES_CLIP)
+RL_LOSSES_ARG_GROUP(PolicyArgs, RL_LOSSES_POLICY_OPTIONS)
+RL_LOSSES_ARG_GROUP(FusedPolicyArgs, RL_LOSSES_FUSED_POLICY_OPTIONS)
+#define RL_LOSSES_POLICY_RESULT_FIELDS(X) \
+  RL_LOSSES_POLICY_RESULTS(X) RL_LOSSES_GSPO_RESULTS(X) RL_LOSSES_VESPO_RESULTS(X)
+// GRPO's and GSPO's results (GRPO, whose schema has no document_ratios, leaves that field undefined).
+RL_LOSSES_RESULT_GROUP(PolicyResults, RL_LOSSES_POLICY_RESULT_FIELDS)
+
+}  // namespace rl_losses
