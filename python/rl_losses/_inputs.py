@@ -50,6 +50,8 @@ def _divisor(divisor) -> float | None:
 def _options(name: str, options: dict, allowed: frozenset[str]) -> dict:
     """A wrapper's keyword options as its op takes them: an unknown one refused as Python would, the divisors as
     numbers (a 0-dim tensor is read on the host), the mask bounds as a list."""
+    if not options:
+        return options
     _schema.check_keywords(name, options, allowed)
     for key, value in options.items():
         if key.endswith("divisor") and value is not None:
@@ -59,20 +61,33 @@ def _options(name: str, options: dict, allowed: frozenset[str]) -> dict:
     return options
 
 
+def _layout(op: str) -> tuple[int, ...]:
+    # The position in `op`'s results of each field of PolicyLossOutput but loss_type (-1: not a result of op).
+    names = _schema.results(op)
+    return tuple(names.index(f) if f in names else -1 for f in PolicyLossOutput._fields[:-1])
+
+
+_LAYOUTS = {op: _layout(op) for op in ("grpo", "gspo", "linear_grpo", "linear_gspo")}
+# The metrics of an option, None where it is off.
+_FIELD = {name: i for i, name in enumerate(PolicyLossOutput._fields)}
+_ROLLOUT = [_FIELD[f] for f in ("rollout_ratio_mean", "rollout_weight_mean", "rollout_corrected_fraction")]
+
+
 def policy_output(op: str, out, options: dict) -> PolicyLossOutput:
     """The named result of a policy op from its results by name, with None for the metrics whose option is off."""
-    result = _schema.named(op, out)
-
-    def option(name):
-        return _schema.option(op, options, name)
-
-    if not option("compute_entropy") and option("entropy_coefficient") == 0:
-        result["entropy"] = None
-    if options.get("ref_log_probs") is None:
-        result["kl"] = None
-    if option("rollout_correction") is None:
-        result["rollout_ratio_mean"] = result["rollout_weight_mean"] = result["rollout_corrected_fraction"] = None
-    loss_type = option("loss_type")
+    values = [out[i] if i >= 0 else None for i in _LAYOUTS[op]]
+    defaults = _schema.defaults(op)
+    get = options.get
+    if not get("compute_entropy", defaults["compute_entropy"]) and \
+            get("entropy_coefficient", defaults["entropy_coefficient"]) == 0:
+        values[_FIELD["entropy"]] = None
+    if get("ref_log_probs") is None:
+        values[_FIELD["kl"]] = None
+    if get("rollout_correction", defaults["rollout_correction"]) is None:
+        for i in _ROLLOUT:
+            values[i] = None
+    loss_type = get("loss_type", defaults["loss_type"])
     if loss_type != "vespo":
-        result["vespo_phi_seq_mean"] = None
-    return PolicyLossOutput(**result, loss_type=loss_type)
+        values[_FIELD["vespo_phi_seq_mean"]] = None
+    values.append(loss_type)
+    return PolicyLossOutput._make(values)
