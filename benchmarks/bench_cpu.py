@@ -23,12 +23,12 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cases  # noqa: E402
+from timing import Timer  # noqa: E402
 
 PROVIDERS = {"ce": ["rl_losses", "rl_losses_inplace", "torch_eager", "reference"]}
 DEFAULT_PROVIDERS = ["rl_losses", "rl_losses_inplace", "torch_eager"]  # torch_eager = reference for GRPO/GSPO
@@ -75,11 +75,7 @@ def worker(args) -> dict:
     out["baseline_slack_mib"] = round((high0 - rss0) / 2**20, 1)
     for _ in range(args.warmup):
         run(s)
-    times = []
-    for _ in range(args.reps):
-        t = time.perf_counter()
-        run(s)
-        times.append((time.perf_counter() - t) * 1e3)
+    times = Timer("cpu")(lambda: run(s), args.reps)
     out["ms"] = round(statistics.median(times), 3)
     out["times_ms"] = [round(t, 3) for t in times]
     return out

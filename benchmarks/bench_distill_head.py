@@ -10,7 +10,7 @@ backward, with the floor (read the student, read the teacher, write the gradient
 From hidden states (``--hidden`` > 0): rl_losses.linear_distillation_loss after the teacher's matmul against
 Liger's LigerFusedLinearJSD, which does both. The fused head: CE + z-loss + GRPO in one call against GRPO alone
 and the three separate ops; CE + z-loss + GSPO (64 packed documents) against GSPO alone (both read the logits
-twice: statistics, then the gradient) and the three separate ops. CUDA-event timing after warm-up, median of `reps` runs. Prints one line per case;
+twice: statistics, then the gradient) and the three separate ops. CUDA-event timing after warm-up (benchmarks/timing.py), median of `reps` runs. Prints one line per case;
 ``--out`` writes the rows as JSON for ``benchmarks/report.py --add``.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -26,30 +27,21 @@ import sys
 import torch
 
 import rl_losses
-from rl_losses.head import fused_head_loss
+from rl_losses.fused_head import fused_head_loss
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import Timer, copy_ceiling  # noqa: E402
+
+
+TIMER = Timer("cuda")
 
 
 def timed(fn, reps: int) -> float:
-    """Median milliseconds of fn() after 3 warm-up calls."""
+    """Median milliseconds of fn() after 3 warm-up calls (timing.Timer)."""
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_rate(nbytes: int, reps: int) -> float:
-    """Bytes per millisecond of a device-to-device copy (read + write counted)."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / timed(lambda: dst.copy_(src), reps)
+    TIMER.sync()
+    return statistics.median(TIMER(fn, reps))
 
 
 def torch_distillation(x, t, kind):
@@ -88,7 +80,7 @@ def main() -> None:
     x = (torch.randn(n, v, device="cuda") * 2).to(dtype).requires_grad_()
     teacher = (x.detach().float() + torch.randn(n, v, device="cuda")).to(dtype)
     elem = x.element_size()
-    rate = copy_rate(2 * n * v * elem, args.reps)
+    rate = copy_ceiling("cuda", TIMER, 2 * n * v * elem, args.reps)["gbps"] * 1e6  # bytes per ms
     floor_ms = 3 * n * v * elem / rate
     compiled = torch.compile(torch_distillation)
     try:

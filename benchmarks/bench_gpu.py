@@ -39,6 +39,7 @@ import cases  # noqa: E402
 import plot  # noqa: E402
 import profile_calls  # noqa: E402
 import run_output  # noqa: E402
+from timing import Timer, copy_ceiling  # noqa: E402
 
 HEADLINE = (16384, 128256)
 GRID = [(n, v) for n in (4096, 16384, 32768) for v in (32000, 128256, 151936, 262144)]
@@ -56,81 +57,6 @@ GRID_PROVIDERS = ["rl_losses", "rl_losses_inplace", "torch_eager", "liger"]
 DRY = {"headline": (128, 1000), "grid": [(64, 300), (128, 300), (64, 1000), (128, 1000)],
        "quick": [(128, 300), (64, 1000)], "seq_scale": 32}
 GRAD_ROWS = 4  # gradient rows compared across providers
-
-
-# ------------------------------------------------------------------------------------------------ timing
-
-class Timer:
-    """Milliseconds of each of `reps` calls of fn: CUDA events around each call, on a GPU that the host is
-    ahead of, as in a training step (the model's forward has queued work before the loss is called): the
-    stream is first held by a sleep kernel long enough for the host to queue all `reps` calls, so that the
-    events time the device work of each call, not the Python and launch overhead around it (which at N=4096,
-    V=32000 is about twice the kernels' time). A call that synchronises with the host still waits, as it
-    would in training. `host_ms`: the host's time per call while queueing. On the CPU (the dry run): a host
-    clock."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.host_ms = None
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def __call__(self, fn, reps: int, before=None) -> list[float]:
-        """`before`, when given, runs ahead of each call, outside its events (restoring inputs)."""
-        if not self.cuda:
-            out = []
-            for _ in range(reps):
-                if before is not None:
-                    before()
-                t = time.perf_counter()
-                fn()
-                out.append((time.perf_counter() - t) * 1e3)
-            return out
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()  # one call's host time, to size the sleep
-        one_ms = (time.perf_counter() - t) * 1e3
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(min(2.0 * reps * one_ms + 1.0, 2000.0) * self.cycles_per_ms()))
-        t = time.perf_counter()
-        for s, e in zip(starts, ends):
-            if before is not None:
-                before()
-            s.record()
-            fn()
-            e.record()
-        self.host_ms = (time.perf_counter() - t) * 1e3 / reps
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
-
-    _cycles_per_ms = None
-
-    @classmethod
-    def cycles_per_ms(cls) -> float:
-        """Clock cycles of torch.cuda._sleep per millisecond, measured once."""
-        if cls._cycles_per_ms is None:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            torch.cuda._sleep(10_000_000)
-            b.record()
-            torch.cuda.synchronize()
-            cls._cycles_per_ms = 10_000_000 / a.elapsed_time(b)
-        return cls._cycles_per_ms
-
-
-def copy_ceiling(device, timer: Timer, nbytes: int, reps: int = 30) -> dict:
-    """Device-to-device copy bandwidth, bytes read + written over the median time (the memory ceiling)."""
-    src = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)  # random, never zeros
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    timer.sync()
-    ms = statistics.median(timer(lambda: dst.copy_(src), reps))
-    return {"bytes": nbytes, "ms": ms, "gbps": 2 * nbytes / ms / 1e6}
 
 
 def peak_extra_bytes(step, device) -> int | None:

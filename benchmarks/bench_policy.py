@@ -6,7 +6,7 @@ Liger-Kernel's ``triton_grpo_loss`` with the same option where Liger has it, fwd
     python3 benchmarks/report.py --add OUT/policy.json --results benchmarks/results --write   # record it
 
 Per option: the median of --repeats fwd+bwd calls, each timed by CUDA events behind a sleep kernel so that the
-host is ahead of the GPU (as in a training step; without it the host's ~0.4 ms of Python and dispatch per call
+host is ahead of the GPU (benchmarks/timing.py) (as in a training step; without it the host's ~0.4 ms of Python and dispatch per call
 lands in the timings), its ratio to plain GRPO's time (to plain GSPO's for the GSPO rows), and Liger's time and
 its ratio to ours. Liger runs in place (its default): its logits are restored before each timed call, outside
 the timing. The inputs are a training step's: old log-probs near the current ones (a step of drift), the
@@ -22,14 +22,15 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
 import rl_losses
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import Timer, summary  # noqa: E402
 
 # The options that read the logits twice (every GSPO row does).
 TWO_PASSES = {"vespo", "vespo_token_truncate", "on_policy_sequence_truncate"}
@@ -74,39 +75,16 @@ def options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref):
     }
 
 
-class Timer:
-    """Median of CUDA-event-timed calls, each queued behind a sleep kernel (the host ahead of the GPU);
-    `before` runs untimed ahead of each call (restoring an in-place provider's inputs)."""
-
-    def __init__(self, device: str, repeats: int):
-        self.device, self.repeats = device, repeats
-
-    def __call__(self, fn, before=None) -> dict:
+def timed(timer: Timer, repeats: int):
+    """The median and quantiles of `repeats` timed calls after 3 warm-up calls (timing.Timer)."""
+    def run(fn, before=None) -> dict:
         for _ in range(3):
             if before:
                 before()
             fn()
-        times = []
-        for _ in range(self.repeats):
-            if before:
-                before()
-            if self.device == "cpu":
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-                continue
-            torch.cuda.synchronize()
-            torch.cuda._sleep(3_000_000)  # ~1.5 ms: longer than the host needs to queue the call
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        times.sort()
-        q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
-        return dict(ms=round(statistics.median(times), 4), ms_p20=round(q(0.2), 4), ms_p80=round(q(0.8), 4),
-                    reps=len(times))
+        timer.sync()
+        return summary(timer(fn, repeats, before=before))
+    return run
 
 
 def git_commit() -> str | None:
@@ -152,7 +130,7 @@ def main(argv=None) -> int:
             from liger_kernel.transformers.grpo_loss import triton_grpo_loss as liger
         except ImportError as e:
             print(f"liger-kernel not importable ({e}): rl_losses only")
-    timer = Timer(device, args.repeats)
+    timer = timed(Timer(device), args.repeats)
     x = logits.detach().clone().requires_grad_()
     y = logits_full.detach().clone().requires_grad_()
     table = options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref)

@@ -40,6 +40,9 @@ import torch.multiprocessing as mp
 import rl_losses
 from rl_losses import distributed as rl_dist
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import Timer  # noqa: E402
+
 COMM_LIMIT = 0.10  # communication / kernel time: the target
 _ops = torch.ops.rl_losses
 
@@ -68,26 +71,10 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------------------------- timing helpers
-class Timer:
-    """Per-call milliseconds: CUDA events around each call (no synchronisation between calls), or the host
-    clock on the CPU."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def event(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def elapsed(self, start, end) -> float:
-        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+class RankTimer(Timer):
+    """timing.Timer's marks with the ranks started together. A step's collectives wait for the other ranks, so the
+    host cannot be put ahead of the device by a sleep kernel as on one GPU: each rank marks its calls back to back,
+    without a synchronisation between them."""
 
     def __call__(self, fn, reps: int, warmup: int, *, barrier: bool = True) -> list[float]:
         for _ in range(warmup):
@@ -108,7 +95,7 @@ class CommProbe:
     """Wraps torch.distributed.all_reduce (which rl_losses.distributed calls) with timing events, so that the
     communication inside a step is measured where it happens."""
 
-    def __init__(self, timer: Timer):
+    def __init__(self, timer: RankTimer):
         self.timer, self.marks, self.active = timer, [], False
         self._orig = dist.all_reduce
 
@@ -198,7 +185,7 @@ def call(op: str, inp: dict, x: torch.Tensor, options: dict, **group):
         fn = rl_dist.gspo_loss if direct else rl_losses.gspo_loss
         n_docs = int(inp["num_documents"])
         out = fn(*args, inp["document_index"], num_documents=n_docs, **options, **group)
-    return out.loss, {k: v for k, v in out._asdict().items() if k != "loss" and v is not None}
+    return out.loss, {k: v for k, v in out._asdict().items() if k != "loss" and isinstance(v, torch.Tensor)}
 
 
 def fwd_bwd(op, inp, logits, options, **group):
@@ -420,7 +407,7 @@ def worker(rank: int, args, workdir: str) -> None:
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{workdir}/store", rank=rank,
                                 world_size=args.world, timeout=datetime.timedelta(seconds=args.timeout))
-        timer = Timer(cuda)
+        timer = RankTimer("cuda" if cuda else "cpu")
         t0 = time.perf_counter()
         checks = [check_case(name, rank, args.world, device, args) for name in CHECKS]
         checks = [gather_max(c, ["worst_rel_err"]) for c in checks]

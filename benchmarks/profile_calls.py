@@ -26,29 +26,21 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cases  # noqa: E402
+from timing import Timer  # noqa: E402
 
 
-def hold_stream(ms: float = 20.0) -> None:
-    # Keep the device busy so that the host queues the timed calls ahead of it.
-    torch.cuda._sleep(int(ms * 1.4e6))
+TIMER = Timer("cuda")
 
 
 def device_ms(fn, reps: int = 30) -> float:
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    torch.cuda.synchronize()
-    hold_stream()
-    for i in range(reps):
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    """The median device time of one call with the host ahead (timing.Timer)."""
+    return statistics.median(TIMER(fn, reps))
 
 
 def host_us(fn, reps: int = 50) -> float:
+    """The host's time per call while the device is held busy (its queue never full)."""
     torch.cuda.synchronize()
-    hold_stream(50.0)
+    TIMER.hold(50.0)
     t = time.perf_counter()
     for _ in range(reps):
         fn()
@@ -78,7 +70,7 @@ def host_breakdown(fn, calls: int = 20, top: int = 12) -> list[tuple[str, float,
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    hold_stream(50.0)
+    TIMER.hold(50.0)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(calls):
             fn()

@@ -1,0 +1,85 @@
+"""Host time per call at a tiny shape: each functional wrapper against the raw op it calls.
+
+At 8 × 64 logits the kernels take next to nothing, so the time of a forward + backward call is the host's: the
+dispatcher, the autograd node, the Python layer. The difference wrapper − raw op is what the Python layer adds
+(the goal: ≤ 10 µs). On CUDA the calls are timed on the host clock without a synchronisation (one every 64
+calls, untimed), so the numbers stay host time while the GPU keeps up.
+
+    python benchmarks/host_time.py                 # CPU
+    python benchmarks/host_time.py --device cuda
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import rl_losses
+
+ops = torch.ops.rl_losses
+
+
+def cases(device: str, n: int = 8, v: int = 64, h: int = 32):
+    """(name, wrapper call, raw-op call): each a forward + backward of a fresh graph."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, v, generator=g).to(device).requires_grad_()
+    hidden = torch.randn(n, h, generator=g).to(device).requires_grad_()
+    weight = torch.randn(v, h, generator=g).to(device).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g).to(device)
+    adv = torch.randn(n, generator=g).to(device)
+    old = torch.full((n,), -4.0, device=device)
+    doc = (torch.arange(n) // 4).to(device)
+    return [
+        ("cross_entropy", lambda: rl_losses.cross_entropy(x, t).backward(),
+         lambda: ops.cross_entropy(x, t)[0].backward()),
+        ("grpo_loss", lambda: rl_losses.grpo_loss(x, t, adv, old).loss.backward(),
+         lambda: ops.grpo(x, t, adv, old)[0].backward()),
+        ("gspo_loss", lambda: rl_losses.gspo_loss(x, t, adv, old, doc, num_documents=2).loss.backward(),
+         lambda: ops.gspo(x, t, adv, old, doc, num_documents=2)[0].backward()),
+        ("linear_grpo_loss", lambda: rl_losses.linear_grpo_loss(hidden, weight, t, adv, old).loss.backward(),
+         lambda: ops.linear_grpo(hidden, weight, t, adv, old)[0].backward()),
+        ("token_log_probs", lambda: rl_losses.token_log_probs(x, t)[0].sum().backward(),
+         lambda: ops.token_log_probs(x, t)[0].sum().backward()),
+    ]
+
+
+def paired_us(wrapper, raw, calls: int, device: str) -> tuple[float, float, float]:
+    """Median µs of the wrapper's calls, of the raw op's, and of their difference, the two called alternately so
+    that a busy machine's drift falls on both alike."""
+    w, r = [], []
+    for i in range(calls):
+        if device == "cuda" and i % 64 == 0:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        wrapper()
+        t1 = time.perf_counter()
+        raw()
+        t2 = time.perf_counter()
+        w.append(t1 - t0)
+        r.append(t2 - t1)
+    return (statistics.median(w) * 1e6, statistics.median(r) * 1e6,
+            statistics.median(a - b for a, b in zip(w, r)) * 1e6)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds; the one with the lowest wrapper median is kept")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: least noise)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"host time per call, forward + backward at 8 x 64 on {args.device} (µs, medians of {args.calls} alternate "
+          f"calls, the round with the lowest wrapper time of {args.rounds})")
+    print(f"{'op':<18} {'wrapper':>9} {'raw op':>9} {'added':>8}")
+    for name, wrapper, raw in cases(args.device):
+        paired_us(wrapper, raw, args.calls // 10, args.device)  # warm-up
+        best = min(paired_us(wrapper, raw, args.calls, args.device) for _ in range(args.rounds))
+        print(f"{name:<18} {best[0]:9.1f} {best[1]:9.1f} {best[2]:8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
