@@ -179,25 +179,22 @@ def gspo_token_shares(case, inputs: dict, expected: dict) -> torch.Tensor:
     mode = o.get("rollout_correction")
     old = lp if o.get("on_policy") else inputs["old_log_probs"].reshape(-1).double()
     log_rho = None if mode is None else old - inputs["rollout_log_probs"].reshape(-1).double()
-    if o.get("loss_type") == "vespo":
-        phi, _ = reference._vespo_weights(lp, old, adv, mask > 0, doc, mode, log_rho, o.get("rollout_cap", 3.0),
-                                          o.get("rollout_mask_bounds"), o.get("vespo_k_pos", 2.0),
-                                          o.get("vespo_lambda_pos", 3.0), o.get("vespo_k_neg", 3.0),
-                                          o.get("vespo_lambda_neg", 2.0), bool(o.get("on_policy")))
+    p = reference.Policy(**{k: v for k, v in o.items() if k in reference.Policy._fields})
+    defaults = _schema.defaults("gspo")
+    if p.loss_type == "vespo":
+        phi, _ = reference._vespo_weights(p, lp, old, adv, mask > 0, doc, log_rho, bool(o.get("on_policy")))
         f = -phi * adv * lp
     else:
-        f = reference._surrogate(o.get("loss_type", "ppo_clip"), ratio, adv, lp, o.get("epsilon_low", 0.2),
-                                 o.get("epsilon_high", 0.2), o.get("sapo_temperature_pos", 1.0),
-                                 o.get("sapo_temperature_neg", 1.05), o.get("delta"))
+        f = reference._surrogate(p, ratio, adv, lp, o.get("epsilon_low", defaults["epsilon_low"]),
+                                 o.get("epsilon_high", defaults["epsilon_high"]), o.get("delta"))
         if mode is not None:
             if mode.startswith("sequence"):
                 log_rho = reference._sequence_sum(log_rho, mask > 0, doc)
-            f = f * reference._rollout_weight(mode, log_rho, o.get("rollout_cap", 3.0),
-                                              o.get("rollout_mask_bounds"))[1]
+            f = f * reference._rollout_weight(p, log_rho)[1]
     if o.get("beta"):
-        kl = reference._kl_estimate(o.get("kl_estimator", "k3"), lp, inputs["ref_log_probs"].reshape(-1).double())
-        f = f + o["beta"] * (kl * ratio if o.get("kl_importance_weighted") else kl)
-    f = f - o.get("entropy_coefficient", 0.0) * reference._entropy(logp)
+        kl = reference._kl_estimate(p.kl_estimator, lp, inputs["ref_log_probs"].reshape(-1).double())
+        f = f + o["beta"] * (kl * ratio if p.kl_importance_weighted else kl)
+    f = f - p.entropy_coefficient * reference._entropy(logp)
     kappa = mask if o.get("weighting") == "token" else u
     divisor = o.get("divisor") or max(int((torch.zeros(n_docs, dtype=torch.float64).index_add_(
         0, safe, mask) > 0).sum()), 1)

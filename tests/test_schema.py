@@ -58,6 +58,17 @@ def test_reference_defaults_are_the_schemas(op):
         _assert_schema_defaults(op, _defaults(fn), f"reference.{fn.__name__}")
 
 
+def test_reference_policy_is_the_ops():
+    """The reference's policy options (reference.Policy) are the policy ops' keyword options it does not take by
+    name, with the schemas' defaults."""
+    _assert_schema_defaults("grpo", reference.Policy._field_defaults, "reference.Policy")
+    for op, fn in (("grpo", reference.grpo_loss), ("gspo", reference.gspo_loss)):
+        named = set(inspect.signature(fn).parameters)
+        options = set(_schema.keywords(op)) - {"inplace_backward", "row_stats", "vocab_start", "vocab_size",
+                                                "document_sums"}
+        assert options - named == set(reference.Policy._fields), op
+
+
 @pytest.mark.parametrize("cls", list(CONFIGS), ids=lambda c: c.__name__)
 def test_config_defaults_are_the_schemas(cls):
     defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}

@@ -7,9 +7,30 @@ plainest PyTorch. It materialises N×V temporaries freely; it is not meant to be
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
+
 import torch
 
 from rl_losses.outputs import DistillationOutput, DpoOutput, FusedHeadOutput, PolicyLossOutput  # noqa: F401
+
+
+class Policy(NamedTuple):
+    """The policy family's options (docs/policy_losses.md; their defaults are the ops' schemas',
+    tests/test_schema.py), which grpo_loss and gspo_loss take by keyword and hand on to their formulas as one."""
+
+    loss_type: str = "ppo_clip"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    rollout_correction: str | None = None
+    rollout_cap: float = 3.0
+    rollout_mask_bounds: tuple[float, float] | None = None
+    kl_estimator: str = "k3"
+    kl_importance_weighted: bool = False
+    entropy_coefficient: float = 0.0
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
 
 def _work_dtype(t: torch.Tensor) -> torch.dtype:
@@ -79,11 +100,11 @@ def _kl_estimate(estimator: str, lp: torch.Tensor, ref: torch.Tensor) -> torch.T
     return _k3(ref - lp)
 
 
-def _rollout_weight(mode, log_rho, rollout_cap, rollout_mask_bounds):
+def _rollout_weight(p: Policy, log_rho):
     rho = log_rho.exp()
-    if mode.endswith("truncate"):
-        return rho, rho.clamp(max=rollout_cap)
-    lo, hi = rollout_mask_bounds if rollout_mask_bounds is not None else (0.0, rollout_cap)
+    if p.rollout_correction.endswith("truncate"):
+        return rho, rho.clamp(max=p.rollout_cap)
+    lo, hi = p.rollout_mask_bounds if p.rollout_mask_bounds is not None else (0.0, p.rollout_cap)
     return rho, torch.where((rho >= lo) & (rho <= hi), rho, 0.0)
 
 
@@ -98,15 +119,15 @@ def _sequence_sum(values, mask, sequence):
     return torch.where(on, sums[seq], 0.0).reshape(values.shape)
 
 
-def _rollout_corrected(per_token, loss_type, mode, log_rho, mask, sequence, rollout_cap, rollout_mask_bounds):
+def _rollout_corrected(per_token, p: Policy, log_rho, mask, sequence):
     """The surrogate times the detached rollout weight ω (vespo folds ω into φ instead), with ρ and ω (None, None
     without a correction); sequence modes take ρ_s from the sequence's summed log-ratios."""
-    if mode is None:
+    if p.rollout_correction is None:
         return per_token, None, None
-    if mode.startswith("sequence"):
+    if p.rollout_correction.startswith("sequence"):
         log_rho = _sequence_sum(log_rho, mask, sequence)
-    rho, weight = _rollout_weight(mode, log_rho, rollout_cap, rollout_mask_bounds)
-    return (per_token if loss_type == "vespo" else per_token * weight.detach()), rho, weight
+    rho, weight = _rollout_weight(p, log_rho)
+    return (per_token if p.loss_type == "vespo" else per_token * weight.detach()), rho, weight
 
 
 def _rows_as_sequences(target):
@@ -119,35 +140,35 @@ def _rows_as_sequences(target):
 _LOG_1E8 = math.log(1e-8)
 
 
-def _vespo_rollout_term(mode, log_rho, rollout_cap, rollout_mask_bounds):
+def _vespo_rollout_term(p: Policy, log_rho):
     # clamp(log ω, log 1e-8, 20) of a correction weight ω (TRL: torch.log(importance_sampling_ratio), clamped).
-    _, weight = _rollout_weight(mode, log_rho, rollout_cap, rollout_mask_bounds)
+    _, weight = _rollout_weight(p, log_rho)
     return torch.log(weight).clamp(_LOG_1E8, 20.0)
 
 
-def _vespo_phi(log_w_sum, adv, k_pos, lambda_pos, k_neg, lambda_neg):
+def _vespo_phi(p: Policy, log_w_sum, adv):
     # φ = exp(λ + k·log w − λ·w) with log w clamped to [log 1e-8, 20]; (k, λ) by the sign of A; λ >= 1e-4; a
     # non-finite φ is 0.
     log_w = log_w_sum.clamp(_LOG_1E8, 20.0)
     pos = adv >= 0
-    k = torch.where(pos, torch.full_like(log_w, k_pos), torch.full_like(log_w, k_neg))
-    lam = torch.where(pos, torch.full_like(log_w, lambda_pos), torch.full_like(log_w, lambda_neg)).clamp(min=1e-4)
+    k = torch.where(pos, torch.full_like(log_w, p.vespo_k_pos), torch.full_like(log_w, p.vespo_k_neg))
+    lam = torch.where(pos, torch.full_like(log_w, p.vespo_lambda_pos),
+                      torch.full_like(log_w, p.vespo_lambda_neg)).clamp(min=1e-4)
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _vespo_weights(lp, old, adv, mask, sequence, rollout_correction, log_rho, rollout_cap, rollout_mask_bounds,
-                   k_pos, lambda_pos, k_neg, lambda_neg, on_policy):
+def _vespo_weights(p: Policy, lp, old, adv, mask, sequence, log_rho, on_policy):
     """φ per token (detached) and each labelled token's share 1/n_s of its sequence (for the φ metric)."""
+    mode = p.rollout_correction
     with torch.no_grad():
         term = torch.zeros_like(lp) if on_policy else (lp - old).clamp(-20.0, 20.0)
-        sequence_mode = rollout_correction is not None and rollout_correction.startswith("sequence")
-        if rollout_correction is not None and not sequence_mode:
-            term = term + _vespo_rollout_term(rollout_correction, log_rho, rollout_cap, rollout_mask_bounds)
+        sequence_mode = mode is not None and mode.startswith("sequence")
+        if mode is not None and not sequence_mode:
+            term = term + _vespo_rollout_term(p, log_rho)
         log_w = _sequence_sum(term, mask, sequence)
         if sequence_mode:  # the sequence's weight ω_s, once (Liger's (B, 1) vllm_is_ratio)
-            log_w = log_w + _vespo_rollout_term(rollout_correction, _sequence_sum(log_rho, mask, sequence),
-                                                rollout_cap, rollout_mask_bounds)
-        phi = _vespo_phi(log_w, adv, k_pos, lambda_pos, k_neg, lambda_neg)
+            log_w = log_w + _vespo_rollout_term(p, _sequence_sum(log_rho, mask, sequence))
+        phi = _vespo_phi(p, log_w, adv)
         counts = _sequence_sum(torch.ones_like(lp), mask, sequence)
         share = torch.where(counts > 0, 1 / counts.clamp_min(1), 0.0)
     return phi, share
@@ -155,13 +176,12 @@ def _vespo_weights(lp, old, adv, mask, sequence, rollout_correction, log_rho, ro
 
 def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2, epsilon_high=0.2, delta=None,
               ref_log_probs=None, beta=0.0, loss_weights=None, divisor=None, logits_scale_factor=1.0,
-              label_counts=None, compute_entropy=False, loss_type="ppo_clip", sapo_temperature_pos=1.0,
-              sapo_temperature_neg=1.05, rollout_log_probs=None, rollout_correction=None, rollout_cap=3.0,
-              rollout_mask_bounds=None, kl_estimator="k3", kl_importance_weighted=False, entropy_coefficient=0.0,
-              vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
-              document_index=None, num_documents=None) -> PolicyLossOutput:
-    """GRPO per token with the policy family of docs/policy_losses.md; see PolicyLossOutput. ``num_documents``
-    only bounds ``document_index``'s ids (the sums per sequence do not depend on it)."""
+              label_counts=None, compute_entropy=False, rollout_log_probs=None, document_index=None,
+              num_documents=None, **policy) -> PolicyLossOutput:
+    """GRPO per token with the policy family of docs/policy_losses.md (``policy``: the options of Policy); see
+    PolicyLossOutput. ``num_documents`` only bounds ``document_index``'s ids (the sums per sequence do not depend
+    on it)."""
+    p = Policy(**policy)
     if num_documents is not None and document_index is not None and document_index.numel():
         if int(document_index.max()) >= num_documents:
             raise ValueError(f"grpo: document_index holds {int(document_index.max())} but num_documents is "
@@ -175,35 +195,24 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
     ratio = torch.exp(lp - old)
     sequence = document_index if document_index is not None else (
         _rows_as_sequences(target) if target.dim() >= 2 else None)
-    log_rho = None if rollout_correction is None else old.detach() - rollout_log_probs.to(logp.dtype)
+    log_rho = None if p.rollout_correction is None else old.detach() - rollout_log_probs.to(logp.dtype)
     phi = share = None
-    if loss_type == "cispo":
-        per_token = -ratio.clamp(max=epsilon_high).detach() * adv * lp
-    elif loss_type == "sapo":
-        # (full_like: torch.where of two Python floats would round them to float32)
-        tau = torch.where(adv > 0, torch.full_like(adv, sapo_temperature_pos),
-                          torch.full_like(adv, sapo_temperature_neg))
-        per_token = -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
-    elif loss_type == "vespo":
-        phi, share = _vespo_weights(lp.detach(), old, adv, mask, sequence, rollout_correction, log_rho, rollout_cap,
-                                    rollout_mask_bounds, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
-                                    old_log_probs is None)
+    if p.loss_type == "vespo":
+        phi, share = _vespo_weights(p, lp.detach(), old, adv, mask, sequence, log_rho, old_log_probs is None)
         per_token = -(phi * adv) * lp
     else:
-        capped = ratio if delta is None else ratio.clamp(max=delta)
-        per_token = -torch.minimum(capped * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
-    per_token, rho, weight = _rollout_corrected(per_token, loss_type, rollout_correction, log_rho, mask, sequence,
-                                                rollout_cap, rollout_mask_bounds)
+        per_token = _surrogate(p, ratio, adv, lp, epsilon_low, epsilon_high, delta)
+    per_token, rho, weight = _rollout_corrected(per_token, p, log_rho, mask, sequence)
     kl = None
     if ref_log_probs is not None:
-        kl = _kl_estimate(kl_estimator, lp, ref_log_probs.to(logp.dtype))
-        if kl_importance_weighted:
+        kl = _kl_estimate(p.kl_estimator, lp, ref_log_probs.to(logp.dtype))
+        if p.kl_importance_weighted:
             kl = kl * ratio  # differentiated through the ratio too, as TRL's and Liger's
         if beta != 0.0:
             per_token = per_token + beta * kl
     entropy_tok = _entropy(logp)
-    if entropy_coefficient != 0.0:
-        per_token = per_token - entropy_coefficient * entropy_tok
+    if p.entropy_coefficient != 0.0:
+        per_token = per_token - p.entropy_coefficient * entropy_tok
     weights = maskf if loss_weights is None else torch.where(mask, loss_weights.to(logp.dtype), 0.0)
     if divisor is None:
         divisor = mask.sum().clamp_min(1)
@@ -219,15 +228,10 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
         counts = maskf if label_counts is None else label_counts.to(logp.dtype).clamp_min(1)
         doc_weight = torch.where(mask, 1 / counts, 0.0)
         new_logprobs = (doc_weight * lp).sum() / doc_weight.sum().clamp_min(1e-30)
-        if loss_type == "ppo_clip":
-            low = mean(((ratio < 1 - epsilon_low) & (adv < 0)).to(logp.dtype))
-            high = mean(((ratio > 1 + epsilon_high) & (adv > 0)).to(logp.dtype))
-        else:
-            low = logp.new_zeros(())
-            high = (mean(((ratio > epsilon_high) & (adv > 0)).to(logp.dtype)) if loss_type == "cispo"
-                    else logp.new_zeros(()))
+        low_flag, high_flag = _clip_flags(p, ratio, adv, epsilon_low, epsilon_high)
+        low, high = mean(low_flag.to(logp.dtype)), mean(high_flag.to(logp.dtype))
         kl_old = mean(_k3(old - lp))
-        with_entropy = compute_entropy or entropy_coefficient != 0.0
+        with_entropy = compute_entropy or p.entropy_coefficient != 0.0
         entropy = mean(entropy_tok) if with_entropy else None
         ratio_mean = mean(ratio)
         kl_mean = mean(kl) if kl is not None else None
@@ -236,40 +240,37 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
         phi_mean = None if phi is None else (torch.where(mask, phi * share, 0.0).sum()
                                              / torch.where(mask, share, 0.0).sum().clamp_min(1))
     return PolicyLossOutput(loss, new_logprobs.detach(), low, high, kl_old, entropy, lp.detach(), ratio_mean, None,
-                            kl_mean, *rollout, phi_mean, loss_type=loss_type)
+                            kl_mean, *rollout, phi_mean, loss_type=p.loss_type)
 
 
-def _surrogate(loss_type, ratio, adv, lp, epsilon_low, epsilon_high, sapo_temperature_pos, sapo_temperature_neg,
-               delta=None):
-    """The per-token objective of each loss type at ratio r (docs/policy_losses.md)."""
-    if loss_type == "cispo":
+def _surrogate(p: Policy, ratio, adv, lp, epsilon_low, epsilon_high, delta=None):
+    """The per-token objective of each loss type at ratio r (docs/policy_losses.md; vespo's: _vespo_weights)."""
+    if p.loss_type == "cispo":
         return -ratio.clamp(max=epsilon_high).detach() * adv * lp
-    if loss_type == "sapo":
-        tau = torch.where(adv > 0, torch.full_like(ratio, sapo_temperature_pos),
-                          torch.full_like(ratio, sapo_temperature_neg))
+    if p.loss_type == "sapo":
+        # (full_like: torch.where of two Python floats would round them to float32)
+        tau = torch.where(adv > 0, torch.full_like(ratio, p.sapo_temperature_pos),
+                          torch.full_like(ratio, p.sapo_temperature_neg))
         return -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
     capped = ratio if delta is None else ratio.clamp(max=delta)
     return -torch.minimum(capped * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
 
 
-def _clip_flags(loss_type, ratio, adv, epsilon_low, epsilon_high):
-    if loss_type == "ppo_clip":
+def _clip_flags(p: Policy, ratio, adv, epsilon_low, epsilon_high):
+    if p.loss_type == "ppo_clip":
         return (ratio < 1 - epsilon_low) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)
-    high = (ratio > epsilon_high) & (adv > 0) if loss_type == "cispo" else torch.zeros_like(ratio, dtype=torch.bool)
+    high = (ratio > epsilon_high) & (adv > 0) if p.loss_type == "cispo" else torch.zeros_like(ratio, dtype=torch.bool)
     return torch.zeros_like(ratio, dtype=torch.bool), high
 
 
 def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_documents=None,
               label_counts=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, weighting="document",
-              token_advantages=False, divisor=None, logits_scale_factor=1.0,
-              compute_entropy=False, ref_log_probs=None, beta=0.0, loss_type="ppo_clip", sapo_temperature_pos=1.0,
-              sapo_temperature_neg=1.05, rollout_log_probs=None, rollout_correction=None, rollout_cap=3.0,
-              rollout_mask_bounds=None, kl_estimator="k3", kl_importance_weighted=False,
-              entropy_coefficient=0.0, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
-              vespo_lambda_neg=2.0) -> PolicyLossOutput:
+              token_advantages=False, divisor=None, logits_scale_factor=1.0, compute_entropy=False,
+              ref_log_probs=None, beta=0.0, rollout_log_probs=None, **policy) -> PolicyLossOutput:
     """GSPO: sequence-level geometric-mean ratio over packed documents (vectorised with index_add), with
-    the policy family of docs/policy_losses.md at the sequence ratio (vespo: φ of the document's summed
-    log-ratios; the importance-weighted KL differentiated through R_s)."""
+    the policy family of docs/policy_losses.md at the sequence ratio (``policy``: the options of Policy; vespo: φ
+    of the document's summed log-ratios; the importance-weighted KL differentiated through R_s)."""
+    p = Policy(**policy)
     logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
     dt = logp.dtype
     doc = document_index.reshape(-1).long()
@@ -306,31 +307,27 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
     else:
         tok_ratio = ratio[safe_doc]
         tok_adv = adv_mean[safe_doc]
-    log_rho = None if rollout_correction is None else old.detach() - rollout_log_probs.reshape(-1).to(dt)
+    log_rho = None if p.rollout_correction is None else old.detach() - rollout_log_probs.reshape(-1).to(dt)
     phi = share = None
-    if loss_type == "vespo":
-        phi, share = _vespo_weights(lp.detach(), old, tok_adv.detach(), mask, doc, rollout_correction, log_rho,
-                                    rollout_cap, rollout_mask_bounds, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-                                    vespo_lambda_neg, old_log_probs is None)
+    if p.loss_type == "vespo":
+        phi, share = _vespo_weights(p, lp.detach(), old, tok_adv.detach(), mask, doc, log_rho, old_log_probs is None)
         f_tok = -(phi * tok_adv) * lp
     else:
         # ppo_clip's δ caps R_s in the unclipped term only (TRL's coef_1 = clamp(coef_1, max=δ) after coef_2).
-        f_tok = _surrogate(loss_type, tok_ratio, tok_adv, lp, epsilon_low, epsilon_high, sapo_temperature_pos,
-                           sapo_temperature_neg, delta)
-    f_tok, rho, weight = _rollout_corrected(f_tok, loss_type, rollout_correction, log_rho, mask, doc, rollout_cap,
-                                            rollout_mask_bounds)
+        f_tok = _surrogate(p, tok_ratio, tok_adv, lp, epsilon_low, epsilon_high, delta)
+    f_tok, rho, weight = _rollout_corrected(f_tok, p, log_rho, mask, doc)
     kl = None
     if ref_log_probs is not None:
-        kl = _kl_estimate(kl_estimator, lp, ref_log_probs.reshape(-1).to(dt))
-        if kl_importance_weighted:
+        kl = _kl_estimate(p.kl_estimator, lp, ref_log_probs.reshape(-1).to(dt))
+        if p.kl_importance_weighted:
             # Differentiated through the ratio (as GRPO's): R_s reaches every token of the document; GSPO-token's
             # ratio only its own token.
             kl = kl * tok_ratio
         if beta != 0.0:
             f_tok = f_tok + beta * kl
     entropy_tok = _entropy(logp).reshape(-1)
-    if entropy_coefficient != 0.0:
-        f_tok = f_tok - entropy_coefficient * entropy_tok
+    if p.entropy_coefficient != 0.0:
+        f_tok = f_tok - p.entropy_coefficient * entropy_tok
     kappa = maskf if weighting == "token" else u
     if divisor is None:
         divisor = has_label.sum().clamp_min(1)
@@ -344,11 +341,11 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
             return torch.where(mask, x, 0.0).sum() / n_lab
 
         new_logprobs = zeros.index_add(0, safe_doc, u * lp).sum() / n_docs
-        low_flag, high_flag = _clip_flags(loss_type, ratio, adv_mean, epsilon_low, epsilon_high)
+        low_flag, high_flag = _clip_flags(p, ratio, adv_mean, epsilon_low, epsilon_high)
         low = (low_flag & has_label).to(dt).sum() / n_docs
         high = (high_flag & has_label).to(dt).sum() / n_docs
         kl_old = torch.where(has_label, _k3(-log_ratio), 0.0).sum() / n_docs
-        with_entropy = compute_entropy or entropy_coefficient != 0.0
+        with_entropy = compute_entropy or p.entropy_coefficient != 0.0
         entropy = mean(entropy_tok) if with_entropy else None
         ratio_mean = torch.where(has_label, ratio, 0.0).sum() / n_docs
         kl_mean = mean(kl) if kl is not None else None
@@ -357,7 +354,7 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
         phi_mean = None if phi is None else torch.where(mask, phi * u, 0.0).sum() / n_docs
     return PolicyLossOutput(loss, new_logprobs, low, high, kl_old, entropy,
                             torch.where(mask, lp, 0.0).detach().reshape(target.shape), ratio_mean, ratio.detach(),
-                            kl_mean, *rollout, phi_mean, loss_type=loss_type)
+                            kl_mean, *rollout, phi_mean, loss_type=p.loss_type)
 
 
 def distillation_loss(logits, teacher_logits, *, kind="forward_kl", beta=0.5, temperature=1.0,
