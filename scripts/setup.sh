@@ -33,13 +33,15 @@ install_once() {
   echo "$want" > "$stamp"
 }
 
+# torch's version from its metadata (importing torch takes seconds).
 if ! "$VPY" - <<'PYEOF'
 import sys
+from importlib import metadata
 try:
-    import torch
-except ImportError:
+    version = metadata.version("torch")
+except metadata.PackageNotFoundError:
     sys.exit(1)
-major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+major, minor = (int(x) for x in version.split(".")[:2])
 sys.exit(0 if (major, minor) >= (2, 11) else 1)
 PYEOF
 then
@@ -57,12 +59,23 @@ if [ -z "${CUDA_HOME:-}" ] && [ -e /usr/local/cuda/bin/nvcc ]; then
 fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 mkdir -p build
-if ! "$VPY" setup.py build_ext --inplace > build/setup.log 2>&1; then
-  tail -n 40 build/setup.log
-  echo "setup.sh: building the extension failed; the whole log is build/setup.log" >&2
-  exit 1
+# The build is skipped when nothing it depends on changed since the last one: no file under csrc/ and not
+# setup.py, nor the variables that choose it, nor the number of GPUs (setup.py builds CUDA where one is visible).
+stamp=build/.stamp-built
+key="RL_LOSSES_CUDA=${RL_LOSSES_CUDA:-} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} CUDA_HOME=${CUDA_HOME:-} \
+gpus=$(ls /dev/nvidia[0-9]* 2>/dev/null | wc -l) torch=$("$VPY" -c 'from importlib import metadata; print(metadata.version("torch"))')"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] && [ -z "$(find csrc setup.py -newer "$stamp" -print -quit)" ] \
+  && ls python/rl_losses/_C*.so > /dev/null 2>&1; then
+  echo "setup.sh: the extension is up to date (build/.stamp-built)"
+else
+  if ! "$VPY" setup.py build_ext --inplace > build/setup.log 2>&1; then
+    tail -n 40 build/setup.log
+    echo "setup.sh: building the extension failed; the whole log is build/setup.log" >&2
+    exit 1
+  fi
+  grep "rl_losses: building" build/setup.log || true
+  echo "$key" > "$stamp"
 fi
-grep "rl_losses: building" build/setup.log || true
 "$VPY" - <<'PYEOF'
 import os, site
 with open(os.path.join(site.getsitepackages()[0], "rl_losses.pth"), "w") as f:
