@@ -42,15 +42,15 @@ struct OnTensorsDevice<F> {
   }
 };
 
-void scale_grad_cuda(const at::Tensor& grad, const at::Tensor& grad_output) {
+void scale_grad_cuda(const at::Tensor& grad, const at::Tensor& grad_output,
+                     const std::optional<at::Tensor>& row_unscale) {
   if (grad.numel() == 0) return;
-  if (grad_output.numel() != 1 || grad_output.dim() != 0) {
-    grad.mul_(grad_output.unsqueeze(-1));  // reduction="none": one upstream value per row
-    return;
-  }
+  const at::Tensor grad2d = grad.view({-1, grad.size(-1)});
+  check_scale_grad(grad2d, grad_output, row_unscale);
+  const bool prescaled = row_unscale.has_value() && row_unscale->numel() > 0;
   TORCH_CHECK(grad_output.device() == grad.device(), "_scale_grad_: grad_output is on ", grad_output.device(),
               " but the gradient is on ", grad.device());
-  scale_grad_cuda_scalar(grad, grad_output);
+  scale_grad_cuda_rows(grad, grad_output, prescaled ? row_unscale->const_data_ptr<float>() : nullptr);
 }
 
 }  // namespace

@@ -8,7 +8,10 @@
 //   * `_<op>_forward` computes the loss, the per-row outputs and — when asked — the gradient in the same
 //     pass; `_<op>_forward_inplace` writes the gradient into the logits' own storage (inplace_backward).
 //   * `_scale_grad_` is the backward of every loss: it scales the gradient computed in the forward by the
-//     upstream gradient, in place, and does nothing (decided on the device) when that is 1.
+//     upstream gradient, in place, and does nothing (decided on the device) when that is 1. The forwards of the
+//     ops over the row pass return `grad_row_unscale` last: for fp16 logits, 2^-k per row of a gradient stored
+//     times 2^k (common/row_pass.h, GradRowPrescaled), which `_scale_grad_` folds into its factor; empty
+//     otherwise.
 //   * The fused-linear ops `linear_<op>` take `hidden (..., H)` and `weight (V, H)` (and a keyword `bias`)
 //     in place of the logits, with the options of the logits op (no inplace_backward, no tensor-parallel
 //     hooks) plus `chunk_size` (rows of logits alive at once); `_linear_<op>_forward(<the same arguments>,
@@ -33,7 +36,7 @@ TORCH_LIBRARY(rl_losses, m) {
   m.def(
       "row_stats(Tensor logits, Tensor target, *, float logits_scale_factor=1.0, int vocab_start=0, "
       "int vocab_size=-1, bool entropy=False, bool smoothing=False) -> Tensor");
-  m.def("_scale_grad_(Tensor(a!) grad, Tensor grad_output) -> ()");
+  m.def("_scale_grad_(Tensor(a!) grad, Tensor grad_output, Tensor? row_unscale=None) -> ()");
 
   // ---- cross-entropy (docs/math.md); label_weight=0 with z_loss_factor>0 is the z-loss alone -----------
 #define RL_LOSSES_CE_ARGS                                                                                     \
@@ -45,9 +48,9 @@ TORCH_LIBRARY(rl_losses, m) {
       "bool inplace_backward=False, Tensor? row_stats=None, int vocab_start=0, int vocab_size=-1) "
       "-> (Tensor loss, Tensor lse)");
   m.def("_cross_entropy_forward(Tensor logits, Tensor target, " RL_LOSSES_CE_ARGS
-        ", bool compute_grad) -> (Tensor loss, Tensor lse, Tensor grad)");
+        ", bool compute_grad) -> (Tensor loss, Tensor lse, Tensor grad, Tensor grad_row_unscale)");
   m.def("_cross_entropy_forward_inplace(Tensor(a!) logits, Tensor target, " RL_LOSSES_CE_ARGS
-        ") -> (Tensor loss, Tensor lse)");
+        ") -> (Tensor loss, Tensor lse, Tensor grad_row_unscale)");
 #undef RL_LOSSES_CE_ARGS
 
   // ---- GRPO (docs/math.md) ------------------------------------------------------------------------
@@ -89,9 +92,9 @@ TORCH_LIBRARY(rl_losses, m) {
       RL_LOSSES_POLICY_OUTS
       ", Tensor vespo_phi_mean)");
   m.def("_grpo_forward(Tensor logits, Tensor target, Tensor advantages, Tensor? old_log_probs, " RL_LOSSES_GRPO_ARGS
-        ", bool compute_grad) -> " RL_LOSSES_POLICY_OUTS ", Tensor vespo_phi_mean, Tensor grad)");
+        ", bool compute_grad) -> " RL_LOSSES_POLICY_OUTS ", Tensor vespo_phi_mean, Tensor grad, Tensor grad_row_unscale)");
   m.def("_grpo_forward_inplace(Tensor(a!) logits, Tensor target, Tensor advantages, Tensor? old_log_probs, "
-        RL_LOSSES_GRPO_ARGS ") -> " RL_LOSSES_POLICY_OUTS ", Tensor vespo_phi_mean)");
+        RL_LOSSES_GRPO_ARGS ") -> " RL_LOSSES_POLICY_OUTS ", Tensor vespo_phi_mean, Tensor grad_row_unscale)");
 #undef RL_LOSSES_GRPO_ARGS
 
   // ---- GSPO (docs/math.md) ------------------------------------------------------------------------
@@ -116,10 +119,10 @@ TORCH_LIBRARY(rl_losses, m) {
       RL_LOSSES_POLICY_OUTS ", Tensor document_ratios, Tensor vespo_phi_mean)");
   m.def("_gspo_forward(Tensor logits, Tensor target, Tensor advantages, Tensor? old_log_probs, "
         "Tensor document_index, " RL_LOSSES_GSPO_ARGS ", bool compute_grad) -> " RL_LOSSES_POLICY_OUTS
-        ", Tensor document_ratios, Tensor vespo_phi_mean, Tensor grad)");
+        ", Tensor document_ratios, Tensor vespo_phi_mean, Tensor grad, Tensor grad_row_unscale)");
   m.def("_gspo_forward_inplace(Tensor(a!) logits, Tensor target, Tensor advantages, Tensor? old_log_probs, "
         "Tensor document_index, " RL_LOSSES_GSPO_ARGS ") -> " RL_LOSSES_POLICY_OUTS
-        ", Tensor document_ratios, Tensor vespo_phi_mean)");
+        ", Tensor document_ratios, Tensor vespo_phi_mean, Tensor grad_row_unscale)");
   // The per-document sums of one rank (for the sequence-data-parallel all-reduce), from this rank's
   // per-token log-probs: (num_documents, 6) as described above; the keyword options are the gspo op's that the
   // sums depend on.
@@ -241,12 +244,12 @@ TORCH_LIBRARY(rl_losses, m) {
       "_dpo_forward(Tensor logits, Tensor target, Tensor document_index, Tensor pairs, "
       "Tensor reference_chosen_log_probs, Tensor reference_rejected_log_probs, float beta, "
       "float logits_scale_factor, float? divisor, Tensor? row_stats, int vocab_start, int vocab_size, "
-      "bool compute_grad) -> " RL_LOSSES_DPO_OUTS ", Tensor grad)");
+      "bool compute_grad) -> " RL_LOSSES_DPO_OUTS ", Tensor grad, Tensor grad_row_unscale)");
   m.def(
       "_dpo_forward_inplace(Tensor(a!) logits, Tensor target, Tensor document_index, Tensor pairs, "
       "Tensor reference_chosen_log_probs, Tensor reference_rejected_log_probs, float beta, "
       "float logits_scale_factor, float? divisor, Tensor? row_stats, int vocab_start, int vocab_size) -> "
-      RL_LOSSES_DPO_OUTS ")");
+      RL_LOSSES_DPO_OUTS ", Tensor grad_row_unscale)");
 #undef RL_LOSSES_DPO_OUTS
 
   // ---- several losses in one pass (combined/): label CE, z-loss and GRPO or GSPO with weights --------------
@@ -274,9 +277,9 @@ TORCH_LIBRARY(rl_losses, m) {
       "bool inplace_backward=False, Tensor? row_stats=None, int vocab_start=0, int vocab_size=-1) -> "
       RL_LOSSES_HEAD_OUTS ")");
   m.def("_fused_head_loss_forward(Tensor logits, Tensor target, " RL_LOSSES_HEAD_ARGS
-        ", bool compute_grad) -> " RL_LOSSES_HEAD_OUTS ", Tensor grad)");
+        ", bool compute_grad) -> " RL_LOSSES_HEAD_OUTS ", Tensor grad, Tensor grad_row_unscale)");
   m.def("_fused_head_loss_forward_inplace(Tensor(a!) logits, Tensor target, " RL_LOSSES_HEAD_ARGS
-        ") -> " RL_LOSSES_HEAD_OUTS ")");
+        ") -> " RL_LOSSES_HEAD_OUTS ", Tensor grad_row_unscale)");
 #undef RL_LOSSES_HEAD_OUTS
 #undef RL_LOSSES_HEAD_ARGS
 #undef RL_LOSSES_POLICY_ARGS

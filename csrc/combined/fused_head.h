@@ -210,9 +210,10 @@ std::vector<at::Tensor> fused_head_forward(RowSource& src, const at::Tensor& tar
                                            const HeadGspoArgs& gspo, const std::optional<at::Tensor>& row_stats,
                                            const FusedHeadBackend& backend);
 
-using HeadOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// The outputs, then (not in place) the gradient, then grad_row_unscale.
+using HeadOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using HeadOutputsAndGrad =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 template <const FusedHeadBackend& (*kBackend)()>
 struct FusedHeadOps {
@@ -235,10 +236,10 @@ struct FusedHeadOps {
                                     const Opt& counts, c10::string_view weighting, OptD sd, double s,
                                     const Opt& row_stats, int64_t vocab_start, int64_t vocab_size,
                                     bool compute_grad) {
-    LogitsSource src("fused_head_loss", logits, target, vocab_start, vocab_size, compute_grad, false);
+    LogitsSource src("fused_head_loss", logits, target, vocab_start, vocab_size, compute_grad, false, true);
     auto o = run(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, sw, doc, n_docs,
                  counts, weighting, sd, s, row_stats);
-    return {o[0], o[1], o[2], o[3], o[4], o[5], src.grads()[0]};
+    return {o[0], o[1], o[2], o[3], o[4], o[5], src.grads()[0], src.grad_row_unscale()};
   }
   static HeadOutputs forward_inplace(const at::Tensor& logits, const at::Tensor& target, double lw, double eps,
                                      OptD ld, double zw, OptD zd, const Opt& zm, double gw, const Opt& adv,
@@ -246,10 +247,10 @@ struct FusedHeadOps {
                                      double beta, OptD gd, double sw, const Opt& doc, std::optional<int64_t> n_docs,
                                      const Opt& counts, c10::string_view weighting, OptD sd, double s,
                                      const Opt& row_stats, int64_t vocab_start, int64_t vocab_size) {
-    LogitsSource src("fused_head_loss", logits, target, vocab_start, vocab_size, false, true);
+    LogitsSource src("fused_head_loss", logits, target, vocab_start, vocab_size, false, true, true);
     auto o = run(src, target, lw, eps, ld, zw, zd, zm, gw, adv, old, ref, w, el, eh, delta, beta, gd, sw, doc, n_docs,
                  counts, weighting, sd, s, row_stats);
-    return {o[0], o[1], o[2], o[3], o[4], o[5]};
+    return {o[0], o[1], o[2], o[3], o[4], o[5], src.grad_row_unscale()};
   }
 };
 

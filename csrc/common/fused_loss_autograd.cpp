@@ -7,7 +7,9 @@
 //     compute_grad)` returning (outputs..., grad), or `_<op>_forward_inplace(...)` writing the gradient into
 //     the logits when inplace_backward;
 //   * the gradient is computed in the forward (for an upstream gradient of 1) when grad mode is on and the
-//     logits require it, saved, and scaled in the backward by the `_scale_grad_` op (common/autograd.h).
+//     logits require it, saved, and scaled in the backward by the `_scale_grad_` op (common/autograd.h);
+//   * a forward whose last output is `grad_row_unscale` (the ops over the row pass) stores fp16 gradient rows
+//     pre-scaled, and that output goes to `_scale_grad_` with the gradient.
 // Being boxed, the kernel reads argument positions from the schema, so a new loss with this shape needs no
 // autograd code at all: register it below.
 //
@@ -31,20 +33,37 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Calls rl_losses::<op> with a boxed argument list; returns its (all tensor) outputs.
-std::vector<at::Tensor> call_boxed(const std::string& op, std::vector<c10::IValue> args) {
-  find_op(("rl_losses::" + op).c_str()).callBoxed(args);
+// Calls an op with a boxed argument list; returns its (all tensor) outputs.
+std::vector<at::Tensor> call_boxed(const c10::OperatorHandle& op, std::vector<c10::IValue> args) {
+  op.callBoxed(args);
   std::vector<at::Tensor> out;
   out.reserve(args.size());
   for (auto& v : args) out.push_back(v.toTensor());
   return out;
 }
 
+// What a forward op returns: the public op's outputs, the gradient (not in place) and the per-row factors of
+// a pre-scaled fp16 gradient (undefined where the forward has no grad_row_unscale output).
+struct ForwardOutputs {
+  std::vector<at::Tensor> out;
+  at::Tensor grad, row_unscale;
+};
+
 // Calls the forward op with `args` (the public op's arguments, logits first, inplace_backward removed).
-std::vector<at::Tensor> call_forward(const std::string& name, std::vector<c10::IValue> args, bool need_grad,
-                                     bool inplace) {
+ForwardOutputs call_forward(const std::string& name, std::vector<c10::IValue> args, bool need_grad, bool inplace) {
   if (!inplace) args.emplace_back(need_grad);
-  return call_boxed("_" + name + (inplace ? "_forward_inplace" : "_forward"), std::move(args));
+  const auto op = find_op(("rl_losses::_" + name + (inplace ? "_forward_inplace" : "_forward")).c_str());
+  ForwardOutputs f;
+  f.out = call_boxed(op, std::move(args));
+  if (op.schema().returns().back().name() == "grad_row_unscale") {
+    f.row_unscale = f.out.back();
+    f.out.pop_back();
+  }
+  if (!inplace) {
+    f.grad = f.out.back();
+    f.out.pop_back();
+  }
+  return f;
 }
 
 class FusedLossFunction : public torch::autograd::Function<FusedLossFunction> {
@@ -53,16 +72,13 @@ class FusedLossFunction : public torch::autograd::Function<FusedLossFunction> {
                                std::vector<c10::IValue> rest, bool need_grad, bool inplace) {
     at::AutoDispatchBelowADInplaceOrView guard;
     rest.insert(rest.begin(), logits);
-    std::vector<at::Tensor> out = call_forward(name, std::move(rest), need_grad, need_grad && inplace);
-    at::Tensor grad;
+    ForwardOutputs f = call_forward(name, std::move(rest), need_grad, need_grad && inplace);
+    std::vector<at::Tensor>& out = f.out;
     if (need_grad && inplace) {
       mark_overwritten(logits);
-      grad = logits;
-    } else {
-      grad = out.back();
-      out.pop_back();
+      f.grad = logits;
     }
-    if (need_grad) save_fused_grads(ctx, {grad});
+    if (need_grad) save_fused_grads(ctx, {f.grad}, f.row_unscale);
     ctx->saved_data["name"] = name;
     ctx->mark_non_differentiable(variable_list(out.begin() + 1, out.end()));
     return out;
@@ -111,16 +127,14 @@ void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
 void no_grad_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   PublicArgs p = pop_public_args(op, stack);
   p.rest.insert(p.rest.begin(), p.logits);
-  std::vector<at::Tensor> out = call_forward(p.name, std::move(p.rest), false, false);
-  out.pop_back();  // the empty gradient placeholder
-  for (auto& t : out) stack->emplace_back(std::move(t));
+  for (auto& t : call_forward(p.name, std::move(p.rest), false, false).out) stack->emplace_back(std::move(t));
 }
 
 // ---- fused-linear ops ---------------------------------------------------------------------------------
 std::vector<at::Tensor> call_linear_forward(const std::string& name, std::vector<c10::IValue> args,
                                             std::array<bool, 3> mask) {
   args.emplace_back(c10::List<bool>({mask[0], mask[1], mask[2]}));
-  return call_boxed("_" + name + "_forward", std::move(args));
+  return call_boxed(find_op(("rl_losses::_" + name + "_forward").c_str()), std::move(args));
 }
 
 class LinearLossFunction : public torch::autograd::Function<LinearLossFunction> {

@@ -124,7 +124,7 @@ template <typename Epilogue_for>
 void row_pass_cpu(const RowPassArgs& args, const char* name, Epilogue_for&& make_epilogue) {
   RL_LOSSES_DISPATCH_LOGITS(args.logits.scalar_type(), name, [&] {
     using acc_t = typename acc_type<scalar_t>::type;
-    const auto epi = make_epilogue(static_cast<acc_t*>(nullptr));
+    const auto epi = prescaled_epilogue<scalar_t>(args, make_epilogue(static_cast<acc_t*>(nullptr)));
     using Epi = std::decay_t<decltype(epi)>;
     dispatch_stat_flags<Epi>(args, [&](auto entropy, auto smoothing) {
       row_pass_cpu_typed<scalar_t, int64_t, decltype(entropy)::value, decltype(smoothing)::value>(args, epi);

@@ -49,15 +49,21 @@ class RowSource {
 class LogitsSource final : public RowSource {
  public:
   // Validates and flattens the logits (check_and_flatten). The gradient goes into the logits' own storage
-  // (inplace), a new buffer (compute_grad), or nowhere.
+  // (inplace), a new buffer (compute_grad), or nowhere. `scaled_later`: the gradient is computed for an
+  // upstream gradient of 1 and scaled by `_scale_grad_` in the backward, so that fp16 rows may be stored
+  // pre-scaled (row_pass.h, GradRowPrescaled; grad_row_unscale() returns their factors).
   LogitsSource(const char* op, const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
-               int64_t vocab_size, bool compute_grad, bool inplace);
+               int64_t vocab_size, bool compute_grad, bool inplace, bool scaled_later = false);
   void run(const RowPassArgs& args, bool with_grad, const Pass& pass) override;
   std::vector<at::Tensor> grads() override { return {grad_}; }
+  // (N,) fp32 2^-k per row for fp16 gradients computed with scaled_later; an empty fp32 tensor otherwise
+  // (`_scale_grad_`'s row_unscale).
+  const at::Tensor& grad_row_unscale() const { return grad_row_unscale_; }
 
  private:
   at::Tensor grad2d_;  // (N, V_loc) where the passes write, or undefined
   at::Tensor grad_;    // what the op returns: shaped like the logits, or an empty placeholder
+  at::Tensor grad_row_unscale_;
 };
 
 }  // namespace rl_losses

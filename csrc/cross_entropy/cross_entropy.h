@@ -64,20 +64,21 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(RowSource& src, const a
 // The registered forward ops of one back-end (its .cpp/.cu file registers these with its row function).
 template <CrossEntropyBackend kBackend>
 struct CrossEntropyOps {
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
       const at::Tensor& logits, const at::Tensor& target, double s, double eps, double z, double lw,
       c10::string_view reduction, std::optional<double> d, const std::optional<at::Tensor>& stats, int64_t vs,
       int64_t vn, bool compute_grad) {
-    LogitsSource src("cross_entropy", logits, target, vs, vn, compute_grad, false);
+    LogitsSource src("cross_entropy", logits, target, vs, vn, compute_grad, false, true);
     auto [loss, lse] = cross_entropy_forward(src, target, s, eps, z, lw, std::string(reduction), d, stats, kBackend);
-    return {loss, lse, src.grads()[0]};
+    return {loss, lse, src.grads()[0], src.grad_row_unscale()};
   }
-  static std::tuple<at::Tensor, at::Tensor> forward_inplace(
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_inplace(
       const at::Tensor& logits, const at::Tensor& target, double s, double eps, double z, double lw,
       c10::string_view reduction, std::optional<double> d, const std::optional<at::Tensor>& stats, int64_t vs,
       int64_t vn) {
-    LogitsSource src("cross_entropy", logits, target, vs, vn, false, true);
-    return cross_entropy_forward(src, target, s, eps, z, lw, std::string(reduction), d, stats, kBackend);
+    LogitsSource src("cross_entropy", logits, target, vs, vn, false, true, true);
+    auto [loss, lse] = cross_entropy_forward(src, target, s, eps, z, lw, std::string(reduction), d, stats, kBackend);
+    return {loss, lse, src.grad_row_unscale()};
   }
 };
 

@@ -61,7 +61,7 @@ std::vector<at::Tensor> dpo_forward(const at::Tensor& logits, const at::Tensor& 
                                     double logits_scale_factor, std::optional<double> divisor,
                                     const std::optional<at::Tensor>& row_stats, int64_t vocab_start,
                                     int64_t vocab_size, bool compute_grad, bool inplace, const DpoBackend& backend) {
-  LogitsSource src(kOp, logits, target, vocab_start, vocab_size, compute_grad, inplace);
+  LogitsSource src(kOp, logits, target, vocab_start, vocab_size, compute_grad, inplace, true);
   const FlatLogits& f = src.flat();
   check_scale(kOp, logits_scale_factor);
   check_divisor(kOp, divisor);
@@ -112,7 +112,8 @@ std::vector<at::Tensor> dpo_forward(const at::Tensor& logits, const at::Tensor& 
   std::vector<at::Tensor> out(std::begin(g.scalars), std::end(g.scalars));
   out.push_back(g.log_probs.view(target.sizes()));
   out.push_back(g.document_sums);
-  out.push_back(src.grads()[0]);
+  if (!inplace) out.push_back(src.grads()[0]);
+  out.push_back(src.grad_row_unscale());
   return out;
 }
 

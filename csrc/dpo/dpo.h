@@ -153,7 +153,8 @@ struct DpoBackend {
 };
 
 // Outputs: loss, rewards_chosen, rewards_rejected, accuracy, margin (0-dim), log_probs (batch shape),
-// document_log_probs (2P,); the gradient, when asked, last. Tensor parallelism: `row_stats` are the statistics
+// document_log_probs (2P,); then the gradient (an empty placeholder unless asked; none in place) and
+// grad_row_unscale. Tensor parallelism: `row_stats` are the statistics
 // all-reduced over the vocabulary shards (the op then reads its shard once, for the gradient), and
 // vocab_start / vocab_size place the shard in the vocabulary.
 std::vector<at::Tensor> dpo_forward(const at::Tensor& logits, const at::Tensor& target,
@@ -164,9 +165,10 @@ std::vector<at::Tensor> dpo_forward(const at::Tensor& logits, const at::Tensor& 
                                     const std::optional<at::Tensor>& row_stats, int64_t vocab_start,
                                     int64_t vocab_size, bool compute_grad, bool inplace, const DpoBackend& backend);
 
-using DpoOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-using DpoOutputsAndGrad =
+using DpoOutputs =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using DpoOutputsAndGrad = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                     at::Tensor, at::Tensor, at::Tensor>;
 
 template <const DpoBackend& (*kBackend)()>
 struct DpoOps {
@@ -177,7 +179,7 @@ struct DpoOps {
                                    int64_t vocab_start, int64_t vocab_size, bool compute_grad) {
     auto o = dpo_forward(logits, target, doc, pairs, ref_c, ref_r, beta, s, d, row_stats, vocab_start, vocab_size,
                          compute_grad, false, kBackend());
-    return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]};
+    return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8]};
   }
   static DpoOutputs forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& doc,
                                     const at::Tensor& pairs, const at::Tensor& ref_c, const at::Tensor& ref_r,
@@ -185,7 +187,7 @@ struct DpoOps {
                                     int64_t vocab_start, int64_t vocab_size) {
     auto o = dpo_forward(logits, target, doc, pairs, ref_c, ref_r, beta, s, d, row_stats, vocab_start, vocab_size,
                          false, true, kBackend());
-    return {o[0], o[1], o[2], o[3], o[4], o[5], o[6]};
+    return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]};
   }
 };
 

@@ -326,14 +326,15 @@ struct GrpoOps {
                       std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
                       double kp, double lamp, double kn, double lamn, const Opt& doc, std::optional<int64_t> n_docs,
                       bool compute_grad) {
-    LogitsSource src("grpo", logits, target, vs, vn, compute_grad, false);
+    LogitsSource src("grpo", logits, target, vs, vn, compute_grad, false, true);
     auto o = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, stats, rollout,
                           doc, n_docs,
                           policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
                                       lamp, kn, lamn),
                           kBackend());
     o.push_back(src.grads()[0]);
-    return tensors_as_tuple<kPolicyOutputs + 1>(o);
+    o.push_back(src.grad_row_unscale());
+    return tensors_as_tuple<kPolicyOutputs + 2>(o);
   }
   static auto forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
                               const Opt& old, const Opt& ref, const Opt& w, const Opt& counts, double el, double eh,
@@ -343,13 +344,14 @@ struct GrpoOps {
                               std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
                               double kp, double lamp, double kn, double lamn, const Opt& doc,
                               std::optional<int64_t> n_docs) {
-    LogitsSource src("grpo", logits, target, vs, vn, false, true);
+    LogitsSource src("grpo", logits, target, vs, vn, false, true, true);
     auto o = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, stats, rollout,
                           doc, n_docs,
                           policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
                                       lamp, kn, lamn),
                           kBackend());
-    return tensors_as_tuple<kPolicyOutputs>(o);
+    o.push_back(src.grad_row_unscale());
+    return tensors_as_tuple<kPolicyOutputs + 1>(o);
   }
 };
 

@@ -371,14 +371,15 @@ struct GspoOps {
                       double tau_pos, double tau_neg, const Opt& rollout, std::optional<SV> correction, double cap,
                       std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
                       double kp, double lamp, double kn, double lamn, bool compute_grad) {
-    LogitsSource src("gspo", logits, target, vs, vn, compute_grad, false);
+    LogitsSource src("gspo", logits, target, vs, vn, compute_grad, false, true);
     const GspoPolicyInputs p{ref, beta, rollout,
                              policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
                                          lamp, kn, lamn), delta};
     auto o = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d, s,
                           entropy, stats, sums, p, kBackend());
     o.push_back(src.grads()[0]);
-    return tensors_as_tuple<kPolicyOutputs + 2>(o);
+    o.push_back(src.grad_row_unscale());
+    return tensors_as_tuple<kPolicyOutputs + 3>(o);
   }
   static auto forward_inplace(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& adv,
                               const Opt& old, const at::Tensor& doc, std::optional<int64_t> n_docs, const Opt& counts,
@@ -388,13 +389,14 @@ struct GspoOps {
                               const Opt& rollout, std::optional<SV> correction, double cap,
                               std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
                               double kp, double lamp, double kn, double lamn) {
-    LogitsSource src("gspo", logits, target, vs, vn, false, true);
+    LogitsSource src("gspo", logits, target, vs, vn, false, true, true);
     const GspoPolicyInputs p{ref, beta, rollout,
                              policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
                                          lamp, kn, lamn), delta};
     auto o = gspo_forward(src, target, adv, old, doc, n_docs, counts, el, eh, std::string(weighting), token_adv, d, s,
                           entropy, stats, sums, p, kBackend());
-    return tensors_as_tuple<kPolicyOutputs + 1>(o);
+    o.push_back(src.grad_row_unscale());
+    return tensors_as_tuple<kPolicyOutputs + 2>(o);
   }
   static at::Tensor document_sums(const at::Tensor& lp, const at::Tensor& target, const at::Tensor& adv,
                                   const Opt& old, const at::Tensor& doc, const at::Tensor& counts, int64_t n_docs,

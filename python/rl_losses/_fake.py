@@ -26,8 +26,15 @@ def _row_stats(logits, target, *, logits_scale_factor=1.0, vocab_start=0, vocab_
 
 
 @register_fake("rl_losses::_scale_grad_")
-def _scale_grad_(grad, grad_output):
+def _scale_grad_(grad, grad_output, row_unscale=None):
     return None
+
+
+def _row_unscale(logits, target, with_grad):
+    """grad_row_unscale, the last output of the forwards over the row pass: a factor per row where fp16 gradient
+    rows are stored pre-scaled (csrc/common/row_pass.h, GradRowPrescaled), else empty."""
+    rows = target.numel() if with_grad and logits.dtype == torch.float16 else 0
+    return logits.new_empty([rows], dtype=torch.float32)
 
 
 def _ce_outputs(logits, target, reduction):
@@ -60,9 +67,7 @@ def _cross_entropy_forward(logits, target, s, eps, z, lw, reduction, divisor, ro
                            compute_grad):
     _check_cross_entropy(logits, target, s, eps, z, lw, reduction, divisor, row_stats, vocab_start, vocab_size)
     loss, lse = _ce_outputs(logits, target, reduction)
-    grad = (torch.empty_like(logits, memory_format=torch.contiguous_format) if compute_grad
-            else logits.new_empty([0]))
-    return loss, lse, grad
+    return (loss, lse, *_grad_outputs(logits, target, compute_grad))
 
 
 @register_fake("rl_losses::_cross_entropy_forward_inplace")
@@ -70,7 +75,7 @@ def _cross_entropy_forward_inplace(logits, target, s, eps, z, lw, reduction, div
                                    vocab_size):
     _check_cross_entropy(logits, target, s, eps, z, lw, reduction, divisor, row_stats, vocab_start, vocab_size,
                          inplace=True)
-    return _ce_outputs(logits, target, reduction)
+    return (*_ce_outputs(logits, target, reduction), _row_unscale(logits, target, True))
 
 
 def _policy_outputs(logits, target, num_documents=None):
@@ -88,6 +93,12 @@ def _policy_outputs(logits, target, num_documents=None):
 def _grad(logits, compute_grad):
     return (torch.empty_like(logits, memory_format=torch.contiguous_format) if compute_grad
             else logits.new_empty([0]))
+
+
+def _grad_outputs(logits, target, compute_grad):
+    """The last outputs of a forward over the row pass: the gradient (a placeholder unless compute_grad) and
+    grad_row_unscale."""
+    return [_grad(logits, compute_grad), _row_unscale(logits, target, compute_grad)]
 
 
 # _grpo_forward(logits, target, advantages, old_log_probs, ref_log_probs, loss_weights, label_counts, ε_l, ε_h,
@@ -128,14 +139,14 @@ def _grpo(logits, target, advantages, old_log_probs, *, inplace_backward=False, 
 def _grpo_forward(logits, target, advantages, old_log_probs, *args):
     # (..., vocab_size, <14 policy args>, document_index, num_documents, compute_grad)
     _check_grpo(logits, target, advantages, old_log_probs, *args[:-3], document_index=args[-3], num_documents=args[-2])
-    return tuple(_policy_outputs(logits, target) + [_grad(logits, args[-1])])
+    return tuple(_policy_outputs(logits, target) + _grad_outputs(logits, target, args[-1]))
 
 
 @register_fake("rl_losses::_grpo_forward_inplace")
 def _grpo_forward_inplace(logits, target, advantages, old_log_probs, *args):
     _check_grpo(logits, target, advantages, old_log_probs, *args[:-2], document_index=args[-2], num_documents=args[-1],
                 inplace=True)
-    return tuple(_policy_outputs(logits, target))
+    return tuple(_policy_outputs(logits, target) + [_row_unscale(logits, target, True)])
 
 
 def _num_documents(num_documents, document_sums):
@@ -179,13 +190,13 @@ def _gspo(logits, target, advantages, old_log_probs, document_index, *, inplace_
 @register_fake("rl_losses::_gspo_forward")
 def _gspo_forward(logits, target, advantages, old_log_probs, document_index, *args):
     n_docs = _check_gspo(logits, target, advantages, old_log_probs, document_index, *args[:-1])
-    return tuple(_policy_outputs(logits, target, n_docs) + [_grad(logits, args[-1])])
+    return tuple(_policy_outputs(logits, target, n_docs) + _grad_outputs(logits, target, args[-1]))
 
 
 @register_fake("rl_losses::_gspo_forward_inplace")
 def _gspo_forward_inplace(logits, target, advantages, old_log_probs, document_index, *args):
     n_docs = _check_gspo(logits, target, advantages, old_log_probs, document_index, *args, inplace=True)
-    return tuple(_policy_outputs(logits, target, n_docs))
+    return tuple(_policy_outputs(logits, target, n_docs) + [_row_unscale(logits, target, True)])
 
 
 @register_fake("rl_losses::gspo_document_sums")
@@ -352,7 +363,7 @@ def _dpo_forward(logits, target, document_index, pairs, ref_c, ref_r, beta, s, d
                  vocab_size, compute_grad):
     n = _checks_heads.dpo(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats, vocab_start,
                     vocab_size)
-    return tuple(_dpo_outputs(logits, target, n) + [_grad(logits, compute_grad)])
+    return tuple(_dpo_outputs(logits, target, n) + _grad_outputs(logits, target, compute_grad))
 
 
 @register_fake("rl_losses::_dpo_forward_inplace")
@@ -360,7 +371,7 @@ def _dpo_forward_inplace(logits, target, document_index, pairs, ref_c, ref_r, be
                          vocab_start, vocab_size):
     n = _checks_heads.dpo(logits, target, document_index, pairs, ref_c, ref_r, beta, s, divisor, row_stats, vocab_start,
                     vocab_size, inplace=True)
-    return tuple(_dpo_outputs(logits, target, n))
+    return tuple(_dpo_outputs(logits, target, n) + [_row_unscale(logits, target, True)])
 
 
 # ---- the fused head: loss, label_loss, z_loss, grpo_loss (0-dim), the per-token log-probs, gspo_loss (0-dim) -------
@@ -387,13 +398,13 @@ def _fused_head_loss(logits, target, *, inplace_backward=False, **kwargs):
 @register_fake("rl_losses::_fused_head_loss_forward")
 def _fused_head_loss_forward(logits, target, *args):
     _checks_heads.fused_head(logits, target, *args[:-1])
-    return tuple(_head_outputs(logits, target) + [_grad(logits, args[-1])])
+    return tuple(_head_outputs(logits, target) + _grad_outputs(logits, target, args[-1]))
 
 
 @register_fake("rl_losses::_fused_head_loss_forward_inplace")
 def _fused_head_loss_forward_inplace(logits, target, *args):
     _checks_heads.fused_head(logits, target, *args, inplace=True)
-    return tuple(_head_outputs(logits, target))
+    return tuple(_head_outputs(logits, target) + [_row_unscale(logits, target, True)])
 
 
 # ---- per-token log-probs and entropies ------------------------------------------------------------------------
