@@ -59,9 +59,9 @@ TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) {
   using CrossEntropy = CrossEntropyOps<cross_entropy_rows_cuda>;
   using Grpo = GrpoOps<grpo_backend_cuda>;
   using Gspo = GspoOps<gspo_backend_cuda>;
-  using LinearCrossEntropy = LinearCrossEntropyOp<cross_entropy_rows_cuda, accumulate_weight_grad_cuda>;
-  using LinearGrpo = LinearGrpoOp<grpo_backend_cuda, accumulate_weight_grad_cuda>;
-  using LinearGspo = LinearGspoOp<gspo_backend_cuda, accumulate_weight_grad_cuda>;
+  using LinearCrossEntropy = LinearCrossEntropyOp<cross_entropy_rows_cuda, linear_backend_cuda>;
+  using LinearGrpo = LinearGrpoOp<grpo_backend_cuda, linear_backend_cuda>;
+  using LinearGspo = LinearGspoOp<gspo_backend_cuda, linear_backend_cuda>;
   m.impl("row_stats", &OnTensorsDevice<&row_stats_op<row_stats_cuda>>::call);
   m.impl("_scale_grad_", &OnTensorsDevice<&scale_grad_cuda>::call);
   m.impl("_cross_entropy_forward", &OnTensorsDevice<&CrossEntropy::forward>::call);
@@ -86,7 +86,7 @@ TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) {
   m.impl("_fused_head_loss_forward", &OnTensorsDevice<&FusedHead::forward>::call);
   m.impl("_fused_head_loss_forward_inplace", &OnTensorsDevice<&FusedHead::forward_inplace>::call);
   using TokenLogProbs = TokenLogProbsOps<token_log_probs_backend_cuda>;
-  using LinearTokenLogProbs = LinearTokenLogProbsOps<token_log_probs_backend_cuda, accumulate_weight_grad_cuda>;
+  using LinearTokenLogProbs = LinearTokenLogProbsOps<token_log_probs_backend_cuda, linear_backend_cuda>;
   m.impl("_token_log_probs_forward", &OnTensorsDevice<&TokenLogProbs::forward>::call);
   m.impl("_token_log_probs_backward", &OnTensorsDevice<&TokenLogProbs::backward>::call);
   m.impl("_linear_token_log_probs_forward", &OnTensorsDevice<&LinearTokenLogProbs::forward>::call);

@@ -14,8 +14,8 @@
 //     otherwise.
 //   * The fused-linear ops `linear_<op>` take `hidden (..., H)` and `weight (V, H)` (and a keyword `bias`)
 //     in place of the logits, with the options of the logits op (no inplace_backward, no tensor-parallel
-//     hooks) plus `chunk_size` (rows of logits alive at once); `_linear_<op>_forward(<the same arguments>,
-//     output_mask)` returns their outputs followed by grad_hidden, grad_weight, grad_bias (linear/).
+//     hooks) plus the fused lm_head's own (RL_LOSSES_LINEAR_KWARGS); `_linear_<op>_forward(<the same
+//     arguments>, output_mask)` returns their outputs followed by grad_hidden, grad_weight, grad_bias (linear/).
 //   * `row_stats`/`vocab_start`/`vocab_size` are the hooks of vocabulary (tensor) parallelism: a loss op given
 //     `row_stats` (all-reduced over the TP group) skips its own statistics pass and writes this shard's
 //     gradient.
@@ -135,25 +135,36 @@ TORCH_LIBRARY(rl_losses, m) {
 
   // ---- fused lm_head: the same losses from hidden states (linear/linear_source.h) --------------------
 #define RL_LOSSES_LINEAR_GRADS "Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias"
+  // The fused lm_head's options (linear/linear_source.h, docs/performance.md): chunk_size, the rows of logits
+  // alive at once (default: from the strategy's budget); strategy, "fast" (rows outer, a fp32 weight-gradient
+  // accumulator across chunks) or "lean" (no accumulator, at most 256 MiB beyond the gradients, one more GEMM);
+  // weight_main_grad, a (V, H) fp32 buffer that grad_weight is added into instead of being returned (the
+  // losses add it in the forward, for an upstream gradient of 1); skip_unlabelled, rows with a negative label
+  // take no GEMM work (their count is read on the host: one synchronisation).
+#define RL_LOSSES_LINEAR_KWARGS \
+  "int? chunk_size=None, str strategy=\"fast\", Tensor(a!)? weight_main_grad=None, bool skip_unlabelled=True"
+#define RL_LOSSES_LINEAR_ARGS "int? chunk_size, str strategy, Tensor(a!)? weight_main_grad, bool skip_unlabelled"
   m.def(
       "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, *, Tensor? bias=None, "
       "float logits_scale_factor=1.0, float label_smoothing=0.0, float z_loss_factor=0.0, float label_weight=1.0, "
-      "str reduction=\"mean\", float? divisor=None, int? chunk_size=None) -> (Tensor loss, Tensor lse)");
+      "str reduction=\"mean\", float? divisor=None, " RL_LOSSES_LINEAR_KWARGS ") -> (Tensor loss, Tensor lse)");
   m.def(
       "_linear_cross_entropy_forward(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
       "float logits_scale_factor, float label_smoothing, float z_loss_factor, float label_weight, str reduction, "
-      "float? divisor, int? chunk_size, bool[3] output_mask) -> (Tensor loss, Tensor lse, " RL_LOSSES_LINEAR_GRADS ")");
+      "float? divisor, " RL_LOSSES_LINEAR_ARGS ", bool[3] output_mask) -> (Tensor loss, Tensor lse, "
+      RL_LOSSES_LINEAR_GRADS ")");
   m.def(
       "linear_grpo(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor? old_log_probs, *, "
       "Tensor? bias=None, Tensor? ref_log_probs=None, Tensor? loss_weights=None, Tensor? label_counts=None, "
       "float epsilon_low=0.2, float epsilon_high=0.2, float? delta=None, float beta=0.0, float? divisor=None, "
-      "float logits_scale_factor=1.0, bool compute_entropy=False, int? chunk_size=None, " RL_LOSSES_POLICY_KWARGS
-      ", Tensor? document_index=None, int? num_documents=None) -> " RL_LOSSES_POLICY_OUTS ", Tensor vespo_phi_mean)");
+      "float logits_scale_factor=1.0, bool compute_entropy=False, " RL_LOSSES_LINEAR_KWARGS ", "
+      RL_LOSSES_POLICY_KWARGS ", Tensor? document_index=None, int? num_documents=None) -> " RL_LOSSES_POLICY_OUTS
+      ", Tensor vespo_phi_mean)");
   m.def(
       "_linear_grpo_forward(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor? old_log_probs, "
       "Tensor? bias, Tensor? ref_log_probs, Tensor? loss_weights, Tensor? label_counts, float epsilon_low, "
       "float epsilon_high, float? delta, float beta, float? divisor, float logits_scale_factor, "
-      "bool compute_entropy, int? chunk_size, " RL_LOSSES_POLICY_ARGS ", Tensor? document_index, "
+      "bool compute_entropy, " RL_LOSSES_LINEAR_ARGS ", " RL_LOSSES_POLICY_ARGS ", Tensor? document_index, "
       "int? num_documents, bool[3] output_mask) -> " RL_LOSSES_POLICY_OUTS ", Tensor vespo_phi_mean, "
       RL_LOSSES_LINEAR_GRADS ")");
   m.def(
@@ -161,13 +172,13 @@ TORCH_LIBRARY(rl_losses, m) {
       "Tensor document_index, *, Tensor? bias=None, int? num_documents=None, Tensor? label_counts=None, "
       "float epsilon_low=0.2, float epsilon_high=0.2, float? delta=None, str weighting=\"document\", "
       "bool token_advantages=False, float? divisor=None, float logits_scale_factor=1.0, bool compute_entropy=False, "
-      "int? chunk_size=None, Tensor? ref_log_probs=None, float beta=0.0, " RL_LOSSES_POLICY_KWARGS ") -> "
+      RL_LOSSES_LINEAR_KWARGS ", Tensor? ref_log_probs=None, float beta=0.0, " RL_LOSSES_POLICY_KWARGS ") -> "
       RL_LOSSES_POLICY_OUTS ", Tensor document_ratios, Tensor vespo_phi_mean)");
   m.def(
       "_linear_gspo_forward(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, Tensor? old_log_probs, "
       "Tensor document_index, Tensor? bias, int? num_documents, Tensor? label_counts, float epsilon_low, "
       "float epsilon_high, float? delta, str weighting, bool token_advantages, float? divisor, "
-      "float logits_scale_factor, bool compute_entropy, int? chunk_size, Tensor? ref_log_probs, float beta, "
+      "float logits_scale_factor, bool compute_entropy, " RL_LOSSES_LINEAR_ARGS ", Tensor? ref_log_probs, float beta, "
       RL_LOSSES_POLICY_ARGS ", "
       "bool[3] output_mask) -> " RL_LOSSES_POLICY_OUTS ", "
       "Tensor document_ratios, Tensor vespo_phi_mean, " RL_LOSSES_LINEAR_GRADS ")");
@@ -177,7 +188,7 @@ TORCH_LIBRARY(rl_losses, m) {
   // `_token_log_probs_forward` also returns the row statistics (N, 5) it computed (empty when `row_stats`
   // were given: those are saved instead), which `_token_log_probs_backward` reads in place of a second
   // statistics pass. `entropy` is an empty tensor unless compute_entropy. The fused-linear form recomputes
-  // each chunk's logits in its backward.
+  // each chunk's logits in its backward, which is where weight_main_grad is added into (the forward only checks it).
   m.def(
       "token_log_probs(Tensor logits, Tensor target, *, float logits_scale_factor=1.0, bool compute_entropy=False, "
       "Tensor? row_stats=None, int vocab_start=0, int vocab_size=-1) -> (Tensor log_probs, Tensor entropy)");
@@ -189,17 +200,19 @@ TORCH_LIBRARY(rl_losses, m) {
       "Tensor? grad_entropy, float logits_scale_factor, int vocab_start, int vocab_size) -> Tensor");
   m.def(
       "linear_token_log_probs(Tensor hidden, Tensor weight, Tensor target, *, Tensor? bias=None, "
-      "float logits_scale_factor=1.0, bool compute_entropy=False, int? chunk_size=None) "
+      "float logits_scale_factor=1.0, bool compute_entropy=False, " RL_LOSSES_LINEAR_KWARGS ") "
       "-> (Tensor log_probs, Tensor entropy)");
   m.def(
       "_linear_token_log_probs_forward(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
-      "float logits_scale_factor, bool compute_entropy, int? chunk_size) "
+      "float logits_scale_factor, bool compute_entropy, " RL_LOSSES_LINEAR_ARGS ") "
       "-> (Tensor log_probs, Tensor entropy, Tensor stats)");
   m.def(
       "_linear_token_log_probs_backward(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, Tensor stats, "
-      "Tensor? grad_log_probs, Tensor? grad_entropy, float logits_scale_factor, int? chunk_size, "
+      "Tensor? grad_log_probs, Tensor? grad_entropy, float logits_scale_factor, " RL_LOSSES_LINEAR_ARGS ", "
       "bool[3] output_mask) -> (" RL_LOSSES_LINEAR_GRADS ")");
 #undef RL_LOSSES_LINEAR_GRADS
+#undef RL_LOSSES_LINEAR_KWARGS
+#undef RL_LOSSES_LINEAR_ARGS
 #undef RL_LOSSES_POLICY_OUTS
 
   // ---- distillation against a teacher's logits (distillation/, docs/distillation_dpo.md) --------------

@@ -16,7 +16,10 @@
 // The fused-linear ops (linear_cross_entropy, linear_grpo, linear_gspo) have the same shape with three
 // differentiable inputs, hidden (argument 0), weight (1) and the optional `bias`: `_linear_<op>_forward(<the
 // public arguments>, output_mask)` returns (outputs..., grad_hidden, grad_weight, grad_bias), computing the
-// gradients that output_mask asks for.
+// gradients that output_mask asks for. Given `weight_main_grad`, the forward adds the weight's gradient into
+// that buffer, for an upstream gradient of 1, and autograd gets none for the weight (its .grad is untouched):
+// the backward then refuses any other upstream gradient (a device-side assert on CUDA, no synchronisation),
+// since what was added cannot be scaled afterwards.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -141,18 +144,20 @@ class LinearLossFunction : public torch::autograd::Function<LinearLossFunction> 
  public:
   // hidden, weight, bias are the differentiable inputs (an optional bias: autograd tracks it when given);
   // `args` is the whole public argument list, passed on to the forward op.
+  // into_main_grad: the weight's gradient goes into the weight_main_grad argument.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, const std::string& name,
-                               std::vector<c10::IValue> args, std::array<bool, 3> mask) {
+                               std::vector<c10::IValue> args, std::array<bool, 3> mask, bool into_main_grad) {
     at::AutoDispatchBelowADInplaceOrView guard;
     std::vector<at::Tensor> out = call_linear_forward(name, std::move(args), mask);
     std::vector<at::Tensor> grads(out.end() - 3, out.end());
     out.resize(out.size() - 3);
     for (int i = 0; i < 3; ++i) {
-      if (!mask[i]) grads[i] = at::Tensor();
+      if (!mask[i] || (i == 1 && into_main_grad)) grads[i] = at::Tensor();
     }
     save_fused_grads(ctx, grads);
     ctx->saved_data["name"] = name;
+    ctx->saved_data["into_main_grad"] = into_main_grad;
     ctx->mark_non_differentiable(variable_list(out.begin() + 1, out.end()));
     return out;
   }
@@ -160,7 +165,13 @@ class LinearLossFunction : public torch::autograd::Function<LinearLossFunction> 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const std::string name = ctx->saved_data["name"].toStringRef();
     std::vector<at::Tensor> grads = take_fused_grads(ctx, grad_outputs[0], name.c_str());
-    return {grads[0], grads[1], grads[2], at::Tensor(), at::Tensor(), at::Tensor()};
+    if (ctx->saved_data["into_main_grad"].toBool() && grad_outputs[0].defined()) {
+      at::_assert_async(grad_outputs[0].eq(1),
+                        name + ": with weight_main_grad, the weight's gradient is added to the buffer in the forward, "
+                               "for an upstream gradient of 1, and the backward got another one; scale the loss "
+                               "through divisor instead of scaling the returned loss");
+    }
+    return {grads[0], grads[1], grads[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -168,7 +179,7 @@ struct LinearArgs {
   std::string name;
   std::vector<c10::IValue> args;
   at::Tensor hidden, weight;
-  std::optional<at::Tensor> bias;
+  std::optional<at::Tensor> bias, main_grad;
 };
 
 LinearArgs pop_linear_args(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -183,6 +194,9 @@ LinearArgs pop_linear_args(const c10::OperatorHandle& op, torch::jit::Stack* sta
   const auto idx = schema.argumentIndexWithName("bias");
   TORCH_INTERNAL_ASSERT(idx.has_value(), schema.name(), " has no bias argument");
   if (!p.args[*idx].isNone()) p.bias = p.args[*idx].toTensor();
+  const auto main_grad = schema.argumentIndexWithName("weight_main_grad");
+  TORCH_INTERNAL_ASSERT(main_grad.has_value(), schema.name(), " has no weight_main_grad argument");
+  if (!p.args[*main_grad].isNone()) p.main_grad = p.args[*main_grad].toTensor();
   return p;
 }
 
@@ -190,7 +204,9 @@ void linear_autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, 
   LinearArgs p = pop_linear_args(op, stack);
   const std::array<bool, 3> mask{input_needs_grad(p.hidden), input_needs_grad(p.weight),
                                  p.bias && input_needs_grad(*p.bias)};
-  for (auto& t : LinearLossFunction::apply(p.hidden, p.weight, p.bias, p.name, std::move(p.args), mask))
+  const bool into_main_grad = mask[1] && p.main_grad.has_value();
+  for (auto& t : LinearLossFunction::apply(p.hidden, p.weight, p.bias, p.name, std::move(p.args), mask,
+                                           into_main_grad))
     stack->emplace_back(std::move(t));
 }
 

@@ -38,12 +38,18 @@ struct RowPassArgs {
   int64_t vocab_total = 0;   // V of the whole vocabulary (label range check)
   bool entropy = false;      // accumulate Σp·x
   bool smoothing = false;    // accumulate Σx
+  // Where a pass that computes the statistics also stores them, (N, 5) like stats_in, or undefined: the
+  // fused lm_head's lean mode keeps each row's statistics for its passes over vocabulary blocks.
+  at::Tensor stats_out;
   // The epilogue's index of row 0: the rows are a chunk of a larger batch (the fused-linear ops), whose
-  // per-token arrays the epilogue indexes globally. Logits, target, stats_in and grad are the chunk's own.
+  // per-token arrays the epilogue indexes globally. Logits, target, stats_in, stats_out and grad are the chunk's.
   int64_t row_offset = 0;
   // (N,) fp32, or undefined: for fp16 logits whose gradient is computed in the forward and scaled in the
   // backward, each row's gradient is stored multiplied by 2^k and 2^-k goes here (GradRowPrescaled).
   at::Tensor grad_row_unscale;
+  // (N,) int64, or undefined: the epilogue's index of each row, where the rows are not consecutive (the fused
+  // lm_head's labelled rows, gathered); it replaces row_offset.
+  at::Tensor row_index;
 
   bool compute_stats() const { return !stats_in.defined(); }
   bool write_grad() const { return grad.defined(); }
@@ -89,7 +95,14 @@ struct RowPassView {
   int64_t vocab_start;
   int64_t vocab_total;
   int64_t row_offset;
+  const int64_t* row_index;  // or null
+  acc_t* stats_out;          // or null
   acc_t scale;
+
+  // The index the epilogue (and every per-token array it reads) knows the row by.
+  C10_HOST_DEVICE int64_t epilogue_row(int64_t row) const {
+    return row_index != nullptr ? row_index[row] : row + row_offset;
+  }
 };
 
 template <typename scalar_t, typename label_t, typename acc_t>
@@ -106,6 +119,8 @@ inline RowPassView<scalar_t, label_t, acc_t> make_view(const RowPassArgs& a) {
   v.vocab_start = a.vocab_start;
   v.vocab_total = a.vocab_total;
   v.row_offset = a.row_offset;
+  v.row_index = a.row_index.defined() ? a.row_index.const_data_ptr<int64_t>() : nullptr;
+  v.stats_out = a.stats_out.defined() ? a.stats_out.data_ptr<acc_t>() : nullptr;
   v.scale = static_cast<acc_t>(a.scale);
   return v;
 }
@@ -138,6 +153,22 @@ void dispatch_stat_flags(const RowPassArgs& args, Go&& go) {
   return go(F{}, F{});
 }
 
+// Row `row` of an (N, 5) statistics tensor: max, sumexp, sum_px, sum_x, label.
+template <typename acc_t>
+C10_HOST_DEVICE inline RowStats<acc_t> load_stats(const acc_t* stats, int64_t row) {
+  const acc_t* s = stats + row * RowStats<acc_t>::kFields;
+  return {s[0], s[1], s[2], s[3], s[4]};
+}
+template <typename acc_t>
+C10_HOST_DEVICE inline void store_stats(acc_t* stats, int64_t row, const RowStats<acc_t>& st) {
+  acc_t* o = stats + row * RowStats<acc_t>::kFields;
+  o[0] = st.max;
+  o[1] = st.sumexp;
+  o[2] = st.sum_px;
+  o[3] = st.sum_x;
+  o[4] = st.label;
+}
+
 // Epilogue that stores the raw statistics (N, 5): max, sumexp, sum_px, sum_x, label. Used by the
 // statistics-only pass (tensor-parallel forward, GSPO pass 1). No gradient. kLabelledOnly: a row with
 // label < 0 is not read and gets RowStats::empty(), for a caller that uses no statistics of such rows.
@@ -148,21 +179,10 @@ struct StoreStatsEpilogue {
   static constexpr bool kMayReadStats = false, kMayWriteGrad = false, kSkipsUnlabelled = kLabelledOnly;
   acc_t* out;
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t /*label*/, const RowStats<acc_t>& st) const {
-    acc_t* o = out + row * RowStats<acc_t>::kFields;
-    o[0] = st.max;
-    o[1] = st.sumexp;
-    o[2] = st.sum_px;
-    o[3] = st.sum_x;
-    o[4] = st.label;
+    store_stats(out, row, st);
     return {acc_t(0), acc_t(0), acc_t(0)};
   }
 };
-
-template <typename acc_t>
-C10_HOST_DEVICE inline RowStats<acc_t> load_stats(const acc_t* stats, int64_t row) {
-  const acc_t* s = stats + row * RowStats<acc_t>::kFields;
-  return {s[0], s[1], s[2], s[3], s[4]};
-}
 
 // Epilogue for a gradient pass whose per-row coefficients were computed elsewhere (GSPO): the gradient is
 // coef_t·(p − onehot), i.e. (a, b, c) = (coef, −coef, 0), plus an entropy bonus's h_t·p·(log p + H_t) where

@@ -7,7 +7,10 @@
 //     at a time; each chunk's gradient is written over the chunk and at once turned into grad_hidden,
 //     grad_weight and grad_bias by GEMMs, so no more than one chunk of logits ever exists.
 // A pass sees the rows of one chunk: args.logits, target, stats_in and grad are the chunk's, while the
-// epilogue indexes its per-token arrays globally through args.row_offset (row_pass.h).
+// epilogue indexes its per-token arrays globally through args.row_offset or args.row_index (row_pass.h).
+// A source may leave the unlabelled rows out of its passes altogether (LinearSource's skip_unlabelled): their
+// epilogue never runs, so an op allocates the per-row outputs its epilogue writes with row_outputs(), zeros
+// there, and reads no statistics of an unlabelled row.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -32,6 +35,13 @@ class RowSource {
   at::TensorOptions acc_options() const { return f_.options.dtype(acc_dtype(f_.options.dtype().toScalarType())); }
   // Whether the op must compute its gradient (the caller asked for it).
   bool wants_grad() const { return wants_grad_; }
+  // Whether the passes leave the unlabelled rows out (see above).
+  bool skips_unlabelled() const { return skips_unlabelled_; }
+  // A per-row output of the accumulation dtype that the op's epilogue fills: zeros where the source skips
+  // rows, uninitialised otherwise.
+  at::Tensor row_outputs(at::IntArrayRef sizes) const {
+    return skips_unlabelled_ ? at::zeros(sizes, acc_options()) : at::empty(sizes, acc_options());
+  }
 
   // Runs `pass` over every row, chunk by chunk. With `with_grad`, each pass writes dL/dlogits of its rows
   // (for an upstream gradient of 1) into args.grad, and the source turns it into the op's gradients.
@@ -44,6 +54,7 @@ class RowSource {
   const char* op_;
   FlatLogits f_;
   bool wants_grad_;
+  bool skips_unlabelled_ = false;
 };
 
 class LogitsSource final : public RowSource {

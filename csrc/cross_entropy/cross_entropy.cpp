@@ -41,7 +41,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(RowSource& src, const a
   }
 
   CrossEntropyRows rows{{label_weight, label_smoothing, z_loss_factor, static_cast<double>(f.vocab_total)},
-                        d, d_value, at::empty({f.n_rows}, opts), at::empty({f.n_rows}, opts)};
+                        d, d_value, src.row_outputs({f.n_rows}), src.row_outputs({f.n_rows})};
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
   if (row_stats) args.stats_in = *row_stats;
   args.smoothing = label_smoothing != 0 && label_weight != 0;

@@ -19,7 +19,7 @@ void rows_cpu(const RowPassArgs& args, const CrossEntropyRows& rows) {
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   m.impl("_cross_entropy_forward", &CrossEntropyOps<rows_cpu>::forward);
   m.impl("_cross_entropy_forward_inplace", &CrossEntropyOps<rows_cpu>::forward_inplace);
-  m.impl("_linear_cross_entropy_forward", &LinearCrossEntropyOp<rows_cpu, accumulate_weight_grad_cpu>::forward);
+  m.impl("_linear_cross_entropy_forward", &LinearCrossEntropyOp<rows_cpu, linear_backend_cpu>::forward);
 }
 
 }  // namespace rl_losses

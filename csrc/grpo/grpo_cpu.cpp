@@ -18,7 +18,7 @@ const GrpoBackend& grpo_backend_cpu() {
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   m.impl("_grpo_forward", &GrpoOps<grpo_backend_cpu>::forward);
   m.impl("_grpo_forward_inplace", &GrpoOps<grpo_backend_cpu>::forward_inplace);
-  m.impl("_linear_grpo_forward", &LinearGrpoOp<grpo_backend_cpu, accumulate_weight_grad_cpu>::forward);
+  m.impl("_linear_grpo_forward", &LinearGrpoOp<grpo_backend_cpu, linear_backend_cpu>::forward);
 }
 
 }  // namespace rl_losses

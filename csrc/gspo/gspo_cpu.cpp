@@ -18,7 +18,7 @@ const GspoBackend& gspo_backend_cpu() {
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   m.impl("_gspo_forward", &GspoOps<gspo_backend_cpu>::forward);
   m.impl("_gspo_forward_inplace", &GspoOps<gspo_backend_cpu>::forward_inplace);
-  m.impl("_linear_gspo_forward", &LinearGspoOp<gspo_backend_cpu, accumulate_weight_grad_cpu>::forward);
+  m.impl("_linear_gspo_forward", &LinearGspoOp<gspo_backend_cpu, linear_backend_cpu>::forward);
   m.impl("gspo_document_sums", &GspoOps<gspo_backend_cpu>::document_sums);
 }
 

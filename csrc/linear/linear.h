@@ -1,5 +1,5 @@
 // The registered forward ops of the fused lm_head (linear_source.h): each loss's shared forward run over a
-// LinearSource. A back-end's registration binds its row functions and its weight-gradient GEMM.
+// LinearSource. A back-end's registration binds its row functions and its LinearBackend (GEMMs).
 #pragma once
 
 #include <array>
@@ -32,16 +32,23 @@ auto with_grads(std::vector<at::Tensor> out, LinearSource& src) {
 
 using Opt = std::optional<at::Tensor>;
 
+// The schema's chunk_size, strategy, weight_main_grad, skip_unlabelled (registration.cpp: RL_LOSSES_LINEAR_ARGS).
+inline LinearOptions options(std::optional<int64_t> chunk, c10::string_view strategy, const Opt& main_grad, bool skip) {
+  return {chunk, strategy, main_grad, skip};
+}
+
 }  // namespace linear_detail
 
-template <CrossEntropyBackend kBackend, WeightGradFn kWeightGrad>
+template <CrossEntropyBackend kBackend, const LinearBackend& (*kLinear)()>
 struct LinearCrossEntropyOp {
-  static auto forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
-                      const linear_detail::Opt& bias, double s, double eps, double z, double lw,
-                      c10::string_view reduction, std::optional<double> d, std::optional<int64_t> chunk,
-                      std::array<bool, 3> mask) {
+  using Opt = linear_detail::Opt;
+  static auto forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target, const Opt& bias,
+                      double s, double eps, double z, double lw, c10::string_view reduction,
+                      std::optional<double> d, std::optional<int64_t> chunk, c10::string_view strategy,
+                      const Opt& main_grad, bool skip, std::array<bool, 3> mask) {
     constexpr const char* op = "linear_cross_entropy";
-    LinearSource src(op, hidden, weight, bias, target, chunk, mask, kWeightGrad);
+    LinearSource src(op, hidden, weight, bias, target, linear_detail::options(chunk, strategy, main_grad, skip), mask,
+                     kLinear());
     // The weight gradient is summed over tokens in the forward, so one upstream value per token cannot be
     // applied afterwards.
     TORCH_CHECK(reduction != "none" || !src.wants_grad(), op,
@@ -53,19 +60,21 @@ struct LinearCrossEntropyOp {
   }
 };
 
-template <const GrpoBackend& (*kBackend)(), WeightGradFn kWeightGrad>
+template <const GrpoBackend& (*kBackend)(), const LinearBackend& (*kLinear)()>
 struct LinearGrpoOp {
   using Opt = linear_detail::Opt;
   using SV = c10::string_view;
   static auto forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
                       const at::Tensor& adv, const Opt& old, const Opt& bias, const Opt& ref, const Opt& w,
                       const Opt& counts, double el, double eh, std::optional<double> delta, double beta,
-                      std::optional<double> d, double s, bool entropy, std::optional<int64_t> chunk,
-                      SV loss_type, double tau_pos, double tau_neg, const Opt& rollout, std::optional<SV> correction,
+                      std::optional<double> d, double s, bool entropy, std::optional<int64_t> chunk, SV strategy,
+                      const Opt& main_grad, bool skip, SV loss_type, double tau_pos, double tau_neg,
+                      const Opt& rollout, std::optional<SV> correction,
                       double cap, std::optional<c10::ArrayRef<double>> bounds, SV kl, bool kl_iw, double ent_coef,
                       double kp, double lamp, double kn, double lamn, const Opt& doc, std::optional<int64_t> n_docs,
                       std::array<bool, 3> mask) {
-    LinearSource src("linear_grpo", hidden, weight, bias, target, chunk, mask, kWeightGrad);
+    LinearSource src("linear_grpo", hidden, weight, bias, target,
+                     linear_detail::options(chunk, strategy, main_grad, skip), mask, kLinear());
     auto out = grpo_forward(src, target, adv, old, ref, w, counts, el, eh, delta, beta, d, s, entropy, std::nullopt,
                             rollout, doc, n_docs,
                             policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
@@ -75,7 +84,7 @@ struct LinearGrpoOp {
   }
 };
 
-template <const GspoBackend& (*kBackend)(), WeightGradFn kWeightGrad>
+template <const GspoBackend& (*kBackend)(), const LinearBackend& (*kLinear)()>
 struct LinearGspoOp {
   using Opt = linear_detail::Opt;
   using SV = c10::string_view;
@@ -83,12 +92,13 @@ struct LinearGspoOp {
                       const at::Tensor& adv, const Opt& old, const at::Tensor& doc, const Opt& bias,
                       std::optional<int64_t> n_docs, const Opt& counts, double el, double eh,
                       std::optional<double> delta, SV weighting, bool token_adv, std::optional<double> d, double s,
-                      bool entropy, std::optional<int64_t> chunk,
+                      bool entropy, std::optional<int64_t> chunk, SV strategy, const Opt& main_grad, bool skip,
                       const Opt& ref, double beta, SV loss_type, double tau_pos, double tau_neg, const Opt& rollout,
                       std::optional<SV> correction, double cap, std::optional<c10::ArrayRef<double>> bounds, SV kl,
                       bool kl_iw, double ent_coef, double kp, double lamp, double kn, double lamn,
                       std::array<bool, 3> mask) {
-    LinearSource src("linear_gspo", hidden, weight, bias, target, chunk, mask, kWeightGrad);
+    LinearSource src("linear_gspo", hidden, weight, bias, target,
+                     linear_detail::options(chunk, strategy, main_grad, skip), mask, kLinear());
     const GspoPolicyInputs p{ref, beta, rollout,
                              policy_args(loss_type, tau_pos, tau_neg, correction, cap, bounds, kl, kl_iw, ent_coef, kp,
                                          lamp, kn, lamn), delta};

@@ -35,14 +35,7 @@ struct TokenLogProbsEpilogue {
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t label, const RowStats<acc_t>& st) const {
     log_probs[row] = label >= 0 ? st.log_prob(st.label) : acc_t(0);
     if (entropy != nullptr) entropy[row] = st.entropy();
-    if (stats_out != nullptr) {
-      acc_t* o = stats_out + row * RowStats<acc_t>::kFields;
-      o[0] = st.max;
-      o[1] = st.sumexp;
-      o[2] = st.sum_px;
-      o[3] = st.sum_x;
-      o[4] = st.label;
-    }
+    if (stats_out != nullptr) store_stats(stats_out, row, st);
     return {acc_t(0), acc_t(0), acc_t(0), acc_t(0)};
   }
 };

@@ -16,7 +16,7 @@ const TokenLogProbsBackend& token_log_probs_backend_cpu() {
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   using Ops = TokenLogProbsOps<token_log_probs_backend_cpu>;
-  using Linear = LinearTokenLogProbsOps<token_log_probs_backend_cpu, accumulate_weight_grad_cpu>;
+  using Linear = LinearTokenLogProbsOps<token_log_probs_backend_cpu, linear_backend_cpu>;
   m.impl("_token_log_probs_forward", &Ops::forward);
   m.impl("_token_log_probs_backward", &Ops::backward);
   m.impl("_linear_token_log_probs_forward", &Linear::forward);

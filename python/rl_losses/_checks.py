@@ -327,7 +327,8 @@ def gspo_document_sums(log_probs, target, advantages, old_log_probs, document_in
 
 
 # ---- linear/linear_source.cpp --------------------------------------------------------------------------------------
-def check_linear(op, hidden, weight, bias, target, chunk_size):
+def check_linear(op, hidden, weight, bias, target, chunk_size, strategy="fast", weight_main_grad=None):
+    # csrc/linear/linear_source.cpp: flatten_linear, then check_linear_options.
     _check(hidden.dtype.is_floating_point, op,
            "hidden must be a floating-point tensor (float32, float64, bfloat16 or float16), got ", _dt(hidden.dtype))
     _check(hidden.dim() >= 1, op, "hidden must have at least 1 dimension (..., hidden_size), got a 0-dim tensor")
@@ -345,6 +346,16 @@ def check_linear(op, hidden, weight, bias, target, chunk_size):
     check_target(op, target, hidden, "hidden")
     _check(chunk_size is None or chunk_size >= 1, op, "chunk_size must be >= 1, got ",
            chunk_size if chunk_size is not None else 0)
+    _check(strategy in ("fast", "lean"), op, "strategy must be 'fast' or 'lean', got '", strategy, "'")
+    if weight_main_grad is not None:
+        g, acc = weight_main_grad, acc_dtype(weight.dtype)
+        _check(g.dtype == acc, op, "weight_main_grad must be ", _dt(acc), " (the accumulation dtype of a ",
+               _dt(weight.dtype), " weight), got ", _dt(g.dtype))
+        _check(g.shape == weight.shape, op, "weight_main_grad must have the weight's shape ", _shape(weight.shape),
+               ", got ", _shape(g.shape))
+        _check(g.device == weight.device, op, "weight_main_grad is on ", g.device, " but weight is on ",
+               weight.device)
+        _check(g.is_contiguous(), op, "weight_main_grad must be contiguous, got strides ", _shape(g.stride()))
 
 
 def policy_token_options(log_probs, old_log_probs, advantages, epsilon_low, epsilon_high, delta, ref_log_probs, beta,

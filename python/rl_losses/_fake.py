@@ -208,18 +208,21 @@ def _gspo_document_sums(log_probs, target, advantages, old_log_probs, document_i
 
 
 # ---- fused lm_head: outputs as the logits ops', with the hidden states' dtype and device ------------------------
-def _linear_grads(hidden, weight, bias, output_mask):
+def _linear_grads(hidden, weight, bias, output_mask, weight_main_grad=None):
+    """grad_hidden, grad_weight, grad_bias as output_mask asks (grad_weight goes into weight_main_grad when given)."""
     def grad(t, wanted):
         return torch.empty_like(t, memory_format=torch.contiguous_format) if wanted and t is not None \
             else hidden.new_empty([0])
-    return [grad(hidden, output_mask[0]), grad(weight, output_mask[1]), grad(bias, output_mask[2])]
+    return [grad(hidden, output_mask[0]), grad(weight, output_mask[1] and weight_main_grad is None),
+            grad(bias, output_mask[2])]
 
 
 def _check_linear_cross_entropy(hidden, weight, target, bias=None, logits_scale_factor=1.0, label_smoothing=0.0,
                                 z_loss_factor=0.0, label_weight=1.0, reduction="mean", divisor=None,
-                                chunk_size=None, output_mask=(False, False, False)):
+                                chunk_size=None, strategy="fast", weight_main_grad=None, skip_unlabelled=True,
+                                output_mask=(False, False, False)):
     op = "linear_cross_entropy"
-    _checks.check_linear(op, hidden, weight, bias, target, chunk_size)
+    _checks.check_linear(op, hidden, weight, bias, target, chunk_size, strategy, weight_main_grad)
     wants_grad = output_mask[0] or output_mask[1] or (output_mask[2] and bias is not None)
     _checks._check(reduction != "none" or not wants_grad, op,
                    "reduction='none' cannot be differentiated (the weight gradient is summed over tokens in the ",
@@ -235,23 +238,26 @@ def _linear_cross_entropy(hidden, weight, target, *, reduction="mean", **kwargs)
 
 
 # _linear_cross_entropy_forward(hidden, weight, target, bias, s, ε, ζ, label_weight, reduction, divisor,
-#   chunk_size, output_mask)
+#   chunk_size, strategy, weight_main_grad, skip_unlabelled, output_mask)
 @register_fake("rl_losses::_linear_cross_entropy_forward")
-def _linear_cross_entropy_forward(hidden, weight, target, bias, s, eps, z, lw, reduction, divisor, chunk_size,
-                                  output_mask):
-    _check_linear_cross_entropy(hidden, weight, target, bias, s, eps, z, lw, reduction, divisor, chunk_size,
-                                output_mask)
-    return (*_ce_outputs(hidden, target, reduction), *_linear_grads(hidden, weight, bias, output_mask))
+def _linear_cross_entropy_forward(hidden, weight, target, bias, s, eps, z, lw, reduction, divisor, chunk_size, strategy,
+                                  weight_main_grad, skip_unlabelled, output_mask):
+    _check_linear_cross_entropy(hidden, weight, target, bias, s, eps, z, lw, reduction, divisor, chunk_size, strategy,
+                                weight_main_grad, skip_unlabelled, output_mask)
+    return (*_ce_outputs(hidden, target, reduction),
+            *_linear_grads(hidden, weight, bias, output_mask, weight_main_grad))
 
 
 # _linear_grpo_forward(hidden, weight, target, advantages, old_log_probs, bias, ref_log_probs, loss_weights,
-#   label_counts, ε_l, ε_h, delta, beta, divisor, s, compute_entropy, chunk_size, output_mask)
+#   label_counts, ε_l, ε_h, delta, beta, divisor, s, compute_entropy, chunk_size, strategy, weight_main_grad,
+#   skip_unlabelled, <14 policy args>, document_index, num_documents, output_mask)
 def _check_linear_grpo(hidden, weight, target, advantages, old_log_probs, bias=None, ref_log_probs=None,
                        loss_weights=None, label_counts=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
-                       divisor=None, logits_scale_factor=1.0, compute_entropy=False, chunk_size=None, *policy,
-                       document_index=None, num_documents=None, **policy_kwargs):
+                       divisor=None, logits_scale_factor=1.0, compute_entropy=False, chunk_size=None, strategy="fast",
+                       weight_main_grad=None, skip_unlabelled=True, *policy, document_index=None,
+                       num_documents=None, **policy_kwargs):
     op = "linear_grpo"
-    _checks.check_linear(op, hidden, weight, bias, target, chunk_size)
+    _checks.check_linear(op, hidden, weight, bias, target, chunk_size, strategy, weight_main_grad)
     _checks.grpo_options(op, hidden, target, target.numel(), advantages, old_log_probs, ref_log_probs, loss_weights,
                          label_counts, epsilon_low, epsilon_high, delta, beta, divisor, logits_scale_factor, None)
     _check_policy(op, target, epsilon_high, delta, policy, policy_kwargs)
@@ -266,20 +272,23 @@ def _linear_grpo(hidden, weight, target, advantages, old_log_probs, **kwargs):
 
 @register_fake("rl_losses::_linear_grpo_forward")
 def _linear_grpo_forward(hidden, weight, target, advantages, old_log_probs, bias, *args):
-    # (..., chunk_size, <14 policy args>, document_index, num_documents, output_mask)
+    # args: ref_log_probs ... chunk_size (11), strategy, weight_main_grad, skip_unlabelled, <14 policy args>,
+    # document_index, num_documents, output_mask
     _check_linear_grpo(hidden, weight, target, advantages, old_log_probs, bias, *args[:-3], document_index=args[-3],
                        num_documents=args[-2])
-    return tuple(_policy_outputs(hidden, target) + _linear_grads(hidden, weight, bias, args[-1]))
+    return tuple(_policy_outputs(hidden, target) + _linear_grads(hidden, weight, bias, args[-1], args[12]))
 
 
 # _linear_gspo_forward(hidden, weight, target, advantages, old_log_probs, document_index, bias, num_documents,
-#   label_counts, ε_l, ε_h, delta, weighting, token_advantages, divisor, s, compute_entropy, chunk_size, output_mask)
+#   label_counts, ε_l, ε_h, delta, weighting, token_advantages, divisor, s, compute_entropy, chunk_size, strategy,
+#   weight_main_grad, skip_unlabelled, ref_log_probs, beta, <14 policy args>, output_mask)
 def _check_linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, bias=None,
                        num_documents=None, label_counts=None, epsilon_low=0.2, epsilon_high=0.2, delta=None,
                        weighting="document", token_advantages=False, divisor=None, logits_scale_factor=1.0,
-                       compute_entropy=False, chunk_size=None, ref_log_probs=None, beta=0.0, *policy, **policy_kwargs):
+                       compute_entropy=False, chunk_size=None, strategy="fast", weight_main_grad=None,
+                       skip_unlabelled=True, ref_log_probs=None, beta=0.0, *policy, **policy_kwargs):
     op = "linear_gspo"
-    _checks.check_linear(op, hidden, weight, bias, target, chunk_size)
+    _checks.check_linear(op, hidden, weight, bias, target, chunk_size, strategy, weight_main_grad)
     _checks.gspo_options(op, hidden, target, target.numel(), advantages, old_log_probs, document_index,
                          num_documents, label_counts, epsilon_low, epsilon_high, delta, weighting, divisor,
                          logits_scale_factor, None, None)
@@ -295,8 +304,9 @@ def _linear_gspo(hidden, weight, target, advantages, old_log_probs, document_ind
 
 @register_fake("rl_losses::_linear_gspo_forward")
 def _linear_gspo_forward(hidden, weight, target, advantages, old_log_probs, document_index, bias, *args):
+    # args: num_documents ... chunk_size (11), strategy, weight_main_grad, skip_unlabelled, ..., output_mask
     n_docs = _check_linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, bias, *args[:-1])
-    return tuple(_policy_outputs(hidden, target, n_docs) + _linear_grads(hidden, weight, bias, args[-1]))
+    return tuple(_policy_outputs(hidden, target, n_docs) + _linear_grads(hidden, weight, bias, args[-1], args[12]))
 
 
 # ---- distillation: (loss, divergence[, grad]) -----------------------------------------------------------------
@@ -449,23 +459,36 @@ def _token_log_probs_backward(logits, target, stats, grad_log_probs, grad_entrop
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
+def _check_linear_token_log_probs(hidden, weight, target, bias, logits_scale_factor, chunk_size, strategy,
+                                  weight_main_grad):
+    op = "linear_token_log_probs"
+    _checks.check_linear(op, hidden, weight, bias, target, chunk_size, strategy, weight_main_grad)
+    _check_token_log_probs(op, hidden, target, logits_scale_factor)
+
+
 @register_fake("rl_losses::linear_token_log_probs")
 def _linear_token_log_probs(hidden, weight, target, *, bias=None, logits_scale_factor=1.0, compute_entropy=False,
-                            chunk_size=None):
-    _check_token_log_probs("linear_token_log_probs", hidden, target, logits_scale_factor)
+                            chunk_size=None, strategy="fast", weight_main_grad=None, skip_unlabelled=True):
+    _check_linear_token_log_probs(hidden, weight, target, bias, logits_scale_factor, chunk_size, strategy,
+                                  weight_main_grad)
     return _token_log_probs_outputs(hidden, target, compute_entropy, False)[:2]
 
 
 @register_fake("rl_losses::_linear_token_log_probs_forward")
-def _linear_token_log_probs_forward(hidden, weight, target, bias, logits_scale_factor, compute_entropy, chunk_size):
-    _check_token_log_probs("linear_token_log_probs", hidden, target, logits_scale_factor)
+def _linear_token_log_probs_forward(hidden, weight, target, bias, logits_scale_factor, compute_entropy, chunk_size,
+                                    strategy, weight_main_grad, skip_unlabelled):
+    _check_linear_token_log_probs(hidden, weight, target, bias, logits_scale_factor, chunk_size, strategy,
+                                  weight_main_grad)
     return _token_log_probs_outputs(hidden, target, compute_entropy, True)
 
 
 @register_fake("rl_losses::_linear_token_log_probs_backward")
 def _linear_token_log_probs_backward(hidden, weight, target, bias, stats, grad_log_probs, grad_entropy,
-                                     logits_scale_factor, chunk_size, output_mask):
-    return tuple(_linear_grads(hidden, weight, bias, output_mask))
+                                     logits_scale_factor, chunk_size, strategy, weight_main_grad, skip_unlabelled,
+                                     output_mask):
+    _check_linear_token_log_probs(hidden, weight, target, bias, logits_scale_factor, chunk_size, strategy,
+                                  weight_main_grad)
+    return tuple(_linear_grads(hidden, weight, bias, output_mask, weight_main_grad))
 
 
 @register_fake("rl_losses::policy_token_loss")

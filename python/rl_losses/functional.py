@@ -286,9 +286,20 @@ _LINEAR_ARGS_DOC = """
             dims are the tokens, as the logits' would be.
         weight: (V, H) the lm_head weight, same dtype and device.
         bias: optional (V,) lm_head bias.
-        chunk_size: rows of logits computed at a time (default: as many as fit 512 MiB of logits). Peak extra
-            memory is one (chunk_size, V) block of logits plus, when the weight needs a gradient, its
-            (V, H) float32 accumulator.
+        chunk_size: rows of logits computed at a time (default: from the strategy's memory budget).
+        strategy: "fast" (default): chunks of rows from a 2.5 GiB logits budget; across chunks the weight gradient is
+            summed in a (V, H) float32 accumulator (none when one chunk holds every row). "lean": at most
+            256 MiB beyond the gradients and no accumulator: grad_hidden in chunks of rows, then grad_weight
+            and grad_bias in blocks of the vocabulary over all rows, each written once (one more GEMM).
+            docs/performance.md gives the rule, the measured times and the grad_weight errors.
+        weight_main_grad: optional (V, H) float32 (float64 for float64 weights) contiguous buffer, e.g.
+            Megatron's ``weight.main_grad``: the weight's gradient is added into it (no accumulator of ours) and
+            autograd gets none for the weight (``weight.grad`` is left as it was). The losses add it during the
+            forward, for an upstream gradient of 1: call ``loss.backward()`` on the returned loss (scale it
+            through ``divisor``); any other upstream gradient is refused.
+        skip_unlabelled: rows with a negative label take no GEMM work (True, default): their count is read on
+            the host, one synchronisation per call (per forward and backward for linear_token_log_probs); their
+            per-row outputs are 0. False runs every row and never synchronises (CUDA graphs).
     The logits are ``hidden @ weight.T + bias``; they and their gradient are never materialised whole.
     Differentiable w.r.t. hidden, weight and bias (the gradients are computed in the forward, chunk by chunk).
     No ``inplace_backward``, ``tp_group`` or ``sdp_group``.
@@ -317,7 +328,9 @@ def _plain_lm_head(name: str, hidden: torch.Tensor, weight: torch.Tensor, bias: 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
                          bias: torch.Tensor | None = None, logits_scale_factor: float = 1.0,
                          label_smoothing: float = 0.0, z_loss_factor: float = 0.0, reduction: str = "mean",
-                         divisor: float | None = None, chunk_size: int | None = None) -> torch.Tensor:
+                         divisor: float | None = None, chunk_size: int | None = None, strategy: str = "fast",
+                         weight_main_grad: torch.Tensor | None = None,
+                         skip_unlabelled: bool = True) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits. ``target`` and the
     options are those of ``cross_entropy``; ``reduction="none"`` is available without gradients only (the
     weight gradient is summed over tokens). Returns the loss, as ``cross_entropy``."""
@@ -325,7 +338,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     _check_labels("linear_cross_entropy", target, _vocab_size(weight, 0))
     loss, _ = _ops.linear_cross_entropy(hidden, weight, target, bias=bias, logits_scale_factor=logits_scale_factor,
                                         label_smoothing=label_smoothing, z_loss_factor=z_loss_factor,
-                                        reduction=reduction, divisor=_divisor(divisor), chunk_size=chunk_size)
+                                        reduction=reduction, divisor=_divisor(divisor), chunk_size=chunk_size,
+                                        strategy=strategy, weight_main_grad=weight_main_grad,
+                                        skip_unlabelled=skip_unlabelled)
     return loss
 
 
@@ -335,7 +350,9 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                      ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
                      loss_weights: torch.Tensor | None = None, divisor: float | None = None,
                      logits_scale_factor: float = 1.0, label_counts: torch.Tensor | None = None,
-                     compute_entropy: bool = False, chunk_size: int | None = None, loss_type: str = "ppo_clip",
+                     compute_entropy: bool = False, chunk_size: int | None = None, strategy: str = "fast",
+                     weight_main_grad: torch.Tensor | None = None, skip_unlabelled: bool = True,
+                     loss_type: str = "ppo_clip",
                      sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
                      rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
                      rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
@@ -358,8 +375,9 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                            loss_weights=loss_weights, label_counts=label_counts, epsilon_low=epsilon_low,
                            epsilon_high=epsilon_high, delta=delta, beta=beta, divisor=_divisor(divisor),
                            logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
-                           chunk_size=chunk_size, document_index=document_index, num_documents=num_documents,
-                           **policy)
+                           chunk_size=chunk_size, strategy=strategy, weight_main_grad=weight_main_grad,
+                           skip_unlabelled=skip_unlabelled, document_index=document_index,
+                           num_documents=num_documents, **policy)
     return _grpo_output(out, compute_entropy, policy, ref_log_probs)
 
 
@@ -369,7 +387,9 @@ def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                      label_counts: torch.Tensor | None = None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
                      delta: float | None = None, weighting: str = "document", token_advantages: bool = False,
                      divisor: float | None = None, logits_scale_factor: float = 1.0, compute_entropy: bool = False,
-                     chunk_size: int | None = None, ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
+                     chunk_size: int | None = None, strategy: str = "fast",
+                     weight_main_grad: torch.Tensor | None = None, skip_unlabelled: bool = True,
+                     ref_log_probs: torch.Tensor | None = None, beta: float = 0.0,
                      loss_type: str = "ppo_clip", sapo_temperature_pos: float = 1.0,
                      sapo_temperature_neg: float = 1.05, rollout_log_probs: torch.Tensor | None = None,
                      rollout_correction: str | None = None, rollout_cap: float = 3.0,
@@ -393,8 +413,9 @@ def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                            epsilon_high=epsilon_high, delta=delta, weighting=weighting,
                            token_advantages=token_advantages, divisor=_divisor(divisor),
                            logits_scale_factor=logits_scale_factor,
-                           compute_entropy=compute_entropy, chunk_size=chunk_size, ref_log_probs=ref_log_probs,
-                           beta=beta, **policy)
+                           compute_entropy=compute_entropy, chunk_size=chunk_size, strategy=strategy,
+                           weight_main_grad=weight_main_grad, skip_unlabelled=skip_unlabelled,
+                           ref_log_probs=ref_log_probs, beta=beta, **policy)
     return _grpo_output(out, compute_entropy, policy, ref_log_probs, document_ratios=out[POLICY_OUTPUTS])
 
 
@@ -442,16 +463,20 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: 
 
 def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                            bias: torch.Tensor | None = None, temperature: float = 1.0,
-                           compute_entropy: bool = False, chunk_size: int | None = None
+                           compute_entropy: bool = False, chunk_size: int | None = None, strategy: str = "fast",
+                           weight_main_grad: torch.Tensor | None = None, skip_unlabelled: bool = True
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """token_log_probs of ``hidden @ weight.T (+ bias)`` without materialising the logits. The backward
     computes each chunk's logits again (it needs the upstream gradients), so it costs one more GEMM per
-    chunk than the forward-computed gradients of the linear losses."""
+    chunk than the forward-computed gradients of the linear losses; it is also where ``weight_main_grad`` is
+    added into, with the real upstream gradients. Unlabelled rows are skipped only without the entropy."""
     scale = _scale_of_temperature("linear_token_log_probs", temperature)
     weight, bias = _plain_lm_head("linear_token_log_probs", hidden, weight, bias)
     _check_labels("linear_token_log_probs", labels, _vocab_size(weight, 0))
     log_probs, entropy = _ops.linear_token_log_probs(hidden, weight, labels, bias=bias, logits_scale_factor=scale,
-                                                     compute_entropy=compute_entropy, chunk_size=chunk_size)
+                                                     compute_entropy=compute_entropy, chunk_size=chunk_size,
+                                                     strategy=strategy, weight_main_grad=weight_main_grad,
+                                                     skip_unlabelled=skip_unlabelled)
     return log_probs, entropy if compute_entropy else None
 
 

@@ -79,9 +79,10 @@ def fused_linear_for_ppo_bwd(dlog_probs: torch.Tensor | None, dentropy: torch.Te
     labels = input_ids.to(torch.int64)
     scale = 1.0 / float(temperature)
     _, _, stats = _ops._linear_token_log_probs_forward(hidden_states, vocab_weights, labels, None, scale,
-                                                       dentropy is not None, None)
+                                                       dentropy is not None, None, "fast", None, True)
     d_hidden, d_weight, _ = _ops._linear_token_log_probs_backward(
-        hidden_states, vocab_weights, labels, None, stats, dlog_probs, dentropy, scale, None, [True, True, False])
+        hidden_states, vocab_weights, labels, None, stats, dlog_probs, dentropy, scale, None, "fast", None, True,
+        [True, True, False])
     return d_hidden, d_weight
 
 
