@@ -30,7 +30,7 @@ export RL_LOSSES_BUILD_BASE=$work
 mkdir -p "$work"
 rm -rf "$work/dist" "dist/$variant"
 "$PY" setup.py bdist_wheel --bdist-dir "$work/bdist" --dist-dir "$work/dist" > "$work/wheel.log" 2>&1 \
-  || { tail -n 40 "$work.log"; echo "build_wheel.sh: the build failed; log: $work/wheel.log" >&2; exit 1; }
+  || { tail -n 40 "$work/wheel.log"; echo "build_wheel.sh: the build failed; log: $work/wheel.log" >&2; exit 1; }
 grep "rl_losses: building" "$work/wheel.log"
 
 # manylinux: auditwheel tags the oldest policy whose symbol versions the library stays within.
