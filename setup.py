@@ -209,5 +209,8 @@ setup(
     cmdclass={"build_ext": PrecompiledHeaderBuild},
     # One wheel for every CPython >= 3.10: the module uses only the limited C API (torch's build defines
     # Py_LIMITED_API=0x030A0000 for py_limited_api extensions).
-    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+    options={"bdist_wheel": {"py_limited_api": "cp310"},
+             # RL_LOSSES_BUILD_BASE: a build folder other than build/ (scripts/build_wheel.sh: one per variant).
+             **({"build": {"build_base": os.environ["RL_LOSSES_BUILD_BASE"]}}
+                if os.environ.get("RL_LOSSES_BUILD_BASE") else {})},
 )

