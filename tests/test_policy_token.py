@@ -16,6 +16,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 CASES = {  # options of policy_token_loss
     "ppo_clip": dict(),
     "ppo_clip-delta": dict(delta=1.4, epsilon_low=0.1, epsilon_high=0.25),
+    # TRL's delta below 1 + ε_h (it then caps the ratio where A > 0) and below 1 - ε_l
+    "ppo_clip-delta-inside": dict(delta=1.1, epsilon_low=0.2, epsilon_high=0.2),
+    "ppo_clip-delta-low": dict(delta=0.7, epsilon_low=0.2, epsilon_high=0.2),
     "cispo": dict(loss_type="cispo", epsilon_high=1.3),
     "sapo": dict(loss_type="sapo", sapo_temperature_pos=0.7, sapo_temperature_neg=1.4),
     "kl-k3": dict(beta=0.1, with_ref=True),
@@ -56,7 +59,8 @@ def reference_terms(lp, old, adv, ref, rollout, o):
         if o.get("kl_importance_weighted"):
             kl = kl * ratio
         loss = loss + o.get("beta", 0.0) * kl
-    low, high = ref_impl._clip_flags(loss_type, ratio, adv, o.get("epsilon_low", 0.2), o.get("epsilon_high", 0.2))
+    low, high = ref_impl._clip_flags(loss_type, ratio, adv, o.get("epsilon_low", 0.2), o.get("epsilon_high", 0.2),
+                                     o.get("delta"))
     return loss, ratio, low, high, kl, weight
 
 

@@ -130,8 +130,9 @@ void check_epsilons(const char* op, double epsilon_low, double epsilon_high) {
 void check_delta(const char* op, std::optional<double> delta, double epsilon_high) {
   TORCH_CHECK(!delta || std::isfinite(*delta), op, ": delta must be finite (leave it unset for no cap), got ",
               delta ? *delta : 0.0);
-  TORCH_CHECK(!delta || *delta > 1 + epsilon_high, op, ": delta must exceed 1 + epsilon_high = ", 1 + epsilon_high,
-              ", got ", delta ? *delta : 0.0);
+  // Any δ > 0 is well defined (common/math.h: clip_coefficient); δ <= 0 would leave no gradient where A > 0.
+  TORCH_CHECK(!delta || *delta > 0, op, ": delta must be > 0 (it caps the ratio r = exp(lp - old) > 0; the usual "
+              "two-sided clip takes delta > 1 + epsilon_high = ", 1 + epsilon_high, "), got ", delta ? *delta : 0.0);
 }
 
 void check_beta(const char* op, double beta, bool has_ref_log_probs) {

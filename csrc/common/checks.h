@@ -46,7 +46,8 @@ at::Tensor check_label_counts(const char* op, const at::Tensor& t, const at::Ten
 void check_scale(const char* op, double scale);
 void check_divisor(const char* op, std::optional<double> divisor);
 void check_epsilons(const char* op, double epsilon_low, double epsilon_high);
-// The two-sided clip δ of ppo_clip (grpo, gspo, policy_token_loss): unset, or finite and > 1 + ε_h.
+// The two-sided clip δ of ppo_clip (grpo, gspo, policy_token_loss): unset, or finite and > 0 (ε_h: for the
+// message).
 void check_delta(const char* op, std::optional<double> delta, double epsilon_high);
 // The KL weight beta: finite, >= 0, and with ref_log_probs wherever it is > 0.
 void check_beta(const char* op, double beta, bool has_ref_log_probs);

@@ -224,8 +224,9 @@ def check_delta(op, epsilon_high, delta):
     """The two-sided clip `delta` of ppo_clip (common/checks.cpp: check_delta)."""
     _check(delta is None or math.isfinite(delta), op, "delta must be finite (leave it unset for no cap), got ",
            _num(delta if delta is not None else 0.0))
-    _check(delta is None or delta > 1 + epsilon_high, op, "delta must exceed 1 + epsilon_high = ",
-           _num(1 + epsilon_high), ", got ", _num(delta if delta is not None else 0.0))
+    _check(delta is None or delta > 0, op, "delta must be > 0 (it caps the ratio r = exp(lp - old) > 0; the usual "
+           "two-sided clip takes delta > 1 + epsilon_high = ", _num(1 + epsilon_high), "), got ",
+           _num(delta if delta is not None else 0.0))
 
 
 def check_beta(op, beta, ref_log_probs):
