@@ -2,7 +2,7 @@
 ``cast_lm_head_to_fp32`` under bf16 autocast (the head, old and reference log-probs and the loss in float32, as
 TRL's), and vLLM's importance-sampling correction in its four modes with the batch made by TRL's own generation
 step from an engine stand-in (FakeVLLM): the engine log-probs, the old log-probs and the ratio come from TRL's
-code, and the loss, every gradient and TRL's metrics agree."""
+code, and the loss, every gradient and TRL's metrics agree; and NaN or inf in the batch's padding, never read."""
 import pytest
 import torch
 
@@ -94,3 +94,39 @@ def test_vllm_importance_sampling_through_trls_generation(mode, level):
             compare_loss_step(theirs, ours, inputs, f"{generation}.{step}")
             _update(theirs, ours)
     assert corrected > 0, "TRL's ratio never truncated or masked anything"
+
+
+PADDING_CASES = {
+    "dapo-masks": dict(loss_type="dapo", top_entropy_quantile=0.6, off_policy_mask_threshold=0.05),
+    "vespo": dict(loss_type="vespo"),
+}
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+@pytest.mark.parametrize("case", list(PADDING_CASES))
+def test_padding_is_never_read(case, poison):
+    """NaN or inf in the padded positions of the old, reference and engine log-probs TRL's batch carries: the
+    loss, every gradient and every metric are those of the batch with zeros there."""
+    _, ours = _trainers(beta=0.05, num_iterations=2, vllm_importance_sampling_correction=True,
+                        vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=1.5,
+                        **PADDING_CASES[case])
+    ours.use_vllm, ours.vllm_generation = True, FakeVLLM(ours, seed=0)
+    ours._last_loaded_step = ours.state.global_step
+    clean = ours._generate_and_score_completions(next(iter(ours.get_train_dataloader())))
+    padded = clean["completion_mask"] == 0
+    assert padded.any()
+    keys = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
+    clean = dict(clean, **{k: clean[k].masked_fill(padded, 0.0) for k in keys})
+    dirty = dict(clean, **{k: clean[k].masked_fill(padded, poison) for k in keys})
+    results = []
+    for x in (clean, dirty):
+        ours.model.zero_grad()
+        loss = ours.compute_loss(ours.model, x)
+        loss.backward()
+        metrics = {k: v[-1] for k, v in ours._metrics["train"].items() if v and not k.startswith(("sampling", "num"))}
+        results.append((loss.detach(), [p.grad.clone() for p in ours.model.parameters()], metrics))
+    (loss, grads, metrics), (dirty_loss, dirty_grads, dirty_metrics) = results
+    assert torch.isfinite(dirty_loss) and dirty_loss == loss
+    for g, h in zip(grads, dirty_grads):
+        assert torch.equal(g, h)
+    assert dirty_metrics == metrics

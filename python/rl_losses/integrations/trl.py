@@ -263,15 +263,14 @@ class GRPOTrainer(trl.GRPOTrainer):
             normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         return m, normalizer, "token"
 
-    def _token_masks(self, inputs, mask, current, old_lp):
+    def _token_masks(self, inputs, mask, current, sampling):
         """(keep, high): where a token's surrogate counts (TRL's off-policy sequence mask times its high-entropy
         token mask) and the high-entropy mask alone (None without top_entropy_quantile < 1), from the pre-pass's
-        current log-probs and entropies, through TRL's own functions."""
+        current log-probs and entropies and the sampling policy's log-probs, through TRL's own functions."""
         keep = high = None
         if self.off_policy_mask_threshold is not None:
             advantages = inputs["advantages"]
             advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-            sampling = inputs.get("sampling_per_token_logps", old_lp)
             keep = self.get_off_policy_mask(advantages, current[0], sampling, mask,
                                             self.off_policy_mask_threshold).float()
         if self.top_entropy_quantile < 1.0:
@@ -287,10 +286,16 @@ class GRPOTrainer(trl.GRPOTrainer):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         target = completion_ids.masked_fill(mask == 0, -100)
+        rows = mask != 0
+
+        def clean(t):  # padding may hold NaN or inf: 0 there, never read into a result
+            return None if t is None else torch.where(rows, t, 0.0)
+
         advantages = inputs["advantages"]
         advantages = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).expand_as(mask).float()
-        old = inputs.get("old_per_token_logps")
-        ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+        old = clean(inputs.get("old_per_token_logps"))
+        ref = clean(inputs.get("ref_per_token_logps")) if self.beta != 0.0 else None
+        sampling = clean(inputs.get("sampling_per_token_logps"))
         weights, divisor, weighting = self._aggregation(mask, inputs, mode)
         options, _ = op_options(self)
         sequence = self.importance_sampling_level == "sequence" and options["loss_type"] != "vespo"
@@ -308,7 +313,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         if "rollout_correction" in options:
             # TRL's ratio is exp(old - sampling); a token whose sampling log-prob is NaN (not returned by the
             # engine) gets the ratio 1, as TRL's nan_to_num of the difference gives it.
-            sampling = inputs["sampling_per_token_logps"]
             rollout = torch.where(torch.isnan(sampling), old, sampling).float()
         ga = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         options.update(divisor=divisor, compute_entropy=True, logits_scale_factor=1.0 / self.temperature,
@@ -317,7 +321,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         maskf = mask.float()
         # Only the labelled positions are projected (not the completions' padding), as TRL's own head does; each
         # keeps its sequence for the options that sum over one (vespo, a sequence-level rollout correction).
-        rows = mask != 0
         sequence_of = torch.arange(mask.shape[0], device=mask.device).unsqueeze(1).expand_as(mask)[rows]
         summed = options["loss_type"] == "vespo" or options.get("rollout_correction", "").startswith("sequence")
         if summed and not sequence:  # (the GSPO op takes the sequences anyway)
@@ -340,7 +343,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                                                                    compute_entropy=self.top_entropy_quantile < 1.0)
                 current = (scatter(lp), None if entropy is None else scatter(entropy))
             old_lp = (current[0] if old is None else old).float()
-            token_keep, high = self._token_masks(inputs, mask, current, old_lp) if masks else (None, None)
+            token_keep, high = (self._token_masks(inputs, mask, current, old_lp if sampling is None else sampling)
+                                if masks else (None, None))
             adv, w, bonus_mask = op_advantages, weights, maskf  # bonus_mask: TRL's effective_mask of the bonus
             if token_keep is not None:
                 adv = adv * token_keep  # a masked surrogate, not its KL or bonus (TRL's order)
