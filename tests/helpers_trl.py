@@ -12,8 +12,6 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 
-from rl_losses.integrations import trl as rl_trl  # noqa: E402
-
 PROMPT_WORDS = 4
 
 
@@ -96,16 +94,17 @@ def simulate_vllm(trainer, inputs, generator):
 
 
 
-def compare_loss_step(theirs, ours, inputs, step="", rtol=1e-5):
-    """One loss step (forward and backward) on each trainer's inputs: ours took the fused path, and the loss,
-    every parameter's gradient and TRL's metrics agree. Returns TRL's loss."""
+def compare_loss_step(theirs, ours, inputs, step="", rtol=1e-5, fused=True):
+    """One loss step (forward and backward) on each trainer's inputs: ours took the fused path (or, `fused`
+    False, TRL's formula), and the loss, every parameter's gradient and TRL's metrics agree. Returns TRL's
+    loss."""
     losses = []
     for trainer, x in zip((theirs, ours), inputs):
         trainer.model.zero_grad()
         loss = trainer.compute_loss(trainer.model, x)
         loss.backward()
         losses.append(loss.detach())
-    assert ours._metrics["train"]["rl_losses/fused_loss"][-1] == 1.0
+    assert ours._metrics["train"]["rl_losses/fused_loss"][-1] == float(fused)
     torch.testing.assert_close(losses[1], losses[0], rtol=rtol, atol=rtol / 10)
     for (name, p), q in zip(theirs.model.named_parameters(), ours.model.parameters()):
         assert_rel_close(q.grad, p.grad, f"step {step}: grad of {name}", rtol=rtol)

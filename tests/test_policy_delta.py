@@ -11,8 +11,8 @@ from rl_losses import reference
 
 import helpers_gspo
 from conftest import assert_close
-from helpers import assert_grad_close, make_logits
-from helpers_grpo import check_against_reference
+from helpers import assert_grad_close
+from helpers_grpo import check_against_reference, designed_ratio_inputs
 
 EPS_LOW, EPS_HIGH = 0.2, 0.2
 DELTAS = {"above": 1.5, "on": 1.2, "inside": 1.1, "below-low": 0.7}
@@ -26,19 +26,10 @@ def has_gradient(ratio, adv, delta):
 
 
 def designed_inputs(delta, n, vocab, dtype, device, margin=1e-3):
-    """Logits, labels, advantages of both signs and old log-probs whose ratios lie `margin` inside and outside
-    each bound (1 − ε_l, 1 + ε_h, δ), from the op's own log-probs."""
-    logits = make_logits((n,), vocab, dtype, device)
-    target = torch.randint(0, vocab, (n,), device=device)
+    """Ratios `margin` inside and outside each bound (1 − ε_l, 1 + ε_h, δ), and a few farther away."""
     bounds = [1 - EPS_LOW, 1 + EPS_HIGH, delta]
     designed = [b + s * margin for b in bounds for s in (-1, 1)] + [0.5, 1.0, 2.0]
-    ratio = torch.tensor(designed, dtype=torch.float64, device=device).repeat(n // len(designed) + 1)[:n]
-    ratio = ratio[torch.randperm(n, device=device)]
-    sign = torch.where(torch.arange(n, device=device) % 2 == 0, 1.0, -1.0)[torch.randperm(n, device=device)]
-    advantages = (sign * (0.5 + torch.rand(n, device=device))).float()
-    with torch.no_grad():
-        lp = rl_losses.grpo_loss(logits, target, advantages, torch.zeros_like(advantages)).log_probs
-    return logits, target, advantages, (lp.double() - ratio.log()).float(), ratio
+    return designed_ratio_inputs(designed, n, vocab, dtype, device)
 
 
 @pytest.mark.parametrize("regime", list(DELTAS))

@@ -47,16 +47,7 @@ def test_cast_lm_head_to_fp32_under_bf16_autocast(level):
             assert inputs[1][key].dtype == torch.float32
             assert_rel_close(inputs[1][key], inputs[0][key], key, rtol=1e-6)
         for step in range(2):
-            losses = []
-            for trainer, x in zip((theirs, ours), inputs):
-                trainer.model.zero_grad()
-                loss = trainer.compute_loss(trainer.model, x)
-                loss.backward()
-                losses.append(loss.detach())
-            assert ours._metrics["train"]["rl_losses/fused_loss"][-1] == 1.0
-            torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
-            for (name, p), q in zip(theirs.model.named_parameters(), ours.model.parameters()):
-                assert_rel_close(q.grad, p.grad, f"step {step}: grad of {name}", rtol=1e-5)
+            compare_loss_step(theirs, ours, inputs, step)
             _update(theirs, ours)
 
 

@@ -100,6 +100,13 @@ def test_bad_options():
     with pytest.raises(ValueError, match=r"clip_ratio_c \(dual-clip PPO's cap .* must be > 1, as verl's vanilla "
                                          r"asserts, got clip_ratio_c=1.0"):
         rl_verl.ppo_clip_policy_loss(old, lp, adv, mask, "token-mean", make_config(clip_ratio_c=1.0))
+    # the op's own checks, under verl's names
+    with pytest.raises(ValueError, match=r"clip_ratio_low must be in \[0, 1\) .* got clip_ratio_low=1.0"):
+        rl_verl.gspo_policy_loss(old, lp, adv, mask, "token-mean", make_config(clip_ratio_low=1.0))
+    with pytest.raises(ValueError, match="clip_ratio_high must be finite and >= 0, got clip_ratio_high=-0.1"):
+        rl_verl.ppo_clip_policy_loss(old, lp, adv, mask, "token-mean", make_config(clip_ratio_high=-0.1))
+    with pytest.raises(ValueError, match="rl_losses_sapo: tau_neg must be finite and > 0, got tau_neg=0.0"):
+        rl_verl.sapo_policy_loss(old, lp, adv, mask, "token-mean", make_config(tau_neg=0.0))
 
 
 @pytest.mark.parametrize("clip_ratio_c", [1.05, 1.2, 1.25, 2.0])

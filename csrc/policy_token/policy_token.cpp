@@ -54,16 +54,7 @@ std::vector<at::Tensor> policy_token_loss(const at::Tensor& log_probs, const std
   if (rollout_log_probs) {
     in.rollout_log_probs = check_per_token(op, "rollout_log_probs", *rollout_log_probs, log_probs, acc);
   }
-  if (loss_mask) {
-    const at::Tensor& m = *loss_mask;
-    TORCH_CHECK(m.scalar_type() == at::kBool || at::isIntegralType(m.scalar_type(), false), op,
-                ": loss_mask must be a bool or integer tensor, got ", m.scalar_type());
-    TORCH_CHECK(m.device() == log_probs.device(), op, ": loss_mask is on ", m.device(), " but log_probs is on ",
-                log_probs.device());
-    TORCH_CHECK(m.sizes() == log_probs.sizes(), op, ": loss_mask has shape ", m.sizes(), " but log_probs has shape ",
-                log_probs.sizes());
-    in.loss_mask = m.reshape({-1}).ne(0).contiguous();
-  }
+  if (loss_mask) in.loss_mask = check_loss_mask(op, *loss_mask, log_probs, "log_probs", log_probs.sizes(), "shape");
   const auto opts = log_probs.options().dtype(acc);
   for (int k = 0; k < kPolicyTokenOutputs; ++k) in.out.push_back(at::empty(log_probs.sizes(), opts));
   if (log_probs.numel() > 0) kernel(in);

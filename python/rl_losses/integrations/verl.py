@@ -20,6 +20,7 @@ per-token definition, one elementwise kernel) and their aggregation is verl's ``
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -146,9 +147,19 @@ def _config_value(config, name, default=None):
     return default if value is None else value
 
 
-def _clip_ratios(config) -> tuple[float, float]:
+def _clip_ratios(config, lower_clip: bool = True) -> tuple[float, float]:
+    """(clip_ratio_low, clip_ratio_high), checked under verl's names: the op's clip [1 − low, 1 + high] needs
+    0 <= low < 1 (``lower_clip``; CISPO has no lower clip) and a finite high >= 0."""
     clip = _config_value(config, "clip_ratio", 0.2)
-    return float(_config_value(config, "clip_ratio_low", clip)), float(_config_value(config, "clip_ratio_high", clip))
+    low = float(_config_value(config, "clip_ratio_low", clip))
+    high = float(_config_value(config, "clip_ratio_high", clip))
+    if lower_clip and not 0.0 <= low < 1.0:
+        raise ValueError(f"rl_losses verl policy loss: clip_ratio_low must be in [0, 1) (the ratio's lower clip "
+                         f"1 - clip_ratio_low must be > 0), got clip_ratio_low={low}")
+    if not (math.isfinite(high) and high >= 0.0):
+        raise ValueError(f"rl_losses verl policy loss: clip_ratio_high must be finite and >= 0, got "
+                         f"clip_ratio_high={high}")
+    return low, high
 
 
 def _aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, config) -> torch.Tensor:
@@ -254,8 +265,15 @@ def sapo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg
     whatever ``loss_agg_mode``, as verl's own."""
     return _policy_loss(old_log_prob, log_prob, advantages, response_mask, "seq-mean-token-mean", config,
                         rollout_is_weights, loss_type="sapo",
-                        sapo_temperature_pos=float(_config_value(config, "tau_pos", 1.0)),
-                        sapo_temperature_neg=float(_config_value(config, "tau_neg", 1.05)))
+                        sapo_temperature_pos=_temperature(config, "tau_pos", 1.0),
+                        sapo_temperature_neg=_temperature(config, "tau_neg", 1.05))
+
+
+def _temperature(config, name: str, default: float) -> float:
+    tau = float(_config_value(config, name, default))
+    if not (math.isfinite(tau) and tau > 0.0):
+        raise ValueError(f"rl_losses_sapo: {name} must be finite and > 0, got {name}={tau}")
+    return tau
 
 
 def cispo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
@@ -263,7 +281,7 @@ def cispo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_ag
     """CISPO: ``−sg(min(r, 1 + clip_ratio_high))·A·lp``. The weight is capped above only (MiniMax-M1's CISPO, as
     TRL's); verl's own ``cispo`` also clamps it below at ``1 − clip_ratio_low``, so this one needs
     ``clip_ratio_low >= 1`` (no lower bound: the two then agree)."""
-    low, high = _clip_ratios(config)
+    low, high = _clip_ratios(config, lower_clip=False)
     if low < 1.0:
         raise ValueError(f"rl_losses_cispo caps the importance weight above only: set clip_ratio_low >= 1 (no lower "
                          f"bound), got clip_ratio_low={low}")
