@@ -21,7 +21,7 @@ std::vector<at::Tensor> policy_token_loss(const at::Tensor& log_probs, const std
                                           std::optional<c10::string_view> rollout_correction, double rollout_cap,
                                           std::optional<c10::ArrayRef<double>> rollout_mask_bounds,
                                           c10::string_view kl_estimator, bool kl_importance_weighted,
-                                          PolicyTokenKernel kernel) {
+                                          const std::optional<at::Tensor>& loss_mask, PolicyTokenKernel kernel) {
   const char* op = "policy_token_loss";
   const c10::OptionalDeviceGuard guard(log_probs.device());  // the kernel launches on log_probs' device
   TORCH_CHECK(at::isFloatingType(log_probs.scalar_type()), op, ": log_probs must be a floating-point tensor, got ",
@@ -54,6 +54,7 @@ std::vector<at::Tensor> policy_token_loss(const at::Tensor& log_probs, const std
   if (rollout_log_probs) {
     in.rollout_log_probs = check_per_token(op, "rollout_log_probs", *rollout_log_probs, log_probs, acc);
   }
+  if (loss_mask) in.loss_mask = check_loss_mask(op, *loss_mask, log_probs, "log_probs", log_probs.sizes(), "shape");
   const auto opts = log_probs.options().dtype(acc);
   for (int k = 0; k < kPolicyTokenOutputs; ++k) in.out.push_back(at::empty(log_probs.sizes(), opts));
   if (log_probs.numel() > 0) kernel(in);
@@ -78,13 +79,14 @@ void policy_token_cpu(const PolicyTokenInputs& in) {
 TORCH_LIBRARY_FRAGMENT(rl_losses, m) {
   // Per-token policy loss ℓ_t and ∂ℓ_t/∂lp_t from per-token log-probs (the fused ops' per-token math, without the
   // logits): (loss, grad_log_probs, ratio, clipped_low, clipped_high, kl, rollout_weight), each shaped like
-  // log_probs, float32 (float64 for float64 log-probs). Aggregation is the caller's. Every tensor argument is
-  // positional: torch.library.register_autograd (python/rl_losses/policy_token.py) needs it so.
+  // log_probs, float32 (float64 for float64 log-probs); all 0 where loss_mask is 0 (no input read there).
+  // Aggregation is the caller's. Every tensor argument is positional: torch.library.register_autograd
+  // (python/rl_losses/policy_token.py) needs it so.
   m.def(
       "policy_token_loss(Tensor log_probs, Tensor? old_log_probs, Tensor advantages, Tensor? ref_log_probs=None, "
-      "Tensor? rollout_log_probs=None, *, float epsilon_low=0.2, float epsilon_high=0.2, float? delta=None, "
-      "float beta=0.0, str loss_type=\"ppo_clip\", float sapo_temperature_pos=1.0, float sapo_temperature_neg=1.05, "
-      "str? rollout_correction=None, float rollout_cap=3.0, "
+      "Tensor? rollout_log_probs=None, Tensor? loss_mask=None, *, float epsilon_low=0.2, float epsilon_high=0.2, "
+      "float? delta=None, float beta=0.0, str loss_type=\"ppo_clip\", float sapo_temperature_pos=1.0, "
+      "float sapo_temperature_neg=1.05, str? rollout_correction=None, float rollout_cap=3.0, "
       "float[]? rollout_mask_bounds=None, str kl_estimator=\"k3\", bool kl_importance_weighted=False) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

@@ -34,11 +34,16 @@ struct PolicyTokenPtrs {
   const T* advantages;
   const T* ref_log_probs;      // null without a reference
   const T* rollout_log_probs;  // null without a rollout correction
+  const bool* loss_mask;       // null: every position counts
   T* out[kPolicyTokenOutputs];
 };
 
 template <typename T>
 C10_HOST_DEVICE inline void policy_token_at(const PolicyOptions<T>& o, const PolicyTokenPtrs<T>& p, int64_t i) {
+  if (p.loss_mask != nullptr && !p.loss_mask[i]) {  // a masked position: no input read (padding may hold NaN)
+    for (int k = 0; k < kPolicyTokenOutputs; ++k) p.out[k][i] = T(0);
+    return;
+  }
   const T lp = p.log_probs[i];
   const T old = p.old_log_probs != nullptr ? p.old_log_probs[i] : lp;
   const T adv = p.advantages[i];
@@ -58,6 +63,7 @@ C10_HOST_DEVICE inline void policy_token_at(const PolicyOptions<T>& o, const Pol
 struct PolicyTokenInputs {
   PolicyOptions<double> opt;
   at::Tensor log_probs, old_log_probs, advantages, ref_log_probs, rollout_log_probs;  // undefined: not given
+  at::Tensor loss_mask;                                                                // bool, or undefined
   std::vector<at::Tensor> out;                                                         // kPolicyTokenOutputs
 };
 
@@ -65,7 +71,8 @@ template <typename T>
 PolicyTokenPtrs<T> policy_token_ptrs(const PolicyTokenInputs& in) {
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<T>() : nullptr; };
   PolicyTokenPtrs<T> p{ptr(in.log_probs), ptr(in.old_log_probs), ptr(in.advantages), ptr(in.ref_log_probs),
-                       ptr(in.rollout_log_probs), {}};
+                       ptr(in.rollout_log_probs),
+                       in.loss_mask.defined() ? in.loss_mask.const_data_ptr<bool>() : nullptr, {}};
   for (int k = 0; k < kPolicyTokenOutputs; ++k) p.out[k] = in.out[k].data_ptr<T>();
   return p;
 }
@@ -81,19 +88,20 @@ std::vector<at::Tensor> policy_token_loss(const at::Tensor& log_probs, const std
                                           std::optional<c10::string_view> rollout_correction, double rollout_cap,
                                           std::optional<c10::ArrayRef<double>> rollout_mask_bounds,
                                           c10::string_view kl_estimator, bool kl_importance_weighted,
-                                          PolicyTokenKernel kernel);
+                                          const std::optional<at::Tensor>& loss_mask, PolicyTokenKernel kernel);
 
 // The schema's argument order (tensors first), over one device's kernel: the CPU and CUDA registrations.
 template <PolicyTokenKernel kKernel>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_op(
     const at::Tensor& log_probs, const std::optional<at::Tensor>& old_log_probs, const at::Tensor& advantages,
-    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& rollout, double epsilon_low,
+    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& rollout,
+    const std::optional<at::Tensor>& loss_mask, double epsilon_low,
     double epsilon_high, std::optional<double> delta, double beta, c10::string_view loss_type, double tau_pos,
     double tau_neg, std::optional<c10::string_view> mode, double cap, std::optional<c10::ArrayRef<double>> bounds,
     c10::string_view kl_estimator, bool kl_importance_weighted) {
   return tensors_as_tuple<kPolicyTokenOutputs>(policy_token_loss(
       log_probs, old_log_probs, advantages, epsilon_low, epsilon_high, delta, ref, beta, loss_type, tau_pos, tau_neg,
-      rollout, mode, cap, bounds, kl_estimator, kl_importance_weighted, kKernel));
+      rollout, mode, cap, bounds, kl_estimator, kl_importance_weighted, loss_mask, kKernel));
 }
 
 }  // namespace rl_losses

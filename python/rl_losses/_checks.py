@@ -224,8 +224,9 @@ def check_delta(op, epsilon_high, delta):
     """The two-sided clip `delta` of ppo_clip (common/checks.cpp: check_delta)."""
     _check(delta is None or math.isfinite(delta), op, "delta must be finite (leave it unset for no cap), got ",
            _num(delta if delta is not None else 0.0))
-    _check(delta is None or delta > 1 + epsilon_high, op, "delta must exceed 1 + epsilon_high = ",
-           _num(1 + epsilon_high), ", got ", _num(delta if delta is not None else 0.0))
+    _check(delta is None or delta > 0, op, "delta must be > 0 (it caps the ratio r = exp(lp - old) > 0; the usual "
+           "two-sided clip takes delta > 1 + epsilon_high = ", _num(1 + epsilon_high), "), got ",
+           _num(delta if delta is not None else 0.0))
 
 
 def check_beta(op, beta, ref_log_probs):
@@ -360,7 +361,7 @@ def check_linear(op, hidden, weight, bias, target, chunk_size, strategy="fast", 
 
 def policy_token_options(log_probs, old_log_probs, advantages, epsilon_low, epsilon_high, delta, ref_log_probs, beta,
                          loss_type, sapo_temperature_pos, sapo_temperature_neg, rollout_log_probs, rollout_correction,
-                         rollout_cap, rollout_mask_bounds, kl_estimator, kl_importance_weighted):
+                         rollout_cap, rollout_mask_bounds, kl_estimator, kl_importance_weighted, loss_mask):
     # csrc/policy_token/policy_token.cpp: policy_token_loss, in the same order with the same messages.
     op = "policy_token_loss"
     _check(log_probs.dtype.is_floating_point, op, "log_probs must be a floating-point tensor, got ",
@@ -380,3 +381,10 @@ def policy_token_options(log_probs, old_log_probs, advantages, epsilon_low, epsi
     check_per_token(op, "advantages", per_sequence(advantages, log_probs), log_probs)
     if ref_log_probs is not None:
         check_per_token(op, "ref_log_probs", ref_log_probs, log_probs)
+    if loss_mask is not None:
+        _check(loss_mask.dtype == torch.bool or _integral(loss_mask.dtype), op,
+               "loss_mask must be a bool or integer tensor, got ", _dt(loss_mask.dtype))
+        _check(loss_mask.device == log_probs.device, op, "loss_mask is on ", loss_mask.device, " but log_probs is on ",
+               log_probs.device)
+        _check(list(loss_mask.shape) == list(log_probs.shape), op, "loss_mask has shape ", _shape(loss_mask.shape),
+               " but log_probs has shape ", _shape(log_probs.shape))

@@ -492,12 +492,13 @@ def _linear_token_log_probs_backward(hidden, weight, target, bias, stats, grad_l
 
 
 @register_fake("rl_losses::policy_token_loss")
-def _policy_token_loss(log_probs, old_log_probs, advantages, ref_log_probs=None, rollout_log_probs=None, *,
+def _policy_token_loss(log_probs, old_log_probs, advantages, ref_log_probs=None, rollout_log_probs=None,
+                       loss_mask=None, *,
                        epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0, loss_type="ppo_clip",
                        sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, rollout_correction=None, rollout_cap=3.0,
                        rollout_mask_bounds=None, kl_estimator="k3", kl_importance_weighted=False):
     _checks.policy_token_options(log_probs, old_log_probs, advantages, epsilon_low, epsilon_high, delta,
                                  ref_log_probs, beta, loss_type, sapo_temperature_pos, sapo_temperature_neg,
                                  rollout_log_probs, rollout_correction, rollout_cap, rollout_mask_bounds,
-                                 kl_estimator, kl_importance_weighted)
+                                 kl_estimator, kl_importance_weighted, loss_mask)
     return tuple(log_probs.new_empty(log_probs.shape, dtype=_acc(log_probs.dtype)) for _ in range(7))

@@ -146,7 +146,8 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
             None for on-policy training.
         epsilon_low: ε_l in [0, 1); the ratio is clipped below at 1 - ε_l.
         epsilon_high: ε_h >= 0; the ratio is clipped above at 1 + ε_h (DAPO's clip-higher: ε_h > ε_l).
-        delta: optional two-sided clip: the ratio is capped at δ > 1 + ε_h for negative advantages.
+        delta: optional two-sided clip, TRL's: −min(min(r, δ)·A, clip(r)·A), any finite δ > 0 (usually
+            δ > 1 + ε_h, where it caps the ratio of negative advantages only; docs/math.md).
         ref_log_probs: (...) float, log-probs under the reference policy; needed when ``beta`` > 0.
         beta: β >= 0, weight of the k3 estimate of KL(new || ref).
         loss_weights: (...) float per-token weights w_t (default: the label mask), e.g. mask / |o_i| for the
@@ -229,8 +230,8 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
             ``document_index`` and the labels; give it when a document is split over calls or ranks).
         epsilon_low: ε_l in [0, 1); the sequence ratio is clipped below at 1 - ε_l.
         epsilon_high: ε_h >= 0; clipped above at 1 + ε_h.
-        delta: optional two-sided clip ("ppo_clip" only): f_s = −min(min(R_s, δ)·Ā_s, clip(R_s)·Ā_s) with
-            δ > 1 + ε_h, TRL's ``delta`` at importance_sampling_level="sequence" (no gradient where R_s > δ).
+        delta: optional two-sided clip ("ppo_clip" only): f_s = −min(min(R_s, δ)·Ā_s, clip(R_s)·Ā_s), any finite
+            δ > 0, TRL's ``delta`` at importance_sampling_level="sequence" (docs/math.md).
         weighting: "document" (each document weighs 1) or "token" (each weighs its labelled-token count).
         token_advantages: GSPO-token: each token's own advantage inside the sequence ratio.
         divisor: D, a number or 0-dim tensor (default: the documents holding at least one labelled token).

@@ -19,8 +19,9 @@ class PolicyTokenOutput(NamedTuple):
 
     loss: ℓ_t (the surrogate times the rollout weight, plus β·KL_t), differentiable w.r.t. ``log_probs``; every
     other field is detached. ratio: r_t = exp(lp_t − old_t). clipped_low / clipped_high: 1.0 where the ratio is
-    clipped below / above (ppo_clip) or capped (cispo, as "high"), else 0. kl: KL_t (importance weighted with
-    ``kl_importance_weighted``), 0 without ``ref_log_probs``. rollout_weight: ω_t, 1 without a rollout correction.
+    clipped below / above (ppo_clip, TRL's flags on min(r, δ)) or capped (cispo, as "high"), else 0. kl: KL_t
+    (importance weighted with ``kl_importance_weighted``), 0 without ``ref_log_probs``. rollout_weight: ω_t, 1
+    without a rollout correction. Every field is 0 outside ``loss_mask``.
     """
     loss: torch.Tensor
     ratio: torch.Tensor
@@ -52,7 +53,8 @@ def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | Non
                       sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
                       rollout_log_probs: torch.Tensor | None = None, rollout_correction: str | None = None,
                       rollout_cap: float = 3.0, rollout_mask_bounds: tuple[float, float] | None = None,
-                      kl_estimator: str = "k3", kl_importance_weighted: bool = False) -> PolicyTokenOutput:
+                      kl_estimator: str = "k3", kl_importance_weighted: bool = False,
+                      loss_mask: torch.Tensor | None = None) -> PolicyTokenOutput:
     """Per-token policy loss from per-token log-probs (no aggregation: weigh and sum ``loss`` as you need).
 
     Args:
@@ -63,9 +65,11 @@ def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | Non
         ``ref_log_probs``/``beta``/``kl_estimator``/``kl_importance_weighted``), and its token-level rollout
         correction (``rollout_correction`` 'token_truncate' / 'token_mask' with ``rollout_log_probs``); the
         sequence-level modes and the entropy bonus need the fused ops.
+        loss_mask: (...) bool or integer, optional: where it is 0 no input is read (padding may hold NaN or inf)
+            and every output, the gradient included, is 0.
     """
     out = torch.ops.rl_losses.policy_token_loss(
-        log_probs, old_log_probs, advantages, ref_log_probs, rollout_log_probs, epsilon_low=epsilon_low,
+        log_probs, old_log_probs, advantages, ref_log_probs, rollout_log_probs, loss_mask, epsilon_low=epsilon_low,
         epsilon_high=epsilon_high, delta=delta, beta=beta, loss_type=loss_type,
         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
         rollout_correction=rollout_correction, rollout_cap=rollout_cap,
