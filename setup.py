@@ -1,12 +1,15 @@
-"""Build rl_losses._C: the C++ ops (always) and their CUDA kernels (when torch has CUDA and nvcc exists).
+"""Build rl_losses._C: the C++ ops (always) and their CUDA kernels (where the machine can run them).
 
 RL_LOSSES_CUDA=1 forces the CUDA build (an error if it cannot), RL_LOSSES_CUDA=0 forces a CPU-only build;
-unset, CUDA is built when torch was built with it and nvcc is found. The choice is printed. CUDA targets
-sm_90 (H100/H200) plus whatever TORCH_CUDA_ARCH_LIST asks for.
+unset, CUDA is built when torch was built with it, nvcc is found and a GPU is visible (compiling the kernels
+takes minutes that a machine without a GPU would never use). The choice is printed. The CUDA architectures are
+TORCH_CUDA_ARCH_LIST's (torch's syntax: "8.0;9.0a;10.0+PTX", scripts/build_wheel.sh); unset, those of the
+visible GPUs, or sm_90 (H100/H200, what the kernels are tuned for) where none is visible.
 """
 import glob
 import os
 import subprocess
+import sys
 
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
@@ -15,27 +18,38 @@ import torch
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def want_cuda() -> bool:
+def visible_gpu_archs() -> list[str]:
+    """The compute capabilities of the visible GPUs ("9.0"), none without a GPU or a driver."""
+    if torch.version.cuda is None:
+        return []
+    count = torch.cuda.device_count()  # 0 without a driver; does not initialise CUDA
+    return sorted({"{}.{}".format(*torch.cuda.get_device_capability(i)) for i in range(count)})
+
+
+def want_cuda() -> tuple[bool, str]:
     flag = os.environ.get("RL_LOSSES_CUDA", "").strip()
-    available = torch.version.cuda is not None and CUDA_HOME is not None
+    toolkit = torch.version.cuda is not None and CUDA_HOME is not None
     if flag == "1":
-        if not available:
+        if not toolkit:
             raise RuntimeError(
                 f"RL_LOSSES_CUDA=1 but torch.version.cuda={torch.version.cuda} and CUDA_HOME={CUDA_HOME}: "
                 "install a CUDA build of torch and the CUDA toolkit (nvcc)")
-        return True
+        return True, "RL_LOSSES_CUDA=1"
     if flag == "0":
-        return False
-    return available
+        return False, "RL_LOSSES_CUDA=0"
+    if not toolkit:
+        return False, "no CUDA toolkit"
+    if not visible_gpu_archs():
+        return False, "no GPU visible; RL_LOSSES_CUDA=1 builds the CUDA kernels anyway"
+    return True, "a GPU is visible"
 
 
-def cuda_arch_flags() -> list[str]:
-    # sm_90 always (the H100/H200 this project is tuned for); TORCH_CUDA_ARCH_LIST adds more through
-    # torch's own handling, which reads the variable when it is set.
-    flags = ["-gencode=arch=compute_90,code=sm_90"]
+def set_cuda_archs() -> str:
+    # torch.utils.cpp_extension turns TORCH_CUDA_ARCH_LIST into the -gencode flags (so no arch flag of our
+    # own may appear in the nvcc flags: torch would then drop the list).
     if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
-    return flags
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(visible_gpu_archs()) or "9.0"
+    return os.environ["TORCH_CUDA_ARCH_LIST"]
 
 
 def cuda_library_includes() -> list[str]:
@@ -48,9 +62,10 @@ def cuda_library_includes() -> list[str]:
     return sorted(d for p in nvidia.__path__ for d in glob.glob(os.path.join(p, "*", "include")))
 
 
-use_cuda = want_cuda()
-print(f"rl_losses: building {'CPU + CUDA' if use_cuda else 'CPU-only'} extension "
-      f"(torch {torch.__version__}, torch.version.cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME})")
+use_cuda, why = want_cuda()
+archs = f", TORCH_CUDA_ARCH_LIST={set_cuda_archs()}" if use_cuda else ""
+print(f"rl_losses: building {'CPU + CUDA' if use_cuda else 'CPU-only'} extension ({why}; torch {torch.__version__}, "
+      f"torch.version.cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME}{archs})")
 
 sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
 define_macros = []  # py_limited_api=True below defines Py_LIMITED_API
@@ -61,12 +76,12 @@ abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
 # -fopenmp: at::parallel_for is a header template compiled into this library; without OpenMP its pragma is
 # ignored and the CPU kernels run on one thread. It also honours the `omp simd` marks on the CPU row loops.
 # -fno-trapping-math (as torch itself is built): lets GCC vectorise the polynomial exp in those loops.
-extra = {"cxx": ["-O3", "-fopenmp", "-fno-trapping-math", abi]}
+# -g0: no debug info (Python's own CFLAGS ask for -g): it lengthens every compile and the wheel has no use for it.
+extra = {"cxx": ["-O3", "-g0", "-fopenmp", "-fno-trapping-math", abi]}
 include_dirs = [os.path.join(ROOT, "csrc")]
 if use_cuda:
     sources += sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
-    extra["nvcc"] = ["-O3", abi, "--expt-relaxed-constexpr", "-lineinfo",
-                     "-Xptxas=-warn-spills"] + cuda_arch_flags()
+    extra["nvcc"] = ["-O3", abi, "--expt-relaxed-constexpr", "-lineinfo", "-Xptxas=-warn-spills"]
     define_macros.append(("RL_LOSSES_WITH_CUDA", "1"))
     include_dirs += cuda_library_includes()
     Ext = CUDAExtension
@@ -102,9 +117,77 @@ def avoid_static_libstdcxx() -> None:
 
 avoid_static_libstdcxx()
 
+class PrecompiledHeaderBuild(BuildExtension.with_options(use_ninja=True)):
+    """torch's ninja build, with the torch headers of csrc/common/precompiled.h precompiled once (GCC) and
+    force-included into every C++ file (not the .cu files). The header is built with the very flags torch's
+    compile wrapper gives the C++ files; GCC checks them (-Winvalid-pch says where it cannot use the header, and
+    the file then parses the headers itself), so a mismatch costs time, never correctness. A stamp of the
+    command and torch's version rebuilds it when either changes; without a GNU compiler it is skipped.
+    """
+
+    def build_extension(self, ext):
+        compile_objects = self.compiler.compile  # torch's ninja wrapper, installed by build_extensions
+
+        def compile_with_pch(sources, output_dir=None, macros=None, include_dirs=None, debug=0, extra_preargs=None,
+                             extra_postargs=None, depends=None):
+            flags = self.precompile(output_dir, macros, include_dirs, sources, debug, extra_preargs, extra_postargs,
+                                    depends)
+            if flags:
+                extra_postargs = dict(extra_postargs, cxx=extra_postargs["cxx"] + flags)
+            return compile_objects(sources, output_dir, macros, include_dirs, debug, extra_preargs, extra_postargs,
+                                   depends)
+
+        self.compiler.compile = compile_with_pch
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler.compile = compile_objects
+
+    def precompile(self, output_dir, macros, include_dirs, sources, debug, extra_preargs, extra_postargs, depends):
+        """Builds the precompiled header if out of date; returns the flags that use it ([] where it cannot)."""
+        cxx = os.environ.get("CXX", "c++")  # the compiler torch's ninja file compiles C++ with
+        if not isinstance(extra_postargs, dict) or "cxx" not in extra_postargs or sys.platform != "linux":
+            return []
+        try:
+            version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return []
+        if "Free Software Foundation" not in version:  # GCC's own precompiled-header format
+            return []
+        # The flags of torch's wrapper (unix_wrap_ninja_compile): the compiler's, the preprocessor's, then the
+        # post flags with the language standard torch appends when none is given.
+        _, _, _, pp_opts, _ = self.compiler._setup_compile(os.path.abspath(output_dir), macros, include_dirs,
+                                                           sources, depends, extra_postargs)
+        post = list(extra_postargs["cxx"])
+        if not any(f.startswith("-std=") for f in post):
+            post.append("-std=c++20")
+        pch_dir = os.path.join(os.path.abspath(self.build_temp), "pch")
+        header = os.path.join(pch_dir, "rl_losses_pch.h")
+        cmd = ([cxx] + self.compiler.compiler_so[1:] + self.compiler._get_cc_args(pp_opts, debug, extra_preargs)
+               + ["-x", "c++-header", header, "-o", header + ".gch"] + post)
+        with open(os.path.join(ROOT, "csrc", "common", "precompiled.h")) as f:
+            stamp = "\n".join([" ".join(cmd), torch.__version__, f.read()])
+        stamp_file = header + ".stamp"
+        if not (os.path.exists(header + ".gch") and os.path.exists(stamp_file) and open(stamp_file).read() == stamp):
+            os.makedirs(pch_dir, exist_ok=True)
+            with open(header, "w") as f:
+                f.write('#include "common/precompiled.h"\n')
+            print("rl_losses: precompiling the torch headers (csrc/common/precompiled.h)")
+            if subprocess.run(cmd).returncode != 0:
+                print("rl_losses: WARNING: precompiling the headers failed; every file parses them itself")
+                return []
+            with open(stamp_file, "w") as f:
+                f.write(stamp)
+        return ["-include", header, "-Winvalid-pch"]
+
+
 ext = Ext(
     name="rl_losses._C",
     sources=sources,
+    # setuptools skips the whole extension when no source is newer than the library; listing the headers makes
+    # a header change reach ninja, which then recompiles only the files that include it.
+    depends=sorted(glob.glob(os.path.join("csrc", "**", "*.h"), recursive=True)
+                   + glob.glob(os.path.join("csrc", "**", "*.cuh"), recursive=True)),
     include_dirs=include_dirs,
     extra_compile_args=extra,
     extra_link_args=["-fopenmp"],
@@ -112,12 +195,22 @@ ext = Ext(
     py_limited_api=True,
 )
 
+# The library links against this torch's C++ API, whose ABI changes between minor versions (docs/design.md,
+# "Prebuilt wheels"): a wheel requires the torch minor it was built with.
+torch_minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
 setup(
+    install_requires=[f"torch=={torch_minor}.*", "numpy"],
     packages=find_packages("python"),
     package_dir={"": "python"},
     # py.typed: the package's annotations are meant for type checkers (PEP 561); _C.pyi types the library module.
     package_data={"rl_losses": ["py.typed", "_C.pyi"]},
     ext_modules=[ext],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    cmdclass={"build_ext": PrecompiledHeaderBuild},
+    # One wheel for every CPython >= 3.10: the module uses only the limited C API (torch's build defines
+    # Py_LIMITED_API=0x030A0000 for py_limited_api extensions).
+    options={"bdist_wheel": {"py_limited_api": "cp310"},
+             # RL_LOSSES_BUILD_BASE: a build folder other than build/ (scripts/build_wheel.sh: one per variant).
+             **({"build": {"build_base": os.environ["RL_LOSSES_BUILD_BASE"]}}
+                if os.environ.get("RL_LOSSES_BUILD_BASE") else {})},
 )

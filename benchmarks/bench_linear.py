@@ -41,7 +41,8 @@ EPS = cases.EPS_LOW  # = EPS_HIGH = 0.2
 TOL_LOSS, TOL_GRAD = 1e-3, 1e-2  # relative; the gradients are bf16, the loss fp32 from the same bf16 logits
 NOTES = {
     "gemm_floor": "torch.mm bf16 with out=: hidden@W.T, G@W, G.T@hidden (GSPO: the first twice); no loss",
-    "rl_losses": "fused: chunks of rows, fp32 grad_weight accumulator (V x H x 4 bytes)",
+    "rl_losses": "fused, mode 'fast': chunks of rows from a 2.5 GiB logits budget, fp32 grad_weight accumulator "
+                 "(V x H x 4 bytes) across chunks",
     "rl_losses_unfused": "logits = hidden @ W.T (bf16, N x V) + rl_losses logits op; autograd matmul backward",
     "torch_eager": "CE: F.cross_entropy(logits.float()); GRPO/GSPO: rl_losses.reference on bf16 logits",
     "liger": "see definition notes (Liger's defaults: bf16 grad_weight accumulation for CE)",
@@ -79,10 +80,11 @@ FIELDS = ["op", "provider", "chunk", "chunk_rows", "n", "h", "v", "ms", "ms_p20"
 
 
 def default_chunk(n: int, v: int, itemsize: int) -> int:
-    """Mirror of default_chunk_rows (csrc/linear/linear_source.cpp): rows of 512 MiB of logits, a multiple of
-    128 when >= 128, at most N. Printed so that the chunk-size rows can be read against the default."""
-    rows = max(1, (512 << 20) // (v * itemsize))
-    return min(rows - rows % 128 if rows >= 128 else rows, n)
+    """The op's default rows per chunk (fast mode; profile_linear.fast_chunk_rows mirrors the C++ rule). Printed
+    so that the chunk-size rows can be read against the default."""
+    from profile_linear import fast_chunk_rows
+
+    return fast_chunk_rows(n, v, itemsize)
 
 
 # ------------------------------------------------------------------------------------------------ inputs

@@ -3,7 +3,12 @@ through rl_losses.integrations.trl.GRPOTrainer, on a 1-layer model built from a 
 vocabulary (V=151936, bf16) and a realistic completion batch.
 
     python3 benchmarks/bench_trl_step.py --out OUT                   # GPU: B=8, prompt 128, completion 1024
+    python3 benchmarks/bench_trl_step.py --cpu --out OUT             # CPU, fp32: V=32768, B=16, completion 48
     python3 benchmarks/bench_trl_step.py --dry-run --out /tmp/x      # CPU, tiny shapes: checks the logic
+
+Per configuration (CASES: loss types, and the masks that need every token's log-prob or entropy first) three
+paths: TRL's trainer, rl_losses' fused loss, and rl_losses' trainer made to keep TRL's formula (its fallback:
+TRL's loss over rl_losses' per-token log-probs), whose ratio to the fused step is the fallback's cost.
 
 Both trainers are real ``trl.GRPOTrainer`` instances (the same weights, a tokenizer built in code, a rule-based
 reward); the batch is what ``_generate_and_score_completions`` hands to the loss (prompt/completion ids and
@@ -26,8 +31,15 @@ import torch
 from timing import median_ms
 
 HEADLINE = dict(vocab=151936, hidden=2048, heads=16, kv_heads=2, batch=8, prompt=128, completion=1024)
+CPU = dict(vocab=32768, hidden=64, heads=4, kv_heads=2, batch=16, prompt=8, completion=48)
 DRY = dict(vocab=512, hidden=64, heads=4, kv_heads=2, batch=4, prompt=8, completion=24)
-LOSS_TYPES = ("grpo", "dapo", "cispo")
+CASES = {  # GRPOConfig options of each measured configuration
+    "grpo": dict(loss_type="grpo"),
+    "dapo": dict(loss_type="dapo"),
+    "cispo": dict(loss_type="cispo", epsilon_high=5.0),
+    "grpo-top_entropy_quantile": dict(loss_type="grpo", top_entropy_quantile=0.5),
+    "dapo-off_policy_mask_threshold": dict(loss_type="dapo", off_policy_mask_threshold=0.5),
+}
 
 
 def make_tokenizer(vocab_size):
@@ -55,14 +67,14 @@ def make_model(s, dtype, device):
     return transformers.Qwen2ForCausalLM(config).to(device=device, dtype=dtype)
 
 
-def make_trainer(cls, model, tok, s, loss_type, dry):
+def make_trainer(cls, model, tok, s, options, cpu):
     import datasets
     import trl
 
+    options = dict(epsilon_high=0.28) | options
     args = trl.GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=s["batch"],
                           num_generations=s["batch"], max_completion_length=s["completion"], num_iterations=2,
-                          loss_type=loss_type, epsilon_high=5.0 if loss_type == "cispo" else 0.28, report_to=[],
-                          use_cpu=dry, bf16=not dry, save_strategy="no", seed=0)
+                          report_to=[], use_cpu=cpu, bf16=not cpu, save_strategy="no", seed=0, **options)
     trainer = cls(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                   train_dataset=datasets.Dataset.from_dict({"prompt": ["w3 w4"] * s["batch"]}),
                   processing_class=tok)
@@ -88,24 +100,29 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args()
     import trl
 
     from rl_losses.integrations import trl as rl_trl
 
-    device = "cpu" if args.dry_run else "cuda"
-    s = DRY if args.dry_run else HEADLINE
-    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    cpu = args.dry_run or args.cpu
+    device = "cpu" if cpu else "cuda"
+    s = DRY if args.dry_run else CPU if args.cpu else HEADLINE
+    dtype = torch.float32 if cpu else torch.bfloat16
     tok = make_tokenizer(s["vocab"])
     base = make_model(s, dtype, device)
     inputs = make_batch(s, device)
     results = {"shape": s, "dtype": str(dtype), "trl": trl.__version__,
                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
-    for loss_type in LOSS_TYPES:
+    paths = (("trl", trl.GRPOTrainer), ("rl_losses", rl_trl.GRPOTrainer), ("rl_losses_fallback", rl_trl.GRPOTrainer))
+    for case, options in CASES.items():
         entry = {}
-        for name, cls in (("trl", trl.GRPOTrainer), ("rl_losses", rl_trl.GRPOTrainer)):
-            trainer = make_trainer(cls, copy.deepcopy(base), tok, s, loss_type, args.dry_run)
+        for name, cls in paths:
+            trainer = make_trainer(cls, copy.deepcopy(base), tok, s, options, cpu)
+            if name == "rl_losses_fallback":  # TRL's formula over rl_losses' log-probs, as a fallback runs it
+                trainer._fallback_reasons = lambda model: ["benchmarked fallback"]
             model = trainer.model
             losses = []
 
@@ -126,18 +143,19 @@ def main():
             entry[name] = {"ms": ms, "loss": losses[-1].float().item()}
             if device == "cuda":
                 entry[name]["extra_peak_mib"] = (torch.cuda.max_memory_allocated() - before) / 2**20
-            if name == "rl_losses":
+            if name != "trl":
                 entry[name]["fused"] = trainer._metrics["train"]["rl_losses/fused_loss"][-1]
             del trainer, model
             if device == "cuda":
                 torch.cuda.empty_cache()
         entry["speedup"] = entry["trl"]["ms"] / entry["rl_losses"]["ms"]
+        entry["fallback_cost"] = entry["rl_losses_fallback"]["ms"] / entry["rl_losses"]["ms"]
         if device == "cuda":
             entry["memory_ratio"] = entry["rl_losses"]["extra_peak_mib"] / entry["trl"]["extra_peak_mib"]
-        entry["loss_rel_diff"] = abs(entry["rl_losses"]["loss"] - entry["trl"]["loss"]) / max(
-            abs(entry["trl"]["loss"]), 1e-30)
-        results[loss_type] = entry
-        print(loss_type, json.dumps(entry))
+        entry["loss_rel_diff"] = max(abs(entry[n]["loss"] - entry["trl"]["loss"]) for n in ("rl_losses",
+                                     "rl_losses_fallback")) / max(abs(entry["trl"]["loss"]), 1e-30)
+        results[case] = entry
+        print(case, json.dumps(entry))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_trl_step.json"), "w") as f:
         json.dump(results, f, indent=2)

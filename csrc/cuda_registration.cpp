@@ -43,20 +43,22 @@ torch::CppFunction on_device() {
   return boxed<F, OnTensorsDevice>();
 }
 
-void scale_grad_cuda(const at::Tensor& grad, const at::Tensor& grad_output) {
+void scale_grad_cuda(const at::Tensor& grad, const at::Tensor& grad_output,
+                     const std::optional<at::Tensor>& row_unscale) {
   if (grad.numel() == 0) return;
-  if (grad_output.numel() != 1 || grad_output.dim() != 0) {
-    grad.mul_(grad_output.unsqueeze(-1));  // reduction="none": one upstream value per row
-    return;
-  }
+  const at::Tensor grad2d = grad.view({-1, grad.size(-1)});
+  check_scale_grad(grad2d, grad_output, row_unscale);
+  const bool prescaled = row_unscale.has_value() && row_unscale->numel() > 0;
   TORCH_CHECK(grad_output.device() == grad.device(), "_scale_grad_: grad_output is on ", grad_output.device(),
               " but the gradient is on ", grad.device());
-  scale_grad_cuda_scalar(grad, grad_output);
+  scale_grad_cuda_rows(grad, grad_output, prescaled ? row_unscale->const_data_ptr<float>() : nullptr);
 }
 
 void scale_grad_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   schema::Args args(op, stack);
-  scale_grad_cuda(args.arg("grad").toTensor(), args.arg("grad_output").toTensor());
+  const c10::IValue& row_unscale = args.arg("row_unscale");
+  scale_grad_cuda(args.arg("grad").toTensor(), args.arg("grad_output").toTensor(),
+                  row_unscale.isNone() ? std::nullopt : std::optional<at::Tensor>(row_unscale.toTensor()));
   args.push_results();
 }
 
@@ -66,11 +68,11 @@ TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) {
   m.impl("row_stats", on_device<&row_stats_kernel<row_stats_cuda>>());
   m.impl("_scale_grad_", on_device<&scale_grad_kernel>());
   register_loss<CrossEntropyLoss<cross_entropy_rows_cuda>, OnTensorsDevice>(m);
-  register_linear_loss<CrossEntropyLoss<cross_entropy_rows_cuda>, accumulate_weight_grad_cuda, OnTensorsDevice>(m);
+  register_linear_loss<CrossEntropyLoss<cross_entropy_rows_cuda>, linear_backend_cuda, OnTensorsDevice>(m);
   register_loss<GrpoLoss<grpo_backend_cuda>, OnTensorsDevice>(m);
-  register_linear_loss<GrpoLoss<grpo_backend_cuda>, accumulate_weight_grad_cuda, OnTensorsDevice>(m);
+  register_linear_loss<GrpoLoss<grpo_backend_cuda>, linear_backend_cuda, OnTensorsDevice>(m);
   register_loss<GspoLoss<gspo_backend_cuda>, OnTensorsDevice>(m);
-  register_linear_loss<GspoLoss<gspo_backend_cuda>, accumulate_weight_grad_cuda, OnTensorsDevice>(m);
+  register_linear_loss<GspoLoss<gspo_backend_cuda>, linear_backend_cuda, OnTensorsDevice>(m);
   m.impl("gspo_document_sums", on_device<&GspoLoss<gspo_backend_cuda>::document_sums>());
   m.impl("policy_token_loss", on_device<&policy_token_op<&policy_token_cuda>>());
   using Distill = DistillKernels<distill_backend_cuda>;
@@ -83,8 +85,8 @@ TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) {
   using TokenLogProbs = TokenLogProbsKernels<token_log_probs_backend_cuda>;
   m.impl("_token_log_probs_forward", on_device<&TokenLogProbs::forward>());
   m.impl("_token_log_probs_backward", on_device<&TokenLogProbs::backward>());
-  m.impl("_linear_token_log_probs_forward", on_device<&TokenLogProbs::linear_forward<accumulate_weight_grad_cuda>>());
-  m.impl("_linear_token_log_probs_backward", on_device<&TokenLogProbs::linear_backward<accumulate_weight_grad_cuda>>());
+  m.impl("_linear_token_log_probs_forward", on_device<&TokenLogProbs::linear_forward<linear_backend_cuda>>());
+  m.impl("_linear_token_log_probs_backward", on_device<&TokenLogProbs::linear_backward<linear_backend_cuda>>());
 }
 
 }  // namespace rl_losses

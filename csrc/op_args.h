@@ -17,9 +17,18 @@
   X(at::Tensor, hidden, )         \
   X(at::Tensor, weight, )         \
   X(at::Tensor, target, )
-#define RL_LOSSES_LINEAR_OPTIONS(X) \
-  X(OptTensor, bias, None)          \
-  X(OptInt, chunk_size, None)
+// The fused lm_head's options (linear/linear_source.h, docs/performance.md): chunk_size, the rows of logits alive at
+// once (default: from the strategy's budget); strategy, "fast" (rows outer, a fp32 weight-gradient accumulator
+// across chunks) or "lean" (no accumulator, at most 256 MiB beyond the gradients, one more GEMM); weight_main_grad,
+// a (V, H) fp32 buffer that grad_weight is added into instead of being returned (the losses add it in the forward,
+// for an upstream gradient of 1); skip_unlabelled, rows with a negative label take no GEMM work (their count is
+// read on the host: one synchronisation).
+#define RL_LOSSES_LINEAR_OPTIONS(X)          \
+  X(OptTensor, bias, None)                   \
+  X(OptInt, chunk_size, None)                \
+  X(std::string, strategy, "fast")           \
+  X(OptTensorOut, weight_main_grad, None)    \
+  X(bool, skip_unlabelled, True)
 // Every softmax is over logits_scale_factor · logits.
 #define RL_LOSSES_SCALE(X) X(double, logits_scale_factor, 1.0)
 // D of a mean: None is the op's own count.
@@ -37,6 +46,9 @@
 // The `_linear_*_forward` ops' switch: which of grad_hidden, grad_weight, grad_bias to compute.
 #define RL_LOSSES_OUTPUT_MASK(X) X(OutputMask, output_mask, )
 #define RL_LOSSES_GRAD(X) X(at::Tensor, grad, )
+// The last result of the `_forward` ops over the row pass: for fp16 logits, 2^-k per row of a gradient stored times
+// 2^k (common/row_pass.h, GradRowPrescaled), which `_scale_grad_` folds into its factor; empty otherwise.
+#define RL_LOSSES_GRAD_ROW_UNSCALE(X) X(at::Tensor, grad_row_unscale, )
 // Row statistics: row_stats' (N..., 5), token_log_probs' for its backward, distillation_stats' (N..., 7).
 #define RL_LOSSES_STATS_RESULT(X) X(at::Tensor, stats, )
 #define RL_LOSSES_LINEAR_GRADS(X) \
@@ -146,6 +158,8 @@
   X(at::Tensor, log_probs, )            \
   X(OptTensor, old_log_probs, )         \
   X(at::Tensor, advantages, )
+// Where loss_mask is 0 no input is read (padding may hold NaN) and every result is 0.
+#define RL_LOSSES_POLICY_TOKEN_MASK(X) X(OptTensor, loss_mask, None)
 #define RL_LOSSES_POLICY_TOKEN_RESULTS(X) \
   X(at::Tensor, loss, )                   \
   X(at::Tensor, grad_log_probs, )         \
@@ -241,6 +255,7 @@ RL_LOSSES_ARG_GROUP(VocabShard, RL_LOSSES_VOCAB_SHARD)
 RL_LOSSES_ARG_GROUP(ComputeGradArg, RL_LOSSES_COMPUTE_GRAD)
 RL_LOSSES_ARG_GROUP(OutputMaskArg, RL_LOSSES_OUTPUT_MASK)
 RL_LOSSES_RESULT_GROUP(GradResult, RL_LOSSES_GRAD)
+RL_LOSSES_RESULT_GROUP(GradRowUnscaleResult, RL_LOSSES_GRAD_ROW_UNSCALE)
 RL_LOSSES_RESULT_GROUP(LinearGradResults, RL_LOSSES_LINEAR_GRADS)
 RL_LOSSES_RESULT_GROUP(StatsResult, RL_LOSSES_STATS_RESULT)
 

@@ -11,11 +11,13 @@
 //     op's results then `grad`; and `_<op>_forward_inplace`, which writes the gradient into the logits' own storage
 //     (inplace_backward). The autograd kernel (common/fused_loss_autograd.cpp) passes the public op's arguments on.
 //   * `_scale_grad_` is the backward of every loss: it scales the gradient computed in the forward by the
-//     upstream gradient, in place, and does nothing (decided on the device) when that is 1.
-//   * The fused-linear ops `linear_<op>` (def_linear) take `hidden (..., H)` and `weight (V, H)` (and keyword
-//     `bias` and `chunk_size`, the rows of logits alive at once) in place of the logits, with the options of the
-//     logits op (no inplace_backward, no tensor-parallel hooks); `_linear_<op>_forward(<the same arguments>,
-//     output_mask)` returns their results followed by grad_hidden, grad_weight, grad_bias (linear/).
+//     upstream gradient, in place, and does nothing (decided on the device) when that is 1. The forwards of the
+//     losses over the row pass return `grad_row_unscale` last (RL_LOSSES_GRAD_ROW_UNSCALE), which `_scale_grad_`
+//     takes with the gradient.
+//   * The fused-linear ops `linear_<op>` (def_linear) take `hidden (..., H)` and `weight (V, H)` in place of the
+//     logits, with the options of the logits op (no inplace_backward, no tensor-parallel hooks) and the fused lm_head's
+//     own (RL_LOSSES_LINEAR_OPTIONS); `_linear_<op>_forward(<the same arguments>, output_mask)` returns their results
+//     followed by grad_hidden, grad_weight, grad_bias (linear/).
 //   * `row_stats`/`vocab_start`/`vocab_size` are the hooks of vocabulary (tensor) parallelism: a loss op given
 //     `row_stats` (all-reduced over the TP group) skips its own statistics pass and writes this shard's
 //     gradient.
@@ -50,19 +52,22 @@ Entries cat(std::initializer_list<Entries> lists) {
 
 void def(torch::Library& m, const OpSchema& s) { m.def(s.str().c_str()); }
 
-// `name(<inputs>, *, <options>, bool inplace_backward=False, <hooks>) -> (<results>)` and its two forward ops.
+// `name(<inputs>, *, <options>, bool inplace_backward=False, <hooks>) -> (<results>)` and its two forward ops;
+// `row_pass`: a loss over the row pass, whose forwards also return grad_row_unscale.
 void def_loss(torch::Library& m, const std::string& name, const Entries& inputs, const Entries& options,
-              const Entries& hooks, const Entries& results) {
+              const Entries& hooks, const Entries& results, bool row_pass = true) {
+  const Entries unscale = row_pass ? RL_LOSSES_ENTRIES(RL_LOSSES_GRAD_ROW_UNSCALE) : Entries{};
   def(m, OpSchema(name).args(inputs).kwargs().args(options).args(RL_LOSSES_ENTRIES(RL_LOSSES_INPLACE)).args(hooks)
              .results(results));
   def(m, OpSchema("_" + name + "_forward").without_defaults().args(inputs).args(options).args(hooks)
-             .args(RL_LOSSES_ENTRIES(RL_LOSSES_COMPUTE_GRAD)).results(cat({results, RL_LOSSES_ENTRIES(RL_LOSSES_GRAD)})));
+             .args(RL_LOSSES_ENTRIES(RL_LOSSES_COMPUTE_GRAD))
+             .results(cat({results, RL_LOSSES_ENTRIES(RL_LOSSES_GRAD), unscale})));
   def(m, OpSchema("_" + name + "_forward_inplace").without_defaults().first_mutable().args(inputs).args(options)
-             .args(hooks).results(results));
+             .args(hooks).results(cat({results, unscale})));
 }
 
-// `linear_<name>(hidden, weight, target, <inputs>, *, bias, chunk_size, <options>) -> (<results>)` and its
-// forward op.
+// `linear_<name>(hidden, weight, target, <inputs>, *, <linear options>, <options>) -> (<results>)` and its forward
+// op.
 void def_linear(torch::Library& m, const std::string& name, const Entries& inputs, const Entries& options,
                 const Entries& results) {
   const Entries head = RL_LOSSES_ENTRIES(RL_LOSSES_LINEAR_INPUT), linear = RL_LOSSES_ENTRIES(RL_LOSSES_LINEAR_OPTIONS);
@@ -85,7 +90,7 @@ TORCH_LIBRARY(rl_losses, m) {
   // ---- shared ---------------------------------------------------------------------------------------------
   def(m, OpSchema("row_stats").args(logits).kwargs().args(scale).args(RL_LOSSES_ENTRIES(RL_LOSSES_VOCAB_SHARD))
              .args(RL_LOSSES_ENTRIES(RL_LOSSES_ROW_STATS_OPTIONS)).results(stats));
-  m.def("_scale_grad_(Tensor(a!) grad, Tensor grad_output) -> ()");
+  m.def("_scale_grad_(Tensor(a!) grad, Tensor grad_output, Tensor? row_unscale=None) -> ()");
 
   // ---- cross-entropy (docs/math.md) --------------------------------------------------------------------------
   const Entries ce_options = cat({scale, RL_LOSSES_ENTRIES(RL_LOSSES_CE_OPTIONS), divisor});
@@ -130,10 +135,10 @@ TORCH_LIBRARY(rl_losses, m) {
              .results(RL_LOSSES_ENTRIES(RL_LOSSES_DOCUMENT_SUMS_RESULTS)));
 
   // Per-token policy loss ℓ_t and ∂ℓ_t/∂lp_t from per-token log-probs (policy_token/: the fused ops' per-token math,
-  // without the logits), each shaped like log_probs, float32 (float64 for float64 log-probs). Aggregation is the
-  // caller's. Its tensors are positional (see RL_LOSSES_POLICY_TOKEN_INPUT).
+  // without the logits), each shaped like log_probs, float32 (float64 for float64 log-probs); all 0 where loss_mask
+  // is 0 (no input read there). Aggregation is the caller's. Its tensors are positional (see RL_LOSSES_POLICY_TOKEN_INPUT).
   def(m, OpSchema("policy_token_loss").args(RL_LOSSES_ENTRIES(RL_LOSSES_POLICY_TOKEN_INPUT)).args(policy_tensors)
-             .kwargs().args(clip).args(kl_weight).args(policy)
+             .args(RL_LOSSES_ENTRIES(RL_LOSSES_POLICY_TOKEN_MASK)).kwargs().args(clip).args(kl_weight).args(policy)
              .results(RL_LOSSES_ENTRIES(RL_LOSSES_POLICY_TOKEN_RESULTS)));
 
   // ---- per-token log-probs and entropies (token_log_probs/) ---------------------------------------------------
@@ -141,7 +146,7 @@ TORCH_LIBRARY(rl_losses, m) {
   // `_token_log_probs_forward` also returns the row statistics (N, 5) it computed (empty when `row_stats` were
   // given: those are saved instead), which `_token_log_probs_backward` reads in place of a second statistics
   // pass. `entropy` is an empty tensor unless compute_entropy. The fused-linear form recomputes each chunk's
-  // logits in its backward.
+  // logits in its backward, which is where weight_main_grad is added into (the forward only checks it).
   const Entries tlp_options = cat({scale, entropy}), tlp_results = RL_LOSSES_ENTRIES(RL_LOSSES_TOKEN_LOG_PROBS_RESULTS);
   const Entries upstream = RL_LOSSES_ENTRIES(RL_LOSSES_TOKEN_LOG_PROBS_UPSTREAM);
   def(m, OpSchema("token_log_probs").args(logits).kwargs().args(tlp_options).args(tp_hooks).results(tlp_results));
@@ -166,7 +171,8 @@ TORCH_LIBRARY(rl_losses, m) {
   const Entries distill_beta = RL_LOSSES_ENTRIES(RL_LOSSES_DISTILL_BETA);
   def_loss(m, "distillation", distill,
            cat({RL_LOSSES_ENTRIES(RL_LOSSES_DISTILL_OPTIONS), distill_beta, softmax, divisor}),
-           RL_LOSSES_ENTRIES(RL_LOSSES_DISTILL_HOOKS), RL_LOSSES_ENTRIES(RL_LOSSES_DISTILL_RESULTS));
+           RL_LOSSES_ENTRIES(RL_LOSSES_DISTILL_HOOKS), RL_LOSSES_ENTRIES(RL_LOSSES_DISTILL_RESULTS),
+           /*row_pass=*/false);
   def(m, OpSchema("distillation_stats").args(distill).kwargs().args(softmax).results(stats));
   def(m, OpSchema("distillation_jsd_sums").args(distill).args(RL_LOSSES_ENTRIES(RL_LOSSES_DISTILL_STATS_INPUT))
              .kwargs().args(distill_beta).args(softmax).results(RL_LOSSES_ENTRIES(RL_LOSSES_DISTILL_JSD_RESULTS)));

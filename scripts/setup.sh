@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Sets up a virtual environment in .venv with torch and builds the extension (CPU + CUDA when nvcc exists).
+# Sets up a virtual environment in .venv with torch and builds the extension in place. `setup.sh --test` also
+# installs what the test suite needs (make test); make train needs only the first part.
 #
 # torch: an already-importable torch >= 2.11 is used as is (the venv sees system packages); otherwise
-# torch==2.14.1 is installed. The extension is built with --no-build-isolation against that torch.
-# RL_LOSSES_CUDA=0/1 forces a CPU-only / CUDA build (setup.py).
+# torch==2.14.1 is installed. Each package set is installed once: a stamp in .venv records the list it came
+# from, and a later run whose list is unchanged skips pip. The extension is built by `setup.py build_ext
+# --inplace` into build/, which persists, so that ninja recompiles only what changed; the venv finds the
+# package through a .pth file pointing at python/ (an editable install without pip's throwaway build folder).
+# CUDA kernels are compiled where a GPU is visible or RL_LOSSES_CUDA=1 asks (setup.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,22 +16,41 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv --system-site-packages .venv
 fi
 VPY=.venv/bin/python
+
+# install_once NAME PIP-ARGS...: pip install unless .venv/.stamp-NAME records these arguments and the contents
+# of the requirement files among them.
+install_once() {
+  local stamp=".venv/.stamp-$1" want
+  shift
+  want="$*"
+  for arg in "$@"; do
+    if [ -f "$arg" ]; then want="$want $(cksum < "$arg")"; fi
+  done
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return
+  fi
+  "$VPY" -m pip install -q "$@"
+  echo "$want" > "$stamp"
+}
+
+# torch's version from its metadata (importing torch takes seconds).
 if ! "$VPY" - <<'PYEOF'
 import sys
+from importlib import metadata
 try:
-    import torch
-except ImportError:
+    version = metadata.version("torch")
+except metadata.PackageNotFoundError:
     sys.exit(1)
-major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+major, minor = (int(x) for x in version.split(".")[:2])
 sys.exit(0 if (major, minor) >= (2, 11) else 1)
 PYEOF
 then
   "$VPY" -m pip install -q "torch==2.14.1"
 fi
-"$VPY" -m pip install -q numpy pytest expecttest ninja setuptools wheel matplotlib tqdm pyyaml
-# Test-only peers: the property tests (hypothesis) and the trainers the integrations are proven against
-# (TRL, verl and Liger-Kernel, pinned to the versions the tests were written for; verl needs transformers < 5.11).
-"$VPY" -m pip install -q hypothesis "trl==1.16.0" "transformers==5.10.4" "verl==0.9.1" "liger-kernel==0.8.5"
+install_once train -r scripts/requirements-train.txt
+if [ "${1:-}" = "--test" ]; then
+  install_once test -r scripts/requirements-test.txt
+fi
 
 # torch finds CUDA through CUDA_HOME or nvcc on PATH; a wrapper nvcc in /usr/local/bin would make it guess
 # /usr/local, so point it at the toolkit itself when one is installed there.
@@ -35,5 +58,27 @@ if [ -z "${CUDA_HOME:-}" ] && [ -e /usr/local/cuda/bin/nvcc ]; then
   export CUDA_HOME=/usr/local/cuda
 fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-"$VPY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -E "rl_losses: building|error" || true
+mkdir -p build
+# The build is skipped when nothing it depends on changed since the last one: no file under csrc/ and not
+# setup.py, nor the variables that choose it, nor the number of GPUs (setup.py builds CUDA where one is visible).
+stamp=build/.stamp-built
+key="RL_LOSSES_CUDA=${RL_LOSSES_CUDA:-} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} CUDA_HOME=${CUDA_HOME:-} \
+gpus=$(ls /dev/nvidia[0-9]* 2>/dev/null | wc -l) torch=$("$VPY" -c 'from importlib import metadata; print(metadata.version("torch"))')"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] && [ -z "$(find csrc setup.py -newer "$stamp" -print -quit)" ] \
+  && ls python/rl_losses/_C*.so > /dev/null 2>&1; then
+  echo "setup.sh: the extension is up to date (build/.stamp-built)"
+else
+  if ! "$VPY" setup.py build_ext --inplace > build/setup.log 2>&1; then
+    tail -n 40 build/setup.log
+    echo "setup.sh: building the extension failed; the whole log is build/setup.log" >&2
+    exit 1
+  fi
+  grep "rl_losses: building" build/setup.log || true
+  echo "$key" > "$stamp"
+fi
+"$VPY" - <<'PYEOF'
+import os, site
+with open(os.path.join(site.getsitepackages()[0], "rl_losses.pth"), "w") as f:
+    f.write(os.path.abspath("python") + "\n")
+PYEOF
 "$VPY" -c "import rl_losses; print('rl_losses imported; CUDA kernels built:', rl_losses.cuda_kernels_available())"

@@ -27,6 +27,21 @@ def make_inputs(shape, vocab, dtype, device, *, masked=0.5, logits_scale_factor=
     return logits, target, advantages, old_log_probs, ref_log_probs
 
 
+def designed_ratio_inputs(designed, n, vocab, dtype, device):
+    """Logits, labels, advantages of both signs (|A| in [0.5, 1.5)) and old log-probs whose ratios are the
+    `designed` values, repeated and shuffled over n tokens (from the op's own log-probs: old = lp − log r).
+    Returns them and the ratios (float64)."""
+    logits = make_logits((n,), vocab, dtype, device)
+    target = torch.randint(0, vocab, (n,), device=device)
+    ratio = torch.tensor(designed, dtype=torch.float64, device=device).repeat(n // len(designed) + 1)[:n]
+    ratio = ratio[torch.randperm(n, device=device)]
+    sign = torch.where(torch.arange(n, device=device) % 2 == 0, 1.0, -1.0)[torch.randperm(n, device=device)]
+    advantages = (sign * (0.5 + torch.rand(n, device=device))).float()
+    with torch.no_grad():
+        lp = rl_losses.grpo_loss(logits, target, advantages, torch.zeros_like(advantages)).log_probs
+    return logits, target, advantages, (lp.double() - ratio.log()).float(), ratio
+
+
 def run_op(logits, target, advantages, old_log_probs, upstream=1.0, **kwargs):
     x = logits.detach().clone().requires_grad_()
     out = rl_losses.grpo_loss(x, target, advantages, old_log_probs, **kwargs)

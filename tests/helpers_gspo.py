@@ -72,8 +72,9 @@ def loop_reference(logits, target, advantages, old_log_probs, document_index, *,
         r = ratio.detach()
         doc_ratios.append(r)
         doc_mean_lp.append((u * lp).sum().detach())
-        low.append(r.item() < 1 - epsilon_low and mean_adv.item() < 0)
-        high.append(r.item() > 1 + epsilon_high and mean_adv.item() > 0)
+        # TRL's flags, on its coef_1 after the two-sided clip
+        low.append(cap(r).item() < 1 - epsilon_low and mean_adv.item() < 0)
+        high.append(cap(r).item() > 1 + epsilon_high and mean_adv.item() > 0)
         kl.append((-log_ratio).exp().detach() + log_ratio.detach() - 1)
 
     n_docs = len(doc_losses)

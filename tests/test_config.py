@@ -127,7 +127,7 @@ ERRORS = [
     ({"type": "grpo", "epsilon_high": float("nan")}, ValueError, r"\.epsilon_high must be .*, got nan"),
     ({"type": "grpo", "metrics": "all"}, ValueError,
      r"\.metrics must be one of \['none', 'basic', 'with_entropy'\], got 'all'"),
-    ({"type": "grpo", "delta": 1.2}, ValueError, r"\.delta must be > 1 \+ epsilon_high = 1.2, got 1.2"),
+    ({"type": "grpo", "delta": 0.0}, ValueError, r"\.delta must be a finite number > 0.0, got 0.0"),
     ({"type": "grpo", "delta": "2"}, TypeError, r"\.delta must be a number or None, got '2'"),
     ({"type": "grpo", "beta": -0.01}, ValueError, r"\.beta must be a finite number >= 0.0, got -0.01"),
     ({"type": "grpo", "loss_normalization": "dapo"}, ValueError,
@@ -141,7 +141,8 @@ ERRORS = [
     ({"type": "gspo", "weighting": "sequence"}, ValueError,
      r"\.weighting must be one of \['document', 'token'\], got 'sequence'"),
     ({"type": "gspo", "token_advantages": 1}, TypeError, r"\.token_advantages must be True or False, got 1"),
-    ({"type": "gspo", "delta": 1.1}, ValueError, r"GSPOLossConfig\.delta must be > 1 \+ epsilon_high = 1.2, got 1.1"),
+    ({"type": "gspo", "delta": float("inf")}, ValueError,
+     r"GSPOLossConfig\.delta must be a finite number > 0.0, got inf"),
     ({"type": "gspo", "delta": 2.0, "loss_type": "sapo"}, ValueError,
      r"GSPOLossConfig\.delta must be None with loss_type='sapo'"),
     ({"type": "gspo", "loss_normalization": "token"}, ValueError,
@@ -156,8 +157,9 @@ def test_validation_errors(d, error, match):
 
 
 def test_direct_construction_validates():
-    with pytest.raises(ValueError, match=r"LanguageModelGRPOLossConfig\.delta must be > 1 \+ epsilon_high = 1.5"):
-        LanguageModelGRPOLossConfig(epsilon_high=0.5, delta=1.4)
+    with pytest.raises(ValueError, match=r"LanguageModelGRPOLossConfig\.delta must be a finite number > 0.0, got -1"):
+        LanguageModelGRPOLossConfig(epsilon_high=0.5, delta=-1.0)
+    assert LanguageModelGRPOLossConfig(epsilon_high=0.5, delta=1.4).delta == 1.4  # TRL's delta <= 1 + ε_h too
 
 
 @pytest.mark.parametrize("cls", [LanguageModelLossConfig, LanguageModelPolicyGradientLossConfig])

@@ -88,6 +88,15 @@ def _opcheck_cases(device):
                          (torch.randn(6, 2, 11, device=device), torch.tensor(1.7, device=device)), {}),
         "_scale_grad_rows": (_ops._scale_grad_.default,
                              (torch.randn(6, 2, 11, device=device), torch.randn(6, 2, device=device)), {}),
+        # fp16: the forward also returns each row's 2^-k (grad_row_unscale), which _scale_grad_ applies.
+        "cross_entropy_fp16": (_ops.cross_entropy.default, (logits.half().requires_grad_(), target), {}),
+        "_cross_entropy_forward_fp16": (_ops._cross_entropy_forward.default, (logits.half(), target),
+                                        dict(options, compute_grad=True)),
+        "_cross_entropy_forward_inplace_fp16": (_ops._cross_entropy_forward_inplace.default,
+                                                (logits.half(), target), options),
+        "_scale_grad_prescaled": (_ops._scale_grad_.default,
+                                  (torch.randn(6, 2, 11, device=device).half(), torch.tensor(1.7, device=device)),
+                                  dict(row_unscale=torch.rand(12, device=device))),
     }
 
 

@@ -104,6 +104,12 @@ def _linear_ref(h, w, d):
     return h @ w.T
 
 
+def _linear_options(mode):
+    """3 chunks of rows (lean: vocabulary blocks of as many logits), every row computed: counting the labelled
+    rows (skip_unlabelled=True) would read a number on the host."""
+    return dict(strategy=mode, chunk_size=96, skip_unlabelled=False)
+
+
 CASES = [
     Case("ce", lambda x, d: rl_losses.cross_entropy(x, d["target"], divisor=150.0),
          lambda x, d: reference.cross_entropy(x, d["target"], divisor=150.0)),
@@ -123,18 +129,21 @@ CASES = [
     Case("grpo_vespo", *_grpo_documents({"loss_type": "vespo"})),
     Case("gspo", lambda x, d: _gspo(rl_losses, x, d), lambda x, d: _gspo(reference, x, d)),
     Case("dpo", lambda x, d: _dpo(rl_losses, x, d), lambda x, d: _dpo(reference, x, d)),
-    Case("linear_ce", lambda h, w, d: rl_losses.linear_cross_entropy(h, w, d["target"], divisor=150.0, chunk_size=96),
-         lambda h, w, d: reference.cross_entropy(_linear_ref(h, w, d), d["target"], divisor=150.0),
-         hidden=True, dtype=torch.float32),
-    Case("linear_grpo",
-         lambda h, w, d: rl_losses.linear_grpo_loss(h, w, d["target"], d["adv"], d["old"], divisor=150.0,
-                                                    chunk_size=96).loss,
-         lambda h, w, d: reference.grpo_loss(_linear_ref(h, w, d), d["target"], d["adv"], d["old"],
-                                             divisor=150.0).loss,
-         hidden=True, dtype=torch.float32),
+    *(Case(f"linear_ce_{mode}",
+           lambda h, w, d, mode=mode: rl_losses.linear_cross_entropy(h, w, d["target"], divisor=150.0,
+                                                                     **_linear_options(mode)),
+           lambda h, w, d: reference.cross_entropy(_linear_ref(h, w, d), d["target"], divisor=150.0),
+           hidden=True, dtype=torch.float32) for mode in ("fast", "lean")),
+    *(Case(f"linear_grpo_{mode}",
+           lambda h, w, d, mode=mode: rl_losses.linear_grpo_loss(h, w, d["target"], d["adv"], d["old"], divisor=150.0,
+                                                                 **_linear_options(mode)).loss,
+           lambda h, w, d: reference.grpo_loss(_linear_ref(h, w, d), d["target"], d["adv"], d["old"],
+                                               divisor=150.0).loss,
+           hidden=True, dtype=torch.float32) for mode in ("fast", "lean")),
     Case("linear_gspo",
          lambda h, w, d: rl_losses.linear_gspo_loss(h, w, d["target"], d["adv"], d["old"], d["doc"],
-                                                    num_documents=DOCS, divisor=float(DOCS), chunk_size=96).loss,
+                                                    num_documents=DOCS, divisor=float(DOCS),
+                                                    **_linear_options("fast")).loss,
          lambda h, w, d: _gspo(reference, _linear_ref(h, w, d), d), hidden=True, dtype=torch.float32),
 ]
 N, V = 256, 4096  # one round of the cluster kernel (bf16 rows of 8 KB: one CTA each); 3 chunks for linear_*

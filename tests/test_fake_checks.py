@@ -110,11 +110,17 @@ def _bad_inputs():
         ("bias_shape", lambda d: lin(d, bias=_z(d, 6)), r"bias must have shape \(7,\), got \[6\]"),
         ("bias_dtype", lambda d: lin(d, bias=_z(d, 7, dtype=torch.float64)), "bias must be Float on"),
         ("chunk_size", lambda d: lin(d, chunk_size=0), "chunk_size must be >= 1"),
+        ("strategy", lambda d: lin(d, strategy="small"), "strategy must be 'fast' or 'lean', got 'small'"),
+        ("main_grad_dtype", lambda d: lin(d, weight_main_grad=_z(d, 7, 5, dtype=torch.float64)),
+         r"weight_main_grad must be Float \(the accumulation dtype of a Float weight\), got Double"),
+        ("main_grad_shape", lambda d: lin(d, weight_main_grad=_z(d, 7, 4)),
+         r"weight_main_grad must have the weight's shape \[7, 5\], got \[7, 4\]"),
+        ("main_grad_layout", lambda d: lin(d, weight_main_grad=_z(d, 5, 7).t()), "weight_main_grad must be contiguous"),
         # the clipped objective and the per-token inputs (grpo)
         ("epsilon_low", lambda d: grpo(d, epsilon_low=1.0), r"epsilon_low must be in \[0, 1\), got 1"),
         ("epsilon_high", lambda d: grpo(d, epsilon_high=math.inf), "epsilon_high must be finite"),
         ("delta_inf", lambda d: grpo(d, delta=math.inf), r"delta must be finite \(leave it unset for no cap\)"),
-        ("delta", lambda d: grpo(d, delta=1.1), "delta must exceed"),
+        ("delta", lambda d: grpo(d, delta=0.0), r"delta must be > 0 \(it caps the ratio .*\), got 0"),
         ("beta_negative", lambda d: grpo(d, beta=-1.0), "beta must be >= 0, got -1"),
         ("beta", lambda d: grpo(d, beta=0.1), "beta = 0.1 > 0 needs ref_log_probs"),
         ("divisor", lambda d: grpo(d, divisor=-1.0), "divisor must be finite and > 0, got -1"),
@@ -157,7 +163,7 @@ def _bad_inputs():
         ("doc_shape", lambda d: gspo(d, doc=_labels(d, 5), num_documents=1),
          r"document_index has shape \[5\] but target has shape \[4\]"),
         ("num_documents", lambda d: gspo(d, num_documents=2**40), r"num_documents must be in \[0, 2147483648\]"),
-        ("gspo_delta", lambda d: gspo(d, delta=1.1, num_documents=1), "delta must exceed"),
+        ("gspo_delta", lambda d: gspo(d, delta=-0.5, num_documents=1), r"delta must be > 0 .*got -0.5"),
         ("gspo_delta_sapo", lambda d: gspo(d, delta=2.0, loss_type="sapo", num_documents=1), "applies to loss_type"),
         ("gspo_beta", lambda d: gspo(d, beta=0.1, num_documents=1), "beta = 0.1 > 0 needs ref_log_probs"),
         ("gspo_ref_shape", lambda d: gspo(d, ref_log_probs=_z(d, 5), num_documents=1), "ref_log_probs has shape"),
@@ -173,6 +179,9 @@ def _bad_inputs():
         ("token_sequence", lambda d: token(d, rollout_log_probs=_z(d, 4), rollout_correction="sequence_mask"),
          "rollout_correction must be None, 'token_truncate' or 'token_mask'"),
         ("token_beta", lambda d: token(d, beta=0.5), "policy_token_loss: beta = 0.5 > 0 needs ref_log_probs"),
+        ("token_mask_dtype", lambda d: token(d, loss_mask=_z(d, 4)), "loss_mask must be a bool or integer tensor"),
+        ("token_mask_shape", lambda d: token(d, loss_mask=_z(d, 5, dtype=torch.bool)),
+         r"loss_mask has shape \[5\] but log_probs has shape \[4\]"),
         # token_log_probs
         ("tlp_row_stats", lambda d: ops.token_log_probs(torch.randn(4, 7, device=d), _labels(d),
                                                         row_stats=_z(d, 4, 3)),
@@ -263,7 +272,9 @@ NOT_FAKE = {
     "backward was already run", "double backward", "inplace_backward=True overwrites",
     # Internal: an undefined tensor never comes from Python; the row pass's own invariants; _scale_grad_, called by
     # the losses' backward with its own shapes; CUDA's library errors.
-    " is undefined", "internal error", "_scale_grad_", "cublasGemmEx",
+    " is undefined", "internal error", "_scale_grad_", "cublasGemmEx", "libcublas", "cublasGetMathMode",
+    # CUDA graph capture's: a stream being captured is the CUDA back-end's state, not an input's.
+    "skip_unlabelled=True counts the labelled rows",
 }
 
 

@@ -12,7 +12,7 @@ import rl_losses
 
 from conftest import assert_close
 from helpers import DTYPES, assert_grad_close, label_log_probs64, make_logits, make_target, param_id as _id
-from helpers_grpo import (METRICS, assert_outputs_close, check_against_reference, make_inputs, natural_scale,
+from helpers_grpo import (METRICS, assert_outputs_close, check_against_reference, designed_ratio_inputs, make_inputs, natural_scale,
                           run_op, run_reference)
 
 SHAPES = [(64,), (16, 8)]
@@ -186,19 +186,10 @@ def test_ratios_next_to_each_clip_bound(dtype, use_delta, device):
     tokens get a gradient follow from the design alone; loss and gradient also match the reference."""
     eps_low, eps_high, delta = 0.2, 0.28, 1.6
     n, vocab, margin = 96, 300, 1e-3
-    logits = make_logits((n,), vocab, dtype, device)
-    target = torch.randint(0, vocab, (n,), device=device)
     designed = [1 - eps_low - margin, 1 - eps_low + margin, 1 + eps_high - margin, 1 + eps_high + margin]
     if use_delta:
         designed += [delta - margin, delta + margin]
-    ratio = torch.tensor(designed, dtype=torch.float64, device=device).repeat(n // len(designed) + 1)[:n]
-    ratio = ratio[torch.randperm(n, device=device)]
-    sign = torch.where(torch.arange(n, device=device) % 2 == 0, 1.0, -1.0)[torch.randperm(n, device=device)]
-    advantages = (sign * (0.5 + torch.rand(n, device=device))).float()
-    # old = lp - log(ratio), from the op's own detached log-probs, so that its ratios land on the design.
-    with torch.no_grad():
-        lp = rl_losses.grpo_loss(logits, target, advantages, torch.zeros_like(advantages)).log_probs
-    old_log_probs = (lp.double() - ratio.log()).float()
+    logits, target, advantages, old_log_probs, ratio = designed_ratio_inputs(designed, n, vocab, dtype, device)
     kwargs = dict(epsilon_low=eps_low, epsilon_high=eps_high, delta=delta if use_delta else None)
 
     out, grad = check_against_reference(logits, target, advantages, old_log_probs, 1.0, **kwargs)

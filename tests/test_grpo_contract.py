@@ -1,5 +1,7 @@
 """Tests of the GRPO op's contract: one backward per forward, gradcheck, opcheck, torch.compile, CPU == CUDA,
 and a clear error for each bad input (values and gradients: test_grpo.py)."""
+import math
+
 import pytest
 import torch
 
@@ -125,9 +127,8 @@ def _bad_call(case, device):
                            "advantages must be a floating-point tensor"),
         "old_log_probs_int": (lambda: grpo(logits, target, advantages, old.long()),
                               "old_log_probs must be a floating-point tensor"),
-        "delta_below": (lambda: grpo(logits, target, advantages, old, delta=1.1), r"delta.*1\.1"),
-        "delta_on_bound": (lambda: grpo(logits, target, advantages, old, delta=1.3, epsilon_high=0.3),
-                           r"delta.*1\.3"),
+        "delta_zero": (lambda: grpo(logits, target, advantages, old, delta=0.0), r"delta must be > 0 .*got 0"),
+        "delta_nan": (lambda: grpo(logits, target, advantages, old, delta=math.nan), "delta must be finite"),
         "epsilon_low_negative": (lambda: grpo(logits, target, advantages, old, epsilon_low=-0.1),
                                  r"epsilon_low.*-0\.1"),
         "epsilon_low_one": (lambda: grpo(logits, target, advantages, old, epsilon_low=1.0), "epsilon_low"),
@@ -146,8 +147,8 @@ def _bad_call(case, device):
 
 
 BAD_CASES = ["target_shape", "advantages_shape", "old_log_probs_shape", "ref_log_probs_shape",
-             "loss_weights_shape", "label_counts_shape", "advantages_int", "old_log_probs_int", "delta_below",
-             "delta_on_bound", "epsilon_low_negative", "epsilon_low_one", "epsilon_high_negative",
+             "loss_weights_shape", "label_counts_shape", "advantages_int", "old_log_probs_int", "delta_zero",
+             "delta_nan", "epsilon_low_negative", "epsilon_low_one", "epsilon_high_negative",
              "beta_without_ref", "scale_zero", "divisor_zero", "int_logits", "target_float"]
 
 

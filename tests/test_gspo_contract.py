@@ -142,17 +142,17 @@ def _bad_call(case, device):
                          "divisor must be finite and > 0, got 0"),
         "num_documents_negative": (lambda: gspo(logits, target, advantages, old, doc, num_documents=-1),
                                    "num_documents"),
-        "delta_below_clip": (lambda: gspo(logits, target, advantages, old, doc, epsilon_high=0.3, delta=1.25),
-                             r"gspo: delta must exceed 1 \+ epsilon_high = 1.3, got 1.25"),
+        "delta_zero": (lambda: gspo(logits, target, advantages, old, doc, epsilon_high=0.3, delta=0.0),
+                       r"gspo: delta must be > 0 \(it caps .* delta > 1 \+ epsilon_high = 1.3\), got 0"),
         "delta_infinite": (lambda: gspo(logits, target, advantages, old, doc, delta=float("inf")),
                            r"gspo: delta must be finite \(leave it unset for no cap\), got inf"),
         "delta_sapo": (lambda: gspo(logits, target, advantages, old, doc, delta=2.0, loss_type="sapo"),
                        r"gspo: delta \(the two-sided clip\) applies to loss_type 'ppo_clip' only, got loss_type "
                        r"'sapo' with delta = 2"),
-        "linear_delta_below_clip": (lambda: rl_losses.linear_gspo_loss(logits, torch.randn(5, 7, device=device),
-                                                                       target.clamp(max=4), advantages, old, doc,
-                                                                       delta=1.1),
-                                    r"linear_gspo: delta must exceed 1 \+ epsilon_high = 1.2, got 1.1"),
+        "linear_delta_negative": (lambda: rl_losses.linear_gspo_loss(logits, torch.randn(5, 7, device=device),
+                                                                     target.clamp(max=4), advantages, old, doc,
+                                                                     delta=-1.1),
+                                  r"linear_gspo: delta must be > 0 .*got -1.1"),
     }
     return cases[case]
 
@@ -160,7 +160,7 @@ def _bad_call(case, device):
 BAD_CASES = ["doc_id_too_large", "doc_index_shape", "doc_index_float", "weighting", "epsilon_low_negative",
              "epsilon_low_one", "epsilon_high_negative", "advantages_shape", "old_log_probs_shape",
              "label_counts_shape", "advantages_int", "target_shape", "scale_negative", "divisor_zero",
-             "num_documents_negative", "delta_below_clip", "delta_infinite", "delta_sapo", "linear_delta_below_clip"]
+             "num_documents_negative", "delta_zero", "delta_infinite", "delta_sapo", "linear_delta_negative"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)

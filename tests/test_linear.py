@@ -11,8 +11,9 @@ import torch
 import rl_losses
 from rl_losses import reference
 
-from conftest import TOLERANCES, assert_close
+from conftest import assert_close
 from helpers import assert_grad_close, make_target, param_id as _id, requires_cuda
+from helpers_linear import check_grads, leaves, make_linear, ref_logits
 
 _ops = torch.ops.rl_losses
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
@@ -21,55 +22,6 @@ POLICY_METRICS = ("new_logprobs", "clipped_fraction_low", "clipped_fraction_high
 # bf16 logits are rounded to bf16 in each chunk (as an unfused bf16 lm_head rounds them) before the loss reads
 # them, so their error is that of the GEMM's output rounding, larger than the logits ops' rounding of inputs.
 SCALE = {torch.float64: 1.0, torch.float32: 1.0, torch.bfloat16: 2.0}
-
-
-def make_linear(batch, hidden_size, vocab, dtype, device, *, bias=False):
-    """hidden (batch..., H), weight (V, H), bias (V,) or None, scaled so that the logits have std ~2."""
-    hidden = torch.randn(*batch, hidden_size, device=device).to(dtype)
-    weight = (torch.randn(vocab, hidden_size, device=device) * (2.0 / hidden_size**0.5)).to(dtype)
-    b = (torch.randn(vocab, device=device) * 0.5).to(dtype) if bias else None
-    return hidden, weight, b
-
-
-def leaves(*tensors):
-    """Fresh leaves requiring grad: the op's inputs, and their float64 copies for the reference."""
-    ours = [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
-    ref = [None if t is None else t.detach().double().requires_grad_() for t in tensors]
-    return ours, ref
-
-
-def ref_logits(hidden64, weight64, bias64):
-    logits = hidden64 @ weight64.T
-    logits = logits if bias64 is None else logits + bias64
-    if logits.requires_grad:
-        logits.retain_grad()  # dL/dlogits sets the error scale of the gradients (check_grads)
-    return logits
-
-
-def check_grads(ours, ref, loss, ref_loss, ref_logits64, dtype, *, scale=1.0):
-    """Backward through both losses and compare the gradients of every input given.
-
-    Each gradient is a sum over tokens or vocabulary entries of dL/dlogits times an input, so its rounding
-    error is relative to the same sum of magnitudes, not to the (possibly cancelled) result: for grad_hidden
-    |dL/dlogits| @ |weight|, for grad_weight |dL/dlogits|.T @ |hidden|, for grad_bias Σ_t |dL/dlogits|.
-    The check is |ours - ref| <= rtol·magnitude + atol·max|ref| with the tolerances of `dtype`.
-    """
-    loss.backward()
-    ref_loss.backward()
-    g = ref_logits64.grad.reshape(-1, ref_logits64.shape[-1]).abs()
-    h64, w64, _ = ref
-    magnitudes = (g @ w64.detach().abs(), g.T @ h64.detach().reshape(-1, h64.shape[-1]).abs(), g.sum(0))
-    rtol, atol = TOLERANCES[dtype]
-    for name, a, b, m in zip(("hidden", "weight", "bias"), ours, ref, magnitudes):
-        if a is None:
-            continue
-        assert a.grad is not None, f"no gradient for {name}"
-        assert a.grad.dtype == dtype and a.grad.shape == b.grad.shape, name
-        err = (a.grad.double() - b.grad).abs().reshape(m.shape)
-        bound = rtol * scale * m + atol * scale * b.grad.abs().max()
-        worst = (err - bound).argmax()
-        assert (err <= bound).all(), (f"grad_{name}: error {err.flatten()[worst]:.3g} > bound "
-                                      f"{bound.flatten()[worst]:.3g} at flat index {int(worst)}")
 
 
 # ---- cross-entropy ----------------------------------------------------------------------------------------
@@ -102,10 +54,11 @@ def test_cross_entropy_reductions(device, reduction, divisor):
 
 
 def test_cross_entropy_matches_logits_op(device):
-    """The fused head gives what the logits op gives on the materialised logits (fp32: the same kernels)."""
+    """The fused head gives what the logits op gives on the materialised logits (fp32: the same kernels), every
+    row's lse included when every row is computed."""
     hidden, weight, b = make_linear((40,), 24, 77, torch.float32, device, bias=True)
     target = make_target((40,), 77, device)
-    loss, lse = _ops.linear_cross_entropy(hidden, weight, target, bias=b, chunk_size=9)
+    loss, lse = _ops.linear_cross_entropy(hidden, weight, target, bias=b, chunk_size=9, skip_unlabelled=False)
     loss_l, lse_l = _ops.cross_entropy(torch.addmm(b, hidden, weight.T), target)
     assert_close(loss, loss_l, torch.float32)
     assert_close(lse, lse_l, torch.float32)
@@ -328,6 +281,24 @@ def test_peak_memory_is_one_chunk_not_the_logits():
     budget = grads + chunk * vocab * 2 + vocab * hidden_size * 4 + 64 * n + (8 << 20)
     assert extra <= budget, f"extra peak {extra / 2**20:.0f} MiB > budget {budget / 2**20:.0f} MiB"
     assert extra < n * vocab * 2, "the logits were materialised"
+
+
+@requires_cuda
+def test_lean_peak_memory_is_within_its_budget():
+    """Lean mode: at most 256 MiB beyond the gradients where the logits alone would be 1 GiB."""
+    n, hidden_size, vocab = 16384, 512, 32768
+    hidden, weight, _ = make_linear((n,), hidden_size, vocab, torch.bfloat16, "cuda")
+    target = make_target((n,), vocab, "cuda")
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    rl_losses.linear_cross_entropy(h, w, target, strategy="lean").backward()  # warm-up: cuBLAS workspaces
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    rl_losses.linear_cross_entropy(h, w, target, strategy="lean").backward()
+    torch.cuda.synchronize()
+    beyond = torch.cuda.max_memory_allocated() - base - h.grad.nbytes - w.grad.nbytes
+    assert beyond <= (256 << 20) + (4 << 20), f"{beyond / 2**20:.0f} MiB beyond the gradients"
 
 
 @requires_cuda

@@ -16,6 +16,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 CASES = {  # options of policy_token_loss
     "ppo_clip": dict(),
     "ppo_clip-delta": dict(delta=1.4, epsilon_low=0.1, epsilon_high=0.25),
+    # TRL's delta below 1 + ε_h (it then caps the ratio where A > 0) and below 1 - ε_l
+    "ppo_clip-delta-inside": dict(delta=1.1, epsilon_low=0.2, epsilon_high=0.2),
+    "ppo_clip-delta-low": dict(delta=0.7, epsilon_low=0.2, epsilon_high=0.2),
     "cispo": dict(loss_type="cispo", epsilon_high=1.3),
     "sapo": dict(loss_type="sapo", sapo_temperature_pos=0.7, sapo_temperature_neg=1.4),
     "kl-k3": dict(beta=0.1, with_ref=True),
@@ -39,24 +42,23 @@ def make_inputs(shape, dtype, device, seed):
 
 def reference_terms(lp, old, adv, ref, rollout, o):
     """Per-token ℓ_t (differentiable w.r.t. lp) and the flags, from the reference's pieces, in float64."""
-    loss_type = o.get("loss_type", "ppo_clip")
+    p = ref_impl.Policy(**{k: v for k, v in o.items() if k in ref_impl.Policy._fields})
     adv = adv.unsqueeze(-1).expand_as(lp)
     old = lp.detach() if old is None else old
     ratio = torch.exp(lp - old)
-    s = ref_impl._surrogate(loss_type, ratio, adv, lp, o.get("epsilon_low", 0.2), o.get("epsilon_high", 0.2),
-                            o.get("sapo_temperature_pos", 1.0), o.get("sapo_temperature_neg", 1.05), o.get("delta"))
+    s = ref_impl._surrogate(p, ratio, adv, lp, o.get("epsilon_low", 0.2), o.get("epsilon_high", 0.2), o.get("delta"))
     weight = torch.ones_like(lp)
-    if o.get("rollout_correction"):
-        _, weight = ref_impl._rollout_weight(o["rollout_correction"], old - rollout, o.get("rollout_cap", 3.0),
-                                             o.get("rollout_mask_bounds"))
+    if p.rollout_correction:
+        _, weight = ref_impl._rollout_weight(p, old - rollout)
     loss = s * weight.detach()
     kl = torch.zeros_like(lp)
     if ref is not None:
-        kl = ref_impl._kl_estimate(o.get("kl_estimator", "k3"), lp, ref)
-        if o.get("kl_importance_weighted"):
+        kl = ref_impl._kl_estimate(p.kl_estimator, lp, ref)
+        if p.kl_importance_weighted:
             kl = kl * ratio
         loss = loss + o.get("beta", 0.0) * kl
-    low, high = ref_impl._clip_flags(loss_type, ratio, adv, o.get("epsilon_low", 0.2), o.get("epsilon_high", 0.2))
+    low, high = ref_impl._clip_flags(p, ratio, adv, o.get("epsilon_low", 0.2), o.get("epsilon_high", 0.2),
+                                     o.get("delta"))
     return loss, ratio, low, high, kl, weight
 
 
@@ -119,7 +121,11 @@ def test_agrees_with_fused_grpo(case):
 
 BAD = [
     (dict(epsilon_low=1.0), "epsilon_low must be in [0, 1), got 1"),
-    (dict(delta=1.1), "delta must exceed 1 + epsilon_high = 1.2, got 1.1"),
+    (dict(delta=0.0), "delta must be > 0 (it caps the ratio r = exp(lp - old) > 0; the usual two-sided clip takes "
+                      "delta > 1 + epsilon_high = 1.2), got 0"),
+    (dict(delta=math.inf), "delta must be finite (leave it unset for no cap), got inf"),
+    (dict(loss_mask=torch.ones(3, 5)), "loss_mask must be a bool or integer tensor, got Float"),
+    (dict(loss_mask=torch.ones(3, 4, dtype=torch.bool)), "loss_mask has shape [3, 4] but log_probs has shape [3, 5]"),
     (dict(beta=0.5), "beta = 0.5 > 0 needs ref_log_probs"),
     (dict(loss_type="vanilla"), "loss_type must be 'ppo_clip', 'cispo' or 'sapo' (sequence-level loss types are "
                                 "the fused ops'), got 'vanilla'"),
@@ -137,7 +143,7 @@ BAD = [
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 @pytest.mark.parametrize("bad,message", BAD, ids=[m[:30] for _, m in BAD])
 def test_bad_inputs(bad, message, device):
-    bad = dict(bad)  # the parametrised dict is shared by the devices
+    bad = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in bad.items()}  # (a copy per device)
     args = dict(log_probs=torch.zeros(3, 5), old_log_probs=torch.zeros(3, 5), advantages=torch.zeros(3))
     args.update({k: bad.pop(k) for k in list(bad) if k in args})
     args = {k: v.to(device) for k, v in args.items()}

@@ -5,13 +5,18 @@ there as anywhere; one that takes exp(s·z − lse) after lse (of the logits' ma
 
 Each case compares the max elementwise relative error of the gradient, against the float64 reference, with
 that of eager fp32 PyTorch (the losses through log_softmax, in fp32 under autograd) on the same inputs.
+
+fp16 logits under a loss scale (GradScaler's 2^16): the gradient is computed in the forward for an upstream
+gradient of 1, where most of its values are far below fp16's smallest normal; it must keep every value eager
+PyTorch keeps (the loss of the fp16 logits computed in fp32, as under autocast: g·gradient rounded to fp16 once)
+and stay within 2x eager's median relative error.
 """
 import pytest
 import torch
 
 from rl_losses import reference
 
-from helpers import label_log_probs64, make_target, op_loss
+from helpers import label_log_probs64, make_logits, make_target, op_loss, op_reference, policy_inputs
 
 ROWS, VOCAB = 64, 500
 # (offset, logits_scale_factor): x = s·z. With s = 1, z = offset + randn. With s = 1e6, z is drawn from a grid
@@ -74,3 +79,46 @@ def test_gradient_precision_at_large_logits(op, offset, scale, device):
     op_loss(op, x, target, adv, old, doc, 8, logits_scale_factor=scale).backward()
     ours = _max_relative_error(x.grad, expected)
     assert ours <= 4 * eager + 1e-6, f"max relative gradient error {ours:.3g}, eager fp32 PyTorch's {eager:.3g}"
+
+
+def _eager_fp16_loss(op, x, target, adv, old, doc, num_documents):
+    """The loss in eager PyTorch of fp16 logits as mixed precision computes it (autocast runs these losses in
+    fp32): on x.float(), so that the gradient is computed in fp32 and rounded to fp16 once, by the cast's
+    backward."""
+    x = x.float()
+    if op == "cross_entropy":
+        return torch.nn.functional.cross_entropy(x, target, ignore_index=-100)
+    if op == "grpo":
+        return reference.grpo_loss(x, target, adv, old).loss
+    return reference.gspo_loss(x, target, adv, old, doc, num_documents=num_documents).loss
+
+
+def _median_relative_error(grad, expected, where):
+    return ((grad.double() - expected).abs() / expected.abs())[where].median().item()
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["grad_buffer", "inplace"])
+@pytest.mark.parametrize("op", ["cross_entropy", "grpo", "gspo"])
+def test_fp16_gradient_under_a_loss_scale(op, inplace, device):
+    loss_scale, n_docs = 2.0**16, 16
+    # std 4: the probabilities span ~e^-30..1, so that g·gradient covers fp16's whole range down to subnormals.
+    z = make_logits((384,), 2048, torch.float16, device, std=4.0)
+    target, adv, old, doc = policy_inputs(z.float(), n_docs)
+    target = torch.where(target >= 0, target, -100)
+    expected = op_reference(op, z, target, adv, old, doc, n_docs)[1] * loss_scale
+
+    x = z.clone().requires_grad_()
+    (_eager_fp16_loss(op, x, target, adv, old, doc, n_docs) * loss_scale).backward()
+    eager = x.grad
+
+    y = z.clone().requires_grad_()
+    logits = y * 1 if inplace else y  # inplace_backward needs logits that are not a leaf
+    (op_loss(op, logits, target, adv, old, doc, n_docs, inplace_backward=inplace) * loss_scale).backward()
+    ours = y.grad
+
+    kept = (eager != 0) & (expected != 0)
+    assert eager.isfinite().all() and kept.float().mean() > 0.5
+    lost = (kept & (ours == 0)).sum().item()
+    assert lost == 0, f"{lost} of {kept.sum().item()} gradient values that eager PyTorch keeps are zero"
+    err, err_eager = _median_relative_error(ours, expected, kept), _median_relative_error(eager, expected, kept)
+    assert err <= 2 * err_eager, f"median relative error {err:.3g}, eager PyTorch's {err_eager:.3g}"

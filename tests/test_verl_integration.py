@@ -98,7 +98,6 @@ def test_linear_cross_entropy_reductions():
 
 @pytest.mark.parametrize("case,message", [
     ("reduction", "reduction must be 'none', 'sum' or 'mean'"),
-    ("group", "dist_process_group is not supported"),
     ("shape", "input_ids has shape"),
     ("backend", "unsupported impl_backend"),
 ])
@@ -106,12 +105,33 @@ def test_bad_input_raises(case, message):
     hidden, weight, ids = _inputs((5,), 4, 11)
     calls = {
         "reduction": lambda: rl_verl.linear_cross_entropy(hidden, weight, ids, 1.0, "max"),
-        "group": lambda: rl_verl.linear_cross_entropy(hidden, weight, ids, 1.0, "none", object()),
         "shape": lambda: rl_verl.FusedLinearForPPO()(hidden, weight, ids[:4]),
         "backend": lambda: rl_verl.FusedLinearForPPO(impl_backend="cuda-magic"),
     }
     with pytest.raises(ValueError, match=message):
         calls[case]()
+
+
+def test_vocabulary_parallel_group_goes_back_to_verls_kernel(monkeypatch, caplog):
+    """Megatron passes its tensor-parallel group: with one rank rl_losses' kernel runs; with more (a vocabulary
+    shard per rank) verl's own, saved by install(), with one warning; without it, a clear error."""
+    hidden, weight, ids = _inputs((6,), 8, 41)
+    group = object()
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda g=None: 1)
+    lp, _ = rl_verl.linear_cross_entropy(hidden, weight, ids, 1.0, "none", group)
+    torch.testing.assert_close(lp, _verl_formula(hidden, weight, ids, 1.0)[0], rtol=2e-5, atol=2e-6)
+    calls = []
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda g=None: 2)
+    monkeypatch.setitem(rl_verl._VERL_KERNELS, "linear_cross_entropy", lambda *args: calls.append(args) or "verl")
+    monkeypatch.setattr(rl_verl, "_WARNED", set())
+    with caplog.at_level("WARNING", logger=rl_verl.logger.name):
+        for _ in range(2):
+            assert rl_verl.linear_cross_entropy(hidden, weight, ids, 0.7, "none", group) == "verl"
+    assert len(calls) == 2 and calls[0][3:] == (0.7, "none", group)
+    assert len([r for r in caplog.records if "verl's own kernel runs" in r.getMessage()]) == 1
+    monkeypatch.delitem(rl_verl._VERL_KERNELS, "linear_cross_entropy")
+    with pytest.raises(ValueError, match="needs verl's own kernel"):
+        rl_verl.linear_cross_entropy(hidden, weight, ids, 1.0, "none", group)
 
 
 @pytest.mark.skipif(verl_functional is None, reason="verl does not import here")
@@ -121,3 +141,4 @@ def test_install_replaces_verls_kernels():
     assert rl_verl.INSTALLED
     assert verl_functional.FusedLinearForPPO is rl_verl.FusedLinearForPPO
     assert triton_functional.linear_cross_entropy is rl_verl.linear_cross_entropy
+    assert rl_verl._VERL_KERNELS["linear_cross_entropy"] is not rl_verl.linear_cross_entropy  # verl's, kept

@@ -9,6 +9,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 
+#include <optional>
+
 namespace rl_losses {
 
 inline c10::OperatorHandle find_op(const char* name) {
@@ -20,9 +22,14 @@ inline bool input_needs_grad(const at::Tensor& t) {
   return at::GradMode::is_enabled() && t.requires_grad();
 }
 
-// `grads`: the gradients w.r.t. the differentiable inputs, computed in the forward (undefined: not needed).
-inline void save_fused_grads(torch::autograd::AutogradContext* ctx, const std::vector<at::Tensor>& grads) {
+// `grads`: the gradients w.r.t. the differentiable inputs, computed in the forward (undefined: not needed);
+// `row_unscale`: the per-row factors of a pre-scaled fp16 gradients[0] (row_pass.h, GradRowPrescaled), or
+// undefined/empty.
+inline void save_fused_grads(torch::autograd::AutogradContext* ctx, const std::vector<at::Tensor>& grads,
+                             const at::Tensor& row_unscale = at::Tensor()) {
   ctx->save_for_backward(grads);
+  // Saved even when empty (all but fp16): under symbolic shapes its numel() cannot be asked here.
+  if (row_unscale.defined()) ctx->saved_data["row_unscale"] = row_unscale;
   ctx->saved_data["consumed"] = false;
   // The backward reads only the loss's gradient: autograd need not fill zeros for the other outputs (the
   // metrics), which on CUDA cost a kernel launch each (GRPO: 7 per step).
@@ -42,11 +49,15 @@ inline std::vector<at::Tensor> take_fused_grads(torch::autograd::AutogradContext
               ": double backward (create_graph=True) is not supported: the gradient is computed in the forward "
               "and carries no graph, so its own derivatives would be silently zero; use the pure-PyTorch "
               "reference (rl_losses.reference) for higher-order derivatives");
-  static const auto scale = find_op("rl_losses::_scale_grad_").typed<void(const at::Tensor&, const at::Tensor&)>();
+  static const auto scale =
+      find_op("rl_losses::_scale_grad_")
+          .typed<void(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
   std::vector<at::Tensor> grads = ctx->get_saved_variables();
   if (!grad_output.defined()) return std::vector<at::Tensor>(grads.size());  // no gradient reached the loss
-  for (const auto& g : grads) {
-    if (g.defined()) scale.call(g, grad_output);
+  std::optional<at::Tensor> row_unscale;
+  if (ctx->saved_data.count("row_unscale")) row_unscale = ctx->saved_data["row_unscale"].toTensor();
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i].defined()) scale.call(grads[i], grad_output, i == 0 ? row_unscale : std::nullopt);
   }
   return grads;
 }

@@ -104,6 +104,17 @@ at::Tensor check_per_token_int(const char* op, const char* name, const at::Tenso
   return t.reshape({-1}).to(at::kLong).contiguous();
 }
 
+at::Tensor check_loss_mask(const char* op, const at::Tensor& mask, const at::Tensor& like, const char* like_name,
+                           c10::IntArrayRef sizes, const char* shape_name) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool || at::isIntegralType(mask.scalar_type(), false), op,
+              ": loss_mask must be a bool or integer tensor, got ", mask.scalar_type());
+  TORCH_CHECK(mask.device() == like.device(), op, ": loss_mask is on ", mask.device(), " but ", like_name, " is on ",
+              like.device());
+  TORCH_CHECK(mask.sizes() == sizes, op, ": loss_mask has shape ", mask.sizes(), " but ", like_name, " has ",
+              shape_name, " ", sizes);
+  return mask.reshape({-1}).ne(0).contiguous();
+}
+
 at::Tensor check_label_counts(const char* op, const at::Tensor& t, const at::Tensor& target, at::ScalarType dtype) {
   TORCH_CHECK(t.device() == target.device() && t.sizes() == target.sizes(), op,
               ": label_counts must have the target's shape ", target.sizes(), " and device ", target.device(),
@@ -130,8 +141,9 @@ void check_epsilons(const char* op, double epsilon_low, double epsilon_high) {
 void check_delta(const char* op, std::optional<double> delta, double epsilon_high) {
   TORCH_CHECK(!delta || std::isfinite(*delta), op, ": delta must be finite (leave it unset for no cap), got ",
               delta ? *delta : 0.0);
-  TORCH_CHECK(!delta || *delta > 1 + epsilon_high, op, ": delta must exceed 1 + epsilon_high = ", 1 + epsilon_high,
-              ", got ", delta ? *delta : 0.0);
+  // Any δ > 0 is well defined (common/math.h: clip_coefficient); δ <= 0 would leave no gradient where A > 0.
+  TORCH_CHECK(!delta || *delta > 0, op, ": delta must be > 0 (it caps the ratio r = exp(lp - old) > 0; the usual "
+              "two-sided clip takes delta > 1 + epsilon_high = ", 1 + epsilon_high, "), got ", delta ? *delta : 0.0);
 }
 
 void check_beta(const char* op, double beta, bool has_ref_log_probs) {

@@ -40,13 +40,19 @@ at::Tensor check_per_token(const char* op, const char* name, const at::Tensor& t
                            at::ScalarType dtype);
 at::Tensor check_per_token_int(const char* op, const char* name, const at::Tensor& t, const at::Tensor& target);
 
+// A loss mask (bool or integer, nonzero where a position counts) of `sizes` on `like`'s device; `like_name` and
+// `shape_name` word the messages ("... but logits has batch shape ..."). Returned flattened, contiguous, bool.
+at::Tensor check_loss_mask(const char* op, const at::Tensor& mask, const at::Tensor& like, const char* like_name,
+                           c10::IntArrayRef sizes, const char* shape_name);
+
 // label_counts (integer or float): the target's shape and device; returned flattened, contiguous, in `dtype`.
 at::Tensor check_label_counts(const char* op, const at::Tensor& t, const at::Tensor& target, at::ScalarType dtype);
 
 void check_scale(const char* op, double scale);
 void check_divisor(const char* op, std::optional<double> divisor);
 void check_epsilons(const char* op, double epsilon_low, double epsilon_high);
-// The two-sided clip δ of ppo_clip (grpo, gspo, policy_token_loss): unset, or finite and > 1 + ε_h.
+// The two-sided clip δ of ppo_clip (grpo, gspo, policy_token_loss): unset, or finite and > 0 (ε_h: for the
+// message).
 void check_delta(const char* op, std::optional<double> delta, double epsilon_high);
 // The KL weight beta: finite, >= 0, and with ref_log_probs wherever it is > 0.
 void check_beta(const char* op, double beta, bool has_ref_log_probs);

@@ -7,7 +7,9 @@
 //     compute_grad)` returning (outputs..., grad), or `_<op>_forward_inplace(...)` writing the gradient into
 //     the logits when inplace_backward;
 //   * the gradient is computed in the forward (for an upstream gradient of 1) when grad mode is on and the
-//     logits require it, saved, and scaled in the backward by the `_scale_grad_` op (common/autograd.h).
+//     logits require it, saved, and scaled in the backward by the `_scale_grad_` op (common/autograd.h);
+//   * a forward whose last output is `grad_row_unscale` (the ops over the row pass) stores fp16 gradient rows
+//     pre-scaled, and that output goes to `_scale_grad_` with the gradient.
 // Being boxed, the kernel finds inplace_backward and bias by name, and hands the public op's arguments on to
 // the forward op, whose schema registration.cpp builds from the same list; so a new loss with this shape needs no
 // autograd code at all: list it below.
@@ -15,7 +17,10 @@
 // The fused-linear ops (linear_cross_entropy, linear_grpo, linear_gspo) have the same shape with three
 // differentiable inputs, hidden (argument 0), weight (1) and the optional `bias`: `_linear_<op>_forward(<the
 // public arguments>, output_mask)` returns (outputs..., grad_hidden, grad_weight, grad_bias), computing the
-// gradients that output_mask asks for.
+// gradients that output_mask asks for. Given `weight_main_grad`, the forward adds the weight's gradient into
+// that buffer, for an upstream gradient of 1, and autograd gets none for the weight (its .grad is untouched):
+// the backward then refuses any other upstream gradient (a device-side assert on CUDA, no synchronisation),
+// since what was added cannot be scaled afterwards.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -32,20 +37,37 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Calls rl_losses::<op> with a boxed argument list; returns its (all tensor) outputs.
-std::vector<at::Tensor> call_boxed(const std::string& op, std::vector<c10::IValue> args) {
-  find_op(("rl_losses::" + op).c_str()).callBoxed(args);
+// Calls an op with a boxed argument list; returns its (all tensor) outputs.
+std::vector<at::Tensor> call_boxed(const c10::OperatorHandle& op, std::vector<c10::IValue> args) {
+  op.callBoxed(args);
   std::vector<at::Tensor> out;
   out.reserve(args.size());
   for (auto& v : args) out.push_back(v.toTensor());
   return out;
 }
 
+// What a forward op returns: the public op's outputs, the gradient (not in place) and the per-row factors of
+// a pre-scaled fp16 gradient (undefined where the forward has no grad_row_unscale output).
+struct ForwardOutputs {
+  std::vector<at::Tensor> out;
+  at::Tensor grad, row_unscale;
+};
+
 // Calls the forward op with `args` (the public op's arguments, logits first, inplace_backward removed).
-std::vector<at::Tensor> call_forward(const std::string& name, std::vector<c10::IValue> args, bool need_grad,
-                                     bool inplace) {
+ForwardOutputs call_forward(const std::string& name, std::vector<c10::IValue> args, bool need_grad, bool inplace) {
   if (!inplace) args.emplace_back(need_grad);
-  return call_boxed("_" + name + (inplace ? "_forward_inplace" : "_forward"), std::move(args));
+  const auto op = find_op(("rl_losses::_" + name + (inplace ? "_forward_inplace" : "_forward")).c_str());
+  ForwardOutputs f;
+  f.out = call_boxed(op, std::move(args));
+  if (op.schema().returns().back().name() == "grad_row_unscale") {
+    f.row_unscale = f.out.back();
+    f.out.pop_back();
+  }
+  if (!inplace) {
+    f.grad = f.out.back();
+    f.out.pop_back();
+  }
+  return f;
 }
 
 class FusedLossFunction : public torch::autograd::Function<FusedLossFunction> {
@@ -54,16 +76,13 @@ class FusedLossFunction : public torch::autograd::Function<FusedLossFunction> {
                                std::vector<c10::IValue> rest, bool need_grad, bool inplace) {
     at::AutoDispatchBelowADInplaceOrView guard;
     rest.insert(rest.begin(), logits);
-    std::vector<at::Tensor> out = call_forward(name, std::move(rest), need_grad, need_grad && inplace);
-    at::Tensor grad;
+    ForwardOutputs f = call_forward(name, std::move(rest), need_grad, need_grad && inplace);
+    std::vector<at::Tensor>& out = f.out;
     if (need_grad && inplace) {
       mark_overwritten(logits);
-      grad = logits;
-    } else {
-      grad = out.back();
-      out.pop_back();
+      f.grad = logits;
     }
-    if (need_grad) save_fused_grads(ctx, {grad});
+    if (need_grad) save_fused_grads(ctx, {f.grad}, f.row_unscale);
     ctx->saved_data["name"] = name;
     ctx->mark_non_differentiable(variable_list(out.begin() + 1, out.end()));
     return out;
@@ -112,34 +131,34 @@ void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
 void no_grad_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   PublicArgs p = pop_public_args(op, stack);
   p.rest.insert(p.rest.begin(), p.logits);
-  std::vector<at::Tensor> out = call_forward(p.name, std::move(p.rest), false, false);
-  out.pop_back();  // the empty gradient placeholder
-  for (auto& t : out) stack->emplace_back(std::move(t));
+  for (auto& t : call_forward(p.name, std::move(p.rest), false, false).out) stack->emplace_back(std::move(t));
 }
 
 // ---- fused-linear ops ---------------------------------------------------------------------------------
 std::vector<at::Tensor> call_linear_forward(const std::string& name, std::vector<c10::IValue> args,
                                             std::array<bool, 3> mask) {
   args.emplace_back(c10::List<bool>({mask[0], mask[1], mask[2]}));
-  return call_boxed("_" + name + "_forward", std::move(args));
+  return call_boxed(find_op(("rl_losses::_" + name + "_forward").c_str()), std::move(args));
 }
 
 class LinearLossFunction : public torch::autograd::Function<LinearLossFunction> {
  public:
   // hidden, weight, bias are the differentiable inputs (an optional bias: autograd tracks it when given);
   // `args` is the whole public argument list, passed on to the forward op.
+  // into_main_grad: the weight's gradient goes into the weight_main_grad argument.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, const std::string& name,
-                               std::vector<c10::IValue> args, std::array<bool, 3> mask) {
+                               std::vector<c10::IValue> args, std::array<bool, 3> mask, bool into_main_grad) {
     at::AutoDispatchBelowADInplaceOrView guard;
     std::vector<at::Tensor> out = call_linear_forward(name, std::move(args), mask);
     std::vector<at::Tensor> grads(out.end() - 3, out.end());
     out.resize(out.size() - 3);
     for (int i = 0; i < 3; ++i) {
-      if (!mask[i]) grads[i] = at::Tensor();
+      if (!mask[i] || (i == 1 && into_main_grad)) grads[i] = at::Tensor();
     }
     save_fused_grads(ctx, grads);
     ctx->saved_data["name"] = name;
+    ctx->saved_data["into_main_grad"] = into_main_grad;
     ctx->mark_non_differentiable(variable_list(out.begin() + 1, out.end()));
     return out;
   }
@@ -147,7 +166,13 @@ class LinearLossFunction : public torch::autograd::Function<LinearLossFunction> 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const std::string name = ctx->saved_data["name"].toStringRef();
     std::vector<at::Tensor> grads = take_fused_grads(ctx, grad_outputs[0], name.c_str());
-    return {grads[0], grads[1], grads[2], at::Tensor(), at::Tensor(), at::Tensor()};
+    if (ctx->saved_data["into_main_grad"].toBool() && grad_outputs[0].defined()) {
+      at::_assert_async(grad_outputs[0].eq(1),
+                        name + ": with weight_main_grad, the weight's gradient is added to the buffer in the forward, "
+                               "for an upstream gradient of 1, and the backward got another one; scale the loss "
+                               "through divisor instead of scaling the returned loss");
+    }
+    return {grads[0], grads[1], grads[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -155,7 +180,7 @@ struct LinearArgs {
   std::string name;
   std::vector<c10::IValue> args;
   at::Tensor hidden, weight;
-  std::optional<at::Tensor> bias;
+  std::optional<at::Tensor> bias, main_grad;
 };
 
 LinearArgs pop_linear_args(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -170,6 +195,9 @@ LinearArgs pop_linear_args(const c10::OperatorHandle& op, torch::jit::Stack* sta
   const auto idx = schema.argumentIndexWithName("bias");
   TORCH_INTERNAL_ASSERT(idx.has_value(), schema.name(), " has no bias argument");
   if (!p.args[*idx].isNone()) p.bias = p.args[*idx].toTensor();
+  const auto main_grad = schema.argumentIndexWithName("weight_main_grad");
+  TORCH_INTERNAL_ASSERT(main_grad.has_value(), schema.name(), " has no weight_main_grad argument");
+  if (!p.args[*main_grad].isNone()) p.main_grad = p.args[*main_grad].toTensor();
   return p;
 }
 
@@ -177,7 +205,9 @@ void linear_autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, 
   LinearArgs p = pop_linear_args(op, stack);
   const std::array<bool, 3> mask{input_needs_grad(p.hidden), input_needs_grad(p.weight),
                                  p.bias && input_needs_grad(*p.bias)};
-  for (auto& t : LinearLossFunction::apply(p.hidden, p.weight, p.bias, p.name, std::move(p.args), mask))
+  const bool into_main_grad = mask[1] && p.main_grad.has_value();
+  for (auto& t : LinearLossFunction::apply(p.hidden, p.weight, p.bias, p.name, std::move(p.args), mask,
+                                           into_main_grad))
     stack->emplace_back(std::move(t));
 }
 

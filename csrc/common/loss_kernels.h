@@ -36,19 +36,22 @@ void logits_loss_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torc
   const auto in = args.read<LogitsInput>();
   const auto shard = args.read<VocabShard>();
   const bool compute_grad = !kInplace && args.read<ComputeGradArg>().compute_grad;
-  LogitsSource src(Loss::kName, in.logits, in.target, shard.vocab_start, shard.vocab_size, compute_grad, kInplace);
+  // The gradient is scaled by `_scale_grad_` in the backward, so fp16 rows may be stored pre-scaled.
+  LogitsSource src(Loss::kName, in.logits, in.target, shard.vocab_start, shard.vocab_size, compute_grad, kInplace,
+                   /*scaled_later=*/true);
   Loss::run(src, in.target, args, true).write(args);
   if (!kInplace) GradResult{src.grads()[0]}.write(args);
+  GradRowUnscaleResult{src.grad_row_unscale()}.write(args);
   args.push_results();
 }
 
-template <class Loss, WeightGradFn kWeightGrad>
+template <class Loss, const LinearBackend& (*kLinear)()>
 void linear_loss_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   schema::Args args(op, stack);
   const auto in = args.read<LinearInput>();
   const auto linear = args.read<LinearOptions>();
-  LinearSource src(Loss::kLinearName, in.hidden, in.weight, linear.bias, in.target, linear.chunk_size,
-                   args.read<OutputMaskArg>().output_mask, kWeightGrad);
+  LinearSource src(Loss::kLinearName, in.hidden, in.weight, linear.bias, in.target, linear,
+                   args.read<OutputMaskArg>().output_mask, kLinear());
   Loss::run(src, in.target, args, false).write(args);
   const auto g = src.grads();
   LinearGradResults{g[0], g[1], g[2]}.write(args);
@@ -68,11 +71,11 @@ void register_loss(torch::Library& m) {
   m.impl(("_" + name + "_forward_inplace").c_str(), boxed<&logits_loss_kernel<Loss, true>, Wrap>());
 }
 
-// And `_linear_<name>_forward`, over the back-end's weight-gradient GEMM.
-template <class Loss, WeightGradFn kWeightGrad, template <BoxedKernel> class Wrap = Unwrapped>
+// And `_linear_<name>_forward`, over the back-end's GEMMs.
+template <class Loss, const LinearBackend& (*kLinear)(), template <BoxedKernel> class Wrap = Unwrapped>
 void register_linear_loss(torch::Library& m) {
   const std::string name = std::string("_") + Loss::kLinearName + "_forward";
-  m.impl(name.c_str(), boxed<&linear_loss_kernel<Loss, kWeightGrad>, Wrap>());
+  m.impl(name.c_str(), boxed<&linear_loss_kernel<Loss, kLinear>, Wrap>());
 }
 
 }  // namespace rl_losses

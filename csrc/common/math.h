@@ -310,6 +310,12 @@ C10_HOST_DEVICE inline T at_least_one(T x) {
   return x < T(1) ? T(1) : x;
 }
 
+// min(r, δ): the ratio under the two-sided clip (NaN stays NaN).
+template <typename T>
+C10_HOST_DEVICE inline T capped_ratio(const ClipOptions<T>& o, T ratio) {
+  return ratio > o.delta ? o.delta : ratio;
+}
+
 // −min( min(r, δ)·A , clip(r, 1−ε_l, 1+ε_h)·A ); 0 for A = 0 at any r, an overflowed r = inf included (a NaN r
 // stays NaN: NaN in, NaN out).
 template <typename T>
@@ -317,18 +323,19 @@ C10_HOST_DEVICE inline T clipped_surrogate_loss(const ClipOptions<T>& o, T ratio
   if (advantage == T(0)) return ratio == ratio ? T(0) : ratio;
   const T lo = T(1) - o.epsilon_low, hi = T(1) + o.epsilon_high;
   const T clipped = ratio < lo ? lo : (ratio > hi ? hi : ratio);
-  const T capped = ratio < o.delta ? ratio : o.delta;
-  const T s1 = capped * advantage, s2 = clipped * advantage;
+  const T s1 = capped_ratio(o, ratio) * advantage, s2 = clipped * advantage;
   return -(s1 < s2 ? s1 : s2);
 }
 
-// c(r, A): the factor of A through which the surrogate still depends on r (0 where a clip is active).
+// c(r, A): the factor of A through which the surrogate still depends on r (0 where a clip or the cap is active).
+// The surrogate is −A·min(r, 1+ε_h, δ) for A > 0 and −A·min(max(δ, 1+ε_h), max(r, 1−ε_l)) for A < 0: the cap δ
+// binds where A > 0 only below 1+ε_h and where A < 0 only above it (dual-clip PPO), so any δ > 0 is well defined.
 template <typename T>
 C10_HOST_DEVICE inline T clip_coefficient(const ClipOptions<T>& o, T ratio, T advantage) {
-  const T pos = advantage > T(0) ? advantage : T(0);
-  const T neg = advantage < T(0) ? advantage : T(0);
-  const T c = (ratio <= T(1) + o.epsilon_high ? pos : T(0)) + (ratio >= T(1) - o.epsilon_low ? neg : T(0));
-  return ratio <= o.delta ? c : T(0);
+  const T hi = T(1) + o.epsilon_high;
+  if (advantage > T(0)) return ratio <= hi && ratio <= o.delta ? advantage : T(0);
+  if (advantage < T(0)) return ratio >= T(1) - o.epsilon_low && (ratio <= hi || ratio <= o.delta) ? advantage : T(0);
+  return T(0);
 }
 
 // c(r, A)·r: the factor of A in −∂surrogate/∂lp. Exactly 0 where a clip or the cap δ is active, also when r
@@ -338,14 +345,15 @@ C10_HOST_DEVICE inline T clip_gradient_factor(const ClipOptions<T>& o, T ratio, 
   return ratio == ratio ? zero_or_product(clip_coefficient(o, ratio, advantage), ratio) : ratio;
 }
 
-// Clipped-fraction flags (docs/math.md, metrics).
+// Clipped-fraction flags (docs/math.md, metrics), TRL's: on the capped ratio (its coef_1 after the two-sided
+// clip), which is r itself wherever δ > 1+ε_h.
 template <typename T>
 C10_HOST_DEVICE inline bool clipped_low(const ClipOptions<T>& o, T ratio, T advantage) {
-  return ratio < T(1) - o.epsilon_low && advantage < T(0);
+  return capped_ratio(o, ratio) < T(1) - o.epsilon_low && advantage < T(0);
 }
 template <typename T>
 C10_HOST_DEVICE inline bool clipped_high(const ClipOptions<T>& o, T ratio, T advantage) {
-  return ratio > T(1) + o.epsilon_high && advantage > T(0);
+  return capped_ratio(o, ratio) > T(1) + o.epsilon_high && advantage > T(0);
 }
 
 // k3 estimator of KL(π || q) from the log-ratio d = log q − log π: exp(d) − d − 1 (≥ 0, exact 0 at d = 0).

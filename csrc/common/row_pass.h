@@ -15,6 +15,11 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -33,9 +38,18 @@ struct RowPassArgs {
   int64_t vocab_total = 0;   // V of the whole vocabulary (label range check)
   bool entropy = false;      // accumulate Σp·x
   bool smoothing = false;    // accumulate Σx
+  // Where a pass that computes the statistics also stores them, (N, 5) like stats_in, or undefined: the
+  // fused lm_head's lean mode keeps each row's statistics for its passes over vocabulary blocks.
+  at::Tensor stats_out;
   // The epilogue's index of row 0: the rows are a chunk of a larger batch (the fused-linear ops), whose
-  // per-token arrays the epilogue indexes globally. Logits, target, stats_in and grad are the chunk's own.
+  // per-token arrays the epilogue indexes globally. Logits, target, stats_in, stats_out and grad are the chunk's.
   int64_t row_offset = 0;
+  // (N,) fp32, or undefined: for fp16 logits whose gradient is computed in the forward and scaled in the
+  // backward, each row's gradient is stored multiplied by 2^k and 2^-k goes here (GradRowPrescaled).
+  at::Tensor grad_row_unscale;
+  // (N,) int64, or undefined: the epilogue's index of each row, where the rows are not consecutive (the fused
+  // lm_head's labelled rows, gathered); it replaces row_offset.
+  at::Tensor row_index;
 
   bool compute_stats() const { return !stats_in.defined(); }
   bool write_grad() const { return grad.defined(); }
@@ -81,7 +95,14 @@ struct RowPassView {
   int64_t vocab_start;
   int64_t vocab_total;
   int64_t row_offset;
+  const int64_t* row_index;  // or null
+  acc_t* stats_out;          // or null
   acc_t scale;
+
+  // The index the epilogue (and every per-token array it reads) knows the row by.
+  C10_HOST_DEVICE int64_t epilogue_row(int64_t row) const {
+    return row_index != nullptr ? row_index[row] : row + row_offset;
+  }
 };
 
 template <typename scalar_t, typename label_t, typename acc_t>
@@ -98,6 +119,8 @@ inline RowPassView<scalar_t, label_t, acc_t> make_view(const RowPassArgs& a) {
   v.vocab_start = a.vocab_start;
   v.vocab_total = a.vocab_total;
   v.row_offset = a.row_offset;
+  v.row_index = a.row_index.defined() ? a.row_index.const_data_ptr<int64_t>() : nullptr;
+  v.stats_out = a.stats_out.defined() ? a.stats_out.data_ptr<acc_t>() : nullptr;
   v.scale = static_cast<acc_t>(a.scale);
   return v;
 }
@@ -130,6 +153,22 @@ void dispatch_stat_flags(const RowPassArgs& args, Go&& go) {
   return go(F{}, F{});
 }
 
+// Row `row` of an (N, 5) statistics tensor: max, sumexp, sum_px, sum_x, label.
+template <typename acc_t>
+C10_HOST_DEVICE inline RowStats<acc_t> load_stats(const acc_t* stats, int64_t row) {
+  const acc_t* s = stats + row * RowStats<acc_t>::kFields;
+  return {s[0], s[1], s[2], s[3], s[4]};
+}
+template <typename acc_t>
+C10_HOST_DEVICE inline void store_stats(acc_t* stats, int64_t row, const RowStats<acc_t>& st) {
+  acc_t* o = stats + row * RowStats<acc_t>::kFields;
+  o[0] = st.max;
+  o[1] = st.sumexp;
+  o[2] = st.sum_px;
+  o[3] = st.sum_x;
+  o[4] = st.label;
+}
+
 // Epilogue that stores the raw statistics (N, 5): max, sumexp, sum_px, sum_x, label. Used by the
 // statistics-only pass (tensor-parallel forward, GSPO pass 1). No gradient. kLabelledOnly: a row with
 // label < 0 is not read and gets RowStats::empty(), for a caller that uses no statistics of such rows.
@@ -140,21 +179,10 @@ struct StoreStatsEpilogue {
   static constexpr bool kMayReadStats = false, kMayWriteGrad = false, kSkipsUnlabelled = kLabelledOnly;
   acc_t* out;
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t /*label*/, const RowStats<acc_t>& st) const {
-    acc_t* o = out + row * RowStats<acc_t>::kFields;
-    o[0] = st.max;
-    o[1] = st.sumexp;
-    o[2] = st.sum_px;
-    o[3] = st.sum_x;
-    o[4] = st.label;
+    store_stats(out, row, st);
     return {acc_t(0), acc_t(0), acc_t(0)};
   }
 };
-
-template <typename acc_t>
-C10_HOST_DEVICE inline RowStats<acc_t> load_stats(const acc_t* stats, int64_t row) {
-  const acc_t* s = stats + row * RowStats<acc_t>::kFields;
-  return {s[0], s[1], s[2], s[3], s[4]};
-}
 
 // Epilogue for a gradient pass whose per-row coefficients were computed elsewhere (GSPO): the gradient is
 // coef_t·(p − onehot), i.e. (a, b, c) = (coef, −coef, 0), plus an entropy bonus's h_t·p·(log p + H_t) where
@@ -174,6 +202,66 @@ struct PolicyCoefEpilogue {
     return {c + h * entropy[row], -c, acc_t(0), h};
   }
 };
+
+// The power of two 2^k by which a fp16 row's gradient is stored, chosen from its coefficients: the gradient
+// s·(a·p_j + c + b·[j = y] + h·p_j·log p_j) is bounded by B = s·(|a| + |b| + |c| + |h|/e) (p ≤ 1,
+// |p·log p| ≤ 1/e), and B·2^k lands in [2^14, 2^15), below fp16's largest finite value (65504). A gradient
+// computed for an upstream gradient of 1 is small (1/D per token), so that rounded to fp16 as it is, its small
+// values would be subnormal or zero before a loss scale multiplies them in the backward; stored pre-scaled they
+// keep fp16's full precision, and the backward (_scale_grad_) multiplies by g·2^-k in fp32 and rounds once more.
+// k = 0 for a zero (masked) row and for a bound that is not finite. Exponents are read and built from the float's
+// bits (frexp/ldexp's general paths cost registers the kernels' epilogue thread does not have).
+C10_HOST_DEVICE inline int fp16_grad_row_exponent(const GradCoef<float>& c, float scale) {
+  const float bound = ::fabsf(scale) * (::fabsf(c.a) + ::fabsf(c.b) + ::fabsf(c.c) + ::fabsf(c.h) * 0.36787944f);
+  if (!(bound > 0.f) || !(bound <= std::numeric_limits<float>::max())) return 0;
+  uint32_t bits;
+  memcpy(&bits, &bound, sizeof(bits));
+  const int e = static_cast<int>(bits >> 23) - 126;  // bound < 2^e (a normal bound also ≥ 2^(e-1))
+  return std::min(std::max(15 - e, -100), 100);       // 2^±100: normal floats
+}
+
+// 2^k as a float, for |k| ≤ 126.
+C10_HOST_DEVICE inline float exp2_of_int(int k) {
+  const uint32_t bits = static_cast<uint32_t>(k + 127) << 23;
+  float f;
+  memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// The epilogue of a fp16 gradient pass whose gradient is scaled in the backward: the wrapped epilogue's
+// coefficients times 2^k (fp16_grad_row_exponent), exact in fp32, and 2^-k in row_unscale[row] (the row as the
+// epilogue indexes it). With row_unscale null it is the wrapped epilogue. prescaled_epilogue applies it.
+template <typename Epi>
+struct GradRowPrescaled {
+  static constexpr bool kMayUseEntropy = Epi::kMayUseEntropy, kMayUseSmoothing = Epi::kMayUseSmoothing;
+  static constexpr bool kMayUseEntropyGrad = Epi::kMayUseEntropyGrad, kMayReadStats = Epi::kMayReadStats;
+  static constexpr bool kMayWriteGrad = Epi::kMayWriteGrad, kSkipsUnlabelled = Epi::kSkipsUnlabelled;
+  Epi epi;
+  float* row_unscale;
+  float scale;
+  C10_HOST_DEVICE GradCoef<float> operator()(int64_t row, int64_t label, const RowStats<float>& st) const {
+    const GradCoef<float> c = epi(row, label, st);
+    if (row_unscale == nullptr) return c;
+    const int k = fp16_grad_row_exponent(c, scale);
+    row_unscale[row] = exp2_of_int(-k);
+    const float f = exp2_of_int(k);
+    return {c.a * f, c.b * f, c.c * f, c.h * f};
+  }
+};
+
+// The epilogue a back-end runs for logits of type scalar_t: GradRowPrescaled for fp16 gradient passes (its
+// pointer null unless args.grad_row_unscale is given), the op's own epilogue otherwise. bf16 and fp32 share
+// fp32's exponent range and need no pre-scaling.
+template <typename scalar_t, typename Epi>
+auto prescaled_epilogue(const RowPassArgs& args, const Epi& epi) {
+  if constexpr (std::is_same_v<scalar_t, c10::Half> && Epi::kMayWriteGrad) {
+    float* unscale = args.write_grad() && args.grad_row_unscale.defined() ? args.grad_row_unscale.data_ptr<float>()
+                                                                           : nullptr;
+    return GradRowPrescaled<Epi>{epi, unscale, static_cast<float>(args.scale)};
+  } else {
+    return epi;
+  }
+}
 
 // A reduction for a runner's sum_then (CpuRunner, CudaRunner): kTerms values per index i, `terms(i, v)`,
 // summed over i; then `finish(sums)` once, on the device. It replaces a column sum and the small ops after

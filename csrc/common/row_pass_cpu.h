@@ -70,8 +70,8 @@ void row_pass_cpu_typed(const RowPassArgs& args, const Epilogue& epi) {
       for (int64_t row = begin; row < end; ++row) {
         const scalar_t* x = v.logits + row * v.row_stride;
         const int64_t label = static_cast<int64_t>(v.target[row]);
-        TORCH_CHECK(label < v.vocab_total, "target: label ", label, " at row ", row, " is out of range for ",
-                    "vocab_size ", v.vocab_total);
+        TORCH_CHECK(label < v.vocab_total, "target: label ", label, " at row ", v.epilogue_row(row),
+                    " is out of range for vocab_size ", v.vocab_total);
         const int64_t local = label - v.vocab_start;
         const bool has_label = label >= 0 && local >= 0 && local < v.vocab;
         RowStats<acc_t> st = RowStats<acc_t>::empty();
@@ -80,10 +80,11 @@ void row_pass_cpu_typed(const RowPassArgs& args, const Epilogue& epi) {
             st = row_stats_cpu<kEntropy, kSmoothing>(x, v.vocab, v.scale);
             st.label = has_label ? static_cast<acc_t>(x[local]) * v.scale : acc_t(0);
           }
+          if (v.stats_out != nullptr) store_stats(v.stats_out, row, st);
         } else {
           st = load_stats(v.stats_in, row);
         }
-        const GradCoef<acc_t> coef = epi(row + v.row_offset, label, st);
+        const GradCoef<acc_t> coef = epi(v.epilogue_row(row), label, st);
         if (!grad) continue;
         scalar_t* g = v.grad + row * v.grad_row_stride;
         constexpr bool kEntropyGrad = Epilogue::kMayUseEntropyGrad;
@@ -124,7 +125,7 @@ template <typename Epilogue_for>
 void row_pass_cpu(const RowPassArgs& args, const char* name, Epilogue_for&& make_epilogue) {
   RL_LOSSES_DISPATCH_LOGITS(args.logits.scalar_type(), name, [&] {
     using acc_t = typename acc_type<scalar_t>::type;
-    const auto epi = make_epilogue(static_cast<acc_t*>(nullptr));
+    const auto epi = prescaled_epilogue<scalar_t>(args, make_epilogue(static_cast<acc_t*>(nullptr)));
     using Epi = std::decay_t<decltype(epi)>;
     dispatch_stat_flags<Epi>(args, [&](auto entropy, auto smoothing) {
       row_pass_cpu_typed<scalar_t, int64_t, decltype(entropy)::value, decltype(smoothing)::value>(args, epi);

@@ -91,7 +91,7 @@ void row_pass_cuda(const RowPassArgs& args, const char* name, Epilogue_for&& mak
   if (args.logits.size(0) == 0) return;
   RL_LOSSES_DISPATCH_LOGITS(args.logits.scalar_type(), name, [&] {
     using acc_t = typename acc_type<scalar_t>::type;
-    const auto epi = make_epilogue(static_cast<acc_t*>(nullptr));
+    const auto epi = prescaled_epilogue<scalar_t>(args, make_epilogue(static_cast<acc_t*>(nullptr)));
     using Epi = std::decay_t<decltype(epi)>;
     // Rows of up to 64K elements get 256-thread blocks, several rows per SM at once: a 1024-thread block
     // covers a bf16 row of 32000 in one round of loads, and its per-row reductions then dominate (GSPO at

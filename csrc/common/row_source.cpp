@@ -29,8 +29,10 @@ void advise_huge_pages(const at::Tensor& t) {
 }  // namespace
 
 LogitsSource::LogitsSource(const char* op, const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
-                           int64_t vocab_size, bool compute_grad, bool inplace)
+                           int64_t vocab_size, bool compute_grad, bool inplace, bool scaled_later)
     : RowSource(op, check_and_flatten(op, logits, target, vocab_start, vocab_size), compute_grad || inplace) {
+  const bool prescaled = scaled_later && (compute_grad || inplace) && logits.scalar_type() == at::kHalf;
+  grad_row_unscale_ = at::empty({prescaled ? f_.n_rows : 0}, logits.options().dtype(at::kFloat));
   if (inplace) {
     TORCH_CHECK(f_.is_view, op, ": inplace_backward needs logits whose batch dimensions flatten to one row ",
                 "stride (got shape ", logits.sizes(), ", strides ", logits.strides(), ")");
@@ -56,7 +58,10 @@ void LogitsSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass
   TORCH_INTERNAL_ASSERT(!with_grad || grad2d_.defined(), "rl_losses: a gradient pass without a gradient buffer");
   RowPassArgs a = args;
   a.logits = f_.logits2d;
-  if (with_grad) a.grad = grad2d_;
+  if (with_grad) {
+    a.grad = grad2d_;
+    if (grad_row_unscale_.numel() > 0) a.grad_row_unscale = grad_row_unscale_;
+  }
   pass(a);
 }
 

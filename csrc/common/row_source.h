@@ -7,7 +7,10 @@
 //     at a time; each chunk's gradient is written over the chunk and at once turned into grad_hidden,
 //     grad_weight and grad_bias by GEMMs, so no more than one chunk of logits ever exists.
 // A pass sees the rows of one chunk: args.logits, target, stats_in and grad are the chunk's, while the
-// epilogue indexes its per-token arrays globally through args.row_offset (row_pass.h).
+// epilogue indexes its per-token arrays globally through args.row_offset or args.row_index (row_pass.h).
+// A source may leave the unlabelled rows out of its passes altogether (LinearSource's skip_unlabelled): their
+// epilogue never runs, so an op allocates the per-row outputs its epilogue writes with row_outputs(), zeros
+// there, and reads no statistics of an unlabelled row.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -32,6 +35,13 @@ class RowSource {
   at::TensorOptions acc_options() const { return f_.options.dtype(acc_dtype(f_.options.dtype().toScalarType())); }
   // Whether the op must compute its gradient (the caller asked for it).
   bool wants_grad() const { return wants_grad_; }
+  // Whether the passes leave the unlabelled rows out (see above).
+  bool skips_unlabelled() const { return skips_unlabelled_; }
+  // A per-row output of the accumulation dtype that the op's epilogue fills: zeros where the source skips
+  // rows, uninitialised otherwise.
+  at::Tensor row_outputs(at::IntArrayRef sizes) const {
+    return skips_unlabelled_ ? at::zeros(sizes, acc_options()) : at::empty(sizes, acc_options());
+  }
 
   // Runs `pass` over every row, chunk by chunk. With `with_grad`, each pass writes dL/dlogits of its rows
   // (for an upstream gradient of 1) into args.grad, and the source turns it into the op's gradients.
@@ -44,20 +54,27 @@ class RowSource {
   const char* op_;
   FlatLogits f_;
   bool wants_grad_;
+  bool skips_unlabelled_ = false;
 };
 
 class LogitsSource final : public RowSource {
  public:
   // Validates and flattens the logits (check_and_flatten). The gradient goes into the logits' own storage
-  // (inplace), a new buffer (compute_grad), or nowhere.
+  // (inplace), a new buffer (compute_grad), or nowhere. `scaled_later`: the gradient is computed for an
+  // upstream gradient of 1 and scaled by `_scale_grad_` in the backward, so that fp16 rows may be stored
+  // pre-scaled (row_pass.h, GradRowPrescaled; grad_row_unscale() returns their factors).
   LogitsSource(const char* op, const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
-               int64_t vocab_size, bool compute_grad, bool inplace);
+               int64_t vocab_size, bool compute_grad, bool inplace, bool scaled_later = false);
   void run(const RowPassArgs& args, bool with_grad, const Pass& pass) override;
   std::vector<at::Tensor> grads() override { return {grad_}; }
+  // (N,) fp32 2^-k per row for fp16 gradients computed with scaled_later; an empty fp32 tensor otherwise
+  // (`_scale_grad_`'s row_unscale).
+  const at::Tensor& grad_row_unscale() const { return grad_row_unscale_; }
 
  private:
   at::Tensor grad2d_;  // (N, V_loc) where the passes write, or undefined
   at::Tensor grad_;    // what the op returns: shaped like the logits, or an empty placeholder
+  at::Tensor grad_row_unscale_;
 };
 
 }  // namespace rl_losses

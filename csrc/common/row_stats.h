@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+#include <type_traits>
 #include <utility>
 
 #include "common/checks.h"
@@ -37,6 +39,39 @@ void row_stats_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
   shape.push_back(5);
   StatsResult{out.view(shape)}.write(args);
   args.push_results();
+}
+
+// One value of `_scale_grad_`: the stored gradient value s times its row's factor f (the upstream gradient,
+// times 2^-k for a pre-scaled fp16 row), in fp32 and rounded once to the gradient's dtype. A pre-scaled fp16 value
+// has been rounded once already (row_pass.h, GradRowPrescaled): where the product rounds to zero but the value
+// stored, give or take its own rounding, is above half fp16's smallest subnormal (2^-25, below which eager's single
+// rounding g·gradient -> fp16 gives zero), it becomes that subnormal (2^-24) instead, so that no value the single
+// rounding keeps is lost.
+template <typename scalar_t, typename acc_t, bool kPrescaled>
+C10_HOST_DEVICE inline scalar_t scaled_grad_value(scalar_t s, acc_t f) {
+  const acc_t v = static_cast<acc_t>(s) * f;
+  const scalar_t out = static_cast<scalar_t>(v);
+  if constexpr (kPrescaled && std::is_same_v<scalar_t, c10::Half>) {
+    const float a = ::fabsf(static_cast<float>(s));
+    if (static_cast<float>(out) == 0.f && a != 0.f && (a * (1.f + 0x1p-11f) + 0x1p-25f) * ::fabsf(f) > 0x1p-25f)
+      return static_cast<scalar_t>(v < 0.f ? -0x1p-24f : 0x1p-24f);
+  }
+  return out;
+}
+
+// `_scale_grad_`'s arguments: grad_output one value (0-dim) or one per row of the gradient (reduction="none");
+// row_unscale (row_pass.h, GradRowPrescaled) absent or empty, or one contiguous fp32 factor per row, on the
+// gradient's device.
+inline void check_scale_grad(const at::Tensor& grad2d, const at::Tensor& grad_output,
+                             const std::optional<at::Tensor>& u) {
+  TORCH_CHECK((grad_output.numel() == 1 && grad_output.dim() == 0) || grad_output.numel() == grad2d.size(0),
+              "_scale_grad_: grad_output has ", grad_output.numel(), " values for a gradient of ", grad2d.size(0),
+              " rows");
+  if (!u.has_value() || u->numel() == 0) return;
+  TORCH_CHECK(u->scalar_type() == at::kFloat && u->dim() == 1 && u->numel() == grad2d.size(0) && u->is_contiguous() &&
+                  u->device() == grad2d.device(),
+              "_scale_grad_: row_unscale must be a contiguous float32 vector of ", grad2d.size(0), " values on ",
+              grad2d.device(), ", got ", u->scalar_type(), " of shape ", u->sizes(), " on ", u->device());
 }
 
 // labelled_count (checks.h) on one device: `out` a 0-dim floating tensor.

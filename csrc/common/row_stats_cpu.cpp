@@ -18,42 +18,51 @@ void stats_cpu(const RowPassArgs& args, const at::Tensor& out) {
   });
 }
 
-// grad[r, :] *= g[r] (g_stride 0: one g for every row), in the accumulation type: the product of the upstream
-// gradient and the stored gradient is rounded once to the logits dtype. ATen's mul_ would round a scalar g to
-// fp16/bf16 first (2^16, GradScaler's default, is inf in fp16; 1/3 is 0.2% off in bf16), and with a per-row g
-// it would allocate a float copy of the whole gradient.
-template <typename scalar_t, typename g_t>
-void scale_rows_cpu(const at::Tensor& grad2d, const g_t* g, int64_t g_stride) {
+// grad[r, :] *= g[r]·unscale[r] (g_stride 0: one g for every row; unscale null: 1), in the accumulation type:
+// the product of the upstream gradient and the stored gradient is rounded once to the logits dtype. ATen's mul_
+// would round a scalar g to fp16/bf16 first (2^16, GradScaler's default, is inf in fp16; 1/3 is 0.2% off in
+// bf16), and with a per-row g it would allocate a float copy of the whole gradient. Rows whose factor is 1 are
+// not touched.
+template <typename scalar_t, bool kPrescaled, typename g_t>
+void scale_rows_cpu(const at::Tensor& grad2d, const g_t* g, int64_t g_stride, const float* unscale) {
   using acc_t = typename acc_type<scalar_t>::type;
   scalar_t* base = grad2d.data_ptr<scalar_t>();
   const int64_t cols = grad2d.size(1), row_stride = grad2d.stride(0);
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1));
   at::parallel_for(0, grad2d.size(0), grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const acc_t f = static_cast<acc_t>(g[row * g_stride]);
+      const acc_t f = static_cast<acc_t>(g[row * g_stride]) * (unscale ? static_cast<acc_t>(unscale[row]) : acc_t(1));
+      if (f == acc_t(1)) continue;
       scalar_t* r = base + row * row_stride;
-      for (int64_t j = 0; j < cols; ++j) r[j] = static_cast<scalar_t>(static_cast<acc_t>(r[j]) * f);
+      for (int64_t j = 0; j < cols; ++j) r[j] = scaled_grad_value<scalar_t, acc_t, kPrescaled>(r[j], f);
     }
   });
 }
 
 // Backward of every fused loss: the gradient was computed in the forward for an upstream gradient of 1;
-// scale it by the real one (a scalar, or one value per row for reduction="none"). Skipped when it is 1.
-// Where g != 1 a fp16/bf16 gradient is rounded twice (in the forward, then after the scaling): values of
-// the unscaled gradient below the dtype's smallest subnormal are already 0 before g multiplies them.
-void scale_grad_cpu(const at::Tensor& grad, const at::Tensor& grad_output) {
+// scale it by the real one (a scalar, or one value per row for reduction="none") and, for a pre-scaled fp16
+// gradient, by its rows' 2^-k (row_unscale; row_pass.h, GradRowPrescaled). Skipped when all that is 1.
+// Where the factor is not 1 a fp16/bf16 gradient is rounded twice (in the forward, then after the scaling);
+// pre-scaled fp16 rows keep, in the forward's rounding, every value the single rounding of g·gradient keeps.
+void scale_grad_cpu(const at::Tensor& grad, const at::Tensor& grad_output,
+                    const std::optional<at::Tensor>& row_unscale) {
   if (grad.numel() == 0) return;
   const bool scalar = grad_output.numel() == 1 && grad_output.dim() == 0;
-  if (scalar && grad_output.item<double>() == 1.0) return;  // a CPU scalar: no device synchronisation involved
+  const bool prescaled = row_unscale.has_value() && row_unscale->numel() > 0;
+  if (scalar && !prescaled && grad_output.item<double>() == 1.0) return;  // a CPU scalar: no synchronisation
   const int64_t cols = grad.size(-1);
   const at::Tensor grad2d = grad.view({-1, cols});  // the gradient buffer, or logits flattenable to rows
   const at::Tensor g = grad_output.reshape({-1}).contiguous();
-  TORCH_CHECK(scalar || g.numel() == grad2d.size(0), "_scale_grad_: grad_output has ", g.numel(),
-              " values for a gradient of ", grad2d.size(0), " rows");
+  check_scale_grad(grad2d, grad_output, row_unscale);
+  const float* unscale = prescaled ? row_unscale->const_data_ptr<float>() : nullptr;
   RL_LOSSES_DISPATCH_LOGITS(grad.scalar_type(), "_scale_grad_", [&] {
     using grad_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "_scale_grad_", [&] {
-      scale_rows_cpu<grad_t>(grad2d, g.const_data_ptr<scalar_t>(), scalar ? 0 : 1);
+      if (unscale) {
+        scale_rows_cpu<grad_t, true>(grad2d, g.const_data_ptr<scalar_t>(), scalar ? 0 : 1, unscale);
+      } else {
+        scale_rows_cpu<grad_t, false>(grad2d, g.const_data_ptr<scalar_t>(), scalar ? 0 : 1, nullptr);
+      }
     });
   });
 }

@@ -29,24 +29,33 @@ void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out) {
   });
 }
 
-// grad *= g, with g read on the device: when g == 1 (plain loss.backward()) every block returns at once,
-// so the common case costs one tiny launch instead of a full read and write of the gradient.
-template <typename scalar_t, typename g_t>
+// grad[r, :] *= g[r·g_stride]·unscale[r] (unscale null: 1; scaled_grad_value), with g read on the device:
+// when one g (g_stride 0) is 1 (plain loss.backward()) and no row is pre-scaled every block returns at once, so
+// the common case costs one tiny launch instead of a full read and write of the gradient; rows whose factor
+// is 1 are skipped.
+template <typename scalar_t, bool kPrescaled, typename g_t>
 __global__ void scale_rows_kernel(scalar_t* grad, int64_t n_rows, int64_t cols, int64_t row_stride,
-                                  const g_t* g_ptr) {
+                                  const g_t* g, int64_t g_stride, const float* unscale) {
   cuda::wait_previous_grid();
   using acc_t = typename acc_type<scalar_t>::type;  // fp64 gradients are scaled in fp64
-  const acc_t g = static_cast<acc_t>(*g_ptr);
-  if (g == acc_t(1)) return;
+  if (!kPrescaled && g_stride == 0 && static_cast<acc_t>(*g) == acc_t(1)) return;
   for (int64_t row = blockIdx.x; row < n_rows; row += gridDim.x) {
+    acc_t f = static_cast<acc_t>(g[row * g_stride]);
+    if constexpr (kPrescaled) f *= static_cast<acc_t>(unscale[row]);
+    if (f == acc_t(1)) continue;
     scalar_t* r = grad + row * row_stride;
-    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) r[j] = static_cast<scalar_t>(static_cast<acc_t>(r[j]) * g);
+    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+      r[j] = scaled_grad_value<scalar_t, acc_t, kPrescaled>(r[j], f);
+    }
   }
 }
 
-// grad_output: a 0-dim tensor on the gradient's device (checked by the caller).
-void scale_grad_cuda_scalar(const at::Tensor& grad, const at::Tensor& grad_output) {
+// grad_output: one value (0-dim) or one per row, on the gradient's device; unscale: null or one factor per row
+// (checked by the caller).
+void scale_grad_cuda_rows(const at::Tensor& grad, const at::Tensor& grad_output, const float* unscale) {
   const int64_t cols = grad.size(-1);
+  const at::Tensor g = grad_output.reshape({-1}).contiguous();
+  const int64_t g_stride = g.numel() == 1 && grad_output.dim() == 0 ? 0 : 1;
   at::Tensor g2 = grad.view({-1, cols});
   const int64_t n_rows = g2.size(0);
   const int threads = cols >= 1024 ? 1024 : 128;
@@ -56,10 +65,17 @@ void scale_grad_cuda_scalar(const at::Tensor& grad, const at::Tensor& grad_outpu
       n_rows, static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * (2048 / threads));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "_scale_grad_", [&] {
     using scalar = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES(grad_output.scalar_type(), "_scale_grad_", [&] {
-      cuda::DependentLaunch(dim3(static_cast<unsigned>(blocks)), threads, 0)(
-          scale_rows_kernel<scalar, scalar_t>, g2.data_ptr<scalar>(), n_rows, cols, g2.stride(0),
-          grad_output.const_data_ptr<scalar_t>());
+    AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "_scale_grad_", [&] {
+      const dim3 grid(static_cast<unsigned>(blocks));
+      if (unscale != nullptr) {
+        cuda::DependentLaunch(grid, threads, 0)(scale_rows_kernel<scalar, true, scalar_t>, g2.data_ptr<scalar>(),
+                                                n_rows, cols, g2.stride(0), g.const_data_ptr<scalar_t>(), g_stride,
+                                                unscale);
+      } else {
+        cuda::DependentLaunch(grid, threads, 0)(scale_rows_kernel<scalar, false, scalar_t>, g2.data_ptr<scalar>(),
+                                                n_rows, cols, g2.stride(0), g.const_data_ptr<scalar_t>(), g_stride,
+                                                unscale);
+      }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

@@ -30,6 +30,11 @@ using OptInt = std::optional<int64_t>;
 using OptString = std::optional<std::string>;
 using OptDoubles = std::optional<std::vector<double>>;
 using OutputMask = std::array<bool, 3>;  // which of grad_hidden, grad_weight, grad_bias to compute
+// An optional tensor the op writes into (`Tensor(a!)?`: a caller's buffer); read as the optional it is.
+struct OptTensorOut : OptTensor {
+  using OptTensor::OptTensor;
+  using OptTensor::operator=;
+};
 
 namespace schema {
 
@@ -42,6 +47,7 @@ struct SchemaType;
   };
 RL_LOSSES_SCHEMA_TYPE(at::Tensor, "Tensor")
 RL_LOSSES_SCHEMA_TYPE(OptTensor, "Tensor?")
+RL_LOSSES_SCHEMA_TYPE(OptTensorOut, "Tensor(a!)?")
 RL_LOSSES_SCHEMA_TYPE(double, "float")
 RL_LOSSES_SCHEMA_TYPE(OptDouble, "float?")
 RL_LOSSES_SCHEMA_TYPE(int64_t, "int")
@@ -141,6 +147,9 @@ class Call {
 // Copies one argument into a field of its C++ type (the arguments stay whole: see arguments()).
 inline void take(c10::IValue& v, at::Tensor& out) { out = v.toTensor(); }
 inline void take(c10::IValue& v, OptTensor& out) { out = v.isNone() ? OptTensor() : OptTensor(v.toTensor()); }
+inline void take(c10::IValue& v, OptTensorOut& out) {
+  out = v.isNone() ? OptTensor() : OptTensor(v.toTensor());
+}
 inline void take(c10::IValue& v, double& out) { out = v.toDouble(); }
 inline void take(c10::IValue& v, OptDouble& out) { out = v.isNone() ? OptDouble() : OptDouble(v.toDouble()); }
 inline void take(c10::IValue& v, int64_t& out) { out = v.toInt(); }

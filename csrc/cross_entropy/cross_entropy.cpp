@@ -46,8 +46,8 @@ CrossEntropyResults cross_entropy_forward(RowSource& src, const at::Tensor& targ
                                 .vocab_size = static_cast<double>(f.vocab_total)},
                         .divisor = d,
                         .divisor_value = d_value,
-                        .row_loss = at::empty({f.n_rows}, opts),
-                        .lse = at::empty({f.n_rows}, opts)};
+                        .row_loss = src.row_outputs({f.n_rows}),
+                        .lse = src.row_outputs({f.n_rows})};
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
   if (row_stats) args.stats_in = *row_stats;
   args.smoothing = label_smoothing != 0 && label_weight != 0;

@@ -18,7 +18,7 @@ void rows_cpu(const RowPassArgs& args, const CrossEntropyRows& rows) {
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   register_loss<CrossEntropyLoss<rows_cpu>>(m);
-  register_linear_loss<CrossEntropyLoss<rows_cpu>, accumulate_weight_grad_cpu>(m);
+  register_linear_loss<CrossEntropyLoss<rows_cpu>, linear_backend_cpu>(m);
 }
 
 }  // namespace rl_losses

@@ -108,15 +108,7 @@ std::pair<DistillResults, at::Tensor> distillation_forward(const DistillationArg
   s.opt = make_options(k, a.beta, a.temperature, a.logits_scale_factor);
   s.logits = x;
   s.teacher = y;
-  if (loss_mask) {
-    const at::Tensor& m = *loss_mask;
-    TORCH_CHECK(m.scalar_type() == at::kBool || at::isIntegralType(m.scalar_type(), false), kOp,
-                ": loss_mask must be a bool or integer tensor, got ", m.scalar_type());
-    TORCH_CHECK(m.device() == logits.device(), kOp, ": loss_mask is on ", m.device(), " but logits is on ",
-                logits.device());
-    TORCH_CHECK(m.sizes() == batch, kOp, ": loss_mask has shape ", m.sizes(), " but logits has batch shape ", batch);
-    s.mask = m.reshape({-1}).ne(0).to(acc).contiguous();
-  }
+  if (loss_mask) s.mask = check_loss_mask(kOp, *loss_mask, logits, "logits", batch, "batch shape").to(acc);
   // D: given, or the number of rows the mask keeps (all rows without one), at least 1; no host synchronisation.
   if (a.divisor) {
     s.divisor = at::full({}, *a.divisor, opts);

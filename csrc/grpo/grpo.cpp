@@ -39,8 +39,8 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   if (a.rollout_log_probs) rollout = check_per_token(op, "rollout_log_probs", *a.rollout_log_probs, target, acc);
   at::Tensor counts;
   if (a.label_counts) counts = check_label_counts(op, *a.label_counts, target, acc);
-  rows.out = at::empty({f.n_rows, kGrpoFields}, opts);
-  rows.log_probs = at::empty({f.n_rows}, opts);
+  rows.out = src.row_outputs({f.n_rows, kGrpoFields});
+  rows.log_probs = src.row_outputs({f.n_rows});
   // The statistics hold Σp·x when the entropy is a metric or, with its gradient, a term of the loss.
   rows.entropy = a.compute_entropy || opt.entropy_coefficient != 0;
 
@@ -57,7 +57,7 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
     const bool on_policy = !rows.old_log_probs.defined();
     const bool needs_log_probs = (vespo && !on_policy) || (on_policy && rollout.defined());
     if (needs_log_probs && !args.stats_in.defined()) {
-      at::Tensor stats = at::empty({f.n_rows, RowStats<double>::kFields}, opts);
+      at::Tensor stats = src.row_outputs({f.n_rows, RowStats<double>::kFields});
       if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.stats(a, stats); });
       args.stats_in = stats;
       args.entropy = false;

@@ -17,7 +17,7 @@ const GrpoBackend& grpo_backend_cpu() {
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   register_loss<GrpoLoss<grpo_backend_cpu>>(m);
-  register_linear_loss<GrpoLoss<grpo_backend_cpu>, accumulate_weight_grad_cpu>(m);
+  register_linear_loss<GrpoLoss<grpo_backend_cpu>, linear_backend_cpu>(m);
 }
 
 }  // namespace rl_losses

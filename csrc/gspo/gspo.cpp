@@ -107,7 +107,7 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
   if (row_stats) {
     g.stats = *row_stats;
   } else {
-    g.stats = at::empty({f.n_rows, 5}, opts);
+    g.stats = src.row_outputs({f.n_rows, RowStats<double>::kFields});
     args.entropy = a.compute_entropy || g.opt.entropy_coefficient != 0;
     if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.stats(a, g.stats); });
     args.entropy = false;

@@ -18,7 +18,7 @@ const GspoBackend& gspo_backend_cpu() {
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   using Gspo = GspoLoss<gspo_backend_cpu>;
   register_loss<Gspo>(m);
-  register_linear_loss<Gspo, accumulate_weight_grad_cpu>(m);
+  register_linear_loss<Gspo, linear_backend_cpu>(m);
   m.impl("gspo_document_sums", torch::CppFunction::makeFromBoxedFunction<&Gspo::document_sums>());
 }
 

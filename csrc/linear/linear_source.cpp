@@ -1,22 +1,50 @@
 #include "linear/linear_source.h"
 
 #include <algorithm>
+#include <utility>
 
 namespace rl_losses {
 
-void accumulate_weight_grad_cpu(const at::Tensor& acc, const at::Tensor& grad_chunk, const at::Tensor& hidden_chunk,
-                                bool overwrite) {
-  const auto t = acc.scalar_type();
-  acc.addmm_(grad_chunk.t().to(t), hidden_chunk.to(t), /*beta=*/overwrite ? 0 : 1);
-}
-
-int64_t default_chunk_rows(int64_t n_rows, int64_t vocab, int64_t element_size) {
-  int64_t rows = std::max<int64_t>(1, kDefaultChunkBytes / std::max<int64_t>(1, vocab * element_size));
-  if (rows >= 128) rows -= rows % 128;
-  return std::max<int64_t>(1, std::min(rows, n_rows));
-}
-
 namespace {
+
+// The CPU GEMM: in the accumulation dtype, rounded once into `out` (a bf16 CPU GEMM need not keep its partial
+// sums in fp32), so that the CPU measures the rounding the CUDA GEMMs make.
+void gemm_cpu(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  const auto acc = acc_dtype(a.scalar_type());
+  if (out.scalar_type() == acc && a.scalar_type() == acc) {
+    at::Tensor o = out;
+    at::addmm_out(o, o, a, b, /*beta=*/accumulate ? 1 : 0);
+    return;
+  }
+  at::Tensor r = at::mm(a.to(acc), b.to(acc));
+  if (accumulate) r.add_(out);
+  out.copy_(r);
+}
+
+bool never_capturing(const at::Tensor&) { return false; }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The size of each of the fewest parts of at most `max_size` that cover n, as equal as a multiple of
+// `multiple` allows (the last part is the smaller one). cuBLAS picked split-K kernels for chunks of rows that
+// are not multiples of 1024 (docs/design.md); a part below `multiple` is any size.
+int64_t part_size(int64_t n, int64_t max_size, int64_t multiple) {
+  max_size = std::max<int64_t>(max_size, 1);
+  if (n <= max_size) return std::max<int64_t>(n, 1);
+  if (max_size >= multiple) {
+    max_size -= max_size % multiple;
+  } else {
+    multiple = 1;
+  }
+  return std::min(max_size, ceil_div(ceil_div(n, ceil_div(n, max_size)), multiple) * multiple);
+}
+
+// f(p0, pn) over pieces of at most kGemmPieceRows of n rows.
+template <typename F>
+void for_gemm_pieces(int64_t n, const F& f) {
+  const int64_t piece = part_size(n, kGemmPieceRows, 1024);
+  for (int64_t p0 = 0; p0 < n; p0 += piece) f(p0, std::min(piece, n - p0));
+}
 
 FlatLogits flatten_linear(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias, const at::Tensor& target) {
@@ -53,68 +81,206 @@ FlatLogits flatten_linear(const char* op, const at::Tensor& hidden, const at::Te
   return f;
 }
 
+void check_linear_options(const char* op, const LinearOptions& o, const at::Tensor& weight) {
+  TORCH_CHECK(!o.chunk_size || *o.chunk_size >= 1, op, ": chunk_size must be >= 1, got ", o.chunk_size.value_or(0));
+  TORCH_CHECK(o.strategy == "fast" || o.strategy == "lean", op, ": strategy must be 'fast' or 'lean', got '",
+              o.strategy, "'");
+  if (!o.weight_main_grad) return;
+  const at::Tensor& g = *o.weight_main_grad;
+  const auto acc = acc_dtype(weight.scalar_type());
+  TORCH_CHECK(g.scalar_type() == acc, op, ": weight_main_grad must be ", acc, " (the accumulation dtype of a ",
+              weight.scalar_type(), " weight), got ", g.scalar_type());
+  TORCH_CHECK(g.sizes() == weight.sizes(), op, ": weight_main_grad must have the weight's shape ", weight.sizes(),
+              ", got ", g.sizes());
+  TORCH_CHECK(g.device() == weight.device(), op, ": weight_main_grad is on ", g.device(), " but weight is on ",
+              weight.device());
+  TORCH_CHECK(g.is_contiguous(), op, ": weight_main_grad must be contiguous, got strides ", g.strides());
+}
+
 }  // namespace
+
+const LinearBackend& linear_backend_cpu() {
+  static constexpr LinearBackend backend{&gemm_cpu, &never_capturing};
+  return backend;
+}
 
 LinearSource::LinearSource(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias, const at::Tensor& target,
-                           std::optional<int64_t> chunk_size, std::array<bool, 3> output_mask,
-                           WeightGradFn accumulate_weight_grad)
+                           const LinearOptions& options, std::array<bool, 3> output_mask,
+                           const LinearBackend& backend)
     : RowSource(op, flatten_linear(op, hidden, weight, bias, target),
                 output_mask[0] || output_mask[1] || (output_mask[2] && bias)),
       weight_(weight),
       hidden_shape_(hidden.sizes().vec()),
       mask_{output_mask[0], output_mask[1], output_mask[2] && bias.has_value()},
-      accumulate_weight_grad_(accumulate_weight_grad) {
-  TORCH_CHECK(!chunk_size || *chunk_size >= 1, op, ": chunk_size must be >= 1, got ", chunk_size.value_or(0));
-  hidden_ = hidden.reshape({f_.n_rows, hidden.size(-1)}).contiguous();
+      backend_(backend) {
+  check_linear_options(op, options, weight);
+  lean_ = options.strategy == "lean";
+  if (options.weight_main_grad) main_grad_ = *options.weight_main_grad;
   if (bias) bias_ = *bias;
-  chunk_ = chunk_size ? std::min(*chunk_size, std::max<int64_t>(f_.n_rows, 1))
-                      : default_chunk_rows(f_.n_rows, f_.vocab, hidden.element_size());
+  const int64_t n = f_.n_rows, vocab = f_.vocab, hidden_size = hidden.size(-1), e = hidden.element_size();
+  hidden_ = hidden.reshape({n, hidden_size}).contiguous();
+  target_ = f_.target1d;
+  m_ = n;
+  if (options.skip_unlabelled && n > 0) {
+    TORCH_CHECK(!backend.capturing(hidden), op, ": skip_unlabelled=True counts the labelled rows on the host, which "
+                "a CUDA graph capture does not allow; pass skip_unlabelled=False");
+    at::Tensor labelled = at::nonzero(target_ >= 0).view({-1});  // the one host synchronisation on a GPU
+    if (labelled.size(0) < n) {
+      rows_ = std::move(labelled);
+      m_ = rows_.size(0);
+      hidden_ = hidden_.index_select(0, rows_);
+      target_ = target_.index_select(0, rows_);
+      skips_unlabelled_ = true;
+    }
+  }
+
+  // The chunks and blocks (docs/performance.md, the fused lm_head's modes).
+  if (options.chunk_size) {
+    chunk_rows_ = std::min(*options.chunk_size, std::max<int64_t>(m_, 1));
+    // lean: blocks of as many logits as a chunk
+    if (lean_ && chunk_rows_ < m_) block_cols_ = std::clamp<int64_t>(chunk_rows_ * vocab / m_, 1, vocab);
+  } else if (!lean_) {
+    const int64_t max_rows = kFastLogitsBytes / (vocab * e);
+    chunk_rows_ = part_size(m_, max_rows, max_rows >= 1024 ? 1024 : 128);
+  } else {
+    // What the budget leaves the logits after the statistics table and the gathered rows of hidden; a chunk of
+    // rows also holds its grad_hidden rows before they are scattered.
+    const int64_t gathered = rows_.defined() ? m_ * hidden_size * e : 0;
+    const int64_t logits_bytes = std::max(kLeanBytes - m_ * RowStats<float>::kFields * 8 - gathered, kLeanBytes / 8);
+    chunk_rows_ = part_size(m_, logits_bytes / ((vocab + (rows_.defined() ? hidden_size : 0)) * e), 128);
+    if (chunk_rows_ < m_) block_cols_ = part_size(vocab, logits_bytes / (m_ * e), 128);
+  }
+
   const auto acc = hidden.options().dtype(acc_dtype(hidden.scalar_type()));
-  if (mask_[0]) grad_hidden_ = at::empty_like(hidden_);
-  if (mask_[1]) grad_weight_acc_ = at::empty(weight.sizes(), acc);
-  if (mask_[2]) grad_bias_acc_ = at::zeros({f_.vocab}, acc);
+  if (mask_[0]) {
+    grad_hidden_ = rows_.defined() ? at::zeros({n, hidden_size}, hidden.options())
+                                   : at::empty({n, hidden_size}, hidden.options());
+  }
+  // Each element of grad_weight is written once (in the weight's dtype, its sum in fp32 inside one GEMM) where
+  // one chunk holds every row or lean mode's blocks write it; across fast mode's chunks it is a fp32 sum.
+  if (mask_[1] && !main_grad_.defined()) {
+    grad_weight_ = at::empty(weight.sizes(), lean_ || chunk_rows_ >= m_ ? weight.options() : acc);
+  }
+  if (mask_[2]) grad_bias_acc_ = at::zeros({vocab}, acc);
+}
+
+at::Tensor LinearSource::rows_of(const at::Tensor& t, int64_t r0, int64_t n) const {
+  return rows_.defined() ? t.index_select(0, rows_.narrow(0, r0, n)) : t.narrow(0, r0, n);
+}
+
+void LinearSource::logits_of(const at::Tensor& out, const at::Tensor& h, int64_t v0) const {
+  const int64_t nv = out.size(1);
+  const at::Tensor w = weight_.narrow(0, v0, nv).t();
+  for_gemm_pieces(h.size(0), [&](int64_t p0, int64_t pn) {
+    at::Tensor o = out.narrow(0, p0, pn);
+    const at::Tensor hp = h.narrow(0, p0, pn);
+    if (bias_.defined()) {
+      at::addmm_out(o, bias_.narrow(0, v0, nv), hp, w);
+    } else {
+      at::mm_out(o, hp, w);
+    }
+  });
 }
 
 void LinearSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass) {
-  const int64_t n = f_.n_rows;
-  at::Tensor buffer = at::empty({std::min(chunk_, n), f_.vocab}, hidden_.options());  // one chunk of logits
-  for (int64_t r0 = 0; r0 < n; r0 += chunk_) {
-    const int64_t rows = std::min(chunk_, n - r0);
-    const at::Tensor h = hidden_.narrow(0, r0, rows);
-    at::Tensor logits = buffer.narrow(0, 0, rows);
-    if (bias_.defined()) {
-      at::addmm_out(logits, bias_, h, weight_.t());
-    } else {
-      at::mm_out(logits, h, weight_.t());
-    }
+  if (m_ == 0) return;
+  const int64_t vocab = f_.vocab;
+  const bool weight_grad = with_grad && (mask_[1] || mask_[2]);
+  const bool two_sweeps = weight_grad && block_cols_ > 0;
+  const int64_t rows = std::min(chunk_rows_, m_);
+  at::Tensor buffer = at::empty({std::max(rows * vocab, two_sweeps ? m_ * block_cols_ : 0)}, hidden_.options());
+  if (!two_sweeps) {
+    row_sweep(args, with_grad, weight_grad, at::Tensor(), buffer, pass);
+    return;
+  }
+  // Lean mode. Sweep 1: grad_hidden, and each row's statistics unless the op gave them.
+  const bool given = args.stats_in.defined();
+  const at::Tensor stats = given ? rows_of(args.stats_in, 0, m_) : at::empty({m_, RowStats<float>::kFields},
+                                                                              acc_options());
+  if (mask_[0] || !given) row_sweep(args, mask_[0], false, given ? at::Tensor() : stats, buffer, pass);
+  // Sweep 2: the weight's and the bias's gradients, a block of vocabulary at a time over all the rows.
+  RowPassArgs a = args;
+  a.stats_in = stats;
+  a.entropy = a.smoothing = false;
+  a.target = target_;
+  a.row_offset = 0;
+  a.row_index = rows_;
+  vocab_sweep(a, buffer, pass);
+}
+
+void LinearSource::row_sweep(const RowPassArgs& args, bool with_grad, bool weight_grad, const at::Tensor& stats,
+                             const at::Tensor& buffer, const Pass& pass) {
+  const int64_t vocab = f_.vocab, hidden_size = hidden_.size(1);
+  for (int64_t r0 = 0; r0 < m_; r0 += chunk_rows_) {
+    const int64_t n = std::min(chunk_rows_, m_ - r0);
+    const at::Tensor h = hidden_.narrow(0, r0, n);
+    const at::Tensor logits = buffer.narrow(0, 0, n * vocab).view({n, vocab});
+    logits_of(logits, h, 0);
     RowPassArgs a = args;
     a.logits = logits;
-    a.target = args.target.narrow(0, r0, rows);
-    if (args.stats_in.defined()) a.stats_in = args.stats_in.narrow(0, r0, rows);
-    a.row_offset = r0;
+    a.target = target_.narrow(0, r0, n);
+    if (rows_.defined()) {
+      a.row_index = rows_.narrow(0, r0, n);
+    } else {
+      a.row_offset = r0;
+    }
+    if (args.stats_in.defined()) a.stats_in = rows_of(args.stats_in, r0, n);
+    if (stats.defined()) a.stats_out = stats.narrow(0, r0, n);
     if (with_grad) a.grad = logits;  // the chunk's gradient overwrites its logits
     pass(a);
+    // Where the CUDA back-end ran the statistics as a pass of their own (split_stats_pass_on_cuda), those are
+    // the statistics the epilogue saw.
+    if (stats.defined() && a.stats_in.defined()) stats.narrow(0, r0, n).copy_(a.stats_in);
     if (!with_grad) continue;
     if (mask_[0]) {
-      at::Tensor out = grad_hidden_.narrow(0, r0, rows);
-      at::mm_out(out, logits, weight_);
+      at::Tensor out = rows_.defined() ? at::empty({n, hidden_size}, hidden_.options()) : grad_hidden_.narrow(0, r0, n);
+      for_gemm_pieces(n, [&](int64_t p0, int64_t pn) {
+        backend_.gemm(out.narrow(0, p0, pn), logits.narrow(0, p0, pn), weight_, false);
+      });
+      if (rows_.defined()) grad_hidden_.index_copy_(0, rows_.narrow(0, r0, n), out);
     }
+    if (!weight_grad) continue;
     if (mask_[1]) {
-      accumulate_weight_grad_(grad_weight_acc_, logits, h, !weight_grad_written_);
+      const bool into_main_grad = main_grad_.defined();
+      backend_.gemm(into_main_grad ? main_grad_ : grad_weight_, logits.t(), h, into_main_grad || weight_grad_written_);
       weight_grad_written_ = true;
     }
     if (mask_[2]) grad_bias_acc_.add_(logits.sum({0}, false, grad_bias_acc_.scalar_type()));
   }
 }
 
+void LinearSource::vocab_sweep(const RowPassArgs& args, const at::Tensor& buffer, const Pass& pass) {
+  const int64_t vocab = f_.vocab;
+  for (int64_t v0 = 0; v0 < vocab; v0 += block_cols_) {
+    const int64_t nv = std::min(block_cols_, vocab - v0);
+    const at::Tensor logits = buffer.narrow(0, 0, m_ * nv).view({m_, nv});
+    logits_of(logits, hidden_, v0);
+    RowPassArgs a = args;
+    a.logits = logits;
+    a.grad = logits;
+    a.vocab_start = args.vocab_start + v0;
+    pass(a);
+    if (mask_[1]) {
+      const bool into_main_grad = main_grad_.defined();
+      backend_.gemm((into_main_grad ? main_grad_ : grad_weight_).narrow(0, v0, nv), logits.t(), hidden_,
+                    into_main_grad);
+    }
+    if (mask_[2]) grad_bias_acc_.narrow(0, v0, nv).add_(logits.sum({0}, false, grad_bias_acc_.scalar_type()));
+  }
+  weight_grad_written_ = true;
+}
+
 std::vector<at::Tensor> LinearSource::grads() {
   const auto none = at::empty({0}, hidden_.options());
-  if (mask_[1] && !weight_grad_written_) grad_weight_acc_.zero_();  // no rows
+  const bool weight = mask_[1] && !main_grad_.defined();
+  if (weight && !weight_grad_written_) grad_weight_.zero_();  // no rows
+  // The buffer was written below autograd: its version moves, as an in-place op's would.
+  if (mask_[1] && main_grad_.defined()) main_grad_.unsafeGetTensorImpl()->bump_version();
   std::vector<at::Tensor> out{mask_[0] ? grad_hidden_.view(hidden_shape_) : none,
-                              mask_[1] ? grad_weight_acc_.to(weight_.scalar_type()) : none,
+                              weight ? grad_weight_.to(weight_.scalar_type()) : none,
                               mask_[2] ? grad_bias_acc_.to(bias_.scalar_type()) : none};
-  grad_weight_acc_.reset();
+  grad_weight_.reset();
   grad_bias_acc_.reset();
   return out;
 }

@@ -1,19 +1,32 @@
-// The fused lm_head (linear_cross_entropy / linear_grpo / linear_gspo): the loss ops' row passes run
-// over logits = s-free hidden @ weight.T (+ bias), computed a chunk of rows at a time, so that no more than
-// one chunk of logits exists (the full (N, V) logits and their gradient never do).
+// The fused lm_head (linear_cross_entropy / linear_grpo / linear_gspo / linear_token_log_probs): the loss ops'
+// row passes run over logits = hidden @ weight.T (+ bias), computed a block at a time, so that the full (N, V)
+// logits and their gradient never exist. docs/design.md has the measurements behind the rules below.
 //
-// Per chunk of rows [r0, r1):
-//   logits_c = hidden_c @ weight.T + bias                       GEMM 1 (cuBLAS, fp32 accumulation)
+// Each row pass an op asks for (src.run) becomes, with strategy "fast" (rows outer; chunks of C rows):
+//   logits_c = hidden_c @ weight.T + bias                       GEMM 1 (in pieces of at most kGemmPieceRows rows)
 //   the op's row pass, writing dL/dlogits_c over logits_c         (the same kernels as the logits ops)
-//   grad_hidden[r0:r1] = grad_c @ weight                        GEMM 2
-//   grad_weight += grad_c.T @ hidden_c                           GEMM 3, accumulated across chunks in fp32
+//   grad_hidden[c] = grad_c @ weight                             GEMM 2 (pieces as GEMM 1)
+//   grad_weight (+)= grad_c.T @ hidden_c                          GEMM 3, all C rows in one GEMM
 //   grad_bias += column sums of grad_c                            (fp32)
-// GSPO runs the chunks twice: a statistics pass (GEMM 1 only: its per-document step needs every token's
-// log-prob first), then the gradient pass above — four GEMMs in all, against three for CE and GRPO.
-//
-// grad_weight is accumulated in fp32 whatever the weight dtype (bf16 accumulation across chunks loses the
-// small per-chunk contributions) and converted once at the end; that accumulator (V x H fp32) is the only
-// large buffer besides one chunk of logits.
+// with C from a kFastLogitsBytes budget, a multiple of 1024 rows. When every row fits one chunk, GEMM 3 is one
+// GEMM over all rows writing the weight's dtype directly; otherwise it accumulates across chunks into a (V, H)
+// fp32 accumulator, converted once at the end.
+// With strategy "lean" (no (V, H) accumulator; at most kLeanBytes beyond the gradients), a pass with a gradient is
+// two sweeps over the same logits buffer:
+//   sweep 1, chunks of rows over the whole vocabulary: GEMM 1, the op's pass (its statistics stored in an
+//     (N, 5) table, unless the op gave them), GEMM 2: grad_hidden rows complete (K = V in one GEMM);
+//   sweep 2, blocks of vocabulary columns over all rows: GEMM 1 of the block, the op's pass with the table's
+//     statistics over that shard (as tensor parallelism runs it: vocab_start, stats_in), GEMM 3: that block of
+//     grad_weight complete (K = N in one GEMM), written once in the weight's dtype.
+//   4 GEMMs instead of 3; where every row fits one chunk of the budget, sweep 1 alone, as in fast.
+// A caller's fp32 buffer (weight_main_grad, Megatron's main_grad) takes GEMM 3 with either strategy, added with
+// beta = 1 from the first chunk or block: no weight gradient or accumulator of ours.
+// The unlabelled rows (label < 0) take no GEMM work with skip_unlabelled: the labelled rows are counted once
+// on the host (one synchronisation), gathered, and the passes see only them (row_index gives each its global
+// row); their grad_hidden rows are scattered back, the others are zeros.
+// Statistics-only passes (GSPO's first pass, linear_token_log_probs' forward) are GEMM 1 and the pass, chunk
+// by chunk; GSPO thus costs 4 GEMMs when fast and 5 when lean.
+// Every GEMM sums in fp32 (fp64 for fp64 inputs), with no partial sum rounded to bf16/fp16.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,46 +35,70 @@
 #include <optional>
 
 #include "common/row_source.h"
+#include "op_args.h"  // LinearOptions: the options every linear_* op takes beside its loss's
 
 namespace rl_losses {
 
-// acc (V, H) += grad_chunk.T (V, n) @ hidden_chunk (n, H), or = when `overwrite` (the first chunk: saves
-// zeroing the accumulator and reading it back); acc is fp32 (fp64 for fp64 inputs), the chunks are in the
-// input dtype. One implementation per device (linear_source.cpp: ATen; linear_cuda.cpp: cuBLAS
-// with a fp32 output).
-using WeightGradFn = void (*)(const at::Tensor& acc, const at::Tensor& grad_chunk, const at::Tensor& hidden_chunk,
-                              bool overwrite);
-void accumulate_weight_grad_cpu(const at::Tensor& acc, const at::Tensor& grad_chunk, const at::Tensor& hidden_chunk,
-                                bool overwrite);
-void accumulate_weight_grad_cuda(const at::Tensor& acc, const at::Tensor& grad_chunk, const at::Tensor& hidden_chunk,
-                                 bool overwrite);
+// out (m, n) = a (m, k) @ b (k, n), plus out's own values when `accumulate`. a and b are in the inputs' dtype,
+// row-major or transposed views; out is row-major with unit column stride, in that dtype or the accumulation
+// dtype (fp32; fp64 for fp64 inputs). One implementation per device (linear_source.cpp: ATen, in the
+// accumulation dtype; linear_cuda.cpp: cuBLAS, fp32 compute without reduced-precision reductions).
+using LinearGemmFn = void (*)(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate);
+struct LinearBackend {
+  LinearGemmFn gemm;
+  // Whether the current stream of `t`'s device is being captured into a CUDA graph (no host synchronisation).
+  bool (*capturing)(const at::Tensor& t);
+};
+const LinearBackend& linear_backend_cpu();
+#ifdef RL_LOSSES_WITH_CUDA
+const LinearBackend& linear_backend_cuda();
+#endif
 
-// The default number of rows per chunk: as many as fit kDefaultChunkBytes of logits, a multiple of 128
-// (GEMM tiles) when that is at least 128, at most N.
-constexpr int64_t kDefaultChunkBytes = int64_t(512) << 20;
-int64_t default_chunk_rows(int64_t n_rows, int64_t vocab, int64_t element_size);
+// The memory rules (docs/performance.md): fast mode's logits budget (chunks of 8192 bf16 rows up to
+// V = 163840: one pass of the accumulator per 8192 rows), lean mode's whole budget beyond the gradients, and the
+// most rows a GEMM over rows (GEMM 1, GEMM 2) takes at once (cuBLAS picked a slower kernel for 8192-row GEMMs on
+// an H100).
+constexpr int64_t kFastLogitsBytes = int64_t(5) << 29;  // 2.5 GiB
+constexpr int64_t kLeanBytes = int64_t(256) << 20;
+constexpr int64_t kGemmPieceRows = 4096;
 
 class LinearSource final : public RowSource {
  public:
   // hidden (..., H), weight (V, H), bias (V,) or none, target (...) labels. output_mask: which of
-  // grad_hidden, grad_weight, grad_bias to compute. chunk_size: rows per chunk (default from the budget).
+  // grad_hidden, grad_weight, grad_bias to compute. skip_unlabelled only where the op's outputs and gradient
+  // of an unlabelled row do not depend on its logits (the op's adapter decides).
   LinearSource(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
-               const std::optional<at::Tensor>& bias, const at::Tensor& target, std::optional<int64_t> chunk_size,
-               std::array<bool, 3> output_mask, WeightGradFn accumulate_weight_grad);
+               const std::optional<at::Tensor>& bias, const at::Tensor& target, const LinearOptions& options,
+               std::array<bool, 3> output_mask, const LinearBackend& backend);
   void run(const RowPassArgs& args, bool with_grad, const Pass& pass) override;
-  // grad_hidden (hidden's shape), grad_weight (V, H) and grad_bias (V,) in their inputs' dtypes. Frees the
-  // fp32 accumulators.
+  // grad_hidden (hidden's shape), grad_weight (V, H) and grad_bias (V,) in their inputs' dtypes, or empty
+  // placeholders (grad_weight: also when it went into weight_main_grad). Frees the accumulators.
   std::vector<at::Tensor> grads() override;
 
  private:
-  at::Tensor hidden_;  // (N, H) contiguous
+  // The rows [r0, r0 + n) of the passes (the labelled ones where rows are skipped) of a per-row tensor.
+  at::Tensor rows_of(const at::Tensor& t, int64_t r0, int64_t n) const;
+  void logits_of(const at::Tensor& out, const at::Tensor& h, int64_t v0) const;  // GEMM 1
+  void row_sweep(const RowPassArgs& args, bool with_grad, bool weight_grad, const at::Tensor& stats,
+                 const at::Tensor& buffer, const Pass& pass);
+  void vocab_sweep(const RowPassArgs& args, const at::Tensor& buffer, const Pass& pass);
+
+  at::Tensor hidden_;  // (M, H) contiguous: the rows the passes see
+  at::Tensor target_;  // (M,)
+  at::Tensor rows_;    // (M,) their global rows where unlabelled rows are skipped, else undefined (M = N)
   at::Tensor weight_, bias_;
   std::vector<int64_t> hidden_shape_;
   std::array<bool, 3> mask_;
-  int64_t chunk_;
-  WeightGradFn accumulate_weight_grad_;
-  at::Tensor grad_hidden_, grad_weight_acc_, grad_bias_acc_;
-  bool weight_grad_written_ = false;  // grad_weight_acc_ holds a sum (it starts uninitialised)
+  const LinearBackend& backend_;
+  bool lean_;
+  int64_t m_;               // rows the passes see
+  int64_t chunk_rows_;      // rows per chunk of a sweep over rows
+  int64_t block_cols_ = 0;  // vocabulary columns per block of lean mode's sweep 2 (0: one sweep)
+  at::Tensor main_grad_;    // weight_main_grad, or undefined
+  // grad_weight: the weight's dtype where each element is written once (one chunk, lean's blocks), else the
+  // fp32 accumulator. weight_grad_written_: it holds a sum (it starts uninitialised).
+  at::Tensor grad_hidden_, grad_weight_, grad_bias_acc_;
+  bool weight_grad_written_ = false;
 };
 
 }  // namespace rl_losses

@@ -39,6 +39,7 @@ PolicyTokenResults policy_token_loss(const PolicyTokenArgs& a, PolicyTokenKernel
   if (a.rollout_log_probs) {
     in.rollout_log_probs = check_per_token(op, "rollout_log_probs", *a.rollout_log_probs, log_probs, acc);
   }
+  if (a.loss_mask) in.loss_mask = check_loss_mask(op, *a.loss_mask, log_probs, "log_probs", log_probs.sizes(), "shape");
   const auto opts = log_probs.options().dtype(acc);
   for (int k = 0; k < kPolicyTokenOutputs; ++k) in.out.push_back(at::empty(log_probs.sizes(), opts));
   if (log_probs.numel() > 0) kernel(in);

@@ -34,11 +34,16 @@ struct PolicyTokenPtrs {
   const T* advantages;
   const T* ref_log_probs;      // null without a reference
   const T* rollout_log_probs;  // null without a rollout correction
+  const bool* loss_mask;       // null: every position counts
   T* out[kPolicyTokenOutputs];
 };
 
 template <typename T>
 C10_HOST_DEVICE inline void policy_token_at(const PolicyOptions<T>& o, const PolicyTokenPtrs<T>& p, int64_t i) {
+  if (p.loss_mask != nullptr && !p.loss_mask[i]) {  // a masked position: no input read (padding may hold NaN)
+    for (int k = 0; k < kPolicyTokenOutputs; ++k) p.out[k][i] = T(0);
+    return;
+  }
   const T lp = p.log_probs[i];
   const T old = p.old_log_probs != nullptr ? p.old_log_probs[i] : lp;
   const T adv = p.advantages[i];
@@ -58,6 +63,7 @@ C10_HOST_DEVICE inline void policy_token_at(const PolicyOptions<T>& o, const Pol
 struct PolicyTokenInputs {
   PolicyOptions<double> opt;
   at::Tensor log_probs, old_log_probs, advantages, ref_log_probs, rollout_log_probs;  // undefined: not given
+  at::Tensor loss_mask;                                                                // bool, or undefined
   std::vector<at::Tensor> out;                                                         // kPolicyTokenOutputs
 };
 
@@ -65,7 +71,8 @@ template <typename T>
 PolicyTokenPtrs<T> policy_token_ptrs(const PolicyTokenInputs& in) {
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<T>() : nullptr; };
   PolicyTokenPtrs<T> p{ptr(in.log_probs), ptr(in.old_log_probs), ptr(in.advantages), ptr(in.ref_log_probs),
-                       ptr(in.rollout_log_probs), {}};
+                       ptr(in.rollout_log_probs),
+                       in.loss_mask.defined() ? in.loss_mask.const_data_ptr<bool>() : nullptr, {}};
   for (int k = 0; k < kPolicyTokenOutputs; ++k) p.out[k] = in.out[k].data_ptr<T>();
   return p;
 }
@@ -74,7 +81,7 @@ using PolicyTokenKernel = void (*)(const PolicyTokenInputs&);
 
 // policy_token_loss' arguments (op_args.h).
 #define RL_LOSSES_POLICY_TOKEN_ARGS(X) \
-  RL_LOSSES_POLICY_TOKEN_INPUT(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_KL_WEIGHT(X)
+  RL_LOSSES_POLICY_TOKEN_INPUT(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_POLICY_TOKEN_MASK(X) RL_LOSSES_KL_WEIGHT(X)
 RL_LOSSES_ARG_GROUP(PolicyTokenOwnArgs, RL_LOSSES_POLICY_TOKEN_ARGS)
 struct PolicyTokenArgs : PolicyTokenOwnArgs {
   ClipArgs clip;

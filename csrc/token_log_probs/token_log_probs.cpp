@@ -13,8 +13,8 @@ TokenLogProbsForward token_log_probs_forward(RowSource& src, const at::Tensor& t
   check_scale(op, logits_scale_factor);
   check_row_stats(op, row_stats, f);
   const auto opts = src.acc_options();
-  TokenLogProbsRows rows{at::empty({f.n_rows}, opts), compute_entropy ? at::empty({f.n_rows}, opts) : at::Tensor(),
-                         row_stats ? at::Tensor() : at::empty({f.n_rows, RowStats<float>::kFields}, opts)};
+  TokenLogProbsRows rows{src.row_outputs({f.n_rows}), compute_entropy ? src.row_outputs({f.n_rows}) : at::Tensor(),
+                         row_stats ? at::Tensor() : src.row_outputs({f.n_rows, RowStats<float>::kFields})};
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
   if (row_stats) args.stats_in = *row_stats;
   args.entropy = compute_entropy;

@@ -37,14 +37,7 @@ struct TokenLogProbsEpilogue {
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t label, const RowStats<acc_t>& st) const {
     log_probs[row] = label >= 0 ? st.log_prob(st.label) : acc_t(0);
     if (entropy != nullptr) entropy[row] = st.entropy();
-    if (stats_out != nullptr) {
-      acc_t* o = stats_out + row * RowStats<acc_t>::kFields;
-      o[0] = st.max;
-      o[1] = st.sumexp;
-      o[2] = st.sum_px;
-      o[3] = st.sum_x;
-      o[4] = st.label;
-    }
+    if (stats_out != nullptr) store_stats(stats_out, row, st);
     return {acc_t(0), acc_t(0), acc_t(0), acc_t(0)};
   }
 };
@@ -145,26 +138,32 @@ struct TokenLogProbsKernels {
     GradResult{src.grads()[0]}.write(args);
     args.push_results();
   }
-  template <WeightGradFn kWeightGrad>
+  // Rows without a label are left out (skip_unlabelled) only where nothing of theirs is asked for: their log-prob
+  // is 0, but their entropy, when computed (forward) or differentiated (backward), needs their logits. The forward
+  // computes no gradient: weight_main_grad is only checked there (the backward adds into it).
+  template <const LinearBackend& (*kLinear)()>
   static void linear_forward(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
     schema::Args args(op, stack);
     const auto in = args.read<LinearInput>();
-    const auto linear = args.read<LinearOptions>();
-    LinearSource src("linear_token_log_probs", in.hidden, in.weight, linear.bias, in.target, linear.chunk_size,
-                     {false, false, false}, kWeightGrad);
-    token_log_probs_forward(src, in.target, args.read<TokenLogProbsArgs>(), std::nullopt, kBackend()).write(args);
+    const auto a = args.read<TokenLogProbsArgs>();
+    auto linear = args.read<LinearOptions>();
+    linear.skip_unlabelled = linear.skip_unlabelled && !a.compute_entropy;
+    LinearSource src("linear_token_log_probs", in.hidden, in.weight, linear.bias, in.target, linear,
+                     {false, false, false}, kLinear());
+    token_log_probs_forward(src, in.target, a, std::nullopt, kBackend()).write(args);
     args.push_results();
   }
-  template <WeightGradFn kWeightGrad>
+  template <const LinearBackend& (*kLinear)()>
   static void linear_backward(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
     schema::Args args(op, stack);
     const auto in = args.read<LinearInput>();
-    const auto linear = args.read<LinearOptions>();
-    LinearSource src("linear_token_log_probs", in.hidden, in.weight, linear.bias, in.target, linear.chunk_size,
-                     args.read<OutputMaskArg>().output_mask, kWeightGrad);
+    const auto upstream = args.read<TokenLogProbsUpstream>();
+    auto linear = args.read<LinearOptions>();
+    linear.skip_unlabelled = linear.skip_unlabelled && !upstream.grad_entropy;
+    LinearSource src("linear_token_log_probs", in.hidden, in.weight, linear.bias, in.target, linear,
+                     args.read<OutputMaskArg>().output_mask, kLinear());
     if (src.wants_grad()) {
-      token_log_probs_backward(src, in.target, args.read<TokenLogProbsUpstream>(),
-                               args.read<ScaleArg>().logits_scale_factor, kBackend());
+      token_log_probs_backward(src, in.target, upstream, args.read<ScaleArg>().logits_scale_factor, kBackend());
     }
     const auto g = src.grads();
     LinearGradResults{g[0], g[1], g[2]}.write(args);

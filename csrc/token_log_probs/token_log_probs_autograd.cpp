@@ -7,7 +7,8 @@
 // `_linear_token_log_probs_backward`, one gradient pass (the linear form recomputes each chunk's logits).
 // Both outputs are differentiable (the entropy only when computed); either may receive no gradient.
 // The kernels are boxed: the public op's arguments go on to its `_forward` op as they are (the same list,
-// registration.cpp), and the backward op's are set by name.
+// registration.cpp), and the backward op's are set by name. Given `weight_main_grad`, the linear form's backward
+// adds the weight's gradient into it (with the real upstream gradients) and autograd gets none for the weight.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -85,6 +86,11 @@ class LinearTokenLogProbsFunction : public torch::autograd::Function<LinearToken
     ctx->saved_data["compute_entropy"] = a.compute_entropy;
     ctx->saved_data["chunk_size"] = linear.chunk_size ? c10::IValue(*linear.chunk_size) : c10::IValue();
     ctx->saved_data["has_bias"] = bias.has_value();
+    ctx->saved_data["strategy"] = linear.strategy;
+    ctx->saved_data["skip_unlabelled"] = linear.skip_unlabelled;
+    // Not saved for backward: other calls' backwards add into the same buffer before this one's runs, and a
+    // saved tensor would refuse its moved version.
+    ctx->saved_data["weight_main_grad"] = linear.weight_main_grad ? c10::IValue(*linear.weight_main_grad) : c10::IValue();
     ctx->set_materialize_grads(false);
     const at::Tensor lp = fwd.result("log_probs"), h = fwd.result("entropy");
     if (!a.compute_entropy) ctx->mark_non_differentiable({h});
@@ -106,11 +112,14 @@ class LinearTokenLogProbsFunction : public torch::autograd::Function<LinearToken
     call.set("hidden", saved[0]).set("weight", saved[1]).set("bias", has_bias ? c10::IValue(saved[2]) : c10::IValue());
     call.set("target", saved[3]).set("stats", saved[4]).set("output_mask", mask);
     call.set("grad_log_probs", defined_or_none(g_lp)).set("grad_entropy", defined_or_none(g_h));
-    for (const char* name : {"logits_scale_factor", "chunk_size"}) call.set(name, ctx->saved_data[name]);
+    for (const char* name : {"logits_scale_factor", "chunk_size", "strategy", "weight_main_grad", "skip_unlabelled"}) {
+      call.set(name, ctx->saved_data[name]);
+    }
     call.run();
+    const bool into_main_grad = !ctx->saved_data["weight_main_grad"].isNone();
     const char* names[3] = {"grad_hidden", "grad_weight", "grad_bias"};
     for (int i = 0; i < 3; ++i) {
-      if (mask.get(i)) out[i] = call.result(names[i]);
+      if (mask.get(i) && !(i == 1 && into_main_grad)) out[i] = call.result(names[i]);
     }
     return out;
   }

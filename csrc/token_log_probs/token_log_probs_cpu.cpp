@@ -20,9 +20,9 @@ TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   m.impl("_token_log_probs_forward", CppFunction::makeFromBoxedFunction<&K::forward>());
   m.impl("_token_log_probs_backward", CppFunction::makeFromBoxedFunction<&K::backward>());
   m.impl("_linear_token_log_probs_forward",
-         CppFunction::makeFromBoxedFunction<&K::linear_forward<accumulate_weight_grad_cpu>>());
+         CppFunction::makeFromBoxedFunction<&K::linear_forward<linear_backend_cpu>>());
   m.impl("_linear_token_log_probs_backward",
-         CppFunction::makeFromBoxedFunction<&K::linear_backward<accumulate_weight_grad_cpu>>());
+         CppFunction::makeFromBoxedFunction<&K::linear_backward<linear_backend_cpu>>());
 }
 
 }  // namespace rl_losses

@@ -107,6 +107,14 @@ def check_per_token_int(op, name, t, target):
            _shape(target.shape))
 
 
+def check_loss_mask(op, mask, like, like_name, sizes, shape_name):
+    _check(mask.dtype == torch.bool or _integral(mask.dtype), op, "loss_mask must be a bool or integer tensor, got ",
+           _dt(mask.dtype))
+    _check(mask.device == like.device, op, "loss_mask is on ", mask.device, " but ", like_name, " is on ", like.device)
+    _check(list(mask.shape) == list(sizes), op, "loss_mask has shape ", _shape(mask.shape), " but ", like_name,
+           " has ", shape_name, " ", _shape(sizes))
+
+
 def check_label_counts(op, t, target):
     _check(t.device == target.device and list(t.shape) == list(target.shape), op,
            "label_counts must have the target's shape ", _shape(target.shape), " and device ", target.device,
@@ -132,8 +140,9 @@ def check_epsilons(op, epsilon_low, epsilon_high):
 def check_delta(op, delta, epsilon_high):
     _check(delta is None or math.isfinite(delta), op, "delta must be finite (leave it unset for no cap), got ",
            _num(delta if delta is not None else 0.0))
-    _check(delta is None or delta > 1 + epsilon_high, op, "delta must exceed 1 + epsilon_high = ",
-           _num(1 + epsilon_high), ", got ", _num(delta if delta is not None else 0.0))
+    _check(delta is None or delta > 0, op, "delta must be > 0 (it caps the ratio r = exp(lp - old) > 0; the usual "
+           "two-sided clip takes delta > 1 + epsilon_high = ", _num(1 + epsilon_high), "), got ",
+           _num(delta if delta is not None else 0.0))
 
 
 def check_beta(op, beta, ref_log_probs):
@@ -195,9 +204,20 @@ def linear_source(op, a):
         _check(bias.dtype == hidden.dtype and bias.device == hidden.device, op, "bias must be ", _dt(hidden.dtype),
                " on ", hidden.device, ", got ", _dt(bias.dtype), " on ", bias.device)
     check_target(op, a["target"], hidden, "hidden")
-    chunk_size = a["chunk_size"]
+    # check_linear_options
+    chunk_size, strategy, weight_main_grad = a["chunk_size"], a["strategy"], a["weight_main_grad"]
     _check(chunk_size is None or chunk_size >= 1, op, "chunk_size must be >= 1, got ",
            chunk_size if chunk_size is not None else 0)
+    _check(strategy in ("fast", "lean"), op, "strategy must be 'fast' or 'lean', got '", strategy, "'")
+    if weight_main_grad is not None:
+        g, acc = weight_main_grad, acc_dtype(weight.dtype)
+        _check(g.dtype == acc, op, "weight_main_grad must be ", _dt(acc), " (the accumulation dtype of a ",
+               _dt(weight.dtype), " weight), got ", _dt(g.dtype))
+        _check(g.shape == weight.shape, op, "weight_main_grad must have the weight's shape ", _shape(weight.shape),
+               ", got ", _shape(g.shape))
+        _check(g.device == weight.device, op, "weight_main_grad is on ", g.device, " but weight is on ",
+               weight.device)
+        _check(g.is_contiguous(), op, "weight_main_grad must be contiguous, got strides ", _shape(g.stride()))
 
 
 def linear_wants_grad(a) -> bool:
@@ -424,6 +444,8 @@ def policy_token(a):
     for name in ("ref_log_probs", "rollout_log_probs"):
         if a[name] is not None:
             check_per_token(op, name, a[name], log_probs)
+    if a["loss_mask"] is not None:
+        check_loss_mask(op, a["loss_mask"], log_probs, "log_probs", log_probs.shape, "shape")
 
 
 # ---- token_log_probs/token_log_probs.cpp -------------------------------------------------------------------------

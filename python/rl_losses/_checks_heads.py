@@ -8,7 +8,7 @@ import math
 import torch
 
 from rl_losses._checks import (_check, _dt, _integral, _num, _shape, acc_dtype, check_beta, check_clip,
-                                check_divisor, check_epsilons, check_label_counts, check_num_documents, check_per_token,
+                                check_divisor, check_epsilons, check_loss_mask, check_label_counts, check_num_documents, check_per_token,
                                 check_per_token_int, check_row_stats, check_scale, check_weighting)
 from rl_losses._schema import DISTILL_STATS
 
@@ -81,12 +81,7 @@ def distillation(a, inplace=False):
     n = logits.numel() // logits.shape[-1]
     batch = list(logits.shape[:-1])
     if loss_mask is not None:
-        m = loss_mask
-        _check(m.dtype == torch.bool or _integral(m.dtype), op, "loss_mask must be a bool or integer tensor, got ",
-               _dt(m.dtype))
-        _check(m.device == logits.device, op, "loss_mask is on ", m.device, " but logits is on ", logits.device)
-        _check(list(m.shape) == batch, op, "loss_mask has shape ", _shape(m.shape), " but logits has batch shape ",
-               _shape(batch))
+        check_loss_mask(op, loss_mask, logits, "logits", batch, "batch shape")
     if row_stats is not None:
         _distill_acc_input("row_stats", row_stats, n, len(DISTILL_STATS), logits)
     if kind == "jsd" and 0 < beta < 1 and jsd_sums is not None:  # β = 0 or 1 is a KL, which reads no sums

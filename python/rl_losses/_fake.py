@@ -32,13 +32,21 @@ def _grad(x, compute_grad):
     return torch.empty_like(x, memory_format=torch.contiguous_format) if compute_grad else _empty(x, [0], x.dtype)
 
 
+def _row_unscale(x, target, with_grad):
+    """grad_row_unscale: a factor per row where fp16 gradient rows are stored pre-scaled (csrc/common/row_pass.h,
+    GradRowPrescaled), else empty."""
+    return _empty(x, [target.numel() if with_grad and x.dtype == torch.float16 else 0], torch.float32)
+
+
 def _linear_grads(a):
+    """grad_hidden, grad_weight, grad_bias as output_mask asks (grad_weight goes into weight_main_grad when given)."""
     hidden, mask = a["hidden"], a["output_mask"]
 
     def grad(t, wanted):
         return torch.empty_like(t, memory_format=torch.contiguous_format) if wanted and t is not None \
             else _empty(hidden, [0], hidden.dtype)
-    return {"grad_hidden": grad(hidden, mask[0]), "grad_weight": grad(a["weight"], mask[1]),
+    return {"grad_hidden": grad(hidden, mask[0]),
+            "grad_weight": grad(a["weight"], mask[1] and a["weight_main_grad"] is None),
             "grad_bias": grad(a["bias"], mask[2])}
 
 
@@ -52,16 +60,23 @@ def _register(op: str, fake) -> None:
 
 
 def _register_loss(name: str, check, results, *, linear: bool = False) -> None:
-    """A loss's ops (registration.cpp: def_loss, and def_linear with `linear`): its row source's checks, then
-    `check(op, a, x)` (x: the logits or the hidden states), whose return `results(a, x, checked)` may use."""
+    """A loss over the row pass's ops (registration.cpp: def_loss, and def_linear with `linear`): its row source's
+    checks, then `check(op, a, x)` (x: the logits or the hidden states), whose return `results(a, x, checked)` may
+    use."""
     def run(op, a, inplace=False):
         x = _checks.source(op, a, inplace)
         return results(a, x, check(op, a, x))
 
+    def forward(a):
+        logits, compute_grad = a["logits"], a["compute_grad"]
+        return {**run(name, a), "grad": _grad(logits, compute_grad),
+                "grad_row_unscale": _row_unscale(logits, a["target"], compute_grad)}
+
     # Without autograd (the only way to the public op's fake) inplace_backward writes nothing: no inplace checks.
     _register(name, lambda a: run(name, a))
-    _register(f"_{name}_forward", lambda a: {**run(name, a), "grad": _grad(a["logits"], a["compute_grad"])})
-    _register(f"_{name}_forward_inplace", lambda a: run(name, a, inplace=True))
+    _register(f"_{name}_forward", forward)
+    _register(f"_{name}_forward_inplace", lambda a: {**run(name, a, inplace=True),
+                                                     "grad_row_unscale": _row_unscale(a["logits"], a["target"], True)})
     if linear:
         op = f"linear_{name}"
         _register(op, lambda a: run(op, a))
@@ -79,7 +94,7 @@ _register("row_stats", _row_stats)
 
 
 @register_fake("rl_losses::_scale_grad_")
-def _scale_grad_(grad, grad_output):
+def _scale_grad_(grad, grad_output, row_unscale=None):
     return None
 
 

@@ -204,8 +204,8 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
 
     epsilon_low: ε_l in [0, 1): the ratio is clipped below at 1 - ε_l. epsilon_high: ε_h >= 0: clipped above at
         1 + ε_h (DAPO's clip-higher: ε_h > ε_l).
-    delta: optional two-sided clip of the ratio (> 1 + epsilon_high), as in Liger/TRL ("ppo_clip" only; GSPO:
-        of the sequence ratio R_s).
+    delta: optional two-sided clip of the ratio (finite, > 0; usually > 1 + epsilon_high), TRL's ``delta``
+        ("ppo_clip" only; GSPO: of the sequence ratio R_s).
     metrics: "none" (only ``<name>_new_logprobs``), "basic" (adds the clipped fractions, KL(new||old), ratio,
         advantage and token statistics; no extra pass over the vocabulary) or "with_entropy" (adds the mean
         entropy, fused into the kernel's pass).
@@ -247,9 +247,7 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
         self._check_choice("loss_type", POLICY_LOSS_TYPES)
         if self.delta is not None and self.loss_type != "ppo_clip":
             self._fail("delta", f"None with loss_type={self.loss_type!r} (the two-sided clip is ppo_clip's)")
-        self._check_float("delta", optional=True)
-        if self.delta is not None and self.delta <= 1.0 + self.epsilon_high:
-            self._fail("delta", f"> 1 + epsilon_high = {1.0 + self.epsilon_high}")
+        self._check_float("delta", low=0.0, low_inclusive=False, optional=True)
         self._check_float("sapo_temperature_pos", low=0.0, low_inclusive=False)
         self._check_float("sapo_temperature_neg", low=0.0, low_inclusive=False)
         for name in ("vespo_k_pos", "vespo_k_neg"):

@@ -146,7 +146,8 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
             None for on-policy training.
         epsilon_low: ε_l in [0, 1); the ratio is clipped below at 1 - ε_l.
         epsilon_high: ε_h >= 0; the ratio is clipped above at 1 + ε_h (DAPO's clip-higher: ε_h > ε_l).
-        delta: optional two-sided clip: the ratio is capped at δ > 1 + ε_h for negative advantages.
+        delta: optional two-sided clip, TRL's: −min(min(r, δ)·A, clip(r)·A), any finite δ > 0 (usually
+            δ > 1 + ε_h, where it caps the ratio of negative advantages only; docs/math.md).
         ref_log_probs: (...) float, log-probs under the reference policy; needed when ``beta`` > 0.
         beta: β >= 0, weight of the k3 estimate of KL(new || ref).
         loss_weights: (...) float per-token weights w_t (default: the label mask), e.g. mask / |o_i| for the
@@ -205,8 +206,8 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
             ``document_index`` and the labels; give it when a document is split over calls or ranks).
         epsilon_low: ε_l in [0, 1); the sequence ratio is clipped below at 1 - ε_l.
         epsilon_high: ε_h >= 0; clipped above at 1 + ε_h.
-        delta: optional two-sided clip ("ppo_clip" only): f_s = −min(min(R_s, δ)·Ā_s, clip(R_s)·Ā_s) with
-            δ > 1 + ε_h, TRL's ``delta`` at importance_sampling_level="sequence" (no gradient where R_s > δ).
+        delta: optional two-sided clip ("ppo_clip" only): f_s = −min(min(R_s, δ)·Ā_s, clip(R_s)·Ā_s), any finite
+            δ > 0, TRL's ``delta`` at importance_sampling_level="sequence" (docs/math.md).
         weighting: "document" (each document weighs 1) or "token" (each weighs its labelled-token count).
         token_advantages: GSPO-token: each token's own advantage inside the sequence ratio.
         divisor: D, a number or 0-dim tensor (default: the documents holding at least one labelled token).
@@ -251,9 +252,20 @@ _LINEAR_ARGS_DOC = """
             dims are the tokens, as the logits' would be.
         weight: (V, H) the lm_head weight, same dtype and device.
         bias: optional (V,) lm_head bias.
-        chunk_size: rows of logits computed at a time (default: as many as fit 512 MiB of logits). Peak extra
-            memory is one (chunk_size, V) block of logits plus, when the weight needs a gradient, its
-            (V, H) float32 accumulator.
+        chunk_size: rows of logits computed at a time (default: from the strategy's memory budget).
+        strategy: "fast" (default): chunks of rows from a 2.5 GiB logits budget; across chunks the weight gradient is
+            summed in a (V, H) float32 accumulator (none when one chunk holds every row). "lean": at most
+            256 MiB beyond the gradients and no accumulator: grad_hidden in chunks of rows, then grad_weight
+            and grad_bias in blocks of the vocabulary over all rows, each written once (one more GEMM).
+            docs/performance.md gives the rule, the measured times and the grad_weight errors.
+        weight_main_grad: optional (V, H) float32 (float64 for float64 weights) contiguous buffer, e.g.
+            Megatron's ``weight.main_grad``: the weight's gradient is added into it (no accumulator of ours) and
+            autograd gets none for the weight (``weight.grad`` is left as it was). The losses add it during the
+            forward, for an upstream gradient of 1: call ``loss.backward()`` on the returned loss (scale it
+            through ``divisor``); any other upstream gradient is refused.
+        skip_unlabelled: rows with a negative label take no GEMM work (True, default): their count is read on
+            the host, one synchronisation per call (per forward and backward for linear_token_log_probs); their
+            per-row outputs are 0. False runs every row and never synchronises (CUDA graphs).
     The logits are ``hidden @ weight.T + bias``; they and their gradient are never materialised whole.
     Differentiable w.r.t. hidden, weight and bias (the gradients are computed in the forward, chunk by chunk).
     No ``inplace_backward``, ``tp_group`` or ``sdp_group``.
@@ -372,7 +384,8 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: t
                            temperature: float = 1.0, **options) -> tuple[torch.Tensor, torch.Tensor | None]:
     """token_log_probs of ``hidden @ weight.T (+ bias)`` without materialising the logits. The backward
     computes each chunk's logits again (it needs the upstream gradients), so it costs one more GEMM per
-    chunk than the forward-computed gradients of the linear losses."""
+    chunk than the forward-computed gradients of the linear losses; it is also where ``weight_main_grad`` is
+    added into, with the real upstream gradients. Unlabelled rows are skipped only without the entropy."""
     options = _options("linear_token_log_probs", options, _LINEAR_TOKEN_LOG_PROBS)
     scale = _scale_of_temperature("linear_token_log_probs", temperature)
     weight = _plain_lm_head("linear_token_log_probs", hidden, weight, options)

@@ -11,7 +11,8 @@ class PolicyLossOutput(NamedTuple):
 
     new_logprobs: mean over documents of each document's mean log-prob of the label (token mean without
         documents). clipped_fraction_low/high: fraction of labelled tokens (GRPO) or documents (GSPO) whose
-        ratio is clipped below (r < 1-ε_l, A < 0) / above (r > 1+ε_h, A > 0). kl_old: mean k3 estimate of
+        ratio is clipped below (r < 1-ε_l, A < 0) / above (r > 1+ε_h, A > 0), TRL's flags on the ratio under
+        the two-sided clip, min(r, δ). kl_old: mean k3 estimate of
         KL(new || old) per labelled token (GRPO) or per document on the sequence ratio (GSPO). entropy: mean
         entropy over labelled tokens, or None when not requested. log_probs: per-token log-prob of the label
         (0 where unlabelled). ratio_mean: mean ratio over labelled tokens / documents. document_ratios: R_s

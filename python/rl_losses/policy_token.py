@@ -21,8 +21,9 @@ class PolicyTokenOutput(NamedTuple):
 
     loss: ℓ_t (the surrogate times the rollout weight, plus β·KL_t), differentiable w.r.t. ``log_probs``; every
     other field is detached. ratio: r_t = exp(lp_t − old_t). clipped_low / clipped_high: 1.0 where the ratio is
-    clipped below / above (ppo_clip) or capped (cispo, as "high"), else 0. kl: KL_t (importance weighted with
-    ``kl_importance_weighted``), 0 without ``ref_log_probs``. rollout_weight: ω_t, 1 without a rollout correction.
+    clipped below / above (ppo_clip, TRL's flags on min(r, δ)) or capped (cispo, as "high"), else 0. kl: KL_t
+    (importance weighted with ``kl_importance_weighted``), 0 without ``ref_log_probs``. rollout_weight: ω_t, 1
+    without a rollout correction. Every field is 0 outside ``loss_mask``.
     """
     loss: torch.Tensor
     ratio: torch.Tensor
@@ -60,6 +61,8 @@ def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | Non
         ``ref_log_probs``/``beta``/``kl_estimator``/``kl_importance_weighted``), and its token-level rollout
         correction (``rollout_correction`` 'token_truncate' / 'token_mask' with ``rollout_log_probs``); the
         sequence-level modes and the entropy bonus need the fused ops.
+        loss_mask: (...) bool or integer, optional: where it is 0 no input is read (padding may hold NaN or inf)
+            and every output, the gradient included, is 0.
     """
     options = _options("policy_token_loss", options, _KEYWORDS)
     out = _schema.named("policy_token_loss",

@@ -228,7 +228,7 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
         counts = maskf if label_counts is None else label_counts.to(logp.dtype).clamp_min(1)
         doc_weight = torch.where(mask, 1 / counts, 0.0)
         new_logprobs = (doc_weight * lp).sum() / doc_weight.sum().clamp_min(1e-30)
-        low_flag, high_flag = _clip_flags(p, ratio, adv, epsilon_low, epsilon_high)
+        low_flag, high_flag = _clip_flags(p, ratio, adv, epsilon_low, epsilon_high, delta)
         low, high = mean(low_flag.to(logp.dtype)), mean(high_flag.to(logp.dtype))
         kl_old = mean(_k3(old - lp))
         with_entropy = compute_entropy or p.entropy_coefficient != 0.0
@@ -256,9 +256,11 @@ def _surrogate(p: Policy, ratio, adv, lp, epsilon_low, epsilon_high, delta=None)
     return -torch.minimum(capped * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
 
 
-def _clip_flags(p: Policy, ratio, adv, epsilon_low, epsilon_high):
+def _clip_flags(p: Policy, ratio, adv, epsilon_low, epsilon_high, delta=None):
+    # TRL's clip_ratio flags, on its coef_1 after the two-sided clip min(r, δ).
     if p.loss_type == "ppo_clip":
-        return (ratio < 1 - epsilon_low) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)
+        capped = ratio if delta is None else ratio.clamp(max=delta)
+        return (capped < 1 - epsilon_low) & (adv < 0), (capped > 1 + epsilon_high) & (adv > 0)
     high = (ratio > epsilon_high) & (adv > 0) if p.loss_type == "cispo" else torch.zeros_like(ratio, dtype=torch.bool)
     return torch.zeros_like(ratio, dtype=torch.bool), high
 
@@ -341,7 +343,7 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
             return torch.where(mask, x, 0.0).sum() / n_lab
 
         new_logprobs = zeros.index_add(0, safe_doc, u * lp).sum() / n_docs
-        low_flag, high_flag = _clip_flags(p, ratio, adv_mean, epsilon_low, epsilon_high)
+        low_flag, high_flag = _clip_flags(p, ratio, adv_mean, epsilon_low, epsilon_high, delta)
         low = (low_flag & has_label).to(dt).sum() / n_docs
         high = (high_flag & has_label).to(dt).sum() / n_docs
         kl_old = torch.where(has_label, _k3(-log_ratio), 0.0).sum() / n_docs

@@ -77,7 +77,8 @@ __device__ inline void send_to_rank(T* dst, const T& value, uint64_t* bar, unsig
 //      (st.async into a slot of their `gathered`, counted on an mbarrier there);
 //   2. once all C states have landed, warp 0 of every CTA combines them (in rank order, by a fixed shuffle
 //      tree: every CTA gets the same bits) and lane 0 runs the epilogue; every CTA's epilogue writes the
-//      same per-row outputs, which is cheaper than a second round of messages from one CTA;
+//      same per-row outputs, which is cheaper than a second round of messages from one CTA (rank 0 alone
+//      stores the statistics where stats_out is given);
 //   3. every CTA writes the gradient of its slice from shared memory. In place (grad == logits) is safe: a
 //      CTA writes only its own slice, after reading all of it.
 // Where the epilogue skips unlabelled rows (kSkipsUnlabelled, 1 stage), such a row takes none of these steps:
@@ -186,7 +187,10 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     if (kSkips) {
       if (row + row_step < v.n_rows) next_label = static_cast<int64_t>(v.target[row + row_step]);
       if (stages == 1 && label_ahead < 0) {
-        if (rank == 0 && threadIdx.x == 0) epi(row + v.row_offset, label_ahead, RowStats<acc_t>::empty());
+        if (rank == 0 && threadIdx.x == 0) {
+          epi(v.epilogue_row(row), label_ahead, RowStats<acc_t>::empty());
+          if (v.stats_out != nullptr) store_stats(v.stats_out, row, RowStats<acc_t>::empty());
+        }
         block_zero_fill<kThreads>(v.grad + row * v.grad_row_stride + begin, n_elems);
         continue;
       }
@@ -255,7 +259,8 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
       for (int m = ctas_pow2 / 2; m > 0; m >>= 1) all = RowStats<acc_t>::combine(all, shfl_xor(all, m));
       if (lane == 0) {
         CUDA_KERNEL_ASSERT(label < v.vocab_total && "rl_losses: a target label is >= the vocabulary size");
-        coef_shared = epi(row + v.row_offset, label, all);
+        coef_shared = epi(v.epilogue_row(row), label, all);
+        if (rank == 0 && v.stats_out != nullptr) store_stats(v.stats_out, row, all);
         max_shared = all.max;
         log_sumexp_shared = ::log(all.sumexp);
       }
@@ -416,6 +421,8 @@ bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
       rest.target += head.n_rows;
       rest.grad += head.n_rows * v.grad_row_stride;
       rest.row_offset += head.n_rows;
+      if (v.row_index != nullptr) rest.row_index += head.n_rows;
+      if (v.stats_out != nullptr) rest.stats_out += head.n_rows * RowStats<acc_t>::kFields;
       TORCH_INTERNAL_ASSERT(v.stats_in == nullptr, "rl_losses: the fused pass reads no statistics");
       main_launch(head, epi, clusters, false);
       tail_launch(rest, epi, tail_rows, true);

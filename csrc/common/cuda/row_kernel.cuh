@@ -20,8 +20,9 @@ namespace rl_losses {
 namespace cuda {
 
 // One block per row: kStats streams the row (kUnroll 16-byte loads in flight per thread) into the block's
-// statistics, else they are read from stats_in; thread 0 runs the epilogue; kGrad then streams the row again
-// and writes the gradient. The row may start anywhere: an unaligned head and a tail go element by element.
+// statistics (stored in stats_out where given), else they are read from stats_in; thread 0 runs the epilogue;
+// kGrad then streams the row again and writes the gradient. The row may start anywhere: an unaligned head and a
+// tail go element by element.
 template <int kThreads, int kUnroll, typename scalar_t, typename label_t, typename acc_t, bool kStats,
           bool kGrad, bool kEntropy, bool kSmoothing, typename Epilogue>
 __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 threads: >= 4 blocks (64 regs)
@@ -84,10 +85,11 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
       CUDA_KERNEL_ASSERT(label < v.vocab_total && "rl_losses: a target label is >= the vocabulary size");
       if constexpr (kStats) {
         st.label = has_label ? static_cast<acc_t>(x[local]) * v.scale : acc_t(0);
+        if (v.stats_out != nullptr) store_stats(v.stats_out, row, st);
       } else {
         st = load_stats(v.stats_in, row);
       }
-      coef_shared = epi(row + v.row_offset, label, st);
+      coef_shared = epi(v.epilogue_row(row), label, st);
       max_shared = st.max;
       log_sumexp_shared = ::log(st.sumexp);
     }
@@ -165,7 +167,7 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)
       CUDA_KERNEL_ASSERT(label < v.vocab_total && "rl_losses: a target label is >= the vocabulary size");
       const int64_t local = label - v.vocab_start;
       const RowStats<acc_t> st = load_stats(v.stats_in, row);
-      const Grad grad_of(epi(row + v.row_offset, label, st), st.max, ::log(st.sumexp), v.scale,
+      const Grad grad_of(epi(v.epilogue_row(row), label, st), st.max, ::log(st.sumexp), v.scale,
                          label >= 0 && local >= 0 && local < v.vocab ? local : int64_t(-1));
       memcpy(table[k - k_begin], &grad_of, sizeof(Grad));
     }

@@ -6,28 +6,35 @@ What changes against TRL's own trainer:
     (``importance_sampling_level="sequence"``), applied to the last hidden state of the completion: loss,
     gradient and metrics in one chunked pass, the completion logits never materialised. ``op_options`` is the
     one mapping from TRL's configuration to the op's options: ``loss_type`` (grpo, bnpo, dr_grpo, dapo, luspo,
-    cispo, sapo, vespo) and its parameters, ``delta`` (at either level: at sequence level TRL caps the
-    sequence ratio, ``min(R_s, δ)``, as the GSPO op's ``delta`` does), the vLLM importance-sampling correction
-    (the rollout correction, from the batch's ``sampling_per_token_logps``), ``use_bias_correction_kl`` (the
-    ratio-weighted KL); ``_aggregation`` turns the loss type into per-token weights and a divisor;
+    cispo, sapo, vespo) and its parameters, ``delta`` (TRL's two-sided clip, any value TRL takes; at sequence
+    level of the sequence ratio), the vLLM importance-sampling correction (the rollout correction, from the
+    batch's ``sampling_per_token_logps``), ``use_bias_correction_kl`` (the ratio-weighted KL); ``_aggregation``
+    turns the loss type into per-token weights and a divisor;
   * every other log-prob the trainer computes (old-policy and reference log-probs, and the loss of the options
-    the fused ops do not cover, below) goes through ``rl_losses.linear_token_log_probs``.
+    the fused ops do not cover, below) goes through ``rl_losses.linear_token_log_probs``, in float32 with
+    ``cast_lm_head_to_fp32`` as TRL's head.
 The entropy bonus becomes the op's ``entropy_coefficient`` (rescaled to its divisor): the static one
 (``entropy_coef``) and the adaptive one (``use_adaptive_entropy``: the coefficient applied is TRL's gated
-``entropy_coef``, and the controller is updated from the op's entropy, its mean over the labelled tokens, so no
-extra output). TRL's bonus is a token mean while ``loss_type`` grpo and sapo weigh each token by 1/|o_i|: since
-their surrogates are linear in the advantage, the 1/|o_i| moves into the advantages and the tokens weigh 1,
-which leaves one coefficient for the bonus; with a KL term (``beta != 0``, not linear in A) that does not hold,
-and the op has one token weight for both terms, so that case keeps TRL's formula.
-Options without a fused form keep TRL's own loss formula, computed from rl_losses' log-probs:
-``off_policy_mask_threshold`` and ``top_entropy_quantile < 1`` (they mask tokens by the current log-probs or
-entropies of the whole batch before the loss: a second pass over the logits), the entropy bonus with grpo/sapo
-and ``beta != 0`` (above), a MoE aux loss, multimodal inputs, a truncating vLLM correction with
-``vllm_importance_sampling_clip_min`` or without a ``clip_max``, logit scaling or softcapping in the model
-config. The ``rl_losses/fused_loss`` metric says which path a step took (1 fused, 0 TRL's formula).
+``entropy_coef``, and the controller is updated from the entropy of the tokens the bonus acts on). TRL's bonus is
+a token mean while ``loss_type`` grpo and sapo weigh each token by 1/|o_i|: since their surrogates are linear in
+the advantage, the 1/|o_i| moves into the advantages and the tokens weigh 1, which leaves one coefficient for the
+bonus; with a KL term (``beta != 0``, not linear in A) that does not hold, and the op has one token weight for
+both terms, so that case keeps TRL's formula.
+``off_policy_mask_threshold`` and ``top_entropy_quantile < 1`` are fused too: a no-gradient
+``linear_token_log_probs`` pre-pass gives every token's current log-prob (and entropy) first, TRL's own mask
+functions turn them into masks, and a masked token's surrogate is switched off through its advantage (the
+surrogates are linear in positive scalings of A and 0 at A = 0; the KL and the entropy bonus stay, as TRL's).
+The rest keeps TRL's own loss formula over rl_losses' per-token log-probs, with a warning once per trainer and
+reason (``FALLBACK_COST``): the entropy bonus with grpo/sapo and ``beta != 0`` (above), ``top_entropy_quantile``
+at sequence level (the GSPO op has no per-token weights) or with the bonus and ``beta != 0`` (the bonus's mask
+would weigh the KL too), a MoE aux loss, multimodal inputs, a truncating vLLM correction with
+``vllm_importance_sampling_clip_min`` or without a ``clip_max``, logit scaling or softcapping in the model config.
+The ``rl_losses/fused_loss`` metric says which path a step took (1 fused, 0 TRL's formula).
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import types
 
@@ -38,17 +45,23 @@ from trl.trainer.utils import FusedCausalLMOutput, nanmax, nanmin
 import rl_losses
 from rl_losses import _schema, aggregation
 
+logger = logging.getLogger(__name__)
+
 # TRL's loss_type -> the op's loss_type (the aggregation is _aggregation's).
 _LOSS_TYPES = {name: ours for name, (ours, _) in aggregation.TRL_LOSS_TYPES.items()} | {"vespo": "vespo"}
 # VESPO's options, which TRL's GRPOConfig names as the ops do.
 _VESPO = tuple(sorted(name for name in _schema.arguments("grpo") if name.startswith("vespo_")))
+# What a step on TRL's formula costs against the fused one (docs/integrations/trl.md, "Fallbacks").
+FALLBACK_COST = ("one more lm_head GEMM per chunk, since the backward recomputes the logits, and TRL's per-token "
+                 "autograd graph: 1.1x to 1.4x the fused loss step on the CPU at V = 32768; the logits still never "
+                 "exist whole")
 
 
-def op_options(trainer) -> tuple[dict, str | None]:
+def op_options(trainer) -> tuple[dict, list[str]]:
     """The fused policy op's options for a ``trl.GRPOTrainer``'s configuration (those that do not depend on the
-    batch), and why the configuration has no fused form (None: it has one).
+    batch), and the reasons the configuration has no fused form (none: it has one).
 
-    Returns ``(options, reason)``: ``options`` are keyword arguments of ``rl_losses.linear_grpo_loss`` /
+    Returns ``(options, reasons)``: ``options`` are keyword arguments of ``rl_losses.linear_grpo_loss`` /
     ``linear_gspo_loss``: ``loss_type`` (TRL's grpo, bnpo, dr_grpo, dapo and luspo are all ``ppo_clip``),
     ``epsilon_low/high``, ``delta``, ``sapo_temperature_pos/neg``, ``vespo_*``, ``beta``,
     ``kl_importance_weighted`` (``use_bias_correction_kl``), and, with the vLLM importance-sampling correction,
@@ -58,7 +71,7 @@ def op_options(trainer) -> tuple[dict, str | None]:
     args = trainer.args
     reasons = []
     if trainer.loss_type not in _LOSS_TYPES:
-        return {}, f"loss_type={trainer.loss_type!r}"
+        return {}, [f"loss_type={trainer.loss_type!r}"]
     loss_type = _LOSS_TYPES[trainer.loss_type]
     options = dict(loss_type=loss_type, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
                    beta=trainer.beta)
@@ -78,6 +91,11 @@ def op_options(trainer) -> tuple[dict, str | None]:
             reasons.append(f"an entropy bonus with loss_type={trainer.loss_type!r} and beta != 0")
         # TRL divides its bonus by the token count: _fused_loss rescales c to the op's divisor.
         options["entropy_coefficient"] = applied_entropy_coef(trainer)
+    if trainer.top_entropy_quantile < 1.0:
+        if trainer.importance_sampling_level == "sequence" and loss_type != "vespo":
+            reasons.append("top_entropy_quantile < 1 with importance_sampling_level='sequence'")
+        if trainer._entropy_bonus_enabled and trainer.beta != 0.0:
+            reasons.append("top_entropy_quantile < 1 with an entropy bonus and beta != 0")
     if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
         mode = trainer.vllm_importance_sampling_mode
         low, high = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
@@ -91,7 +109,9 @@ def op_options(trainer) -> tuple[dict, str | None]:
         else:  # TRL's mask keeps low <= ratio <= high; the ratio is >= 0, so no lower bound is 0
             options["rollout_mask_bounds"] = (0.0 if low is None else float(low),
                                               math.inf if high is None else float(high))
-    return options, ", ".join(reasons) if reasons else None
+    if trainer.aux_loss_enabled:
+        reasons.append("a MoE aux loss")
+    return options, reasons
 
 
 def applied_entropy_coef(trainer) -> float:
@@ -119,12 +139,13 @@ def _unsupported_scaling(model) -> str | None:
     return None
 
 
-def add_fused_lm_head(model, temperature: float = 1.0) -> None:
+def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False) -> None:
     """Patch ``model`` (after TRL's ``add_fused_lm_head``) so that ``model(..., labels=labels,
     fused_lm_head=True)`` computes its per-token log-probs and entropies with
     ``rl_losses.linear_token_log_probs``, and so that ``rl_losses_head=fn`` returns ``fn(hidden, weight, bias,
-    labels)`` on the shifted last hidden state (the trainer's fused loss). A model whose config scales or
-    softcaps its logits keeps TRL's head for the log-probs."""
+    labels)`` on the shifted last hidden state (the trainer's fused loss). ``cast_lm_head_to_fp32``: the head runs
+    in float32 outside autocast, as TRL's. A model whose config scales or softcaps its logits keeps TRL's head for
+    the log-probs."""
     previous = model.forward
     unsupported = _unsupported_scaling(model)
 
@@ -143,19 +164,27 @@ def add_fused_lm_head(model, temperature: float = 1.0) -> None:
         weight = _full(lm_head.weight)
         bias = None if lm_head.bias is None else _full(lm_head.bias)
         # The ops take one dtype: under autocast the lm_head runs in the autocast dtype (as TRL's head's matmul
-        # would), else in the weight's.
+        # would), else in the weight's; cast_lm_head_to_fp32 runs it in float32 with autocast off (TRL's GEMMs
+        # too), its hidden states cast up and their gradient cast back.
         device_type = weight.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+        head_context = contextlib.nullcontext()
+        if cast_lm_head_to_fp32:
+            dtype, head_context = torch.float32, torch.autocast(device_type, enabled=False)
+        elif torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+        else:
+            dtype = weight.dtype
         weight = weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
         hidden = hidden.to(device=weight.device, dtype=dtype)
         labels = labels.to(weight.device)
-        if rl_losses_head is not None:
-            return rl_losses_head(hidden, weight, bias, labels)
-        mask = labels != -100
-        # Only the labelled positions are projected (the prompt's are not), as TRL's own head does.
-        lp, entropy = rl_losses.linear_token_log_probs(hidden[mask], weight, labels[mask], bias=bias,
-                                                       temperature=temperature, compute_entropy=True)
+        with head_context:
+            if rl_losses_head is not None:
+                return rl_losses_head(hidden, weight, bias, labels)
+            mask = labels != -100
+            # Only the labelled positions are projected (the prompt's are not), as TRL's own head does.
+            lp, entropy = rl_losses.linear_token_log_probs(hidden[mask], weight, labels[mask], bias=bias,
+                                                           temperature=temperature, compute_entropy=True)
         log_probs = lp.new_zeros(mask.shape).masked_scatter(mask, lp)
         entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
@@ -171,35 +200,40 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._rl_losses_warned = set()
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        add_fused_lm_head(model, temperature=self.temperature)
+        cast = self.args.cast_lm_head_to_fp32
+        add_fused_lm_head(model, temperature=self.temperature, cast_lm_head_to_fp32=cast)
         if self.ref_model is not None:
-            add_fused_lm_head(self.ref_model, temperature=self.temperature)
+            add_fused_lm_head(self.ref_model, temperature=self.temperature, cast_lm_head_to_fp32=cast)
 
     @property
     def _rl_losses_fallback(self) -> str | None:
-        # Read at each step (a few attribute checks), so that options changed on the trainer are followed.
+        """Why this configuration keeps TRL's formula (None: the loss is fused). Read at each step (a few
+        attribute checks), so that options changed on the trainer are followed."""
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        return self._fallback_reason(model)
+        return ", ".join(self._fallback_reasons(model)) or None
 
     # ---- which path ------------------------------------------------------------------------------------------
-    def _fallback_reason(self, model) -> str | None:
-        """Why the fused loss cannot express this configuration (None: it can)."""
-        _, reason = op_options(self)
-        checks = [
-            (reason is not None, reason),
-            (self.off_policy_mask_threshold is not None, "off_policy_mask_threshold"),
-            (self.top_entropy_quantile < 1.0, "top_entropy_quantile"),
-            (self.aux_loss_enabled, "a MoE aux loss"),
-            (_unsupported_scaling(model) is not None, f"the model's {_unsupported_scaling(model)}"),
-        ]
-        reasons = [why for bad, why in checks if bad]
-        return ", ".join(reasons) if reasons else None
+    def _fallback_reasons(self, model) -> list[str]:
+        """Why the fused loss cannot express this configuration (empty: it can)."""
+        _, reasons = op_options(self)
+        scaling = _unsupported_scaling(model)
+        return reasons + ([f"the model's {scaling}"] if scaling is not None else [])
 
     def _compute_loss(self, model, inputs):
-        multimodal = any(inputs.get(k) is not None for k in ("pixel_values", "token_type_ids", "mm_token_type_ids"))
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        reasons = self._fallback_reasons(base)
+        if any(inputs.get(k) is not None for k in ("pixel_values", "token_type_ids", "mm_token_type_ids")):
+            reasons.append("multimodal inputs")
         mode = "train" if self.model.training else "eval"
-        if self._rl_losses_fallback is not None or multimodal:
+        if reasons:
+            for reason in reasons:
+                if reason not in self._rl_losses_warned:  # once per trainer and reason
+                    self._rl_losses_warned.add(reason)
+                    logger.warning("rl_losses GRPOTrainer: %s has no fused form; the loss keeps TRL's formula over "
+                                   "rl_losses' per-token log-probs (%s). rl_losses/fused_loss logs 0 for such steps.",
+                                   reason, FALLBACK_COST)
             self._metrics[mode]["rl_losses/fused_loss"].append(0.0)
             return super()._compute_loss(model, inputs)  # TRL's formula over rl_losses' log-probs
         self._metrics[mode]["rl_losses/fused_loss"].append(1.0)
@@ -230,6 +264,21 @@ class GRPOTrainer(trl.GRPOTrainer):
             normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         return m, normalizer, "token"
 
+    def _token_masks(self, inputs, mask, current, sampling):
+        """(keep, high): where a token's surrogate counts (TRL's off-policy sequence mask times its high-entropy
+        token mask) and the high-entropy mask alone (None without top_entropy_quantile < 1), from the pre-pass's
+        current log-probs and entropies and the sampling policy's log-probs, through TRL's own functions."""
+        keep = high = None
+        if self.off_policy_mask_threshold is not None:
+            advantages = inputs["advantages"]
+            advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+            keep = self.get_off_policy_mask(advantages, current[0], sampling, mask,
+                                            self.off_policy_mask_threshold).float()
+        if self.top_entropy_quantile < 1.0:
+            high = self.get_high_entropy_mask(current[1], mask, 1 - self.top_entropy_quantile).float()
+            keep = high if keep is None else keep * high
+        return keep, high
+
     def _fused_loss(self, model, inputs, mode: str):
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -238,14 +287,21 @@ class GRPOTrainer(trl.GRPOTrainer):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         target = completion_ids.masked_fill(mask == 0, -100)
+        rows = mask != 0
+
+        def clean(t):  # padding may hold NaN or inf: 0 there, never read into a result
+            return None if t is None else torch.where(rows, t, 0.0)
+
         advantages = inputs["advantages"]
         advantages = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).expand_as(mask).float()
-        old = inputs.get("old_per_token_logps")
-        ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+        old = clean(inputs.get("old_per_token_logps"))
+        ref = clean(inputs.get("ref_per_token_logps")) if self.beta != 0.0 else None
+        sampling = clean(inputs.get("sampling_per_token_logps"))
         weights, divisor, weighting = self._aggregation(mask, inputs, mode)
         options, _ = op_options(self)
         sequence = self.importance_sampling_level == "sequence" and options["loss_type"] != "vespo"
-        if "entropy_coefficient" in options and self.loss_type in ("grpo", "sapo"):
+        coefficient = options.pop("entropy_coefficient", None)
+        if coefficient is not None and self.loss_type in ("grpo", "sapo"):
             # TRL's bonus weighs every token alike, these loss types each token by 1/|o_i|: ppo_clip's and sapo's
             # surrogates are linear in A > 0 scalings (−min(r·kA, clip(r)·kA) = −k·min(r·A, clip(r)·A)), so
             # A/|o_i| with token weights m gives the same policy term and leaves m for the bonus (no KL here:
@@ -258,43 +314,71 @@ class GRPOTrainer(trl.GRPOTrainer):
         if "rollout_correction" in options:
             # TRL's ratio is exp(old - sampling); a token whose sampling log-prob is NaN (not returned by the
             # engine) gets the ratio 1, as TRL's nan_to_num of the difference gives it.
-            sampling = inputs["sampling_per_token_logps"]
             rollout = torch.where(torch.isnan(sampling), old, sampling).float()
         ga = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        tokens = float(mask.sum().clamp(min=1))
-        if "entropy_coefficient" in options:
-            # TRL subtracts c·Σ m·H / (Σ m · ga); the op subtracts c'·Σ w·H / D with w = m here.
-            options["entropy_coefficient"] *= divisor / (tokens * ga)
         options.update(divisor=divisor, compute_entropy=True, logits_scale_factor=1.0 / self.temperature,
                        rollout_log_probs=rollout, ref_log_probs=None if ref is None else ref.float())
+        masks = self.off_policy_mask_threshold is not None or self.top_entropy_quantile < 1.0
+        maskf = mask.float()
+        # Only the labelled positions are projected (not the completions' padding), as TRL's own head does; each
+        # keeps its sequence for the options that sum over one (vespo, a sequence-level rollout correction).
+        sequence_of = torch.arange(mask.shape[0], device=mask.device).unsqueeze(1).expand_as(mask)[rows]
+        summed = options["loss_type"] == "vespo" or options.get("rollout_correction", "").startswith("sequence")
+        if summed and not sequence:  # (the GSPO op takes the sequences anyway)
+            options.update(document_index=sequence_of, num_documents=mask.shape[0])
+        for name in ("rollout_log_probs", "ref_log_probs"):
+            options[name] = None if options[name] is None else options[name][rows]
+
+        def scatter(values):  # (labelled,) -> (B, K), 0 elsewhere
+            return values.new_zeros(mask.shape).masked_scatter(rows, values)
 
         def head(hidden, weight, bias, _labels):
-            hidden = hidden[:, -keep:]  # the completion's positions only
-            old_lp = old
-            if old_lp is None:
-                # On-policy (num_iterations=1): the old log-probs are the current ones, detached (ratio 1).
+            hidden, labels = hidden[:, -keep:][rows], target[rows]  # the completion's labelled positions
+            current = None
+            if old is None or masks:
+                # One forward GEMM per chunk, no gradient: the current log-probs (the old ones on-policy:
+                # num_iterations=1, ratio 1) and entropies that the masks read before the loss.
                 with torch.no_grad():
-                    old_lp, _ = rl_losses.linear_token_log_probs(hidden, weight, target, bias=bias,
-                                                                 temperature=self.temperature)
-            old_lp = old_lp.float()
+                    lp, entropy = rl_losses.linear_token_log_probs(hidden, weight, labels, bias=bias,
+                                                                   temperature=self.temperature,
+                                                                   compute_entropy=self.top_entropy_quantile < 1.0)
+                current = (scatter(lp), None if entropy is None else scatter(entropy))
+            old_lp = (current[0] if old is None else old).float()
+            token_keep, high = (self._token_masks(inputs, mask, current, old_lp if sampling is None else sampling)
+                                if masks else (None, None))
+            adv, w, bonus_mask = op_advantages, weights, maskf  # bonus_mask: TRL's effective_mask of the bonus
+            if token_keep is not None:
+                adv = adv * token_keep  # a masked surrogate, not its KL or bonus (TRL's order)
+            if coefficient is not None and high is not None:
+                w, bonus_mask = w * high, maskf * high  # TRL's bonus acts on the high-entropy tokens only
+            extra = {}
+            if coefficient is not None:
+                # TRL subtracts c·Σ e·H / (Σ e · ga) over its effective mask e; the op c'·Σ w·H / D, w = e here.
+                extra["entropy_coefficient"] = coefficient * divisor / (float(bonus_mask.sum().clamp(min=1)) * ga)
             if sequence:
-                doc = torch.arange(mask.shape[0], device=mask.device).unsqueeze(1).expand_as(mask)
-                return rl_losses.linear_gspo_loss(hidden, weight, target, op_advantages, old_lp, doc, bias=bias,
-                                                  num_documents=mask.shape[0], weighting=weighting,
-                                                  **options), old_lp
-            return rl_losses.linear_grpo_loss(hidden, weight, target, op_advantages, old_lp, bias=bias,
-                                              loss_weights=weights, **options), old_lp
+                out = rl_losses.linear_gspo_loss(hidden, weight, labels, adv[rows], old_lp[rows], sequence_of,
+                                                 bias=bias, num_documents=mask.shape[0], weighting=weighting,
+                                                 **options, **extra)
+            else:
+                out = rl_losses.linear_grpo_loss(hidden, weight, labels, adv[rows], old_lp[rows], bias=bias,
+                                                 loss_weights=w[rows], **options, **extra)
+            bonus_entropy = None
+            if coefficient is not None:  # Σ e·H: the bonus's entropy sum (the op's mean is over every token)
+                bonus_entropy = out.entropy.detach() * maskf.sum() if high is None else (current[1] * bonus_mask).sum()
+            return out._replace(log_probs=scatter(out.log_probs)), old_lp, extra.get("entropy_coefficient"), \
+                bonus_entropy, bonus_mask
 
-        out, old_lp = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids, fused_lm_head=True,
-                            rl_losses_head=head)
+        out, old_lp, applied, bonus_entropy, bonus_mask = model(input_ids=input_ids, attention_mask=attention_mask,
+                                                                 labels=input_ids, fused_lm_head=True,
+                                                                 rl_losses_head=head)
         self._log_metrics(out, old_lp, ref, advantages[:, :1], mask, mode, sequence, inputs)
-        if "entropy_coefficient" in options:  # TRL's metrics of the bonus: the loss without it, and c
-            policy_loss = out.loss.detach() + options["entropy_coefficient"] * out.entropy.detach() * tokens / divisor
+        if coefficient is not None:  # TRL's metrics of the bonus: the loss without it, and c
+            policy_loss = out.loss.detach() + applied * bonus_entropy / divisor
             if self.loss_type not in ("cispo", "dapo", "vespo"):
                 policy_loss = policy_loss * ga  # TRL logs these before its division by the accumulation steps
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
             if self.use_adaptive_entropy and mode == "train":
-                self._update_entropy_coef(out.entropy.detach() * mask.sum(), mask.sum())
+                self._update_entropy_coef(bonus_entropy, bonus_mask.sum())
             if mode == "train" and self.accelerator.sync_gradients:
                 self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         return out.loss
@@ -319,19 +403,20 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._entropy_window_stats = None
 
     def _log_metrics(self, out, old_lp, ref, advantages, mask, mode, sequence, inputs):
-        """TRL's metric names and definitions, from the op's detached per-token log-probs."""
-        maskf = mask.float()
+        """TRL's metric names and definitions, from the op's detached per-token log-probs. Masked positions are
+        never read (padding may hold NaN)."""
+        maskb, maskf = mask.bool(), mask.float()
 
         def global_masked_mean(x):
             if x.shape[1] == 1:
                 local_sum, local_count = x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
             else:
-                local_sum, local_count = (x * maskf).sum(), maskf.sum()
+                local_sum, local_count = torch.where(maskb, x, 0.0).sum(), maskf.sum()
             totals = self.accelerator.reduce(torch.stack([local_sum, local_count]), reduction="sum")
             return (totals[0] / totals[1].clamp(min=1.0)).item()
 
         def masked_seq_mean(x):
-            return x.squeeze(1) if x.shape[1] == 1 else (x * maskf).sum(-1) / maskf.sum(-1)
+            return x.squeeze(1) if x.shape[1] == 1 else torch.where(maskb, x, 0.0).sum(-1) / maskf.sum(-1)
 
         metrics = self._metrics[mode]
         lp = out.log_probs.detach()
@@ -354,8 +439,9 @@ class GRPOTrainer(trl.GRPOTrainer):
                 lambda_pos=self.args.vespo_lambda_pos, k_neg=self.args.vespo_k_neg,
                 lambda_neg=self.args.vespo_lambda_neg)))
         elif self.loss_type != "sapo":
-            low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).float()
-            high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float()
+            coef = ratio if self.args.delta is None else ratio.clamp(max=self.args.delta)  # TRL's coef_1 after δ
+            low = ((coef < 1 - self.epsilon_low) & (advantages < 0)).float()
+            high = ((coef > 1 + self.epsilon_high) & (advantages > 0)).float()
             metrics["clip_ratio/low_mean"].append(global_masked_mean(low))
             metrics["clip_ratio/high_mean"].append(global_masked_mean(high))
             metrics["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))

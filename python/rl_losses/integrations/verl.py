@@ -11,13 +11,16 @@ naming it in verl's ``VERL_USE_EXTERNAL_MODULES`` or ``actor_rollout_ref.model.e
 every worker.
 
 ``register_verl_policy_losses()`` adds rl_losses' policy losses to verl's policy-loss registry
-(``actor_rollout_ref.actor.policy_loss.loss_mode``): ``rl_losses_ppo_clip`` (verl's ``vanilla``, dual clip
-``clip_ratio_c`` as the op's ``delta``), ``rl_losses_gspo``, ``rl_losses_sapo`` and ``rl_losses_cispo``. verl
+(``actor_rollout_ref.actor.policy_loss.loss_mode``): ``rl_losses_ppo_clip`` (verl's ``vanilla``, dual-clip PPO
+with ``clip_ratio_c``), ``rl_losses_gspo``, ``rl_losses_sapo`` and ``rl_losses_cispo``. verl
 hands them per-token log-probs, so their per-token math is ``rl_losses.policy_token_loss`` (the fused ops'
 per-token definition, one elementwise kernel) and their aggregation is verl's ``loss_agg_mode`` as an
 ``rl_losses.aggregation`` preset with verl's global batch sizes.
 """
 from __future__ import annotations
+
+import logging
+import math
 
 import torch
 
@@ -25,6 +28,10 @@ import rl_losses
 from rl_losses import _schema, aggregation
 
 _ops = torch.ops.rl_losses
+logger = logging.getLogger(__name__)
+# verl's own linear_cross_entropy, saved by install(): the vocabulary-parallel calls go back to it.
+_VERL_KERNELS: dict = {}
+_WARNED: set[str] = set()  # the fallbacks already warned about (once per process)
 
 
 def _check_ndim(hidden_states: torch.Tensor, input_ids: torch.Tensor) -> None:
@@ -78,7 +85,10 @@ def fused_linear_for_ppo_bwd(dlog_probs: torch.Tensor | None, dentropy: torch.Te
         raise ValueError("fused_linear_for_ppo_bwd: dlog_probs and dentropy are both None")
     labels = input_ids.to(torch.int64)
     scale = 1.0 / float(temperature)
-    lm_head = dict(bias=None, chunk_size=None, logits_scale_factor=scale)
+    # The lm_head's options at the public op's defaults (the private ops take every argument).
+    lm_head = {name: _schema.default("linear_token_log_probs", name)
+               for name in ("bias", "chunk_size", "strategy", "weight_main_grad", "skip_unlabelled")}
+    lm_head["logits_scale_factor"] = scale
     _, _, stats = _ops._linear_token_log_probs_forward(hidden_states, vocab_weights, labels,
                                                        compute_entropy=dentropy is not None, **lm_head)
     d_hidden, d_weight, _ = _ops._linear_token_log_probs_backward(
@@ -91,11 +101,21 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          temperature: float = 1.0, reduction: str = "none", dist_process_group=None):
     """Drop-in for ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (verl's Triton kernel):
     returns (log_probs, entropy) float32 per token, flattened to (N,) as verl's kernel returns them, for
-    reduction="none"; their sums or means otherwise."""
-    if dist_process_group is not None:
-        raise ValueError("linear_cross_entropy: a vocabulary-parallel dist_process_group is not supported by the "
-                         "fused linear form; gather the lm_head weight, or call rl_losses.token_log_probs on the "
-                         "vocabulary-parallel logits with tp_group")
+    reduction="none"; their sums or means otherwise.
+
+    A ``dist_process_group`` of more than one rank (Megatron's vocabulary-parallel lm_head: each rank holds a shard
+    of the vocabulary) goes to verl's own kernel, with a warning: the fused linear form has no tensor
+    parallelism."""
+    if dist_process_group is not None and torch.distributed.get_world_size(dist_process_group) > 1:
+        original = _VERL_KERNELS.get("linear_cross_entropy")
+        if original is None:
+            raise ValueError("linear_cross_entropy: a vocabulary-parallel dist_process_group (more than one rank) "
+                             "needs verl's own kernel, and install() has not saved it (verl not importable)")
+        if "linear_cross_entropy" not in _WARNED:
+            _WARNED.add("linear_cross_entropy")
+            logger.warning("rl_losses linear_cross_entropy: a vocabulary-parallel dist_process_group (Megatron's "
+                           "tensor parallelism) has no fused form in rl_losses; verl's own kernel runs")
+        return original(hidden, weight, labels, temperature, reduction, dist_process_group)
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"linear_cross_entropy: reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
     log_probs, entropy = rl_losses.linear_token_log_probs(hidden.reshape(-1, hidden.shape[-1]), weight,
@@ -120,6 +140,8 @@ def install() -> bool:
     # verl's own per-chunk functions (_fused_linear_for_ppo_fwd/_bwd) stay: only its FusedLinearForPPOFunction
     # calls them, and that is no longer reached through FusedLinearForPPO.
     torch_functional.FusedLinearForPPO = FusedLinearForPPO
+    if triton_functional.linear_cross_entropy is not linear_cross_entropy:
+        _VERL_KERNELS["linear_cross_entropy"] = triton_functional.linear_cross_entropy
     triton_functional.linear_cross_entropy = linear_cross_entropy
     return True
 
@@ -135,9 +157,19 @@ def _config_value(config, name, default=None):
     return default if value is None else value
 
 
-def _clip_ratios(config) -> tuple[float, float]:
+def _clip_ratios(config, lower_clip: bool = True) -> tuple[float, float]:
+    """(clip_ratio_low, clip_ratio_high), checked under verl's names: the op's clip [1 − low, 1 + high] needs
+    0 <= low < 1 (``lower_clip``; CISPO has no lower clip) and a finite high >= 0."""
     clip = _config_value(config, "clip_ratio", 0.2)
-    return float(_config_value(config, "clip_ratio_low", clip)), float(_config_value(config, "clip_ratio_high", clip))
+    low = float(_config_value(config, "clip_ratio_low", clip))
+    high = float(_config_value(config, "clip_ratio_high", clip))
+    if lower_clip and not 0.0 <= low < 1.0:
+        raise ValueError(f"rl_losses verl policy loss: clip_ratio_low must be in [0, 1) (the ratio's lower clip "
+                         f"1 - clip_ratio_low must be > 0), got clip_ratio_low={low}")
+    if not (math.isfinite(high) and high >= 0.0):
+        raise ValueError(f"rl_losses verl policy loss: clip_ratio_high must be finite and >= 0, got "
+                         f"clip_ratio_high={high}")
+    return low, high
 
 
 def _aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, config) -> torch.Tensor:
@@ -153,6 +185,11 @@ def _aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, c
         raise ValueError(f"rl_losses verl policy loss: loss_agg_mode must be one of "
                          f"{sorted(aggregation.VERL_LOSS_AGG_MODES) + ['token-sum']}, got {loss_agg_mode!r}")
     preset = aggregation.VERL_LOSS_AGG_MODES[loss_agg_mode]
+    # Local counts would weigh each rank's tokens by its own batch: verl's agg_loss refuses that, and so do we.
+    needed = "batch_num_tokens" if preset == "token_mean" else "global_batch_size"
+    if dp > 1 and info.get(needed) is None:
+        raise ValueError(f"rl_losses verl policy loss: loss_agg_mode={loss_agg_mode!r} with dp_size = {dp} needs "
+                         f"global_batch_info[{needed!r}] (the global count; verl's agg_loss raises likewise)")
     horizon = info.get("loss_scale_factor") or mask.shape[-1]
     weights, _ = aggregation.aggregation_weights(preset, completion_mask=mask, max_completion_length=horizon,
                                                  dtype=loss_mat.dtype)
@@ -168,23 +205,32 @@ def _aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, c
 
 
 def _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
-                 op_old_log_prob=None, clipped=None, **options):
+                 op_old_log_prob=None, clipped=None, dual_clip=None, negative=None, **options):
     """One registered loss: the op's per-token loss (from ``op_old_log_prob`` in place of the old log-probs when
-    given), verl's rollout weights, the aggregation, verl's metrics (``clipped(out)``: the tokens verl's
-    ``pg_clipfrac`` counts, when not the op's clipped flags)."""
+    given; with the options ``negative`` where A < 0 when given), verl's rollout weights, the aggregation, verl's
+    metrics (``clipped(out)``: the tokens verl's ``pg_clipfrac`` counts, when not the op's clipped flags;
+    ``dual_clip``: the cap whose region ``pg_clipfrac_lower`` counts). Nothing outside ``response_mask`` is read:
+    verl's padding may hold NaN."""
     op_old = old_log_prob if op_old_log_prob is None else op_old_log_prob
-    out = rl_losses.policy_token_loss(log_prob, op_old, advantages, **options)
-    loss_mat = out.loss if rollout_is_weights is None else out.loss * rollout_is_weights
+    keep = response_mask != 0
+    out = rl_losses.policy_token_loss(log_prob, op_old, advantages, loss_mask=keep, **options)
+    if negative is not None:
+        other = rl_losses.policy_token_loss(log_prob, op_old, advantages, loss_mask=keep & (advantages < 0),
+                                            **dict(options, **negative))
+        out = type(out)(*(torch.where(advantages < 0, a, b) for a, b in zip(other, out)))
+    loss_mat = out.loss
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * torch.where(keep, rollout_is_weights, 0.0)
     loss = _aggregate(loss_mat, response_mask, loss_agg_mode, config)
-    mask = response_mask.to(out.ratio.dtype)
+    mask = keep.to(out.ratio.dtype)
     count = mask.sum().clamp(min=1)
     lower = torch.zeros((), device=mask.device)
-    if options.get("delta") is not None:  # the dual clip's region: r > clip_ratio_c where A < 0
-        lower = (((out.ratio > options["delta"]) & (advantages < 0)) * mask).sum() / count
+    if dual_clip is not None:  # the dual clip's region: r > clip_ratio_c where A < 0
+        lower = (((out.ratio > dual_clip) & (advantages < 0)) * mask).sum() / count
     metrics = {
         "actor/pg_clipfrac": (((out.clipped_low + out.clipped_high if clipped is None else clipped(out)) * mask).sum()
                               / count).item(),
-        "actor/ppo_kl": (((old_log_prob - log_prob).detach() * mask).sum() / count).item(),
+        "actor/ppo_kl": (torch.where(keep, old_log_prob - log_prob, 0.0).detach().sum() / count).item(),
         "actor/pg_clipfrac_lower": lower.item(),
     }
     return loss, metrics
@@ -192,11 +238,23 @@ def _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
 
 def ppo_clip_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
                          rollout_is_weights=None):
-    """verl's ``vanilla`` (dual-clip PPO): ``clip_ratio_low/high`` are ε_l/ε_h, ``clip_ratio_c`` (default 3) the
-    cap δ of the ratio where A < 0."""
+    """verl's ``vanilla`` (dual-clip PPO): ``clip_ratio_low/high`` are ε_l/ε_h, ``clip_ratio_c`` (default 3, > 1)
+    caps the ratio where A < 0 only: ℓ = −A·min(r, 1+ε_h) for A > 0, −A·min(c, max(r, 1−ε_l)) for A < 0.
+
+    That is the op's two-sided clip δ = c wherever c > 1 + ε_h. From 1 + ε_h down, the op's δ would cap the ratio
+    where A > 0 (TRL's delta) and its clip flags with it: the tokens with A < 0 then take ε_h' = c − 1 and δ = c,
+    the others no δ."""
     low, high = _clip_ratios(config)
+    c = float(_config_value(config, "clip_ratio_c", 3.0))
+    if not c > 1.0:
+        raise ValueError(f"rl_losses_ppo_clip: clip_ratio_c (dual-clip PPO's cap of the ratio where the advantage is "
+                         f"negative) must be > 1, as verl's vanilla asserts, got clip_ratio_c={c}")
+    if c > 1.0 + high:
+        options = dict(epsilon_low=low, epsilon_high=high, delta=c)
+    else:
+        options = dict(epsilon_low=low, epsilon_high=high, negative=dict(epsilon_high=c - 1.0, delta=c))
     return _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
-                        epsilon_low=low, epsilon_high=high, delta=float(_config_value(config, "clip_ratio_c", 3.0)))
+                        dual_clip=c, **options)
 
 
 def gspo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
@@ -204,8 +262,8 @@ def gspo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg
     """verl's ``gspo``: each token's ratio is its sequence's geometric-mean ratio s_i in value, with the gradient of
     its own log-prob (``sg(s_i)·π/sg(π)``): the token-level clip with old log-prob ``sg(lp − log s_i)``."""
     low, high = _clip_ratios(config)
-    mask = response_mask.to(log_prob.dtype)
-    log_s = (((log_prob - old_log_prob) * mask).sum(-1) / mask.sum(-1).clamp(min=1)).detach()
+    keep = response_mask != 0
+    log_s = (torch.where(keep, log_prob - old_log_prob, 0.0).sum(-1) / keep.sum(-1).clamp(min=1)).detach()
     old = log_prob.detach() - log_s.unsqueeze(-1)
     return _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                         rollout_is_weights, op_old_log_prob=old, epsilon_low=low, epsilon_high=high)
@@ -217,8 +275,15 @@ def sapo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg
     whatever ``loss_agg_mode``, as verl's own."""
     return _policy_loss(old_log_prob, log_prob, advantages, response_mask, "seq-mean-token-mean", config,
                         rollout_is_weights, loss_type="sapo",
-                        sapo_temperature_pos=float(_config_value(config, "tau_pos", _default("sapo_temperature_pos"))),
-                        sapo_temperature_neg=float(_config_value(config, "tau_neg", _default("sapo_temperature_neg"))))
+                        sapo_temperature_pos=_temperature(config, "tau_pos", _default("sapo_temperature_pos")),
+                        sapo_temperature_neg=_temperature(config, "tau_neg", _default("sapo_temperature_neg")))
+
+
+def _temperature(config, name: str, default: float) -> float:
+    tau = float(_config_value(config, name, default))
+    if not (math.isfinite(tau) and tau > 0.0):
+        raise ValueError(f"rl_losses_sapo: {name} must be finite and > 0, got {name}={tau}")
+    return tau
 
 
 def cispo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
@@ -226,7 +291,7 @@ def cispo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_ag
     """CISPO: ``−sg(min(r, 1 + clip_ratio_high))·A·lp``. The weight is capped above only (MiniMax-M1's CISPO, as
     TRL's); verl's own ``cispo`` also clamps it below at ``1 − clip_ratio_low``, so this one needs
     ``clip_ratio_low >= 1`` (no lower bound: the two then agree)."""
-    low, high = _clip_ratios(config)
+    low, high = _clip_ratios(config, lower_clip=False)
     if low < 1.0:
         raise ValueError(f"rl_losses_cispo caps the importance weight above only: set clip_ratio_low >= 1 (no lower "
                          f"bound), got clip_ratio_low={low}")
