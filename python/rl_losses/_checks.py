@@ -328,6 +328,9 @@ def gspo_document_sums(log_probs, target, advantages, old_log_probs, document_in
 
 
 # ---- linear/linear_source.cpp --------------------------------------------------------------------------------------
+LINEAR_STRATEGIES = ("fast", "lean")  # the linear ops' modes (csrc/linear/linear_source.cpp)
+
+
 def check_linear(op, hidden, weight, bias, target, chunk_size, strategy="fast", weight_main_grad=None):
     # csrc/linear/linear_source.cpp: flatten_linear, then check_linear_options.
     _check(hidden.dtype.is_floating_point, op,
@@ -347,7 +350,7 @@ def check_linear(op, hidden, weight, bias, target, chunk_size, strategy="fast", 
     check_target(op, target, hidden, "hidden")
     _check(chunk_size is None or chunk_size >= 1, op, "chunk_size must be >= 1, got ",
            chunk_size if chunk_size is not None else 0)
-    _check(strategy in ("fast", "lean"), op, "strategy must be 'fast' or 'lean', got '", strategy, "'")
+    _check(strategy in LINEAR_STRATEGIES, op, "strategy must be 'fast' or 'lean', got '", strategy, "'")
     if weight_main_grad is not None:
         g, acc = weight_main_grad, acc_dtype(weight.dtype)
         _check(g.dtype == acc, op, "weight_main_grad must be ", _dt(acc), " (the accumulation dtype of a ",
