@@ -15,9 +15,11 @@
 # The whole script stays within RUN_LIMIT_S (default 560 s; the device command limit is 600 s); each benchmark
 # rewrites its JSON as it goes, so a stage stopped by its limit still leaves every finished number.
 #
-# Knobs (environment): OUT (default /tmp/out), SITE, RUN_LIMIT_S, TRL_RESERVE_S (default 240), HEAD_ARGS (default none:
-# the 4 shapes; e.g. "--quick"), TRL_ARGS (default none: the 4 configurations), SKIP_BUILD=1 (a warm machine
-# that built it already), SKIP_PEERS=1, SKIP_TRL=1.
+# Knobs (environment): OUT (default /tmp/out), SITE, RUN_LIMIT_S, TRL_RESERVE_S (default 230), HEAD_ARGS (default
+# "--quick --reps 5": 2 of the 4 shapes fit beside the build and the TRL table), TRL_ARGS (default none: the 4
+# configurations), SKIP_BUILD=1 (a warm machine that built it already), SKIP_PEERS=1, SKIP_TRL=1. The other two
+# shapes, on the same warm machine:
+#     SKIP_BUILD=1 SKIP_TRL=1 HEAD_ARGS="--shapes 16384x2048x128256,16384x4096x262144" bash benchmarks/run_head_peers.sh
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -74,11 +76,11 @@ rl_losses.cuda_kernels_available())" 2>&1 | tail -3 | tee -a "$LOG"
 
 peers() {
   [ "${SKIP_PEERS:-0}" = 1 ] && { log "skipped (SKIP_PEERS=1)"; return 0; }
-  local budget=$(( $(left) - ${TRL_RESERVE_S:-240} ))
+  local budget=$(( $(left) - ${TRL_RESERVE_S:-230} ))
   [ "${SKIP_TRL:-0}" = 1 ] && budget=$(( $(left) - 10 ))
   [ "$budget" -lt 30 ] && { log "no time left for bench_head_peers"; return 1; }
   # shellcheck disable=SC2086
-  timeout -k 5 "$((budget + 10))" python3 -u benchmarks/bench_head_peers.py ${HEAD_ARGS:-} --out "$OUT" \
+  timeout -k 5 "$((budget + 10))" python3 -u benchmarks/bench_head_peers.py ${HEAD_ARGS:---quick --reps 5} --out "$OUT" \
     --time-budget "$budget" >"$OUT/head_peers.log" 2>&1
 }
 
