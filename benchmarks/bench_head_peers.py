@@ -180,7 +180,7 @@ def main(argv=None) -> int:
             row = {"op": op, **shape, "provider": name}
             # The first call, a warm-up, the memory call and the timed ones, at up to 3x the floor each (more for
             # the eager and compiled arms: their compile is the first call).
-            need = (reps + 3) * 3 * floor / 1e3 + (60 if name in ("liger_grpo", "torch_compile_chunked") else 5)
+            need = (reps + 3) * 3 * floor / 1e3 + (30 if name in ("liger_grpo", "torch_compile_chunked") else 5)
             if args.time_budget is not None and time.perf_counter() - t_start + need > args.time_budget:
                 row["skipped"] = f"time budget ({need:.0f} s needed)"
             elif op not in refs and name not in ("rl_losses_fast", "rl_losses_ce_fast"):
