@@ -25,7 +25,6 @@ import argparse
 import datetime
 import os
 import shlex
-import subprocess
 import sys
 import time
 import traceback
@@ -39,30 +38,27 @@ import torch  # noqa: E402
 import head_peers  # noqa: E402
 import rl_losses  # noqa: E402
 import run_output  # noqa: E402
-from profile_linear import floor_ms  # noqa: E402
+from profile_linear import floor_ms, inputs  # noqa: E402
 from report import head_peers_table  # noqa: E402
-from timing import median_ms  # noqa: E402
+from bench_policy import git_commit  # noqa: E402
+from timing import median_ms, peak_beyond_grads_mib  # noqa: E402
 
 SHAPES = [(16384, 2048, 128256), (16384, 2048, 151936), (16384, 4096, 151936), (16384, 4096, 262144)]
 QUICK = SHAPES[1:3]
 DRY = [(256, 64, 1000), (192, 48, 1200)]
 TOL_LOSS, TOL_GRAD = 1e-2, 5e-2  # bf16 gradients; Liger's CE sums grad_weight in bf16, CCE filters entries
-DRIFT = 0.1  # old log-probs = current + N(0, DRIFT²): about 7% of the ratios clip at epsilon 0.2
+DRIFT = 0.1  # old log-probs = current + N(0, DRIFT²) (and profile_linear's 0.01): ~7% of the ratios clip
 
 
 def make_inputs(n: int, h: int, v: int, device: str, dtype, seed: int = 0) -> dict:
-    """hidden ~ N(0, 1), weight ~ N(0, 4/H) (logits of std ~2), labels, per-sequence advantages broadcast to their
-    tokens, old log-probs a step of drift from the current ones."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    hidden = torch.randn(n, h, device=device, generator=g).to(dtype)
-    weight = (torch.randn(v, h, device=device, generator=g) * (2.0 / h**0.5)).to(dtype)
-    target = torch.randint(0, v, (n,), device=device, generator=g)
-    with torch.no_grad():
-        lp, _ = rl_losses.linear_token_log_probs(hidden, weight, target, strategy="lean")
+    """profile_linear.inputs (hidden ~ N(0, 1), weight ~ N(0, 4/H), labels, old log-probs near the current ones)
+    with DRIFT more between the old and current log-probs, and per-sequence advantages broadcast to their tokens."""
+    x = inputs(n, h, v, device, dtype, seed)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
     adv_seq = torch.randn(head_peers.SEQS, device=device, generator=g)
-    return {"hidden": hidden, "weight": weight, "target": target, "device": device, "adv_seq": adv_seq,
-            "adv": adv_seq.repeat_interleave(n // head_peers.SEQS),
-            "old": lp.float() + DRIFT * torch.randn(n, device=device, generator=g)}
+    return {"hidden": x["hidden"], "weight": x["weight"], "target": x["target"], "device": device,
+            "adv_seq": adv_seq, "adv": adv_seq.repeat_interleave(n // head_peers.SEQS),
+            "old": x["old"].float() + DRIFT * torch.randn(n, device=device, generator=g)}
 
 
 def rel_err(a, b) -> float:
@@ -99,25 +95,10 @@ def run_arm(name: str, x: dict, ref: dict | None, reps: int, device: str) -> tup
     del mine["grad_hidden"], mine["grad_weight"]  # kept only as the reference, below
     step()  # warm-up
     if device == "cuda":
-        hw.grad = ww.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        grads = sum(t.grad.nbytes for t in (hw, ww))
-        row["beyond_grads_mib"] = round((torch.cuda.max_memory_allocated() - base - grads) / 2**20, 1)
+        row["beyond_grads_mib"] = round(peak_beyond_grads_mib(step, (hw, ww)), 1)
     row["ms"] = round(median_ms(step, reps, device), 3)
     reference = {"loss": loss, "grad_hidden": hw.grad, "grad_weight": ww.grad} if ref is None else None
     return row, reference
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def versions() -> dict:

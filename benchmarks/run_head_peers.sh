@@ -22,26 +22,8 @@
 #     SKIP_BUILD=1 SKIP_TRL=1 HEAD_ARGS="--shapes 16384x2048x128256,16384x4096x262144" bash benchmarks/run_head_peers.sh
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-T0=$(date +%s)
-DEADLINE=$((T0 + ${RUN_LIMIT_S:-560}))
-SUMMARY=()
-LOG="$OUT/run.log"
-: >"$LOG"
-left() { echo $((DEADLINE - $(date +%s))); }
-log() { echo "$@" | tee -a "$LOG"; }
-
-stage() {
-  local name=$1 t rc
-  shift
-  t=$(date +%s)
-  log "=== $name: start at +$((t - T0))s ($(left)s left)"
-  "$@"
-  rc=$?
-  SUMMARY+=("$(printf '%-7s rc=%-3s %4ss' "$name" "$rc" "$(($(date +%s) - t))")")
-  log "=== $name: rc=$rc in $(($(date +%s) - t))s"
-}
+RUN_LIMIT_DEFAULT=560
+source benchmarks/stages.sh
 
 wheels() {
   ls .whl/*.whl >/dev/null 2>&1 || { log "no .whl/*.whl: carry .whl with the call"; return 1; }
@@ -101,9 +83,7 @@ stage import check_import
 stage peers peers
 stage trl trl_step
 
-log ""
-log "=== stages (total $(($(date +%s) - T0))s):"
-for s in "${SUMMARY[@]}"; do log "  $s"; done
+summary
 for f in "$OUT/head_peers.log" "$OUT/trl_step.log"; do
   [ -s "$f" ] || continue
   log ""
