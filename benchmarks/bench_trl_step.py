@@ -221,11 +221,11 @@ def main():
                   flush=True)
             if device == "cuda":
                 torch.cuda.empty_cache()
+            with open(os.path.join(args.out, "bench_trl_step.json"), "w") as f:  # after each arm: a kill keeps it
+                json.dump({"meta": meta, "results": rows}, f, indent=1)
         del base, inputs
         if device == "cuda":
             torch.cuda.empty_cache()
-        with open(os.path.join(args.out, "bench_trl_step.json"), "w") as f:
-            json.dump({"meta": meta, "results": rows}, f, indent=1)
     lines = table(rows, arms)
     with open(os.path.join(args.out, "bench_trl_step.md"), "w") as f:
         f.write(f"{meta['device']} · {meta['dtype']} · loss_type {args.loss_type} · num_iterations "
