@@ -200,6 +200,10 @@ def main():
             "dtype": str(dtype), "loss_type": args.loss_type, "num_iterations": args.num_iterations}
     rows = []
     os.makedirs(args.out, exist_ok=True)
+
+    def save():  # after each arm: a kill keeps every finished number
+        with open(os.path.join(args.out, "bench_trl_step.json"), "w") as f:
+            json.dump({"meta": meta, "results": rows}, f, indent=1)
     for config, s in configs.items():
         if args.time_budget is not None and time.perf_counter() - t_start > args.time_budget:
             rows += [{"config": config, "provider": a, "error": "time budget"} for a in arms]
@@ -221,11 +225,11 @@ def main():
                   flush=True)
             if device == "cuda":
                 torch.cuda.empty_cache()
-            with open(os.path.join(args.out, "bench_trl_step.json"), "w") as f:  # after each arm: a kill keeps it
-                json.dump({"meta": meta, "results": rows}, f, indent=1)
+            save()
         del base, inputs
         if device == "cuda":
             torch.cuda.empty_cache()
+    save()
     lines = table(rows, arms)
     with open(os.path.join(args.out, "bench_trl_step.md"), "w") as f:
         f.write(f"{meta['device']} · {meta['dtype']} · loss_type {args.loss_type} · num_iterations "
