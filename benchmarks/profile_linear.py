@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rl_losses  # noqa: E402
 from rl_losses import reference  # noqa: E402
-from timing import median_ms  # noqa: E402
+from timing import median_ms, peak_beyond_grads_mib  # noqa: E402
 
 SHAPES = [(16384, h, v) for h in (1536, 2048, 4096) for v in (128256, 151936)]
 MODES = {  # name: (mode, weight_main_grad, half the rows unlabelled, chunk_size rule)
@@ -143,14 +143,7 @@ def run_mode(name: str, x: dict, reps: int, dev: str) -> dict:
         step()
     row = {"ms": None, "beyond_mib": None, "kinds": None, "top": None}
     if dev == "cuda":
-        hw.grad = ww.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        grads = sum(t.grad.nbytes for t in (hw, ww) if t.grad is not None)
-        row["beyond_mib"] = (torch.cuda.max_memory_allocated() - base - grads) / 2**20
+        row["beyond_mib"] = peak_beyond_grads_mib(step, (hw, ww))
     row["ms"] = median_ms(step, reps, dev)
     if dev == "cuda":
         row["kinds"], row["top"] = kernel_times(step)

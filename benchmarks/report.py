@@ -231,6 +231,36 @@ def linear_section(doc: dict) -> list[str]:
     return out
 
 
+def head_peers_table(rows: list[dict]) -> list[str]:
+    """bench_head_peers.py's rows: one table per shape, each arm's ms (× the GEMM floor), memory beyond the inputs
+    and gradients, and its agreement with rl_losses (the check's worst relative error)."""
+    out = []
+    for n, h, v in dict.fromkeys((r["n"], r["h"], r["v"]) for r in rows):
+        here = [r for r in rows if (r["n"], r["h"], r["v"]) == (n, h, v)]
+        floor = next((r for r in here if r["provider"] == "gemm_floor"), None)
+        out += [f"### The fused lm_head and its peers (bench_head_peers.py: N = {n}, H = {h}, V = {v}, fwd+bwd)", "",
+                f"GEMM floor (hidden @ W.T, G @ W, G.T @ hidden): {_cell(floor)} ms. Memory beyond the inputs "
+                "and the gradients; check against rl_losses fast (worst relative error of loss and gradients).", "",
+                "| op | arm | ms (× floor) | beyond grads | check |", "|---|---|---|---|---|"]
+        for r in here:
+            if r["provider"] == "gemm_floor":
+                continue
+            ms = _cell(r) if _ms(r) is None else f"{_fmt_ms(r['ms'])} ({r['x_floor']:.2f}×)"
+            mib = "–" if r.get("beyond_grads_mib") is None else f"{r['beyond_grads_mib']:.0f} MiB"
+            errs = [r[k] for k in ("d_loss", "d_grad_hidden", "d_grad_weight") if r.get(k) is not None]
+            check = r.get("check") or "–"
+            if errs:
+                check += f" ({max(errs):.1e})"
+            out.append(f"| {r['op']} | {r['provider']} | {ms} | {mib} | {check} |")
+        out.append("")
+    return out
+
+
+def head_peers_section(doc: dict) -> list[str]:
+    rows = latest_rows(doc, "bench_head_peers.py", lambda r: (r["n"], r["h"], r["v"], r["provider"]))
+    return head_peers_table(list(rows.values())) if rows else []
+
+
 def tp_section(doc: dict) -> list[str]:
     rows = latest_rows(doc, "bench_tp.py", lambda r: (r["op"], r["n"], r["v"]))
     if not rows:
@@ -314,8 +344,8 @@ def render_results(docs: list[dict]) -> str:
            "ceiling): `docs/performance.md`; how the kernels got there: `docs/design.md`.", ""]
     for doc in docs:
         out += [f"## {doc['host']} — {doc['date']} (`results/{doc['file']}`)", "", "Runs:", ""] + runs_list(doc) + [""]
-        out += (gpu_section(doc) + linear_section(doc) + policy_section(doc) + distill_head_section(doc)
-                + tp_section(doc) + cpu_section(doc))
+        out += (gpu_section(doc) + linear_section(doc) + head_peers_section(doc) + policy_section(doc)
+                + distill_head_section(doc) + tp_section(doc) + cpu_section(doc))
     return "\n".join(out).rstrip() + "\n"
 
 

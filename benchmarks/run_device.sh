@@ -18,27 +18,8 @@
 # SKIP_BUILD=1 / SKIP_TESTS=1 / SKIP_BENCH=1.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-T0=$(date +%s)
-DEADLINE=$((T0 + ${RUN_LIMIT_S:-570}))
-SUMMARY=()
-LOG="$OUT/run.log"
-: >"$LOG"
-left() { echo $((DEADLINE - $(date +%s))); }
-log() { echo "$@" | tee -a "$LOG"; }
-
-# stage NAME CMD...: run, time, record; never stops the script.
-stage() {
-  local name=$1 t rc
-  shift
-  t=$(date +%s)
-  log "=== $name: start at +$((t - T0))s ($(left)s left)"
-  "$@"
-  rc=$?
-  SUMMARY+=("$(printf '%-7s rc=%-3s %4ss' "$name" "$rc" "$(($(date +%s) - t))")")
-  log "=== $name: rc=$rc in $(($(date +%s) - t))s"
-}
+RUN_LIMIT_DEFAULT=570
+source benchmarks/stages.sh
 
 env_info() {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw \
@@ -114,9 +95,7 @@ stage wheels wheels
 stage tests tests
 stage bench bench
 
-log ""
-log "=== stages (total $(($(date +%s) - T0))s):"
-for s in "${SUMMARY[@]}"; do log "  $s"; done
+summary
 log ""
 # The headline table is the end of the benchmark's output: show it last.
 if grep -q "^wrote " "$OUT/bench.log" 2>/dev/null; then

@@ -6,7 +6,8 @@ held by a sleep kernel long enough for the host to queue all `reps` calls, so th
 of each call, not the Python and launch overhead around it. A call that synchronises with the host still waits, as
 it would in training. `host_ms`: the host's time per call while queueing. On the CPU (the dry runs): the host clock.
 copy_ceiling: the device-to-device copy bandwidth, bytes read + written over the median time, timed by the same
-Timer: the memory ceiling every "% of the ceiling" divides by.
+Timer: the memory ceiling every "% of the ceiling" divides by. peak_beyond_grads_mib: the peak memory of a step beyond
+its inputs and the gradients it returns.
 """
 from __future__ import annotations
 
@@ -108,3 +109,17 @@ def copy_ceiling(device, timer: Timer, nbytes: int, reps: int = 30) -> dict:
     timer.sync()
     ms = statistics.median(timer(lambda: dst.copy_(src), reps))
     return {"bytes": nbytes, "ms": ms, "gbps": 2 * nbytes / ms / 1e6}
+
+
+def peak_beyond_grads_mib(step, params) -> float:
+    """MiB of CUDA memory one step() allocates at its peak beyond what was allocated before it (the inputs) and
+    the .grad of `params` it leaves (cleared first)."""
+    for p in params:
+        p.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    grads = sum(p.grad.nbytes for p in params if p.grad is not None)
+    return (torch.cuda.max_memory_allocated() - base - grads) / 2**20

@@ -187,6 +187,9 @@ def logits_source(op, a, inplace=False):
            " elements apart, ", v, " long); pass a tensor that owns its rows, e.g. logits.contiguous()")
 
 
+LINEAR_STRATEGIES = ("fast", "lean")  # the linear ops' modes (csrc/linear/linear_source.cpp)
+
+
 def linear_source(op, a):
     hidden, weight, bias = a["hidden"], a["weight"], a["bias"]
     _check(hidden.dtype.is_floating_point, op,
@@ -208,7 +211,7 @@ def linear_source(op, a):
     chunk_size, strategy, weight_main_grad = a["chunk_size"], a["strategy"], a["weight_main_grad"]
     _check(chunk_size is None or chunk_size >= 1, op, "chunk_size must be >= 1, got ",
            chunk_size if chunk_size is not None else 0)
-    _check(strategy in ("fast", "lean"), op, "strategy must be 'fast' or 'lean', got '", strategy, "'")
+    _check(strategy in LINEAR_STRATEGIES, op, "strategy must be 'fast' or 'lean', got '", strategy, "'")
     if weight_main_grad is not None:
         g, acc = weight_main_grad, acc_dtype(weight.dtype)
         _check(g.dtype == acc, op, "weight_main_grad must be ", _dt(acc), " (the accumulation dtype of a ",

@@ -12,7 +12,11 @@ What changes against TRL's own trainer:
     turns the loss type into per-token weights and a divisor;
   * every other log-prob the trainer computes (old-policy and reference log-probs, and the loss of the options
     the fused ops do not cover, below) goes through ``rl_losses.linear_token_log_probs``, in float32 with
-    ``cast_lm_head_to_fp32`` as TRL's head.
+    ``cast_lm_head_to_fp32`` as TRL's head;
+  * on-policy (TRL computed no old log-probs: ``num_iterations=1`` without vLLM's importance-sampling correction)
+    the op gets ``old_log_probs=None`` (the detached current log-probs, ratio 1): no extra pass;
+  * ``lm_head_strategy`` (a constructor keyword, "fast" by default, or "lean") is the ``strategy`` of every
+    lm_head op the trainer runs.
 The entropy bonus becomes the op's ``entropy_coefficient`` (rescaled to its divisor): the static one
 (``entropy_coef``) and the adaptive one (``use_adaptive_entropy``: the coefficient applied is TRL's gated
 ``entropy_coef``, and the controller is updated from the entropy of the tokens the bonus acts on). TRL's bonus is
@@ -44,6 +48,7 @@ from trl.trainer.utils import FusedCausalLMOutput, nanmax, nanmin
 
 import rl_losses
 from rl_losses import _schema, aggregation
+from rl_losses._checks import LINEAR_STRATEGIES
 
 logger = logging.getLogger(__name__)
 
@@ -139,13 +144,14 @@ def _unsupported_scaling(model) -> str | None:
     return None
 
 
-def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False) -> None:
+def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
+                      strategy: str = "fast") -> None:
     """Patch ``model`` (after TRL's ``add_fused_lm_head``) so that ``model(..., labels=labels,
     fused_lm_head=True)`` computes its per-token log-probs and entropies with
     ``rl_losses.linear_token_log_probs``, and so that ``rl_losses_head=fn`` returns ``fn(hidden, weight, bias,
     labels)`` on the shifted last hidden state (the trainer's fused loss). ``cast_lm_head_to_fp32``: the head runs
-    in float32 outside autocast, as TRL's. A model whose config scales or softcaps its logits keeps TRL's head for
-    the log-probs."""
+    in float32 outside autocast, as TRL's. ``strategy``: the op's (``linear_token_log_probs``). A model whose config
+    scales or softcaps its logits keeps TRL's head for the log-probs."""
     previous = model.forward
     unsupported = _unsupported_scaling(model)
 
@@ -184,7 +190,8 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
             mask = labels != -100
             # Only the labelled positions are projected (the prompt's are not), as TRL's own head does.
             lp, entropy = rl_losses.linear_token_log_probs(hidden[mask], weight, labels[mask], bias=bias,
-                                                           temperature=temperature, compute_entropy=True)
+                                                           temperature=temperature, compute_entropy=True,
+                                                           strategy=strategy)
         log_probs = lp.new_zeros(mask.shape).masked_scatter(mask, lp)
         entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
@@ -196,16 +203,23 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
 
 class GRPOTrainer(trl.GRPOTrainer):
     """``trl.GRPOTrainer`` with its loss from rl_losses' fused lm_head ops (see the module docstring). Same
-    constructor, same config (``trl.GRPOConfig``), same logged metric names."""
+    constructor, same config (``trl.GRPOConfig``), same logged metric names, plus the keyword
+    ``lm_head_strategy``: "fast" (default) or "lean", the ``strategy`` of every lm_head op (``rl_losses.
+    linear_grpo_loss``'s: "lean" holds at most 256 MiB beyond the gradients, for one more GEMM)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, lm_head_strategy: str = "fast", **kwargs):
+        if lm_head_strategy not in LINEAR_STRATEGIES:
+            raise ValueError(f"GRPOTrainer: lm_head_strategy must be one of {LINEAR_STRATEGIES}, "
+                             f"got {lm_head_strategy!r}")
         super().__init__(*args, **kwargs)
+        self.lm_head_strategy = lm_head_strategy
         self._rl_losses_warned = set()
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        cast = self.args.cast_lm_head_to_fp32
-        add_fused_lm_head(model, temperature=self.temperature, cast_lm_head_to_fp32=cast)
+        head = dict(temperature=self.temperature, cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
+                    strategy=lm_head_strategy)
+        add_fused_lm_head(model, **head)
         if self.ref_model is not None:
-            add_fused_lm_head(self.ref_model, temperature=self.temperature, cast_lm_head_to_fp32=cast)
+            add_fused_lm_head(self.ref_model, **head)
 
     @property
     def _rl_losses_fallback(self) -> str | None:
@@ -317,7 +331,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             rollout = torch.where(torch.isnan(sampling), old, sampling).float()
         ga = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         options.update(divisor=divisor, compute_entropy=True, logits_scale_factor=1.0 / self.temperature,
-                       rollout_log_probs=rollout, ref_log_probs=None if ref is None else ref.float())
+                       strategy=self.lm_head_strategy, rollout_log_probs=rollout, ref_log_probs=None if ref is None else ref.float())
         masks = self.off_policy_mask_threshold is not None or self.top_entropy_quantile < 1.0
         maskf = mask.float()
         # Only the labelled positions are projected (not the completions' padding), as TRL's own head does; each
@@ -335,15 +349,21 @@ class GRPOTrainer(trl.GRPOTrainer):
         def head(hidden, weight, bias, _labels):
             hidden, labels = hidden[:, -keep:][rows], target[rows]  # the completion's labelled positions
             current = None
-            if old is None or masks:
-                # One forward GEMM per chunk, no gradient: the current log-probs (the old ones on-policy:
-                # num_iterations=1, ratio 1) and entropies that the masks read before the loss.
+            if masks:
+                # One forward GEMM per chunk, no gradient: the current log-probs (the old ones on-policy) and
+                # entropies that the masks read before the loss.
                 with torch.no_grad():
                     lp, entropy = rl_losses.linear_token_log_probs(hidden, weight, labels, bias=bias,
                                                                    temperature=self.temperature,
-                                                                   compute_entropy=self.top_entropy_quantile < 1.0)
+                                                                   compute_entropy=self.top_entropy_quantile < 1.0,
+                                                                   strategy=self.lm_head_strategy)
                 current = (scatter(lp), None if entropy is None else scatter(entropy))
-            old_lp = (current[0] if old is None else old).float()
+            if old is not None:
+                old_lp = old.float()
+            elif current is not None:
+                old_lp = current[0].float()
+            else:  # on-policy without the masks: the op takes old_log_probs=None (ratio 1, gradient A·∇lp)
+                old_lp = None
             token_keep, high = (self._token_masks(inputs, mask, current, old_lp if sampling is None else sampling)
                                 if masks else (None, None))
             adv, w, bonus_mask = op_advantages, weights, maskf  # bonus_mask: TRL's effective_mask of the bonus
@@ -355,17 +375,21 @@ class GRPOTrainer(trl.GRPOTrainer):
             if coefficient is not None:
                 # TRL subtracts c·Σ e·H / (Σ e · ga) over its effective mask e; the op c'·Σ w·H / D, w = e here.
                 extra["entropy_coefficient"] = coefficient * divisor / (float(bonus_mask.sum().clamp(min=1)) * ga)
+            old_rows = None if old_lp is None else old_lp[rows]
             if sequence:
-                out = rl_losses.linear_gspo_loss(hidden, weight, labels, adv[rows], old_lp[rows], sequence_of,
+                out = rl_losses.linear_gspo_loss(hidden, weight, labels, adv[rows], old_rows, sequence_of,
                                                  bias=bias, num_documents=mask.shape[0], weighting=weighting,
                                                  **options, **extra)
             else:
-                out = rl_losses.linear_grpo_loss(hidden, weight, labels, adv[rows], old_lp[rows], bias=bias,
+                out = rl_losses.linear_grpo_loss(hidden, weight, labels, adv[rows], old_rows, bias=bias,
                                                  loss_weights=w[rows], **options, **extra)
+            log_probs = scatter(out.log_probs)
+            if old_lp is None:  # on-policy: the old log-probs are the current ones, detached
+                old_lp = log_probs.detach().float()
             bonus_entropy = None
             if coefficient is not None:  # Σ e·H: the bonus's entropy sum (the op's mean is over every token)
                 bonus_entropy = out.entropy.detach() * maskf.sum() if high is None else (current[1] * bonus_mask).sum()
-            return out._replace(log_probs=scatter(out.log_probs)), old_lp, extra.get("entropy_coefficient"), \
+            return out._replace(log_probs=log_probs), old_lp, extra.get("entropy_coefficient"), \
                 bonus_entropy, bonus_mask
 
         out, old_lp, applied, bonus_entropy, bonus_mask = model(input_ids=input_ids, attention_mask=attention_mask,
