@@ -21,7 +21,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 
 import torch
@@ -30,7 +29,7 @@ import rl_losses
 from rl_losses.fused_head import fused_head_loss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import Timer, copy_ceiling  # noqa: E402
+from timing import Timer, copy_ceiling, git_commit  # noqa: E402
 
 
 TIMER = Timer("cuda")
@@ -55,14 +54,6 @@ def torch_distillation(x, t, kind):
         log_m = torch.logaddexp(log_p, log_q) - 0.6931471805599453
         per = 0.5 * (log_p.exp() * (log_p - log_m)).sum(-1) + 0.5 * (log_q.exp() * (log_q - log_m)).sum(-1)
     return per.mean()
-
-
-def _git() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main() -> None:
@@ -189,7 +180,7 @@ def main() -> None:
     if args.out:
         meta = {"script": "bench_distill_head.py", "device": torch.cuda.get_device_name(),
                 "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "command": " ".join(["python", *map(shlex.quote, sys.argv)]), "git": _git(),
+                "command": " ".join(["python", *map(shlex.quote, sys.argv)]), "git": git_commit(),
                 "torch": torch.__version__, "liger_kernel": liger_version,
                 "copy_ceiling_gbps": round(rate / 1e6)}
         with open(args.out, "w") as f:

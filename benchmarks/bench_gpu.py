@@ -23,7 +23,6 @@ import gc
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import zlib
@@ -39,7 +38,7 @@ import cases  # noqa: E402
 import plot  # noqa: E402
 import profile_calls  # noqa: E402
 import run_output  # noqa: E402
-from timing import Timer, copy_ceiling  # noqa: E402
+from timing import Timer, copy_ceiling, git_commit  # noqa: E402
 
 HEADLINE = (16384, 128256)
 GRID = [(n, v) for n in (4096, 16384, 32768) for v in (32000, 128256, 151936, 262144)]
@@ -233,11 +232,7 @@ def collect_meta(args, device) -> dict:
         meta["triton"] = triton.__version__
     except ImportError:
         meta["triton"] = None
-    try:
-        meta["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                     timeout=10).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        meta["git"] = None
+    meta["git"] = git_commit()
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         meta.update(device=p.name, sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}",

@@ -40,8 +40,7 @@ import rl_losses  # noqa: E402
 import run_output  # noqa: E402
 from profile_linear import floor_ms, inputs  # noqa: E402
 from report import head_peers_table  # noqa: E402
-from bench_policy import git_commit  # noqa: E402
-from timing import median_ms, peak_beyond_grads_mib  # noqa: E402
+from timing import git_commit, median_ms, peak_beyond_grads_mib  # noqa: E402
 
 SHAPES = [(16384, 2048, 128256), (16384, 2048, 151936), (16384, 4096, 151936), (16384, 4096, 262144)]
 QUICK = SHAPES[1:3]

@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -30,7 +29,7 @@ import torch
 import rl_losses
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import Timer, summary  # noqa: E402
+from timing import Timer, git_commit, summary  # noqa: E402
 
 # The options that read the logits twice (every GSPO row does).
 TWO_PASSES = {"vespo", "vespo_token_truncate", "on_policy_sequence_truncate"}
@@ -85,14 +84,6 @@ def timed(timer: Timer, repeats: int):
         timer.sync()
         return summary(timer(fn, repeats, before=before))
     return run
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def main(argv=None) -> int:

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from timing import median_ms
+from timing import git_commit, median_ms
 
 _1L = dict(layers=1, batch=8, prompt=128, completion=1024, tied=False, checkpointing=False)
 _QWEN = dict(vocab=151936, batch=8, prompt=256, completion=2048, tied=True)
@@ -196,8 +196,8 @@ def main():
         parser.error(f"unknown arms in {arms}; known: {ARMS}")
     meta = {"script": "bench_trl_step.py", "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": " ".join(["python3", *sys.argv]), "torch": torch.__version__, "trl": trl.__version__,
-            "dtype": str(dtype), "loss_type": args.loss_type, "num_iterations": args.num_iterations}
+            "command": " ".join(["python3", *sys.argv]), "git": git_commit(), "torch": torch.__version__,
+            "trl": trl.__version__, "dtype": str(dtype), "loss_type": args.loss_type, "num_iterations": args.num_iterations}
     rows = []
     os.makedirs(args.out, exist_ok=True)
 

@@ -11,7 +11,9 @@ its inputs and the gradients it returns.
 """
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 import time
 
 import torch
@@ -109,6 +111,18 @@ def copy_ceiling(device, timer: Timer, nbytes: int, reps: int = 30) -> dict:
     timer.sync()
     ms = statistics.median(timer(lambda: dst.copy_(src), reps))
     return {"bytes": nbytes, "ms": ms, "gbps": 2 * nbytes / ms / 1e6}
+
+
+def git_commit() -> str | None:
+    """The commit the numbers are of: RL_LOSSES_GIT when set (a copy of the tree whose .git lags it, as on a remote
+    machine, must be told), else this checkout's HEAD."""
+    if os.environ.get("RL_LOSSES_GIT"):
+        return os.environ["RL_LOSSES_GIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def peak_beyond_grads_mib(step, params) -> float:
