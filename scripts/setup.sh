@@ -3,7 +3,7 @@
 # installs what the test suite needs (make test); make train needs only the first part.
 #
 # torch: an already-importable torch >= 2.11 is used as is (the venv sees system packages); otherwise
-# torch==2.14.1 is installed. Each package set is installed once: a stamp in .venv records the list it came
+# torch==2.14.1 is installed, or its CPU build torch==2.13.0+cpu on a machine without a GPU where one is found. Each package set is installed once: a stamp in .venv records the list it came
 # from, and a later run whose list is unchanged skips pip. The extension is built by `setup.py build_ext
 # --inplace` into build/, which persists, so that ninja recompiles only what changed; the venv finds the
 # package through a .pth file pointing at python/ (an editable install without pip's throwaway build folder).
@@ -45,7 +45,14 @@ major, minor = (int(x) for x in version.split(".")[:2])
 sys.exit(0 if (major, minor) >= (2, 11) else 1)
 PYEOF
 then
-  "$VPY" -m pip install -q "torch==2.14.1"
+  # Without a GPU, and unless RL_LOSSES_CUDA=1 asks for the CUDA kernels, torch's CPU build is all the extension
+  # and the example use, and it installs in seconds where a CPU wheel is found (no CUDA libraries to fetch).
+  if [ "${RL_LOSSES_CUDA:-}" != 1 ] && ! ls /dev/nvidia[0-9]* > /dev/null 2>&1 \
+    && "$VPY" -m pip install -q "torch==2.13.0+cpu" 2> /dev/null; then
+    :
+  else
+    "$VPY" -m pip install -q "torch==2.14.1"
+  fi
 fi
 install_once train -r scripts/requirements-train.txt
 if [ "${1:-}" = "--test" ]; then
