@@ -2,7 +2,9 @@
 
 At 8 × 64 logits the kernels take next to nothing, so the time of a forward + backward call is the host's: the
 dispatcher, the autograd node, the Python layer. The difference wrapper − raw op is what the Python layer adds
-(the goal: ≤ 10 µs). On CUDA the calls are timed on the host clock without a synchronisation (one every 64
+(the goal: ≤ 10 µs). Every functional wrapper, the configs' loss modules (against the op call each makes, with
+its arguments) and verl's drop-in for its fused lm_head are timed; the TRL trainer's per-step calls are the linear
+wrappers timed here. On CUDA the calls are timed on the host clock without a synchronisation (one every 64
 calls, untimed), so the numbers stay host time while the GPU keeps up.
 
     python benchmarks/host_time.py                 # CPU
@@ -21,28 +23,83 @@ import rl_losses
 ops = torch.ops.rl_losses
 
 
+def _recorded(call, op: str):
+    """The raw op call that `call` makes (its one call of ops.<op>), with the arguments it gives: the options a
+    loss module or an integration passes are its own, so its raw op takes the same ones (at the schema's defaults
+    too). Returns (raw call, its result)."""
+    packet = getattr(ops, op)
+    seen = []
+
+    def record(*args, **kwargs):
+        seen.append((args, kwargs))
+        return packet(*args, **kwargs)
+
+    setattr(ops, op, record)
+    try:
+        call()
+    finally:
+        setattr(ops, op, packet)
+    (args, kwargs), = seen
+    return lambda: packet(*args, **kwargs)
+
+
 def cases(device: str, n: int = 8, v: int = 64, h: int = 32):
     """(name, wrapper call, raw-op call): each a forward + backward of a fresh graph."""
+    from rl_losses.integrations import verl
+
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, v, generator=g).to(device).requires_grad_()
+    teacher = torch.randn(n, v, generator=g).to(device)
     hidden = torch.randn(n, h, generator=g).to(device).requires_grad_()
     weight = torch.randn(v, h, generator=g).to(device).requires_grad_()
     t = torch.randint(0, v, (n,), generator=g).to(device)
     adv = torch.randn(n, generator=g).to(device)
     old = torch.full((n,), -4.0, device=device)
+    lp = torch.full((n,), -3.9, device=device).requires_grad_()
     doc = (torch.arange(n) // 4).to(device)
-    return [
+    pairs = torch.tensor([[0, 1]], device=device)
+    ref = torch.zeros(1, device=device)
+    batch = {"labels": t, "advantages": adv, "old_log_probabilities": old, "document_index": doc, "num_documents": 2}
+    module = {name: rl_losses.LanguageModelLossConfig.from_dict({"type": name}).get_loss()
+              for name in ("label", "grpo", "gspo")}
+    ppo = verl.FusedLinearForPPO(chunk_size=None)
+    out = [
         ("cross_entropy", lambda: rl_losses.cross_entropy(x, t).backward(),
          lambda: ops.cross_entropy(x, t)[0].backward()),
         ("grpo_loss", lambda: rl_losses.grpo_loss(x, t, adv, old).loss.backward(),
          lambda: ops.grpo(x, t, adv, old)[0].backward()),
         ("gspo_loss", lambda: rl_losses.gspo_loss(x, t, adv, old, doc, num_documents=2).loss.backward(),
          lambda: ops.gspo(x, t, adv, old, doc, num_documents=2)[0].backward()),
-        ("linear_grpo_loss", lambda: rl_losses.linear_grpo_loss(hidden, weight, t, adv, old).loss.backward(),
-         lambda: ops.linear_grpo(hidden, weight, t, adv, old)[0].backward()),
         ("token_log_probs", lambda: rl_losses.token_log_probs(x, t)[0].sum().backward(),
          lambda: ops.token_log_probs(x, t)[0].sum().backward()),
+        ("linear_cross_entropy", lambda: rl_losses.linear_cross_entropy(hidden, weight, t).backward(),
+         lambda: ops.linear_cross_entropy(hidden, weight, t)[0].backward()),
+        ("linear_grpo_loss", lambda: rl_losses.linear_grpo_loss(hidden, weight, t, adv, old).loss.backward(),
+         lambda: ops.linear_grpo(hidden, weight, t, adv, old)[0].backward()),
+        ("linear_gspo_loss",
+         lambda: rl_losses.linear_gspo_loss(hidden, weight, t, adv, old, doc, num_documents=2).loss.backward(),
+         lambda: ops.linear_gspo(hidden, weight, t, adv, old, doc, num_documents=2)[0].backward()),
+        ("linear_token_log_probs", lambda: rl_losses.linear_token_log_probs(hidden, weight, t)[0].sum().backward(),
+         lambda: ops.linear_token_log_probs(hidden, weight, t)[0].sum().backward()),
+        ("distillation_loss", lambda: rl_losses.distillation_loss(x, teacher).loss.backward(),
+         lambda: ops.distillation(x, teacher)[0].backward()),
+        ("dpo_loss", lambda: rl_losses.dpo_loss(x, t, doc, pairs, ref, ref).loss.backward(),
+         lambda: ops.dpo(x, t, doc, pairs, ref, ref)[0].backward()),
+        ("fused_head_loss", lambda: rl_losses.fused_head_loss(x, t, label_weight=1.0).loss.backward(),
+         lambda: ops.fused_head(x, t, label_weight=1.0)[0].backward()),
+        ("policy_token_loss", lambda: rl_losses.policy_token_loss(lp, old, adv).loss.sum().backward(),
+         lambda: ops.policy_token_loss(lp, old, adv)[0].sum().backward()),
     ]
+    # The configs' loss modules (metrics "none") and verl's drop-in for its fused lm_head, against the op call they
+    # make.
+    for name, op in (("label", "cross_entropy"), ("grpo", "grpo"), ("gspo", "gspo")):
+        call = (lambda m: lambda: m(x, batch)[0].backward())(module[name])
+        raw = _recorded(call, op)
+        out.append((f"config {name}", call, (lambda r: lambda: r()[0].backward())(raw)))
+    call = lambda: sum(ppo(hidden, weight, t)).sum().backward()  # noqa: E731
+    raw = _recorded(call, "linear_token_log_probs")
+    out.append(("verl FusedLinearForPPO", call, lambda: sum(raw()).sum().backward()))
+    return out
 
 
 def paired_us(wrapper, raw, calls: int, device: str) -> tuple[float, float, float]:
@@ -73,11 +130,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     print(f"host time per call, forward + backward at 8 x 64 on {args.device} (µs, medians of {args.calls} alternate "
           f"calls, the round with the lowest wrapper time of {args.rounds})")
-    print(f"{'op':<18} {'wrapper':>9} {'raw op':>9} {'added':>8}")
+    print(f"{'op':<24} {'wrapper':>9} {'raw op':>9} {'added':>8}")
     for name, wrapper, raw in cases(args.device):
         paired_us(wrapper, raw, args.calls // 10, args.device)  # warm-up
         best = min(paired_us(wrapper, raw, args.calls, args.device) for _ in range(args.rounds))
-        print(f"{name:<18} {best[0]:9.1f} {best[1]:9.1f} {best[2]:8.1f}")
+        print(f"{name:<24} {best[0]:9.1f} {best[1]:9.1f} {best[2]:8.1f}")
     return 0
 
 
