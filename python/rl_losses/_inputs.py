@@ -3,7 +3,10 @@ the opt-in host checks of label and document ids on CUDA, the options' normalisa
 policy ops. Kept apart so that functional.py can route to distributed.py without an import cycle."""
 from __future__ import annotations
 
+import functools
+import operator
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -11,24 +14,33 @@ from rl_losses import _schema
 from rl_losses.outputs import PolicyLossOutput
 
 
+# os.environ.get of an unset name raises and catches a KeyError inside (~2 µs a call); the dict behind os.environ,
+# which every write to os.environ updates, answers the same in a lookup.
+_ENVIRON = os.environ._data
+_CHECK_INPUTS = os.environ.encodekey("RL_LOSSES_CHECK_INPUTS")
+
+
 def _check_inputs_enabled() -> bool:
     # Opt-in host-side validation of label / document ids on CUDA (it synchronises with the device).
     # On the CPU the kernels always check; on CUDA an out-of-range label trips a device-side assert.
-    return os.environ.get("RL_LOSSES_CHECK_INPUTS", "0") not in ("", "0")
+    value = _ENVIRON.get(_CHECK_INPUTS)
+    return value is not None and os.environ.decodevalue(value) not in ("", "0")
 
 
 def _check_labels(name: str, target: torch.Tensor, vocab_size: int | None) -> None:
     # The opt-in CUDA range check of labels against the (global) vocabulary size; None: the op reports the
     # shape error. It reads a value on the host, so it is skipped inside a compiled graph.
-    if (vocab_size is not None and target.is_cuda and target.numel() > 0 and _check_inputs_enabled()
+    if (target.is_cuda and vocab_size is not None and target.numel() > 0 and _check_inputs_enabled()
             and not torch.compiler.is_compiling()):
         high = int(target.max())
         if high >= vocab_size:
             raise ValueError(f"{name}: target holds label {high}, out of range for vocab_size {vocab_size}")
 
 
-def _vocab_size(t: torch.Tensor, dim: int) -> int | None:
-    return t.shape[dim] if t.dim() >= 1 else None
+def _check_labels_in(name: str, target: torch.Tensor, vocab_of: torch.Tensor, dim: int) -> None:
+    # _check_labels against vocab_of.shape[dim] (none for a 0-dim vocab_of), read only where the check runs.
+    if target.is_cuda and vocab_of.dim() >= 1:
+        _check_labels(name, target, vocab_of.shape[dim])
 
 
 def _check_document_ids(name: str, document_index: torch.Tensor, num_documents: int | None) -> None:
@@ -53,41 +65,45 @@ def _options(name: str, options: dict, allowed: frozenset[str]) -> dict:
     if not options:
         return options
     _schema.check_keywords(name, options, allowed)
-    for key, value in options.items():
-        if key.endswith("divisor") and value is not None:
+    for key in _divisors(allowed):
+        value = options.get(key)
+        if value is not None and type(value) is not float:
             options[key] = _divisor(value)
     if options.get("rollout_mask_bounds") is not None:
         options["rollout_mask_bounds"] = [float(b) for b in options["rollout_mask_bounds"]]
     return options
 
 
-def _layout(op: str) -> tuple[int, ...]:
-    # The position in `op`'s results of each field of PolicyLossOutput but loss_type (-1: not a result of op).
-    names = _schema.results(op)
-    return tuple(names.index(f) if f in names else -1 for f in PolicyLossOutput._fields[:-1])
+@functools.cache
+def _divisors(allowed: frozenset[str]) -> tuple[str, ...]:
+    # The divisor options of a wrapper: found once per wrapper, not per call.
+    return tuple(key for key in allowed if key.endswith("divisor"))
 
 
-_LAYOUTS = {op: _layout(op) for op in ("grpo", "gspo", "linear_grpo", "linear_gspo")}
-# The metrics of an option, None where it is off.
-_FIELD = {name: i for i, name in enumerate(PolicyLossOutput._fields)}
-_ROLLOUT = [_FIELD[f] for f in ("rollout_ratio_mean", "rollout_weight_mean", "rollout_corrected_fraction")]
+_FIELDS = PolicyLossOutput._fields
+_LAYOUTS = {op: tuple(_schema.results(op).index(f) if f in _schema.results(op) else None for f in _FIELDS[:-1])
+            for op in ("grpo", "gspo", "linear_grpo", "linear_gspo")}
+# The metrics of each option, None where it is off: the entropy, the KL, the rollout correction, vespo.
+_OPTIONAL = (("entropy",), ("kl",), ("rollout_ratio_mean", "rollout_weight_mean", "rollout_corrected_fraction"),
+             ("vespo_phi_seq_mean",))
+
+
+@functools.cache
+def _picker(op: str, *on: bool) -> Callable[[tuple], tuple]:
+    """Picks PolicyLossOutput's fields but loss_type from `op`'s results followed by a None: the fields of `op`'s
+    layout, None for those the op lacks and for the metrics of the options (_OPTIONAL) that are not `on`."""
+    hidden = {field for fields, is_on in zip(_OPTIONAL, on) if not is_on for field in fields}
+    n = len(_schema.results(op))
+    return operator.itemgetter(*(n if i is None or f in hidden else i for f, i in zip(_FIELDS, _LAYOUTS[op])))
 
 
 def policy_output(op: str, out, options: dict) -> PolicyLossOutput:
     """The named result of a policy op from its results by name, with None for the metrics whose option is off."""
-    values = [out[i] if i >= 0 else None for i in _LAYOUTS[op]]
     defaults = _schema.defaults(op)
     get = options.get
-    if not get("compute_entropy", defaults["compute_entropy"]) and \
-            get("entropy_coefficient", defaults["entropy_coefficient"]) == 0:
-        values[_FIELD["entropy"]] = None
-    if get("ref_log_probs") is None:
-        values[_FIELD["kl"]] = None
-    if get("rollout_correction", defaults["rollout_correction"]) is None:
-        for i in _ROLLOUT:
-            values[i] = None
     loss_type = get("loss_type", defaults["loss_type"])
-    if loss_type != "vespo":
-        values[_FIELD["vespo_phi_seq_mean"]] = None
-    values.append(loss_type)
-    return PolicyLossOutput._make(values)
+    pick = _picker(op, bool(get("compute_entropy", defaults["compute_entropy"])
+                            or get("entropy_coefficient", defaults["entropy_coefficient"]) != 0),
+                   get("ref_log_probs") is not None,
+                   get("rollout_correction", defaults["rollout_correction"]) is not None, loss_type == "vespo")
+    return PolicyLossOutput._make((*pick((*out, None)), loss_type))

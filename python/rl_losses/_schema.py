@@ -8,7 +8,9 @@ per-document sums) are named here, once, and tests/test_schema.py holds them aga
 """
 from __future__ import annotations
 
+import functools
 import inspect
+import operator
 from typing import Any
 
 import torch
@@ -77,9 +79,14 @@ def option(op: str, options: dict, name: str) -> Any:
     return options[name] if name in options else defaults(op)[name]
 
 
-def named(op: str, out) -> dict[str, Any]:
-    """The op's results by name."""
-    return dict(zip(results(op), out))
+@functools.cache
+def _picker(op: str, names: tuple[str, ...]) -> operator.itemgetter:
+    return operator.itemgetter(*(results(op).index(name) for name in names))
+
+
+def picked(op: str, names: tuple[str, ...], out) -> tuple:
+    """The op's results of those names, in their order (a NamedTuple's fields): found by name once per op."""
+    return _picker(op, names)(out)
 
 
 def bind(op: str, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -43,12 +43,13 @@ def dpo_loss(logits: torch.Tensor, target: torch.Tensor, document_index: torch.T
     options = _options("dpo_loss", options, _KEYWORDS)
     if pairs.is_cuda and _check_inputs_enabled() and not torch.compiler.is_compiling():
         pairs = pairs.cpu()  # the op's host check, then the copy back: a synchronisation the user asked for
-    stats, start, total = distributed._tp_setup("dpo", logits, target, tp_group,
-                                                _schema.option("dpo", options, "logits_scale_factor"), vocab_start,
-                                                vocab_size)
+    if tp_group is not None or vocab_start is not None or vocab_size is not None:  # else the op's defaults
+        options["row_stats"], options["vocab_start"], options["vocab_size"] = distributed._tp_setup(
+            "dpo", logits, target, tp_group, _schema.option("dpo", options, "logits_scale_factor"), vocab_start,
+            vocab_size)
     out = _ops.dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs,
-                   row_stats=stats, vocab_start=start, vocab_size=total, **options)
-    return DpoOutput(**_schema.named("dpo", out))
+                   **options)
+    return DpoOutput._make(_schema.picked("dpo", DpoOutput._fields, out))
 
 
 _KEYWORDS = distributed._shard_signature(dpo_loss, "dpo", extra={"tp_group": None}, returns=DpoOutput)

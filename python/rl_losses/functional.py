@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from rl_losses import _schema, distributed
-from rl_losses._inputs import _check_document_ids, _check_labels, _options, _vocab_size, policy_output
+from rl_losses._inputs import _check_document_ids, _check_labels_in, _options, policy_output
 from rl_losses.outputs import PolicyLossOutput
 
 _ops = torch.ops.rl_losses
@@ -61,7 +61,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None, 
     options = _options("cross_entropy", options, _CROSS_ENTROPY)
     if tp_group is not None:
         return distributed.cross_entropy(logits, target, tp_group=tp_group, **options)
-    _check_labels("cross_entropy", target, _vocab_size(logits, -1))
+    _check_labels_in("cross_entropy", target, logits, -1)
     return _ops.cross_entropy(logits, target, **options)[0]
 
 
@@ -177,7 +177,7 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     options = _options("grpo_loss", options, _GRPO)
     if tp_group is not None:
         return distributed.grpo_loss(logits, target, advantages, old_log_probs, tp_group=tp_group, **options)
-    _check_labels("grpo", target, _vocab_size(logits, -1))
+    _check_labels_in("grpo", target, logits, -1)
     if options.get("document_index") is not None:
         _check_document_ids("grpo", options["document_index"], options.get("num_documents"))
     return policy_output("grpo", _ops.grpo(logits, target, advantages, old_log_probs, **options), options)
@@ -234,7 +234,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     if tp_group is not None or sdp_group is not None:
         return distributed.gspo_loss(logits, target, advantages, old_log_probs, document_index, tp_group=tp_group,
                                      sdp_group=sdp_group, **options)
-    _check_labels("gspo", target, _vocab_size(logits, -1))
+    _check_labels_in("gspo", target, logits, -1)
     _check_document_ids("gspo", document_index, options.get("num_documents"))
     return policy_output("gspo", _ops.gspo(logits, target, advantages, old_log_probs, document_index, **options),
                          options)
@@ -274,11 +274,17 @@ _LINEAR_ARGS_DOC = """
 """
 
 
+# The types that are no DTensor, told apart without importing torch.distributed.tensor.
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter, type(None)))
+
+
 def _plain_lm_head(name: str, hidden: torch.Tensor, weight: torch.Tensor, options: dict) -> torch.Tensor:
     """The lm_head as plain tensors. An FSDP2 / DTensor weight (sharded or replicated) is gathered whole with
     ``full_tensor()``, which autograd differentiates back to the weight's own placements (its backward
     reduce-scatters a sharded weight's gradient), as TRL's fused head does; the hidden states must be a
     plain tensor (this rank's tokens). Returns the weight; a DTensor bias is replaced in `options`."""
+    if type(hidden) in _PLAIN and type(weight) in _PLAIN and type(options.get("bias")) in _PLAIN:
+        return weight
     from torch.distributed.tensor import DTensor
 
     if isinstance(hidden, DTensor):
@@ -297,7 +303,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     weight gradient is summed over tokens). Returns the loss, as ``cross_entropy``."""
     options = _options("linear_cross_entropy", options, _LINEAR_CROSS_ENTROPY)
     weight = _plain_lm_head("linear_cross_entropy", hidden, weight, options)
-    _check_labels("linear_cross_entropy", target, _vocab_size(weight, 0))
+    _check_labels_in("linear_cross_entropy", target, weight, 0)
     return _ops.linear_cross_entropy(hidden, weight, target, **options)[0]
 
 
@@ -310,7 +316,7 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
     ``old_log_probs`` and the options (the policy family's included) are those of ``grpo_loss``; returns its PolicyLossOutput."""
     options = _options("linear_grpo_loss", options, _LINEAR_GRPO)
     weight = _plain_lm_head("linear_grpo", hidden, weight, options)
-    _check_labels("linear_grpo", target, _vocab_size(weight, 0))
+    _check_labels_in("linear_grpo", target, weight, 0)
     if options.get("document_index") is not None:
         _check_document_ids("linear_grpo", options["document_index"], options.get("num_documents"))
     return policy_output("linear_grpo", _ops.linear_grpo(hidden, weight, target, advantages, old_log_probs, **options),
@@ -328,7 +334,7 @@ def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
     for the gradient."""
     options = _options("linear_gspo_loss", options, _LINEAR_GSPO)
     weight = _plain_lm_head("linear_gspo", hidden, weight, options)
-    _check_labels("linear_gspo", target, _vocab_size(weight, 0))
+    _check_labels_in("linear_gspo", target, weight, 0)
     _check_document_ids("linear_gspo", document_index, options.get("num_documents"))
     out = _ops.linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, **options)
     return policy_output("linear_gspo", out, options)
@@ -370,14 +376,17 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: 
     scale = _scale_of_temperature("token_log_probs", temperature)
     if tp_group is not None:
         return distributed.token_log_probs(logits, labels, tp_group=tp_group, logits_scale_factor=scale, **options)
-    _check_labels("token_log_probs", labels, _vocab_size(logits, -1))
-    log_probs, entropy = _ops.token_log_probs(logits, labels, logits_scale_factor=scale, **options)
+    _check_labels_in("token_log_probs", labels, logits, -1)
+    if scale != _TOKEN_SCALE:
+        options["logits_scale_factor"] = scale
+    log_probs, entropy = _ops.token_log_probs(logits, labels, **options)
     return log_probs, entropy if options.get("compute_entropy") else None
 
 
-# temperature = 1 / logits_scale_factor: the scale's default.
+# temperature = 1 / logits_scale_factor: the scale's default (passed on only when another: one keyword less to the op).
+_TOKEN_SCALE = _schema.default("token_log_probs", "logits_scale_factor")
 _TOKEN_LOG_PROBS = _wrapper(token_log_probs, "token_log_probs", drop=_TP_HOOKS + ("logits_scale_factor",), rename={"target": "labels"},
-         extra={"temperature": 1.0 / _schema.default("token_log_probs", "logits_scale_factor"), "tp_group": None})
+         extra={"temperature": 1.0 / _TOKEN_SCALE, "tp_group": None})
 
 
 def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -389,13 +398,16 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     options = _options("linear_token_log_probs", options, _LINEAR_TOKEN_LOG_PROBS)
     scale = _scale_of_temperature("linear_token_log_probs", temperature)
     weight = _plain_lm_head("linear_token_log_probs", hidden, weight, options)
-    _check_labels("linear_token_log_probs", labels, _vocab_size(weight, 0))
-    log_probs, entropy = _ops.linear_token_log_probs(hidden, weight, labels, logits_scale_factor=scale, **options)
+    _check_labels_in("linear_token_log_probs", labels, weight, 0)
+    if scale != _LINEAR_TOKEN_SCALE:
+        options["logits_scale_factor"] = scale
+    log_probs, entropy = _ops.linear_token_log_probs(hidden, weight, labels, **options)
     return log_probs, entropy if options.get("compute_entropy") else None
 
 
+_LINEAR_TOKEN_SCALE = _schema.default("linear_token_log_probs", "logits_scale_factor")
 _LINEAR_TOKEN_LOG_PROBS = _wrapper(linear_token_log_probs, "linear_token_log_probs", drop=("logits_scale_factor",), rename={"target": "labels"},
-         extra={"temperature": 1.0 / _schema.default("linear_token_log_probs", "logits_scale_factor")})
+         extra={"temperature": 1.0 / _LINEAR_TOKEN_SCALE})
 linear_token_log_probs.__doc__ += _LINEAR_ARGS_DOC.replace(
     "    Differentiable w.r.t. hidden, weight and bias (the gradients are computed in the forward, chunk by chunk).\n",
     "    Differentiable w.r.t. hidden, weight and bias.\n")

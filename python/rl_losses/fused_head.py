@@ -52,13 +52,14 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None
     def option(name):
         return _schema.option("fused_head", options, name)
 
-    if option("gspo_weight") and options.get("document_index") is not None:
+    if options.get("document_index") is not None and option("gspo_weight"):
         _check_document_ids("fused_head_loss", options["document_index"], options.get("num_documents"))
-    stats, start, total = distributed._tp_setup(
-        "fused_head_loss", logits, target, tp_group, option("logits_scale_factor"), vocab_start, vocab_size,
-        smoothing=option("label_smoothing") != 0 and option("label_weight") != 0)
-    out = _ops.fused_head(logits, target, row_stats=stats, vocab_start=start, vocab_size=total, **options)
-    return FusedHeadOutput(**_schema.named("fused_head", out))
+    if tp_group is not None or vocab_start is not None or vocab_size is not None:  # else the op's defaults
+        options["row_stats"], options["vocab_start"], options["vocab_size"] = distributed._tp_setup(
+            "fused_head_loss", logits, target, tp_group, option("logits_scale_factor"), vocab_start, vocab_size,
+            smoothing=option("label_smoothing") != 0 and option("label_weight") != 0)
+    out = _ops.fused_head(logits, target, **options)
+    return FusedHeadOutput._make(_schema.picked("fused_head", FusedHeadOutput._fields, out))
 
 
 _KEYWORDS = distributed._shard_signature(fused_head_loss, "fused_head", extra={"tp_group": None}, returns=FusedHeadOutput)

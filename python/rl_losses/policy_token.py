@@ -33,17 +33,20 @@ class PolicyTokenOutput(NamedTuple):
     rollout_weight: torch.Tensor
 
 
+_SLOPE = _schema.results("policy_token_loss").index("grad_log_probs")
+# One gradient (or None) per positional argument of the schema (the tensors): only log_probs has one.
+_NO_GRADS = (None,) * (sum(not a.kwarg_only for a in _schema.schema("policy_token_loss").arguments) - 1)
+
+
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.input_dtype = inputs[0].dtype
-    ctx.save_for_backward(output[_schema.results("policy_token_loss").index("grad_log_probs")])
+    ctx.save_for_backward(output[_SLOPE])
 
 
 def _backward(ctx, grad_loss, *_unused):
     (slope,) = ctx.saved_tensors
     grad = None if grad_loss is None else (grad_loss * slope).to(ctx.input_dtype)
-    # One gradient (or None) per positional argument of the schema (the tensors): only log_probs has one.
-    positional = sum(not a.kwarg_only for a in _schema.schema("policy_token_loss").arguments)
-    return (grad,) + (None,) * (positional - 1)
+    return (grad,) + _NO_GRADS
 
 
 torch.library.register_autograd("rl_losses::policy_token_loss", _backward, setup_context=_setup_context)
@@ -65,10 +68,9 @@ def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | Non
             and every output, the gradient included, is 0.
     """
     options = _options("policy_token_loss", options, _KEYWORDS)
-    out = _schema.named("policy_token_loss",
-                        torch.ops.rl_losses.policy_token_loss(log_probs, old_log_probs, advantages, **options))
-    return PolicyTokenOutput(**{name: t if name == "loss" else t.detach() for name, t in out.items()
-                                if name in PolicyTokenOutput._fields})
+    out = torch.ops.rl_losses.policy_token_loss(log_probs, old_log_probs, advantages, **options)
+    loss, *metrics = _schema.picked("policy_token_loss", PolicyTokenOutput._fields, out)  # loss: the first field
+    return PolicyTokenOutput(loss, *(t.detach() for t in metrics))
 
 
 # ref_log_probs and rollout_log_probs are positional in the schema (register_autograd needs its tensors so) but
