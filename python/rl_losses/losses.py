@@ -75,6 +75,7 @@ class LanguageModelLoss(torch.nn.Module):
         self.config = config
         self.name = name
         self.tp_group = tp_group
+        self._config_options_of: dict[str, dict[str, Any]] = {}
         if tp_group is not None and config.use_cuda_kernel is False:
             raise ValueError(f"{type(self).__name__} {name!r}: tp_group needs the extension's op, but "
                              f"use_cuda_kernel=False selects the pure-PyTorch reference, which has no tp_group")
@@ -123,10 +124,22 @@ class LanguageModelLoss(torch.nn.Module):
         return {"tp_group": self.tp_group} if kernel else {}
 
     def _config_options(self, op: str) -> dict[str, Any]:
-        """The config's fields that are options of `op`: the config gives them the op's names (and the reference
-        takes the same), so they pass through by name."""
-        names = _schema.arguments(op)
-        return {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config) if f.name in names}
+        """The config's fields that are options of `op`, less those at the op's defaults: the config gives them the
+        op's names (and the reference takes the same, with the same defaults), so they pass through by name. Found
+        once per op (the config is frozen); the caller must not change the dict."""
+        options = self._config_options_of.get(op)
+        if options is None:
+            names, defaults = _schema.arguments(op), _schema.defaults(op)
+            options = {name: value for name, value in ((f.name, getattr(self.config, f.name))
+                                                       for f in dataclasses.fields(self.config) if f.name in names)
+                       if not (name in defaults and value == defaults[name])}
+            self._config_options_of[op] = options
+        return options
+
+
+def _given(**options) -> dict[str, Any]:
+    """The batch's options that are there (None: the op's default, so left out)."""
+    return {key: value for key, value in options.items() if value is not None}
 
 
 class LanguageModelLabelEntropyLoss(LanguageModelLoss):
@@ -137,7 +150,7 @@ class LanguageModelLabelEntropyLoss(LanguageModelLoss):
     def _forward(self, logits, batch, kernel):
         labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
         fn = functional.cross_entropy if kernel else reference.cross_entropy
-        loss = fn(logits, labels, divisor=batch.get(LanguageModelLossKwargs.num_labels_in_batch),
+        loss = fn(logits, labels, **_given(divisor=batch.get(LanguageModelLossKwargs.num_labels_in_batch)),
                   **self._config_options("cross_entropy"), **self._options(kernel))
         return loss, {}
 
@@ -170,18 +183,17 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
         """The config's options of the op (the clip, beta, the policy family's: docs/policy_losses.md) with their batch
         tensors."""
         cfg = self.config
-        ref_log_probs = None  # the KL (term and metric) only with beta > 0, as TRL logs it
-        if cfg.beta > 0:
-            ref_log_probs = _require(batch, LanguageModelLossKwargs.ref_log_probs, f"{self.name} (beta > 0)")
-        rollout_log_probs = None
+        options = dict(self._config_options(cfg.type_name))
+        if cfg.beta > 0:  # the KL (term and metric) only with beta > 0, as TRL logs it
+            options["ref_log_probs"] = _require(batch, LanguageModelLossKwargs.ref_log_probs, f"{self.name} (beta > 0)")
         if cfg.rollout_correction is not None:
-            rollout_log_probs = _require(batch, LanguageModelLossKwargs.rollout_log_probs,
-                                         f"{self.name} (rollout_correction={cfg.rollout_correction!r})")
-        return dict(ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs,
-                    **self._config_options(self.config.type_name))
+            options["rollout_log_probs"] = _require(batch, LanguageModelLossKwargs.rollout_log_probs,
+                                                    f"{self.name} (rollout_correction={cfg.rollout_correction!r})")
+        return options
 
-    def _metrics(self, out: functional.PolicyLossOutput, batch: Batch, mask: torch.Tensor,
+    def _metrics(self, out: functional.PolicyLossOutput, batch: Batch, mask: torch.Tensor | None,
                  num_segments: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        # mask: the tokens that count, needed (not None) unless metrics="none".
         n = self.name
         metrics = {f"{n}_new_logprobs": out.new_logprobs}
         if self.config.metrics == "none":
@@ -253,7 +265,8 @@ class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
     def _forward(self, logits, batch, kernel):
         labels, advantages, old_log_probs = self._policy_inputs(batch, on_policy_allowed=True)
         cfg = self.config
-        mask = labels >= 0
+        # The labelled tokens, for the document count and the metrics: not computed where neither is wanted.
+        mask = labels >= 0 if cfg.loss_normalization != "token" or cfg.metrics != "none" else None
         loss_weights = None
         if cfg.loss_normalization == "token":
             divisor = batch.get(LanguageModelLossKwargs.num_labels_in_batch)
@@ -270,12 +283,12 @@ class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
         by_sequence = cfg.loss_type == "vespo" or (cfg.rollout_correction is not None
                                                    and cfg.rollout_correction.startswith("sequence"))
         fn = functional.grpo_loss if kernel else reference.grpo_loss
-        out = fn(logits, labels, advantages, old_log_probs, loss_weights=loss_weights, divisor=divisor,
-                 label_counts=batch.get(LanguageModelLossKwargs.label_counts),
-                 compute_entropy=cfg.metrics == "with_entropy",
-                 document_index=document_index if by_sequence else None,
-                 num_documents=batch.get(LanguageModelLossKwargs.num_documents)
-                 if by_sequence and document_index is not None else None,
+        out = fn(logits, labels, advantages, old_log_probs, compute_entropy=cfg.metrics == "with_entropy",
+                 **_given(loss_weights=loss_weights, divisor=divisor,
+                          label_counts=batch.get(LanguageModelLossKwargs.label_counts),
+                          document_index=document_index if by_sequence else None,
+                          num_documents=batch.get(LanguageModelLossKwargs.num_documents)
+                          if by_sequence and document_index is not None else None),
                  **self._family(batch),
                  **self._options(kernel))
         return out.loss, self._metrics(out, batch, mask)
@@ -293,14 +306,14 @@ class LanguageModelGSPOLoss(LanguageModelPolicyGradientLoss):
         cfg = self.config
         fn = functional.gspo_loss if kernel else reference.gspo_loss
         out = fn(logits, labels, advantages, old_log_probs, document_index,
-                 num_documents=batch.get(LanguageModelLossKwargs.num_documents),
-                 label_counts=batch.get(LanguageModelLossKwargs.label_counts),
-                 divisor=batch.get(LanguageModelLossKwargs.num_documents_in_batch),
                  compute_entropy=cfg.metrics == "with_entropy",
+                 **_given(num_documents=batch.get(LanguageModelLossKwargs.num_documents),
+                          label_counts=batch.get(LanguageModelLossKwargs.label_counts),
+                          divisor=batch.get(LanguageModelLossKwargs.num_documents_in_batch)),
                  **self._family(batch), **self._options(kernel))
-        mask = (labels >= 0) & (document_index >= 0)
-        num_segments = None
+        mask = num_segments = None
         if cfg.metrics != "none":
+            mask = (labels >= 0) & (document_index >= 0)
             with torch.no_grad():  # documents holding a labelled token (scatter, no boolean indexing: no sync)
                 ratios = out.document_ratios
                 index = torch.where(mask, document_index, 0).reshape(-1).long()
