@@ -64,7 +64,8 @@ def _options(name: str, options: dict, allowed: frozenset[str]) -> dict:
     numbers (a 0-dim tensor is read on the host), the mask bounds as a list."""
     if not options:
         return options
-    _schema.check_keywords(name, options, allowed)
+    if not options.keys() <= allowed:
+        _schema.check_keywords(name, options, allowed)
     for key in _divisors(allowed):
         value = options.get(key)
         if value is not None and type(value) is not float:

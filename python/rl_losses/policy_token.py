@@ -34,6 +34,7 @@ class PolicyTokenOutput(NamedTuple):
 
 
 _SLOPE = _schema.results("policy_token_loss").index("grad_log_probs")
+_NOT_LOSS = tuple(i for i, name in enumerate(_schema.results("policy_token_loss")) if name != "loss")
 # One gradient (or None) per positional argument of the schema (the tensors): only log_probs has one.
 _NO_GRADS = (None,) * (sum(not a.kwarg_only for a in _schema.schema("policy_token_loss").arguments) - 1)
 
@@ -41,6 +42,7 @@ _NO_GRADS = (None,) * (sum(not a.kwarg_only for a in _schema.schema("policy_toke
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.input_dtype = inputs[0].dtype
     ctx.save_for_backward(output[_SLOPE])
+    ctx.mark_non_differentiable(*(output[i] for i in _NOT_LOSS))  # the metrics come out detached
 
 
 def _backward(ctx, grad_loss, *_unused):
@@ -69,8 +71,7 @@ def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | Non
     """
     options = _options("policy_token_loss", options, _KEYWORDS)
     out = torch.ops.rl_losses.policy_token_loss(log_probs, old_log_probs, advantages, **options)
-    loss, *metrics = _schema.picked("policy_token_loss", PolicyTokenOutput._fields, out)  # loss: the first field
-    return PolicyTokenOutput(loss, *(t.detach() for t in metrics))
+    return PolicyTokenOutput._make(_schema.picked("policy_token_loss", PolicyTokenOutput._fields, out))
 
 
 # ref_log_probs and rollout_log_probs are positional in the schema (register_autograd needs its tensors so) but
