@@ -62,9 +62,14 @@ class FusedLinearForPPO(torch.nn.Module):
                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         _check_ndim(hidden_states, input_ids)
         log_probs, entropy = rl_losses.linear_token_log_probs(
-            hidden_states, vocab_weights, input_ids.to(torch.int64), temperature=float(temperature),
+            hidden_states, vocab_weights, _as(input_ids, torch.int64), temperature=float(temperature),
             compute_entropy=True, chunk_size=self.chunk_size)
-        return log_probs.float(), entropy.to(hidden_states.dtype)
+        return _as(log_probs, torch.float32), _as(entropy, hidden_states.dtype)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # t.to(dtype), without the call (its argument parsing, per step) where t has that dtype already.
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def fused_linear_for_ppo_fwd(hidden_states: torch.Tensor, vocab_weights: torch.Tensor, input_ids: torch.Tensor,
