@@ -4,9 +4,7 @@ policy ops. Kept apart so that functional.py can route to distributed.py without
 from __future__ import annotations
 
 import functools
-import operator
 import os
-from collections.abc import Callable
 
 import torch
 
@@ -90,21 +88,36 @@ _OPTIONAL = (("entropy",), ("kl",), ("rollout_ratio_mean", "rollout_weight_mean"
 
 
 @functools.cache
-def _picker(op: str, *on: bool) -> Callable[[tuple], tuple]:
-    """Picks PolicyLossOutput's fields but loss_type from `op`'s results followed by a None: the fields of `op`'s
-    layout, None for those the op lacks and for the metrics of the options (_OPTIONAL) that are not `on`."""
+def _picker(op: str, *on: bool) -> tuple[int, ...]:
+    """Where PolicyLossOutput's fields but loss_type are in `op`'s results followed by a None: the fields of `op`'s
+    layout, the None for those the op lacks and for the metrics of the options (_OPTIONAL) that are not `on`."""
     hidden = {field for fields, is_on in zip(_OPTIONAL, on) if not is_on for field in fields}
     n = len(_schema.results(op))
-    return operator.itemgetter(*(n if i is None or f in hidden else i for f, i in zip(_FIELDS, _LAYOUTS[op])))
+    return tuple(n if i is None or f in hidden else i for f, i in zip(_FIELDS, _LAYOUTS[op]))
+
+
+def _metrics_on(op: str, options: dict) -> tuple[bool, ...]:
+    """Whether the metrics of each option of _OPTIONAL are on in a call of `op` with `options`."""
+    defaults = _schema.defaults(op)
+    get = options.get
+    return (bool(get("compute_entropy", defaults["compute_entropy"])
+                 or get("entropy_coefficient", defaults["entropy_coefficient"]) != 0),
+            get("ref_log_probs") is not None,
+            get("rollout_correction", defaults["rollout_correction"]) is not None,
+            get("loss_type", defaults["loss_type"]) == "vespo")
+
+
+# The options that turn metrics on; a call without any of them takes its op's picker of the defaults.
+_METRIC_OPTIONS = ("compute_entropy", "entropy_coefficient", "ref_log_probs", "rollout_correction", "loss_type")
+_AT_DEFAULTS = {op: _picker(op, *_metrics_on(op, {})) for op in _LAYOUTS}
 
 
 def policy_output(op: str, out, options: dict) -> PolicyLossOutput:
     """The named result of a policy op from its results by name, with None for the metrics whose option is off."""
-    defaults = _schema.defaults(op)
-    get = options.get
-    loss_type = get("loss_type", defaults["loss_type"])
-    pick = _picker(op, bool(get("compute_entropy", defaults["compute_entropy"])
-                            or get("entropy_coefficient", defaults["entropy_coefficient"]) != 0),
-                   get("ref_log_probs") is not None,
-                   get("rollout_correction", defaults["rollout_correction"]) is not None, loss_type == "vespo")
-    return PolicyLossOutput._make((*pick((*out, None)), loss_type))
+    if any(name in options for name in _METRIC_OPTIONS):
+        pick = _picker(op, *_metrics_on(op, options))
+    else:
+        pick = _AT_DEFAULTS[op]
+    padded = (*out, None)
+    loss_type = options.get("loss_type", _schema.default(op, "loss_type"))
+    return PolicyLossOutput._make((*(padded[i] for i in pick), loss_type))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
 from typing import Any
 
 import torch
@@ -80,13 +79,13 @@ def option(op: str, options: dict, name: str) -> Any:
 
 
 @functools.cache
-def _picker(op: str, names: tuple[str, ...]) -> operator.itemgetter:
-    return operator.itemgetter(*(results(op).index(name) for name in names))
+def _positions(op: str, names: tuple[str, ...]) -> tuple[int, ...]:
+    return tuple(results(op).index(name) for name in names)
 
 
 def picked(op: str, names: tuple[str, ...], out) -> tuple:
     """The op's results of those names, in their order (a NamedTuple's fields): found by name once per op."""
-    return _picker(op, names)(out)
+    return tuple(out[i] for i in _positions(op, names))
 
 
 def bind(op: str, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -173,17 +173,19 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
     config: LanguageModelPolicyGradientLossConfig
 
     def _policy_inputs(self, batch: Batch, *, on_policy_allowed: bool = False):
-        labels, advantages = (_require(batch, key, self.name) for key in (
-            LanguageModelLossKwargs.labels, LanguageModelLossKwargs.advantages))
+        labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
+        advantages = _require(batch, LanguageModelLossKwargs.advantages, self.name)
         key = LanguageModelLossKwargs.old_log_probabilities
         old = batch.get(key) if on_policy_allowed else _require(batch, key, self.name)
         return labels, advantages, old
 
     def _family(self, batch: Batch) -> dict[str, Any]:
         """The config's options of the op (the clip, beta, the policy family's: docs/policy_losses.md) with their batch
-        tensors."""
+        tensors, and the entropy where the metrics want it."""
         cfg = self.config
         options = dict(self._config_options(cfg.type_name))
+        if cfg.metrics == "with_entropy":
+            options["compute_entropy"] = True
         if cfg.beta > 0:  # the KL (term and metric) only with beta > 0, as TRL logs it
             options["ref_log_probs"] = _require(batch, LanguageModelLossKwargs.ref_log_probs, f"{self.name} (beta > 0)")
         if cfg.rollout_correction is not None:
@@ -283,7 +285,7 @@ class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
         by_sequence = cfg.loss_type == "vespo" or (cfg.rollout_correction is not None
                                                    and cfg.rollout_correction.startswith("sequence"))
         fn = functional.grpo_loss if kernel else reference.grpo_loss
-        out = fn(logits, labels, advantages, old_log_probs, compute_entropy=cfg.metrics == "with_entropy",
+        out = fn(logits, labels, advantages, old_log_probs,
                  **_given(loss_weights=loss_weights, divisor=divisor,
                           label_counts=batch.get(LanguageModelLossKwargs.label_counts),
                           document_index=document_index if by_sequence else None,
@@ -306,7 +308,6 @@ class LanguageModelGSPOLoss(LanguageModelPolicyGradientLoss):
         cfg = self.config
         fn = functional.gspo_loss if kernel else reference.gspo_loss
         out = fn(logits, labels, advantages, old_log_probs, document_index,
-                 compute_entropy=cfg.metrics == "with_entropy",
                  **_given(num_documents=batch.get(LanguageModelLossKwargs.num_documents),
                           label_counts=batch.get(LanguageModelLossKwargs.label_counts),
                           divisor=batch.get(LanguageModelLossKwargs.num_documents_in_batch)),
