@@ -1,0 +1,197 @@
+"""Pure-PyTorch references of the policy losses of verl's registry (verl 0.9.1, POLICY_LOSS_REGISTRY in
+verl/trainer/ppo/core_algos.py) that the fused ops do not have yet, in verl's padded layout: log-probs ℓ, old
+log-probs ℓ_old, advantages A and the response mask m, all (B, T).
+
+Each loss returns its per-token loss matrix L (B, T) (geo_mean: its per-sequence losses (B,)) and verl's metrics
+under verl's names; ``aggregate`` is verl's agg_loss over L, after the rollout importance weights w multiply L.
+Written again from verl's formulas (docs/policy_losses.md, "verl's menu"), sharing no code with verl or with the
+ops; the tests call them on float64 inputs against verl's own functions.
+
+Notation: δ = ℓ − ℓ_old, r = exp(δ), ε_l / ε_h the clip ratios, mean_m(x) = Σ m·x / Σ m over the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
+
+# verl's safety clamp of the log-ratio before exp (vanilla, dppo_*, rollout rejection).
+_SAFETY_BOUND = 20.0
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    on = mask > 0
+    return torch.where(on, x, 0.0).sum() / on.sum().clamp_min(1)
+
+
+def aggregate(loss_mat, mask, loss_agg_mode, *, dp_size=1, batch_num_tokens=None, global_batch_size=None,
+              loss_scale_factor=None):
+    """verl's agg_loss (core_algos.py), S_i = Σ_t m·L of sequence i, n_i its tokens, S = #{i: n_i > 0}:
+    token-mean Σ_i S_i / N·dp (N = batch_num_tokens, default Σ m); token-sum Σ_i S_i·dp;
+    seq-mean-token-sum Σ_i S_i / G·dp (G = global_batch_size, default S); -norm: that / loss_scale_factor
+    (default T); seq-mean-token-mean Σ_i (S_i / n_i) / G·dp over the sequences with n_i > 0."""
+    on = mask > 0
+    per_seq = torch.where(on, loss_mat, 0.0).sum(-1)
+    counts = on.sum(-1)
+    has = counts > 0
+    if loss_agg_mode == "token-mean":
+        n = on.sum() if batch_num_tokens is None else batch_num_tokens
+        return per_seq.sum() / n * dp_size
+    if loss_agg_mode == "token-sum":
+        return per_seq.sum() * dp_size
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"aggregate: loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+    g = has.sum() if global_batch_size is None else global_batch_size
+    if loss_agg_mode == "seq-mean-token-mean":
+        per_seq = torch.where(has, per_seq / counts.clamp_min(1), 0.0)
+    loss = per_seq.sum() / g * dp_size
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        loss = loss / (mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    return loss
+
+
+def gpg(old_log_prob, log_prob, advantages, mask):
+    """GPG (verl ``gpg``, compute_policy_loss_gpg): L = −A·ℓ; no metrics."""
+    return -advantages * log_prob, {}
+
+
+def dro(old_log_prob, log_prob, advantages, mask, *, beta):
+    """DRO (verl ``dro``, compute_policy_loss_dro; ``policy_loss.dro_beta`` = β > 0): L = −(A·ℓ − β/2·δ²);
+    actor/ppo_kl = mean_m(−δ)."""
+    if not beta > 0:
+        raise ValueError(f"dro: beta (verl's policy_loss.dro_beta) must be > 0, got beta={beta}")
+    delta = log_prob - old_log_prob
+    return -(advantages * log_prob - 0.5 * beta * delta**2), {"actor/ppo_kl": _masked_mean(-delta.detach(), mask)}
+
+
+def geo_mean(old_log_prob, log_prob, advantages, mask, *, clip_low=0.2, clip_high=0.2, rollout_is_weights=None):
+    """GMPO (verl ``geo_mean``, compute_policy_loss_geo_mean; arXiv 2507.20673), per sequence i:
+    δ̃_t = sgn(A_t)·min(sgn(A_t)·δ_t, sgn(A_t)·clamp(δ_t, −ε_l, ε_h)) (the clip on the side that A favours; δ
+    not clamped to ±20), R_i = exp(Σ_t m·δ̃_t / n_i), Ā_i = Σ_t m·A_t / n_i, L_i = −Ā_i·R_i (0 where n_i = 0);
+    with weights w, L_i ·= exp(Σ_t m·log(w_t + 1e-10) / n_i). The loss is the plain mean of L_i over all B rows
+    (verl ignores loss_agg_mode and global_batch_info here, and counts empty rows). Metrics: actor/pg_clipfrac
+    = mean_m([δ clamped]·[A > 0]), actor/pg_clipfrac_lower the same with A < 0, actor/ppo_kl = mean_m(−δ)."""
+    delta = log_prob - old_log_prob
+    clamped = delta.clamp(-clip_low, clip_high)
+    sign = advantages.sign()
+    delta_clipped = sign * torch.minimum(sign * delta, sign * clamped)
+    on = mask > 0
+    n = on.sum(-1).clamp_min(1)
+    ratio = torch.exp(torch.where(on, delta_clipped, 0.0).sum(-1) / n)
+    per_seq = -(torch.where(on, advantages, 0.0).sum(-1) / n) * ratio
+    if rollout_is_weights is not None:
+        per_seq = per_seq * torch.exp(torch.where(on, torch.log(rollout_is_weights + 1e-10), 0.0).sum(-1) / n)
+    with torch.no_grad():
+        was_clipped = (delta != clamped).to(delta.dtype)
+        metrics = {"actor/pg_clipfrac": _masked_mean(was_clipped * (advantages > 0), mask),
+                   "actor/ppo_kl": _masked_mean(-delta, mask),
+                   "actor/pg_clipfrac_lower": _masked_mean(was_clipped * (advantages < 0), mask)}
+    return per_seq, metrics
+
+
+def _covariance(advantages, log_prob, mask):
+    # Each token's (A − mean_m A)·(ℓ − mean_m ℓ): the batch statistic clip_cov and kl_cov select tokens by.
+    return (advantages - _masked_mean(advantages, mask)) * (log_prob - _masked_mean(log_prob, mask))
+
+
+def clip_cov(old_log_prob, log_prob, advantages, mask, *, clip_low=0.2, clip_high=0.2, clip_cov_ratio=2e-4,
+             clip_cov_lb=1.0, clip_cov_ub=5.0, generator=None):
+    """Clip-Cov (verl ``clip_cov``, compute_policy_loss_clip_cov; PRIME-RL's Entropy-Mechanism-of-RL):
+    L = max(−A·r, −A·clamp(r, 1 − ε_l, 1 + ε_h))·c (δ not clamped; no dual clip), where c = 0 on a random
+    subset of k = max(⌊ρ·Σ m⌋, 1) of the candidate tokens (all of them if fewer) and 1 elsewhere; a candidate is a
+    masked-in token that the PPO clip left alone (−A·clamp(r) <= −A·r) with lb < cov_t < ub, cov_t = (A_t −
+    mean_m A)·(ℓ_t − mean_m ℓ) over the whole batch (detached). The subset is the first k of
+    torch.randperm(#candidates, generator=generator) over the candidates in row-major order: verl's draw from
+    the global generator when ``generator`` is None. Metrics: actor/pg_clipfrac = mean_m([c = 0]),
+    actor/ppo_kl = mean_m(−δ)."""
+    if not clip_cov_ratio > 0:
+        raise ValueError(f"clip_cov: clip_cov_ratio must be > 0, got clip_cov_ratio={clip_cov_ratio}")
+    delta = log_prob - old_log_prob
+    ratio = torch.exp(delta)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    on = mask > 0
+    with torch.no_grad():
+        cov = _covariance(advantages, log_prob, mask)
+        candidate = on & ~(clipped > unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+        flat = torch.nonzero(candidate.reshape(-1)).squeeze(-1)
+        k = max(int(clip_cov_ratio * int(on.sum())), 1)
+        if flat.numel() > k:
+            flat = flat[torch.randperm(flat.numel(), generator=generator)[:k]]
+        keep = torch.ones(candidate.numel(), dtype=delta.dtype, device=delta.device)
+        keep[flat] = 0.0
+        keep = keep.reshape(candidate.shape)
+        metrics = {"actor/pg_clipfrac": _masked_mean((keep == 0).to(delta.dtype), mask),
+                   "actor/ppo_kl": _masked_mean(-delta, mask)}
+    return torch.maximum(unclipped, clipped) * keep, metrics
+
+
+def kl_cov(old_log_prob, log_prob, advantages, mask, *, kl_cov_ratio=2e-4, ppo_kl_coef=0.1):
+    """KL-Cov (verl ``kl_cov``, compute_policy_loss_kl_cov; PRIME-RL's Entropy-Mechanism-of-RL):
+    L = −A·r + [t ∈ K]·κ·|δ|, K the k = max(⌊ρ·Σ m⌋, 1) masked-in tokens of largest cov_t (as in clip_cov, over
+    the whole batch, detached; none when no token is masked in), κ = ``ppo_kl_coef`` (δ not clamped).
+    Metric: actor/ppo_kl = mean_m(|δ|)."""
+    if not kl_cov_ratio > 0:
+        raise ValueError(f"kl_cov: kl_cov_ratio must be > 0, got kl_cov_ratio={kl_cov_ratio}")
+    delta = log_prob - old_log_prob
+    on = mask > 0
+    with torch.no_grad():
+        cov = torch.where(on, _covariance(advantages, log_prob, mask), -torch.inf).reshape(-1)
+        n = int(on.sum())
+        chosen = torch.zeros(cov.numel(), dtype=torch.bool, device=cov.device)
+        if n:
+            chosen[torch.topk(cov, max(1, int(n * kl_cov_ratio))).indices] = True
+        chosen = chosen.reshape(on.shape)
+        metrics = {"actor/ppo_kl": _masked_mean(delta.abs(), mask)}
+    return -advantages * torch.exp(delta) + torch.where(chosen, ppo_kl_coef * delta.abs(), 0.0), metrics
+
+
+def _dppo(divergence_ok, old_log_prob, log_prob, advantages, mask, clip_ratio_c):
+    # DPPO's shared tail: L = −A·sg(min(r, c))·ℓ·v with v = [the divergence bound holds] (detached), r from δ
+    # clamped to ±20; actor/pg_clipfrac = mean_m(1 − v), actor/pg_clipfrac_lower = mean_m([r > c]·v).
+    delta = (log_prob - old_log_prob).clamp(-_SAFETY_BOUND, _SAFETY_BOUND)
+    ratio = torch.exp(delta)
+    valid = divergence_ok.detach().to(log_prob.dtype)
+    with torch.no_grad():
+        metrics = {"actor/pg_clipfrac": _masked_mean(1 - valid, mask),
+                   "actor/ppo_kl": _masked_mean(-delta, mask),
+                   "actor/pg_clipfrac_lower": _masked_mean((ratio > clip_ratio_c).to(valid.dtype) * valid, mask)}
+    return -advantages * ratio.clamp(max=clip_ratio_c).detach() * log_prob * valid, metrics
+
+
+def dppo_tv(old_log_prob, log_prob, advantages, mask, *, clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0):
+    """DPPO-Binary-TV (verl ``dppo_tv``, compute_policy_loss_dppo_tv; arXiv 2602.04879), p = e^ℓ, p_old = e^ℓ_old:
+    v = [p − p_old <= ε_h] where A > 0, [p − p_old >= −ε_l] elsewhere; L as _dppo's (verl's ``clip_ratio_c``
+    is the truncation cap c)."""
+    diff = torch.exp(log_prob) - torch.exp(old_log_prob)
+    ok = torch.where(advantages > 0, diff <= clip_high, diff >= -clip_low)
+    return _dppo(ok, old_log_prob, log_prob, advantages, mask, clip_ratio_c)
+
+
+def dppo_kl(old_log_prob, log_prob, advantages, mask, *, clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0):
+    """DPPO-Binary-KL (verl ``dppo_kl``, compute_policy_loss_dppo_kl; arXiv 2602.04879): the binary KL
+    D = p_old·(ℓ_old − ℓ) + (1 − p_old)·log((1 − p_old + 1e-8) / (1 − p + 1e-8)); v = [D <= ε_h or p <= p_old]
+    where A > 0, [D <= ε_l or p >= p_old] elsewhere; L as _dppo's."""
+    p, p_old = torch.exp(log_prob), torch.exp(old_log_prob)
+    kl = p_old * (old_log_prob - log_prob) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+    ok = torch.where(advantages > 0, (kl <= clip_high) | (p <= p_old), (kl <= clip_low) | (p >= p_old))
+    return _dppo(ok, old_log_prob, log_prob, advantages, mask, clip_ratio_c)
+
+
+PER_TOKEN = {"gpg": gpg, "dro": dro, "clip_cov": clip_cov, "kl_cov": kl_cov, "dppo_tv": dppo_tv,
+             "dppo_kl": dppo_kl}
+
+
+def policy_loss(name, old_log_prob, log_prob, advantages, mask, loss_agg_mode="token-mean", *,
+                rollout_is_weights=None, global_batch_info=None, **options):
+    """verl's registered loss ``name`` end to end: (loss, metrics) as verl's policy-loss function returns them
+    (metrics as 0-dim tensors). ``global_batch_info``: verl's dp_size / batch_num_tokens / global_batch_size /
+    loss_scale_factor (geo_mean ignores it and loss_agg_mode, as verl does)."""
+    if name == "geo_mean":
+        per_seq, metrics = geo_mean(old_log_prob, log_prob, advantages, mask, rollout_is_weights=rollout_is_weights,
+                                    **options)
+        return per_seq.mean(), metrics
+    loss_mat, metrics = PER_TOKEN[name](old_log_prob, log_prob, advantages, mask, **options)
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights
+    return aggregate(loss_mat, mask, loss_agg_mode, **(global_batch_info or {})), metrics
