@@ -113,3 +113,39 @@ def test_bad_options():
         reference_verl.kl_cov(old, lp, adv, mask, kl_cov_ratio=-0.1)
     with pytest.raises(ValueError, match="loss_agg_mode must be one of .* got 'seq-sum'"):
         reference_verl.aggregate(lp, mask, "seq-sum")
+
+
+# rollout_rs option -> (upper, lower): thresholds that reject part of make_inputs' tokens and rows.
+REJECTION = {"token_k1": (1.3, 0.75), "token_k2": (0.05, None), "token_k3": (0.05, None),
+             "seq_sum_k1": (3.0, 0.6), "seq_sum_k2": (2.2, None), "seq_sum_k3": (2.2, None),
+             "seq_mean_k1": (1.03, 0.97), "seq_mean_k2": (0.045, None), "seq_mean_k3": (0.045, None),
+             "seq_max_k2": (0.3, None), "seq_max_k3": (0.3, None)}
+
+
+def verl_threshold(option, upper, lower):
+    return f"{lower}_{upper}" if lower is not None else str(upper)
+
+
+@pytest.mark.parametrize("options", [[o] for o in REJECTION] + [["token_k1", "seq_mean_k3"],
+                                                                ["seq_sum_k2", "seq_max_k3", "token_k3"]])
+def test_rejection_mask_matches_verl(options):
+    """verl's rollout rejection (rollout_corr_helper.compute_rollout_rejection_mask): the kept mask and the
+    masked fractions, alone and chained; k1 also with its default lower bound 1/upper."""
+    helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
+    lp, old, adv, weights, mask = make_inputs(torch.float64, seed=int(torch.randint(1 << 30, ())), batch=16)
+    log_ratio = lp - old
+    for default_lower in (False, True):
+        rules = [(o, REJECTION[o][0], None if default_lower else REJECTION[o][1]) for o in options]
+        theirs_mask, theirs = helper.compute_rollout_rejection_mask(
+            log_ratio, mask, ",".join(options), ",".join(verl_threshold(*rule) for rule in rules))
+        ours_mask, ours = reference_verl.rejection_mask(log_ratio, mask, rules)
+        torch.testing.assert_close(ours_mask, theirs_mask, rtol=0, atol=0)
+        for key, value in ours.items():
+            assert float(value) == pytest.approx(theirs[key], rel=1e-9, abs=1e-10), key  # verl: Σ m + 1e-8
+        assert 0 < theirs["rollout_rs_masked_fraction"] < 1
+
+
+def test_rejection_mask_bad_rule():
+    lp, old, adv, weights, mask = inputs(token_advantages=False)
+    with pytest.raises(ValueError, match="rejection_mask: unknown rule 'seq_min_k2'"):
+        reference_verl.rejection_mask(lp - old, mask, [("seq_min_k2", 1.0, None)])

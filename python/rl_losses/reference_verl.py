@@ -11,6 +11,8 @@ Notation: δ = ℓ − ℓ_old, r = exp(δ), ε_l / ε_h the clip ratios, mean_m
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
@@ -195,3 +197,48 @@ def policy_loss(name, old_log_prob, log_prob, advantages, mask, loss_agg_mode="t
     if rollout_is_weights is not None:
         loss_mat = loss_mat * rollout_is_weights
     return aggregate(loss_mat, mask, loss_agg_mode, **(global_batch_info or {})), metrics
+
+
+def rejection_mask(log_ratio, mask, rules):
+    """verl's rollout rejection (rollout_corr_helper.compute_rollout_rejection_mask; ``rollout_rs`` and
+    ``rollout_rs_threshold``): the response mask with the rejected tokens set to 0, and the masked fractions.
+    ``log_ratio`` λ = ℓ_train − ℓ_rollout, clamped to ±20; per token k1 = −λ, k2 = λ²/2, k3 = e^λ − 1 − λ.
+    ``rules``: (option, upper, lower) triples, all of which must pass: ``token_kX`` judges each token by its kX,
+    ``seq_sum_kX`` / ``seq_mean_kX`` / ``seq_max_kX`` every token of a sequence by Σ_m / mean_m / max_m of kX over
+    it (max 0 on an empty row). k2 and k3 pass at <= upper; k1 at log(lower) <= k1 <= log(upper), lower default
+    1/upper. Metrics: rollout_rs_<option>_masked_fraction = mean_m(rejected by the option),
+    rollout_rs_<option>_seq_masked_fraction = the share of non-empty rows with a token it rejects,
+    rollout_rs_masked_fraction = mean_m(rejected), rollout_rs_seq_masked_fraction = the share of all B rows with a
+    rejected token."""
+    lam = log_ratio.clamp(-_SAFETY_BOUND, _SAFETY_BOUND)
+    per_token = {"k1": -lam, "k2": 0.5 * lam**2, "k3": torch.exp(lam) - 1 - lam}
+    on = mask > 0
+    n = on.sum(-1)
+    has = n > 0
+    keep = torch.ones_like(on)
+    metrics = {}
+    for option, upper, lower in rules:
+        level, estimator = option.rsplit("_", 1)
+        k = per_token[estimator]
+        if level == "seq_sum":
+            k = torch.where(on, k, 0.0).sum(-1, keepdim=True)
+        elif level == "seq_mean":
+            k = torch.where(on, k, 0.0).sum(-1, keepdim=True) / n.clamp_min(1).unsqueeze(-1)
+        elif level == "seq_max":
+            k = torch.where(has, torch.where(on, k, -torch.inf).amax(-1), 0.0).unsqueeze(-1)
+        elif level != "token":
+            raise ValueError(f"rejection_mask: unknown rule {option!r}")
+        if estimator == "k1":
+            lower = 1 / upper if lower is None else lower
+            passes = (k >= math.log(lower)) & (k <= math.log(upper))
+        else:
+            passes = k <= upper
+        rejected = on & ~passes.expand_as(on)
+        keep &= ~rejected
+        metrics[f"rollout_rs_{option}_masked_fraction"] = _masked_mean(rejected.to(lam.dtype), mask)
+        metrics[f"rollout_rs_{option}_seq_masked_fraction"] = (
+            rejected.any(-1).to(lam.dtype).sum() / has.sum().clamp_min(1))
+    rejected = on & ~keep
+    metrics["rollout_rs_masked_fraction"] = _masked_mean(rejected.to(lam.dtype), mask)
+    metrics["rollout_rs_seq_masked_fraction"] = rejected.any(-1).to(lam.dtype).mean()
+    return mask * keep.to(mask.dtype), metrics
