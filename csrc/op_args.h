@@ -56,6 +56,14 @@
   X(at::Tensor, grad_weight, )    \
   X(at::Tensor, grad_bias, )
 
+// The sampler's distribution (common/sampler.h, docs/consistency.md): every softmax renormalised over the tokens that
+// min_p, then top_k, then top_p keep (vLLM's order); each None, a 0-dim tensor for every row, or one value per row
+// shaped like the target. top_k: integer, 0 = off; top_p in (0, 1], 1 = off; min_p in [0, 1], 0 = off.
+#define RL_LOSSES_SAMPLER(X) \
+  X(OptTensor, top_k, None)  \
+  X(OptTensor, top_p, None)  \
+  X(OptTensor, min_p, None)
+
 // ---- row_stats: the statistics pass alone (tensor parallelism's first step) ------------------------------------
 #define RL_LOSSES_ROW_STATS_OPTIONS(X) \
   X(bool, entropy, False)              \
@@ -254,6 +262,7 @@ RL_LOSSES_ARG_GROUP(RowStatsArg, RL_LOSSES_ROW_STATS)
 RL_LOSSES_ARG_GROUP(VocabShard, RL_LOSSES_VOCAB_SHARD)
 RL_LOSSES_ARG_GROUP(ComputeGradArg, RL_LOSSES_COMPUTE_GRAD)
 RL_LOSSES_ARG_GROUP(OutputMaskArg, RL_LOSSES_OUTPUT_MASK)
+RL_LOSSES_ARG_GROUP(SamplerArgs, RL_LOSSES_SAMPLER)
 RL_LOSSES_RESULT_GROUP(GradResult, RL_LOSSES_GRAD)
 RL_LOSSES_RESULT_GROUP(GradRowUnscaleResult, RL_LOSSES_GRAD_ROW_UNSCALE)
 RL_LOSSES_RESULT_GROUP(LinearGradResults, RL_LOSSES_LINEAR_GRADS)

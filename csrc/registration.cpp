@@ -86,6 +86,7 @@ TORCH_LIBRARY(rl_losses, m) {
   const Entries tp_hooks = cat({RL_LOSSES_ENTRIES(RL_LOSSES_ROW_STATS), RL_LOSSES_ENTRIES(RL_LOSSES_VOCAB_SHARD)});
   const Entries scale = RL_LOSSES_ENTRIES(RL_LOSSES_SCALE), divisor = RL_LOSSES_ENTRIES(RL_LOSSES_DIVISOR);
   const Entries entropy = RL_LOSSES_ENTRIES(RL_LOSSES_ENTROPY), stats = RL_LOSSES_ENTRIES(RL_LOSSES_STATS_RESULT);
+  const Entries sampler = RL_LOSSES_ENTRIES(RL_LOSSES_SAMPLER);
 
   // ---- shared ---------------------------------------------------------------------------------------------
   def(m, OpSchema("row_stats").args(logits).kwargs().args(scale).args(RL_LOSSES_ENTRIES(RL_LOSSES_VOCAB_SHARD))
@@ -109,7 +110,7 @@ TORCH_LIBRARY(rl_losses, m) {
   const Entries policy_results = RL_LOSSES_ENTRIES(RL_LOSSES_POLICY_RESULTS);
   const Entries vespo_results = RL_LOSSES_ENTRIES(RL_LOSSES_VESPO_RESULTS);
   const Entries grpo_options = cat({RL_LOSSES_ENTRIES(RL_LOSSES_GRPO_OPTIONS), policy_tensors, clip, kl_weight, scale,
-                                    divisor, entropy, policy, fused_policy});
+                                    divisor, entropy, policy, fused_policy, sampler});
   const Entries grpo_results = cat({policy_results, vespo_results});
   def_loss(m, "grpo", cat({logits, policy_inputs}), grpo_options, tp_hooks, grpo_results);
   def_linear(m, "grpo", policy_inputs, grpo_options, grpo_results);
@@ -121,7 +122,8 @@ TORCH_LIBRARY(rl_losses, m) {
   const Entries weighting = RL_LOSSES_ENTRIES(RL_LOSSES_GSPO_WEIGHTING);
   const Entries token_advantages = RL_LOSSES_ENTRIES(RL_LOSSES_GSPO_TOKEN_ADVANTAGES);
   const Entries gspo_options = cat({RL_LOSSES_ENTRIES(RL_LOSSES_GSPO_OPTIONS), policy_tensors, clip, kl_weight,
-                                    weighting, token_advantages, scale, divisor, entropy, policy, fused_policy});
+                                    weighting, token_advantages, scale, divisor, entropy, policy, fused_policy,
+                                    sampler});
   const Entries gspo_results = cat({policy_results, RL_LOSSES_ENTRIES(RL_LOSSES_GSPO_RESULTS), vespo_results});
   def_loss(m, "gspo", cat({logits, gspo_inputs}), gspo_options,
            cat({RL_LOSSES_ENTRIES(RL_LOSSES_ROW_STATS), RL_LOSSES_ENTRIES(RL_LOSSES_GSPO_SUMS),
@@ -147,19 +149,19 @@ TORCH_LIBRARY(rl_losses, m) {
   // given: those are saved instead), which `_token_log_probs_backward` reads in place of a second statistics
   // pass. `entropy` is an empty tensor unless compute_entropy. The fused-linear form recomputes each chunk's
   // logits in its backward, which is where weight_main_grad is added into (the forward only checks it).
-  const Entries tlp_options = cat({scale, entropy}), tlp_results = RL_LOSSES_ENTRIES(RL_LOSSES_TOKEN_LOG_PROBS_RESULTS);
+  const Entries tlp_options = cat({scale, entropy, sampler}), tlp_results = RL_LOSSES_ENTRIES(RL_LOSSES_TOKEN_LOG_PROBS_RESULTS);
   const Entries upstream = RL_LOSSES_ENTRIES(RL_LOSSES_TOKEN_LOG_PROBS_UPSTREAM);
   def(m, OpSchema("token_log_probs").args(logits).kwargs().args(tlp_options).args(tp_hooks).results(tlp_results));
   def(m, OpSchema("_token_log_probs_forward").without_defaults().args(logits).args(tlp_options).args(tp_hooks)
              .results(cat({tlp_results, stats})));
-  def(m, OpSchema("_token_log_probs_backward").without_defaults().args(logits).args(upstream).args(scale)
+  def(m, OpSchema("_token_log_probs_backward").without_defaults().args(logits).args(upstream).args(scale).args(sampler)
              .args(RL_LOSSES_ENTRIES(RL_LOSSES_VOCAB_SHARD)).results(RL_LOSSES_ENTRIES(RL_LOSSES_GRAD)));
   const Entries lin = cat({RL_LOSSES_ENTRIES(RL_LOSSES_LINEAR_INPUT), RL_LOSSES_ENTRIES(RL_LOSSES_LINEAR_OPTIONS)});
   def(m, OpSchema("linear_token_log_probs").args(RL_LOSSES_ENTRIES(RL_LOSSES_LINEAR_INPUT)).kwargs()
              .args(RL_LOSSES_ENTRIES(RL_LOSSES_LINEAR_OPTIONS)).args(tlp_options).results(tlp_results));
   def(m, OpSchema("_linear_token_log_probs_forward").without_defaults().args(lin).args(tlp_options)
              .results(cat({tlp_results, stats})));
-  def(m, OpSchema("_linear_token_log_probs_backward").without_defaults().args(lin).args(upstream).args(scale)
+  def(m, OpSchema("_linear_token_log_probs_backward").without_defaults().args(lin).args(upstream).args(scale).args(sampler)
              .args(RL_LOSSES_ENTRIES(RL_LOSSES_OUTPUT_MASK)).results(RL_LOSSES_ENTRIES(RL_LOSSES_LINEAR_GRADS)));
 
   // ---- distillation against a teacher's logits (distillation/, docs/distillation_dpo.md) ----------------------

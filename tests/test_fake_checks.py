@@ -11,6 +11,7 @@ import torch
 
 from helpers import assert_fake_rejects_like_real, forward_options
 from test_fake_checks_distill_dpo_head import BAD_INPUTS as HEAD_BAD_INPUTS
+from test_sampler import BAD_INPUTS as SAMPLER_BAD_INPUTS
 
 ops = torch.ops.rl_losses
 CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
@@ -188,7 +189,7 @@ def _bad_inputs():
          r"token_log_probs: row_stats must have shape \(4, 5\)"),
         ("tlp_backward_grad", lambda d: ops._token_log_probs_backward(
             torch.randn(4, 7, device=d), _labels(d), _z(d, 4, 5), _z(d, 3), None, logits_scale_factor=1.0,
-            vocab_start=0, vocab_size=-1), "grad_log_probs has shape"),
+            top_k=None, top_p=None, min_p=None, vocab_start=0, vocab_size=-1), "grad_log_probs has shape"),
         ("row_stats_op", lambda d: ops.row_stats(torch.randn(4, 7, device=d), _labels(d), logits_scale_factor=-1.0),
          "row_stats: logits_scale_factor must be finite"),
     ]
@@ -265,7 +266,7 @@ def csrc_checks():
 NOT_FAKE = {
     # The data's: label ids, document ids and DPO's pairing are read by the real kernel (the CPU's before any
     # pass; CUDA's on the device), never by a fake one.
-    "document_index holds", "holds document", "is in pairs", "target: label ",
+    "document_index holds", "holds document", "is in pairs", "target: label ", "must hold values in",
     # Two devices: on the CPU every tensor is on the one device (the CUDA tests pass a CPU tensor to a GPU op).
     " is on ",
     # Autograd's: they run above every kernel (common/autograd.h, token_log_probs_autograd.cpp), on meta tensors too.
@@ -284,7 +285,7 @@ def _not_fake(pattern):
 
 def test_every_check_has_a_bad_input():
     messages = []
-    for _, call, _ in BAD_INPUTS + HEAD_BAD_INPUTS:
+    for _, call, _ in BAD_INPUTS + HEAD_BAD_INPUTS + SAMPLER_BAD_INPUTS:
         with pytest.raises(RuntimeError) as e:
             call("cpu")
         messages.append(str(e.value))

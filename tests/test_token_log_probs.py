@@ -197,7 +197,8 @@ def _bad_cases(device):
                       r"row_stats must have shape \(4, 5\)"),
         "grad shape": (lambda: _ops._token_log_probs_backward(
             x, t, stats=torch.zeros(4, 5, device=device), grad_log_probs=torch.zeros(3, device=device),
-            grad_entropy=None, logits_scale_factor=1.0, vocab_start=0, vocab_size=-1), "grad_log_probs has shape"),
+            grad_entropy=None, logits_scale_factor=1.0, top_k=None, top_p=None, min_p=None, vocab_start=0,
+            vocab_size=-1), "grad_log_probs has shape"),
         "linear weight": (lambda: rl_losses.linear_token_log_probs(h, w[:, :2], t), "weight has hidden size 2"),
         "linear chunk": (lambda: rl_losses.linear_token_log_probs(h, w, t, chunk_size=0), "chunk_size must be >= 1"),
         "linear temperature": (lambda: rl_losses.linear_token_log_probs(h, w, t, temperature=-1.0),

@@ -19,6 +19,7 @@ struct PolicyTokenInputs;
 void labelled_count_cuda(const at::Tensor& target1d, const at::Tensor& out);
 void sum_cuda(const at::Tensor& x, const at::Tensor& out);
 void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out);
+void sampler_floor_cuda(const RowPassArgs& args, const at::Tensor& params, const at::Tensor& out);
 void scale_grad_cuda_rows(const at::Tensor& grad, const at::Tensor& grad_output, const float* unscale);
 void cross_entropy_rows_cuda(const RowPassArgs& args, const CrossEntropyRows& rows);
 const GrpoBackend& grpo_backend_cuda();

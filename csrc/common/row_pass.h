@@ -50,6 +50,12 @@ struct RowPassArgs {
   // (N,) int64, or undefined: the epilogue's index of each row, where the rows are not consecutive (the fused
   // lm_head's labelled rows, gathered); it replaces row_offset.
   at::Tensor row_index;
+  // The sampler's distribution (common/sampler.h): sampler_params, the call's (N, 3) per-row options, or undefined;
+  // logit_floor, (rows,) of the accumulation dtype, each row's floor, which the row source computes from them
+  // for the rows of a pass. A logit below its row's floor counts as −inf in the statistics and gets a zero
+  // gradient.
+  at::Tensor sampler_params;
+  at::Tensor logit_floor;
 
   bool compute_stats() const { return !stats_in.defined(); }
   bool write_grad() const { return grad.defined(); }
@@ -70,6 +76,8 @@ bool cuda_fuses_row_pass(const RowPassArgs& args);
 // V=128256 bf16; docs/design.md). The CPU keeps the fused pass (a row stays in its cache).
 inline void split_stats_pass_on_cuda(RowPassArgs& args) {
   if (!args.logits.is_cuda() || !args.write_grad() || !args.compute_stats()) return;
+  // The statistics-only op knows no floor: with one, the fused pass runs in one kernel (row_pass_kernel).
+  if (args.logit_floor.defined()) return;
 #ifdef RL_LOSSES_WITH_CUDA
   if (cuda_fuses_row_pass(args)) return;
 #endif
@@ -97,6 +105,7 @@ struct RowPassView {
   int64_t row_offset;
   const int64_t* row_index;  // or null
   acc_t* stats_out;          // or null
+  const acc_t* floor;        // (n_rows,) or null: the sampler's floor of each row
   acc_t scale;
 
   // The index the epilogue (and every per-token array it reads) knows the row by.
@@ -121,6 +130,7 @@ inline RowPassView<scalar_t, label_t, acc_t> make_view(const RowPassArgs& a) {
   v.row_offset = a.row_offset;
   v.row_index = a.row_index.defined() ? a.row_index.const_data_ptr<int64_t>() : nullptr;
   v.stats_out = a.stats_out.defined() ? a.stats_out.data_ptr<acc_t>() : nullptr;
+  v.floor = a.logit_floor.defined() ? a.logit_floor.const_data_ptr<acc_t>() : nullptr;
   v.scale = static_cast<acc_t>(a.scale);
   return v;
 }
@@ -134,6 +144,13 @@ inline RowPassView<scalar_t, label_t, acc_t> make_view(const RowPassArgs& a) {
 // skip reading that row and pass RowStats::empty() (the CPU pass and both CUDA kernels do; the separate
 // `row_stats` op, used by the split path and tensor parallelism, reads every row). `go` is called with
 // std::true_type/false_type flags.
+
+// Whether an epilogue's ops take the sampler's options (kMaySample; false where not declared): only those get
+// the CUDA kernel variants that read a floor.
+template <typename Epi, typename = void>
+struct MaySample : std::false_type {};
+template <typename Epi>
+struct MaySample<Epi, std::void_t<decltype(Epi::kMaySample)>> : std::bool_constant<Epi::kMaySample> {};
 
 template <typename Epi, typename Go>
 void dispatch_stat_flags(const RowPassArgs& args, Go&& go) {
@@ -177,6 +194,7 @@ struct StoreStatsEpilogue {
   static constexpr bool kMayUseEntropy = true, kMayUseSmoothing = true;
   static constexpr bool kMayUseEntropyGrad = false;
   static constexpr bool kMayReadStats = false, kMayWriteGrad = false, kSkipsUnlabelled = kLabelledOnly;
+  static constexpr bool kMaySample = kLabelledOnly;  // the policy ops' first pass
   acc_t* out;
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t /*label*/, const RowStats<acc_t>& st) const {
     store_stats(out, row, st);
@@ -191,7 +209,7 @@ struct StoreStatsEpilogue {
 template <typename acc_t, bool kEntropyBonus = false>
 struct PolicyCoefEpilogue {
   static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = false, kMayUseEntropyGrad = kEntropyBonus;
-  static constexpr bool kMayReadStats = true, kMayWriteGrad = true, kSkipsUnlabelled = false;
+  static constexpr bool kMayReadStats = true, kMayWriteGrad = true, kSkipsUnlabelled = false, kMaySample = true;
   const acc_t* coef;
   const acc_t* entropy_h = nullptr;  // (N,) or null
   const acc_t* entropy = nullptr;    // (N,) when entropy_h is given
@@ -236,6 +254,7 @@ struct GradRowPrescaled {
   static constexpr bool kMayUseEntropy = Epi::kMayUseEntropy, kMayUseSmoothing = Epi::kMayUseSmoothing;
   static constexpr bool kMayUseEntropyGrad = Epi::kMayUseEntropyGrad, kMayReadStats = Epi::kMayReadStats;
   static constexpr bool kMayWriteGrad = Epi::kMayWriteGrad, kSkipsUnlabelled = Epi::kSkipsUnlabelled;
+  static constexpr bool kMaySample = MaySample<Epi>::value;
   Epi epi;
   float* row_unscale;
   float scale;

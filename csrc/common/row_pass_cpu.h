@@ -21,8 +21,11 @@ namespace rl_losses {
 // over blocks of kBlock logits whose partial results are added at the end, which keeps the fp32 rounding
 // error near sqrt(kBlock/width + V/kBlock) additions rather than sqrt(V). (The CUDA kernel gets the same from
 // its per-thread states and tree reduction.)
-template <bool kEntropy, bool kSmoothing, typename scalar_t, typename acc_t = typename acc_type<scalar_t>::type>
-RowStats<acc_t> row_stats_cpu(const scalar_t* x, int64_t n, acc_t scale) {
+// kFloor: a logit below `floor` (the sampler's, row_pass.h) counts as −inf in the sums; the max is the row's own
+// (the most probable token is always kept).
+template <bool kEntropy, bool kSmoothing, bool kFloor = false, typename scalar_t,
+          typename acc_t = typename acc_type<scalar_t>::type>
+RowStats<acc_t> row_stats_cpu(const scalar_t* x, int64_t n, acc_t scale, acc_t floor = acc_t(0)) {
   constexpr int64_t kBlock = 1024;
   acc_t m = neg_inf<acc_t>();
   _Pragma("omp simd reduction(max : m)")
@@ -45,7 +48,8 @@ RowStats<acc_t> row_stats_cpu(const scalar_t* x, int64_t n, acc_t scale) {
     acc_t se = 0, spx = 0, sx = 0;
     _Pragma("omp simd reduction(+ : se, spx, sx)")
     for (int64_t j = b; j < end; ++j) {
-      const acc_t xj = static_cast<acc_t>(x[j]) * scale;
+      const acc_t zj = static_cast<acc_t>(x[j]);
+      const acc_t xj = kFloor && zj < floor ? neg_inf<acc_t>() : zj * scale;
       const acc_t e = exp_nonpos(xj - m);
       se += e;
       if (kEntropy) spx += e > acc_t(0) ? e * xj : acc_t(0);
@@ -74,10 +78,14 @@ void row_pass_cpu_typed(const RowPassArgs& args, const Epilogue& epi) {
                     " is out of range for vocab_size ", v.vocab_total);
         const int64_t local = label - v.vocab_start;
         const bool has_label = label >= 0 && local >= 0 && local < v.vocab;
+        // The sampler's floor of this row, where one filters it (-inf filters nothing).
+        const acc_t floor = v.floor != nullptr ? v.floor[row] : neg_inf<acc_t>();
+        const bool filtered = floor > neg_inf<acc_t>();
         RowStats<acc_t> st = RowStats<acc_t>::empty();
         if (stats) {
           if (!(Epilogue::kSkipsUnlabelled && label < 0)) {
-            st = row_stats_cpu<kEntropy, kSmoothing>(x, v.vocab, v.scale);
+            st = filtered ? row_stats_cpu<kEntropy, kSmoothing, true>(x, v.vocab, v.scale, floor)
+                          : row_stats_cpu<kEntropy, kSmoothing>(x, v.vocab, v.scale);
             st.label = has_label ? static_cast<acc_t>(x[local]) * v.scale : acc_t(0);
           }
           if (v.stats_out != nullptr) store_stats(v.stats_out, row, st);
@@ -97,15 +105,26 @@ void row_pass_cpu_typed(const RowPassArgs& args, const Epilogue& epi) {
         const ExpShifted<acc_t> p_of(v.scale, st.max, std::log(st.sumexp));
         const acc_t sa = v.scale * coef.a, sc = v.scale * coef.c, sh = v.scale * coef.h;
         const int64_t n = v.vocab;  // locals: loads through `v` inside the loop would block vectorisation
-        RL_LOSSES_SIMD
-        for (int64_t k = 0; k < n; ++k) {
-          const acc_t log_p = p_of.arg(static_cast<acc_t>(x[k]));
-          const acc_t p = ExpShifted<acc_t>::exp_of_arg(log_p);
-          if constexpr (kEntropyGrad) {
-            g[k] = static_cast<scalar_t>((sa + sh * log_p) * p + sc);
-          } else {
-            g[k] = static_cast<scalar_t>(sa * p + sc);
+        auto sweep = [&](auto masked) {
+          RL_LOSSES_SIMD
+          for (int64_t k = 0; k < n; ++k) {
+            const acc_t z = static_cast<acc_t>(x[k]);
+            const acc_t log_p = p_of.arg(z);
+            const acc_t p = ExpShifted<acc_t>::exp_of_arg(log_p);
+            acc_t gk;
+            if constexpr (kEntropyGrad) {
+              gk = (sa + sh * log_p) * p + sc;
+            } else {
+              gk = sa * p + sc;
+            }
+            if constexpr (decltype(masked)::value) gk = z < floor ? acc_t(0) : gk;  // outside the kept set
+            g[k] = static_cast<scalar_t>(gk);
           }
+        };
+        if (filtered) {
+          sweep(std::true_type{});
+        } else {
+          sweep(std::false_type{});
         }
         // The label term is added after the vectorised sweep rather than tested per element. Its logit comes
         // from the statistics, not from x: with inplace_backward, x[local] already holds the gradient.

@@ -61,6 +61,13 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
   constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
   auto launch = [&](auto s, auto g) {
     constexpr bool kS = decltype(s)::value, kG = decltype(g)::value;
+    if constexpr (MaySample<Epilogue>::value) {
+      if (args.logit_floor.defined()) {
+        return launch_resident(&row_pass_kernel<kThreads, kUnroll, scalar_t, label_t, acc_t, kS, kG, kEntropy,
+                                                kSmoothing, Epilogue, true>);
+      }
+    }
+    TORCH_CHECK(!args.logit_floor.defined(), "rl_losses: internal error: a sampler floor this pass cannot read");
     launch_resident(
         &row_pass_kernel<kThreads, kUnroll, scalar_t, label_t, acc_t, kS, kG, kEntropy, kSmoothing, Epilogue>);
   };

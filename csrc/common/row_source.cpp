@@ -1,5 +1,7 @@
 #include "common/row_source.h"
 
+#include "common/sampler.h"
+
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -58,6 +60,10 @@ void LogitsSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass
   TORCH_INTERNAL_ASSERT(!with_grad || grad2d_.defined(), "rl_losses: a gradient pass without a gradient buffer");
   RowPassArgs a = args;
   a.logits = f_.logits2d;
+  if (a.sampler_params.defined()) {
+    if (!floor_.defined()) floor_ = sampler_floor(op_, a, a.sampler_params);
+    a.logit_floor = floor_;
+  }
   if (with_grad) {
     a.grad = grad2d_;
     if (grad_row_unscale_.numel() > 0) a.grad_row_unscale = grad_row_unscale_;

@@ -75,6 +75,7 @@ class LogitsSource final : public RowSource {
   at::Tensor grad2d_;  // (N, V_loc) where the passes write, or undefined
   at::Tensor grad_;    // what the op returns: shaped like the logits, or an empty placeholder
   at::Tensor grad_row_unscale_;
+  at::Tensor floor_;  // the sampler's floors, computed by the first pass that needs them
 };
 
 }  // namespace rl_losses

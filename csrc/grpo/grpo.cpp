@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include "common/checks.h"
+#include "common/sampler.h"
 #include "common/row_stats.h"
 
 namespace rl_losses {
@@ -45,6 +46,7 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   rows.entropy = a.compute_entropy || opt.entropy_coefficient != 0;
 
   RowPassArgs args = make_row_pass_args(f, a.logits_scale_factor);
+  args.sampler_params = sampler_params(op, a.sampler, target, f.n_rows, opts, row_stats.has_value());
   if (row_stats) args.stats_in = *row_stats;
   args.entropy = rows.entropy && !row_stats;
   if (sequence_rollout || vespo) {

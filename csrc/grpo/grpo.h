@@ -30,6 +30,7 @@ struct GrpoEpilogue {
   static constexpr bool kMayUseEntropy = true, kMayUseSmoothing = false, kMayUseEntropyGrad = kEntropyBonus;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
   static constexpr bool kSkipsUnlabelled = true;  // a masked token's outputs and gradient are zeros
+  static constexpr bool kMaySample = true;
   PolicyOptions<acc_t> opt;
   const acc_t* advantages;
   const acc_t* old_log_probs;      // null: on-policy, old = sg(lp)
@@ -309,11 +310,13 @@ struct GrpoArgs : GrpoOwnArgs {
   ClipArgs clip;
   PolicyArgs policy;
   FusedPolicyArgs fused;
+  SamplerArgs sampler;
   void read(schema::Args& args) {
     GrpoOwnArgs::read(args);
     clip.read(args);
     policy.read(args);
     fused.read(args);
+    sampler.read(args);
   }
 };
 

@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "common/checks.h"
+#include "common/sampler.h"
 
 namespace rl_losses {
 
@@ -104,6 +105,7 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
 
   // Pass 1: row statistics (unless given, e.g. all-reduced over the tensor-parallel group).
   RowPassArgs args = make_row_pass_args(f, a.logits_scale_factor);
+  args.sampler_params = sampler_params(op, a.sampler, target, f.n_rows, opts, row_stats.has_value());
   if (row_stats) {
     g.stats = *row_stats;
   } else {

@@ -343,11 +343,13 @@ struct GspoArgs : GspoOwnArgs {
   ClipArgs clip;
   PolicyArgs policy;
   FusedPolicyArgs fused;
+  SamplerArgs sampler;
   void read(schema::Args& args) {
     GspoOwnArgs::read(args);
     clip.read(args);
     policy.read(args);
     fused.read(args);
+    sampler.read(args);
   }
 };
 

@@ -1,5 +1,7 @@
 #include "linear/linear_source.h"
 
+#include "common/sampler.h"
+
 #include <algorithm>
 #include <utility>
 
@@ -184,6 +186,8 @@ void LinearSource::logits_of(const at::Tensor& out, const at::Tensor& h, int64_t
 }
 
 void LinearSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass) {
+  TORCH_CHECK(!(lean_ && args.sampler_params.defined()), op_, ": top_k, top_p and min_p need each row's whole ",
+              "vocabulary at once, which strategy='lean' does not hold; use strategy='fast'");
   if (m_ == 0) return;
   const int64_t vocab = f_.vocab;
   const bool weight_grad = with_grad && (mask_[1] || mask_[2]);
@@ -226,6 +230,7 @@ void LinearSource::row_sweep(const RowPassArgs& args, bool with_grad, bool weigh
       a.row_offset = r0;
     }
     if (args.stats_in.defined()) a.stats_in = rows_of(args.stats_in, r0, n);
+    if (args.sampler_params.defined()) a.logit_floor = sampler_floor(op_, a, args.sampler_params);
     if (stats.defined()) a.stats_out = stats.narrow(0, r0, n);
     if (with_grad) a.grad = logits;  // the chunk's gradient overwrites its logits
     pass(a);

@@ -30,6 +30,7 @@ struct TokenLogProbsEpilogue {
   static constexpr bool kMayUseEntropy = true, kMayUseSmoothing = false, kMayUseEntropyGrad = false;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = false;
   static constexpr bool kSkipsUnlabelled = false;  // the entropy of an unlabelled row is still an output
+  static constexpr bool kMaySample = true;
   acc_t* log_probs;  // (N,)
   acc_t* entropy;    // (N,) or null
   acc_t* stats_out;  // (N, 5) or null
@@ -47,7 +48,7 @@ template <typename acc_t>
 struct TokenLogProbsGradEpilogue {
   static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = false;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true, kMayUseEntropyGrad = true;
-  static constexpr bool kSkipsUnlabelled = false;
+  static constexpr bool kSkipsUnlabelled = false, kMaySample = true;
   const acc_t* grad_log_probs;  // (N,) or null (no gradient reached the log-probs)
   const acc_t* grad_entropy;    // (N,) or null
 
@@ -97,7 +98,14 @@ struct TokenLogProbsBackendImpl {
 
 // token_log_probs' options and the results of its forward ops (op_args.h).
 #define RL_LOSSES_TOKEN_LOG_PROBS_ARGS(X) RL_LOSSES_SCALE(X) RL_LOSSES_ENTROPY(X)
-RL_LOSSES_ARG_GROUP(TokenLogProbsArgs, RL_LOSSES_TOKEN_LOG_PROBS_ARGS)
+RL_LOSSES_ARG_GROUP(TokenLogProbsOwnArgs, RL_LOSSES_TOKEN_LOG_PROBS_ARGS)
+struct TokenLogProbsArgs : TokenLogProbsOwnArgs {
+  SamplerArgs sampler;
+  void read(schema::Args& args) {
+    TokenLogProbsOwnArgs::read(args);
+    sampler.read(args);
+  }
+};
 RL_LOSSES_ARG_GROUP(ScaleArg, RL_LOSSES_SCALE)  // the backward ops' one option
 RL_LOSSES_RESULT_GROUP(TokenLogProbsResults, RL_LOSSES_TOKEN_LOG_PROBS_RESULTS)
 #define RL_LOSSES_TOKEN_LOG_PROBS_FORWARD(X) RL_LOSSES_TOKEN_LOG_PROBS_RESULTS(X) RL_LOSSES_STATS_RESULT(X)
@@ -111,7 +119,8 @@ TokenLogProbsForward token_log_probs_forward(RowSource& src, const at::Tensor& t
 
 // Runs the gradient pass over the source (the gradient is the source's: src.grads()).
 void token_log_probs_backward(RowSource& src, const at::Tensor& target, const TokenLogProbsUpstream& upstream,
-                              double logits_scale_factor, const TokenLogProbsBackend& backend);
+                              double logits_scale_factor, const SamplerArgs& sampler,
+                              const TokenLogProbsBackend& backend);
 
 // The registered kernels of one back-end (boxed, arguments by name: common/schema.h), from logits and from the
 // fused lm_head's hidden states (logits = hidden @ weight.T (+ bias) a chunk at a time; the backward, which
@@ -134,7 +143,7 @@ struct TokenLogProbsKernels {
     const auto shard = args.read<VocabShard>();
     LogitsSource src("token_log_probs", in.logits, in.target, shard.vocab_start, shard.vocab_size, true, false);
     token_log_probs_backward(src, in.target, args.read<TokenLogProbsUpstream>(),
-                             args.read<ScaleArg>().logits_scale_factor, kBackend());
+                             args.read<ScaleArg>().logits_scale_factor, args.read<SamplerArgs>(), kBackend());
     GradResult{src.grads()[0]}.write(args);
     args.push_results();
   }
@@ -163,7 +172,8 @@ struct TokenLogProbsKernels {
     LinearSource src("linear_token_log_probs", in.hidden, in.weight, linear.bias, in.target, linear,
                      args.read<OutputMaskArg>().output_mask, kLinear());
     if (src.wants_grad()) {
-      token_log_probs_backward(src, in.target, upstream, args.read<ScaleArg>().logits_scale_factor, kBackend());
+      token_log_probs_backward(src, in.target, upstream, args.read<ScaleArg>().logits_scale_factor,
+                               args.read<SamplerArgs>(), kBackend());
     }
     const auto g = src.grads();
     LinearGradResults{g[0], g[1], g[2]}.write(args);

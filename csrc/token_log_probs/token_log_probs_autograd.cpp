@@ -24,6 +24,15 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 c10::IValue defined_or_none(const at::Tensor& t) { return t.defined() ? c10::IValue(t) : c10::IValue(); }
+c10::IValue value_or_none(const OptTensor& t) { return t ? c10::IValue(*t) : c10::IValue(); }
+
+// The sampler's options go to the backward, which computes the same floors again.
+void save_sampler(AutogradContext* ctx, const SamplerArgs& s) {
+  ctx->saved_data["top_k"] = value_or_none(s.top_k);
+  ctx->saved_data["top_p"] = value_or_none(s.top_p);
+  ctx->saved_data["min_p"] = value_or_none(s.min_p);
+}
+constexpr const char* kSamplerNames[] = {"top_k", "top_p", "min_p"};
 
 // A second differentiation of the backward pass would need the gradient of a row pass w.r.t. its
 // coefficients; refuse it rather than return a silently wrong (zero) second derivative.
@@ -51,6 +60,7 @@ class TokenLogProbsFunction : public torch::autograd::Function<TokenLogProbsFunc
     ctx->saved_data["compute_entropy"] = a.compute_entropy;
     ctx->saved_data["vocab_start"] = shard.vocab_start;
     ctx->saved_data["vocab_size"] = shard.vocab_size;
+    save_sampler(ctx, a.sampler);
     ctx->set_materialize_grads(false);
     const at::Tensor lp = fwd.result("log_probs"), h = fwd.result("entropy");
     if (!a.compute_entropy) ctx->mark_non_differentiable({h});
@@ -69,6 +79,7 @@ class TokenLogProbsFunction : public torch::autograd::Function<TokenLogProbsFunc
     call.set("logits", saved[0]).set("target", saved[1]).set("stats", saved[2]);
     call.set("grad_log_probs", defined_or_none(g_lp)).set("grad_entropy", defined_or_none(g_h));
     for (const char* name : {"logits_scale_factor", "vocab_start", "vocab_size"}) call.set(name, ctx->saved_data[name]);
+    for (const char* name : kSamplerNames) call.set(name, ctx->saved_data[name]);
     out[0] = call.run().result("grad");
     return out;
   }
@@ -88,6 +99,7 @@ class LinearTokenLogProbsFunction : public torch::autograd::Function<LinearToken
     ctx->saved_data["has_bias"] = bias.has_value();
     ctx->saved_data["strategy"] = linear.strategy;
     ctx->saved_data["skip_unlabelled"] = linear.skip_unlabelled;
+    save_sampler(ctx, a.sampler);
     // Not saved for backward: other calls' backwards add into the same buffer before this one's runs, and a
     // saved tensor would refuse its moved version.
     ctx->saved_data["weight_main_grad"] = linear.weight_main_grad ? c10::IValue(*linear.weight_main_grad) : c10::IValue();
@@ -115,6 +127,7 @@ class LinearTokenLogProbsFunction : public torch::autograd::Function<LinearToken
     for (const char* name : {"logits_scale_factor", "chunk_size", "strategy", "weight_main_grad", "skip_unlabelled"}) {
       call.set(name, ctx->saved_data[name]);
     }
+    for (const char* name : kSamplerNames) call.set(name, ctx->saved_data[name]);
     call.run();
     const bool into_main_grad = !ctx->saved_data["weight_main_grad"].isNone();
     const char* names[3] = {"grad_hidden", "grad_weight", "grad_bias"};

@@ -362,6 +362,7 @@ def grpo(op, a, x):
     if sequence_rollout or vespo:
         why = "loss_type 'vespo'" if vespo else "a sequence-level rollout_correction"
         sequence_ids(op, document_index, num_documents, target, why)
+    sampler(op, a, x)
 
 
 # ---- gspo/gspo.cpp ----------------------------------------------------------------------------------------------
@@ -408,6 +409,7 @@ def gspo(op, a, x):
                and sums.dtype == acc and sums.device == x.device, op, "document_sums must be (", n_docs, ", ", n, ") ",
                _dt(acc), " on ", x.device, " (or with its first 3 columns only)" if basic else "", ", got ",
                _shape(sums.shape), " ", _dt(sums.dtype), " on ", sums.device)
+    sampler(op, a, x)
     return n_docs
 
 
@@ -451,10 +453,35 @@ def policy_token(a):
         check_loss_mask(op, a["loss_mask"], log_probs, "log_probs", log_probs.shape, "shape")
 
 
+# ---- common/sampler.cpp (sampler_params; the values' ranges are the data's: the real op's), and the row sources ------
+def sampler(op, a, x):
+    """sampler_params, then what a row source refuses when its passes run with the options (lean, a shard)."""
+    if a.get("top_k") is None and a.get("top_p") is None and a.get("min_p") is None:
+        return
+    _check(a.get("row_stats") is None, op, "top_k, top_p and min_p need each row's whole vocabulary; they are not ",
+           "available with row_stats (tensor parallelism)")
+    for name, integral in (("top_k", True), ("top_p", False), ("min_p", False)):
+        v, target = a.get(name), a["target"]
+        if v is not None:
+            _check(_integral(v.dtype) if integral else v.dtype.is_floating_point, op, name, " must be ",
+                   "an integer" if integral else "a floating-point", " tensor, got ", _dt(v.dtype))
+            _check(v.dim() == 0 or list(v.shape) == list(target.shape), op, name, " must be 0-dim (every row) or ",
+                   "shaped like the target ", _shape(target.shape), ", got shape ", _shape(v.shape))
+    if "hidden" in a:
+        _check(a["strategy"] != "lean", op, "top_k, top_p and min_p need each row's whole vocabulary at once, which ",
+               "strategy='lean' does not hold; use strategy='fast'")
+        return
+    start, vocab, total = a.get("vocab_start", 0), x.shape[-1], a.get("vocab_size", -1)
+    total = start + vocab if total < 0 else total
+    _check(start == 0 and vocab == total, op, "top_k, top_p and min_p need each row's whole vocabulary; they are not ",
+           "available with a vocabulary shard (vocab_start ", start, ", vocab_size ", total, ", shard of ", vocab, ")")
+
+
 # ---- token_log_probs/token_log_probs.cpp -------------------------------------------------------------------------
 def token_log_probs(op, a, x):
     check_scale(op, a["logits_scale_factor"])
     check_row_stats(op, a.get("row_stats"), x, a["target"].numel())
+    sampler(op, a, x)
 
 
 def token_log_probs_backward(op, a, x):
@@ -464,3 +491,4 @@ def token_log_probs_backward(op, a, x):
     for name in ("grad_log_probs", "grad_entropy"):
         if a[name] is not None:
             check_per_token(op, name, a[name], target)
+    sampler(op, a, x)

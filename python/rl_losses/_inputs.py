@@ -70,7 +70,15 @@ def _options(name: str, options: dict, allowed: frozenset[str]) -> dict:
             options[key] = _divisor(value)
     if options.get("rollout_mask_bounds") is not None:
         options["rollout_mask_bounds"] = [float(b) for b in options["rollout_mask_bounds"]]
+    for key in _SAMPLER:
+        value = options.get(key)
+        if value is not None and not isinstance(value, torch.Tensor):
+            options[key] = torch.tensor(value)  # a 0-dim CPU tensor: every row, read without a synchronisation
     return options
+
+
+# The sampler's options (docs/consistency.md): a number for every row, or a tensor shaped like the target.
+_SAMPLER = ("top_k", "top_p", "min_p")
 
 
 @functools.cache

@@ -131,6 +131,9 @@ _POLICY_DOC = """
             kl_importance_weighted: r·KL, differentiated through r too (TRL's and Liger's
             use_bias_correction_kl; GSPO: R_s·KL, differentiated through R_s).
         entropy_coefficient: c, adds −c·Σ_t w_t·H_t / D (differentiated, same pass).
+        top_k, top_p, min_p: the sampler's distribution (docs/consistency.md): every softmax renormalised over the
+            tokens an engine's min_p, then top_k, then top_p keep (numbers, or per token shaped like ``target``);
+            the gradient flows through the kept tokens only. Not with tp_group or strategy="lean".
 """
 
 
@@ -369,6 +372,8 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: 
             its entropy is still computed.
         temperature: T > 0; the softmax is over logits / T.
         compute_entropy: also return the entropy per token.
+        top_k, top_p, min_p: the sampler's distribution (docs/consistency.md): log-probs and entropies over the
+            tokens min_p, then top_k (integer, 0 = off), then top_p ((0, 1], 1 = off) keep; numbers or per token.
         tp_group: vocabulary-parallel process group (rl_losses.distributed).
     Returns: (log_probs, entropy or None), each shaped like ``labels``, float32 (float64 for float64 logits).
     """

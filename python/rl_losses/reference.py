@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from rl_losses.outputs import DistillationOutput, DpoOutput, FusedHeadOutput, PolicyLossOutput  # noqa: F401
+from rl_losses.reference_sampler import filtered
 
 
 class Policy(NamedTuple):
@@ -39,6 +40,12 @@ def _work_dtype(t: torch.Tensor) -> torch.dtype:
 
 def _scaled(logits: torch.Tensor, logits_scale_factor: float) -> torch.Tensor:
     return logits.to(_work_dtype(logits)) * logits_scale_factor
+
+
+def _log_softmax(logits, logits_scale_factor, target, top_k, top_p, min_p):
+    # log softmax(s·z), renormalised over the sampler's kept set where top_k / top_p / min_p are given.
+    x = filtered(_scaled(logits, logits_scale_factor), target, top_k=top_k, top_p=top_p, min_p=min_p)
+    return torch.log_softmax(x, dim=-1)
 
 
 def _label_logprob(logp: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -177,7 +184,7 @@ def _vespo_weights(p: Policy, lp, old, adv, mask, sequence, log_rho, on_policy):
 def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2, epsilon_high=0.2, delta=None,
               ref_log_probs=None, beta=0.0, loss_weights=None, divisor=None, logits_scale_factor=1.0,
               label_counts=None, compute_entropy=False, rollout_log_probs=None, document_index=None,
-              num_documents=None, **policy) -> PolicyLossOutput:
+              num_documents=None, top_k=None, top_p=None, min_p=None, **policy) -> PolicyLossOutput:
     """GRPO per token with the policy family of docs/policy_losses.md (``policy``: the options of Policy); see
     PolicyLossOutput. ``num_documents`` only bounds ``document_index``'s ids (the sums per sequence do not depend
     on it)."""
@@ -186,7 +193,7 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
         if int(document_index.max()) >= num_documents:
             raise ValueError(f"grpo: document_index holds {int(document_index.max())} but num_documents is "
                              f"{num_documents}")
-    logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
+    logp = _log_softmax(logits, logits_scale_factor, target, top_k, top_p, min_p)
     mask = target >= 0
     maskf = mask.to(logp.dtype)
     lp = _label_logprob(logp, target)
@@ -268,12 +275,13 @@ def _clip_flags(p: Policy, ratio, adv, epsilon_low, epsilon_high, delta=None):
 def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_documents=None,
               label_counts=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, weighting="document",
               token_advantages=False, divisor=None, logits_scale_factor=1.0, compute_entropy=False,
-              ref_log_probs=None, beta=0.0, rollout_log_probs=None, **policy) -> PolicyLossOutput:
+              ref_log_probs=None, beta=0.0, rollout_log_probs=None, top_k=None, top_p=None, min_p=None,
+              **policy) -> PolicyLossOutput:
     """GSPO: sequence-level geometric-mean ratio over packed documents (vectorised with index_add), with
     the policy family of docs/policy_losses.md at the sequence ratio (``policy``: the options of Policy; vespo: φ
     of the document's summed log-ratios; the importance-weighted KL differentiated through R_s)."""
     p = Policy(**policy)
-    logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
+    logp = _log_softmax(logits, logits_scale_factor, target, top_k, top_p, min_p)
     dt = logp.dtype
     doc = document_index.reshape(-1).long()
     mask = ((target >= 0).reshape(-1)) & (doc >= 0)
@@ -439,14 +447,18 @@ def fused_head_loss(logits, target, *, label_weight=0.0, label_smoothing=0.0, la
     return FusedHeadOutput(total, label.detach(), z.detach(), grpo.detach(), lp.detach(), gspo.detach())
 
 
-def token_log_probs(logits, target, *, logits_scale_factor=1.0, compute_entropy=False):
-    """(log_probs, entropy or None) per token: log softmax(s·z)[y] (0 where y < 0) and −Σ p log p."""
-    logp = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
+def token_log_probs(logits, target, *, logits_scale_factor=1.0, compute_entropy=False, top_k=None, top_p=None,
+                    min_p=None):
+    """(log_probs, entropy or None) per token: log softmax(s·z)[y] (0 where y < 0) and −Σ p log p, over the
+    sampler's kept set where top_k / top_p / min_p are given."""
+    logp = _log_softmax(logits, logits_scale_factor, target, top_k, top_p, min_p)
     return _label_logprob(logp, target), _entropy(logp) if compute_entropy else None
 
 
-def linear_token_log_probs(hidden, weight, target, *, bias=None, logits_scale_factor=1.0, compute_entropy=False):
+def linear_token_log_probs(hidden, weight, target, *, bias=None, logits_scale_factor=1.0, compute_entropy=False,
+                           **sampler):
     logits = hidden @ weight.t()
     if bias is not None:
         logits = logits + bias
-    return token_log_probs(logits, target, logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy)
+    return token_log_probs(logits, target, logits_scale_factor=logits_scale_factor, compute_entropy=compute_entropy,
+                           **sampler)

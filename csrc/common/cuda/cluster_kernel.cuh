@@ -325,6 +325,7 @@ inline ClusterShape cluster_shape(const RowPassArgs& args, int c) {
 // gradient not 16-byte aligned, a row longer than kMaxClusterSize slices.
 inline ClusterShape row_cluster_shape(const RowPassArgs& args) {
   if (!args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return {};
+  if (args.logit_floor.defined()) return {};  // row_pass_kernel reads the sampler's floor
   if (!rows_16_byte_aligned(args)) return {};
   if (at::cuda::getDeviceProperties(args.logits.get_device())->major < 9) return {};
   for (int c = 1; c <= kMaxClusterSize; ++c) {

@@ -23,8 +23,10 @@ namespace cuda {
 // statistics (stored in stats_out where given), else they are read from stats_in; thread 0 runs the epilogue;
 // kGrad then streams the row again and writes the gradient. The row may start anywhere: an unaligned head and a
 // tail go element by element.
+// kFloor: the sampler's floor of each row in v.floor (row_pass.h): a logit below it counts as −inf and gets a zero
+// gradient.
 template <int kThreads, int kUnroll, typename scalar_t, typename label_t, typename acc_t, bool kStats,
-          bool kGrad, bool kEntropy, bool kSmoothing, typename Epilogue>
+          bool kGrad, bool kEntropy, bool kSmoothing, typename Epilogue, bool kFloor = false>
 __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 threads: >= 4 blocks (64 regs)
     row_pass_kernel(RowPassView<scalar_t, label_t, acc_t> v, Epilogue epi) {
   constexpr int kVec = 16 / sizeof(scalar_t);  // elements per 16-byte access
@@ -43,13 +45,15 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
     const int64_t head = unaligned_head(x, v.vocab);
     const int64_t n_vec = (v.vocab - head) / kVec;
     const int64_t tail = head + n_vec * kVec;
+    const acc_t floor = kFloor ? v.floor[row] : acc_t(0);
+    auto kept = [&](acc_t z) { return kFloor && z < floor ? neg_inf<acc_t>() : z; };
 
     RowStats<acc_t> st = RowStats<acc_t>::empty();
     if constexpr (kStats) {
       // An epilogue that skips unlabelled rows gets them without statistics: the row is not read.
       if (!(Epilogue::kSkipsUnlabelled && label < 0)) {
         for (int64_t j = threadIdx.x; j < head; j += kThreads)
-          st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(x[j]), v.scale);
+          st.template add<kEntropy, kSmoothing>(kept(static_cast<acc_t>(x[j])), v.scale);
         const VecT* xv = reinterpret_cast<const VecT*>(x + head);
         // kUnroll independent 16-byte loads are issued before any is used, to keep enough bytes in flight.
         for (int64_t i0 = threadIdx.x; i0 < n_vec; i0 += kThreads * kUnroll) {
@@ -68,15 +72,15 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
               VecT chunk[kChunk];
 #pragma unroll
               for (int c = 0; c < kChunk; ++c) chunk[c] = buf[u + c];
-              add_vecs<kEntropy, kSmoothing>(st, chunk, v.scale);
+              add_vecs<kEntropy, kSmoothing, kFloor>(st, chunk, v.scale, floor);
             } else if (i0 + u * kThreads < n_vec) {
               const VecT one[1] = {buf[u]};
-              add_vecs<kEntropy, kSmoothing>(st, one, v.scale);
+              add_vecs<kEntropy, kSmoothing, kFloor>(st, one, v.scale, floor);
             }
           }
         }
         for (int64_t j = tail + threadIdx.x; j < v.vocab; j += kThreads)
-          st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(x[j]), v.scale);
+          st.template add<kEntropy, kSmoothing>(kept(static_cast<acc_t>(x[j])), v.scale);
         st = block_combine<kThreads>(st, scratch);
       }
     }
@@ -96,8 +100,9 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)  // 256 thr
     __syncthreads();
 
     if constexpr (kGrad) {
-      const GradOf<scalar_t, acc_t, Epilogue::kMayUseEntropyGrad> grad_of(coef_shared, max_shared,
-                                                                          log_sumexp_shared, v.scale, local);
+      GradOf<scalar_t, acc_t, Epilogue::kMayUseEntropyGrad, kFloor> grad_of(coef_shared, max_shared,
+                                                                            log_sumexp_shared, v.scale, local);
+      grad_of.floor = floor;
       scalar_t* g = v.grad + row * v.grad_row_stride;
       if (grad_of.zero) {
         block_zero_fill<kThreads>(g, v.vocab);  // without reading the row
@@ -212,6 +217,7 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 4 : 1)
 
 // Whether grad_rows_kernel applies: 16-byte aligned rows of whole vectors, few enough for its int indices.
 inline bool grad_rows_aligned(const RowPassArgs& args) {
+  if (args.logit_floor.defined()) return false;  // row_pass_kernel reads the sampler's floor
   const int64_t row_bytes = args.logits.size(1) * args.logits.element_size();
   return row_bytes % 16 == 0 && row_bytes / 16 < (int64_t(1) << 30) && rows_16_byte_aligned(args);
 }

@@ -88,16 +88,19 @@ __device__ inline void unpack(const Pack<scalar_t, kVec>& z, acc_t (&out)[kVec])
 
 // Folds N 16-byte vectors of raw logits (x = s·z) into the state as one chunk: one max and one rescale test
 // per N·kVec logits. bf16 takes the chunk's max over packed pairs first (one instruction per two values,
-// exact: the max of bf16 values is one of them).
-template <bool kEntropy, bool kSmoothing, typename acc_t, typename scalar_t, int kVec, int N>
-__device__ inline void add_vecs(RowStats<acc_t>& st, const Pack<scalar_t, kVec> (&z)[N], acc_t scale) {
+// exact: the max of bf16 values is one of them). kFloor: a logit below `floor` (the sampler's) counts as −inf;
+// the chunk's max may still be such a logit's, which only shifts the state's sums (never the row's max: the
+// most probable token is always kept).
+template <bool kEntropy, bool kSmoothing, bool kFloor = false, typename acc_t, typename scalar_t, int kVec, int N>
+__device__ inline void add_vecs(RowStats<acc_t>& st, const Pack<scalar_t, kVec> (&z)[N], acc_t scale,
+                                acc_t floor = acc_t(0)) {
   acc_t chunk[N * kVec];
 #pragma unroll
   for (int n = 0; n < N; ++n) {
     acc_t one[kVec];
     unpack(z[n], one);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) chunk[n * kVec + k] = one[k];
+    for (int k = 0; k < kVec; ++k) chunk[n * kVec + k] = kFloor && one[k] < floor ? neg_inf<acc_t>() : one[k];
   }
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
     __nv_bfloat162 pairs[N * kVec / 2];
@@ -130,10 +133,11 @@ struct ProbFactor<acc_t, false> {
 // given the row's coefficients, max and log(sumexp): of one element, or of a 16-byte vector without the label
 // term. The kernels rewrite the label's element afterwards (the thread that wrote its vector, so in order): a
 // test per row instead of one per element. h is read only with kEntropyGrad (the epilogue's
-// kMayUseEntropyGrad).
-template <typename scalar_t, typename acc_t, bool kEntropyGrad = false>
+// kMayUseEntropyGrad). kFloor: a logit below `floor` (the sampler's) gets a zero gradient.
+template <typename scalar_t, typename acc_t, bool kEntropyGrad = false, bool kFloor = false>
 struct GradOf {
   acc_t sa, sb, sc;
+  acc_t floor = acc_t(0);
   ExpShifted<acc_t> p_of;
   int64_t label;  // the label's column in the caller's indexing; out of range when the row has none here
   bool zero;      // a = b = c (= h) = 0 (a masked row): exact zeros, never exp of a -inf lse
@@ -155,7 +159,7 @@ struct GradOf {
   }
 
   __device__ scalar_t operator()(scalar_t z, int64_t j) const {
-    if (zero) return scalar_t(0);
+    if (zero || (kFloor && static_cast<acc_t>(z) < floor)) return scalar_t(0);
     return static_cast<scalar_t>(no_label_term(static_cast<acc_t>(z)) + (j == label ? sb : acc_t(0)));
   }
 
@@ -170,7 +174,7 @@ struct GradOf {
     acc_t g[kVec];
     unpack(z, g);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) g[k] = no_label_term(g[k]);
+    for (int k = 0; k < kVec; ++k) g[k] = kFloor && g[k] < floor ? acc_t(0) : no_label_term(g[k]);
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
 #pragma unroll
       for (int k = 0; k < kVec; k += 2) {  // one cvt.rn.bf16x2.f32 per pair

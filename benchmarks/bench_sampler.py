@@ -1,0 +1,67 @@
+"""GPU benchmark of the sampler's distribution (docs/consistency.md): each filter's cost beside the plain op, in one
+run, for token_log_probs (forward, no gradient: the scoring entry) and GRPO (forward + backward).
+
+    python3 benchmarks/bench_sampler.py --out OUT             # N = 16384, V = 128256, bf16
+    python3 benchmarks/bench_sampler.py --dry-run --out /tmp/x   # CPU, small shapes: checks the logic
+
+Per arm: the median ms of CUDA-event-timed calls after warm-up and its ratio to the plain op's; the options:
+top_p = 0.9; top_k = 1024; min_p = 0.05; all three. OUT/bench_sampler.json holds the results.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+import rl_losses
+from timing import Timer, git_commit, summary
+
+ARMS = {"plain": {}, "top_p": dict(top_p=0.9), "top_k": dict(top_k=1024), "min_p": dict(min_p=0.05),
+        "all": dict(top_k=1024, top_p=0.9, min_p=0.05)}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--reps", type=int, default=20)
+    a = parser.parse_args()
+    device = "cpu" if a.dry_run else "cuda"
+    n, v = (256, 4000) if a.dry_run else (16384, 128256)
+    torch.manual_seed(0)
+    logits = (torch.randn(n, v, device=device) * 2).to(torch.bfloat16)
+    target = torch.randint(0, v, (n,), device=device)
+    adv, old = torch.randn(n, device=device), -torch.rand(n, device=device)
+    timer = Timer(device)
+    rows = []
+    for op in ("token_log_probs", "grpo"):
+        plain_ms = None
+        for arm, options in ARMS.items():
+            if op == "token_log_probs":
+                def step():
+                    with torch.no_grad():
+                        rl_losses.token_log_probs(logits, target, **options)
+            else:
+                x = logits.detach().requires_grad_()
+
+                def step():
+                    rl_losses.grpo_loss(x, target, adv, old, **options).loss.backward()
+                    x.grad = None
+            for _ in range(3):
+                step()
+            timer.sync()
+            s = summary(timer(step, a.reps))
+            plain_ms = s["ms"] if arm == "plain" else plain_ms
+            rows.append(dict(op=op, arm=arm, options=options, **s, vs_plain=round(s["ms"] / plain_ms, 3)))
+            print(json.dumps(rows[-1]), flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", n=n, v=v, dtype="bfloat16",
+                commit=git_commit(), torch=torch.__version__)
+    with open(os.path.join(a.out, "bench_sampler.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

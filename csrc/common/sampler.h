@@ -1,0 +1,95 @@
+// The sampler's distribution (docs/consistency.md): each row's softmax renormalised over the tokens an inference
+// engine's sampler keeps, in vLLM's order — min_p (p_j ≥ min_p · p_max), then top_k (the k largest, a tie with the
+// k-th kept), then top_p over what is left (the largest tokens while the mass above them is < top_p; the most
+// probable token always kept). Every such set is an upper set of the row's values, so a row's kept set is one
+// number, its *floor*: the smallest kept logit, lowered to the label's logit where the label would fall outside
+// (the sampled token is in the engine's kept set; trainer and engine logits may differ at the edge). The row pass
+// then reads a logit z < floor as −inf in its statistics and writes a zero gradient there (row_pass.h).
+//
+// The floor's math is here, once, for the CPU loop (sampler.cpp) and the CUDA kernel (sampler_cuda.cu); both take
+// the top_p masses in fixed point (2^-40 units, integer sums: the same decision whatever the summation order).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/macros/Macros.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "common/math.h"
+#include "common/schema.h"
+
+namespace rl_losses {
+
+// The options as the schemas list them (op_args.h: RL_LOSSES_SAMPLER).
+struct SamplerArgs;
+
+// One row's options: top_k (0: off), top_p (1: off), min_p (0: off). The kernels read them from a (N, 3) fp32
+// tensor of the call's rows, in this order.
+enum SamplerColumn : int { kSamplerTopK = 0, kSamplerTopP, kSamplerMinP, kSamplerColumns };
+
+// The per-row options of a call, validated: (N, 3) fp32 on the logits' device, or undefined where no option is
+// given (no filtering, no cost).
+// `row_stats_given`: the call's statistics come from elsewhere (tensor parallelism), which the options refuse.
+at::Tensor sampler_params(const char* op, const SamplerArgs& a, const at::Tensor& target, int64_t n_rows,
+                          const at::TensorOptions& device, bool row_stats_given);
+
+struct RowPassArgs;
+// (rows,) of the accumulation dtype: each row's floor (−inf: nothing filtered), for the rows of args.logits, whose
+// options are rows `args.row_index` (or row_offset + r) of `params`. Refuses a vocabulary shard: the kept set
+// needs the whole row.
+at::Tensor sampler_floor(const char* op, const RowPassArgs& args, const at::Tensor& params);
+
+// Order-preserving unsigned key of a float (and back): k(a) < k(b) iff a < b; ±0 share one key.
+C10_HOST_DEVICE inline uint32_t sampler_key(float f) {
+  if (f == 0.f) f = 0.f;
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+C10_HOST_DEVICE inline uint64_t sampler_key(double f) {
+  if (f == 0.0) f = 0.0;
+  uint64_t u;
+  memcpy(&u, &f, sizeof(u));
+  return (u >> 63) ? ~u : (u | (uint64_t(1) << 63));
+}
+template <typename T, typename K>
+C10_HOST_DEVICE inline T sampler_value(K key) {
+  const K sign = K(1) << (8 * sizeof(K) - 1);
+  const K u = (key & sign) ? (key & ~sign) : ~key;
+  T f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// A token's top_p mass e^(s·z − s·max) ∈ [0, 1] in units of 2^-40 (V < 2^23 tokens sum below 2^63).
+constexpr double kSamplerMassUnit = 1099511627776.0;  // 2^40
+template <typename T>
+C10_HOST_DEVICE inline uint64_t sampler_mass(T e) {
+  return static_cast<uint64_t>(static_cast<double>(e) * kSamplerMassUnit);
+}
+
+// One row's options, read from its params row: which filters act.
+template <typename T>
+struct SamplerRow {
+  T top_k, top_p, min_p;
+  C10_HOST_DEVICE explicit SamplerRow(const float* params)
+      : top_k(params[kSamplerTopK]), top_p(params[kSamplerTopP]), min_p(params[kSamplerMinP]) {}
+  C10_HOST_DEVICE bool k_acts(int64_t vocab) const { return top_k > T(0) && top_k < T(vocab); }
+  C10_HOST_DEVICE bool p_acts() const { return top_p < T(1); }
+  C10_HOST_DEVICE bool min_p_acts() const { return min_p > T(0); }
+  // min_p keeps a token whose e^(x − max) ≥ min_p (p_j ≥ min_p · p_max).
+  C10_HOST_DEVICE bool min_p_keeps(T e) const { return e >= min_p; }
+  // top_p keeps the tokens whose mass strictly above them is below top_p · Z (Z: the mass left by min_p and top_k).
+  C10_HOST_DEVICE bool p_keeps(uint64_t mass_above, uint64_t total) const {
+    return static_cast<double>(mass_above) < static_cast<double>(top_p) * static_cast<double>(total);
+  }
+};
+
+// The label's logit lowers the floor (see above); a row without a label here keeps its floor.
+template <typename T>
+C10_HOST_DEVICE inline T floor_with_label(T floor, bool has_label, T z_label) {
+  return has_label && z_label < floor ? z_label : floor;
+}
+
+}  // namespace rl_losses
