@@ -43,6 +43,30 @@ def _options(n, vocab, gen_kind):
             "all": dict(top_k=k, top_p=p, min_p=m)}[gen_kind]
 
 
+def _moved(o, f):
+    """The options with top_p (at most 1) and min_p times f."""
+    out = dict(o)
+    if "top_p" in o:
+        out["top_p"] = torch.as_tensor(o["top_p"] * f).clamp(max=1.0)
+    if "min_p" in o:
+        out["min_p"] = o["min_p"] * f
+    return out
+
+
+def _clear_options(x, n, vocab, kind, per_row):
+    """Options whose kept sets do not change when top_p and min_p move by 0.1% (the ops sum fp32 exponentials in
+    fixed point: a decision that close to its edge is the rounding's), drawn again until so."""
+    unlabelled = torch.full((n,), -1)
+    for _ in range(200):
+        o = _options(n, vocab, kind)
+        if not per_row:
+            o = {name: value[0].item() for name, value in o.items()}
+        keep = kept(x, unlabelled, **o)
+        if all(torch.equal(keep, kept(x, unlabelled, **_moved(o, f))) for f in (0.999, 1.001)):
+            return o, keep
+    raise AssertionError("no options clear of the edges were drawn")
+
+
 def _sample(x, keep):
     """Labels drawn from the filtered distribution: what the engine would have sampled."""
     return torch.multinomial(x.masked_fill(~keep, -INF).softmax(-1), 1).squeeze(1)
@@ -75,13 +99,10 @@ def test_reference_keeps_a_tie_whole():
 def _inputs(device, dtype, n, vocab, kind, per_row, scale=1.0):
     """Logits with a row of all the mass and a row of ties, options (per row or scalars), labels sampled from the
     filtered distribution but a few outside it and a few unlabelled."""
-    x = torch.randn(n, vocab, dtype=torch.float64) * 2
+    x = (torch.randn(n, vocab, dtype=torch.float64) * 2).to(dtype).double()  # the values the op sees
     x[0, 3] = 60.0  # one token holds all the mass
     x[1] = torch.round(x[1])  # ties
-    o = _options(n, vocab, kind)
-    if not per_row:
-        o = {name: value[0].item() for name, value in o.items()}
-    keep = kept(x * scale, torch.full((n,), -1), **o)
+    o, keep = _clear_options(x * scale, n, vocab, kind, per_row)
     target = _sample(x, keep)
     target[2] = int(torch.where(keep[2], INF, x[2]).argmin())  # outside the kept set where there is one
     target[5] = -100
@@ -161,8 +182,8 @@ def test_linear_forms(device, op):
     hidden = torch.randn(n, hidden_size, dtype=torch.float64, device=device, requires_grad=True)
     weight = (torch.randn(vocab, hidden_size, dtype=torch.float64, device=device) * 0.5).requires_grad_()
     x = (hidden @ weight.t()).detach().cpu()
-    o = _options(n, vocab, "all")
-    target = _sample(x, kept(x, torch.full((n,), -1), **o))
+    o, keep = _clear_options(x, n, vocab, "all", True)
+    target = _sample(x, keep)
     target[4] = -1
     target, dev_o = target.to(device), {k: v.to(device) for k, v in o.items()}
     if op == "token_log_probs":

@@ -66,6 +66,9 @@ struct RowPassArgs {
 // (the cluster kernel of common/cuda/cluster_kernel.cuh). Defined in common/row_stats_cuda.cu, so CUDA builds
 // only.
 bool cuda_fuses_row_pass(const RowPassArgs& args);
+// The statistics pass alone into out (N, 5) (cuda_backends.h), for a pass with the sampler's floors, which the
+// `row_stats` op does not take.
+void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out);
 #endif
 
 // On CUDA, a loss that needs its gradient runs the statistics and the gradient in one kernel where
@@ -76,10 +79,17 @@ bool cuda_fuses_row_pass(const RowPassArgs& args);
 // V=128256 bf16; docs/design.md). The CPU keeps the fused pass (a row stays in its cache).
 inline void split_stats_pass_on_cuda(RowPassArgs& args) {
   if (!args.logits.is_cuda() || !args.write_grad() || !args.compute_stats()) return;
-  // The statistics-only op knows no floor: with one, the fused pass runs in one kernel (row_pass_kernel).
-  if (args.logit_floor.defined()) return;
 #ifdef RL_LOSSES_WITH_CUDA
   if (cuda_fuses_row_pass(args)) return;
+  if (args.logit_floor.defined()) {  // the `row_stats` op takes no floors
+    RowPassArgs stats_pass = args;
+    stats_pass.grad = at::Tensor();
+    const bool fp64 = args.logits.scalar_type() == at::kDouble;
+    args.stats_in = at::empty({args.logits.size(0), RowStats<float>::kFields},
+                              args.logits.options().dtype(fp64 ? at::kDouble : at::kFloat));
+    row_stats_cuda(stats_pass, args.stats_in);
+    return;
+  }
 #endif
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("rl_losses::row_stats", "")
@@ -194,7 +204,7 @@ struct StoreStatsEpilogue {
   static constexpr bool kMayUseEntropy = true, kMayUseSmoothing = true;
   static constexpr bool kMayUseEntropyGrad = false;
   static constexpr bool kMayReadStats = false, kMayWriteGrad = false, kSkipsUnlabelled = kLabelledOnly;
-  static constexpr bool kMaySample = kLabelledOnly;  // the policy ops' first pass
+  static constexpr bool kMaySample = true;
   acc_t* out;
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t /*label*/, const RowStats<acc_t>& st) const {
     store_stats(out, row, st);

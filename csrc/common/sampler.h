@@ -7,7 +7,7 @@
 // then reads a logit z < floor as −inf in its statistics and writes a zero gradient there (row_pass.h).
 //
 // The floor's math is here, once, for the CPU loop (sampler.cpp) and the CUDA kernel (sampler_cuda.cu); both take
-// the top_p masses in fixed point (2^-40 units, integer sums: the same decision whatever the summation order).
+// the top_p masses in fixed point (2^-24 units, integer sums: the same decision whatever the summation order).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -40,33 +40,12 @@ struct RowPassArgs;
 // needs the whole row.
 at::Tensor sampler_floor(const char* op, const RowPassArgs& args, const at::Tensor& params);
 
-// Order-preserving unsigned key of a float (and back): k(a) < k(b) iff a < b; ±0 share one key.
-C10_HOST_DEVICE inline uint32_t sampler_key(float f) {
-  if (f == 0.f) f = 0.f;
-  uint32_t u;
-  memcpy(&u, &f, sizeof(u));
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-C10_HOST_DEVICE inline uint64_t sampler_key(double f) {
-  if (f == 0.0) f = 0.0;
-  uint64_t u;
-  memcpy(&u, &f, sizeof(u));
-  return (u >> 63) ? ~u : (u | (uint64_t(1) << 63));
-}
-template <typename T, typename K>
-C10_HOST_DEVICE inline T sampler_value(K key) {
-  const K sign = K(1) << (8 * sizeof(K) - 1);
-  const K u = (key & sign) ? (key & ~sign) : ~key;
-  T f;
-  memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-// A token's top_p mass e^(s·z − s·max) ∈ [0, 1] in units of 2^-40 (V < 2^23 tokens sum below 2^63).
-constexpr double kSamplerMassUnit = 1099511627776.0;  // 2^40
+// A token's top_p mass e^(s·z − s·max) ∈ [0, 1] in units of 2^-24 (below one unit: 0, never kept by top_p); the
+// sums of a row fit 64 bits.
+constexpr double kSamplerMassUnit = 16777216.0;  // 2^24
 template <typename T>
-C10_HOST_DEVICE inline uint64_t sampler_mass(T e) {
-  return static_cast<uint64_t>(static_cast<double>(e) * kSamplerMassUnit);
+C10_HOST_DEVICE inline uint32_t sampler_mass(T e) {
+  return static_cast<uint32_t>(static_cast<double>(e) * kSamplerMassUnit);
 }
 
 // One row's options, read from its params row: which filters act.
