@@ -135,7 +135,9 @@ def test_token_log_probs(device, dtype, kind, per_row):
     scale = 10 if dtype == torch.bfloat16 else 1
     assert_close(lp, ref_lp.detach(), dtype, scale=scale)
     assert_close(h, ref_h.detach(), dtype, scale=scale)
-    assert_grad_close(logits.grad, x.grad, dtype, natural_scale=1 / temperature)
+    # scale: in a row whose kept set is its top token alone the gradient is 0 up to ulp(s·z)·|g| (CUDA's fp32
+    # exponent of p = 1 is s·z − round(s·z)).
+    assert_grad_close(logits.grad, x.grad, dtype, natural_scale=1 / temperature, scale=3)
     # The kept set is what changed: the unfiltered log-probs differ.
     full, _ = rl_losses.token_log_probs(logits.detach(), target, temperature=temperature)
     assert not torch.equal(full, lp.detach())

@@ -82,8 +82,10 @@ inline void split_stats_pass_on_cuda(RowPassArgs& args) {
 #ifdef RL_LOSSES_WITH_CUDA
   if (cuda_fuses_row_pass(args)) return;
   if (args.logit_floor.defined()) {  // the `row_stats` op takes no floors
-    RowPassArgs stats_pass = args;
+    RowPassArgs stats_pass = args;  // the statistics of the pass's own rows, as the `row_stats` op's
     stats_pass.grad = at::Tensor();
+    stats_pass.row_offset = 0;
+    stats_pass.row_index = at::Tensor();
     const bool fp64 = args.logits.scalar_type() == at::kDouble;
     args.stats_in = at::empty({args.logits.size(0), RowStats<float>::kFields},
                               args.logits.options().dtype(fp64 ? at::kDouble : at::kFloat));
