@@ -1,8 +1,17 @@
-"""What the batch-invariance tests share (test_batch_invariance*.py): per-row inputs, the sub-batches a batch's rows
-are run in, and the bitwise comparison of rows."""
+"""What the batch-invariance tests share (test_batch_invariance*.py): their cases' ids, per-row inputs, the
+sub-batches a batch's rows are run in, and the bitwise comparison of rows."""
 import torch
 
 from helpers import make_target
+
+
+def case_id(case):
+    """(device, sizes...) as "cpu-37x1001"."""
+    return f"{case[0]}-" + "x".join(str(size) for size in case[1:])
+
+
+def leaf(x):
+    return x.detach().requires_grad_()
 
 
 def row_inputs(n, vocab, device):

@@ -13,32 +13,20 @@ import torch
 import rl_losses
 from conftest import DEVICES, assert_close
 from helpers import make_logits, make_target, op_loss, op_reference, policy_inputs
-from helpers_invariance import assert_rows_equal, row_inputs, same_bits, sub_batches
+from helpers_invariance import assert_rows_equal, case_id, leaf, row_inputs, same_bits, sub_batches
 
 SHAPES = {"cpu": [(37, 1001), (24, 512)], "cuda": [(1000, 32000), (300, 128256), (200, 50257)]}
 CASES = [(d, n, v) for d in DEVICES for n, v in SHAPES[d]]
 DTYPES = [torch.float32, torch.bfloat16]
 
-
-def case_id(case):
-    return f"{case[0]}-{case[1]}x{case[2]}"
-
-
-@pytest.fixture(autouse=True)
-def _invariant():
-    with rl_losses.batch_invariant():
-        yield
-
-
-def _leaf(x):
-    return x.detach().requires_grad_()
+pytestmark = pytest.mark.usefixtures("batch_invariant_mode")
 
 
 # Each op over a batch of rows: its per-row results (first dimension: the rows) and gradient rows, from per-row
 # inputs `r` (target, advantages, old log-probs, upstream gradients); divisor 1 where a loss has one, so that a
 # row's gradient is its own term's.
 def token_log_probs_rows(logits, r, compute_entropy=True):
-    x = _leaf(logits)
+    x = leaf(logits)
     lp, h = rl_losses.token_log_probs(x, r["target"], compute_entropy=compute_entropy)
     upstream = (lp * r["g_lp"]).sum() + ((h * r["g_h"]).sum() if compute_entropy else 0)
     upstream.backward()
@@ -49,7 +37,7 @@ def token_log_probs_rows(logits, r, compute_entropy=True):
 
 
 def grpo_rows(logits, r, compute_entropy=False):
-    x = _leaf(logits)
+    x = leaf(logits)
     out = rl_losses.grpo_loss(x, r["target"], r["adv"], r["old"], divisor=1.0, epsilon_high=0.28, beta=0.04,
                               ref_log_probs=r["ref"], compute_entropy=compute_entropy)
     out.loss.backward()
@@ -58,7 +46,7 @@ def grpo_rows(logits, r, compute_entropy=False):
 
 def cross_entropy_rows(logits, r):
     options = {"label_smoothing": 0.1, "z_loss_factor": 1e-3}
-    x = _leaf(logits)
+    x = leaf(logits)
     rl_losses.cross_entropy(x, r["target"], reduction="sum", **options).backward()
     with torch.no_grad():
         loss = rl_losses.cross_entropy(logits, r["target"], reduction="none", **options)
@@ -105,7 +93,7 @@ def test_no_gradient_log_probs_equal_the_gradient_path(case, dtype):
                          ("grpo without gradient", grpo_no_grad)):
             assert same_bits(lp, trained), f"{name} vs grpo's gradient path (entropy {compute_entropy})"
     # The on-policy ratio of the gradient path against those log-probs is exactly 1.
-    on_policy = rl_losses.grpo_loss(_leaf(logits), r["target"], r["adv"], plain)
+    on_policy = rl_losses.grpo_loss(leaf(logits), r["target"], r["adv"], plain)
     assert on_policy.ratio_mean.item() == 1.0
 
 
@@ -122,7 +110,7 @@ def gspo_rows(docs, adv, order):
     order = order.tolist()
     cat = lambda key: torch.cat([docs[d][key] for d in order])  # noqa: E731
     index = torch.cat([torch.full((len(docs[d]["target"]),), i, device=adv.device) for i, d in enumerate(order)])
-    x = _leaf(cat("logits"))
+    x = leaf(cat("logits"))
     out = rl_losses.gspo_loss(x, cat("target"), adv[order], cat("old"), index, num_documents=len(order),
                               divisor=1.0, epsilon_high=0.28)
     out.loss.backward()
@@ -155,7 +143,7 @@ def test_runs_repeat_bit_for_bit(case):
     target, adv, old, doc = policy_inputs(logits, num_documents=7)
     runs = []
     for _ in range(2):
-        x = _leaf(logits)
+        x = leaf(logits)
         out = rl_losses.gspo_loss(x, target, adv, old, doc, num_documents=7)
         out.loss.backward()
         runs.append((out.loss, out.document_ratios, x.grad))
@@ -169,7 +157,7 @@ def test_the_mode_is_correct(op, device):
     n, vocab = SHAPES[device][0]
     logits = make_logits((n,), vocab, torch.float32, device)
     target, adv, old, doc = policy_inputs(logits, num_documents=5)
-    x = _leaf(logits)
+    x = leaf(logits)
     loss = op_loss(op, x, target, adv, old, doc, 5)
     loss.backward()
     ref_loss, ref_grad = op_reference(op, logits, target, adv, old, doc, 5)
@@ -199,7 +187,7 @@ def test_compiled_wrappers_follow_the_mode(device):
 
 
 def test_the_switch():
-    assert rl_losses.is_batch_invariant()  # the autouse fixture's
+    assert rl_losses.is_batch_invariant()  # the module's fixture
     with rl_losses.batch_invariant(False):
         assert not rl_losses.is_batch_invariant()
         with rl_losses.batch_invariant():

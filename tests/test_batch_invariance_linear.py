@@ -9,7 +9,7 @@ import rl_losses
 from conftest import DEVICES, assert_close
 from helpers import make_target
 from helpers_linear import make_linear
-from helpers_invariance import assert_rows_equal, row_inputs, same_bits, sub_batches
+from helpers_invariance import assert_rows_equal, case_id, leaf, row_inputs, same_bits, sub_batches
 
 # (rows, hidden size, vocabulary): odd sizes on the CPU (rows at every alignment); on CUDA a vocabulary whose
 # rows are 16-byte aligned and one whose rows are not.
@@ -19,30 +19,18 @@ DTYPES = [torch.float32, torch.bfloat16]
 # Chunk sizes (None: the strategy's own) and strategies a row's bits must not depend on.
 LAYOUTS = [(None, "fast"), (7, "fast"), (16, "fast"), (9, "lean")]
 
-
-def case_id(case):
-    return f"{case[0]}-{case[1]}x{case[2]}x{case[3]}"
-
-
-@pytest.fixture(autouse=True)
-def _invariant():
-    with rl_losses.batch_invariant():
-        yield
-
-
-def _leaf(x):
-    return x.detach().requires_grad_()
+pytestmark = pytest.mark.usefixtures("batch_invariant_mode")
 
 
 def linear_token_log_probs_rows(hidden, weight, r, **layout):
-    h, w = _leaf(hidden), _leaf(weight)
+    h, w = leaf(hidden), leaf(weight)
     lp, ent = rl_losses.linear_token_log_probs(h, w, r["target"], compute_entropy=True, **layout)
     ((lp * r["g_lp"]).sum() + (ent * r["g_h"]).sum()).backward()
     return {"log_probs": lp.detach(), "entropy": ent.detach(), "grad_hidden": h.grad}, w.grad
 
 
 def linear_grpo_rows(hidden, weight, r, **layout):
-    h, w = _leaf(hidden), _leaf(weight)
+    h, w = leaf(hidden), leaf(weight)
     out = rl_losses.linear_grpo_loss(h, w, r["target"], r["adv"], r["old"], divisor=1.0, epsilon_high=0.28,
                                      beta=0.04, ref_log_probs=r["ref"], **layout)
     out.loss.backward()
@@ -50,7 +38,7 @@ def linear_grpo_rows(hidden, weight, r, **layout):
 
 
 def linear_cross_entropy_rows(hidden, weight, r, **layout):
-    h, w = _leaf(hidden), _leaf(weight)
+    h, w = leaf(hidden), leaf(weight)
     rl_losses.linear_cross_entropy(h, w, r["target"], reduction="sum", label_smoothing=0.1, **layout).backward()
     with torch.no_grad():
         loss = rl_losses.linear_cross_entropy(hidden, weight, r["target"], reduction="none", label_smoothing=0.1,
@@ -93,7 +81,7 @@ def test_gspo_rows_do_not_depend_on_the_chunks(case, dtype):
     adv, old = torch.randn(5, device=device), -torch.rand(n, device=device) * 8
     results = []
     for layout in LAYOUTS:
-        h = _leaf(hidden)
+        h = leaf(hidden)
         out = rl_losses.linear_gspo_loss(h, weight, target, adv, old, doc, num_documents=5, divisor=1.0,
                                          **layout_options(*layout))
         out.loss.backward()
@@ -133,10 +121,10 @@ def test_the_mode_is_correct(device, layout):
     n, hidden_size, vocab = SHAPES[device][0]
     hidden, weight, _ = make_linear((n,), hidden_size, vocab, torch.float32, device)
     r = row_inputs(n, vocab, device)
-    h, w = _leaf(hidden), _leaf(weight)
+    h, w = leaf(hidden), leaf(weight)
     out = rl_losses.linear_grpo_loss(h, w, r["target"], r["adv"], r["old"], **layout_options(*layout))
     out.loss.backward()
-    h64, w64 = _leaf(hidden.double()), _leaf(weight.double())
+    h64, w64 = leaf(hidden.double()), leaf(weight.double())
     ref = rl_losses.reference.grpo_loss(h64 @ w64.T, r["target"], r["adv"].double(), r["old"].double())
     ref.loss.backward()
     assert_close(out.loss, ref.loss, torch.float32)
