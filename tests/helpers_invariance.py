@@ -40,7 +40,8 @@ def assert_rows_equal(part, whole, rows, what):
         expected = whole[name][rows]
         assert value.shape == expected.shape and value.dtype == expected.dtype, (what, name)
         differ = (bits(value) != bits(expected)).reshape(len(value), -1).any(dim=1)
-        assert not differ.any(), f"{what}: {name} differs in rows {rows[differ.cpu()][:10].tolist()} of {len(value)}"
+        first = rows.cpu()[differ.cpu()][:10].tolist()
+        assert not differ.any(), f"{what}: {name} differs in rows {first} (the first 10) of {len(value)}"
 
 
 def sub_batches(n, device):

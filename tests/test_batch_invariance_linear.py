@@ -127,7 +127,7 @@ def test_the_mode_is_correct(device, layout):
     h64, w64 = leaf(hidden.double()), leaf(weight.double())
     ref = rl_losses.reference.grpo_loss(h64 @ w64.T, r["target"], r["adv"].double(), r["old"].double())
     ref.loss.backward()
-    assert_close(out.loss, ref.loss, torch.float32)
+    assert_close(out.loss, ref.loss, torch.float32, scale=10)
     assert_close(out.log_probs, ref.log_probs, torch.float32, scale=10)
     for ours, theirs in ((h.grad, h64.grad), (w.grad, w64.grad)):
         norm = theirs.abs().max()
