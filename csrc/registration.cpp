@@ -27,6 +27,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "common/batch_invariant.h"
 #include "op_args.h"
 
 extern "C" {
@@ -92,6 +93,11 @@ TORCH_LIBRARY(rl_losses, m) {
   def(m, OpSchema("row_stats").args(logits).kwargs().args(scale).args(RL_LOSSES_ENTRIES(RL_LOSSES_VOCAB_SHARD))
              .args(RL_LOSSES_ENTRIES(RL_LOSSES_ROW_STATS_OPTIONS)).results(stats));
   m.def("_scale_grad_(Tensor(a!) grad, Tensor grad_output, Tensor? row_unscale=None) -> ()");
+  // The batch-invariant mode's switch (common/batch_invariant.h; rl_losses.batch_invariant()): no tensors, one
+  // kernel for every device. _set_batch_invariant returns the switch's previous value, _batch_invariant whether the
+  // mode is on (the switch or torch.use_deterministic_algorithms).
+  m.def("_set_batch_invariant(bool enabled) -> bool", &set_batch_invariant);
+  m.def("_batch_invariant() -> bool", &batch_invariant);
 
   // ---- cross-entropy (docs/math.md) --------------------------------------------------------------------------
   const Entries ce_options = cat({scale, RL_LOSSES_ENTRIES(RL_LOSSES_CE_OPTIONS), divisor});

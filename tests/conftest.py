@@ -36,6 +36,13 @@ def device(request):
     return request.param
 
 
+@pytest.fixture
+def batch_invariant_mode():
+    """The test runs in rl_losses' batch-invariant mode (docs/consistency.md)."""
+    with rl_losses.batch_invariant():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
     # A different but reproducible seed per test: fresh inputs everywhere, failures still replayable.

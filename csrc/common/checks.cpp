@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "common/batch_invariant.h"
 #include "common/row_stats.h"
 #ifdef RL_LOSSES_WITH_CUDA
 #include "common/cuda_backends.h"
@@ -193,6 +194,7 @@ RowPassArgs make_row_pass_args(const FlatLogits& f, double logits_scale_factor) 
   args.scale = logits_scale_factor;
   args.vocab_start = f.vocab_start;
   args.vocab_total = f.vocab_total;
+  args.batch_invariant = batch_invariant();
   return args;
 }
 

@@ -56,6 +56,9 @@ struct RowPassArgs {
   // gradient.
   at::Tensor sampler_params;
   at::Tensor logit_floor;
+  // The batch-invariant mode (common/batch_invariant.h), read once per call: each row reduced in one order,
+  // whatever the batch and the pass shape (the CUDA back-end's kernel choice; the CPU's is already so).
+  bool batch_invariant = false;
 
   bool compute_stats() const { return !stats_in.defined(); }
   bool write_grad() const { return grad.defined(); }
@@ -345,8 +348,8 @@ struct PolicyScalarOutputs {
   }
 };
 
-// out[index[i], :] = Σ values[i, :] over the i with that index, by ATen: the CPU runner's sum_rows_by_index,
-// and the CUDA runner's under torch.use_deterministic_algorithms (index_add_ then adds in a fixed order).
+// out[index[i], :] = Σ values[i, :] over the i with that index, by ATen: the CPU runner's sum_rows_by_index
+// (index_add_ on the CPU adds the rows in order, so an index's sum depends on its own rows alone).
 inline void sum_rows_by_index_aten(const at::Tensor& values, const at::Tensor& index, const at::Tensor& out) {
   out.zero_().index_add_(0, index, values);
 }

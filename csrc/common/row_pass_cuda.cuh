@@ -26,8 +26,10 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
+#include <optional>
 #include <type_traits>
 
+#include "common/batch_invariant.h"
 #include "common/cuda/cluster_kernel.cuh"
 #include "common/cuda/row_kernel.cuh"
 #include "common/dependent_launch.cuh"
@@ -88,8 +90,40 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
       if (grad) return launch(F{}, T{});
     }
   }
-  if (stats) return launch(T{}, F{});
+  if (stats) {
+    // Batch-invariant: the statistics-only pass reduces each row as the fused pass does (cluster_kernel.cuh).
+    if (args.batch_invariant && launch_row_cluster<scalar_t, label_t, acc_t, kEntropy, kSmoothing>(args, epi)) {
+      return;
+    }
+    return launch(T{}, F{});
+  }
   if constexpr (Epilogue::kMayReadStats) launch(F{}, F{});
+}
+
+// The pass the batch-invariant mode runs for `args` (RowPassArgs::batch_invariant): the statistics computed with
+// the entropy sums wherever the epilogue may use them, else with the smoothing sums, since either sets the
+// kernels' online-softmax chunk (so a row reduces in one order with or without its entropy, and in the statistics
+// pass of the split path as in the fused pass; the sums' other uses are off where the op's options leave them
+// unused: an entropy output or term, a smoothing weight of 0), and logits whose rows do not all start
+// on 16-byte boundaries read from an aligned copy (row_pass_kernel reads a row's unaligned head element by element,
+// so the order would follow the row's address; the copy also lets the cluster kernel take them). The gradient
+// is written where `args` says: it is element-wise, the same from either copy.
+template <typename Epi>
+RowPassArgs batch_invariant_pass(const RowPassArgs& args) {
+  RowPassArgs a = args;
+  if (!a.compute_stats()) return a;
+  if constexpr (Epi::kMayUseEntropy) {
+    a.entropy = true;
+  } else if constexpr (Epi::kMayUseSmoothing) {
+    a.smoothing = true;
+  }
+  const int64_t elem = a.logits.element_size(), vocab = a.logits.size(1);
+  if (reinterpret_cast<uintptr_t>(a.logits.const_data_ptr()) % 16 != 0 || a.logits.stride(0) * elem % 16 != 0) {
+    const int64_t per_vec = 16 / elem, cols = (vocab + per_vec - 1) / per_vec * per_vec;
+    at::Tensor aligned = at::empty({a.logits.size(0), cols}, a.logits.options()).narrow(1, 0, vocab);
+    a.logits = aligned.copy_(a.logits);
+  }
+  return a;
 }
 
 // Entry point: dispatch on dtypes, statistics flags and block size (by the shard width).
@@ -100,16 +134,19 @@ void row_pass_cuda(const RowPassArgs& args, const char* name, Epilogue_for&& mak
     using acc_t = typename acc_type<scalar_t>::type;
     const auto epi = prescaled_epilogue<scalar_t>(args, make_epilogue(static_cast<acc_t*>(nullptr)));
     using Epi = std::decay_t<decltype(epi)>;
+    std::optional<RowPassArgs> invariant;
+    if (args.batch_invariant) invariant = batch_invariant_pass<Epi>(args);
+    const RowPassArgs& a = invariant ? *invariant : args;
     // Rows of up to 64K elements get 256-thread blocks, several rows per SM at once: a 1024-thread block
     // covers a bf16 row of 32000 in one round of loads, and its per-row reductions then dominate (GSPO at
     // V = 32000 ran at 72% of the copy bandwidth, 90% at V = 128256). Longer rows: 1024.
-    const bool small = args.logits.size(1) <= 65536;
-    dispatch_stat_flags<Epi>(args, [&](auto entropy, auto smoothing) {
+    const bool small = a.logits.size(1) <= 65536;
+    dispatch_stat_flags<Epi>(a, [&](auto entropy, auto smoothing) {
       constexpr bool kE = decltype(entropy)::value, kS = decltype(smoothing)::value;
       if (small) {
-        launch_row_pass<256, scalar_t, int64_t, acc_t, kE, kS, Epi>(args, epi);
+        launch_row_pass<256, scalar_t, int64_t, acc_t, kE, kS, Epi>(a, epi);
       } else {
-        launch_row_pass<1024, scalar_t, int64_t, acc_t, kE, kS, Epi>(args, epi);
+        launch_row_pass<1024, scalar_t, int64_t, acc_t, kE, kS, Epi>(a, epi);
       }
     });
   });
@@ -169,8 +206,8 @@ __global__ void __launch_bounds__(kThreads) sum_then_kernel(int64_t n, R r) {
 // index (the common case: packed documents are runs of tokens) adds their sum with one atomic per column;
 // any other warp adds row by row. It replaces ATen's fill and index_add_ (a slow generic kernel: 9 us at
 // N = 4096, 23 us at N = 16384 on an H100, contended by the few documents of a long-document batch). Atomic
-// like index_add_, so the order of the additions varies between runs; under torch.use_deterministic_algorithms
-// the runner calls index_add_, whose deterministic path has a fixed order.
+// like index_add_, so the order of the additions varies between runs; in the batch-invariant mode (which
+// torch.use_deterministic_algorithms turns on) the runner calls sum_segments_in_order_kernel instead.
 template <int K, typename acc_t>
 __global__ void sum_rows_by_index_kernel(int64_t n, const acc_t* values, const int64_t* index, acc_t* out) {
   wait_previous_grid();
@@ -196,6 +233,34 @@ __global__ void sum_rows_by_index_kernel(int64_t n, const acc_t* values, const i
   }
 }
 
+// The batch-invariant mode's sum_rows_by_index: out[s, :] = Σ values[order[j], :] over j in [ends[s - 1], ends[s])
+// (order: the rows stably sorted by index; ends: the segments' cumulative lengths). A warp per segment, lane l
+// summing its rows begin + l, begin + l + 32, ... in order, then a fixed butterfly: the same bits every run and
+// for every position of the segment's rows in the batch, whatever the other segments.
+template <int K, typename acc_t>
+__global__ void sum_segments_in_order_kernel(int64_t n_segments, const acc_t* values, const int64_t* order,
+                                             const int64_t* ends, acc_t* out) {
+  wait_previous_grid();
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t s = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; s < n_segments; s += warps) {
+    const int64_t begin = s == 0 ? 0 : ends[s - 1], end = ends[s];
+    acc_t sum[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) sum[k] = acc_t(0);
+    for (int64_t j = begin + lane; j < end; j += 32) {
+      const int64_t i = order[j];
+#pragma unroll
+      for (int k = 0; k < K; ++k) sum[k] += values[i * K + k];
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      for (int m = 16; m > 0; m >>= 1) sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], m);
+      if (lane == 0) out[s * K + k] = sum[k];
+    }
+  }
+}
+
 }  // namespace cuda
 
 // The CUDA runner: what an op's back-end-independent code needs from a device (see gspo.h).
@@ -216,11 +281,8 @@ struct CudaRunner {
   // a memset and one launch.
   template <int K>
   static void sum_rows_by_index(const at::Tensor& values, const at::Tensor& index, const at::Tensor& out) {
-    if (at::globalContext().deterministicAlgorithms()) {  // the atomics' order varies; ATen has a fixed one
-      sum_rows_by_index_aten(values, index, out);
-      return;
-    }
     if (out.numel() == 0) return;
+    if (batch_invariant()) return sum_rows_by_index_in_order<K>(values, index, out);
     C10_CUDA_CHECK(cudaMemsetAsync(out.data_ptr(), 0, out.nbytes(), at::cuda::getCurrentCUDAStream()));
     const int64_t n = values.size(0);
     if (n == 0) return;
@@ -230,6 +292,23 @@ struct CudaRunner {
       cuda::DependentLaunch(dim3(static_cast<unsigned>(blocks)), kThreads, 0)(
           cuda::sum_rows_by_index_kernel<K, scalar_t>, n, values.const_data_ptr<scalar_t>(),
           index.const_data_ptr<int64_t>(), out.data_ptr<scalar_t>());
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  // sum_rows_by_index with a fixed order of additions (the atomics' varies from run to run): a stable sort of the
+  // rows by index, each segment's end in it (searchsorted: no host synchronisation), and a warp per segment.
+  template <int K>
+  static void sum_rows_by_index_in_order(const at::Tensor& values, const at::Tensor& index, const at::Tensor& out) {
+    const int64_t segments = out.size(0);
+    const auto [sorted, order] = index.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
+    const at::Tensor ends = at::searchsorted(sorted, at::arange(segments, index.options()), /*out_int32=*/false,
+                                             /*right=*/true);
+    constexpr int kThreads = 256;
+    const int64_t blocks = std::min<int64_t>((segments * 32 + kThreads - 1) / kThreads, 65535);
+    AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "sum_rows_by_index", [&] {
+      cuda::DependentLaunch(dim3(static_cast<unsigned>(blocks)), kThreads, 0)(
+          cuda::sum_segments_in_order_kernel<K, scalar_t>, segments, values.const_data_ptr<scalar_t>(),
+          order.const_data_ptr<int64_t>(), ends.const_data_ptr<int64_t>(), out.data_ptr<scalar_t>());
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

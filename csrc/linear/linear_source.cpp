@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "common/batch_invariant.h"
+
 namespace rl_losses {
 
 namespace {
@@ -41,11 +43,33 @@ int64_t part_size(int64_t n, int64_t max_size, int64_t multiple) {
   return std::min(max_size, ceil_div(ceil_div(n, ceil_div(n, max_size)), multiple) * multiple);
 }
 
-// f(p0, pn) over pieces of at most kGemmPieceRows of n rows.
+// f(p0, pn, rows) over the pieces [p0, p0 + pn) of n rows that a GEMM over rows (GEMM 1, GEMM 2) takes at once:
+// at most kGemmPieceRows; in the batch-invariant mode (`fixed`) kInvariantGemmRows, the GEMM then taking
+// `rows` = kInvariantGemmRows rows, the last piece's padded.
 template <typename F>
-void for_gemm_pieces(int64_t n, const F& f) {
-  const int64_t piece = part_size(n, kGemmPieceRows, 1024);
-  for (int64_t p0 = 0; p0 < n; p0 += piece) f(p0, std::min(piece, n - p0));
+void for_gemm_pieces(int64_t n, bool fixed, const F& f) {
+  const int64_t piece = fixed ? kInvariantGemmRows : part_size(n, kGemmPieceRows, 1024);
+  for (int64_t p0 = 0; p0 < n; p0 += piece) {
+    const int64_t pn = std::min(piece, n - p0);
+    f(p0, pn, fixed ? piece : pn);
+  }
+}
+
+bool aligned_16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
+
+// The rows [p0, p0 + pn) of h as a GEMM operand of `rows` rows: h's own, or (`fixed`: where they are fewer or do
+// not start on a 16-byte boundary, which cuBLAS also picks its kernel by) a copy padded with zero rows.
+at::Tensor gemm_rows(const at::Tensor& h, int64_t p0, int64_t pn, int64_t rows, bool fixed) {
+  const at::Tensor own = h.narrow(0, p0, pn);
+  if (!fixed || (pn == rows && aligned_16(own))) return own;
+  at::Tensor out = at::zeros({rows, h.size(1)}, h.options());
+  out.narrow(0, 0, pn).copy_(own);
+  return out;
+}
+
+// Rows of a sweep's logits buffer: n, rounded up to whole GEMM pieces in the batch-invariant mode.
+int64_t buffer_rows(int64_t n, bool fixed) {
+  return fixed ? ceil_div(n, kInvariantGemmRows) * kInvariantGemmRows : n;
 }
 
 FlatLogits flatten_linear(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
@@ -115,7 +139,8 @@ LinearSource::LinearSource(const char* op, const at::Tensor& hidden, const at::T
       weight_(weight),
       hidden_shape_(hidden.sizes().vec()),
       mask_{output_mask[0], output_mask[1], output_mask[2] && bias.has_value()},
-      backend_(backend) {
+      backend_(backend),
+      invariant_(batch_invariant()) {
   check_linear_options(op, options, weight);
   lean_ = options.strategy == "lean";
   if (options.weight_main_grad) main_grad_ = *options.weight_main_grad;
@@ -171,12 +196,12 @@ at::Tensor LinearSource::rows_of(const at::Tensor& t, int64_t r0, int64_t n) con
   return rows_.defined() ? t.index_select(0, rows_.narrow(0, r0, n)) : t.narrow(0, r0, n);
 }
 
-void LinearSource::logits_of(const at::Tensor& out, const at::Tensor& h, int64_t v0) const {
+void LinearSource::logits_of(const at::Tensor& out, const at::Tensor& h, int64_t v0, bool fixed) const {
   const int64_t nv = out.size(1);
   const at::Tensor w = weight_.narrow(0, v0, nv).t();
-  for_gemm_pieces(h.size(0), [&](int64_t p0, int64_t pn) {
-    at::Tensor o = out.narrow(0, p0, pn);
-    const at::Tensor hp = h.narrow(0, p0, pn);
+  for_gemm_pieces(h.size(0), fixed, [&](int64_t p0, int64_t pn, int64_t rows) {
+    at::Tensor o = out.narrow(0, p0, rows);
+    const at::Tensor hp = gemm_rows(h, p0, pn, rows, fixed);
     if (bias_.defined()) {
       at::addmm_out(o, bias_.narrow(0, v0, nv), hp, w);
     } else {
@@ -192,7 +217,7 @@ void LinearSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass
   const int64_t vocab = f_.vocab;
   const bool weight_grad = with_grad && (mask_[1] || mask_[2]);
   const bool two_sweeps = weight_grad && block_cols_ > 0;
-  const int64_t rows = std::min(chunk_rows_, m_);
+  const int64_t rows = buffer_rows(std::min(chunk_rows_, m_), invariant_);
   at::Tensor buffer = at::empty({std::max(rows * vocab, two_sweeps ? m_ * block_cols_ : 0)}, hidden_.options());
   if (!two_sweeps) {
     row_sweep(args, with_grad, weight_grad, at::Tensor(), buffer, pass);
@@ -219,8 +244,11 @@ void LinearSource::row_sweep(const RowPassArgs& args, bool with_grad, bool weigh
   for (int64_t r0 = 0; r0 < m_; r0 += chunk_rows_) {
     const int64_t n = std::min(chunk_rows_, m_ - r0);
     const at::Tensor h = hidden_.narrow(0, r0, n);
-    const at::Tensor logits = buffer.narrow(0, 0, n * vocab).view({n, vocab});
-    logits_of(logits, h, 0);
+    // Where the GEMMs take padded pieces (batch-invariant), `padded` holds their rows beyond the chunk's n.
+    const int64_t n_padded = buffer_rows(n, invariant_);
+    const at::Tensor padded = buffer.narrow(0, 0, n_padded * vocab).view({n_padded, vocab});
+    const at::Tensor logits = padded.narrow(0, 0, n);
+    logits_of(padded, h, 0, invariant_);
     RowPassArgs a = args;
     a.logits = logits;
     a.target = target_.narrow(0, r0, n);
@@ -240,8 +268,14 @@ void LinearSource::row_sweep(const RowPassArgs& args, bool with_grad, bool weigh
     if (!with_grad) continue;
     if (mask_[0]) {
       at::Tensor out = rows_.defined() ? at::empty({n, hidden_size}, hidden_.options()) : grad_hidden_.narrow(0, r0, n);
-      for_gemm_pieces(n, [&](int64_t p0, int64_t pn) {
-        backend_.gemm(out.narrow(0, p0, pn), logits.narrow(0, p0, pn), weight_, false);
+      for_gemm_pieces(n, invariant_, [&](int64_t p0, int64_t pn, int64_t rows) {
+        const at::Tensor own = out.narrow(0, p0, pn);
+        if (rows == pn && (!invariant_ || aligned_16(own))) {
+          return backend_.gemm(own, logits.narrow(0, p0, pn), weight_, false);
+        }
+        const at::Tensor o = at::empty({rows, hidden_size}, out.options());
+        backend_.gemm(o, padded.narrow(0, p0, rows), weight_, false);
+        own.copy_(o.narrow(0, 0, pn));
       });
       if (rows_.defined()) grad_hidden_.index_copy_(0, rows_.narrow(0, r0, n), out);
     }
@@ -260,7 +294,7 @@ void LinearSource::vocab_sweep(const RowPassArgs& args, const at::Tensor& buffer
   for (int64_t v0 = 0; v0 < vocab; v0 += block_cols_) {
     const int64_t nv = std::min(block_cols_, vocab - v0);
     const at::Tensor logits = buffer.narrow(0, 0, m_ * nv).view({m_, nv});
-    logits_of(logits, hidden_, v0);
+    logits_of(logits, hidden_, v0, false);  // these logits feed grad_weight alone, a sum over rows
     RowPassArgs a = args;
     a.logits = logits;
     a.grad = logits;

@@ -61,6 +61,11 @@ const LinearBackend& linear_backend_cuda();
 constexpr int64_t kFastLogitsBytes = int64_t(5) << 29;  // 2.5 GiB
 constexpr int64_t kLeanBytes = int64_t(256) << 20;
 constexpr int64_t kGemmPieceRows = 4096;
+// In the batch-invariant mode every GEMM over rows takes exactly this many rows (the chunk's last piece padded
+// with zero rows): a GEMM library picks its kernel, and with it the order of each row's sums (split-K or not, the
+// tiles), by the shape, so that a row's logits and grad_hidden would otherwise depend on how many rows share its
+// GEMM. A multiple of 1024 (see part_size).
+constexpr int64_t kInvariantGemmRows = 1024;
 
 class LinearSource final : public RowSource {
  public:
@@ -78,7 +83,8 @@ class LinearSource final : public RowSource {
  private:
   // The rows [r0, r0 + n) of the passes (the labelled ones where rows are skipped) of a per-row tensor.
   at::Tensor rows_of(const at::Tensor& t, int64_t r0, int64_t n) const;
-  void logits_of(const at::Tensor& out, const at::Tensor& h, int64_t v0) const;  // GEMM 1
+  // GEMM 1; `fixed`: in pieces of kInvariantGemmRows rows, `out` holding h's rows rounded up to whole pieces.
+  void logits_of(const at::Tensor& out, const at::Tensor& h, int64_t v0, bool fixed) const;
   void row_sweep(const RowPassArgs& args, bool with_grad, bool weight_grad, const at::Tensor& stats,
                  const at::Tensor& buffer, const Pass& pass);
   void vocab_sweep(const RowPassArgs& args, const at::Tensor& buffer, const Pass& pass);
@@ -90,6 +96,7 @@ class LinearSource final : public RowSource {
   std::vector<int64_t> hidden_shape_;
   std::array<bool, 3> mask_;
   const LinearBackend& backend_;
+  bool invariant_;  // the batch-invariant mode (common/batch_invariant.h), read once per call
   bool lean_;
   int64_t m_;               // rows the passes see
   int64_t chunk_rows_;      // rows per chunk of a sweep over rows

@@ -23,6 +23,7 @@ import torch  # noqa: F401  (must load before the library, which links against i
 
 from rl_losses import _C  # noqa: F401  (loads the library, which registers the ops)
 from rl_losses import _fake  # noqa: F401  (fake kernels for torch.compile / meta tensors)
+from rl_losses.batch_invariance import batch_invariant, is_batch_invariant
 from rl_losses.functional import (
     PolicyLossOutput,
     cross_entropy,
@@ -68,6 +69,9 @@ __all__ = [
     "PolicyTokenOutput",
     "fused_head",
     "cuda_kernels_available",
+    # the batch-invariant mode (docs/consistency.md)
+    "batch_invariant",
+    "is_batch_invariant",
     # configs and loss modules
     "LanguageModelLossConfig",
     "config",
