@@ -14,6 +14,7 @@ shape). OUT/bench_consistency.json holds the results.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 
@@ -98,7 +99,7 @@ def main():
     shape = DRY if args.dry_run else HEADLINE
     dtype = torch.bfloat16
     x = inputs(shape, dtype, device)
-    results = {"shape": shape, "dtype": str(dtype), "commit": git_commit(),
+    results = {"shape": shape, "dtype": str(dtype), "commit": git_commit(), "date": datetime.date.today().isoformat(),
                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "ops": {}, "bits": {}}
     wanted = set(args.ops.split(",")) if args.ops else None
     for name, step in steps(x).items():

@@ -10,8 +10,10 @@ top_p = 0.9; top_k = 1024; min_p = 0.05; all three. OUT/bench_sampler.json holds
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import sys
 
 import torch
 
@@ -58,7 +60,8 @@ def main():
             print(json.dumps(rows[-1]), flush=True)
     os.makedirs(a.out, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", n=n, v=v, dtype="bfloat16",
-                commit=git_commit(), torch=torch.__version__)
+                commit=git_commit(), torch=torch.__version__, date=datetime.date.today().isoformat(),
+                command="python3 benchmarks/" + " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]))
     with open(os.path.join(a.out, "bench_sampler.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 

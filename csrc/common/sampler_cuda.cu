@@ -56,6 +56,22 @@ __device__ inline T block_max(T v, T* scratch) {
   return v;
 }
 
+// f(z) for each logit of a row, by 16-byte loads between an element-wise head and tail (the order is free: every
+// sweep's result is a max, a min or an integer sum).
+template <typename scalar_t, typename F>
+__device__ inline void for_each_logit(const scalar_t* z, int64_t n, F&& f) {
+  constexpr int kVec = 16 / sizeof(scalar_t);
+  const int64_t head = unaligned_head(z, n), n_vec = (n - head) / kVec;
+  for (int64_t j = threadIdx.x; j < head; j += kThreads) f(z[j]);
+  const auto* zv = reinterpret_cast<const Pack<scalar_t, kVec>*>(z + head);
+  for (int64_t i = threadIdx.x; i < n_vec; i += kThreads) {
+    const auto pack = load_vec(&zv[i]);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) f(pack.v[k]);
+  }
+  for (int64_t j = head + n_vec * kVec + threadIdx.x; j < n; j += kThreads) f(z[j]);
+}
+
 // A 64-bit sum in two 32-bit words, by 32-bit atomics (native in shared memory; 64-bit ones are not).
 __device__ inline void add_mass(unsigned* lo, unsigned* hi, unsigned v) {
   if (v != 0 && atomicAdd(lo, v) + v < v) atomicAdd(hi, 1u);
@@ -80,14 +96,13 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t row = blockIdx.x; row < v.n_rows; row += gridDim.x) {
     const scalar_t* z = v.logits + row * v.row_stride;
     const SamplerRow<acc_t> o(params + row * kSamplerColumns);
-    auto at = [&](int64_t j) { return static_cast<acc_t>(z[j]); };
     acc_t m = neg_inf<acc_t>();
     bool nan = false;
-    for (int64_t j = threadIdx.x; j < v.vocab; j += kThreads) {
-      const acc_t x = at(j);
+    for_each_logit(z, v.vocab, [&](scalar_t zj) {
+      const acc_t x = static_cast<acc_t>(zj);
       nan |= x != x;
       m = ::fmax(m, x);
-    }
+    });
     nan = __syncthreads_or(nan);
     m = block_max(m, scratch);
     acc_t floor = neg_inf<acc_t>();
@@ -104,10 +119,10 @@ __global__ void __launch_bounds__(kThreads)
       };
       if (o.min_p_acts()) {
         acc_t lowest = -neg_inf<acc_t>();
-        for (int64_t j = threadIdx.x; j < v.vocab; j += kThreads) {
-          const acc_t x = at(j);
+        for_each_logit(z, v.vocab, [&](scalar_t zj) {
+          const acc_t x = static_cast<acc_t>(zj);
           if (o.min_p_keeps(e_of(x))) lowest = ::fmin(lowest, x);
-        }
+        });
         floor = -block_max(-lowest, scratch);
       }
       // The exact edge within bin bin_s: `need` (top_k) or the mass above (top_p) from the bins before, then a
@@ -118,8 +133,7 @@ __global__ void __launch_bounds__(kThreads)
           const int shift = 8 * d;
           const Bits high = d == kDigits - 1 ? Bits(0) : Bits(Bits(~Bits(0)) << (shift + 8)), prefix = prefix_s;
           const int bin = bin_s;
-          for (int64_t j = threadIdx.x; j < v.vocab; j += kThreads) {
-            const scalar_t zj = z[j];
+          for_each_logit(z, v.vocab, [&](scalar_t zj) {
             const acc_t x = static_cast<acc_t>(zj);
             const Bits k = Key::of(zj);
             if (x >= floor && bin_of(x) == bin && (k & high) == prefix) {
@@ -127,7 +141,7 @@ __global__ void __launch_bounds__(kThreads)
               atomicAdd(&count[b], 1u);
               if (by_mass) add_mass(&lo[b], &hi[b], sampler_mass(e_of(x)));
             }
-          }
+          });
           __syncthreads();
           if (threadIdx.x == 0) prefix_s = prefix | Bits(Bits(pick()) << shift);
           __syncthreads();
@@ -137,16 +151,16 @@ __global__ void __launch_bounds__(kThreads)
       if (o.k_acts(v.vocab)) {
         clear();
         unsigned rest = 0;
-        for (int64_t j = threadIdx.x; j < v.vocab; j += kThreads) {
-          const acc_t x = at(j);
-          if (x < floor) continue;
+        for_each_logit(z, v.vocab, [&](scalar_t zj) {
+          const acc_t x = static_cast<acc_t>(zj);
+          if (x < floor) return;
           const int b = bin_of(x);
           if (b == kRestBin) {
             ++rest;
           } else {
             atomicAdd(&count[b], 1u);
           }
-        }
+        });
         rest = __reduce_add_sync(0xffffffffu, rest);
         if (threadIdx.x % 32 == 0 && rest != 0) atomicAdd(&count[kRestBin], rest);
         __syncthreads();
@@ -171,14 +185,14 @@ __global__ void __launch_bounds__(kThreads)
       }
       if (o.p_acts()) {
         clear();
-        for (int64_t j = threadIdx.x; j < v.vocab; j += kThreads) {
-          const acc_t x = at(j);
+        for_each_logit(z, v.vocab, [&](scalar_t zj) {
+          const acc_t x = static_cast<acc_t>(zj);
           const int b = x >= floor ? bin_of(x) : kRestBin;
           if (b != kRestBin) {  // the rest have no mass: never kept by top_p
             atomicAdd(&count[b], 1u);
             add_mass(&lo[b], &hi[b], sampler_mass(e_of(x)));
           }
-        }
+        });
         __syncthreads();
         if (threadIdx.x == 0) {
           unsigned long long total = 0;
@@ -218,7 +232,7 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) {
       const int64_t label = v.target[row];
       const bool has_label = label >= 0 && label < v.vocab;
-      out[row] = floor_with_label(floor, has_label, has_label ? at(label) : acc_t(0));
+      out[row] = floor_with_label(floor, has_label, has_label ? static_cast<acc_t>(z[label]) : acc_t(0));
     }
     __syncthreads();  // the shared state is reset for the next row
   }
