@@ -90,24 +90,19 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
       if (grad) return launch(F{}, T{});
     }
   }
-  if (stats) {
-    // Batch-invariant: the statistics-only pass reduces each row as the fused pass does (cluster_kernel.cuh).
-    if (args.batch_invariant && launch_row_cluster<scalar_t, label_t, acc_t, kEntropy, kSmoothing>(args, epi)) {
-      return;
-    }
-    return launch(T{}, F{});
-  }
+  if (stats) return launch(T{}, F{});
   if constexpr (Epilogue::kMayReadStats) launch(F{}, F{});
 }
 
-// The pass the batch-invariant mode runs for `args` (RowPassArgs::batch_invariant): the statistics computed with
-// the entropy sums wherever the epilogue may use them, else with the smoothing sums, since either sets the
-// kernels' online-softmax chunk (so a row reduces in one order with or without its entropy, and in the statistics
-// pass of the split path as in the fused pass; the sums' other uses are off where the op's options leave them
-// unused: an entropy output or term, a smoothing weight of 0), and logits whose rows do not all start
-// on 16-byte boundaries read from an aligned copy (row_pass_kernel reads a row's unaligned head element by element,
-// so the order would follow the row's address; the copy also lets the cluster kernel take them). The gradient
-// is written where `args` says: it is element-wise, the same from either copy.
+// The pass the batch-invariant mode runs for `args` (RowPassArgs::batch_invariant). Every row's statistics come
+// from row_pass_kernel, one block per row with a block size set by V (the cluster kernel is off in the mode:
+// cluster_kernel.cuh; a statistics-only variant of it measured not deterministic run to run, cause not found), so
+// the fused passes take the split path. Here: the statistics computed with the entropy sums wherever the epilogue
+// may use them, else with the smoothing sums, since either sets the kernel's online-softmax chunk (so a row reduces
+// in one order with or without its entropy, in the no-gradient pass as in the split path's; the sums' other uses
+// are off where the op's options leave them unused), and logits whose rows do not all start on 16-byte boundaries
+// read from an aligned copy (the kernel reads a row's unaligned head element by element, so the order would follow
+// the row's address). The gradient is written where `args` says: it is element-wise, the same from either copy.
 template <typename Epi>
 RowPassArgs batch_invariant_pass(const RowPassArgs& args) {
   RowPassArgs a = args;

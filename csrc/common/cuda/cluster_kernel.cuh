@@ -181,9 +181,6 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
   // epilogues it is the loop's own counter and the label is loaded where it was, so that their code is the
   // same as without this).
   constexpr bool kSkips = Epilogue::kSkipsUnlabelled;
-  // Without a gradient (the statistics-only passes of the batch-invariant mode, launch_row_cluster) the row's
-  // steps 1 and 2 only: its statistics then have the bits the fused pass gives it.
-  const bool writes_grad = Epilogue::kMayWriteGrad && v.grad != nullptr;
   int64_t next_label = kSkips && row < v.n_rows ? static_cast<int64_t>(v.target[row]) : 0;
   for (int rows_done = 0, rows_read = 0; row < v.n_rows; row += row_step, ++rows_done) {
     const int64_t label_ahead = next_label;  // this row's label where kSkips
@@ -194,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
           epi(v.epilogue_row(row), label_ahead, RowStats<acc_t>::empty());
           if (v.stats_out != nullptr) store_stats(v.stats_out, row, RowStats<acc_t>::empty());
         }
-        if (writes_grad) block_zero_fill<kThreads>(v.grad + row * v.grad_row_stride + begin, n_elems);
+        block_zero_fill<kThreads>(v.grad + row * v.grad_row_stride + begin, n_elems);
         continue;
       }
     }
@@ -269,7 +266,6 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
       }
     }
     __syncthreads();
-    if (!writes_grad) continue;
 
     const GradOf<scalar_t, acc_t, Epilogue::kMayUseEntropyGrad> grad_of(coef_shared, max_shared, log_sumexp_shared,
                                                                         v.scale, has_label ? local : int64_t(-1));
@@ -325,13 +321,12 @@ inline ClusterShape cluster_shape(const RowPassArgs& args, int c) {
 // The shape row_cluster_kernel runs these arguments with: the fewest CTAs per row (1 to 16) whose slices fit
 // (a power of two measured slower: 84.0% of the copy at V = 151936 bf16 with 8 CTAs, 88.1% with 5), 1 stage
 // (launch_row_cluster falls back to row_pass_kernel where the device cannot make it resident). ctas = 0 where
-// the kernel does not apply: not the fused shape (or, in the batch-invariant mode, a pass without statistics),
-// a device older than sm_90, rows of the logits or the gradient not 16-byte aligned, a row longer than
-// kMaxClusterSize slices.
+// the kernel does not apply: not the fused shape, a device older than sm_90, rows of the logits or the
+// gradient not 16-byte aligned, a row longer than kMaxClusterSize slices; the sampler's floors (row_pass_kernel
+// reads them) and the batch-invariant mode (every row's statistics in row_pass_kernel: row_pass_cuda.cuh).
 inline ClusterShape row_cluster_shape(const RowPassArgs& args) {
-  if (!args.logits.is_cuda() || !args.compute_stats()) return {};
-  if (!args.write_grad() && !args.batch_invariant) return {};
-  if (args.logit_floor.defined()) return {};  // row_pass_kernel reads the sampler's floor
+  if (!args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return {};
+  if (args.logit_floor.defined() || args.batch_invariant) return {};
   if (!rows_16_byte_aligned(args)) return {};
   if (at::cuda::getDeviceProperties(args.logits.get_device())->major < 9) return {};
   for (int c = 1; c <= kMaxClusterSize; ++c) {
@@ -404,9 +399,6 @@ class ClusterLaunch {
 // the rows (N = 4096, V = 32000: 396 clusters of 1 take 11 rounds for 10.3 rows each). Those rows go to a
 // tail launch with more CTAs per row instead, each with a shorter slice, where slices of at least a piece
 // fit and the device holds a cluster per tail row: its CTAs start on the SMs the main launch frees.
-// In the batch-invariant mode there is no tail launch (its rows would be reduced over more CTAs, in another
-// order than the same rows elsewhere in a batch), and the statistics-only passes run here too, so that a row's
-// statistics have the same bits with or without a gradient.
 template <typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing, typename Epilogue>
 bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
   auto* kernel = &row_cluster_kernel<kClusterThreads, scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue>;
@@ -417,7 +409,7 @@ bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
   const Launch main_launch(kernel, shape);
   const int clusters = main_launch.resident_clusters();
   if (clusters == 0) return false;
-  const int64_t tail_rows = v.n_rows > clusters && !args.batch_invariant ? v.n_rows % clusters : 0;
+  const int64_t tail_rows = v.n_rows > clusters ? v.n_rows % clusters : 0;
   if (tail_rows != 0) {
     for (int c = kMaxClusterSize; c > shape.ctas; --c) {
       const ClusterShape tail = cluster_shape(args, c);
