@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 
 import torch
 
 import rl_losses
-from timing import git_commit, median_ms
+from timing import git_commit, median_ms, write_results
 
 HEADLINE = dict(n=16384, v=128256, h=4096)
 DRY = dict(n=200, v=1000, h=64)
@@ -118,10 +116,7 @@ def main():
         with rl_losses.batch_invariant(invariant):
             results["bits"][mode] = differing_rows(x)
         print(mode, results["bits"][mode])
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_consistency.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    print(json.dumps(results, indent=2))
+    write_results(args.out, "bench_consistency.json", results)
 
 
 if __name__ == "__main__":

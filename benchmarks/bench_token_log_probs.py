@@ -17,7 +17,6 @@ holds the results.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import types
@@ -25,7 +24,7 @@ import types
 import torch
 
 import rl_losses
-from timing import median_ms
+from timing import median_ms, write_results
 
 HEADLINE = dict(n=16384, h=4096, v=151936)
 DRY = dict(n=256, h=64, v=1000)
@@ -143,10 +142,7 @@ def main():
     for name in ("verl_torch", "verl_triton"):
         if "ms" in results.get(name, {}):
             results[f"rl_losses_speedup_vs_{name}"] = results[name]["ms"] / results["rl_losses"]["ms"]
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_token_log_probs.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    print(json.dumps(results, indent=2))
+    write_results(args.out, "bench_token_log_probs.json", results)
 
 
 if __name__ == "__main__":

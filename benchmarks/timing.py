@@ -11,6 +11,7 @@ its inputs and the gradients it returns.
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -137,3 +138,11 @@ def peak_beyond_grads_mib(step, params) -> float:
     torch.cuda.synchronize()
     grads = sum(p.grad.nbytes for p in params if p.grad is not None)
     return (torch.cuda.max_memory_allocated() - base - grads) / 2**20
+
+
+def write_results(out_dir: str, name: str, results: dict) -> None:
+    """results as out_dir/name (indented JSON), and printed."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(results, f, indent=2)
+    print(json.dumps(results, indent=2))
