@@ -81,6 +81,12 @@ def fused_linear_for_ppo_fwd(hidden_states: torch.Tensor, vocab_weights: torch.T
     return log_probs.float(), entropy.to(hidden_states.dtype)
 
 
+# The options of linear_token_log_probs at its defaults but the temperature's and the entropy's, which the private ops
+# (they take every argument) get from fused_linear_for_ppo_bwd: read once from the schema.
+_LM_HEAD_DEFAULTS = {name: value for name, value in _schema.defaults("linear_token_log_probs").items()
+                     if name not in ("logits_scale_factor", "compute_entropy")}
+
+
 def fused_linear_for_ppo_bwd(dlog_probs: torch.Tensor | None, dentropy: torch.Tensor | None,
                              hidden_states: torch.Tensor, vocab_weights: torch.Tensor, input_ids: torch.Tensor,
                              temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,11 +95,7 @@ def fused_linear_for_ppo_bwd(dlog_probs: torch.Tensor | None, dentropy: torch.Te
     if dlog_probs is None and dentropy is None:
         raise ValueError("fused_linear_for_ppo_bwd: dlog_probs and dentropy are both None")
     labels = input_ids.to(torch.int64)
-    scale = 1.0 / float(temperature)
-    # The lm_head's options at the public op's defaults (the private ops take every argument).
-    lm_head = {name: _schema.default("linear_token_log_probs", name)
-               for name in ("bias", "chunk_size", "strategy", "weight_main_grad", "skip_unlabelled")}
-    lm_head["logits_scale_factor"] = scale
+    lm_head = dict(_LM_HEAD_DEFAULTS, logits_scale_factor=1.0 / float(temperature))
     _, _, stats = _ops._linear_token_log_probs_forward(hidden_states, vocab_weights, labels,
                                                        compute_entropy=dentropy is not None, **lm_head)
     d_hidden, d_weight, _ = _ops._linear_token_log_probs_backward(
