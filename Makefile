@@ -12,8 +12,10 @@ setup-test:
 train: setup
 	.venv/bin/python examples/train_policy.py
 
+# The tests compile with torch.compile into a cache of their own: inductor's shared cache (/tmp/torchinductor_$USER)
+# may hold graphs compiled against an earlier build's op schemas, whose calls it replays with the old arguments.
 test: setup-test
-	.venv/bin/python -m pytest tests -q
+	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor .venv/bin/python -m pytest tests -q
 
 # A wheel with the CPU kernels and the CUDA kernels for sm_80, sm_90a and sm_100 (+PTX): scripts/build_wheel.sh.
 wheel:
