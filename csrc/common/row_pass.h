@@ -64,6 +64,11 @@ struct RowPassArgs {
   bool write_grad() const { return grad.defined(); }
 };
 
+// The accumulation dtype of the per-row outputs for given logits: fp64 for fp64, fp32 otherwise.
+inline at::ScalarType acc_dtype(at::ScalarType logits_dtype) {
+  return logits_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 #ifdef RL_LOSSES_WITH_CUDA
 // Whether the CUDA back-end runs this pass, statistics and gradient, as one kernel that reads each row once
 // (the cluster kernel of common/cuda/cluster_kernel.cuh). Defined in common/row_stats_cuda.cu, so CUDA builds
@@ -89,9 +94,8 @@ inline void split_stats_pass_on_cuda(RowPassArgs& args) {
     stats_pass.grad = at::Tensor();
     stats_pass.row_offset = 0;
     stats_pass.row_index = at::Tensor();
-    const bool fp64 = args.logits.scalar_type() == at::kDouble;
     args.stats_in = at::empty({args.logits.size(0), RowStats<float>::kFields},
-                              args.logits.options().dtype(fp64 ? at::kDouble : at::kFloat));
+                              args.logits.options().dtype(acc_dtype(args.logits.scalar_type())));
     row_stats_cuda(stats_pass, args.stats_in);
     return;
   }
@@ -358,10 +362,5 @@ inline void sum_rows_by_index_aten(const at::Tensor& values, const at::Tensor& i
 // (AT_DISPATCH needs a literal name; the ops' own checks have already named the argument.)
 #define RL_LOSSES_DISPATCH_LOGITS(DTYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, DTYPE, "rl_losses", __VA_ARGS__)
-
-// The accumulation dtype of the per-row outputs for given logits: fp64 for fp64, fp32 otherwise.
-inline at::ScalarType acc_dtype(at::ScalarType logits_dtype) {
-  return logits_dtype == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 }  // namespace rl_losses

@@ -34,8 +34,14 @@ at::Tensor sampler_column(const char* op, const char* name, const OptTensor& t, 
               " must be 0-dim (every row) or shaped like the target ", target.sizes(), ", got shape ", v.sizes());
   TORCH_CHECK(v.dim() == 0 || v.device() == target.device(), op, ": ", name, " is on ", v.device(),
               " but the target is on ", target.device());
-  const at::Tensor d = v.to(at::kDouble);
-  const double min = d.numel() ? d.min().item<double>() : lo, max = d.numel() ? d.max().item<double>() : hi;
+  // min and max read on the host together: one synchronisation for a device tensor.
+  double min = lo, max = hi;
+  if (v.numel() > 0) {
+    const auto [lowest, highest] = at::aminmax(v.to(at::kDouble));
+    const at::Tensor bounds = at::stack({lowest, highest}).cpu();
+    min = bounds[0].item<double>();
+    max = bounds[1].item<double>();
+  }
   const bool low_ok = open_low ? min > lo : min >= lo;
   TORCH_CHECK(low_ok && max <= hi && min == min && max == max, op, ": ", name, " must hold values in ",
               open_low ? "(" : "[", lo, ", ", hi, "], got ", (low_ok && min == min ? max : min));

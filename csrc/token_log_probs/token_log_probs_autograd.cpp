@@ -32,7 +32,6 @@ void save_sampler(AutogradContext* ctx, const SamplerArgs& s) {
   ctx->saved_data["top_p"] = value_or_none(s.top_p);
   ctx->saved_data["min_p"] = value_or_none(s.min_p);
 }
-constexpr const char* kSamplerNames[] = {"top_k", "top_p", "min_p"};
 
 // A second differentiation of the backward pass would need the gradient of a row pass w.r.t. its
 // coefficients; refuse it rather than return a silently wrong (zero) second derivative.
@@ -79,7 +78,7 @@ class TokenLogProbsFunction : public torch::autograd::Function<TokenLogProbsFunc
     call.set("logits", saved[0]).set("target", saved[1]).set("stats", saved[2]);
     call.set("grad_log_probs", defined_or_none(g_lp)).set("grad_entropy", defined_or_none(g_h));
     for (const char* name : {"logits_scale_factor", "vocab_start", "vocab_size"}) call.set(name, ctx->saved_data[name]);
-    for (const char* name : kSamplerNames) call.set(name, ctx->saved_data[name]);
+    for (const char* name : SamplerArgs::kNames) call.set(name, ctx->saved_data[name]);
     out[0] = call.run().result("grad");
     return out;
   }
@@ -127,7 +126,7 @@ class LinearTokenLogProbsFunction : public torch::autograd::Function<LinearToken
     for (const char* name : {"logits_scale_factor", "chunk_size", "strategy", "weight_main_grad", "skip_unlabelled"}) {
       call.set(name, ctx->saved_data[name]);
     }
-    for (const char* name : kSamplerNames) call.set(name, ctx->saved_data[name]);
+    for (const char* name : SamplerArgs::kNames) call.set(name, ctx->saved_data[name]);
     call.run();
     const bool into_main_grad = !ctx->saved_data["weight_main_grad"].isNone();
     const char* names[3] = {"grad_hidden", "grad_weight", "grad_bias"};
