@@ -63,7 +63,9 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
   constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
   auto launch = [&](auto s, auto g) {
     constexpr bool kS = decltype(s)::value, kG = decltype(g)::value;
-    if constexpr (MaySample<Epilogue>::value) {
+    // A pass with the sampler's floors always comes split (split_stats_pass_on_cuda): the statistics alone, then
+    // the gradient from them; the fused and the statistics-given forward shapes never read floors.
+    if constexpr (MaySample<Epilogue>::value && kS != kG) {
       if (args.logit_floor.defined()) {
         return launch_resident(&row_pass_kernel<kThreads, kUnroll, scalar_t, label_t, acc_t, kS, kG, kEntropy,
                                                 kSmoothing, Epilogue, true>);
