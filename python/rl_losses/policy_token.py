@@ -62,7 +62,8 @@ def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | Non
         log_probs: (...) float, the current policy's log-prob of each label (differentiable).
         old_log_probs: (...) float, the sampling policy's; None for on-policy (r ≡ 1, with ∂r/∂lp = 1).
         advantages: (...) float per token, or (B,) per sequence for (B, T) log-probs.
-        The options are ``rl_losses.grpo_loss``'s (``loss_type`` ppo_clip / cispo / sapo, ``delta``,
+        The options are ``rl_losses.grpo_loss``'s (``loss_type`` ppo_clip / cispo / sapo and verl's gpg / dro /
+        dppo_tv / dppo_kl with ``dro_beta`` / ``clip_ratio_c``, ``delta``,
         ``ref_log_probs``/``beta``/``kl_estimator``/``kl_importance_weighted``), and its token-level rollout
         correction (``rollout_correction`` 'token_truncate' / 'token_mask' with ``rollout_log_probs``); the
         sequence-level modes and the entropy bonus need the fused ops.
