@@ -12,7 +12,7 @@ core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 verl_config = pytest.importorskip("verl.workers.config")
 
 import rl_losses  # noqa: E402
-from rl_losses import aggregation, config  # noqa: E402
+from rl_losses import aggregation, config, reference_verl  # noqa: E402
 from rl_losses.integrations import verl as rl_verl  # noqa: E402
 
 from helpers_verl import make_config  # noqa: E402
@@ -161,3 +161,29 @@ def test_linear_grpo_matches_grpo(name):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     for field in ("clipped_fraction_low", "clipped_fraction_high", "ratio_mean"):
         torch.testing.assert_close(getattr(ours, field), getattr(theirs, field), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("cap", [None, 1.2])
+def test_decoupled_ppo(cap):
+    """Decoupled (three-policy) PPO is grpo with old_log_probs = π_proximal (the clip's anchor) and the rollout
+    correction from π_behaviour: token_mask with bounds (0, cap), no upper bound without a cap. Loss, gradient
+    w.r.t. the logits and metrics against reference_verl.decoupled_ppo (AReaL's formula)."""
+    logits, target, mask, proximal, adv, _ = batch()
+    behaviour = proximal + 0.2 * torch.randn_like(proximal)
+    x = logits.clone().requires_grad_(True)
+    lp = torch.log_softmax(x, -1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    options = dict(clip_low=0.15, clip_high=0.25, behaviour_weight_cap=cap)
+    loss, metrics = reference_verl.decoupled_ppo(proximal, behaviour, lp, adv, mask, **options)
+    (expected,) = torch.autograd.grad(loss, x)
+    y = logits.clone().requires_grad_(True)
+    out = rl_losses.grpo_loss(y, target, adv, proximal, epsilon_low=0.15, epsilon_high=0.25,
+                              rollout_log_probs=behaviour, rollout_correction="token_mask",
+                              rollout_mask_bounds=(0.0, math.inf if cap is None else cap))
+    (grad,) = torch.autograd.grad(out.loss, y)
+    torch.testing.assert_close(out.loss, loss.detach(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-13)
+    assert float(out.clipped_fraction_low + out.clipped_fraction_high) == pytest.approx(float(metrics["pg_clipfrac"]))
+    assert float(out.rollout_weight_mean) == pytest.approx(float(metrics["behav_imp_weight"]))
+    assert 0 < float(metrics["pg_clipfrac"]) < 1
+    if cap is not None:  # the cap rejects some tokens
+        assert 0 < float(out.rollout_corrected_fraction) < 1

@@ -187,6 +187,25 @@ def dppo_kl(old_log_prob, log_prob, advantages, mask, *, clip_low=0.2, clip_high
     return _dppo(ok, old_log_prob, log_prob, advantages, mask, clip_ratio_c)
 
 
+def decoupled_ppo(proximal_log_prob, behaviour_log_prob, log_prob, advantages, mask, *, clip_low=0.2,
+                  clip_high=0.2, behaviour_weight_cap=None):
+    """Decoupled PPO of asynchronous trainers (three policies: π_behaviour sampled the tokens, π_proximal is the
+    clip's anchor, π_θ is trained; AReaL's ppo_actor_loss_fn with ``behav_imp_weight_cap``, verl's decoupled
+    rollout correction with old_log_prob = π_proximal): L = −sg(w)·min(r·A, clip(r, 1 − ε_l, 1 + ε_h)·A),
+    r = exp(ℓ − ℓ_proximal), w = exp(ℓ_proximal − ℓ_behaviour), w = 0 where w > cap (no cap: None); the token
+    mean over the response mask (the rejected tokens still count). Metrics: pg_clipfrac = mean_m([the clip binds]),
+    behav_imp_weight = mean_m(w)."""
+    ratio = torch.exp(log_prob - proximal_log_prob)
+    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    with torch.no_grad():
+        weight = torch.exp(proximal_log_prob - behaviour_log_prob)
+        if behaviour_weight_cap is not None:
+            weight = torch.where(weight <= behaviour_weight_cap, weight, 0.0)
+        metrics = {"pg_clipfrac": _masked_mean((clipped > unclipped).to(ratio.dtype), mask),
+                   "behav_imp_weight": _masked_mean(weight, mask)}
+    return aggregate(torch.maximum(unclipped, clipped) * weight, mask, "token-mean"), metrics
+
+
 PER_TOKEN = {"gpg": gpg, "dro": dro, "clip_cov": clip_cov, "kl_cov": kl_cov, "dppo_tv": dppo_tv,
              "dppo_kl": dppo_kl}
 
