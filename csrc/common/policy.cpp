@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <utility>
 
@@ -41,27 +42,13 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, c
               .epsilon_high = clip->epsilon_high,
               .delta = has_delta ? delta : std::numeric_limits<double>::infinity()};
   }
-  if (a.loss_type == "ppo_clip") {
-    o.loss_type = kPpoClip;
-  } else if (a.loss_type == "cispo") {
-    o.loss_type = kCispo;
-  } else if (a.loss_type == "sapo") {
-    o.loss_type = kSapo;
-  } else if (a.loss_type == "vespo") {
-    o.loss_type = kVespo;
-  } else if (a.loss_type == "gpg") {
-    o.loss_type = kGpg;
-  } else if (a.loss_type == "dro") {
-    o.loss_type = kDro;
-  } else if (a.loss_type == "dppo_tv") {
-    o.loss_type = kDppoTv;
-  } else if (a.loss_type == "dppo_kl") {
-    o.loss_type = kDppoKl;
-  } else {
-    TORCH_CHECK(false, op, ": loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', 'dro', 'dppo_tv' or "
-                "'dppo_kl', got '", a.loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are ppo_clip with an "
-                "aggregation preset: rl_losses.aggregation.TRL_LOSS_TYPES)");
-  }
+  // The loss types by name, in PolicyLossType's order.
+  constexpr const char* kLossTypeNames[] = {"ppo_clip", "cispo", "sapo", "vespo", "gpg", "dro", "dppo_tv", "dppo_kl"};
+  const auto* found = std::find(std::begin(kLossTypeNames), std::end(kLossTypeNames), a.loss_type);
+  TORCH_CHECK(found != std::end(kLossTypeNames), op, ": loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', "
+              "'dro', 'dppo_tv' or 'dppo_kl', got '", a.loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are "
+              "ppo_clip with an aggregation preset: rl_losses.aggregation.TRL_LOSS_TYPES)");
+  o.loss_type = static_cast<int>(found - std::begin(kLossTypeNames));
   TORCH_CHECK(o.loss_type == kPpoClip || !has_delta, op, ": delta (the two-sided clip) applies to loss_type "
               "'ppo_clip' only, got loss_type '", a.loss_type, "' with delta = ", delta);
   TORCH_CHECK(o.loss_type != kCispo || !clip || clip->epsilon_high > 0, op, ": loss_type 'cispo' caps the ratio "
