@@ -187,3 +187,35 @@ def test_decoupled_ppo(cap):
     assert 0 < float(metrics["pg_clipfrac"]) < 1
     if cap is not None:  # the cap rejects some tokens
         assert 0 < float(out.rollout_corrected_fraction) < 1
+
+
+@pytest.mark.parametrize("rules,thresholds", [("token_k1", "0.8_1.25"), ("token_k3,seq_mean_k2", "0.02,0.03")])
+@pytest.mark.parametrize("mode", list(aggregation.VERL_LOSS_AGG_MODES))
+def test_rollout_rejection_with_importance_weights(rules, thresholds, mode):
+    """verl's rollout rejection (rollout_rs) changes the response mask before the loss, and its token-level
+    importance weights (rollout_is="token", truncated) multiply the loss: the op takes the rejected tokens as
+    unlabelled (target −100) and the weights as its token_truncate correction from the same rollout log-probs;
+    the presets' weights and divisors then come from the mask after rejection. Loss and gradient w.r.t. the
+    logits against verl's pipeline (compute_rollout_correction_and_rejection_mask, then vanilla)."""
+    helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
+    logits, target, mask, old, adv, _ = batch()
+    rollout = old + 0.15 * torch.randn_like(old)
+    weights, kept, _ = helper.compute_rollout_correction_and_rejection_mask(
+        old, rollout, mask, rollout_is="token", rollout_is_threshold=1.5, rollout_rs=rules,
+        rollout_rs_threshold=thresholds)
+    assert 0 < kept.sum() < mask.sum()  # some tokens rejected
+    x = logits.clone().requires_grad_(True)
+    lp = torch.log_softmax(x, -1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    cfg = make_config(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
+    loss, _ = core_algos.get_policy_loss_fn("vanilla")(old, lp, adv, kept, mode, cfg,
+                                                        weights.batch["rollout_is_weights"])
+    (expected,) = torch.autograd.grad(loss, x)
+    loss_weights, divisor = aggregation_of(mode, kept)
+    y = logits.clone().requires_grad_(True)
+    out = rl_losses.grpo_loss(y, target.masked_fill(kept == 0, -100), adv, old, delta=3.0,
+                              rollout_log_probs=rollout, rollout_correction="token_truncate", rollout_cap=1.5,
+                              loss_weights=loss_weights, divisor=divisor)
+    (grad,) = torch.autograd.grad(out.loss, y)
+    torch.testing.assert_close(out.loss, loss.detach(), rtol=1e-9, atol=1e-10)
+    scale = expected.abs().max()
+    torch.testing.assert_close(grad / scale, expected / scale, rtol=1e-9, atol=1e-10)
