@@ -275,9 +275,9 @@ def check_clip(op, a):
     check_beta(op, a["beta"], a["ref_log_probs"])
 
 
-def policy_options(op, a, *, fused: bool, clip: bool):
+def policy_options(op, a, *, fused: bool, clip: bool, sequence_ratio: bool = False):
     """make_policy_options: `fused` the fused ops' options (entropy bonus, VESPO) are arguments, `clip` the clipped
-    objective's."""
+    objective's; `sequence_ratio` (GSPO's) then check_sequence_ratio_loss_type."""
     loss_type, delta = a["loss_type"], a["delta"] if clip else None
     _check(loss_type in POLICY_LOSS_TYPES, op, "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', 'dro', "
            "'dppo_tv' or 'dppo_kl', got '", loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are ppo_clip "
@@ -332,12 +332,9 @@ def policy_options(op, a, *, fused: bool, clip: bool):
     if fused:
         e = a["entropy_coefficient"]
         _check(math.isfinite(e), op, "entropy_coefficient must be finite, got ", _num(e))
-
-
-def sequence_ratio_loss_type(op, a):
-    _check(a["loss_type"] not in TOKEN_LOG_PROB_LOSS_TYPES, op, "loss_type '", a["loss_type"], "' weighs each token's "
-           "own log-prob ratio, not a sequence's: use grpo (or policy_token_loss); gspo takes 'ppo_clip', 'cispo', "
-           "'sapo' or 'vespo'")
+    _check(not sequence_ratio or loss_type not in TOKEN_LOG_PROB_LOSS_TYPES, op, "loss_type '", loss_type, "' weighs "
+           "each token's own log-prob ratio, not a sequence's: use grpo (or policy_token_loss); gspo takes "
+           "'ppo_clip', 'cispo', 'sapo' or 'vespo'")
 
 
 def sequence_ids(op, document_index, num_documents, target, why):
@@ -397,8 +394,7 @@ def gspo(op, a, x):
     check_divisor(op, a["divisor"])
     check_row_stats(op, a.get("row_stats"), x, target.numel())
     check_weighting(op, a["weighting"])
-    policy_options(op, a, fused=True, clip=True)
-    sequence_ratio_loss_type(op, a)
+    policy_options(op, a, fused=True, clip=True, sequence_ratio=True)
     document_index = a["document_index"]
     check_per_token_int(op, "document_index", document_index, target)
     if a["old_log_probs"] is not None:
@@ -437,8 +433,7 @@ def document_sums(a):
     check_weighting(op, a["weighting"])
     beta = a["beta"]
     _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
-    policy_options(op, a, fused=False, clip=False)
-    sequence_ratio_loss_type(op, a)
+    policy_options(op, a, fused=False, clip=False, sequence_ratio=True)
     check_per_token(op, "log_probs", a["log_probs"], target)
     check_per_token_int(op, "target", target, target)
     check_per_token(op, "advantages", a["advantages"], target)
