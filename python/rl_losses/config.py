@@ -212,7 +212,9 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
         entropy, fused into the kernel's pass).
     beta: KL penalty towards the reference policy, per token (>= 0; > 0 needs ``ref_log_probs`` in the batch).
     The policy family (docs/policy_losses.md; the options of rl_losses.grpo_loss / gspo_loss): loss_type
-        ("ppo_clip", "cispo", "sapo", "vespo"), sapo_temperature_pos / sapo_temperature_neg (> 0), vespo_k_pos /
+        ("ppo_clip", "cispo", "sapo", "vespo"; GRPO also verl's "gpg", "dro", "dppo_tv", "dppo_kl"), dro_beta ("dro"
+        only, required there, > 0), clip_ratio_c (> 0, dppo's cap of the ratio), sapo_temperature_pos /
+        sapo_temperature_neg (> 0), vespo_k_pos /
         vespo_k_neg (finite) and vespo_lambda_pos / vespo_lambda_neg (>= 0; TRL's names), rollout_correction (None,
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"; needs ``rollout_log_probs`` in the
         batch), rollout_cap (> 0), rollout_mask_bounds ((lo, hi), lo < hi, "*_mask" modes), kl_estimator ("k1",
