@@ -92,11 +92,15 @@
   X(double, epsilon_high, 0.2)    \
   X(OptDouble, delta, None)
 #define RL_LOSSES_KL_WEIGHT(X) X(double, beta, 0.0)
-// The per-token options: every policy op applies them, policy_token_loss too.
+// The per-token options: every policy op applies them, policy_token_loss too. dro_beta: loss type dro's penalty
+// (verl's policy_loss.dro_beta, no default); clip_ratio_c: dppo_tv/dppo_kl's cap of the ratio (verl's name and
+// ActorConfig default).
 #define RL_LOSSES_POLICY_OPTIONS(X)              \
   X(std::string, loss_type, "ppo_clip")          \
   X(double, sapo_temperature_pos, 1.0)           \
   X(double, sapo_temperature_neg, 1.05)          \
+  X(OptDouble, dro_beta, None)                   \
+  X(double, clip_ratio_c, 3.0)                   \
   X(OptString, rollout_correction, None)         \
   X(double, rollout_cap, 3.0)                    \
   X(OptDoubles, rollout_mask_bounds, None)       \

@@ -27,6 +27,13 @@ CASES = {  # options of policy_token_loss
     "rollout-truncate": dict(rollout_correction="token_truncate", rollout_cap=1.3),
     "rollout-mask": dict(rollout_correction="token_mask", rollout_mask_bounds=(0.8, 1.25), beta=0.05, with_ref=True),
     "on-policy": dict(on_policy=True, beta=0.1, with_ref=True, kl_importance_weighted=True),
+    # verl's per-token losses
+    "gpg": dict(loss_type="gpg", rollout_correction="token_truncate", rollout_cap=1.3),
+    "dro": dict(loss_type="dro", dro_beta=0.7, beta=0.1, with_ref=True),
+    "dro-on-policy": dict(loss_type="dro", dro_beta=0.7, on_policy=True),
+    "dppo_tv": dict(loss_type="dppo_tv", epsilon_low=0.05, epsilon_high=0.08, clip_ratio_c=1.4),
+    "dppo_kl": dict(loss_type="dppo_kl", epsilon_low=0.01, epsilon_high=0.02, clip_ratio_c=1.4,
+                    rollout_correction="token_mask", rollout_mask_bounds=(0.8, 1.25)),
 }
 
 
@@ -46,7 +53,8 @@ def reference_terms(lp, old, adv, ref, rollout, o):
     adv = adv.unsqueeze(-1).expand_as(lp)
     old = lp.detach() if old is None else old
     ratio = torch.exp(lp - old)
-    s = ref_impl._surrogate(p, ratio, adv, lp, o.get("epsilon_low", 0.2), o.get("epsilon_high", 0.2), o.get("delta"))
+    s = ref_impl._surrogate(p, ratio, adv, lp, o.get("epsilon_low", 0.2), o.get("epsilon_high", 0.2), o.get("delta"),
+                            old)
     weight = torch.ones_like(lp)
     if p.rollout_correction:
         _, weight = ref_impl._rollout_weight(p, old - rollout)
@@ -58,7 +66,7 @@ def reference_terms(lp, old, adv, ref, rollout, o):
             kl = kl * ratio
         loss = loss + o.get("beta", 0.0) * kl
     low, high = ref_impl._clip_flags(p, ratio, adv, o.get("epsilon_low", 0.2), o.get("epsilon_high", 0.2),
-                                     o.get("delta"))
+                                     o.get("delta"), old, lp.detach())
     return loss, ratio, low, high, kl, weight
 
 
@@ -95,11 +103,12 @@ def test_matches_reference(case, dtype, device):
     torch.testing.assert_close(out.kl.double(), kl.detach(), **tol)
     torch.testing.assert_close(out.rollout_weight.double(), weight.detach(), **tol)
     assert torch.equal(out.clipped_low.bool(), low) and torch.equal(out.clipped_high.bool(), high)
-    if case in ("ppo_clip", "cispo", "rollout-mask"):  # the inputs reach the clipped / corrected regions
+    if case in ("ppo_clip", "cispo", "rollout-mask", "dppo_tv", "dppo_kl"):  # the clipped / corrected regions
         assert (out.clipped_low + out.clipped_high).sum() > 0 or (out.rollout_weight != out.ratio).any()
 
 
-@pytest.mark.parametrize("case", ["ppo_clip-delta", "sapo", "kl-k2-weighted", "rollout-mask"])
+@pytest.mark.parametrize("case", ["ppo_clip-delta", "sapo", "kl-k2-weighted", "rollout-mask", "gpg", "dro",
+                                  "dppo_tv", "dppo_kl"])
 def test_agrees_with_fused_grpo(case):
     """Σ ℓ_t / N from the log-probs equals grpo_loss on the logits (same options), gradient included."""
     o = dict(CASES[case])
@@ -127,8 +136,8 @@ BAD = [
     (dict(loss_mask=torch.ones(3, 5)), "loss_mask must be a bool or integer tensor, got Float"),
     (dict(loss_mask=torch.ones(3, 4, dtype=torch.bool)), "loss_mask has shape [3, 4] but log_probs has shape [3, 5]"),
     (dict(beta=0.5), "beta = 0.5 > 0 needs ref_log_probs"),
-    (dict(loss_type="vanilla"), "loss_type must be 'ppo_clip', 'cispo' or 'sapo' (sequence-level loss types are "
-                                "the fused ops'), got 'vanilla'"),
+    (dict(loss_type="vanilla"), "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'gpg', 'dro', 'dppo_tv' or "
+                                "'dppo_kl' (sequence-level loss types are the fused ops'), got 'vanilla'"),
     (dict(loss_type="vespo"), "(sequence-level loss types are the fused ops'), got 'vespo'"),
     (dict(loss_type="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be a finite value > 0, got 0"),
     (dict(kl_estimator="k4"), "kl_estimator must be 'k1', 'k2' or 'k3', got 'k4'"),

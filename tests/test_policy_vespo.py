@@ -456,7 +456,8 @@ BAD = {
                                                 r"1e-4\), got -1"),
     "lambda_neg": (dict(vespo_lambda_neg=math.inf), "vespo_lambda_neg must be a finite value >= 0"),
     "delta": (dict(delta=1.5), "delta .* applies to loss_type 'ppo_clip' only"),
-    "loss_type": (dict(loss_type="vespo2"), "loss_type must be 'ppo_clip', 'cispo', 'sapo' or 'vespo', got 'vespo2'"),
+    "loss_type": (dict(loss_type="vespo2"), "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', 'dro', "
+                                            "'dppo_tv' or 'dppo_kl', got 'vespo2'"),
 }
 
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <utility>
 
@@ -41,19 +42,13 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, c
               .epsilon_high = clip->epsilon_high,
               .delta = has_delta ? delta : std::numeric_limits<double>::infinity()};
   }
-  if (a.loss_type == "ppo_clip") {
-    o.loss_type = kPpoClip;
-  } else if (a.loss_type == "cispo") {
-    o.loss_type = kCispo;
-  } else if (a.loss_type == "sapo") {
-    o.loss_type = kSapo;
-  } else if (a.loss_type == "vespo") {
-    o.loss_type = kVespo;
-  } else {
-    TORCH_CHECK(false, op, ": loss_type must be 'ppo_clip', 'cispo', 'sapo' or 'vespo', got '", a.loss_type,
-                "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are ppo_clip with an aggregation preset: "
-                "rl_losses.aggregation.TRL_LOSS_TYPES)");
-  }
+  // The loss types by name, in PolicyLossType's order.
+  constexpr const char* kLossTypeNames[] = {"ppo_clip", "cispo", "sapo", "vespo", "gpg", "dro", "dppo_tv", "dppo_kl"};
+  const auto* found = std::find(std::begin(kLossTypeNames), std::end(kLossTypeNames), a.loss_type);
+  TORCH_CHECK(found != std::end(kLossTypeNames), op, ": loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', "
+              "'dro', 'dppo_tv' or 'dppo_kl', got '", a.loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are "
+              "ppo_clip with an aggregation preset: rl_losses.aggregation.TRL_LOSS_TYPES)");
+  o.loss_type = static_cast<int>(found - std::begin(kLossTypeNames));
   TORCH_CHECK(o.loss_type == kPpoClip || !has_delta, op, ": delta (the two-sided clip) applies to loss_type "
               "'ppo_clip' only, got loss_type '", a.loss_type, "' with delta = ", delta);
   TORCH_CHECK(o.loss_type != kCispo || !clip || clip->epsilon_high > 0, op, ": loss_type 'cispo' caps the ratio "
@@ -62,6 +57,19 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, c
                                   {"sapo_temperature_neg", a.sapo_temperature_neg}}) {
     TORCH_CHECK(std::isfinite(tau) && tau > 0, op, ": ", name, " must be a finite value > 0, got ", tau);
   }
+  // verl's dro raises without a positive policy_loss.dro_beta; a dro_beta of another loss type would be unused.
+  TORCH_CHECK(o.loss_type != kDro || a.dro_beta, op, ": loss_type 'dro' needs dro_beta (verl's "
+              "policy_loss.dro_beta), got None");
+  if (a.dro_beta) {
+    TORCH_CHECK(o.loss_type == kDro, op, ": dro_beta applies to loss_type 'dro' only, got loss_type '", a.loss_type,
+                "' with dro_beta = ", *a.dro_beta);
+    TORCH_CHECK(std::isfinite(*a.dro_beta) && *a.dro_beta > 0, op, ": dro_beta must be a finite value > 0, got ",
+                *a.dro_beta);
+    o.dro_beta = *a.dro_beta;
+  }
+  TORCH_CHECK(std::isfinite(a.clip_ratio_c) && a.clip_ratio_c > 0, op, ": clip_ratio_c (dppo_tv's and dppo_kl's cap "
+              "of the ratio) must be a finite value > 0, got ", a.clip_ratio_c);
+  o.clip_ratio_c = a.clip_ratio_c;
   o.sapo_tau_pos = a.sapo_temperature_pos;
   o.sapo_tau_neg = a.sapo_temperature_neg;
   if (fused) {
@@ -132,6 +140,12 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, c
               f.entropy_coefficient);
   o.entropy_coefficient = f.entropy_coefficient;
   return o;
+}
+
+void check_sequence_ratio_loss_type(const char* op, const PolicyOptions<double>& o, const PolicyArgs& a) {
+  TORCH_CHECK(!token_log_prob_loss_type(o.loss_type), op, ": loss_type '", a.loss_type, "' weighs each token's own "
+              "log-prob ratio, not a sequence's: use grpo (or policy_token_loss); gspo takes 'ppo_clip', 'cispo', "
+              "'sapo' or 'vespo'");
 }
 
 at::Tensor broadcast_per_sequence(const at::Tensor& t, const at::Tensor& target) {

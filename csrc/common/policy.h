@@ -26,6 +26,8 @@ PolicyOptions<T> policy_options_as(const PolicyOptions<double>& o) {
           .loss_type = o.loss_type,
           .sapo_tau_pos = T(o.sapo_tau_pos),
           .sapo_tau_neg = T(o.sapo_tau_neg),
+          .dro_beta = T(o.dro_beta),
+          .clip_ratio_c = T(o.clip_ratio_c),
           .beta = T(o.beta),
           .kl_estimator = o.kl_estimator,
           .kl_importance_weighted = o.kl_importance_weighted,
@@ -68,6 +70,10 @@ void check_clip(const char* op, const ClipArgs& clip, double beta, bool has_ref_
 // gspo_document_sums, whose sums no clip reads); `has_rollout`: rollout_log_probs was given.
 PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, const FusedPolicyArgs* fused,
                                           const ClipArgs* clip, double beta, bool has_rollout);
+
+// GSPO's refusal of the loss types over each token's own log-probs (gpg, dro, dppo_tv, dppo_kl): its ratio is the
+// sequence's; GRPO and policy_token_loss have them.
+void check_sequence_ratio_loss_type(const char* op, const PolicyOptions<double>& o, const PolicyArgs& a);
 
 // The plain objective of the fused head's policy terms: ppo_clip at the clip, the k3 KL weighted by beta.
 PolicyOptions<double> plain_policy_options(const ClipArgs& clip, double beta);

@@ -17,7 +17,8 @@ namespace rl_losses {
 // advantage A and the log-prob lp of the label. `coef` is −∂ℓ/∂lp, so the gradient w.r.t. x is coef·(p − onehot).
 // Every coefficient that a clip, cap or mask switches off is an exact 0, never 0·inf: the ratio of a token far
 // off-policy may overflow to inf, and its gradient must still be finite.
-enum PolicyLossType : int { kPpoClip = 0, kCispo = 1, kSapo = 2, kVespo = 3 };
+enum PolicyLossType : int { kPpoClip = 0, kCispo = 1, kSapo = 2, kVespo = 3, kGpg = 4, kDro = 5, kDppoTv = 6,
+                             kDppoKl = 7 };
 enum KlEstimator : int { kKlK1 = 1, kKlK2 = 2, kKlK3 = 3 };
 enum RolloutMode : int { kRolloutNone = 0, kRolloutTruncate = 1, kRolloutMask = 2 };
 
@@ -27,6 +28,8 @@ struct PolicyOptions {
   int loss_type;          // PolicyLossType
   T sapo_tau_pos;         // SAPO temperature where A > 0
   T sapo_tau_neg;         // SAPO temperature where A <= 0
+  T dro_beta;             // dro: the penalty β/2·(lp − old)²
+  T clip_ratio_c;         // dppo_*: the ratio's truncation cap
   T beta;                 // KL penalty towards ref_log_probs; 0 disables it
   int kl_estimator;       // KlEstimator
   bool kl_importance_weighted;  // sg(r)·KL
@@ -109,8 +112,47 @@ C10_HOST_DEVICE inline PolicyToken<T> vespo_surrogate(T phi, T ratio, T advantag
   return {-zero_or_product(phi * advantage, log_prob), phi * advantage, ratio};
 }
 
+// The loss types of verl's menu that read the token's own log-probs, δ = lp − old (not only r): per token alone,
+// so GRPO and policy_token_loss have them; GSPO, whose ratio is the sequence's, does not.
+//   gpg:  ℓ = −A·lp                       coef = A
+//   dro:  ℓ = −(A·lp − β/2·δ²)            coef = A − β·δ          (β: dro_beta)
+C10_HOST_DEVICE inline bool token_log_prob_loss_type(int loss_type) { return loss_type >= kGpg; }
+template <typename T>
+C10_HOST_DEVICE inline PolicyToken<T> gpg_dro_surrogate(const PolicyOptions<T>& o, T ratio, T advantage, T log_prob,
+                                                        T old_log_prob) {
+  const T loss = -zero_or_product(advantage, log_prob);
+  if (o.loss_type == kGpg) return {loss, advantage, ratio};
+  const T delta = log_prob - old_log_prob;
+  return {loss + T(0.5) * o.dro_beta * delta * delta, advantage - o.dro_beta * delta, ratio};
+}
+
+// DPPO-Binary-TV / -KL (verl's compute_policy_loss_dppo_tv/_kl, arXiv 2602.04879): a trust region on the
+// probabilities p = e^lp, p_old = e^old, judged on the side the advantage pushes; v = 1 inside it, 0 outside:
+//   dppo_tv: A > 0: p − p_old <= ε_h;   else p − p_old >= −ε_l
+//   dppo_kl: D = p_old·(old − lp) + (1 − p_old)·log((1 − p_old + 1e-8) / (1 − p + 1e-8));
+//            A > 0: D <= ε_h or p <= p_old;   else D <= ε_l or p >= p_old
+// and ℓ = −A·sg(min(r̃, c))·lp·v, r̃ = exp(clamp(δ, ±20)) (verl's clamp), c = clip_ratio_c; coef = A·min(r̃, c)·v.
+constexpr double kDppoLogRatioBound = 20.0;
+template <typename T>
+C10_HOST_DEVICE inline bool dppo_inside(const PolicyOptions<T>& o, T log_prob, T old_log_prob, T advantage) {
+  const T p = ::exp(log_prob);
+  const T p_old = ::exp(old_log_prob);
+  const bool pos = advantage > T(0);
+  if (o.loss_type == kDppoTv) return pos ? p - p_old <= o.clip.epsilon_high : p - p_old >= -o.clip.epsilon_low;
+  const T d = p_old * (old_log_prob - log_prob) +
+              (T(1) - p_old) * ::log((T(1) - p_old + T(1e-8)) / (T(1) - p + T(1e-8)));
+  return pos ? (d <= o.clip.epsilon_high || p <= p_old) : (d <= o.clip.epsilon_low || p >= p_old);
+}
+template <typename T>
+C10_HOST_DEVICE inline PolicyToken<T> dppo_surrogate(const PolicyOptions<T>& o, bool inside, T ratio, T advantage,
+                                                     T log_prob, T old_log_prob) {
+  const T r = ::exp(clamp_keep_nan(log_prob - old_log_prob, T(-kDppoLogRatioBound), T(kDppoLogRatioBound)));
+  const T w = !inside ? T(0) : r > o.clip_ratio_c ? o.clip_ratio_c : r;
+  return {-zero_or_product(w * advantage, log_prob), w * advantage, ratio};
+}
+
 // Clipped-fraction flags per loss type: ppo_clip's low/high bounds; cispo's cap (r > ε_h and A > 0, counted as
-// "high", as TRL's cispo_clip_ratio); none for sapo's soft gate.
+// "high", as TRL's cispo_clip_ratio); none for sapo's soft gate, gpg, dro (dppo's: policy_token).
 template <typename T>
 C10_HOST_DEVICE inline bool policy_clipped_low(const PolicyOptions<T>& o, T ratio, T advantage) {
   return o.loss_type == kPpoClip && clipped_low(o.clip, ratio, advantage);
@@ -171,6 +213,9 @@ template <typename T>
 struct PolicyTokenTerms {
   PolicyToken<T> t;
   T kl;  // the KL estimate (importance weighted when asked), 0 without a reference
+  // The clipped-fraction flags: policy_clipped_low/high, or dppo's tokens outside its trust region ("high" where
+  // A > 0, "low" elsewhere).
+  bool clipped_low, clipped_high;
 };
 // `vespo_phi`: the token's φ (loss type vespo only, computed from its sequence's sums beforehand).
 template <typename T>
@@ -178,8 +223,20 @@ C10_HOST_DEVICE inline PolicyTokenTerms<T> policy_token(const PolicyOptions<T>& 
                                                         T advantage, bool has_ref, T ref_log_prob, T rollout_w,
                                                         T vespo_phi = T(1)) {
   const T ratio = ::exp(log_prob - old_log_prob);
-  PolicyToken<T> t = o.loss_type == kVespo ? vespo_surrogate(vespo_phi, ratio, advantage, log_prob)
-                                           : policy_surrogate(o, ratio, advantage, log_prob);
+  PolicyToken<T> t;
+  bool low, high;
+  if (o.loss_type == kDppoTv || o.loss_type == kDppoKl) {
+    const bool inside = dppo_inside(o, log_prob, old_log_prob, advantage);
+    t = dppo_surrogate(o, inside, ratio, advantage, log_prob, old_log_prob);
+    high = !inside && advantage > T(0);
+    low = !inside && !(advantage > T(0));
+  } else {
+    t = o.loss_type == kVespo                     ? vespo_surrogate(vespo_phi, ratio, advantage, log_prob)
+        : token_log_prob_loss_type(o.loss_type) ? gpg_dro_surrogate(o, ratio, advantage, log_prob, old_log_prob)
+                                                  : policy_surrogate(o, ratio, advantage, log_prob);
+    low = policy_clipped_low(o, ratio, advantage);
+    high = policy_clipped_high(o, ratio, advantage);
+  }
   t.loss = zero_or_product(rollout_w, t.loss);
   t.coef = zero_or_product(rollout_w, t.coef);
   T kl = T(0);
@@ -197,7 +254,7 @@ C10_HOST_DEVICE inline PolicyTokenTerms<T> policy_token(const PolicyOptions<T>& 
       t.coef -= o.beta * k.slope;
     }
   }
-  return {t, kl};
+  return {t, kl, low, high};
 }
 
 }  // namespace rl_losses

@@ -1,6 +1,7 @@
-// GRPO: the per-token importance ratio under the policy family's loss types (ppo_clip, cispo, sapo), rollout
-// correction, KL penalty and entropy bonus (docs/policy_losses.md), fused with its metrics. The row-pass
-// epilogue and the device-independent forward shared by the CPU and CUDA registrations.
+// GRPO: the per-token importance ratio under the policy family's loss types (ppo_clip, cispo, sapo, vespo and
+// verl's gpg, dro, dppo_tv, dppo_kl), rollout correction, KL penalty and entropy bonus (docs/policy_losses.md),
+// fused with its metrics. The row-pass epilogue and the device-independent forward shared by the CPU and CUDA
+// registrations.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -69,8 +70,8 @@ struct GrpoEpilogue {
     o[kGrpoLoss] = zero_or_product(w, t.t.loss - c * h);
     log_probs[row] = lp;
     o[kGrpoRatio] = t.t.ratio;
-    o[kGrpoLow] = policy_clipped_low(opt, t.t.ratio, adv) ? acc_t(1) : acc_t(0);
-    o[kGrpoHigh] = policy_clipped_high(opt, t.t.ratio, adv) ? acc_t(1) : acc_t(0);
+    o[kGrpoLow] = t.clipped_low ? acc_t(1) : acc_t(0);
+    o[kGrpoHigh] = t.clipped_high ? acc_t(1) : acc_t(0);
     o[kGrpoKlOld] = k3(old - lp);
     o[kGrpoEntropy] = h;
     o[kGrpoKl] = t.kl;

@@ -41,6 +41,7 @@ at::Tensor gspo_document_sums(const DocumentSumsArgs& a, const GspoBackend& back
   const auto acc = acc_dtype(a.log_probs.scalar_type());
   GspoState g;
   g.opt = make_policy_options(op, a.policy, nullptr, nullptr, a.beta, a.rollout_log_probs.has_value());
+  check_sequence_ratio_loss_type(op, g.opt, a.policy);
   g.token_advantages = a.token_advantages;
   g.token_weighting = a.weighting == "token";
   g.num_documents = a.num_documents;
@@ -68,6 +69,7 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
   const auto acc = opts.dtype().toScalarType();
   GspoState g;
   g.opt = make_policy_options(op, a.policy, &a.fused, &a.clip, a.beta, a.rollout_log_probs.has_value());
+  check_sequence_ratio_loss_type(op, g.opt, a.policy);
   g.target = f.target1d;
   g.document = check_per_token_int(op, "document_index", a.document_index, target);
   if (a.old_log_probs) g.old_log_probs = check_per_token(op, "old_log_probs", *a.old_log_probs, target, acc);

@@ -21,9 +21,10 @@ PolicyTokenResults policy_token_loss(const PolicyTokenArgs& a, PolicyTokenKernel
   // Loss types whose token loss depends on the rest of its sequence are the fused ops' alone: named here, so that
   // a loss type added to the shared options is not taken elementwise unless it is elementwise.
   const std::string& loss_type = a.policy.loss_type;
-  TORCH_CHECK(loss_type == "ppo_clip" || loss_type == "cispo" || loss_type == "sapo", op,
-              ": loss_type must be 'ppo_clip', 'cispo' or 'sapo' (sequence-level loss types are the fused ops'), "
-              "got '", loss_type, "'");
+  TORCH_CHECK(loss_type == "ppo_clip" || loss_type == "cispo" || loss_type == "sapo" || loss_type == "gpg" ||
+                  loss_type == "dro" || loss_type == "dppo_tv" || loss_type == "dppo_kl",
+              op, ": loss_type must be 'ppo_clip', 'cispo', 'sapo', 'gpg', 'dro', 'dppo_tv' or 'dppo_kl' "
+              "(sequence-level loss types are the fused ops'), got '", loss_type, "'");
   // The sequence-level modes need every token of a sequence: the fused ops have them, an elementwise op not.
   TORCH_CHECK(!sequence_level_rollout(a.policy), op, ": rollout_correction must be None, 'token_truncate' or "
               "'token_mask' (the sequence-level modes are the fused ops'), got '", a.policy.rollout_correction.value_or(""),

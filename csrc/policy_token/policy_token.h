@@ -20,8 +20,8 @@ enum PolicyTokenOutput : int {
   kPtLoss = 0,      // ℓ_t: the surrogate (times the rollout weight) + β·KL_t
   kPtGrad,          // ∂ℓ_t/∂lp_t
   kPtRatio,         // r_t = exp(lp_t − old_t)
-  kPtLow,           // 1 where the ratio is clipped below (ppo_clip), else 0
-  kPtHigh,          // 1 where clipped above (ppo_clip) or capped (cispo), else 0
+  kPtLow,           // 1 where the ratio is clipped below (ppo_clip) or outside dppo's region with A <= 0, else 0
+  kPtHigh,          // 1 where clipped above (ppo_clip), capped (cispo) or outside dppo's region with A > 0, else 0
   kPtKl,            // KL_t (importance weighted when asked), 0 without ref_log_probs
   kPtRolloutWeight, // ω_t, 1 without a rollout correction
   kPolicyTokenOutputs
@@ -53,8 +53,8 @@ C10_HOST_DEVICE inline void policy_token_at(const PolicyOptions<T>& o, const Pol
   p.out[kPtLoss][i] = t.t.loss;
   p.out[kPtGrad][i] = -t.t.coef;  // coef is −∂ℓ/∂lp (the logits' gradient is coef·(p − onehot))
   p.out[kPtRatio][i] = t.t.ratio;
-  p.out[kPtLow][i] = policy_clipped_low(o, t.t.ratio, adv) ? T(1) : T(0);
-  p.out[kPtHigh][i] = policy_clipped_high(o, t.t.ratio, adv) ? T(1) : T(0);
+  p.out[kPtLow][i] = t.clipped_low ? T(1) : T(0);
+  p.out[kPtHigh][i] = t.clipped_high ? T(1) : T(0);
   p.out[kPtKl][i] = t.kl;
   p.out[kPtRolloutWeight][i] = rw;
 }

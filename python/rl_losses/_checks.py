@@ -6,7 +6,7 @@ ids against the vocabulary, max(document_index) + 1, DPO's pairing) stay with th
 because a fake kernel sees symbolic shapes and must create the data-dependent size of GSPO's per-document results,
 which a C++ meta kernel cannot (docs/design.md); tests/test_fake_checks.py runs a bad input for every TORCH_CHECK
 message of csrc/ on the real op, on meta tensors and under FakeTensorMode, and compares the messages.
-The distillation, DPO and fused-head checks are in ``_checks_heads.py``.
+The distillation, DPO, fused-head and token_log_probs checks are in ``_checks_heads.py``.
 """
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ _DTYPE_NAMES = {
 # csrc/common/checks.h: kMaxDocuments.
 MAX_DOCUMENTS = 1 << 31
 # The values the C++ checks accept (common/policy.cpp, common/checks.cpp).
-POLICY_LOSS_TYPES = ("ppo_clip", "cispo", "sapo", "vespo")
-TOKEN_LOSS_TYPES = ("ppo_clip", "cispo", "sapo")  # policy_token_loss's: the elementwise ones
+TOKEN_LOSS_TYPES = ("ppo_clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl")  # policy_token_loss's
+POLICY_LOSS_TYPES = (*TOKEN_LOSS_TYPES[:3], "vespo", *TOKEN_LOSS_TYPES[3:])
+TOKEN_LOG_PROB_LOSS_TYPES = TOKEN_LOSS_TYPES[3:]  # over each token's own log-probs: not GSPO's
 ROLLOUT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 GSPO_WEIGHTINGS = ("document", "token")
@@ -274,18 +275,27 @@ def check_clip(op, a):
     check_beta(op, a["beta"], a["ref_log_probs"])
 
 
-def policy_options(op, a, *, fused: bool, clip: bool):
+def policy_options(op, a, *, fused: bool, clip: bool, sequence_ratio: bool = False):
     """make_policy_options: `fused` the fused ops' options (entropy bonus, VESPO) are arguments, `clip` the clipped
-    objective's."""
+    objective's; `sequence_ratio` (GSPO's) then check_sequence_ratio_loss_type."""
     loss_type, delta = a["loss_type"], a["delta"] if clip else None
-    _check(loss_type in POLICY_LOSS_TYPES, op, "loss_type must be 'ppo_clip', 'cispo', 'sapo' or 'vespo', got '",
-           loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are ppo_clip with an aggregation preset: "
-           "rl_losses.aggregation.TRL_LOSS_TYPES)")
+    _check(loss_type in POLICY_LOSS_TYPES, op, "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', 'dro', "
+           "'dppo_tv' or 'dppo_kl', got '", loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are ppo_clip "
+           "with an aggregation preset: rl_losses.aggregation.TRL_LOSS_TYPES)")
     _check(loss_type == "ppo_clip" or delta is None, op, "delta (the two-sided clip) applies to loss_type "
            "'ppo_clip' only, got loss_type '", loss_type, "' with delta = ", _num(delta if delta is not None else 0.0))
     epsilon_high = a["epsilon_high"] if clip else 0.0
     _check(loss_type != "cispo" or not clip or epsilon_high > 0, op, "loss_type 'cispo' caps the ratio at "
            "epsilon_high, which must be > 0, got ", _num(epsilon_high))
+    beta, c = a["dro_beta"], a["clip_ratio_c"]
+    _check(loss_type != "dro" or beta is not None, op, "loss_type 'dro' needs dro_beta (verl's policy_loss.dro_beta), "
+           "got None")
+    if beta is not None:
+        _check(loss_type == "dro", op, "dro_beta applies to loss_type 'dro' only, got loss_type '", loss_type,
+               "' with dro_beta = ", _num(beta))
+        _check(math.isfinite(beta) and beta > 0, op, "dro_beta must be a finite value > 0, got ", _num(beta))
+    _check(math.isfinite(c) and c > 0, op, "clip_ratio_c (dppo_tv's and dppo_kl's cap of the ratio) must be a finite "
+           "value > 0, got ", _num(c))
     for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
         tau = a[name]
         _check(math.isfinite(tau) and tau > 0, op, name, " must be a finite value > 0, got ", _num(tau))
@@ -320,8 +330,11 @@ def policy_options(op, a, *, fused: bool, clip: bool):
                "'token_mask', 'sequence_truncate', 'sequence_mask')")
         _check(bounds is None, op, "rollout_mask_bounds given without a '*_mask' rollout_correction")
     if fused:
-        c = a["entropy_coefficient"]
-        _check(math.isfinite(c), op, "entropy_coefficient must be finite, got ", _num(c))
+        e = a["entropy_coefficient"]
+        _check(math.isfinite(e), op, "entropy_coefficient must be finite, got ", _num(e))
+    _check(not sequence_ratio or loss_type not in TOKEN_LOG_PROB_LOSS_TYPES, op, "loss_type '", loss_type, "' weighs "
+           "each token's own log-prob ratio, not a sequence's: use grpo (or policy_token_loss); gspo takes "
+           "'ppo_clip', 'cispo', 'sapo' or 'vespo'")
 
 
 def sequence_ids(op, document_index, num_documents, target, why):
@@ -381,7 +394,7 @@ def gspo(op, a, x):
     check_divisor(op, a["divisor"])
     check_row_stats(op, a.get("row_stats"), x, target.numel())
     check_weighting(op, a["weighting"])
-    policy_options(op, a, fused=True, clip=True)
+    policy_options(op, a, fused=True, clip=True, sequence_ratio=True)
     document_index = a["document_index"]
     check_per_token_int(op, "document_index", document_index, target)
     if a["old_log_probs"] is not None:
@@ -420,7 +433,7 @@ def document_sums(a):
     check_weighting(op, a["weighting"])
     beta = a["beta"]
     _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
-    policy_options(op, a, fused=False, clip=False)
+    policy_options(op, a, fused=False, clip=False, sequence_ratio=True)
     check_per_token(op, "log_probs", a["log_probs"], target)
     check_per_token_int(op, "target", target, target)
     check_per_token(op, "advantages", a["advantages"], target)
@@ -438,8 +451,8 @@ def policy_token(a):
     _check(log_probs.dtype.is_floating_point, op, "log_probs must be a floating-point tensor, got ",
            _dt(log_probs.dtype))
     check_clip(op, a)
-    _check(a["loss_type"] in TOKEN_LOSS_TYPES, op, "loss_type must be 'ppo_clip', 'cispo' or 'sapo' (sequence-level "
-           "loss types are the fused ops'), got '", a["loss_type"], "'")
+    _check(a["loss_type"] in TOKEN_LOSS_TYPES, op, "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'gpg', 'dro', "
+           "'dppo_tv' or 'dppo_kl' (sequence-level loss types are the fused ops'), got '", a["loss_type"], "'")
     _check(not sequence_level_rollout(a), op, "rollout_correction must be None, 'token_truncate' or 'token_mask' (the "
            "sequence-level modes are the fused ops'), got '", a["rollout_correction"] or "", "'")
     policy_options(op, a, fused=False, clip=True)
@@ -475,20 +488,3 @@ def sampler(op, a, x):
     total = start + vocab if total < 0 else total
     _check(start == 0 and vocab == total, op, "top_k, top_p and min_p need each row's whole vocabulary; they are not ",
            "available with a vocabulary shard (vocab_start ", start, ", vocab_size ", total, ", shard of ", vocab, ")")
-
-
-# ---- token_log_probs/token_log_probs.cpp -------------------------------------------------------------------------
-def token_log_probs(op, a, x):
-    check_scale(op, a["logits_scale_factor"])
-    check_row_stats(op, a.get("row_stats"), x, a["target"].numel())
-    sampler(op, a, x)
-
-
-def token_log_probs_backward(op, a, x):
-    target = a["target"]
-    check_scale(op, a["logits_scale_factor"])
-    check_row_stats(op, a["stats"], x, target.numel())
-    for name in ("grad_log_probs", "grad_entropy"):
-        if a[name] is not None:
-            check_per_token(op, name, a[name], target)
-    sampler(op, a, x)

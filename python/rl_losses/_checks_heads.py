@@ -1,6 +1,6 @@
-"""The checks of the distillation, DPO and fused-head ops (csrc/distillation, csrc/dpo, csrc/fused_head), as
-``_checks.py`` holds the others': the same conditions in the same order, the same messages, over the call's
-arguments by name."""
+"""The checks of the distillation, DPO, fused-head and token_log_probs ops (csrc/distillation, csrc/dpo,
+csrc/fused_head, csrc/token_log_probs), as ``_checks.py`` holds the others': the same conditions in the same order,
+the same messages, over the call's arguments by name."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import torch
 
 from rl_losses._checks import (_check, _dt, _integral, _num, _shape, acc_dtype, check_beta, check_clip,
                                 check_divisor, check_epsilons, check_loss_mask, check_label_counts, check_num_documents, check_per_token,
-                                check_per_token_int, check_row_stats, check_scale, check_weighting)
+                                check_per_token_int, check_row_stats, check_scale, check_weighting, sampler)
 from rl_losses._schema import DISTILL_STATS
 
 # ---- distillation/distillation.cpp ---------------------------------------------------------------------------------
@@ -203,3 +203,20 @@ def _fused_head_gspo(op, a):
         check_label_counts(op, a["label_counts"], target)
     if a["num_documents"] is not None:
         check_num_documents(op, a["num_documents"])
+
+
+# ---- token_log_probs/token_log_probs.cpp -------------------------------------------------------------------------
+def token_log_probs(op, a, x):
+    check_scale(op, a["logits_scale_factor"])
+    check_row_stats(op, a.get("row_stats"), x, a["target"].numel())
+    sampler(op, a, x)
+
+
+def token_log_probs_backward(op, a, x):
+    target = a["target"]
+    check_scale(op, a["logits_scale_factor"])
+    check_row_stats(op, a["stats"], x, target.numel())
+    for name in ("grad_log_probs", "grad_entropy"):
+        if a[name] is not None:
+            check_per_token(op, name, a[name], target)
+    sampler(op, a, x)

@@ -150,7 +150,7 @@ def _token_log_probs(name, with_stats):
     def fake(a):
         x = _checks.source(name, a)
         target = a["target"]
-        _checks.token_log_probs(name, a, x)
+        _checks_heads.token_log_probs(name, a, x)
         out = {"log_probs": _like_target(x, target),
                "entropy": _like_target(x, target) if a["compute_entropy"] else _empty(x, [0])}
         if with_stats:  # the statistics for the backward, unless given (row_stats: those are the backward's)
@@ -167,7 +167,7 @@ for _name in ("token_log_probs", "linear_token_log_probs"):
 
 def _token_log_probs_backward(a):
     x = _checks.source("token_log_probs", a)
-    _checks.token_log_probs_backward("token_log_probs", a, x)
+    _checks_heads.token_log_probs_backward("token_log_probs", a, x)
     return {"grad": torch.empty_like(x, memory_format=torch.contiguous_format)}
 
 
@@ -175,7 +175,7 @@ def _linear_token_log_probs_backward(a):
     op = "linear_token_log_probs"
     x = _checks.source(op, a)
     if _checks.linear_wants_grad(a):
-        _checks.token_log_probs_backward(op, a, x)
+        _checks_heads.token_log_probs_backward(op, a, x)
     return _linear_grads(a)
 
 

@@ -22,7 +22,8 @@ import typing
 from typing import Any, ClassVar
 
 from rl_losses import fused_head, losses
-from rl_losses._checks import GSPO_WEIGHTINGS, KL_ESTIMATORS, POLICY_LOSS_TYPES, ROLLOUT_MODES
+from rl_losses._checks import (GSPO_WEIGHTINGS, KL_ESTIMATORS, POLICY_LOSS_TYPES, ROLLOUT_MODES,
+                               TOKEN_LOG_PROB_LOSS_TYPES)
 from rl_losses._checks_heads import DISTILL_KINDS
 from rl_losses._schema import default
 
@@ -211,7 +212,9 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
         entropy, fused into the kernel's pass).
     beta: KL penalty towards the reference policy, per token (>= 0; > 0 needs ``ref_log_probs`` in the batch).
     The policy family (docs/policy_losses.md; the options of rl_losses.grpo_loss / gspo_loss): loss_type
-        ("ppo_clip", "cispo", "sapo", "vespo"), sapo_temperature_pos / sapo_temperature_neg (> 0), vespo_k_pos /
+        ("ppo_clip", "cispo", "sapo", "vespo"; GRPO also verl's "gpg", "dro", "dppo_tv", "dppo_kl"), dro_beta ("dro"
+        only, required there, > 0), clip_ratio_c (> 0, dppo's cap of the ratio), sapo_temperature_pos /
+        sapo_temperature_neg (> 0), vespo_k_pos /
         vespo_k_neg (finite) and vespo_lambda_pos / vespo_lambda_neg (>= 0; TRL's names), rollout_correction (None,
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"; needs ``rollout_log_probs`` in the
         batch), rollout_cap (> 0), rollout_mask_bounds ((lo, hi), lo < hi, "*_mask" modes), kl_estimator ("k1",
@@ -227,6 +230,8 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
     loss_type: str = default("grpo", "loss_type")
     sapo_temperature_pos: float = default("grpo", "sapo_temperature_pos")
     sapo_temperature_neg: float = default("grpo", "sapo_temperature_neg")
+    dro_beta: float | None = default("grpo", "dro_beta")
+    clip_ratio_c: float = default("grpo", "clip_ratio_c")
     rollout_correction: str | None = default("grpo", "rollout_correction")
     rollout_cap: float = default("grpo", "rollout_cap")
     rollout_mask_bounds: tuple[float, float] | None = default("grpo", "rollout_mask_bounds")
@@ -250,6 +255,10 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
         self._check_float("delta", low=0.0, low_inclusive=False, optional=True)
         self._check_float("sapo_temperature_pos", low=0.0, low_inclusive=False)
         self._check_float("sapo_temperature_neg", low=0.0, low_inclusive=False)
+        if (self.dro_beta is None) == (self.loss_type == "dro"):
+            self._fail("dro_beta", "a value > 0 with loss_type='dro' (verl's policy_loss.dro_beta), None otherwise")
+        self._check_float("dro_beta", low=0.0, low_inclusive=False, optional=True)
+        self._check_float("clip_ratio_c", low=0.0, low_inclusive=False)
         for name in ("vespo_k_pos", "vespo_k_neg"):
             self._check_float(name)
         for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
@@ -319,6 +328,8 @@ class LanguageModelGSPOLossConfig(LanguageModelPolicyGradientLossConfig):
         super()._validate()
         self._check_choice("weighting", GSPO_WEIGHTINGS)
         self._check_bool("token_advantages")
+        if self.loss_type in TOKEN_LOG_PROB_LOSS_TYPES:
+            self._fail("loss_type", "one of 'ppo_clip', 'cispo', 'sapo', 'vespo' (the sequence ratio's)")
 
     @property
     def loss_class(self) -> type[losses.LanguageModelGSPOLoss]:

@@ -120,6 +120,11 @@ _POLICY_DOC = """
             sequences as for a sequence-level correction; its weight needs every token's log-prob first, so it
             reads the logits twice unless on-policy without a correction). TRL's grpo/bnpo/dapo/dr_grpo/luspo are
             "ppo_clip" with an aggregation preset (rl_losses.aggregation). delta is for "ppo_clip" only.
+            verl's per-token losses (GRPO and policy_token_loss only; GSPO's ratio is the sequence's): "gpg"
+            (−A·lp), "dro" (−(A·lp − dro_beta/2·(lp − old)²), dro_beta > 0 required, verl's
+            policy_loss.dro_beta), "dppo_tv" / "dppo_kl" (−A·sg(min(r, clip_ratio_c))·lp on the tokens inside
+            DPPO's trust region on the probabilities, whose bounds are epsilon_low / epsilon_high, verl's
+            clip_ratio_low / clip_ratio_high; 0 outside).
         rollout_log_probs: (...) the inference engine's log-probs; ρ = exp(old − rollout).
         rollout_correction: None, "token_truncate", "token_mask", "sequence_truncate" or "sequence_mask" (TRL's
             vllm_importance_sampling_mode): the surrogate of each token (not its KL or entropy term) is

@@ -21,7 +21,8 @@ class PolicyTokenOutput(NamedTuple):
 
     loss: ℓ_t (the surrogate times the rollout weight, plus β·KL_t), differentiable w.r.t. ``log_probs``; every
     other field is detached. ratio: r_t = exp(lp_t − old_t). clipped_low / clipped_high: 1.0 where the ratio is
-    clipped below / above (ppo_clip, TRL's flags on min(r, δ)) or capped (cispo, as "high"), else 0. kl: KL_t
+    clipped below / above (ppo_clip, TRL's flags on min(r, δ)), capped (cispo, as "high") or outside DPPO's trust
+    region (dppo_tv / dppo_kl: "high" where A > 0, "low" elsewhere), else 0. kl: KL_t
     (importance weighted with ``kl_importance_weighted``), 0 without ``ref_log_probs``. rollout_weight: ω_t, 1
     without a rollout correction. Every field is 0 outside ``loss_mask``.
     """
@@ -62,7 +63,8 @@ def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | Non
         log_probs: (...) float, the current policy's log-prob of each label (differentiable).
         old_log_probs: (...) float, the sampling policy's; None for on-policy (r ≡ 1, with ∂r/∂lp = 1).
         advantages: (...) float per token, or (B,) per sequence for (B, T) log-probs.
-        The options are ``rl_losses.grpo_loss``'s (``loss_type`` ppo_clip / cispo / sapo, ``delta``,
+        The options are ``rl_losses.grpo_loss``'s (``loss_type`` ppo_clip / cispo / sapo and verl's gpg / dro /
+        dppo_tv / dppo_kl with ``dro_beta`` / ``clip_ratio_c``, ``delta``,
         ``ref_log_probs``/``beta``/``kl_estimator``/``kl_importance_weighted``), and its token-level rollout
         correction (``rollout_correction`` 'token_truncate' / 'token_mask' with ``rollout_log_probs``); the
         sequence-level modes and the entropy bonus need the fused ops.

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from rl_losses import reference_verl
 from rl_losses.outputs import DistillationOutput, DpoOutput, FusedHeadOutput, PolicyLossOutput  # noqa: F401
 from rl_losses.reference_sampler import filtered
 
@@ -22,6 +23,8 @@ class Policy(NamedTuple):
     loss_type: str = "ppo_clip"
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    dro_beta: float | None = None
+    clip_ratio_c: float = 3.0
     rollout_correction: str | None = None
     rollout_cap: float = 3.0
     rollout_mask_bounds: tuple[float, float] | None = None
@@ -208,7 +211,7 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
         phi, share = _vespo_weights(p, lp.detach(), old, adv, mask, sequence, log_rho, old_log_probs is None)
         per_token = -(phi * adv) * lp
     else:
-        per_token = _surrogate(p, ratio, adv, lp, epsilon_low, epsilon_high, delta)
+        per_token = _surrogate(p, ratio, adv, lp, epsilon_low, epsilon_high, delta, old)
     per_token, rho, weight = _rollout_corrected(per_token, p, log_rho, mask, sequence)
     kl = None
     if ref_log_probs is not None:
@@ -235,7 +238,7 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
         counts = maskf if label_counts is None else label_counts.to(logp.dtype).clamp_min(1)
         doc_weight = torch.where(mask, 1 / counts, 0.0)
         new_logprobs = (doc_weight * lp).sum() / doc_weight.sum().clamp_min(1e-30)
-        low_flag, high_flag = _clip_flags(p, ratio, adv, epsilon_low, epsilon_high, delta)
+        low_flag, high_flag = _clip_flags(p, ratio, adv, epsilon_low, epsilon_high, delta, old, lp)
         low, high = mean(low_flag.to(logp.dtype)), mean(high_flag.to(logp.dtype))
         kl_old = mean(_k3(old - lp))
         with_entropy = compute_entropy or p.entropy_coefficient != 0.0
@@ -250,8 +253,24 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
                             kl_mean, *rollout, phi_mean, loss_type=p.loss_type)
 
 
-def _surrogate(p: Policy, ratio, adv, lp, epsilon_low, epsilon_high, delta=None):
-    """The per-token objective of each loss type at ratio r (docs/policy_losses.md; vespo's: _vespo_weights)."""
+# The loss types over each token's own log-probs (verl's gpg, dro, dppo_tv, dppo_kl): reference_verl's formulas.
+TOKEN_LOG_PROB_LOSS_TYPES = ("gpg", "dro", "dppo_tv", "dppo_kl")
+
+
+def _verl_options(p: Policy, epsilon_low, epsilon_high):
+    if p.loss_type == "dro":
+        return dict(beta=p.dro_beta)
+    if p.loss_type.startswith("dppo"):
+        return dict(clip_low=epsilon_low, clip_high=epsilon_high, clip_ratio_c=p.clip_ratio_c)
+    return {}
+
+
+def _surrogate(p: Policy, ratio, adv, lp, epsilon_low, epsilon_high, delta=None, old=None):
+    """The per-token objective of each loss type at ratio r (docs/policy_losses.md; vespo's: _vespo_weights; the
+    per-token loss types of verl's menu read the old log-probs ``old`` too)."""
+    if p.loss_type in TOKEN_LOG_PROB_LOSS_TYPES:
+        return reference_verl.PER_TOKEN[p.loss_type](old, lp, adv, torch.ones_like(lp),
+                                                     **_verl_options(p, epsilon_low, epsilon_high))[0]
     if p.loss_type == "cispo":
         return -ratio.clamp(max=epsilon_high).detach() * adv * lp
     if p.loss_type == "sapo":
@@ -263,8 +282,13 @@ def _surrogate(p: Policy, ratio, adv, lp, epsilon_low, epsilon_high, delta=None)
     return -torch.minimum(capped * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
 
 
-def _clip_flags(p: Policy, ratio, adv, epsilon_low, epsilon_high, delta=None):
-    # TRL's clip_ratio flags, on its coef_1 after the two-sided clip min(r, δ).
+def _clip_flags(p: Policy, ratio, adv, epsilon_low, epsilon_high, delta=None, old=None, lp=None):
+    # TRL's clip_ratio flags, on its coef_1 after the two-sided clip min(r, δ); dppo's: outside its trust region,
+    # "high" where A > 0.
+    if p.loss_type.startswith("dppo"):
+        outside = ~reference_verl.dppo_trust_region(p.loss_type, old, lp, adv, clip_low=epsilon_low,
+                                                    clip_high=epsilon_high)
+        return outside & ~(adv > 0), outside & (adv > 0)
     if p.loss_type == "ppo_clip":
         capped = ratio if delta is None else ratio.clamp(max=delta)
         return (capped < 1 - epsilon_low) & (adv < 0), (capped > 1 + epsilon_high) & (adv > 0)

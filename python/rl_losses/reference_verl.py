@@ -161,23 +161,49 @@ def _dppo(divergence_ok, old_log_prob, log_prob, advantages, mask, clip_ratio_c)
     return -advantages * ratio.clamp(max=clip_ratio_c).detach() * log_prob * valid, metrics
 
 
+def dppo_trust_region(name, old_log_prob, log_prob, advantages, *, clip_low=0.2, clip_high=0.2):
+    """DPPO's v per token (``name`` "dppo_tv" or "dppo_kl"), p = e^ℓ, p_old = e^ℓ_old. dppo_tv: v = [p − p_old <=
+    ε_h] where A > 0, [p − p_old >= −ε_l] elsewhere. dppo_kl: the binary KL D = p_old·(ℓ_old − ℓ) + (1 − p_old)·
+    log((1 − p_old + 1e-8) / (1 − p + 1e-8)); v = [D <= ε_h or p <= p_old] where A > 0, [D <= ε_l or p >= p_old]
+    elsewhere."""
+    p, p_old = torch.exp(log_prob), torch.exp(old_log_prob)
+    if name == "dppo_tv":
+        return torch.where(advantages > 0, p - p_old <= clip_high, p - p_old >= -clip_low)
+    kl = p_old * (old_log_prob - log_prob) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+    return torch.where(advantages > 0, (kl <= clip_high) | (p <= p_old), (kl <= clip_low) | (p >= p_old))
+
+
 def dppo_tv(old_log_prob, log_prob, advantages, mask, *, clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0):
-    """DPPO-Binary-TV (verl ``dppo_tv``, compute_policy_loss_dppo_tv; arXiv 2602.04879), p = e^ℓ, p_old = e^ℓ_old:
-    v = [p − p_old <= ε_h] where A > 0, [p − p_old >= −ε_l] elsewhere; L as _dppo's (verl's ``clip_ratio_c``
-    is the truncation cap c)."""
-    diff = torch.exp(log_prob) - torch.exp(old_log_prob)
-    ok = torch.where(advantages > 0, diff <= clip_high, diff >= -clip_low)
+    """DPPO-Binary-TV (verl ``dppo_tv``, compute_policy_loss_dppo_tv; arXiv 2602.04879): v of
+    dppo_trust_region; L as _dppo's (verl's ``clip_ratio_c`` is the truncation cap c)."""
+    ok = dppo_trust_region("dppo_tv", old_log_prob, log_prob, advantages, clip_low=clip_low, clip_high=clip_high)
     return _dppo(ok, old_log_prob, log_prob, advantages, mask, clip_ratio_c)
 
 
 def dppo_kl(old_log_prob, log_prob, advantages, mask, *, clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0):
-    """DPPO-Binary-KL (verl ``dppo_kl``, compute_policy_loss_dppo_kl; arXiv 2602.04879): the binary KL
-    D = p_old·(ℓ_old − ℓ) + (1 − p_old)·log((1 − p_old + 1e-8) / (1 − p + 1e-8)); v = [D <= ε_h or p <= p_old]
-    where A > 0, [D <= ε_l or p >= p_old] elsewhere; L as _dppo's."""
-    p, p_old = torch.exp(log_prob), torch.exp(old_log_prob)
-    kl = p_old * (old_log_prob - log_prob) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
-    ok = torch.where(advantages > 0, (kl <= clip_high) | (p <= p_old), (kl <= clip_low) | (p >= p_old))
+    """DPPO-Binary-KL (verl ``dppo_kl``, compute_policy_loss_dppo_kl; arXiv 2602.04879): v of dppo_trust_region;
+    L as _dppo's."""
+    ok = dppo_trust_region("dppo_kl", old_log_prob, log_prob, advantages, clip_low=clip_low, clip_high=clip_high)
     return _dppo(ok, old_log_prob, log_prob, advantages, mask, clip_ratio_c)
+
+
+def decoupled_ppo(proximal_log_prob, behaviour_log_prob, log_prob, advantages, mask, *, clip_low=0.2,
+                  clip_high=0.2, behaviour_weight_cap=None):
+    """Decoupled PPO of asynchronous trainers (three policies: π_behaviour sampled the tokens, π_proximal is the
+    clip's anchor, π_θ is trained; AReaL's ppo_actor_loss_fn with ``behav_imp_weight_cap``, verl's decoupled
+    rollout correction with old_log_prob = π_proximal): L = −sg(w)·min(r·A, clip(r, 1 − ε_l, 1 + ε_h)·A),
+    r = exp(ℓ − ℓ_proximal), w = exp(ℓ_proximal − ℓ_behaviour), w = 0 where w > cap (no cap: None); the token
+    mean over the response mask (the rejected tokens still count). Metrics: pg_clipfrac = mean_m([the clip binds]),
+    behav_imp_weight = mean_m(w)."""
+    ratio = torch.exp(log_prob - proximal_log_prob)
+    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    with torch.no_grad():
+        weight = torch.exp(proximal_log_prob - behaviour_log_prob)
+        if behaviour_weight_cap is not None:
+            weight = torch.where(weight <= behaviour_weight_cap, weight, 0.0)
+        metrics = {"pg_clipfrac": _masked_mean((clipped > unclipped).to(ratio.dtype), mask),
+                   "behav_imp_weight": _masked_mean(weight, mask)}
+    return aggregate(torch.maximum(unclipped, clipped) * weight, mask, "token-mean"), metrics
 
 
 PER_TOKEN = {"gpg": gpg, "dro": dro, "clip_cov": clip_cov, "kl_cov": kl_cov, "dppo_tv": dppo_tv,

@@ -12,7 +12,9 @@ every worker.
 
 ``register_verl_policy_losses()`` adds rl_losses' policy losses to verl's policy-loss registry
 (``actor_rollout_ref.actor.policy_loss.loss_mode``): ``rl_losses_ppo_clip`` (verl's ``vanilla``, dual-clip PPO
-with ``clip_ratio_c``), ``rl_losses_gspo``, ``rl_losses_sapo`` and ``rl_losses_cispo``. verl
+with ``clip_ratio_c``), ``rl_losses_gspo``, ``rl_losses_sapo``, ``rl_losses_cispo``, ``rl_losses_gpg``,
+``rl_losses_dro``, ``rl_losses_dppo_tv`` and ``rl_losses_dppo_kl`` (verl's loss_mode of the same name after the
+prefix). verl
 hands them per-token log-probs, so their per-token math is ``rl_losses.policy_token_loss`` (the fused ops'
 per-token definition, one elementwise kernel) and their aggregation is verl's ``loss_agg_mode`` as an
 ``rl_losses.aggregation`` preset with verl's global batch sizes.
@@ -211,13 +213,16 @@ def _aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, c
     return (loss_mat * weights).sum() / divisor * dp
 
 
+_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
+
+
 def _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
-                 op_old_log_prob=None, clipped=None, dual_clip=None, negative=None, **options):
+                 op_old_log_prob=None, clipped=None, lower=None, negative=None, metrics=_METRICS, **options):
     """One registered loss: the op's per-token loss (from ``op_old_log_prob`` in place of the old log-probs when
     given; with the options ``negative`` where A < 0 when given), verl's rollout weights, the aggregation, verl's
-    metrics (``clipped(out)``: the tokens verl's ``pg_clipfrac`` counts, when not the op's clipped flags;
-    ``dual_clip``: the cap whose region ``pg_clipfrac_lower`` counts). Nothing outside ``response_mask`` is read:
-    verl's padding may hold NaN."""
+    ``metrics`` (``clipped(out)``: the tokens verl's ``pg_clipfrac`` counts, when not the op's clipped flags;
+    ``lower(out)``: the tokens ``pg_clipfrac_lower`` counts, none if None). Nothing outside ``response_mask`` is
+    read: verl's padding may hold NaN."""
     op_old = old_log_prob if op_old_log_prob is None else op_old_log_prob
     keep = response_mask != 0
     out = rl_losses.policy_token_loss(log_prob, op_old, advantages, loss_mask=keep, **options)
@@ -231,16 +236,14 @@ def _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
     loss = _aggregate(loss_mat, response_mask, loss_agg_mode, config)
     mask = keep.to(out.ratio.dtype)
     count = mask.sum().clamp(min=1)
-    lower = torch.zeros((), device=mask.device)
-    if dual_clip is not None:  # the dual clip's region: r > clip_ratio_c where A < 0
-        lower = (((out.ratio > dual_clip) & (advantages < 0)) * mask).sum() / count
-    metrics = {
-        "actor/pg_clipfrac": (((out.clipped_low + out.clipped_high if clipped is None else clipped(out)) * mask).sum()
-                              / count).item(),
-        "actor/ppo_kl": (torch.where(keep, old_log_prob - log_prob, 0.0).detach().sum() / count).item(),
-        "actor/pg_clipfrac_lower": lower.item(),
+    values = {
+        "actor/pg_clipfrac": lambda: ((out.clipped_low + out.clipped_high if clipped is None else clipped(out)) * mask
+                                      ).sum() / count,
+        "actor/ppo_kl": lambda: torch.where(keep, old_log_prob - log_prob, 0.0).detach().sum() / count,
+        "actor/pg_clipfrac_lower": lambda: (torch.zeros((), device=mask.device) if lower is None
+                                            else (lower(out) * mask).sum() / count),
     }
-    return loss, metrics
+    return loss, {name: values[name]().item() for name in metrics}
 
 
 def ppo_clip_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
@@ -260,8 +263,9 @@ def ppo_clip_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss
         options = dict(epsilon_low=low, epsilon_high=high, delta=c)
     else:
         options = dict(epsilon_low=low, epsilon_high=high, negative=dict(epsilon_high=c - 1.0, delta=c))
+    # pg_clipfrac_lower: the dual clip's region, r > clip_ratio_c where A < 0.
     return _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
-                        dual_clip=c, **options)
+                        lower=lambda out: (out.ratio > c) & (advantages < 0), **options)
 
 
 def gspo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
@@ -308,11 +312,55 @@ def cispo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_ag
                         epsilon_high=1.0 + high)
 
 
+def gpg_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                    rollout_is_weights=None):
+    """verl's ``gpg``: ℓ = −A·lp; no metrics, as verl's."""
+    return _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+                        metrics=(), loss_type="gpg")
+
+
+def dro_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                    rollout_is_weights=None):
+    """verl's ``dro``: ℓ = −(A·lp − β/2·(lp − old)²), β = ``policy_loss.dro_beta`` (> 0, required as verl's)."""
+    beta = _config_value(_config_value(config, "policy_loss", {}), "dro_beta")
+    if beta is None or not (math.isfinite(beta) and beta > 0):
+        raise ValueError(f"rl_losses_dro: policy_loss.dro_beta must be a finite value > 0 (verl's dro requires it), "
+                         f"got dro_beta={beta}")
+    return _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+                        metrics=("actor/ppo_kl",), loss_type="dro", dro_beta=float(beta))
+
+
+def _dppo_policy_loss(loss_type):
+    def dppo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                         rollout_is_weights=None):
+        low, high = _clip_ratios(config)
+        c = float(_config_value(config, "clip_ratio_c", 20.0))  # verl's fallback where the config has none
+        # pg_clipfrac: the tokens outside the trust region (the op's clip flags); pg_clipfrac_lower: those inside
+        # it whose ratio is truncated at clip_ratio_c.
+        def truncated(out):
+            return (out.ratio > c) & (out.clipped_low + out.clipped_high == 0)
+
+        return _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                            rollout_is_weights, lower=truncated, loss_type=loss_type, epsilon_low=low,
+                            epsilon_high=high, clip_ratio_c=c)
+    dppo_policy_loss.__name__ = f"{loss_type}_policy_loss"
+    dppo_policy_loss.__doc__ = (f"verl's ``{loss_type}``: −A·sg(min(r, clip_ratio_c))·lp inside DPPO's trust region "
+                                f"(clip_ratio_low/high its bounds), 0 outside.")
+    return dppo_policy_loss
+
+
+dppo_tv_policy_loss = _dppo_policy_loss("dppo_tv")
+dppo_kl_policy_loss = _dppo_policy_loss("dppo_kl")
+
 POLICY_LOSSES = {
     "rl_losses_ppo_clip": ppo_clip_policy_loss,
     "rl_losses_gspo": gspo_policy_loss,
     "rl_losses_sapo": sapo_policy_loss,
     "rl_losses_cispo": cispo_policy_loss,
+    "rl_losses_gpg": gpg_policy_loss,
+    "rl_losses_dro": dro_policy_loss,
+    "rl_losses_dppo_tv": dppo_tv_policy_loss,
+    "rl_losses_dppo_kl": dppo_kl_policy_loss,
 }
 
 
