@@ -55,6 +55,7 @@ struct TopkEpilogue {
   // The scatter's values bounded (row_pass.h, GradRowPrescaled): |c1·q − c2·p| ≤ max(c1, c2·P), times w.
   C10_HOST_DEVICE float extra_grad_bound(int64_t row) const {
     const acc_t* g = grad_rows + row * kTopkGradFields;
+    if (g[kTopkW] == acc_t(0)) return 0.f;  // an unlabelled row: its prep row was never written
     const acc_t c2p = g[kTopkC2] * prep[row * kTopkPrepFields + kTopkP];
     return static_cast<float>(g[kTopkW] * (g[kTopkC1] > c2p ? g[kTopkC1] : c2p));
   }
@@ -94,7 +95,9 @@ struct TopkDistillationLoss {
   }
 };
 
-// Step 1 for chunk row r (epilogue row e): x and the K-wide sums; an unlabelled row is not read.
+// Step 1 for chunk row r (epilogue row e): x and the K-wide sums; an unlabelled row is not read. `part` takes the
+// entries first, first + stride, ... (a CUDA warp's lanes: cuda gathers with a warp per row), `store` the combined
+// sums; operator() is the whole row in one thread (the CPU).
 template <typename scalar_t, typename acc_t>
 struct TopkGather {
   RowPassView<scalar_t, int64_t, acc_t> v;
@@ -103,17 +106,21 @@ struct TopkGather {
   const acc_t* lp;
   acc_t* x;
   acc_t* prep;
-  C10_HOST_DEVICE void operator()(int64_t r) const {
-    if (v.target[r] < 0) return;
-    const int64_t e = v.epilogue_row(r);
-    const scalar_t* z = v.logits + r * v.row_stride;
+  C10_HOST_DEVICE TopkPartial<acc_t> part(int64_t r, int64_t first, int64_t stride) const {
     TopkPartial<acc_t> s = TopkPartial<acc_t>::empty();
-    for (int64_t i = e * k; i < (e + 1) * k; ++i) {
+    if (v.target[r] < 0) return s;
+    const int64_t row = v.epilogue_row(r) * k;
+    const scalar_t* z = v.logits + r * v.row_stride;
+    for (int64_t i = row + first; i < row + k; i += stride) {
       x[i] = static_cast<acc_t>(z[ids[i]]) * v.scale;
       s.add(x[i], lp[i]);
     }
-    s.store(prep + e * kTopkPrepFields);
+    return s;
   }
+  C10_HOST_DEVICE void store(int64_t r, const TopkPartial<acc_t>& s) const {
+    if (v.target[r] >= 0) s.store(prep + v.epilogue_row(r) * kTopkPrepFields);
+  }
+  C10_HOST_DEVICE void operator()(int64_t r) const { store(r, part(r, 0, 1)); }
 };
 
 // Step 3 for element (r, i) of the chunk: the value at id k_i, where this pass's columns hold it, times the fp16
@@ -139,9 +146,10 @@ struct TopkScatter {
   }
 };
 
-// The three steps on one back-end (Runner: CpuRunner or CudaRunner).
-template <class Runner>
-void topk_distillation_rows(const RowPassArgs& p, const TopkRows& rows, bool gather) {
+// The three steps on one back-end (Runner: CpuRunner or CudaRunner); gather_rows(TopkGather, n) runs step 1 over
+// the pass's n rows.
+template <class Runner, typename GatherRows>
+void topk_distillation_rows(const RowPassArgs& p, const TopkRows& rows, bool gather, const GatherRows& gather_rows) {
   const int64_t n = p.logits.size(0), k = rows.ids.size(1);
   RL_LOSSES_DISPATCH_LOGITS(p.logits.scalar_type(), "topk_distillation", [&] {
     using acc_t = typename acc_type<scalar_t>::type;
@@ -150,7 +158,7 @@ void topk_distillation_rows(const RowPassArgs& p, const TopkRows& rows, bool gat
     const acc_t* lp = rows.log_probs.const_data_ptr<acc_t>();
     acc_t* x = rows.x.data_ptr<acc_t>();
     acc_t* grad_rows = rows.grad_rows.data_ptr<acc_t>();
-    if (gather) Runner::for_each(n, TopkGather<scalar_t, acc_t>{v, k, ids, lp, x, rows.prep.data_ptr<acc_t>()});
+    if (gather) gather_rows(TopkGather<scalar_t, acc_t>{v, k, ids, lp, x, rows.prep.data_ptr<acc_t>()}, n);
     Runner::row_pass(p, "topk_distillation", [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
       return TopkEpilogue<T>{.tail = rows.tail,

@@ -9,7 +9,7 @@ namespace rl_losses {
 namespace {
 
 void rows_cpu(const RowPassArgs& args, const TopkRows& rows, bool gather) {
-  topk_distillation_rows<CpuRunner>(args, rows, gather);
+  topk_distillation_rows<CpuRunner>(args, rows, gather, [](const auto& g, int64_t n) { CpuRunner::for_each(n, g); });
 }
 
 }  // namespace

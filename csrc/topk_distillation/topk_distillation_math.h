@@ -6,13 +6,13 @@
 //   none         Σ_i p_i (log p_i − log q_i)                      = A − B + P·lse
 //   renormalize  Σ_i (p_i/P)(log(p_i/P) − log(q_i/Q))             = (A − B)/P − log P + G
 //   tail         none + (1−P)·log((1−P)/(1−Q)),  1 − Q = −expm1(G − lse)
-// with A = Σ p_i log p_i and B = Σ p_i x_{k_i}: every K-wide sum is taken before the row pass (topk_prepare),
+// with A = Σ p_i log p_i and B = Σ p_i x_{k_i}: every K-wide sum is taken before the row pass (TopkPartial),
 // which then needs only lse. The gradient w.r.t. x_j is
 //   none         P·q_j − [j ∈ K] p_j
 //   renormalize  [j ∈ K] (q_j/Q − p_j/P)
 //   tail         (P − r·Q)·q_j + [j ∈ K] (r·q_j − p_j),  r = (1−P)/(1−Q)
 // i.e. a row coefficient times q (the row pass's gradient) and, at the K ids, c1·e^{x_j − norm} − c2·p_j written
-// whole (one rounding) over the row pass's value by a K-wide scatter (TopkGradRow).
+// whole (one rounding) over the row pass's value by a K-wide scatter (TopkGradField).
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -72,7 +72,7 @@ C10_HOST_DEVICE inline T topk_grad_at(const T* g, T x, T lp) {
 }
 
 // One labelled row's loss, masses and gradient coefficients, given lse. `a` is the coefficient of q_j on the
-// whole row; g receives the TopkGradRow fields (w set by the caller); `bound` bounds |c1·q − c2·p| (c1 and c2·P bound it),
+// whole row; g receives the TopkGradField fields (w set by the caller); `bound` bounds |c1·q − c2·p| (c1 and c2·P bound it),
 // for the fp16 gradient's pre-scaling.
 template <typename T>
 struct TopkRowResult {
