@@ -309,3 +309,39 @@ def test_bad_teacher_values(device):
     _topk(device, ids=_with(ids, 2, 0, 99), lp=_with(lp, 2, 1, float("nan")))
     # A mass just above 1 (the engine's rounding) passes.
     _topk(device, lp=torch.full((4, 3), -1.0986, device=device))
+
+
+# ---- the `topk_distillation` config ---------------------------------------------------------------------------------
+def test_config_module_matches_the_reference_path(device):
+    from rl_losses.config import LanguageModelLossConfig
+
+    logits, target, ids, lp = make_inputs((6,), 80, 9, torch.float32, device)
+    batch = {"labels": target, "reference_topk_ids": {"teacher": ids}, "reference_topk_log_probs": {"teacher": lp}}
+    cfg = LanguageModelLossConfig.from_dict({"type": "topk_distillation", "tail": "tail", "weight": 0.5,
+                                             "logits_scale_factor": 0.9})
+    assert LanguageModelLossConfig.from_dict(cfg.to_dict()) == cfg
+    results = []
+    for use_kernel in (None, False):
+        module = LanguageModelLossConfig.from_dict({**cfg.to_dict(), "use_cuda_kernel": use_kernel}).get_loss()
+        x = logits.clone().requires_grad_()
+        loss, metrics = module(x, batch)
+        loss.backward()
+        results.append((loss.detach(), metrics["topk_distillation_student_mass"],
+                        metrics["topk_distillation_teacher_mass"], x.grad))
+    for kernel, ref in zip(*results):
+        assert_close(kernel, ref, torch.float32, scale=4.0)
+    ref = reference_topk.topk_distillation_loss(logits.double(), target, ids, lp.double(), tail="tail",
+                                                logits_scale_factor=0.9)
+    assert_close(results[0][0], 0.5 * ref.loss, torch.float32, scale=4.0)
+
+
+def test_config_validation():
+    from rl_losses.config import LanguageModelLossConfig
+
+    with pytest.raises(ValueError, match="tail must be one of"):
+        LanguageModelLossConfig.from_dict({"type": "topk_distillation", "tail": "rest"})
+    module = LanguageModelLossConfig.from_dict({"type": "topk_distillation", "reference_model": "big"}).get_loss()
+    with pytest.raises(ValueError, match=r"batch\['reference_topk_ids'\] has no 'big'"):
+        module(torch.randn(2, 5), {"labels": torch.zeros(2, dtype=torch.long),
+                                   "reference_topk_ids": {"teacher": torch.zeros(2, 1, dtype=torch.long)},
+                                   "reference_topk_log_probs": {"teacher": torch.zeros(2, 1)}})
