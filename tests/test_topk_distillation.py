@@ -11,8 +11,8 @@ import rl_losses
 from rl_losses import reference_topk
 
 from conftest import assert_close
-from helpers import (DTYPES, assert_compiled_matches_eager, assert_grad_close, forward_options, gradcheck_fresh,
-                     param_id as _id)
+from helpers import (DTYPES, assert_compiled_matches_eager, assert_grad_close, config_paths, forward_options,
+                     gradcheck_fresh, param_id as _id)
 
 TAILS = ["none", "renormalize", "tail"]
 _ops = torch.ops.rl_losses
@@ -320,14 +320,7 @@ def test_config_module_matches_the_reference_path(device):
     cfg = LanguageModelLossConfig.from_dict({"type": "topk_distillation", "tail": "tail", "weight": 0.5,
                                              "logits_scale_factor": 0.9})
     assert LanguageModelLossConfig.from_dict(cfg.to_dict()) == cfg
-    results = []
-    for use_kernel in (None, False):
-        module = LanguageModelLossConfig.from_dict({**cfg.to_dict(), "use_cuda_kernel": use_kernel}).get_loss()
-        x = logits.clone().requires_grad_()
-        loss, metrics = module(x, batch)
-        loss.backward()
-        results.append((loss.detach(), metrics["topk_distillation_student_mass"],
-                        metrics["topk_distillation_teacher_mass"], x.grad))
+    results = config_paths(cfg, logits, batch, ["topk_distillation_student_mass", "topk_distillation_teacher_mass"])
     for kernel, ref in zip(*results):
         assert_close(kernel, ref, torch.float32, scale=4.0)
     ref = reference_topk.topk_distillation_loss(logits.double(), target, ids, lp.double(), tail="tail",

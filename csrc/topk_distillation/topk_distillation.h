@@ -95,30 +95,36 @@ struct TopkDistillationLoss {
   }
 };
 
-// Step 1 for chunk row r (epilogue row e): x and the K-wide sums; an unlabelled row is not read. `part` takes the
-// entries first, first + stride, ... (a CUDA warp's lanes: cuda gathers with a warp per row), `store` the combined
-// sums; operator() is the whole row in one thread (the CPU).
+// What steps 1 and 3 read of a pass: its rows, and the K entries of every row (epilogue rows), x written by step 1.
 template <typename scalar_t, typename acc_t>
-struct TopkGather {
+struct TopkEntries {
   RowPassView<scalar_t, int64_t, acc_t> v;
   int64_t k;
   const int64_t* ids;
   const acc_t* lp;
   acc_t* x;
+};
+
+// Step 1 for chunk row r (epilogue row e): x and the K-wide sums; an unlabelled row is not read. `part` takes the
+// entries first, first + stride, ... (a CUDA warp's lanes: cuda gathers with a warp per row), `store` the combined
+// sums; operator() is the whole row in one thread (the CPU).
+template <typename scalar_t, typename acc_t>
+struct TopkGather {
+  TopkEntries<scalar_t, acc_t> t;
   acc_t* prep;
   C10_HOST_DEVICE TopkPartial<acc_t> part(int64_t r, int64_t first, int64_t stride) const {
     TopkPartial<acc_t> s = TopkPartial<acc_t>::empty();
-    if (v.target[r] < 0) return s;
-    const int64_t row = v.epilogue_row(r) * k;
-    const scalar_t* z = v.logits + r * v.row_stride;
-    for (int64_t i = row + first; i < row + k; i += stride) {
-      x[i] = static_cast<acc_t>(z[ids[i]]) * v.scale;
-      s.add(x[i], lp[i]);
+    if (t.v.target[r] < 0) return s;
+    const int64_t row = t.v.epilogue_row(r) * t.k;
+    const scalar_t* z = t.v.logits + r * t.v.row_stride;
+    for (int64_t i = row + first; i < row + t.k; i += stride) {
+      t.x[i] = static_cast<acc_t>(z[t.ids[i]]) * t.v.scale;
+      s.add(t.x[i], t.lp[i]);
     }
     return s;
   }
   C10_HOST_DEVICE void store(int64_t r, const TopkPartial<acc_t>& s) const {
-    if (v.target[r] >= 0) s.store(prep + v.epilogue_row(r) * kTopkPrepFields);
+    if (t.v.target[r] >= 0) s.store(prep + t.v.epilogue_row(r) * kTopkPrepFields);
   }
   C10_HOST_DEVICE void operator()(int64_t r) const { store(r, part(r, 0, 1)); }
 };
@@ -127,20 +133,17 @@ struct TopkGather {
 // row's pre-scaling 2^k (row_unscale holds 2^-k, an exact power of two).
 template <typename scalar_t, typename acc_t>
 struct TopkScatter {
-  RowPassView<scalar_t, int64_t, acc_t> v;
-  int64_t k;
-  const int64_t* ids;
-  const acc_t* lp;
-  const acc_t* x;
+  TopkEntries<scalar_t, acc_t> t;
   const acc_t* grad_rows;
   const float* row_unscale;  // (N,) or null
-  C10_HOST_DEVICE void operator()(int64_t t) const {
-    const int64_t r = t / k, e = v.epilogue_row(r), i = e * k + t % k;
+  C10_HOST_DEVICE void operator()(int64_t u) const {
+    const RowPassView<scalar_t, int64_t, acc_t>& v = t.v;
+    const int64_t r = u / t.k, e = v.epilogue_row(r), i = e * t.k + u % t.k;
     const acc_t* g = grad_rows + e * kTopkGradFields;
     if (v.target[r] < 0 || g[kTopkW] == acc_t(0)) return;
-    const int64_t col = ids[i] - v.vocab_start;
+    const int64_t col = t.ids[i] - v.vocab_start;
     if (col < 0 || col >= v.vocab) return;
-    acc_t value = v.scale * topk_grad_at(g, x[i], lp[i]);
+    acc_t value = v.scale * topk_grad_at(g, t.x[i], t.lp[i]);
     if (row_unscale != nullptr) value /= static_cast<acc_t>(row_unscale[e]);
     v.grad[r * v.grad_row_stride + col] = static_cast<scalar_t>(value);
   }
@@ -153,12 +156,10 @@ void topk_distillation_rows(const RowPassArgs& p, const TopkRows& rows, bool gat
   const int64_t n = p.logits.size(0), k = rows.ids.size(1);
   RL_LOSSES_DISPATCH_LOGITS(p.logits.scalar_type(), "topk_distillation", [&] {
     using acc_t = typename acc_type<scalar_t>::type;
-    const auto v = make_view<scalar_t, int64_t, acc_t>(p);
-    const int64_t* ids = rows.ids.const_data_ptr<int64_t>();
-    const acc_t* lp = rows.log_probs.const_data_ptr<acc_t>();
-    acc_t* x = rows.x.data_ptr<acc_t>();
-    acc_t* grad_rows = rows.grad_rows.data_ptr<acc_t>();
-    if (gather) gather_rows(TopkGather<scalar_t, acc_t>{v, k, ids, lp, x, rows.prep.data_ptr<acc_t>()}, n);
+    const TopkEntries<scalar_t, acc_t> t{make_view<scalar_t, int64_t, acc_t>(p), k,
+                                         rows.ids.const_data_ptr<int64_t>(), rows.log_probs.const_data_ptr<acc_t>(),
+                                         rows.x.data_ptr<acc_t>()};
+    if (gather) gather_rows(TopkGather<scalar_t, acc_t>{t, rows.prep.data_ptr<acc_t>()}, n);
     Runner::row_pass(p, "topk_distillation", [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
       return TopkEpilogue<T>{.tail = rows.tail,
@@ -175,7 +176,7 @@ void topk_distillation_rows(const RowPassArgs& p, const TopkRows& rows, bool gat
     const float* unscale = std::is_same_v<scalar_t, c10::Half> && p.grad_row_unscale.defined()
                                ? p.grad_row_unscale.const_data_ptr<float>()
                                : nullptr;
-    Runner::for_each(n * k, TopkScatter<scalar_t, acc_t>{v, k, ids, lp, x, grad_rows, unscale});
+    Runner::for_each(n * k, TopkScatter<scalar_t, acc_t>{t, rows.grad_rows.const_data_ptr<acc_t>(), unscale});
   });
 }
 
