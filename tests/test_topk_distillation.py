@@ -138,6 +138,9 @@ def test_opcheck(device):
     torch.library.opcheck(_ops.topk_distillation, (x, target, ids, lp), kwargs)
     torch.library.opcheck(_ops._topk_distillation_forward, (logits, target, ids, lp),
                           forward_options("topk_distillation", compute_grad=True, **kwargs))
+    hidden = torch.randn(4, 8, device=device, requires_grad=True)
+    weight = torch.randn(12, 8, device=device, requires_grad=True)
+    torch.library.opcheck(_ops.linear_topk_distillation, (hidden, weight, target, ids, lp), kwargs)
 
 
 def test_compile_fullgraph(device):
