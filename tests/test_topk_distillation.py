@@ -291,8 +291,10 @@ def _with(t, row, col, value):
     return t
 
 
-def test_bad_teacher_values(device):
-    """The teacher's values of the labelled rows are checked on the host (row 2 is unlabelled: not read)."""
+def test_bad_teacher_values(device, monkeypatch):
+    """The teacher's values of the labelled rows are checked on the host (row 2 is unlabelled: not read): always on
+    the CPU, with RL_LOSSES_CHECK_INPUTS=1 on a GPU."""
+    monkeypatch.setenv("RL_LOSSES_CHECK_INPUTS", "1")
     ids = torch.tensor([[0, 1, 2]] * 4, device=device)
     lp = torch.full((4, 3), -2.0, device=device)
     cases = [

@@ -118,6 +118,7 @@ struct TopkGather {
     const int64_t row = t.v.epilogue_row(r) * t.k;
     const scalar_t* z = t.v.logits + r * t.v.row_stride;
     for (int64_t i = row + first; i < row + t.k; i += stride) {
+      CUDA_KERNEL_ASSERT(t.ids[i] >= 0 && t.ids[i] < t.v.vocab && "rl_losses: a teacher id is out of the vocabulary");
       t.x[i] = static_cast<acc_t>(z[t.ids[i]]) * t.v.scale;
       s.add(t.x[i], t.lp[i]);
     }

@@ -26,7 +26,7 @@ _TOPK_DOC = """
         teacher_ids: (..., K) int64, 1 <= K <= V, distinct within a row, any order.
         teacher_log_probs: (..., K) floating, the teacher's log-probs of those ids (mass at most 1 + 1e-3).
         tail: "none", "renormalize" or "tail". logits_scale_factor: s > 0. divisor: D (default: the tokens that count).
-    The teacher's values are checked on the host (one synchronisation on a GPU).
+    The teacher's values are checked on the host: on a GPU only with RL_LOSSES_CHECK_INPUTS=1 (a synchronisation).
     Returns: TopkDistillationOutput(loss, divergence, student_mass, teacher_mass), float32 (float64 for float64
         inputs); the per-token results detached, shaped like target.
 """
