@@ -206,15 +206,17 @@ def test_linear_sampled_kl_matches_logits_form(device):
 
 
 # ---- the fused lm_head ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("skip_unlabelled", [True, False])
 @pytest.mark.parametrize("strategy,chunk_size", [("fast", None), ("fast", 4), ("lean", 4)])
 @pytest.mark.parametrize("tail", TAILS)
-def test_linear_matches_reference(tail, strategy, chunk_size, device):
+def test_linear_matches_reference(tail, strategy, chunk_size, skip_unlabelled, device):
     hidden = torch.randn(3, 5, 16, device=device, dtype=torch.float64)
     weight = torch.randn(97, 16, device=device, dtype=torch.float64) * 0.5
     logits, target, ids, lp = make_inputs((3, 5), 97, 11, torch.float64, device)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     out = rl_losses.linear_topk_distillation_loss(h, w, target, ids, lp, tail=tail, strategy=strategy,
-                                                  chunk_size=chunk_size, logits_scale_factor=0.9)
+                                                  chunk_size=chunk_size, skip_unlabelled=skip_unlabelled,
+                                                  logits_scale_factor=0.9)
     (out.loss * 1.4).backward()
     hr, wr = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     ref = reference_topk.topk_distillation_loss(hr @ wr.t(), target, ids, lp.double(), tail=tail,
