@@ -7,6 +7,8 @@ Distillation (forward KL, reverse KL, JSD β=0.5; student and teacher logits of 
 torch.compile of the reference formula and Liger-Kernel's JSD kernel (liger_kernel.ops.jsd through LigerJSD,
 when installed; it takes log-probabilities, so its time includes a log_softmax of each input), forward +
 backward, with the floor (read the student, read the teacher, write the gradient) at the measured copy rate.
+From a sparse teacher: topk_distillation (K = 20, 64, 256) against plain cross-entropy on the same logits (target:
+at most 1.1x) and torch.compile of verl's forward_kl_topk, with the floor (read the logits, write the gradient).
 From hidden states (``--hidden`` > 0): rl_losses.linear_distillation_loss after the teacher's matmul against
 Liger's LigerFusedLinearJSD, which does both. The fused head: CE + z-loss + GRPO in one call against GRPO alone
 and the three separate ops; CE + z-loss + GSPO (64 packed documents) against GSPO alone (both read the logits
@@ -54,6 +56,12 @@ def torch_distillation(x, t, kind):
         log_m = torch.logaddexp(log_p, log_q) - 0.6931471805599453
         per = 0.5 * (log_p.exp() * (log_p - log_m)).sum(-1) + 0.5 * (log_q.exp() * (log_q - log_m)).sum(-1)
     return per.mean()
+
+
+def torch_forward_kl_topk(x, ids, log_p):
+    # verl's compute_forward_kl_topk (fsdp/losses.py) without its clamp: the student's full log_softmax, gathered.
+    log_q = torch.log_softmax(x.float(), -1).gather(-1, ids)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
 
 
 def main() -> None:
@@ -115,6 +123,29 @@ def main() -> None:
             record(f"distill_{kind}", name, ms, n, v, floor_ms)
             print(f"distillation {kind:11s} {name:14s} {ms:8.3f} ms   floor {floor_ms:.3f} ms "
                   f"({100 * floor_ms / ms:5.1f}% of it)")
+        torch.cuda.empty_cache()
+
+    # From a sparse teacher: topk_distillation (K in 20, 64, 256; tails none and tail) against plain cross-entropy
+    # on the same logits (the target: within 1.1x of it) and torch.compile of verl's compute_forward_kl_topk formula.
+    labels = torch.randint(0, v, (n,), device="cuda")
+    ce_ms = timed(step(lambda: rl_losses.cross_entropy(x, labels)), args.reps)
+    record("cross_entropy", "rl_losses", ce_ms, n, v, 2 * n * v * elem / rate)
+    print(f"cross_entropy            rl_losses      {ce_ms:8.3f} ms")
+    compiled_topk = torch.compile(torch_forward_kl_topk)
+    for k in (20, 64, 256):
+        top, teacher_ids = teacher.topk(k, -1)
+        teacher_lp = top.float() - torch.logsumexp(teacher.float(), -1, keepdim=True)
+        rows = {f"rl_losses {tail}": step(lambda tail=tail: rl_losses.topk_distillation_loss(
+            x, labels, teacher_ids, teacher_lp, tail=tail).loss) for tail in ("none", "tail")}
+        rows["torch.compile"] = step(lambda: compiled_topk(x, teacher_ids, teacher_lp))
+        for name, fn in rows.items():
+            try:
+                ms = timed(fn, args.reps)
+            except Exception as e:
+                print(f"topk K={k} {name:18s} failed: {type(e).__name__}: {e}"[:200])
+                continue
+            record(f"topk_distill_k{k}", name, ms, n, v, 2 * n * v * elem / rate)
+            print(f"topk distillation K={k:<4d} {name:18s} {ms:8.3f} ms   {ms / ce_ms:5.2f}x cross_entropy")
         torch.cuda.empty_cache()
 
     if args.hidden > 0:

@@ -20,6 +20,7 @@
 #include "gspo/gspo.h"
 #include "policy_token/policy_token.h"
 #include "token_log_probs/token_log_probs.h"
+#include "topk_distillation/topk_distillation.h"
 
 namespace rl_losses {
 namespace {
@@ -82,6 +83,8 @@ TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) {
   m.impl("distillation_jsd_sums", on_device<&Distill::jsd_sums>());
   register_loss<DpoLoss<dpo_backend_cuda>, OnTensorsDevice>(m);
   register_loss<FusedHeadLoss<fused_head_backend_cuda>, OnTensorsDevice>(m);
+  register_loss<TopkDistillationLoss<topk_distillation_rows_cuda>, OnTensorsDevice>(m);
+  register_linear_loss<TopkDistillationLoss<topk_distillation_rows_cuda>, linear_backend_cuda, OnTensorsDevice>(m);
   using TokenLogProbs = TokenLogProbsKernels<token_log_probs_backend_cuda>;
   m.impl("_token_log_probs_forward", on_device<&TokenLogProbs::forward>());
   m.impl("_token_log_probs_backward", on_device<&TokenLogProbs::backward>());

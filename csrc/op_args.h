@@ -213,6 +213,20 @@
   X(at::Tensor, divergence, )
 #define RL_LOSSES_DISTILL_JSD_RESULTS(X) X(at::Tensor, jsd_sums, )
 
+// ---- distillation from a sparse teacher (topk_distillation/): the teacher's top-K ids and log-probs per token ----
+#define RL_LOSSES_TOPK_INPUT(X)        \
+  X(at::Tensor, teacher_ids, )         \
+  X(at::Tensor, teacher_log_probs, )
+// tail: what the teacher's remaining mass 1 − P becomes: "none" (dropped), "renormalize" (both sides renormalised
+// over the K ids) or "tail" (one more bucket).
+#define RL_LOSSES_TOPK_OPTIONS(X) X(std::string, tail, "none")
+// divergence: the per-token KL (0 where unlabelled); student_mass Q and teacher_mass P: the K ids' probabilities.
+#define RL_LOSSES_TOPK_RESULTS(X)  \
+  X(at::Tensor, loss, )            \
+  X(at::Tensor, divergence, )      \
+  X(at::Tensor, student_mass, )    \
+  X(at::Tensor, teacher_mass, )
+
 // ---- DPO over packed documents (dpo/) ------------------------------------------------------------------------------
 #define RL_LOSSES_DPO_INPUT(X)                      \
   X(at::Tensor, document_index, )                   \

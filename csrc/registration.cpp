@@ -185,6 +185,16 @@ TORCH_LIBRARY(rl_losses, m) {
   def(m, OpSchema("distillation_jsd_sums").args(distill).args(RL_LOSSES_ENTRIES(RL_LOSSES_DISTILL_STATS_INPUT))
              .kwargs().args(distill_beta).args(softmax).results(RL_LOSSES_ENTRIES(RL_LOSSES_DISTILL_JSD_RESULTS)));
 
+  // ---- distillation from a sparse teacher (topk_distillation/, docs/distillation_dpo.md) ----------------------------
+  // The forward KL over the teacher's K ids per token; target marks the tokens that count (negative: ignored, not
+  // read). A vocabulary shard is refused (the K-wide sums would need their own all-reduce).
+  const Entries topk_input = RL_LOSSES_ENTRIES(RL_LOSSES_TOPK_INPUT);
+  const Entries topk_options = cat({RL_LOSSES_ENTRIES(RL_LOSSES_TOPK_OPTIONS), scale, divisor});
+  const Entries topk_results = RL_LOSSES_ENTRIES(RL_LOSSES_TOPK_RESULTS);
+  def_loss(m, "topk_distillation", cat({logits, topk_input}), topk_options, RL_LOSSES_ENTRIES(RL_LOSSES_VOCAB_SHARD),
+           topk_results);
+  def_linear(m, "topk_distillation", topk_input, topk_options, topk_results);
+
   // ---- DPO over packed documents (dpo/, docs/distillation_dpo.md) ------------------------------------------------
   // pairs (P, 2): (chosen, rejected) document ids, every document 0 .. 2P−1 in exactly one pair; reference
   // log-probs per pair. The results after the loss are detached metrics; document_log_probs (2P,) are the π_s.

@@ -234,3 +234,18 @@ def assert_fake_rejects_like_real(call, message):
     with FakeTensorMode(), pytest.raises(RuntimeError) as fake_mode:
         call("cpu")
     assert str(real.value) in str(fake_mode.value)
+
+
+def config_paths(cfg, logits, batch, metrics=()):
+    """A config's module run on the extension's op (use_cuda_kernel=None) and on the reference (False): for each,
+    (loss, the named metrics..., the gradient w.r.t. the logits)."""
+    from rl_losses.config import LanguageModelLossConfig
+
+    results = []
+    for use_kernel in (None, False):
+        module = LanguageModelLossConfig.from_dict({**cfg.to_dict(), "use_cuda_kernel": use_kernel}).get_loss()
+        x = logits.clone().requires_grad_()
+        loss, values = module(x, batch)
+        loss.backward()
+        results.append((loss.detach(), *(values[m] for m in metrics), x.grad))
+    return results

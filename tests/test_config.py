@@ -102,7 +102,7 @@ def test_frozen_and_replace_validates():
 # (dict, exception, message): every validation path, with a message naming the class/field and the value.
 ERRORS = [
     ({}, ValueError, r"from_dict: missing key 'type' \(one of \['distillation', 'dpo', 'fused_head', 'grpo', 'gspo', "
-                     r"'label', 'z_loss'\]\)"),
+                     r"'label', 'topk_distillation', 'z_loss'\]\)"),
     ({"type": "ppo"}, ValueError, r"unknown type 'ppo'"),
     ({"type": "grpo", "epsilon": 0.2}, ValueError, r"GRPOLossConfig: unknown field\(s\) \['epsilon'\]"),
     ({"type": "label", "weight": -1.0}, ValueError,

@@ -9,8 +9,8 @@ import rl_losses
 from rl_losses import reference
 
 from conftest import assert_close
-from helpers import (assert_compiled_matches_eager, assert_grad_close, forward_options, gradcheck_fresh, param_id as _id,
-                     requires_cuda)
+from helpers import (assert_compiled_matches_eager, assert_grad_close, config_paths, forward_options, gradcheck_fresh,
+                     param_id as _id, requires_cuda)
 
 KINDS = ["forward_kl", "reverse_kl", "cross_entropy", "jsd"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -255,14 +255,7 @@ def test_config_module_matches_the_reference_path(device):
     cfg = LanguageModelLossConfig.from_dict({"type": "distillation", "loss_type": "jsd", "beta": 0.4,
                                              "temperature": 1.3, "weight": 0.5})
     assert LanguageModelLossConfig.from_dict(cfg.to_dict()) == cfg
-    results = []
-    for use_kernel in (None, False):
-        module = LanguageModelLossConfig.from_dict({**cfg.to_dict(), "use_cuda_kernel": use_kernel}).get_loss()
-        x = logits.clone().requires_grad_()
-        loss, metrics = module(x, batch)
-        loss.backward()
-        results.append((loss.detach(), metrics["distillation"], x.grad))
-    for kernel, ref in zip(*results):
+    for kernel, ref in zip(*config_paths(cfg, logits, batch, ["distillation"])):
         assert_close(kernel, ref, torch.float32, scale=4.0)
 
 

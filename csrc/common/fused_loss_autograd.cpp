@@ -221,8 +221,10 @@ void linear_no_grad_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, t
 }  // namespace
 
 // The losses of registration.cpp's def_loss and def_linear.
-constexpr const char* kLosses[] = {"cross_entropy", "grpo", "gspo", "distillation", "dpo", "fused_head"};
-constexpr const char* kLinearLosses[] = {"linear_cross_entropy", "linear_grpo", "linear_gspo"};
+constexpr const char* kLosses[] = {"cross_entropy", "grpo", "gspo", "distillation", "dpo", "fused_head",
+                                   "topk_distillation"};
+constexpr const char* kLinearLosses[] = {"linear_cross_entropy", "linear_grpo", "linear_gspo",
+                                         "linear_topk_distillation"};
 
 TORCH_LIBRARY_IMPL(rl_losses, Autograd, m) {
   for (const char* name : kLosses) m.impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common/math.h"
@@ -248,8 +249,10 @@ struct PolicyCoefEpilogue {
 // keep fp16's full precision, and the backward (_scale_grad_) multiplies by g·2^-k in fp32 and rounds once more.
 // k = 0 for a zero (masked) row and for a bound that is not finite. Exponents are read and built from the float's
 // bits (frexp/ldexp's general paths cost registers the kernels' epilogue thread does not have).
-C10_HOST_DEVICE inline int fp16_grad_row_exponent(const GradCoef<float>& c, float scale) {
-  const float bound = ::fabsf(scale) * (::fabsf(c.a) + ::fabsf(c.b) + ::fabsf(c.c) + ::fabsf(c.h) * 0.36787944f);
+// `extra`: a bound on what the op writes over the row pass's gradient afterwards (HasExtraGradBound).
+C10_HOST_DEVICE inline int fp16_grad_row_exponent(const GradCoef<float>& c, float scale, float extra = 0.f) {
+  const float bound =
+      ::fabsf(scale) * (::fabsf(c.a) + ::fabsf(c.b) + ::fabsf(c.c) + ::fabsf(c.h) * 0.36787944f + extra);
   if (!(bound > 0.f) || !(bound <= std::numeric_limits<float>::max())) return 0;
   uint32_t bits;
   memcpy(&bits, &bound, sizeof(bits));
@@ -264,6 +267,15 @@ C10_HOST_DEVICE inline float exp2_of_int(int k) {
   memcpy(&f, &bits, sizeof(f));
   return f;
 }
+
+// An epilogue whose op writes more gradient values after the row pass (topk distillation's values at the
+// teacher's ids) declares `extra_grad_bound(row)`, a bound on them before the factor s, which it knows once it has
+// run for that row; the pre-scaling's exponent covers them too.
+template <typename Epi, typename = void>
+struct HasExtraGradBound : std::false_type {};
+template <typename Epi>
+struct HasExtraGradBound<Epi, std::void_t<decltype(std::declval<const Epi&>().extra_grad_bound(int64_t(0)))>>
+    : std::true_type {};
 
 // The epilogue of a fp16 gradient pass whose gradient is scaled in the backward: the wrapped epilogue's
 // coefficients times 2^k (fp16_grad_row_exponent), exact in fp32, and 2^-k in row_unscale[row] (the row as the
@@ -280,7 +292,9 @@ struct GradRowPrescaled {
   C10_HOST_DEVICE GradCoef<float> operator()(int64_t row, int64_t label, const RowStats<float>& st) const {
     const GradCoef<float> c = epi(row, label, st);
     if (row_unscale == nullptr) return c;
-    const int k = fp16_grad_row_exponent(c, scale);
+    float extra = 0.f;
+    if constexpr (HasExtraGradBound<Epi>::value) extra = epi.extra_grad_bound(row);
+    const int k = fp16_grad_row_exponent(c, scale, extra);
     row_unscale[row] = exp2_of_int(-k);
     const float f = exp2_of_int(k);
     return {c.a * f, c.b * f, c.c * f, c.h * f};

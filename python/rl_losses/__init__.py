@@ -7,7 +7,8 @@ The ops live in ``torch.ops.rl_losses`` (C++/CUDA, loaded from ``rl_losses._C``)
   weight, without materialising the logits); the policy losses return a ``PolicyLossOutput``;
 - per-token log-probs and entropies, differentiable through both (``token_log_probs``,
   ``linear_token_log_probs``), and drop-ins for trainers (``rl_losses.integrations``: TRL, verl);
-- distillation against a teacher's logits (``distillation_loss``, ``linear_distillation_loss``), DPO
+- distillation against a teacher's logits (``distillation_loss``, ``linear_distillation_loss``) or its top-K
+  log-probs (``topk_distillation_loss``, ``linear_topk_distillation_loss``; ``sampled_kl_loss``), DPO
   (``dpo_loss``) and several losses in one pass over the logits (``fused_head_loss``, rl_losses.fused_head);
 - Fast-LLM-style configs (``rl_losses.config``, entry point ``LanguageModelLossConfig.from_dict``) that build
   the loss modules of ``rl_losses.losses``;
@@ -39,6 +40,9 @@ from rl_losses.functional import (
 )
 from rl_losses.distillation import DistillationOutput, distillation_loss, linear_distillation_loss
 from rl_losses.dpo import DpoOutput, dpo_loss
+from rl_losses.outputs import SampledKlOutput, TopkDistillationOutput
+from rl_losses.topk_distillation import (linear_sampled_kl_loss, linear_topk_distillation_loss, sampled_kl_loss,
+                                         topk_distillation_loss)
 from rl_losses.fused_head import fused_head_loss
 from rl_losses.policy_token import PolicyTokenOutput, policy_token_loss
 from rl_losses import aggregation, config, distributed, fused_head, losses, packing, reference  # noqa: F401  (submodules)
@@ -62,6 +66,12 @@ __all__ = [
     "distillation_loss",
     "linear_distillation_loss",
     "DistillationOutput",
+    "topk_distillation_loss",
+    "linear_topk_distillation_loss",
+    "TopkDistillationOutput",
+    "sampled_kl_loss",
+    "linear_sampled_kl_loss",
+    "SampledKlOutput",
     "dpo_loss",
     "DpoOutput",
     "fused_head_loss",

@@ -220,3 +220,36 @@ def token_log_probs_backward(op, a, x):
         if a[name] is not None:
             check_per_token(op, name, a[name], target)
     sampler(op, a, x)
+
+
+# ---- topk_distillation/topk_distillation.cpp -------------------------------------------------------------------------
+TOPK_TAILS = ("none", "renormalize", "tail")
+
+
+def topk_distillation(op, a, x):
+    """topk_distillation_forward, in its order (the checks of the teacher's values need the data: real op only)."""
+    if "hidden" in a:
+        start, total = 0, a["weight"].shape[0]
+    else:
+        v = a["logits"].shape[-1]
+        start = a["vocab_start"]
+        total = a["vocab_size"] if a["vocab_size"] >= 0 else start + v
+        _check(start == 0 and v == total, op, "a vocabulary shard (vocab_start=", start, ", vocab_size=", total,
+               ") is not supported; pass the whole vocabulary")
+    _check(a["tail"] in TOPK_TAILS, op, "tail must be 'none', 'renormalize' or 'tail', got '", a["tail"], "'")
+    check_scale(op, a["logits_scale_factor"])
+    check_divisor(op, a["divisor"])
+    ids, lp, target = a["teacher_ids"], a["teacher_log_probs"], a["target"]
+    _check(ids.dtype == torch.int64, op, "teacher_ids must be int64, got ", _dt(ids.dtype))
+    _check(lp.dtype.is_floating_point, op, "teacher_log_probs must be a floating-point tensor, got ", _dt(lp.dtype))
+    _check(ids.device == target.device, op, "teacher_ids is on ", ids.device, " but target is on ", target.device)
+    _check(lp.device == target.device, op, "teacher_log_probs is on ", lp.device, " but target is on ",
+           target.device)
+    _check(ids.dim() == target.dim() + 1 and ids.shape[:target.dim()] == target.shape, op,
+           "teacher_ids must have shape (batch..., K) with batch shape ", _shape(target.shape), ", got ",
+           _shape(ids.shape))
+    _check(lp.shape == ids.shape, op, "teacher_log_probs has shape ", _shape(lp.shape), " but teacher_ids has ",
+           _shape(ids.shape))
+    k = ids.shape[-1]
+    _check(1 <= k <= total, op, "teacher_ids must hold 1 <= K <= vocab_size ids per row, got K = ", k,
+           " with vocab_size ", total)

@@ -216,6 +216,16 @@ _register("distillation_stats", _distillation_stats)
 _register("distillation_jsd_sums", _distillation_jsd_sums)
 
 
+# ---- distillation from a sparse teacher --------------------------------------------------------------------------
+def _topk_distillation_results(a, x, _):
+    out = {name: _like_target(x, a["target"]) for name in _schema.results("topk_distillation")}
+    out["loss"] = _scalar(x)
+    return out
+
+
+_register_loss("topk_distillation", _checks_heads.topk_distillation, _topk_distillation_results, linear=True)
+
+
 # ---- DPO and the fused head -----------------------------------------------------------------------------------------
 def _dpo_results(a, x, n_pairs):
     out = {name: _scalar(x) for name in _schema.results("dpo")}

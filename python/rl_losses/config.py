@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 from rl_losses import fused_head, losses
 from rl_losses._checks import (GSPO_WEIGHTINGS, KL_ESTIMATORS, POLICY_LOSS_TYPES, ROLLOUT_MODES,
                                TOKEN_LOG_PROB_LOSS_TYPES)
-from rl_losses._checks_heads import DISTILL_KINDS
+from rl_losses._checks_heads import DISTILL_KINDS, TOPK_TAILS
 from rl_losses._schema import default
 
 # type name -> concrete config class, filled by ``LanguageModelLossConfig.__init_subclass__``.
@@ -365,6 +365,32 @@ class LanguageModelDistillationLossConfig(LanguageModelLossConfig):
     @property
     def loss_class(self) -> type[losses.LanguageModelDistillationLoss]:
         return losses.LanguageModelDistillationLoss
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LanguageModelTopkDistillationLossConfig(LanguageModelLossConfig):
+    """Distillation from a teacher's top-K log-probs (type ``topk_distillation``; docs/distillation_dpo.md).
+
+    tail: the teacher's remaining mass: "none" (verl's forward_kl_topk), "renormalize" or "tail".
+    reference_model: the teacher's name; its ids and log-probs are ``batch["reference_topk_ids"][reference_model]``
+    and ``batch["reference_topk_log_probs"][reference_model]`` ((..., K) each). The tokens that count are the
+    labelled ones; the divisor is ``num_labels_in_batch`` when the batch gives it, else their number.
+    """
+
+    type_name: ClassVar[str] = "topk_distillation"
+
+    tail: str = default("topk_distillation", "tail")
+    reference_model: str = "teacher"
+
+    def _validate(self) -> None:
+        super()._validate()
+        self._check_choice("tail", TOPK_TAILS)
+        if not isinstance(self.reference_model, str) or not self.reference_model:
+            self._fail("reference_model", "a non-empty string", TypeError)
+
+    @property
+    def loss_class(self) -> type[losses.LanguageModelTopkDistillationLoss]:
+        return losses.LanguageModelTopkDistillationLoss
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)

@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
-from rl_losses import _schema, distillation, dpo, functional, reference
+from rl_losses import _schema, distillation, dpo, functional, reference, reference_topk, topk_distillation
 
 if typing.TYPE_CHECKING:  # the configs build these modules (config.py imports this file, not the reverse)
     from rl_losses.config import (
         LanguageModelDistillationLossConfig,
+        LanguageModelTopkDistillationLossConfig,
         LanguageModelDPOLossConfig,
         LanguageModelGRPOLossConfig,
         LanguageModelGSPOLossConfig,
@@ -323,11 +324,16 @@ class LanguageModelGSPOLoss(LanguageModelPolicyGradientLoss):
         return out.loss, self._metrics(out, batch, mask, num_segments)
 
 
+def _of_reference_model(batch: Batch, key: str, name: str, owner: str) -> torch.Tensor:
+    """batch[key][name]: a reference model's tensor (its logits, its top-K ids or log-probs)."""
+    by_model = _require(batch, key, owner)
+    if name not in by_model:
+        raise ValueError(f"{owner}: batch[{key!r}] has no {name!r} (models given: {sorted(by_model)})")
+    return by_model[name]
+
+
 def _reference_logits(batch: Batch, name: str, owner: str) -> torch.Tensor:
-    logits = _require(batch, "reference_logits", owner)
-    if name not in logits:
-        raise ValueError(f"{owner}: batch['reference_logits'] has no {name!r} (models given: {sorted(logits)})")
-    return logits[name]
+    return _of_reference_model(batch, "reference_logits", name, owner)
 
 
 class LanguageModelDistillationLoss(LanguageModelLoss):
@@ -343,6 +349,28 @@ class LanguageModelDistillationLoss(LanguageModelLoss):
                  divisor=batch.get(LanguageModelLossKwargs.num_labels_in_batch),
                  **self._config_options("distillation"), **self._options(kernel))
         return out.loss, {}
+
+
+class LanguageModelTopkDistillationLoss(LanguageModelLoss):
+    """Distillation from the teacher's top-K ids and log-probs over the labelled tokens; metrics
+    ``<name>_student_mass`` and ``<name>_teacher_mass`` (their means over those tokens, verl's)."""
+
+    config: LanguageModelTopkDistillationLossConfig
+
+    def _forward(self, logits, batch, kernel):
+        cfg = self.config
+        if self.tp_group is not None:
+            raise ValueError(f"{self.name}: vocabulary parallelism (tp_group) is not supported by topk_distillation")
+        labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
+        ids, log_probs = (_of_reference_model(batch, key, cfg.reference_model, self.name)
+                          for key in ("reference_topk_ids", "reference_topk_log_probs"))
+        fn = topk_distillation.topk_distillation_loss if kernel else reference_topk.topk_distillation_loss
+        out = fn(logits, labels, ids, log_probs, divisor=batch.get(LanguageModelLossKwargs.num_labels_in_batch),
+                 **self._config_options("topk_distillation"))
+        count = (labels >= 0).sum().clamp_min(1)
+        n = self.name
+        return out.loss, {f"{n}_student_mass": out.student_mass.sum() / count,
+                          f"{n}_teacher_mass": out.teacher_mass.sum() / count}
 
 
 class LanguageModelDPOLoss(LanguageModelLoss):

@@ -73,6 +73,26 @@ class DistillationOutput(NamedTuple):
     divergence: torch.Tensor
 
 
+class TopkDistillationOutput(NamedTuple):
+    """What the top-K distillation loss returns: ``loss`` (differentiable w.r.t. the student's logits) and, detached,
+    per token: ``divergence`` ℓ_t, ``student_mass`` Q and ``teacher_mass`` P (the probability of the teacher's K
+    ids under each side; verl's distillation metrics), each 0 where the token is unlabelled."""
+
+    loss: torch.Tensor
+    divergence: torch.Tensor
+    student_mass: torch.Tensor
+    teacher_mass: torch.Tensor
+
+
+class SampledKlOutput(NamedTuple):
+    """What the sampled-token KL loss returns: ``loss`` (differentiable), the detached per-token estimate ``kl``
+    and ``advantages`` = −(log q(y) − log p_teacher(y)), detached, for the policy losses (0 where unlabelled)."""
+
+    loss: torch.Tensor
+    kl: torch.Tensor
+    advantages: torch.Tensor
+
+
 class DpoOutput(NamedTuple):
     """What the DPO loss returns: ``loss`` (differentiable) and detached metrics (TRL's names): the mean rewards
     β·(π − ref) of the chosen and the rejected sides, the accuracy (fraction of pairs whose chosen reward is the

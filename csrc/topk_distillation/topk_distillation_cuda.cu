@@ -1,0 +1,41 @@
+// CUDA back-end of topk_distillation (registered in csrc/cuda_registration.cpp): the steps of topk_distillation.h on
+// CudaRunner: the gather with a warp per row (its lanes' K/32 reads each in flight at once, their sums combined by
+// shuffles), the row pass's kernels, the scatter with a thread per id.
+#include "common/row_pass_cuda.cuh"
+#include "topk_distillation/topk_distillation.h"
+
+namespace rl_losses {
+namespace {
+
+template <typename acc_t>
+__device__ inline TopkPartial<acc_t> shfl_xor(const TopkPartial<acc_t>& s, int m) {
+  return {__shfl_xor_sync(0xffffffffu, s.m, m), __shfl_xor_sync(0xffffffffu, s.e, m),
+          __shfl_xor_sync(0xffffffffu, s.p, m), __shfl_xor_sync(0xffffffffu, s.a, m),
+          __shfl_xor_sync(0xffffffffu, s.b, m)};
+}
+
+constexpr int kGatherThreads = 256;
+
+template <typename G>
+__global__ void __launch_bounds__(kGatherThreads) topk_gather_kernel(G g, int64_t n) {
+  cuda::wait_previous_grid();
+  const int64_t r = blockIdx.x * int64_t(kGatherThreads / 32) + threadIdx.x / 32;
+  if (r >= n) return;  // the whole warp: one row per warp
+  const int lane = threadIdx.x % 32;
+  auto s = g.part(r, lane, 32);
+  for (int m = 16; m > 0; m >>= 1) s = decltype(s)::combine(s, shfl_xor(s, m));
+  if (lane == 0) g.store(r, s);
+}
+
+}  // namespace
+
+void topk_distillation_rows_cuda(const RowPassArgs& args, const TopkRows& rows, bool gather) {
+  topk_distillation_rows<CudaRunner>(args, rows, gather, [](const auto& g, int64_t n) {
+    constexpr int64_t kRows = kGatherThreads / 32;
+    cuda::DependentLaunch(dim3(static_cast<unsigned>((n + kRows - 1) / kRows)), kGatherThreads, 0)(
+        topk_gather_kernel<std::decay_t<decltype(g)>>, g, n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace rl_losses

@@ -1,0 +1,125 @@
+"""Distillation from a sparse teacher (docs/distillation_dpo.md): the functional wrappers of
+``torch.ops.rl_losses.topk_distillation`` and ``linear_topk_distillation`` (the forward KL over the teacher's top-K
+ids per token), and the sampled-token KL estimators of on-policy distillation over the per-token log-probs."""
+from __future__ import annotations
+
+import torch
+
+from rl_losses import _schema
+from rl_losses._inputs import _divisor, _options
+from rl_losses.functional import _plain_lm_head, linear_token_log_probs, token_log_probs
+from rl_losses.outputs import SampledKlOutput, TopkDistillationOutput
+
+_ops = torch.ops.rl_losses
+
+_TOPK_DOC = """
+    Per token t with target_t >= 0, q = softmax(logits_scale_factor·logits_t) over the whole vocabulary and the
+    teacher's K pairs (k_i, log p_i), P = Σ p_i, Q = Σ q_{k_i}:
+        none         Σ_i p_i (log p_i − log q_{k_i})                   (verl's forward_kl_topk, before its clamp)
+        renormalize  Σ_i (p_i/P)(log(p_i/P) − log(q_{k_i}/Q))          (both sides renormalised over the ids)
+        tail         none + (1−P)·log((1−P)/(1−Q))                     (the remaining mass as one more bucket)
+    and L = Σ_t ℓ_t / D. The student's rows are read once, the gradient written once; nothing V-wide besides it.
+
+    Args:
+        target: (...) int64/int32, the sampled tokens; a negative id marks a token that does not count (its
+            teacher entries are not read).
+        teacher_ids: (..., K) int64, 1 <= K <= V, distinct within a row, any order.
+        teacher_log_probs: (..., K) floating, the teacher's log-probs of those ids (mass at most 1 + 1e-3).
+        tail: "none", "renormalize" or "tail". logits_scale_factor: s > 0. divisor: D (default: the tokens that count).
+    The teacher's values are checked on the host: on a GPU only with RL_LOSSES_CHECK_INPUTS=1 (a synchronisation).
+    Returns: TopkDistillationOutput(loss, divergence, student_mass, teacher_mass), float32 (float64 for float64
+        inputs); the per-token results detached, shaped like target.
+"""
+
+
+def topk_distillation_loss(logits: torch.Tensor, target: torch.Tensor, teacher_ids: torch.Tensor,
+                           teacher_log_probs: torch.Tensor, **options) -> TopkDistillationOutput:
+    options = _options("topk_distillation_loss", options, _TOPK)
+    return TopkDistillationOutput(*_ops.topk_distillation(logits, target, teacher_ids, teacher_log_probs, **options))
+
+
+topk_distillation_loss.__doc__ = """Fused forward KL from a teacher's top-K log-probs (logits (..., V)
+    float32/bfloat16/float16/float64; inplace_backward writes the gradient into them).""" + _TOPK_DOC
+_TOPK_DROP = ("vocab_start", "vocab_size")
+topk_distillation_loss.__signature__ = _schema.signature("topk_distillation", drop=_TOPK_DROP,
+                                                         returns=TopkDistillationOutput)
+_TOPK = _schema.keywords("topk_distillation", drop=_TOPK_DROP)
+
+
+def linear_topk_distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                                  teacher_ids: torch.Tensor, teacher_log_probs: torch.Tensor,
+                                  **options) -> TopkDistillationOutput:
+    options = _options("linear_topk_distillation_loss", options, _LINEAR_TOPK)
+    weight = _plain_lm_head("linear_topk_distillation_loss", hidden, weight, options)
+    return TopkDistillationOutput(*_ops.linear_topk_distillation(hidden, weight, target, teacher_ids,
+                                                                 teacher_log_probs, **options))
+
+
+linear_topk_distillation_loss.__doc__ = """topk_distillation_loss of ``hidden @ weight.T (+ bias)`` (the fused
+    lm_head: chunk_size, strategy, weight_main_grad, skip_unlabelled as linear_cross_entropy's), the logits never
+    whole; differentiable w.r.t. hidden, weight and bias.""" + _TOPK_DOC
+linear_topk_distillation_loss.__signature__ = _schema.signature("linear_topk_distillation",
+                                                                returns=TopkDistillationOutput)
+_LINEAR_TOPK = _schema.keywords("linear_topk_distillation")
+
+KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+
+
+def sampled_kl(log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """verl's kl_penalty estimators of KL(student || teacher) at the sampled token, per token, from d = log q(y) −
+    log p_teacher(y): k1/kl d; abs |d|; k2/mse d²/2; k3/low_var_kl e^{−d} + d − 1 (−d clamped to [−20, 20], the
+    result to [−10, 10], as verl does). Differentiable w.r.t. log_probs."""
+    d = log_probs - teacher_log_probs.detach().to(log_probs.dtype)
+    if estimator in ("k1", "kl"):
+        return d
+    if estimator == "abs":
+        return d.abs()
+    if estimator in ("k2", "mse"):
+        return 0.5 * d.square()
+    if estimator in ("k3", "low_var_kl"):
+        r = torch.clamp(-d, min=-20, max=20)
+        return torch.clamp(torch.exp(r) - r - 1, min=-10, max=10)
+    raise ValueError(f"sampled_kl: estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def _sampled_kl_output(name, log_probs, labels, teacher_log_probs, estimator, divisor) -> SampledKlOutput:
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"{name}: estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    if teacher_log_probs.shape != labels.shape:
+        raise ValueError(f"{name}: teacher_log_probs has shape {tuple(teacher_log_probs.shape)} but labels has "
+                         f"{tuple(labels.shape)}")
+    keep = labels >= 0
+    zero = torch.zeros_like(log_probs)
+    # An unlabelled token's teacher value is not read (padding may hold anything).
+    teacher = torch.where(keep, teacher_log_probs.detach().to(log_probs.dtype), zero)
+    kl = torch.where(keep, sampled_kl(log_probs, teacher, estimator), zero)
+    d = divisor if divisor is not None else keep.sum().clamp_min(1)
+    advantages = torch.where(keep, teacher - log_probs, zero).detach()
+    return SampledKlOutput(kl.sum() / d, kl.detach(), advantages)
+
+
+def sampled_kl_loss(logits: torch.Tensor, labels: torch.Tensor, teacher_log_probs: torch.Tensor, *,
+                    estimator: str = "k1", temperature: float = 1.0, divisor=None) -> SampledKlOutput:
+    """The reverse-KL estimate of on-policy distillation at the sampled tokens (verl's
+    compute_distillation_loss_reverse_kl_estimator): log q(y) from token_log_probs (one fused pass, differentiable),
+    then sampled_kl elementwise; L = Σ_t kl_t / D over the labelled tokens (labels >= 0; D: their number by default).
+    ``advantages`` = log p_teacher(y) − log q(y) (detached): the per-token reward to feed the policy losses.
+
+    Args:
+        logits: (..., V); labels: (...) sampled token ids (negative: ignored); teacher_log_probs: (...) the
+            teacher's log-prob of each label. estimator: k1/kl, abs, k2/mse, k3/low_var_kl. temperature: T > 0.
+    Returns: SampledKlOutput(loss, kl, advantages).
+    """
+    log_probs, _ = token_log_probs(logits, labels, temperature=temperature)
+    return _sampled_kl_output("sampled_kl_loss", log_probs, labels, teacher_log_probs, estimator,
+                              None if divisor is None else _divisor(divisor))
+
+
+def linear_sampled_kl_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                           teacher_log_probs: torch.Tensor, *, estimator: str = "k1", temperature: float = 1.0,
+                           divisor=None, **options) -> SampledKlOutput:
+    """sampled_kl_loss of ``hidden @ weight.T (+ bias)`` over linear_token_log_probs (``options``: its fused
+    lm_head options)."""
+    log_probs, _ = linear_token_log_probs(hidden, weight, labels, temperature=temperature, **options)
+    return _sampled_kl_output("linear_sampled_kl_loss", log_probs, labels, teacher_log_probs, estimator,
+                              None if divisor is None else _divisor(divisor))
