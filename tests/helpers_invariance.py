@@ -18,7 +18,10 @@ def row_inputs(n, vocab, device):
     target = make_target((n,), vocab, device, masked=0.2)
     return {"target": target, "adv": torch.randn(n, device=device), "old": -torch.rand(n, device=device) * 8,
             "ref": -torch.rand(n, device=device) * 8, "g_lp": torch.randn(n, device=device),
-            "g_h": torch.randn(n, device=device)}
+            "g_h": torch.randn(n, device=device),
+            # The sampler's options, one value per row (docs/consistency.md).
+            "top_k": torch.randint(1, vocab + 1, (n,), device=device),
+            "top_p": 0.5 + 0.5 * torch.rand(n, device=device), "min_p": 0.1 * torch.rand(n, device=device)}
 
 
 _SAME_WIDTH_INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,

@@ -1,6 +1,7 @@
 """The batch-invariant mode (rl_losses.batch_invariant, docs/consistency.md): each row's outputs and gradient row have
 the same bits whatever the batch around the row (its size, the row's position, the other rows), the log-probs of
-the no-gradient path equal the gradient path's, and the mode is still correct (the float64 reference). The fused
+the no-gradient path equal the gradient path's, and the mode is still correct (the float64 reference); under
+the sampler's options too (token_log_probs and GRPO with each row's own top_k, top_p and min_p). The fused
 lm_head's forms, their chunk sizes and grad_weight's run-to-run bits: test_batch_invariance_linear.py.
 
 The CUDA cases run where a GPU is present; their shapes are those where the default mode's kernels reduce a row in
@@ -25,9 +26,9 @@ pytestmark = pytest.mark.usefixtures("batch_invariant_mode")
 # Each op over a batch of rows: its per-row results (first dimension: the rows) and gradient rows, from per-row
 # inputs `r` (target, advantages, old log-probs, upstream gradients); divisor 1 where a loss has one, so that a
 # row's gradient is its own term's.
-def token_log_probs_rows(logits, r, compute_entropy=True):
+def token_log_probs_rows(logits, r, compute_entropy=True, **sampler):
     x = leaf(logits)
-    lp, h = rl_losses.token_log_probs(x, r["target"], compute_entropy=compute_entropy)
+    lp, h = rl_losses.token_log_probs(x, r["target"], compute_entropy=compute_entropy, **sampler)
     upstream = (lp * r["g_lp"]).sum() + ((h * r["g_h"]).sum() if compute_entropy else 0)
     upstream.backward()
     out = {"log_probs": lp.detach(), "grad": x.grad}
@@ -36,10 +37,10 @@ def token_log_probs_rows(logits, r, compute_entropy=True):
     return out
 
 
-def grpo_rows(logits, r, compute_entropy=False):
+def grpo_rows(logits, r, compute_entropy=False, **sampler):
     x = leaf(logits)
     out = rl_losses.grpo_loss(x, r["target"], r["adv"], r["old"], divisor=1.0, epsilon_high=0.28, beta=0.04,
-                              ref_log_probs=r["ref"], compute_entropy=compute_entropy)
+                              ref_log_probs=r["ref"], compute_entropy=compute_entropy, **sampler)
     out.loss.backward()
     return {"log_probs": out.log_probs, "grad": x.grad}
 
@@ -53,7 +54,15 @@ def cross_entropy_rows(logits, r):
     return {"loss": loss, "grad": x.grad}
 
 
-ROW_OPS = {"token_log_probs": token_log_probs_rows, "grpo": grpo_rows, "cross_entropy": cross_entropy_rows}
+def sampled(run):
+    """`run` over the sampler's distribution: each row's own top_k, top_p and min_p."""
+    def rows(logits, r, **options):
+        return run(logits, r, **options, top_k=r["top_k"], top_p=r["top_p"], min_p=r["min_p"])
+    return rows
+
+
+ROW_OPS = {"token_log_probs": token_log_probs_rows, "grpo": grpo_rows, "cross_entropy": cross_entropy_rows,
+           "token_log_probs sampled": sampled(token_log_probs_rows), "grpo sampled": sampled(grpo_rows)}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
