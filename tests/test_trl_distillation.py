@@ -125,3 +125,78 @@ def test_self_distillation_full_logit_divergence(alpha):
         got = loss_and_grad(rl_losses.distillation_loss, student, teacher, kind=kind, beta=b, loss_mask=mask,
                             divisor=1.0)
         assert_same(got, expected)
+
+
+def topk_inputs(student, teacher, labels, ids):
+    """Our top-K op's inputs for a TRL support ``ids``: the teacher's full log-softmax gathered there, and the
+    labels as targets (-100 < 0: not counted)."""
+    return labels, ids, torch.log_softmax(teacher, -1).gather(-1, ids)
+
+
+@pytest.mark.parametrize("add_tail", [True, False])
+@pytest.mark.parametrize("k", [1, 5])
+def test_self_distillation_topk_forward_kl(add_tail, k):
+    """SDFT/SDPO's top-k loss at α = 0 (the forward KL over the student's top-k ids, with a tail bucket or
+    renormalised) is our top-K distillation with the student's top-k ids as the support."""
+    student, teacher, labels = make_inputs()
+    mask = labels != -100
+    topk = sdft.compute_topk_self_distillation_loss
+    options = dict(distillation_topk=k, distillation_alpha=0.0, distillation_add_tail=add_tail)
+    expected_tokens = topk(student, teacher, **options).detach()
+    expected = loss_and_grad(lambda s: topk(s, teacher, **options)[mask].sum(), student)
+    ids = student.detach().topk(k, dim=-1).indices
+    args = topk_inputs(student, teacher, labels, ids)
+    tail = "tail" if add_tail else "renormalize"
+    out = rl_losses.topk_distillation_loss(student, *args, tail=tail)
+    torch.testing.assert_close(out.divergence[mask], expected_tokens[mask], **F64)
+    got = loss_and_grad(rl_losses.topk_distillation_loss, student, *args, tail=tail, divisor=1.0)
+    assert_same(got, expected)
+
+
+@pytest.mark.parametrize("add_tail", [True, False])
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_iw_opd_topk_forward_kl(add_tail, temperature):
+    """IW-OPD's generalized_jsd_loss with top_k at β = 0 (the forward KL over the teacher's top-k ids of the
+    tempered logits) is our top-K distillation with those ids, logits_scale_factor = 1/T."""
+    student, teacher, labels = make_inputs()
+    k = 6
+    expected = loss_and_grad(iw_opd.IWOPDTrainer.generalized_jsd_loss, student, teacher, labels=labels, beta=0.0,
+                             temperature=temperature, top_k=k, add_tail=add_tail)
+    ids = teacher.topk(k, dim=-1).indices
+    args = topk_inputs(student, teacher / temperature, labels, ids)
+    got = loss_and_grad(rl_losses.topk_distillation_loss, student, *args, tail="tail" if add_tail else "renormalize",
+                        logits_scale_factor=1.0 / temperature)
+    assert_same(got, expected)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("temperature,student_scale,teacher_scale", [(1.0, 1.0, 1.0), (0.7, 1.0, 1.0),
+                                                                     (2.0, 0.5, 1.5)])
+def test_distillation_trainer_chunked_divergence(beta, temperature, student_scale, teacher_scale):
+    """DistillationTrainer's chunked loss over the lm_heads is our linear_distillation_loss with the teacher's
+    logits h_t·W_tᵀ, temperature = T/s_t and logits_scale_factor = s_s/T. TRL projects in float32 (its
+    hidden.float()), hence float32 tolerances against our float64."""
+    _, _, labels = make_inputs(batch=2, seq=9, vocab=50)
+    mask = labels != -100
+    hidden_size = 16
+    h_s = torch.randn(*labels.shape, hidden_size, dtype=torch.float64, requires_grad=True)
+    w_s = (0.5 * torch.randn(50, hidden_size, dtype=torch.float64)).requires_grad_()
+    h_t = torch.randn(*labels.shape, 24, dtype=torch.float64)
+    w_t = 0.5 * torch.randn(50, 24, dtype=torch.float64)
+
+    def run(fn, *args, **kwargs):
+        h_s.grad = w_s.grad = None
+        loss = fn(h_s, *args, **kwargs)
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        loss.backward()
+        return loss.detach(), h_s.grad.clone(), w_s.grad.clone()
+
+    expected = run(lambda h: distillation_trainer._chunked_divergence_loss(
+        h, h_t, w_s, w_t, mask, beta, student_logit_scale=student_scale, teacher_logit_scale=teacher_scale,
+        temperature=temperature))
+    for kind, b in kind_and_beta(beta):
+        got = run(rl_losses.linear_distillation_loss, w_s, h_t @ w_t.t(), kind=kind, beta=b,
+                  temperature=temperature / teacher_scale, logits_scale_factor=student_scale / temperature,
+                  loss_mask=mask, chunk_size=5)
+        for x, y in zip(got, expected):
+            torch.testing.assert_close(x, y.to(x.dtype), rtol=2e-5, atol=2e-6)
