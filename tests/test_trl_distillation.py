@@ -23,6 +23,7 @@ gkd = pytest.importorskip("trl.experimental.gkd")
 iw_opd = pytest.importorskip("trl.experimental.iw_opd.iw_opd_trainer")
 sdft = pytest.importorskip("trl.experimental.sdft.loss_utils")
 distillation_trainer = pytest.importorskip("trl.trainer.distillation_trainer")
+distillation_async = pytest.importorskip("trl.experimental.async_distillation.async_distillation_trainer")
 
 BETAS = [0.0, 0.3, 0.5, 1.0]
 TEMPERATURES = [0.7, 1.0, 2.0]
@@ -200,3 +201,32 @@ def test_distillation_trainer_chunked_divergence(beta, temperature, student_scal
                   loss_mask=mask, chunk_size=5)
         for x, y in zip(got, expected):
             torch.testing.assert_close(x, y.to(x.dtype), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("add_tail", [True, False])
+@pytest.mark.parametrize("temperature,scale", [(1.0, 1.0), (0.7, 1.3)])
+def test_async_distillation_chunked_topk_forward_kl(add_tail, temperature, scale):
+    """AsyncDistillationTrainer's chunked loss at β = 0 (the forward KL over the teacher server's top-k ids, the
+    student's logits s·h·Wᵀ/T) is our linear_topk_distillation_loss with logits_scale_factor = s/T and D = 1 (TRL
+    returns the sum). TRL projects in float32, hence float32 tolerances."""
+    n, hidden_size, vocab, k = 11, 16, 50, 7
+    hidden = torch.randn(n, hidden_size, dtype=torch.float64, requires_grad=True)
+    weight = (0.5 * torch.randn(vocab, hidden_size, dtype=torch.float64)).requires_grad_()
+    teacher = 2.0 * torch.randn(n, vocab, dtype=torch.float64)
+    ids = teacher.topk(k, dim=-1).indices
+    log_probs = torch.log_softmax(teacher, -1).gather(-1, ids)
+
+    def run(fn, *args, **kwargs):
+        hidden.grad = weight.grad = None
+        loss = fn(hidden, weight, *args, **kwargs)
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        loss.backward()
+        return loss.detach(), hidden.grad.clone(), weight.grad.clone()
+
+    expected = run(distillation_async._chunked_jsd_loss, None, scale, None, ids, log_probs,
+                   torch.ones_like(ids, dtype=torch.bool), 0.0, temperature, add_tail, None, 1, 4)
+    got = run(rl_losses.linear_topk_distillation_loss, torch.zeros(n, dtype=torch.long), ids, log_probs,
+              tail="tail" if add_tail else "renormalize", logits_scale_factor=scale / temperature, divisor=1.0,
+              chunk_size=4)
+    for x, y in zip(got, expected):
+        torch.testing.assert_close(x, y.to(x.dtype), rtol=2e-5, atol=2e-6)
