@@ -230,3 +230,23 @@ def test_async_distillation_chunked_topk_forward_kl(add_tail, temperature, scale
               chunk_size=4)
     for x, y in zip(got, expected):
         torch.testing.assert_close(x, y.to(x.dtype), rtol=2e-5, atol=2e-6)
+
+
+def test_self_distillation_sampled_token():
+    """SDFT/SDPO's sampled-token loss (α = 1) is the score-function surrogate d.detach()·log q(y), d = log q(y) −
+    log p_teacher(y): not our k1 estimate (whose value is d and gradient ∇log q) but −advantages·log q(y) with
+    sampled_kl_loss's advantages and token_log_probs' log q(y)."""
+    student, teacher, labels = make_inputs()
+    mask = labels != -100
+    completion = labels.clamp_min(0)
+    surrogate = sdft.compute_sampled_token_self_distillation_loss
+    expected = loss_and_grad(lambda s: surrogate(s, teacher, completion, distillation_alpha=1.0)[mask].sum(),
+                             student)
+    teacher_log_probs = torch.log_softmax(teacher, -1).gather(-1, completion[..., None])[..., 0]
+
+    def ours_surrogate(s):
+        advantages = rl_losses.sampled_kl_loss(s, labels, teacher_log_probs).advantages
+        log_probs, _ = rl_losses.token_log_probs(s, labels)
+        return -(advantages * log_probs).sum()
+
+    assert_same(loss_and_grad(ours_surrogate, student), expected)
