@@ -23,6 +23,7 @@ gkd = pytest.importorskip("trl.experimental.gkd")
 iw_opd = pytest.importorskip("trl.experimental.iw_opd.iw_opd_trainer")
 sdft = pytest.importorskip("trl.experimental.sdft.loss_utils")
 distillation_trainer = pytest.importorskip("trl.trainer.distillation_trainer")
+gold = pytest.importorskip("trl.experimental.gold.gold_trainer")
 distillation_async = pytest.importorskip("trl.experimental.async_distillation.async_distillation_trainer")
 
 BETAS = [0.0, 0.3, 0.5, 1.0]
@@ -68,9 +69,9 @@ def assert_same(a, b, **tol):
 
 @pytest.mark.parametrize("beta", BETAS)
 @pytest.mark.parametrize("temperature", TEMPERATURES)
-@pytest.mark.parametrize("trainer", ["gkd", "iw_opd"])
+@pytest.mark.parametrize("trainer", ["gkd", "iw_opd", "gold"])
 def test_generalized_jsd_loss_batchmean(beta, temperature, trainer):
-    fn = (gkd.GKDTrainer if trainer == "gkd" else iw_opd.IWOPDTrainer).generalized_jsd_loss
+    fn = {"gkd": gkd.GKDTrainer, "iw_opd": iw_opd.IWOPDTrainer, "gold": gold.GOLDTrainer}[trainer].generalized_jsd_loss
     student, teacher, labels = make_inputs()
     expected = loss_and_grad(fn, student, teacher, labels=labels, beta=beta, temperature=temperature)
     for kind, b in kind_and_beta(beta):
