@@ -48,12 +48,12 @@ def kind_and_beta(beta):
     return [("jsd", beta)] + ([("forward_kl", beta)] if beta == 0.0 else [("reverse_kl", beta)] if beta == 1.0 else [])
 
 
-def loss_and_grad(fn, student, *args, **kwargs):
-    student.grad = None
+def loss_and_grad(fn, student, *args, wrt=(), **kwargs):
+    """fn(student, *args, **kwargs)'s loss (TRL's: the first of a tuple; ours: .loss) and its gradients w.r.t.
+    student and the tensors of ``wrt``."""
     loss = fn(student, *args, **kwargs)
-    loss = getattr(loss, "loss", loss)
-    loss.backward()
-    return loss.detach(), student.grad.clone()
+    loss = loss[0] if isinstance(loss, tuple) and not hasattr(loss, "loss") else getattr(loss, "loss", loss)
+    return loss.detach(), *torch.autograd.grad(loss, (student, *wrt))
 
 
 def ours(student, teacher, labels, *, kind, beta, temperature, divisor=None):
@@ -186,20 +186,13 @@ def test_distillation_trainer_chunked_divergence(beta, temperature, student_scal
     h_t = torch.randn(*labels.shape, 24, dtype=torch.float64)
     w_t = 0.5 * torch.randn(50, 24, dtype=torch.float64)
 
-    def run(fn, *args, **kwargs):
-        h_s.grad = w_s.grad = None
-        loss = fn(h_s, *args, **kwargs)
-        loss = loss[0] if isinstance(loss, tuple) else loss
-        loss.backward()
-        return loss.detach(), h_s.grad.clone(), w_s.grad.clone()
-
-    expected = run(lambda h: distillation_trainer._chunked_divergence_loss(
-        h, h_t, w_s, w_t, mask, beta, student_logit_scale=student_scale, teacher_logit_scale=teacher_scale,
-        temperature=temperature))
+    expected = loss_and_grad(distillation_trainer._chunked_divergence_loss, h_s, h_t, w_s, w_t, mask, beta,
+                             student_logit_scale=student_scale, teacher_logit_scale=teacher_scale,
+                             temperature=temperature, wrt=(w_s,))
     for kind, b in kind_and_beta(beta):
-        got = run(rl_losses.linear_distillation_loss, w_s, h_t @ w_t.t(), kind=kind, beta=b,
-                  temperature=temperature / teacher_scale, logits_scale_factor=student_scale / temperature,
-                  loss_mask=mask, chunk_size=5)
+        got = loss_and_grad(rl_losses.linear_distillation_loss, h_s, w_s, h_t @ w_t.t(), kind=kind, beta=b,
+                            temperature=temperature / teacher_scale, logits_scale_factor=student_scale / temperature,
+                            loss_mask=mask, chunk_size=5, wrt=(w_s,))
         for x, y in zip(got, expected):
             torch.testing.assert_close(x, y.to(x.dtype), rtol=2e-5, atol=2e-6)
 
@@ -217,18 +210,12 @@ def test_async_distillation_chunked_topk_forward_kl(add_tail, temperature, scale
     ids = teacher.topk(k, dim=-1).indices
     log_probs = torch.log_softmax(teacher, -1).gather(-1, ids)
 
-    def run(fn, *args, **kwargs):
-        hidden.grad = weight.grad = None
-        loss = fn(hidden, weight, *args, **kwargs)
-        loss = loss[0] if isinstance(loss, tuple) else loss
-        loss.backward()
-        return loss.detach(), hidden.grad.clone(), weight.grad.clone()
-
-    expected = run(distillation_async._chunked_jsd_loss, None, scale, None, ids, log_probs,
-                   torch.ones_like(ids, dtype=torch.bool), 0.0, temperature, add_tail, None, 1, 4)
-    got = run(rl_losses.linear_topk_distillation_loss, torch.zeros(n, dtype=torch.long), ids, log_probs,
-              tail="tail" if add_tail else "renormalize", logits_scale_factor=scale / temperature, divisor=1.0,
-              chunk_size=4)
+    expected = loss_and_grad(distillation_async._chunked_jsd_loss, hidden, weight, None, scale, None, ids, log_probs,
+                             torch.ones_like(ids, dtype=torch.bool), 0.0, temperature, add_tail, None, 1, 4,
+                             wrt=(weight,))
+    got = loss_and_grad(rl_losses.linear_topk_distillation_loss, hidden, weight, torch.zeros(n, dtype=torch.long),
+                        ids, log_probs, tail="tail" if add_tail else "renormalize",
+                        logits_scale_factor=scale / temperature, divisor=1.0, chunk_size=4, wrt=(weight,))
     for x, y in zip(got, expected):
         torch.testing.assert_close(x, y.to(x.dtype), rtol=2e-5, atol=2e-6)
 
