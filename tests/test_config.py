@@ -5,6 +5,7 @@ import pytest
 
 from rl_losses import losses
 from rl_losses.config import (
+    LanguageModelDistillationLossConfig,
     LanguageModelGRPOLossConfig,
     LanguageModelGSPOLossConfig,
     LanguageModelLabelEntropyLossConfig,
@@ -25,6 +26,7 @@ EXAMPLES = [
 ]
 CLASSES = {"label": LanguageModelLabelEntropyLossConfig, "z_loss": LanguageModelZLossConfig,
            "grpo": LanguageModelGRPOLossConfig, "gspo": LanguageModelGSPOLossConfig}
+CLASSES_WITH_DISTILLATION = {**CLASSES, "distillation": LanguageModelDistillationLossConfig}
 MODULES = {"label": losses.LanguageModelLabelEntropyLoss, "z_loss": losses.LanguageModelZLoss,
            "grpo": losses.LanguageModelGRPOLoss, "gspo": losses.LanguageModelGSPOLoss}
 
@@ -78,6 +80,36 @@ def test_use_triton_alias():
     assert LanguageModelLossConfig.from_dict({"type": "label", "use_triton": False}).use_cuda_kernel is False
     with pytest.raises(ValueError, match="either 'use_triton'.*or 'use_cuda_kernel'"):
         LanguageModelLossConfig.from_dict({"type": "label", "use_triton": False, "use_cuda_kernel": True})
+
+
+FAST_LLM_DISTILLATION = {"distillation_model": ("reference_model", "big"),
+                         "distillation_loss_implementation": ("loss_type", "reverse_kl"),
+                         "teacher_softmax_temperature": ("temperature", 0.5), "use_triton": ("use_cuda_kernel", False)}
+
+
+@pytest.mark.parametrize("alias", FAST_LLM_DISTILLATION)
+def test_fast_llm_distillation_aliases(alias):
+    """Fast-LLM's older head fields of distillation build the same config as the fields' own names, serialise
+    under those names, and may not be given twice."""
+    name, value = FAST_LLM_DISTILLATION[alias]
+    cfg = LanguageModelLossConfig.from_dict({"type": "distillation", alias: value})
+    assert cfg == LanguageModelDistillationLossConfig(**{name: value}) != LanguageModelDistillationLossConfig()
+    assert alias not in cfg.to_dict() and cfg.to_dict()[name] == value
+    with pytest.raises(ValueError, match=f"either '{alias}'.*or '{name}'"):
+        LanguageModelLossConfig.from_dict({"type": "distillation", alias: value, name: value})
+    if alias != "use_triton":  # the other types do not take distillation's names
+        with pytest.raises(ValueError, match=f"unknown field.*'{alias}'"):
+            LanguageModelLossConfig.from_dict({"type": "grpo", alias: value})
+
+
+@pytest.mark.parametrize("type_name", ["label", "distillation"])
+def test_fast_llm_retired_implementation(type_name):
+    """Fast-LLM dropped ``implementation`` from these two types and ignores it with a warning: so does from_dict."""
+    with pytest.warns(UserWarning, match="'implementation' is no longer supported"):
+        cfg = LanguageModelLossConfig.from_dict({"type": type_name, "implementation": "fused", "weight": 0.5})
+    assert cfg == CLASSES_WITH_DISTILLATION[type_name](weight=0.5)
+    with pytest.raises(ValueError, match=r"unknown field.*'implementation'"):
+        LanguageModelLossConfig.from_dict({"type": "z_loss", "implementation": "fused"})
 
 
 @pytest.mark.parametrize("d", EXAMPLES, ids=lambda d: d["type"])

@@ -259,6 +259,36 @@ def test_config_module_matches_the_reference_path(device):
         assert_close(kernel, ref, torch.float32, scale=4.0)
 
 
+@pytest.mark.parametrize("loss_type", ["cross_entropy", "forward_kl", "reverse_kl"])
+def test_config_reproduces_fast_llm(loss_type):
+    """A Fast-LLM distillation config in its older field names, with its head's logits_scale_factor s: Fast-LLM's
+    teacher softmax is over s·z'/T and its loss the mean over every token (masked ones included), written out here
+    in float64 as its torch path computes it; here that is temperature = T/s and num_labels_in_batch = N."""
+    from rl_losses.config import LanguageModelLossConfig
+
+    s, temperature, n, vocab = 0.8, 1.7, 12, 60
+    logits = 3 * torch.randn(n, vocab, dtype=torch.float64)
+    teacher = 3 * torch.randn(n, vocab, dtype=torch.float64)
+    mask = torch.rand(n) > 0.3
+    cfg = LanguageModelLossConfig.from_dict({"type": "distillation", "distillation_model": "teacher",
+                                             "distillation_loss_implementation": loss_type,
+                                             "teacher_softmax_temperature": temperature / s,
+                                             "logits_scale_factor": s})
+    batch = {"reference_logits": {"teacher": teacher}, "loss_mask": mask, "num_labels_in_batch": n}
+    x = logits.clone().requires_grad_()
+    student = torch.log_softmax(s * x, -1)
+    target = torch.log_softmax(teacher * (s / temperature), -1)
+    per_token = {"cross_entropy": -(target.exp() * student).sum(-1),
+                 "forward_kl": (target.exp() * (target - student)).sum(-1),
+                 "reverse_kl": (student.exp() * (student - target)).sum(-1)}[loss_type]
+    expected = (per_token * mask).mean()
+    expected_grad, = torch.autograd.grad(expected, x)
+    for kernel, ref in zip(*config_paths(cfg, logits, batch)):
+        for got in (kernel, ref):
+            torch.testing.assert_close(got, expected.detach() if got.dim() == 0 else expected_grad, rtol=1e-9,
+                                       atol=1e-12)
+
+
 def test_config_validation():
     from rl_losses.config import LanguageModelLossConfig
 

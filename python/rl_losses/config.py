@@ -19,6 +19,7 @@ import dataclasses
 import math
 import os
 import typing
+import warnings
 from typing import Any, ClassVar
 
 from rl_losses import fused_head, losses
@@ -47,6 +48,9 @@ class LanguageModelLossConfig:
     """
 
     type_name: ClassVar[str | None] = None  # the ``type`` key; None for abstract configs
+    # Fast-LLM's names read by ``from_dict``: alias -> field; and the fields Fast-LLM dropped (a warning there too).
+    aliases: ClassVar[dict[str, str]] = {"use_triton": "use_cuda_kernel"}
+    retired: ClassVar[tuple[str, ...]] = ()
 
     weight: float = 1.0
     logits_scale_factor: float = default("cross_entropy", "logits_scale_factor")
@@ -121,11 +125,17 @@ class LanguageModelLossConfig:
         if not issubclass(target, cls):
             raise ValueError(f"{cls.__name__}.from_dict: type {type_name!r} builds a {target.__name__}, "
                              f"which is not a {cls.__name__}")
-        if "use_triton" in config:  # Fast-LLM's name of the switch
-            if "use_cuda_kernel" in config:
-                raise ValueError(f"{target.__name__}: give either 'use_triton' (Fast-LLM's alias) or "
-                                 f"'use_cuda_kernel', not both")
-            config["use_cuda_kernel"] = config.pop("use_triton")
+        for alias, name in target.aliases.items():
+            if alias in config:
+                if name in config:
+                    raise ValueError(f"{target.__name__}: give either {alias!r} (Fast-LLM's alias) or {name!r}, "
+                                     f"not both")
+                config[name] = config.pop(alias)
+        for name in target.retired:  # as Fast-LLM does: a warning, and the key is dropped
+            if name in config:
+                warnings.warn(f"{target.__name__}: the field {name!r} is no longer supported; ignored", UserWarning,
+                              stacklevel=2)
+                del config[name]
         fields = {f.name for f in dataclasses.fields(target)}
         unknown = sorted(set(config) - fields)
         if unknown:
@@ -172,6 +182,7 @@ class LanguageModelLabelEntropyLossConfig(LanguageModelLossConfig):
     """
 
     type_name: ClassVar[str] = "label"
+    retired: ClassVar[tuple[str, ...]] = ("implementation",)
 
     loss_type: str = "cross_entropy"
     label_smoothing: float = default("cross_entropy", "label_smoothing")
@@ -344,10 +355,17 @@ class LanguageModelDistillationLossConfig(LanguageModelLossConfig):
     reference_model: the teacher's name; its logits are ``batch["reference_logits"][reference_model]``.
     temperature: T > 0 divides the teacher's logits. beta: JSD's β in [0, 1] (Liger-Kernel's generalised JSD).
     The divisor is ``num_labels_in_batch`` when the batch gives it, else the tokens of ``loss_mask`` (all tokens
-    without one).
+    without one). Fast-LLM's older head fields are read as aliases: ``distillation_model`` (reference_model),
+    ``distillation_loss_implementation`` (loss_type), ``teacher_softmax_temperature`` (temperature); its dropped
+    ``implementation`` is ignored with a warning. Unlike Fast-LLM, logits_scale_factor s scales the student only:
+    Fast-LLM's teacher softmax over s·z'/T is ``temperature = T / s`` here.
     """
 
     type_name: ClassVar[str] = "distillation"
+    aliases: ClassVar[dict[str, str]] = {**LanguageModelLossConfig.aliases, "distillation_model": "reference_model",
+                                         "distillation_loss_implementation": "loss_type",
+                                         "teacher_softmax_temperature": "temperature"}
+    retired: ClassVar[tuple[str, ...]] = ("implementation",)
 
     loss_type: str = "cross_entropy"
     reference_model: str = "teacher"
