@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 from typing import Any
 
 import torch
@@ -51,6 +52,10 @@ _ARGUMENTS = {op: frozenset(a.name for a in s.arguments) for op, s in _SCHEMAS.i
 _RESULTS = {op: tuple(r.name for r in s.returns) for op, s in _SCHEMAS.items()}
 
 
+def ops() -> tuple[str, ...]:
+    return tuple(_SCHEMAS)
+
+
 def schema(op: str) -> torch._C.FunctionSchema:
     return _SCHEMAS[op]
 
@@ -78,14 +83,10 @@ def option(op: str, options: dict, name: str) -> Any:
     return options[name] if name in options else defaults(op)[name]
 
 
-@functools.cache
-def _positions(op: str, names: tuple[str, ...]) -> tuple[int, ...]:
-    return tuple(results(op).index(name) for name in names)
-
-
-def picked(op: str, names: tuple[str, ...], out) -> tuple:
-    """The op's results of those names, in their order (a NamedTuple's fields): found by name once per op."""
-    return tuple(out[i] for i in _positions(op, names))
+def getter(op: str, names: tuple[str, ...]) -> operator.itemgetter:
+    """The getter of the op's results of those names, in their order (a NamedTuple's fields): made once per op, at
+    import, by the op's wrapper."""
+    return operator.itemgetter(*(results(op).index(name) for name in names))
 
 
 def bind(op: str, args: tuple, kwargs: dict) -> dict[str, Any]:
