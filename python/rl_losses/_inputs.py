@@ -4,8 +4,8 @@ policy ops. Kept apart so that functional.py can route to distributed.py without
 from __future__ import annotations
 
 import functools
-import operator
 import os
+from typing import Callable
 
 import torch
 
@@ -65,7 +65,7 @@ def _options(name: str, options: dict, allowed: frozenset[str]) -> dict:
         return options
     if not options.keys() <= allowed:
         _schema.check_keywords(name, options, allowed)
-    if options.keys().isdisjoint(_CONVERTED):  # most calls: nothing to convert
+    if _CONVERTED.isdisjoint(options):  # most calls: nothing to convert
         return options
     for key in _DIVISORS.intersection(options):
         value = options[key]
@@ -96,12 +96,12 @@ _OPTIONAL = (("entropy",), ("kl",), ("rollout_ratio_mean", "rollout_weight_mean"
 
 
 @functools.cache
-def _picker(op: str, *on: bool) -> operator.itemgetter:
+def _picker(op: str, *on: bool) -> Callable[[tuple], tuple]:
     """The getter of PolicyLossOutput's fields but loss_type from `op`'s results followed by a None: the fields of
     `op`'s layout, the None for those the op lacks and for the metrics of the options (_OPTIONAL) that are not `on`."""
     hidden = {field for fields, is_on in zip(_OPTIONAL, on) if not is_on for field in fields}
     n = len(_schema.results(op))
-    return operator.itemgetter(*(n if i is None or f in hidden else i for f, i in zip(_FIELDS, _LAYOUTS[op])))
+    return _schema.items_at(n if i is None or f in hidden else i for f, i in zip(_FIELDS, _LAYOUTS[op]))
 
 
 def _metrics_on(op: str, options: dict) -> tuple[bool, ...]:
@@ -125,7 +125,7 @@ _NONE = (None,)
 def policy_output(op: str, out, options: dict) -> PolicyLossOutput:
     """The named result of a policy op from its results by name, with None for the metrics whose option is off."""
     pick, loss_type = _AT_DEFAULTS[op]
-    if not options.keys().isdisjoint(_METRIC_OPTIONS):
+    if not _METRIC_OPTIONS.isdisjoint(options):
         pick = _picker(op, *_metrics_on(op, options))
         loss_type = options.get("loss_type", loss_type)
     return _new_tuple(PolicyLossOutput, (*pick((*out, *_NONE)), loss_type))
