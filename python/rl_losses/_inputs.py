@@ -3,7 +3,7 @@ the opt-in host checks of label and document ids on CUDA, the options' normalisa
 policy ops. Kept apart so that functional.py can route to distributed.py without an import cycle."""
 from __future__ import annotations
 
-import functools
+import itertools
 import os
 from typing import Callable
 
@@ -95,13 +95,18 @@ _OPTIONAL = (("entropy",), ("kl",), ("rollout_ratio_mean", "rollout_weight_mean"
              ("vespo_phi_seq_mean",))
 
 
-@functools.cache
-def _picker(op: str, *on: bool) -> Callable[[tuple], tuple]:
+def _picker(op: str, on: tuple[bool, ...]) -> Callable[[tuple], tuple]:
     """The getter of PolicyLossOutput's fields but loss_type from `op`'s results followed by a None: the fields of
     `op`'s layout, the None for those the op lacks and for the metrics of the options (_OPTIONAL) that are not `on`."""
     hidden = {field for fields, is_on in zip(_OPTIONAL, on) if not is_on for field in fields}
     n = len(_schema.results(op))
     return _schema.items_at(n if i is None or f in hidden else i for f, i in zip(_FIELDS, _LAYOUTS[op]))
+
+
+# Every op's getter for every set of metric options, made at import (torch.compile traces a dict's lookup, not the
+# code that would make a getter on a first call).
+_PICKERS = {(op, on): _picker(op, on)
+            for op in _LAYOUTS for on in itertools.product((False, True), repeat=len(_OPTIONAL))}
 
 
 def _metrics_on(op: str, options: dict) -> tuple[bool, ...]:
@@ -118,7 +123,7 @@ def _metrics_on(op: str, options: dict) -> tuple[bool, ...]:
 # The options that turn metrics on; a call without any of them takes its op's picker of the defaults.
 _METRIC_OPTIONS = frozenset(("compute_entropy", "entropy_coefficient", "ref_log_probs", "rollout_correction",
                              "loss_type"))
-_AT_DEFAULTS = {op: (_picker(op, *_metrics_on(op, {})), _schema.default(op, "loss_type")) for op in _LAYOUTS}
+_AT_DEFAULTS = {op: (_PICKERS[op, _metrics_on(op, {})], _schema.default(op, "loss_type")) for op in _LAYOUTS}
 _NONE = (None,)
 
 
@@ -126,7 +131,7 @@ def policy_output(op: str, out, options: dict) -> PolicyLossOutput:
     """The named result of a policy op from its results by name, with None for the metrics whose option is off."""
     pick, loss_type = _AT_DEFAULTS[op]
     if not _METRIC_OPTIONS.isdisjoint(options):
-        pick = _picker(op, *_metrics_on(op, options))
+        pick = _PICKERS[op, _metrics_on(op, options)]
         loss_type = options.get("loss_type", loss_type)
     return _new_tuple(PolicyLossOutput, (*pick((*out, *_NONE)), loss_type))
 
