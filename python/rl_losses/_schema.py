@@ -8,7 +8,6 @@ per-document sums) are named here, once, and tests/test_schema.py holds them aga
 """
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any, Callable
 

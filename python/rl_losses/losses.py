@@ -125,7 +125,7 @@ class LanguageModelLoss(torch.nn.Module):
 
     def _options(self, kernel: bool) -> dict[str, Any]:
         # Options only the extension's op takes (the caller must not change the dict).
-        return self._kernel_options if kernel else _NONE
+        return self._kernel_options if kernel else _NO_OPTIONS
 
     def _config_options(self, op: str) -> dict[str, Any]:
         """The config's fields that are options of `op`, less those at the op's defaults: the config gives them the
@@ -141,7 +141,7 @@ class LanguageModelLoss(torch.nn.Module):
         return options
 
 
-_NONE: dict[str, Any] = {}
+_NO_OPTIONS: dict[str, Any] = {}
 # The devices the extension always runs on; a device is looked up in a set faster than its `.type` is read (~3 µs).
 _EXTENSION_DEVICES = frozenset((torch.device("cpu"), torch.device("meta")))
 
