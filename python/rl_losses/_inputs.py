@@ -3,8 +3,9 @@ the opt-in host checks of label and document ids on CUDA, the options' normalisa
 policy ops. Kept apart so that functional.py can route to distributed.py without an import cycle."""
 from __future__ import annotations
 
-import functools
+import itertools
 import os
+from typing import Callable
 
 import torch
 
@@ -64,8 +65,10 @@ def _options(name: str, options: dict, allowed: frozenset[str]) -> dict:
         return options
     if not options.keys() <= allowed:
         _schema.check_keywords(name, options, allowed)
-    for key in _divisors(allowed):
-        value = options.get(key)
+    if _CONVERTED.isdisjoint(options):  # most calls: nothing to convert
+        return options
+    for key in _DIVISORS.intersection(options):
+        value = options[key]
         if value is not None and type(value) is not float:
             options[key] = _divisor(value)
     if options.get("rollout_mask_bounds") is not None:
@@ -79,12 +82,9 @@ def _options(name: str, options: dict, allowed: frozenset[str]) -> dict:
 
 # The sampler's options (docs/consistency.md): a number for every row, or a tensor shaped like the target.
 _SAMPLER = ("top_k", "top_p", "min_p")
-
-
-@functools.cache
-def _divisors(allowed: frozenset[str]) -> tuple[str, ...]:
-    # The divisor options of a wrapper: found once per wrapper, not per call.
-    return tuple(key for key in allowed if key.endswith("divisor"))
+# The divisor options of every op, and every option _options converts.
+_DIVISORS = frozenset(key for op in _schema.ops() for key in _schema.arguments(op) if key.endswith("divisor"))
+_CONVERTED = _DIVISORS | {"rollout_mask_bounds", *_SAMPLER}
 
 
 _FIELDS = PolicyLossOutput._fields
@@ -95,13 +95,18 @@ _OPTIONAL = (("entropy",), ("kl",), ("rollout_ratio_mean", "rollout_weight_mean"
              ("vespo_phi_seq_mean",))
 
 
-@functools.cache
-def _picker(op: str, *on: bool) -> tuple[int, ...]:
-    """Where PolicyLossOutput's fields but loss_type are in `op`'s results followed by a None: the fields of `op`'s
-    layout, the None for those the op lacks and for the metrics of the options (_OPTIONAL) that are not `on`."""
+def _picker(op: str, on: tuple[bool, ...]) -> Callable[[tuple], tuple]:
+    """The getter of PolicyLossOutput's fields but loss_type from `op`'s results followed by a None: the fields of
+    `op`'s layout, the None for those the op lacks and for the metrics of the options (_OPTIONAL) that are not `on`."""
     hidden = {field for fields, is_on in zip(_OPTIONAL, on) if not is_on for field in fields}
     n = len(_schema.results(op))
-    return tuple(n if i is None or f in hidden else i for f, i in zip(_FIELDS, _LAYOUTS[op]))
+    return _schema.items_at(n if i is None or f in hidden else i for f, i in zip(_FIELDS, _LAYOUTS[op]))
+
+
+# Every op's getter for every set of metric options, made at import (torch.compile traces a dict's lookup, not the
+# code that would make a getter on a first call).
+_PICKERS = {(op, on): _picker(op, on)
+            for op in _LAYOUTS for on in itertools.product((False, True), repeat=len(_OPTIONAL))}
 
 
 def _metrics_on(op: str, options: dict) -> tuple[bool, ...]:
@@ -116,16 +121,19 @@ def _metrics_on(op: str, options: dict) -> tuple[bool, ...]:
 
 
 # The options that turn metrics on; a call without any of them takes its op's picker of the defaults.
-_METRIC_OPTIONS = ("compute_entropy", "entropy_coefficient", "ref_log_probs", "rollout_correction", "loss_type")
-_AT_DEFAULTS = {op: _picker(op, *_metrics_on(op, {})) for op in _LAYOUTS}
+_METRIC_OPTIONS = frozenset(("compute_entropy", "entropy_coefficient", "ref_log_probs", "rollout_correction",
+                             "loss_type"))
+_AT_DEFAULTS = {op: (_PICKERS[op, _metrics_on(op, {})], _schema.default(op, "loss_type")) for op in _LAYOUTS}
+_NONE = (None,)
 
 
 def policy_output(op: str, out, options: dict) -> PolicyLossOutput:
     """The named result of a policy op from its results by name, with None for the metrics whose option is off."""
-    if any(name in options for name in _METRIC_OPTIONS):
-        pick = _picker(op, *_metrics_on(op, options))
-    else:
-        pick = _AT_DEFAULTS[op]
-    padded = (*out, None)
-    loss_type = options.get("loss_type", _schema.default(op, "loss_type"))
-    return PolicyLossOutput._make((*(padded[i] for i in pick), loss_type))
+    pick, loss_type = _AT_DEFAULTS[op]
+    if not _METRIC_OPTIONS.isdisjoint(options):
+        pick = _PICKERS[op, _metrics_on(op, options)]
+        loss_type = options.get("loss_type", loss_type)
+    return _new_tuple(PolicyLossOutput, (*pick((*out, *_NONE)), loss_type))
+
+
+_new_tuple = tuple.__new__

@@ -8,9 +8,8 @@ per-document sums) are named here, once, and tests/test_schema.py holds them aga
 """
 from __future__ import annotations
 
-import functools
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -51,6 +50,10 @@ _ARGUMENTS = {op: frozenset(a.name for a in s.arguments) for op, s in _SCHEMAS.i
 _RESULTS = {op: tuple(r.name for r in s.returns) for op, s in _SCHEMAS.items()}
 
 
+def ops() -> tuple[str, ...]:
+    return tuple(_SCHEMAS)
+
+
 def schema(op: str) -> torch._C.FunctionSchema:
     return _SCHEMAS[op]
 
@@ -78,14 +81,16 @@ def option(op: str, options: dict, name: str) -> Any:
     return options[name] if name in options else defaults(op)[name]
 
 
-@functools.cache
-def _positions(op: str, names: tuple[str, ...]) -> tuple[int, ...]:
-    return tuple(results(op).index(name) for name in names)
+def items_at(positions) -> Callable[[tuple], tuple]:
+    """A function returning the items of a tuple at `positions`: as fast as an operator.itemgetter, and traceable by
+    torch.compile, which an itemgetter is not."""
+    return eval(f"lambda out: ({''.join(f'out[{int(i)}], ' for i in positions)})")
 
 
-def picked(op: str, names: tuple[str, ...], out) -> tuple:
-    """The op's results of those names, in their order (a NamedTuple's fields): found by name once per op."""
-    return tuple(out[i] for i in _positions(op, names))
+def getter(op: str, names: tuple[str, ...]) -> Callable[[tuple], tuple]:
+    """The op's results of those names, in their order (a NamedTuple's fields): found once per op, at import, by
+    the op's wrapper."""
+    return items_at(results(op).index(name) for name in names)
 
 
 def bind(op: str, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -49,9 +49,10 @@ def dpo_loss(logits: torch.Tensor, target: torch.Tensor, document_index: torch.T
             vocab_size)
     out = _ops.dpo(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs,
                    **options)
-    return DpoOutput._make(_schema.picked("dpo", DpoOutput._fields, out))
+    return DpoOutput._make(_RESULTS(out))
 
 
+_RESULTS = _schema.getter("dpo", DpoOutput._fields)
 _KEYWORDS = distributed._shard_signature(dpo_loss, "dpo", extra={"tp_group": None}, returns=DpoOutput)
 
 

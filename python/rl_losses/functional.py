@@ -6,6 +6,8 @@ padded or packed batches): docs/conventions.md. With ``tp_group`` / ``sdp_group`
 distributed layer (rl_losses.distributed, docs/distributed.md)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rl_losses import _schema, distributed
@@ -17,6 +19,7 @@ _ops = torch.ops.rl_losses
 _TP_HOOKS = ("row_stats", "vocab_start", "vocab_size")
 
 
+@functools.cache  # the registered kernels do not change: asked once (the loss modules ask per call)
 def cuda_kernels_available() -> bool:
     """True when the extension was built with its CUDA kernels (a CPU-only build runs only on the CPU tensors).
 

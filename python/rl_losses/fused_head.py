@@ -59,9 +59,10 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None
             "fused_head_loss", logits, target, tp_group, option("logits_scale_factor"), vocab_start, vocab_size,
             smoothing=option("label_smoothing") != 0 and option("label_weight") != 0)
     out = _ops.fused_head(logits, target, **options)
-    return FusedHeadOutput._make(_schema.picked("fused_head", FusedHeadOutput._fields, out))
+    return FusedHeadOutput._make(_RESULTS(out))
 
 
+_RESULTS = _schema.getter("fused_head", FusedHeadOutput._fields)
 _KEYWORDS = distributed._shard_signature(fused_head_loss, "fused_head", extra={"tp_group": None}, returns=FusedHeadOutput)
 
 

@@ -77,6 +77,9 @@ class LanguageModelLoss(torch.nn.Module):
         self.name = name
         self.tp_group = tp_group
         self._config_options_of: dict[str, dict[str, Any]] = {}
+        # The extension's own options (none for the reference), passed on only when not at their defaults.
+        self._kernel_options = {"tp_group": tp_group} if tp_group is not None else {}
+        self._new_logprobs_name = f"{name}_new_logprobs"  # the one metric of the policy losses at metrics="none"
         if tp_group is not None and config.use_cuda_kernel is False:
             raise ValueError(f"{type(self).__name__} {name!r}: tp_group needs the extension's op, but "
                              f"use_cuda_kernel=False selects the pure-PyTorch reference, which has no tp_group")
@@ -102,8 +105,8 @@ class LanguageModelLoss(torch.nn.Module):
                                    f"extension wherever it runs, or False for the pure-PyTorch reference.")
             return True
         # None: the extension runs on the CPU always, on "meta" through its fake kernels, on CUDA when built so.
-        device = logits.device.type
-        return device in ("cpu", "meta") or (device == "cuda" and functional.cuda_kernels_available())
+        device = logits.device
+        return device in _EXTENSION_DEVICES or (device.type == "cuda" and functional.cuda_kernels_available())
 
     def forward(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Args:
@@ -121,8 +124,8 @@ class LanguageModelLoss(torch.nn.Module):
         raise NotImplementedError
 
     def _options(self, kernel: bool) -> dict[str, Any]:
-        # Options only the extension's op takes.
-        return {"tp_group": self.tp_group} if kernel else {}
+        # Options only the extension's op takes (the caller must not change the dict).
+        return self._kernel_options if kernel else _NO_OPTIONS
 
     def _config_options(self, op: str) -> dict[str, Any]:
         """The config's fields that are options of `op`, less those at the op's defaults: the config gives them the
@@ -136,6 +139,11 @@ class LanguageModelLoss(torch.nn.Module):
                        if not (name in defaults and value == defaults[name])}
             self._config_options_of[op] = options
         return options
+
+
+_NO_OPTIONS: dict[str, Any] = {}
+# The devices the extension always runs on; a device is looked up in a set faster than its `.type` is read (~3 µs).
+_EXTENSION_DEVICES = frozenset((torch.device("cpu"), torch.device("meta")))
 
 
 def _given(**options) -> dict[str, Any]:
@@ -197,10 +205,10 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
     def _metrics(self, out: functional.PolicyLossOutput, batch: Batch, mask: torch.Tensor | None,
                  num_segments: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         # mask: the tokens that count, needed (not None) unless metrics="none".
+        if self.config.metrics == "none":
+            return {self._new_logprobs_name: out.new_logprobs}
         n = self.name
         metrics = {f"{n}_new_logprobs": out.new_logprobs}
-        if self.config.metrics == "none":
-            return metrics
         metrics.update({
             f"{n}_ratio_new_old": out.ratio_mean,
             f"{n}_kl_new_old": out.kl_old,

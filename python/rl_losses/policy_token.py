@@ -73,9 +73,10 @@ def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | Non
     """
     options = _options("policy_token_loss", options, _KEYWORDS)
     out = torch.ops.rl_losses.policy_token_loss(log_probs, old_log_probs, advantages, **options)
-    return PolicyTokenOutput._make(_schema.picked("policy_token_loss", PolicyTokenOutput._fields, out))
+    return PolicyTokenOutput._make(_RESULTS(out))
 
 
+_RESULTS = _schema.getter("policy_token_loss", PolicyTokenOutput._fields)
 # ref_log_probs and rollout_log_probs are positional in the schema (register_autograd needs its tensors so) but
 # options here, as in the fused ops.
 _KEYWORDS = _schema.arguments("policy_token_loss") - {"log_probs", "old_log_probs", "advantages"}
