@@ -47,8 +47,8 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, c
                                             "geo_mean"};
   const auto* found = std::find(std::begin(kLossTypeNames), std::end(kLossTypeNames), a.loss_type);
   TORCH_CHECK(found != std::end(kLossTypeNames), op, ": loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', "
-              "'dro', 'dppo_tv', 'dppo_kl' or 'geo_mean', got '", a.loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are "
-              "ppo_clip with an aggregation preset: rl_losses.aggregation.TRL_LOSS_TYPES)");
+              "'dro', 'dppo_tv', 'dppo_kl' or 'geo_mean', got '", a.loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo "
+              "and luspo are ppo_clip with an aggregation preset: rl_losses.aggregation.TRL_LOSS_TYPES)");
   o.loss_type = static_cast<int>(found - std::begin(kLossTypeNames));
   TORCH_CHECK(o.loss_type == kPpoClip || !has_delta, op, ": delta (the two-sided clip) applies to loss_type "
               "'ppo_clip' only, got loss_type '", a.loss_type, "' with delta = ", delta);

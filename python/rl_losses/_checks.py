@@ -280,8 +280,8 @@ def policy_options(op, a, *, fused: bool, clip: bool, sequence_ratio: bool = Fal
     objective's; `sequence_ratio` (GSPO's) then check_sequence_ratio_loss_type."""
     loss_type, delta = a["loss_type"], a["delta"] if clip else None
     _check(loss_type in POLICY_LOSS_TYPES, op, "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', 'dro', "
-           "'dppo_tv', 'dppo_kl' or 'geo_mean', got '", loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are ppo_clip "
-           "with an aggregation preset: rl_losses.aggregation.TRL_LOSS_TYPES)")
+           "'dppo_tv', 'dppo_kl' or 'geo_mean', got '", loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are "
+           "ppo_clip with an aggregation preset: rl_losses.aggregation.TRL_LOSS_TYPES)")
     _check(loss_type == "ppo_clip" or delta is None, op, "delta (the two-sided clip) applies to loss_type "
            "'ppo_clip' only, got loss_type '", loss_type, "' with delta = ", _num(delta if delta is not None else 0.0))
     epsilon_high = a["epsilon_high"] if clip else 0.0

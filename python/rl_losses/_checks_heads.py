@@ -1,6 +1,6 @@
 """The checks of the distillation, DPO, fused-head, token_log_probs and policy_token_loss ops (csrc/distillation,
-csrc/dpo, csrc/fused_head, csrc/token_log_probs, csrc/policy_token), as ``_checks.py`` holds the others': the same conditions in the same order,
-the same messages, over the call's arguments by name."""
+csrc/dpo, csrc/fused_head, csrc/token_log_probs, csrc/policy_token), as ``_checks.py`` holds the others': the same
+conditions in the same order, the same messages, over the call's arguments by name."""
 from __future__ import annotations
 
 import math

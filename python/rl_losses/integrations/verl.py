@@ -292,7 +292,8 @@ def geo_mean_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss
     keep = response_mask != 0
     n = keep.sum(-1).clamp(min=1)
     delta = torch.where(keep, log_prob - old_log_prob, 0.0).detach()
-    clipped = torch.where(advantages > 0, delta.clamp(max=high), torch.where(advantages < 0, delta.clamp(min=-low), 0.0))
+    clipped = torch.where(advantages > 0, delta.clamp(max=high),
+                          torch.where(advantages < 0, delta.clamp(min=-low), 0.0))
     inside = keep & (clipped == delta) & (advantages != 0)
     seq = torch.where(keep, advantages, 0.0).sum(-1) / n * (torch.where(keep, clipped, 0.0).sum(-1) / n).exp()
     if rollout_is_weights is not None:
