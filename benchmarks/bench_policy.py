@@ -69,6 +69,7 @@ def options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref):
                                     **kl(kl_importance_weighted=True)), None),
         "gspo": ("gspo", dict(), dict(importance_sampling_level="sequence")),
         "gspo_vespo": ("gspo", dict(loss_type="vespo"), None),
+        "gspo_geo_mean": ("gspo", dict(loss_type="geo_mean"), None),
         "gspo_importance_weighted_kl": ("gspo", kl(kl_importance_weighted=True),
                                         dict(importance_sampling_level="sequence", beta=0.04,
                                              use_bias_correction_kl=True)),

@@ -19,6 +19,7 @@ PAIRS = {  # ours -> (verl's, config overrides)
     "rl_losses_gspo": ("gspo", dict(clip_ratio_low=0.05, clip_ratio_high=0.08)),
     "rl_losses_sapo": ("sapo", dict(tau_pos=0.8, tau_neg=1.3)),
     "rl_losses_cispo": ("cispo", dict(clip_ratio_low=1.0, clip_ratio_high=0.2)),
+    "rl_losses_geo_mean": ("geo_mean", dict(clip_ratio_low=0.15, clip_ratio_high=0.25)),
 }
 
 
@@ -35,7 +36,7 @@ def test_matches_verl(name, mode, dtype):
                    rollout_is_weights)
         # verl's seq-mean-token-mean divides by (length + 1e-8): ~3e-10 of each sequence's term here, which the
         # cancelling sum over sequences can leave as 1e-8 of the total: an absolute bound there.
-        per_sequence = mode == "seq-mean-token-mean" or name == "rl_losses_sapo"
+        per_sequence = mode == "seq-mean-token-mean" or name in ("rl_losses_sapo", "rl_losses_geo_mean")
         tol = (dict(rtol=1e-9, atol=1e-10 if per_sequence else 1e-12) if dtype == torch.float64
                else dict(rtol=1e-6, atol=1e-7))
         torch.testing.assert_close(ours[0].to(dtype), theirs[0], **tol)

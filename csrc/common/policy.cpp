@@ -43,11 +43,12 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, c
               .delta = has_delta ? delta : std::numeric_limits<double>::infinity()};
   }
   // The loss types by name, in PolicyLossType's order.
-  constexpr const char* kLossTypeNames[] = {"ppo_clip", "cispo", "sapo", "vespo", "gpg", "dro", "dppo_tv", "dppo_kl"};
+  constexpr const char* kLossTypeNames[] = {"ppo_clip", "cispo", "sapo", "vespo", "gpg", "dro", "dppo_tv", "dppo_kl",
+                                            "geo_mean"};
   const auto* found = std::find(std::begin(kLossTypeNames), std::end(kLossTypeNames), a.loss_type);
   TORCH_CHECK(found != std::end(kLossTypeNames), op, ": loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', "
-              "'dro', 'dppo_tv' or 'dppo_kl', got '", a.loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are "
-              "ppo_clip with an aggregation preset: rl_losses.aggregation.TRL_LOSS_TYPES)");
+              "'dro', 'dppo_tv', 'dppo_kl' or 'geo_mean', got '", a.loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo "
+              "and luspo are ppo_clip with an aggregation preset: rl_losses.aggregation.TRL_LOSS_TYPES)");
   o.loss_type = static_cast<int>(found - std::begin(kLossTypeNames));
   TORCH_CHECK(o.loss_type == kPpoClip || !has_delta, op, ": delta (the two-sided clip) applies to loss_type "
               "'ppo_clip' only, got loss_type '", a.loss_type, "' with delta = ", delta);
@@ -145,7 +146,12 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, c
 void check_sequence_ratio_loss_type(const char* op, const PolicyOptions<double>& o, const PolicyArgs& a) {
   TORCH_CHECK(!token_log_prob_loss_type(o.loss_type), op, ": loss_type '", a.loss_type, "' weighs each token's own "
               "log-prob ratio, not a sequence's: use grpo (or policy_token_loss); gspo takes 'ppo_clip', 'cispo', "
-              "'sapo' or 'vespo'");
+              "'sapo', 'vespo' or 'geo_mean'");
+}
+
+void check_token_ratio_loss_type(const char* op, const PolicyOptions<double>& o, const PolicyArgs& a) {
+  TORCH_CHECK(o.loss_type != kGeoMean, op, ": loss_type '", a.loss_type, "' takes the geometric mean of a sequence's "
+              "clipped ratios: use gspo");
 }
 
 at::Tensor broadcast_per_sequence(const at::Tensor& t, const at::Tensor& target) {

@@ -74,6 +74,8 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, c
 // GSPO's refusal of the loss types over each token's own log-probs (gpg, dro, dppo_tv, dppo_kl): its ratio is the
 // sequence's; GRPO and policy_token_loss have them.
 void check_sequence_ratio_loss_type(const char* op, const PolicyOptions<double>& o, const PolicyArgs& a);
+// GRPO's refusal of geo_mean, whose ratio is a sequence's.
+void check_token_ratio_loss_type(const char* op, const PolicyOptions<double>& o, const PolicyArgs& a);
 
 // The plain objective of the fused head's policy terms: ppo_clip at the clip, the k3 KL weighted by beta.
 PolicyOptions<double> plain_policy_options(const ClipArgs& clip, double beta);

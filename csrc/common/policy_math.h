@@ -18,7 +18,7 @@ namespace rl_losses {
 // Every coefficient that a clip, cap or mask switches off is an exact 0, never 0·inf: the ratio of a token far
 // off-policy may overflow to inf, and its gradient must still be finite.
 enum PolicyLossType : int { kPpoClip = 0, kCispo = 1, kSapo = 2, kVespo = 3, kGpg = 4, kDro = 5, kDppoTv = 6,
-                             kDppoKl = 7 };
+                             kDppoKl = 7, kGeoMean = 8 };
 enum KlEstimator : int { kKlK1 = 1, kKlK2 = 2, kKlK3 = 3 };
 enum RolloutMode : int { kRolloutNone = 0, kRolloutTruncate = 1, kRolloutMask = 2 };
 
@@ -116,7 +116,9 @@ C10_HOST_DEVICE inline PolicyToken<T> vespo_surrogate(T phi, T ratio, T advantag
 // so GRPO and policy_token_loss have them; GSPO, whose ratio is the sequence's, does not.
 //   gpg:  ℓ = −A·lp                       coef = A
 //   dro:  ℓ = −(A·lp − β/2·δ²)            coef = A − β·δ          (β: dro_beta)
-C10_HOST_DEVICE inline bool token_log_prob_loss_type(int loss_type) { return loss_type >= kGpg; }
+C10_HOST_DEVICE inline bool token_log_prob_loss_type(int loss_type) {
+  return loss_type >= kGpg && loss_type <= kDppoKl;
+}
 template <typename T>
 C10_HOST_DEVICE inline PolicyToken<T> gpg_dro_surrogate(const PolicyOptions<T>& o, T ratio, T advantage, T log_prob,
                                                         T old_log_prob) {
@@ -149,6 +151,33 @@ C10_HOST_DEVICE inline PolicyToken<T> dppo_surrogate(const PolicyOptions<T>& o, 
   const T r = ::exp(clamp_keep_nan(log_prob - old_log_prob, T(-kDppoLogRatioBound), T(kDppoLogRatioBound)));
   const T w = !inside ? T(0) : r > o.clip_ratio_c ? o.clip_ratio_c : r;
   return {-zero_or_product(w * advantage, log_prob), w * advantage, ratio};
+}
+
+// GMPO (verl's geo_mean, compute_policy_loss_geo_mean; arXiv 2507.20673), GSPO's sequence ratio with the clip
+// inside its geometric mean: each token's δ = lp − old is clipped in log space to [−ε_l, ε_h] (verl's clip_ratio_low
+// and _high themselves, not log(1 ∓ ε)) on the side its advantage favours, δ̃ = sgn(A)·min(sgn(A)·δ, sgn(A)·clamp(δ)):
+//   A > 0: min(δ, ε_h);   A < 0: max(δ, −ε_l);   A = 0: 0
+// R_s = exp(mean δ̃) and f = −A·R_s; ∂δ̃/∂δ is 1 where δ̃ = δ (inside), else 0.
+template <typename T>
+C10_HOST_DEVICE inline T geo_mean_log_ratio(const PolicyOptions<T>& o, T delta, T advantage) {
+  if (advantage > T(0)) return delta < o.clip.epsilon_high ? delta : o.clip.epsilon_high;
+  if (advantage < T(0)) return delta > -o.clip.epsilon_low ? delta : -o.clip.epsilon_low;
+  return T(0);
+}
+template <typename T>
+C10_HOST_DEVICE inline bool geo_mean_inside(const PolicyOptions<T>& o, T delta, T advantage) {
+  return advantage > T(0) ? delta <= o.clip.epsilon_high : advantage < T(0) && delta >= -o.clip.epsilon_low;
+}
+// verl's clipped flag (its pg_clipfrac where A > 0, pg_clipfrac_lower where A < 0): δ outside [−ε_l, ε_h] on
+// either side, whichever side the advantage clips.
+template <typename T>
+C10_HOST_DEVICE inline bool geo_mean_outside(const PolicyOptions<T>& o, T delta) {
+  return delta < -o.clip.epsilon_low || delta > o.clip.epsilon_high;
+}
+// −A·R at the document's ratio; coef (−∂f/∂log R, times the token's ∂δ̃/∂δ) A·R where inside, else 0.
+template <typename T>
+C10_HOST_DEVICE inline PolicyToken<T> geo_mean_surrogate(T ratio, T advantage, bool inside) {
+  return {-zero_or_product(advantage, ratio), inside ? zero_or_product(advantage, ratio) : T(0), ratio};
 }
 
 // Clipped-fraction flags per loss type: ppo_clip's low/high bounds; cispo's cap (r > ε_h and A > 0, counted as

@@ -20,6 +20,7 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   check_row_stats(op, row_stats, f);
   const PolicyOptions<double> opt = make_policy_options(op, a.policy, &a.fused, &a.clip, a.beta,
                                                         a.rollout_log_probs.has_value());
+  check_token_ratio_loss_type(op, opt, a.policy);
   const bool sequence_rollout = sequence_level_rollout(a.policy);
   const bool vespo = opt.loss_type == kVespo;
   TORCH_CHECK(!a.document_index || sequence_rollout || vespo, op, ": document_index groups the tokens of a "

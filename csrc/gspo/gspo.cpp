@@ -30,6 +30,19 @@ void set_policy_inputs(const char* op, GspoState& g, const OptTensor& ref_log_pr
   g.kl_share = g.opt.kl_importance_weighted && g.opt.beta != 0 && g.ref_log_probs.defined() && !g.token_advantages;
 }
 
+// geo_mean (verl's: one advantage per sequence, no rollout correction of its own kind) is GSPO's sequence ratio
+// with the clip inside; the options it does not define are refused.
+void check_geo_mean(const char* op, const PolicyOptions<double>& o, bool token_advantages, const PolicyArgs& policy,
+                    bool document_sums) {
+  if (o.loss_type != kGeoMean) return;
+  TORCH_CHECK(!token_advantages, op, ": loss_type 'geo_mean' takes its document's mean advantage, got "
+              "token_advantages = True");
+  TORCH_CHECK(!policy.rollout_correction, op, ": loss_type 'geo_mean' takes no rollout_correction, got '",
+              policy.rollout_correction.value_or(""), "'");
+  TORCH_CHECK(!document_sums, op, ": loss_type 'geo_mean' clips each token inside its document's sums, which "
+              "document_sums (gspo_document_sums) do not: not supported");
+}
+
 }  // namespace
 
 at::Tensor gspo_document_sums(const DocumentSumsArgs& a, const GspoBackend& backend) {
@@ -42,6 +55,7 @@ at::Tensor gspo_document_sums(const DocumentSumsArgs& a, const GspoBackend& back
   GspoState g;
   g.opt = make_policy_options(op, a.policy, nullptr, nullptr, a.beta, a.rollout_log_probs.has_value());
   check_sequence_ratio_loss_type(op, g.opt, a.policy);
+  check_geo_mean(op, g.opt, a.token_advantages, a.policy, true);
   g.token_advantages = a.token_advantages;
   g.token_weighting = a.weighting == "token";
   g.num_documents = a.num_documents;
@@ -70,6 +84,7 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
   GspoState g;
   g.opt = make_policy_options(op, a.policy, &a.fused, &a.clip, a.beta, a.rollout_log_probs.has_value());
   check_sequence_ratio_loss_type(op, g.opt, a.policy);
+  check_geo_mean(op, g.opt, a.token_advantages, a.policy, document_sums.has_value());
   g.target = f.target1d;
   g.document = check_per_token_int(op, "document_index", a.document_index, target);
   if (a.old_log_probs) g.old_log_probs = check_per_token(op, "old_log_probs", *a.old_log_probs, target, acc);

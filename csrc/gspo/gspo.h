@@ -42,7 +42,7 @@ enum GspoTotal : int { kGspoLabelledDocs = kGspoDocFields, kGspoDivisor, kGspoTo
 // Columns of the per-token outputs summed for the metrics.
 enum GspoTokenField : int { kGspoTokenLoss = 0, kGspoTokenLogProb, kGspoTokenEntropy, kGspoTokenLabelled,
                             kGspoTokenKl, kGspoTokenRolloutRatio, kGspoTokenRolloutWeight, kGspoTokenRolloutCorrected,
-                            kGspoTokenVespoPhi, kGspoTokenFields };
+                            kGspoTokenVespoPhi, kGspoTokenClipLow, kGspoTokenClipHigh, kGspoTokenFields };
 
 // Everything between the two row passes, as tensors of the accumulation dtype (int64 for ids): the inputs,
 // then what each step writes. Optional ones are undefined when absent.
@@ -107,8 +107,9 @@ struct GspoTokenTerms {
     }
     const acc_t u = !on ? acc_t(0) : label_counts == nullptr ? acc_t(1) : acc_t(1) / at_least_one(label_counts[i]);
     acc_t* t = terms + i * kGspoSums;
-    // On-policy (old = sg(lp)) the log-ratio is 0 in value.
-    t[kGspoLogRatio] = on && old_log_probs != nullptr ? u * (lp - old_log_probs[i]) : acc_t(0);
+    // On-policy (old = sg(lp)) the log-ratio is 0 in value; geo_mean's is the mean of the clipped δ̃.
+    const acc_t delta = on && old_log_probs != nullptr ? lp - old_log_probs[i] : acc_t(0);
+    t[kGspoLogRatio] = u * (opt.loss_type == kGeoMean ? geo_mean_log_ratio(opt, delta, advantages[i]) : delta);
     t[kGspoAdvantage] = on ? u * advantages[i] : acc_t(0);
     t[kGspoCount] = on ? acc_t(1) : acc_t(0);
     const acc_t old = old_log_probs != nullptr ? old_log_probs[i] : lp;
@@ -194,8 +195,9 @@ struct GspoDocumentTotals {
 // (−c·H_t), each weighted by κ_t as well. Summing the shares of a document's tokens gives f_s
 // (or N_s·f_s) because Σ u_t = 1 over the whole document. The importance-weighted KL reaches every token of the
 // document through R_s: ∂/∂lp_t of Σ_j κ_j·β·R_s·KL_j/D adds β·R_s·u_t·Σ_j κ_j·KL_j/D (kGspoKlShare) to the
-// token's own term (GSPO-token: only its own, through its own ratio). Also the per-token terms of the metrics:
-// u_t·lp_t, the entropy, m_t, KL, ρ, ω, u_t·φ.
+// token's own term (GSPO-token: only its own, through its own ratio). geo_mean: f = −A·R_s, which reaches lp_t only
+// where its δ̃_t is unclipped. Also the per-token terms of the metrics: u_t·lp_t, the entropy, m_t, KL, ρ, ω, u_t·φ,
+// geo_mean's clipped flags.
 template <typename acc_t>
 struct GspoTokenStep {
   PolicyOptions<acc_t> opt;
@@ -239,6 +241,8 @@ struct GspoTokenStep {
                           : rollout_log_probs != nullptr ? old - rollout_log_probs[i]
                                                          : acc_t(0);
     const acc_t rw = rollout_weight(opt, log_rho);
+    const bool geo_mean = opt.loss_type == kGeoMean;
+    const bool inside = !geo_mean || geo_mean_inside(opt, lp - old, advantages[i]);  // R_s depends on lp_t
     PolicyToken<acc_t> t;
     acc_t phi = acc_t(0);
     if (opt.loss_type == kVespo) {
@@ -247,7 +251,7 @@ struct GspoTokenStep {
                       adv);
       t = vespo_surrogate(phi, ratio, adv, lp);
     } else {
-      t = policy_surrogate(opt, ratio, adv, lp);
+      t = geo_mean ? geo_mean_surrogate(ratio, adv, inside) : policy_surrogate(opt, ratio, adv, lp);
       // The token's share of the loss is weighted by its own ω_t, but f(R_s) reaches lp_t through R_s from every
       // token of the document: with token-level weights its gradient carries the document's Σ κ'_u·ω_u / N_s
       // (GSPO-token: the token's own ratio, and CISPO: −sg(w)·A·lp_t, reach it directly, so its own ω_t).
@@ -284,8 +288,11 @@ struct GspoTokenStep {
     o[kGspoTokenRolloutWeight] = rw;
     o[kGspoTokenRolloutCorrected] = corrected && rw != o[kGspoTokenRolloutRatio] ? acc_t(1) : acc_t(0);
     o[kGspoTokenVespoPhi] = phi / count;
+    const bool outside = geo_mean && geo_mean_outside(opt, lp - old);
+    o[kGspoTokenClipLow] = outside && advantages[i] < acc_t(0) ? acc_t(1) : acc_t(0);
+    o[kGspoTokenClipHigh] = outside && advantages[i] > acc_t(0) ? acc_t(1) : acc_t(0);
     coef[i] = zero_or_product(kappa, t.coef);
-    if (kl_share) {
+    if (kl_share && inside) {
       const acc_t share = d[kGspoKlShare] / (count * totals[kGspoDivisor]);
       coef[i] -= zero_or_product(opt.beta * share, ratio);
     }
@@ -310,8 +317,9 @@ struct GspoMetrics {
     const acc_t labelled = at_least_one(s[kGspoTokenLabelled]);
     *dst.p[kPolicyLoss] = s[kGspoTokenLoss];
     *dst.p[kPolicyNewLogProbs] = s[kGspoTokenLogProb] / n;
-    *dst.p[kPolicyClipLow] = totals[kGspoLow] / n;
-    *dst.p[kPolicyClipHigh] = totals[kGspoHigh] / n;
+    // Per document, or (geo_mean, as verl) per token: the other is 0.
+    *dst.p[kPolicyClipLow] = totals[kGspoLow] / n + s[kGspoTokenClipLow] / labelled;
+    *dst.p[kPolicyClipHigh] = totals[kGspoHigh] / n + s[kGspoTokenClipHigh] / labelled;
     *dst.p[kPolicyKlOld] = totals[kGspoKlOld] / n;
     *dst.p[kPolicyEntropy] = entropy ? s[kGspoTokenEntropy] / labelled : acc_t(0);
     *dst.p[kPolicyRatioMean] = totals[kGspoLabelledRatio] / n;

@@ -6,7 +6,7 @@ ids against the vocabulary, max(document_index) + 1, DPO's pairing) stay with th
 because a fake kernel sees symbolic shapes and must create the data-dependent size of GSPO's per-document results,
 which a C++ meta kernel cannot (docs/design.md); tests/test_fake_checks.py runs a bad input for every TORCH_CHECK
 message of csrc/ on the real op, on meta tensors and under FakeTensorMode, and compares the messages.
-The distillation, DPO, fused-head and token_log_probs checks are in ``_checks_heads.py``.
+The distillation, DPO, fused-head, token_log_probs and policy_token_loss checks are in ``_checks_heads.py``.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ _DTYPE_NAMES = {
 MAX_DOCUMENTS = 1 << 31
 # The values the C++ checks accept (common/policy.cpp, common/checks.cpp).
 TOKEN_LOSS_TYPES = ("ppo_clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl")  # policy_token_loss's
-POLICY_LOSS_TYPES = (*TOKEN_LOSS_TYPES[:3], "vespo", *TOKEN_LOSS_TYPES[3:])
+POLICY_LOSS_TYPES = (*TOKEN_LOSS_TYPES[:3], "vespo", *TOKEN_LOSS_TYPES[3:], "geo_mean")
 TOKEN_LOG_PROB_LOSS_TYPES = TOKEN_LOSS_TYPES[3:]  # over each token's own log-probs: not GSPO's
 ROLLOUT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -280,8 +280,8 @@ def policy_options(op, a, *, fused: bool, clip: bool, sequence_ratio: bool = Fal
     objective's; `sequence_ratio` (GSPO's) then check_sequence_ratio_loss_type."""
     loss_type, delta = a["loss_type"], a["delta"] if clip else None
     _check(loss_type in POLICY_LOSS_TYPES, op, "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', 'dro', "
-           "'dppo_tv' or 'dppo_kl', got '", loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are ppo_clip "
-           "with an aggregation preset: rl_losses.aggregation.TRL_LOSS_TYPES)")
+           "'dppo_tv', 'dppo_kl' or 'geo_mean', got '", loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are "
+           "ppo_clip with an aggregation preset: rl_losses.aggregation.TRL_LOSS_TYPES)")
     _check(loss_type == "ppo_clip" or delta is None, op, "delta (the two-sided clip) applies to loss_type "
            "'ppo_clip' only, got loss_type '", loss_type, "' with delta = ", _num(delta if delta is not None else 0.0))
     epsilon_high = a["epsilon_high"] if clip else 0.0
@@ -334,7 +334,9 @@ def policy_options(op, a, *, fused: bool, clip: bool, sequence_ratio: bool = Fal
         _check(math.isfinite(e), op, "entropy_coefficient must be finite, got ", _num(e))
     _check(not sequence_ratio or loss_type not in TOKEN_LOG_PROB_LOSS_TYPES, op, "loss_type '", loss_type, "' weighs "
            "each token's own log-prob ratio, not a sequence's: use grpo (or policy_token_loss); gspo takes "
-           "'ppo_clip', 'cispo', 'sapo' or 'vespo'")
+           "'ppo_clip', 'cispo', 'sapo', 'vespo' or 'geo_mean'")
+    _check(sequence_ratio or not clip or loss_type != "geo_mean", op, "loss_type '", loss_type, "' takes the geometric "
+           "mean of a sequence's clipped ratios: use gspo")
 
 
 def sequence_ids(op, document_index, num_documents, target, why):
@@ -386,6 +388,17 @@ def _policy_tensors(op, a, target):
             check_per_token(op, name, a[name], target)
 
 
+def _geo_mean(op, a, document_sums):
+    if a["loss_type"] != "geo_mean":
+        return
+    _check(not a["token_advantages"], op, "loss_type 'geo_mean' takes its document's mean advantage, got "
+           "token_advantages = True")
+    _check(not a["rollout_correction"], op, "loss_type 'geo_mean' takes no rollout_correction, got '",
+           a["rollout_correction"] or "", "'")
+    _check(not document_sums, op, "loss_type 'geo_mean' clips each token inside its document's sums, which "
+           "document_sums (gspo_document_sums) do not: not supported")
+
+
 def gspo(op, a, x):
     """gspo_forward; returns the number of documents where the arguments give it (None: the data's)."""
     target = a["target"]
@@ -395,6 +408,7 @@ def gspo(op, a, x):
     check_row_stats(op, a.get("row_stats"), x, target.numel())
     check_weighting(op, a["weighting"])
     policy_options(op, a, fused=True, clip=True, sequence_ratio=True)
+    _geo_mean(op, a, a.get("document_sums") is not None)
     document_index = a["document_index"]
     check_per_token_int(op, "document_index", document_index, target)
     if a["old_log_probs"] is not None:
@@ -434,6 +448,7 @@ def document_sums(a):
     beta = a["beta"]
     _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
     policy_options(op, a, fused=False, clip=False, sequence_ratio=True)
+    _geo_mean(op, a, True)
     check_per_token(op, "log_probs", a["log_probs"], target)
     check_per_token_int(op, "target", target, target)
     check_per_token(op, "advantages", a["advantages"], target)
@@ -442,28 +457,6 @@ def document_sums(a):
     check_per_token_int(op, "document_index", a["document_index"], target)
     check_label_counts(op, a["label_counts"], target)
     _policy_tensors(op, a, target)
-
-
-# ---- policy_token/policy_token.cpp -------------------------------------------------------------------------------
-def policy_token(a):
-    op = "policy_token_loss"
-    log_probs = a["log_probs"]
-    _check(log_probs.dtype.is_floating_point, op, "log_probs must be a floating-point tensor, got ",
-           _dt(log_probs.dtype))
-    check_clip(op, a)
-    _check(a["loss_type"] in TOKEN_LOSS_TYPES, op, "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'gpg', 'dro', "
-           "'dppo_tv' or 'dppo_kl' (sequence-level loss types are the fused ops'), got '", a["loss_type"], "'")
-    _check(not sequence_level_rollout(a), op, "rollout_correction must be None, 'token_truncate' or 'token_mask' (the "
-           "sequence-level modes are the fused ops'), got '", a["rollout_correction"] or "", "'")
-    policy_options(op, a, fused=False, clip=True)
-    if a["old_log_probs"] is not None:
-        check_per_token(op, "old_log_probs", a["old_log_probs"], log_probs)
-    check_per_token(op, "advantages", per_sequence(a["advantages"], log_probs), log_probs)
-    for name in ("ref_log_probs", "rollout_log_probs"):
-        if a[name] is not None:
-            check_per_token(op, name, a[name], log_probs)
-    if a["loss_mask"] is not None:
-        check_loss_mask(op, a["loss_mask"], log_probs, "log_probs", log_probs.shape, "shape")
 
 
 # ---- common/sampler.cpp (sampler_params; the values' ranges are the data's: the real op's), and the row sources ------

@@ -1,6 +1,6 @@
-"""The checks of the distillation, DPO, fused-head and token_log_probs ops (csrc/distillation, csrc/dpo,
-csrc/fused_head, csrc/token_log_probs), as ``_checks.py`` holds the others': the same conditions in the same order,
-the same messages, over the call's arguments by name."""
+"""The checks of the distillation, DPO, fused-head, token_log_probs and policy_token_loss ops (csrc/distillation,
+csrc/dpo, csrc/fused_head, csrc/token_log_probs, csrc/policy_token), as ``_checks.py`` holds the others': the same
+conditions in the same order, the same messages, over the call's arguments by name."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,8 @@ import torch
 
 from rl_losses._checks import (_check, _dt, _integral, _num, _shape, acc_dtype, check_beta, check_clip,
                                 check_divisor, check_epsilons, check_loss_mask, check_label_counts, check_num_documents, check_per_token,
-                                check_per_token_int, check_row_stats, check_scale, check_weighting, sampler)
+                                check_per_token_int, check_row_stats, check_scale, check_weighting, per_sequence,
+                                policy_options, sampler, sequence_level_rollout, TOKEN_LOSS_TYPES)
 from rl_losses._schema import DISTILL_STATS
 
 # ---- distillation/distillation.cpp ---------------------------------------------------------------------------------
@@ -253,3 +254,25 @@ def topk_distillation(op, a, x):
     k = ids.shape[-1]
     _check(1 <= k <= total, op, "teacher_ids must hold 1 <= K <= vocab_size ids per row, got K = ", k,
            " with vocab_size ", total)
+
+
+# ---- policy_token/policy_token.cpp -------------------------------------------------------------------------------
+def policy_token(a):
+    op = "policy_token_loss"
+    log_probs = a["log_probs"]
+    _check(log_probs.dtype.is_floating_point, op, "log_probs must be a floating-point tensor, got ",
+           _dt(log_probs.dtype))
+    check_clip(op, a)
+    _check(a["loss_type"] in TOKEN_LOSS_TYPES, op, "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'gpg', 'dro', "
+           "'dppo_tv' or 'dppo_kl' (sequence-level loss types are the fused ops'), got '", a["loss_type"], "'")
+    _check(not sequence_level_rollout(a), op, "rollout_correction must be None, 'token_truncate' or 'token_mask' (the "
+           "sequence-level modes are the fused ops'), got '", a["rollout_correction"] or "", "'")
+    policy_options(op, a, fused=False, clip=True)
+    if a["old_log_probs"] is not None:
+        check_per_token(op, "old_log_probs", a["old_log_probs"], log_probs)
+    check_per_token(op, "advantages", per_sequence(a["advantages"], log_probs), log_probs)
+    for name in ("ref_log_probs", "rollout_log_probs"):
+        if a[name] is not None:
+            check_per_token(op, name, a[name], log_probs)
+    if a["loss_mask"] is not None:
+        check_loss_mask(op, a["loss_mask"], log_probs, "log_probs", log_probs.shape, "shape")

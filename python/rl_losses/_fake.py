@@ -137,7 +137,7 @@ _register("gspo_document_sums", _document_sums)
 
 
 def _policy_token_loss(a):
-    _checks.policy_token(a)
+    _checks_heads.policy_token(a)
     lp = a["log_probs"]
     return {name: _empty(lp, lp.shape) for name in _schema.results("policy_token_loss")}
 

@@ -223,7 +223,8 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
         entropy, fused into the kernel's pass).
     beta: KL penalty towards the reference policy, per token (>= 0; > 0 needs ``ref_log_probs`` in the batch).
     The policy family (docs/policy_losses.md; the options of rl_losses.grpo_loss / gspo_loss): loss_type
-        ("ppo_clip", "cispo", "sapo", "vespo"; GRPO also verl's "gpg", "dro", "dppo_tv", "dppo_kl"), dro_beta ("dro"
+        ("ppo_clip", "cispo", "sapo", "vespo"; GRPO also verl's "gpg", "dro", "dppo_tv", "dppo_kl", GSPO its
+        "geo_mean"), dro_beta ("dro"
         only, required there, > 0), clip_ratio_c (> 0, dppo's cap of the ratio), sapo_temperature_pos /
         sapo_temperature_neg (> 0), vespo_k_pos /
         vespo_k_neg (finite) and vespo_lambda_pos / vespo_lambda_neg (>= 0; TRL's names), rollout_correction (None,
@@ -310,6 +311,8 @@ class LanguageModelGRPOLossConfig(LanguageModelPolicyGradientLossConfig):
     def _validate(self) -> None:
         super()._validate()
         self._check_choice("loss_normalization", GRPO_NORMALIZATIONS)
+        if self.loss_type == "geo_mean":
+            self._fail("loss_type", "not 'geo_mean' (the geometric mean of a sequence's ratios: type 'gspo')")
         m = self.max_completion_length
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             self._fail("max_completion_length", "a positive int or None")
@@ -340,7 +343,10 @@ class LanguageModelGSPOLossConfig(LanguageModelPolicyGradientLossConfig):
         self._check_choice("weighting", GSPO_WEIGHTINGS)
         self._check_bool("token_advantages")
         if self.loss_type in TOKEN_LOG_PROB_LOSS_TYPES:
-            self._fail("loss_type", "one of 'ppo_clip', 'cispo', 'sapo', 'vespo' (the sequence ratio's)")
+            self._fail("loss_type", "one of 'ppo_clip', 'cispo', 'sapo', 'vespo', 'geo_mean' (the sequence ratio's)")
+        if self.loss_type == "geo_mean" and (self.token_advantages or self.rollout_correction is not None):
+            self._fail("loss_type", "not 'geo_mean' with token_advantages or a rollout_correction (verl's takes the "
+                       "mean advantage and no such correction)")
 
     @property
     def loss_class(self) -> type[losses.LanguageModelGSPOLoss]:

@@ -237,6 +237,8 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         beta: β >= 0, weight of the per-token KL estimate towards ``ref_log_probs``.
         The policy-family options (loss_type ... entropy_coefficient) apply at the sequence ratio R_s (the
         rollout correction, KL and entropy bonus per token); they are described below.
+        loss_type "geo_mean" (GSPO only: GMPO, verl's geo_mean): each token's lp − old clipped to [−ε_l, ε_h] on
+            its advantage's side inside R_s = exp(mean), f = −Ā_s·R_s (docs/policy_losses.md).
     Returns: PolicyLossOutput with ``document_ratios`` (num_documents,) set: ``loss`` (differentiable
         scalar), then the detached metrics new_logprobs, clipped_fraction_low/high (fractions of documents),
         kl_old, entropy (None unless ``compute_entropy``), log_probs, ratio_mean, document_ratios.

@@ -271,6 +271,8 @@ def _surrogate(p: Policy, ratio, adv, lp, epsilon_low, epsilon_high, delta=None,
     if p.loss_type in TOKEN_LOG_PROB_LOSS_TYPES:
         return reference_verl.PER_TOKEN[p.loss_type](old, lp, adv, torch.ones_like(lp),
                                                      **_verl_options(p, epsilon_low, epsilon_high))[0]
+    if p.loss_type == "geo_mean":  # the clip is in the ratio (gspo_loss)
+        return -adv * ratio
     if p.loss_type == "cispo":
         return -ratio.clamp(max=epsilon_high).detach() * adv * lp
     if p.loss_type == "sapo":
@@ -327,7 +329,11 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
         counts = label_counts.reshape(-1).to(dt)
     u = torch.where(mask, 1 / counts.clamp_min(1), 0.0)
     zeros = torch.zeros(num_documents, dtype=dt, device=lp.device)
-    log_ratio = zeros.index_add(0, safe_doc, torch.where(mask, u * (lp - old), 0.0))
+    token_log_ratio = lp - old
+    geo_mean = p.loss_type == "geo_mean"
+    if geo_mean:  # GMPO: each token's log-ratio clipped inside the mean (verl's geo_mean)
+        token_log_ratio, outside = reference_verl.geo_mean_log_ratio(token_log_ratio, adv, epsilon_low, epsilon_high)
+    log_ratio = zeros.index_add(0, safe_doc, torch.where(mask, u * token_log_ratio, 0.0))
     adv_mean = zeros.index_add(0, safe_doc, (u * adv).detach())
     has_label = zeros.index_add(0, safe_doc, maskf) > 0
     ratio = log_ratio.exp()
@@ -378,6 +384,8 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
         low_flag, high_flag = _clip_flags(p, ratio, adv_mean, epsilon_low, epsilon_high, delta)
         low = (low_flag & has_label).to(dt).sum() / n_docs
         high = (high_flag & has_label).to(dt).sum() / n_docs
+        if geo_mean:  # verl's clipped fractions: per token
+            low, high = mean((outside & (adv < 0)).to(dt)), mean((outside & (adv > 0)).to(dt))
         kl_old = torch.where(has_label, _k3(-log_ratio), 0.0).sum() / n_docs
         with_entropy = compute_entropy or p.entropy_coefficient != 0.0
         entropy = mean(entropy_tok) if with_entropy else None

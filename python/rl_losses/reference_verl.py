@@ -66,6 +66,14 @@ def dro(old_log_prob, log_prob, advantages, mask, *, beta):
     return -(advantages * log_prob - 0.5 * beta * delta**2), {"actor/ppo_kl": _masked_mean(-delta.detach(), mask)}
 
 
+def geo_mean_log_ratio(delta, advantages, clip_low, clip_high):
+    """GMPO's clip of each δ = ℓ − ℓ_old: δ̃ = sgn(A)·min(sgn(A)·δ, sgn(A)·clamp(δ, −ε_l, ε_h)), and verl's clipped
+    flag [δ ≠ clamp(δ)] (either side, whatever A)."""
+    clamped = delta.clamp(-clip_low, clip_high)
+    sign = advantages.sign()
+    return sign * torch.minimum(sign * delta, sign * clamped), delta != clamped
+
+
 def geo_mean(old_log_prob, log_prob, advantages, mask, *, clip_low=0.2, clip_high=0.2, rollout_is_weights=None):
     """GMPO (verl ``geo_mean``, compute_policy_loss_geo_mean; arXiv 2507.20673), per sequence i:
     δ̃_t = sgn(A_t)·min(sgn(A_t)·δ_t, sgn(A_t)·clamp(δ_t, −ε_l, ε_h)) (the clip on the side that A favours; δ
@@ -74,9 +82,7 @@ def geo_mean(old_log_prob, log_prob, advantages, mask, *, clip_low=0.2, clip_hig
     (verl ignores loss_agg_mode and global_batch_info here, and counts empty rows). Metrics: actor/pg_clipfrac
     = mean_m([δ clamped]·[A > 0]), actor/pg_clipfrac_lower the same with A < 0, actor/ppo_kl = mean_m(−δ)."""
     delta = log_prob - old_log_prob
-    clamped = delta.clamp(-clip_low, clip_high)
-    sign = advantages.sign()
-    delta_clipped = sign * torch.minimum(sign * delta, sign * clamped)
+    delta_clipped, was_clipped = geo_mean_log_ratio(delta, advantages, clip_low, clip_high)
     on = mask > 0
     n = on.sum(-1).clamp_min(1)
     ratio = torch.exp(torch.where(on, delta_clipped, 0.0).sum(-1) / n)
@@ -84,7 +90,7 @@ def geo_mean(old_log_prob, log_prob, advantages, mask, *, clip_low=0.2, clip_hig
     if rollout_is_weights is not None:
         per_seq = per_seq * torch.exp(torch.where(on, torch.log(rollout_is_weights + 1e-10), 0.0).sum(-1) / n)
     with torch.no_grad():
-        was_clipped = (delta != clamped).to(delta.dtype)
+        was_clipped = was_clipped.to(delta.dtype)
         metrics = {"actor/pg_clipfrac": _masked_mean(was_clipped * (advantages > 0), mask),
                    "actor/ppo_kl": _masked_mean(-delta, mask),
                    "actor/pg_clipfrac_lower": _masked_mean(was_clipped * (advantages < 0), mask)}

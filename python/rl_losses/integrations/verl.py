@@ -13,8 +13,8 @@ every worker.
 ``register_verl_policy_losses()`` adds rl_losses' policy losses to verl's policy-loss registry
 (``actor_rollout_ref.actor.policy_loss.loss_mode``): ``rl_losses_ppo_clip`` (verl's ``vanilla``, dual-clip PPO
 with ``clip_ratio_c``), ``rl_losses_gspo``, ``rl_losses_sapo``, ``rl_losses_cispo``, ``rl_losses_gpg``,
-``rl_losses_dro``, ``rl_losses_dppo_tv`` and ``rl_losses_dppo_kl`` (verl's loss_mode of the same name after the
-prefix). verl
+``rl_losses_dro``, ``rl_losses_dppo_tv``, ``rl_losses_dppo_kl`` and ``rl_losses_geo_mean`` (verl's loss_mode of the
+same name after the prefix). verl
 hands them per-token log-probs, so their per-token math is ``rl_losses.policy_token_loss`` (the fused ops'
 per-token definition, one elementwise kernel) and their aggregation is verl's ``loss_agg_mode`` as an
 ``rl_losses.aggregation`` preset with verl's global batch sizes.
@@ -280,6 +280,35 @@ def gspo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg
                         rollout_is_weights, op_old_log_prob=old, epsilon_low=low, epsilon_high=high)
 
 
+def geo_mean_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                         rollout_is_weights=None):
+    """verl's ``geo_mean`` (GMPO): −Ā_i·R_i per sequence, R_i = exp(mean_m δ̃), each δ = lp − old clipped to
+    [−clip_ratio_low, clip_ratio_high] on the side its advantage favours (A > 0: min(δ, high); A < 0: max(δ, −low);
+    A = 0: 0); the plain mean over the rows whatever ``loss_agg_mode``, as verl's. Per token: ppo_clip of the
+    advantage sg(Ā_i·R_i) at r_t = exp(lp_t − sg(lp_t)) (1 in value), lp_t detached where δ̃_t is clipped, so that
+    its gradient is −Ā_i·R_i/n_i on the unclipped tokens only. verl's rollout weights enter as their geometric
+    mean per sequence. (The fused form, from the logits: gspo's loss_type="geo_mean".)"""
+    low, high = _clip_ratios(config, lower_clip=False)
+    keep = response_mask != 0
+    n = keep.sum(-1).clamp(min=1)
+    delta = torch.where(keep, log_prob - old_log_prob, 0.0).detach()
+    clipped = torch.where(advantages > 0, delta.clamp(max=high),
+                          torch.where(advantages < 0, delta.clamp(min=-low), 0.0))
+    inside = keep & (clipped == delta) & (advantages != 0)
+    seq = torch.where(keep, advantages, 0.0).sum(-1) / n * (torch.where(keep, clipped, 0.0).sum(-1) / n).exp()
+    if rollout_is_weights is not None:
+        seq = seq * (torch.where(keep, torch.log(rollout_is_weights + 1e-10), 0.0).sum(-1) / n).exp()
+    lp = torch.where(inside, log_prob, log_prob.detach())
+    out = rl_losses.policy_token_loss(lp, log_prob.detach(), seq.detach().unsqueeze(-1).expand_as(lp), loss_mask=keep,
+                                      epsilon_low=0.5, epsilon_high=0.5)  # (r = 1: no clip reached)
+    loss = (out.loss.sum(-1) / n).sum() / log_prob.shape[0]
+    outside = keep & ((delta < -low) | (delta > high))
+    count = keep.sum().clamp(min=1)
+    return loss, {"actor/pg_clipfrac": ((outside & (advantages > 0)).sum() / count).item(),
+                  "actor/ppo_kl": (-delta.sum() / count).item(),
+                  "actor/pg_clipfrac_lower": ((outside & (advantages < 0)).sum() / count).item()}
+
+
 def sapo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean",
                      config=None, rollout_is_weights=None):
     """verl's ``sapo``: the soft gate with ``tau_pos``/``tau_neg``; aggregated per sequence (seq-mean-token-mean)
@@ -361,6 +390,7 @@ POLICY_LOSSES = {
     "rl_losses_dro": dro_policy_loss,
     "rl_losses_dppo_tv": dppo_tv_policy_loss,
     "rl_losses_dppo_kl": dppo_kl_policy_loss,
+    "rl_losses_geo_mean": geo_mean_policy_loss,
 }
 
 
