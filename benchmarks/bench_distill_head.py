@@ -45,6 +45,16 @@ def timed(fn, reps: int) -> float:
     return statistics.median(TIMER(fn, reps))
 
 
+def timed_or_none(fn, reps: int, label: str) -> float | None:
+    """timed(fn, reps), or None (printed under `label`) where the call fails: a peer failing (memory, compile)
+    leaves the other rows."""
+    try:
+        return timed(fn, reps)
+    except Exception as e:  # noqa: BLE001
+        print(f"{label} failed: {type(e).__name__}: {e}"[:200])
+        return None
+
+
 def torch_distillation(x, t, kind):
     log_q = torch.log_softmax(x.float(), -1)
     log_p = torch.log_softmax(t.float(), -1)
@@ -115,10 +125,8 @@ def main() -> None:
             rows["liger"] = step(lambda: jsd(torch.log_softmax(x.float(), -1).to(dtype),
                                              torch.log_softmax(teacher.float(), -1).to(dtype)))
         for name, fn in rows.items():
-            try:
-                ms = timed(fn, args.reps)
-            except Exception as e:  # a peer failing (memory, compile) leaves the other rows
-                print(f"distillation {kind:11s} {name:14s} failed: {type(e).__name__}: {e}"[:200])
+            ms = timed_or_none(fn, args.reps, f"distillation {kind:11s} {name:14s}")
+            if ms is None:
                 continue
             record(f"distill_{kind}", name, ms, n, v, floor_ms)
             print(f"distillation {kind:11s} {name:14s} {ms:8.3f} ms   floor {floor_ms:.3f} ms "
@@ -139,10 +147,8 @@ def main() -> None:
             x, labels, teacher_ids, teacher_lp, tail=tail).loss) for tail in ("none", "tail")}
         rows["torch.compile"] = step(lambda: compiled_topk(x, teacher_ids, teacher_lp))
         for name, fn in rows.items():
-            try:
-                ms = timed(fn, args.reps)
-            except Exception as e:
-                print(f"topk K={k} {name:18s} failed: {type(e).__name__}: {e}"[:200])
+            ms = timed_or_none(fn, args.reps, f"topk K={k} {name:18s}")
+            if ms is None:
                 continue
             record(f"topk_distill_k{k}", name, ms, n, v, 2 * n * v * elem / rate)
             print(f"topk distillation K={k:<4d} {name:18s} {ms:8.3f} ms   {ms / ce_ms:5.2f}x cross_entropy")
@@ -161,10 +167,8 @@ def main() -> None:
             fused = LigerFusedLinearJSD(jsd_beta=0.5)
             rows["liger"] = step(lambda: fused(hs, ws, ht, wt, None), hs, ws)
         for name, fn in rows.items():
-            try:
-                ms = timed(fn, args.reps)
-            except Exception as e:
-                print(f"linear jsd {name:14s} failed: {type(e).__name__}: {e}"[:200])
+            ms = timed_or_none(fn, args.reps, f"linear jsd {name:14s}")
+            if ms is None:
                 continue
             record(f"linear_distill_jsd_h{h}", name, ms, ln, v)
             print(f"linear jsd (N={ln}, H={h}) {name:14s} {ms:8.3f} ms")
