@@ -159,6 +159,7 @@ def test_refused_options(kwargs, message, device):
     shape = (4, 10)
     doc = document_index_from_lengths([15, 25], 40, device).view(shape)
     logits, target, advantages, old = make_inputs(shape, 32, torch.float32, device, doc)
+    kwargs = dict(kwargs)  # the parameter's dict is shared by every device's case
     if kwargs.pop("rollout_log_probs", None):
         kwargs["rollout_log_probs"] = old
     with pytest.raises(RuntimeError, match=message):
