@@ -58,13 +58,27 @@ __device__ inline T block_max(T v, T* scratch) {
 
 // f(z) for each logit of a row, by 16-byte loads between an element-wise head and tail (the order is free: every
 // sweep's result is a max, a min or an integer sum).
+// kUnroll independent 16-byte loads in flight per thread: 4 measured 8-12% faster than 1 on an H200 (top_k, top_p);
+// 8 copies of the histograms, one per group of warps, were 5% slower: the cost is not collisions between warps.
 template <typename scalar_t, typename F>
 __device__ inline void for_each_logit(const scalar_t* z, int64_t n, F&& f) {
   constexpr int kVec = 16 / sizeof(scalar_t);
   const int64_t head = unaligned_head(z, n), n_vec = (n - head) / kVec;
   for (int64_t j = threadIdx.x; j < head; j += kThreads) f(z[j]);
   const auto* zv = reinterpret_cast<const Pack<scalar_t, kVec>*>(z + head);
-  for (int64_t i = threadIdx.x; i < n_vec; i += kThreads) {
+  constexpr int kUnroll = 4;
+  int64_t i = threadIdx.x;
+  for (; i + (kUnroll - 1) * kThreads < n_vec; i += kUnroll * kThreads) {
+    Pack<scalar_t, kVec> p[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) p[u] = load_vec(&zv[i + u * kThreads]);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) f(p[u].v[k]);
+    }
+  }
+  for (; i < n_vec; i += kThreads) {
     const auto pack = load_vec(&zv[i]);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) f(pack.v[k]);
