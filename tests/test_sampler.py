@@ -143,6 +143,39 @@ def test_token_log_probs(device, dtype, kind, per_row):
     assert not torch.equal(full, lp.detach())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+def test_top_k_over_a_wide_vocabulary(device, dtype):
+    """Wide enough rows that every thread of the CUDA selection reads some (V = 20000): a top_k up to the kernel's
+    1024 threads takes its short path (exact counts only down to the least of the threads' own maxima), a larger
+    one the full histogram; rows with ties, and rows whose min_p floor lies above or below that bound."""
+    n, vocab = 12, 20000
+    k = torch.tensor([1, 2, 7, 50, 1000, 1023, 1024, 1025, 4000, 1024, 3, 600])
+    unlabelled = torch.full((n,), -1)
+    for _ in range(50):
+        x = (torch.randn(n, vocab, dtype=torch.float64) * 2).to(dtype).double()
+        x[1] = torch.round(x[1])  # ties
+        min_p = torch.zeros(n, dtype=torch.float64)
+        min_p[9:] = torch.tensor([0.001, 0.2, 1e-6])  # a floor below, above and far below the bound
+        o = dict(top_k=k, min_p=min_p)
+        keep = kept(x, unlabelled, **o)
+        if all(torch.equal(keep, kept(x, unlabelled, **_moved(o, f))) for f in (0.999, 1.001)):
+            break
+    target = _sample(x, keep)
+    logits = x.to(dtype).to(device).requires_grad_()
+    options = {name: value.to(device) for name, value in o.items()}
+    lp, _ = rl_losses.token_log_probs(logits, target.to(device), **options)
+    lp.sum().backward()
+    ref = x.clone().requires_grad_()
+    ref_lp, _ = reference.token_log_probs(ref, target, **o)
+    ref_lp.sum().backward()
+    assert_close(lp, ref_lp.detach(), dtype, scale=10 if dtype == torch.bfloat16 else 1)
+    assert_grad_close(logits.grad, ref.grad, dtype, scale=3)
+    # The kept sets are the reference's: the gradient is nonzero exactly there (the labels were drawn from them;
+    # a set of one token has a gradient of 0 up to rounding).
+    wide = keep.sum(-1) > 1
+    assert torch.equal((logits.grad.cpu() != 0)[wide], keep[wide])
+
+
 def _policy(op, logits, target, o, *, document_index=None, linear=None):
     n, device = target.shape[0], target.device
     g = torch.Generator().manual_seed(n)
