@@ -64,7 +64,8 @@ def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | Non
         old_log_probs: (...) float, the sampling policy's; None for on-policy (r ≡ 1, with ∂r/∂lp = 1).
         advantages: (...) float per token, or (B,) per sequence for (B, T) log-probs.
         The options are ``rl_losses.grpo_loss``'s (``loss_type`` ppo_clip / cispo / sapo and verl's gpg / dro /
-        dppo_tv / dppo_kl with ``dro_beta`` / ``clip_ratio_c``, ``delta``,
+        dppo_tv / dppo_kl / clip_cov / kl_cov with ``dro_beta`` / ``clip_ratio_c`` / ``clip_cov_*`` /
+        ``kl_cov_ratio`` / ``ppo_kl_coef``, their statistics over the tokens of ``loss_mask``, ``delta``,
         ``ref_log_probs``/``beta``/``kl_estimator``/``kl_importance_weighted``), and its token-level rollout
         correction (``rollout_correction`` 'token_truncate' / 'token_mask' with ``rollout_log_probs``); the
         sequence-level modes and the entropy bonus need the fused ops.
