@@ -4,8 +4,6 @@ compute_policy_loss_clip_cov / _kl_cov) and the float64 references on fresh rand
 its gradient w.r.t. the logits (the log-probs for policy_token_loss) and verl's metrics, for every loss_agg_mode.
 clip_cov's random subset: the op draws torch.randperm from the default CPU generator as verl does, so that the two
 agree from the same seed."""
-import math
-
 import pytest
 import torch
 
@@ -17,7 +15,8 @@ from rl_losses import config, reference, reference_verl  # noqa: E402
 from rl_losses.integrations import verl as rl_verl  # noqa: E402
 
 from helpers_verl import make_config  # noqa: E402
-from test_verl_menu_ops import MODES, aggregation_of, batch  # noqa: E402
+from test_verl_menu_ops import (MODES, assert_registered_matches_verl, batch, fused_matches_verl,  # noqa: E402
+                               linear_matches_grpo)
 
 # verl's loss_mode -> (the op's options, verl's ActorConfig overrides, verl's PolicyLossConfig overrides); the
 # ratios keep a few percent of the tokens, the band [lb, ub] many candidates: clip_cov's draw decides its subset.
@@ -39,42 +38,14 @@ def fresh_seed():
     return int(torch.randint(0, 2**31 - 1, ()))
 
 
-def verl_loss(name, mode, logits, target, mask, old, adv, weights, seed):
-    """verl's (loss, gradient w.r.t. the logits, metrics) with the default generator at ``seed``."""
-    x = logits.clone().requires_grad_(True)
-    lp = torch.log_softmax(x, -1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-    torch.manual_seed(seed)
-    loss, metrics = core_algos.get_policy_loss_fn(name)(old, lp, adv, mask, mode, config_of(name), weights)
-    (grad,) = torch.autograd.grad(loss, x)
-    return loss.detach(), grad, metrics
-
-
-def selected_count(mask, ratio):
-    n = int((mask > 0).sum())
-    return max(int(ratio * n), 1), n
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(CASES))
 def test_fused_grpo_matches_verl(name, mode, device):
-    logits, target, mask, old, adv, weights = batch()
-    for rollout_is_weights in (None, weights):
-        seed = fresh_seed()
-        theirs = verl_loss(name, mode, logits, target, mask, old, adv, rollout_is_weights, seed)
-        loss_weights, divisor = aggregation_of(mode, mask)
-        if rollout_is_weights is not None:
-            loss_weights = loss_weights * rollout_is_weights
-        x = logits.to(device).requires_grad_(True)
-        torch.manual_seed(seed)
-        out = rl_losses.grpo_loss(x, target.to(device), adv.to(device), old.to(device), loss_type=name,
-                                  loss_weights=loss_weights.to(device), divisor=divisor, **CASES[name][0])
-        (grad,) = torch.autograd.grad(out.loss, x)
-        torch.testing.assert_close(out.loss.cpu(), theirs[0], rtol=1e-9, atol=1e-10)
-        scale = theirs[1].abs().max()
-        torch.testing.assert_close(grad.cpu() / scale, theirs[1] / scale, rtol=1e-9, atol=1e-10)
-        k, n = selected_count(mask, CASES[name][0].get("clip_cov_ratio", 0.0))
+    for out, metrics, mask in fused_matches_verl(name, mode, CASES[name][0], config_of, device):
         if name == "clip_cov":  # pg_clipfrac: the subset, k of its many candidates (verl: Σ m + 1e-8)
-            assert float(out.clipped_fraction_high) == pytest.approx(theirs[2]["actor/pg_clipfrac"], rel=1e-9)
+            n = int((mask > 0).sum())
+            k = max(int(CASES[name][0]["clip_cov_ratio"] * n), 1)
+            assert float(out.clipped_fraction_high) == pytest.approx(metrics["actor/pg_clipfrac"], rel=1e-9)
             assert float(out.clipped_fraction_high) * n == pytest.approx(k) and k > 1
         assert float(out.clipped_fraction_low) == 0.0
 
@@ -83,34 +54,7 @@ def test_fused_grpo_matches_verl(name, mode, device):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(CASES))
 def test_registered_loss_matches_verl(name, mode, dtype, device):
-    """rl_losses_<name> in verl's registry (policy_token_loss on ``device``) against verl's <name> (on the CPU):
-    loss, gradient w.r.t. the log-probs and the same metrics, also with verl's global batch sizes; NaN padding
-    not read."""
-    logits, target, mask, old, adv, weights = batch()
-    lp = torch.log_softmax(logits, -1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-    lp, old, adv, weights, mask = (t.to(dtype) for t in (lp, old, adv, weights, mask))
-    tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
-    for info in (None, dict(dp_size=4, batch_num_tokens=517, global_batch_size=23, loss_scale_factor=64)):
-        cfg, seed, results = config_of(name, info), fresh_seed(), []
-        for fn, poison, where in ((core_algos.get_policy_loss_fn(name), 0.0, "cpu"),
-                                  (rl_verl.POLICY_LOSSES[f"rl_losses_{name}"], math.nan, device)):
-            x = lp.masked_fill(mask == 0, poison).to(where).requires_grad_(True)
-            torch.manual_seed(seed)
-            loss, metrics = fn(old.to(where), x, adv.to(where), mask.to(where), mode, cfg, weights.to(where))
-            results.append((loss.detach().cpu(), torch.autograd.grad(loss, x)[0].cpu(), metrics))
-        theirs, ours = results
-        torch.testing.assert_close(ours[0].to(dtype), theirs[0], **tol)
-        scale = theirs[1].abs().max()
-        torch.testing.assert_close(ours[1] / scale, theirs[1] / scale, **tol)
-        assert set(ours[2]) == set(theirs[2])
-        for key, value in theirs[2].items():
-            assert ours[2][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
-
-
-def test_registered():
-    assert rl_verl.register_verl_policy_losses()
-    for name in CASES:
-        assert core_algos.get_policy_loss_fn(f"rl_losses_{name}") is rl_verl.POLICY_LOSSES[f"rl_losses_{name}"]
+    assert_registered_matches_verl(name, mode, dtype, config_of, device)
 
 
 @pytest.mark.parametrize("case", ["clip_cov", "kl_cov", "kl_cov-on-policy", "clip_cov-options"])
@@ -145,23 +89,7 @@ def test_grpo_matches_reference(case, device):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_linear_grpo_matches_grpo(name, device):
-    """The fused lm_head form (options lists shared): loss, metrics and the gradients w.r.t. the hidden states and
-    the weight equal those through grpo on hidden @ weight.T, from the same seed."""
-    logits, target, mask, old, adv, weights = batch()
-    hidden = torch.randn(*target.shape, 16, dtype=torch.float64, device=device, requires_grad=True)
-    weight = torch.randn(logits.shape[-1], 16, dtype=torch.float64, device=device, requires_grad=True)
-    target, adv, old, seed = target.to(device), adv.to(device), old.to(device), fresh_seed()
-    torch.manual_seed(seed)
-    ours = rl_losses.linear_grpo_loss(hidden, weight, target, adv, old, loss_type=name, **CASES[name][0])
-    grads = torch.autograd.grad(ours.loss, (hidden, weight))
-    torch.manual_seed(seed)
-    theirs = rl_losses.grpo_loss(hidden @ weight.T, target, adv, old, loss_type=name, **CASES[name][0])
-    expected = torch.autograd.grad(theirs.loss, (hidden, weight))
-    torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-12, atol=1e-14)
-    for a, b in zip(grads, expected):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    for field in ("clipped_fraction_low", "clipped_fraction_high", "ratio_mean"):
-        torch.testing.assert_close(getattr(ours, field), getattr(theirs, field), rtol=1e-12, atol=1e-14)
+    linear_matches_grpo(name, CASES[name][0], device)
 
 
 def test_subset_follows_the_generator(device):

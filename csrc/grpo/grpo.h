@@ -1,7 +1,7 @@
 // GRPO: the per-token importance ratio under the policy family's loss types (ppo_clip, cispo, sapo, vespo and
-// verl's gpg, dro, dppo_tv, dppo_kl, clip_cov, kl_cov), rollout correction, KL penalty and entropy bonus (docs/policy_losses.md),
-// fused with its metrics. The row-pass epilogue and the device-independent forward shared by the CPU and CUDA
-// registrations.
+// verl's gpg, dro, dppo_tv, dppo_kl, clip_cov, kl_cov), rollout correction, KL penalty and entropy bonus
+// (docs/policy_losses.md), fused with its metrics. The row-pass epilogue and the device-independent forward shared
+// by the CPU and CUDA registrations.
 #pragma once
 
 #include <ATen/ATen.h>

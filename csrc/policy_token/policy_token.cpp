@@ -44,8 +44,8 @@ PolicyTokenResults policy_token_loss(const PolicyTokenArgs& a, PolicyTokenKernel
   }
   if (a.loss_mask) in.loss_mask = check_loss_mask(op, *a.loss_mask, log_probs, "log_probs", log_probs.sizes(), "shape");
   if (cov_loss_type(in.opt.loss_type)) {
-    const at::Tensor mask = in.loss_mask.defined() ? in.loss_mask
-                                                   : at::ones({log_probs.numel()}, log_probs.options().dtype(at::kBool));
+    const at::Tensor every = at::ones({log_probs.numel()}, log_probs.options().dtype(at::kBool));
+    const at::Tensor mask = in.loss_mask.defined() ? in.loss_mask : every;
     in.cov_selected = cov_selection(a.policy, in.opt, in.log_probs,
                                     in.old_log_probs.defined() ? in.old_log_probs : in.log_probs, in.advantages, mask);
   }
