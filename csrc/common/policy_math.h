@@ -113,8 +113,9 @@ C10_HOST_DEVICE inline PolicyToken<T> vespo_surrogate(T phi, T ratio, T advantag
   return {-zero_or_product(phi * advantage, log_prob), phi * advantage, ratio};
 }
 
-// The loss types of verl's menu that read the token's own log-probs, δ = lp − old (not only r): per token alone,
-// so GRPO and policy_token_loss have them; GSPO, whose ratio is the sequence's, does not.
+// The loss types of verl's menu that read the token's own log-probs, δ = lp − old (not only r): per token (clip_cov
+// and kl_cov with a subset chosen beforehand), so GRPO and policy_token_loss have them; GSPO, whose ratio is the
+// sequence's, does not.
 //   gpg:  ℓ = −A·lp                       coef = A
 //   dro:  ℓ = −(A·lp − β/2·δ²)            coef = A − β·δ          (β: dro_beta)
 C10_HOST_DEVICE inline bool token_log_prob_loss_type(int loss_type) {
@@ -265,7 +266,7 @@ struct PolicyTokenTerms {
   PolicyToken<T> t;
   T kl;  // the KL estimate (importance weighted when asked), 0 without a reference
   // The clipped-fraction flags: policy_clipped_low/high, or dppo's tokens outside its trust region ("high" where
-  // A > 0, "low" elsewhere).
+  // A > 0, "low" elsewhere), or clip_cov's subset ("high").
   bool clipped_low, clipped_high;
 };
 // `vespo_phi`: the token's φ (loss type vespo only, computed from its sequence's sums beforehand);

@@ -1,7 +1,8 @@
 // The policy family's per-token loss on per-token log-probs (docs/integrations/verl.md): for trainers that
 // compute the log-probs themselves (verl's policy-loss registry) and only need the loss of each token and its
-// derivative w.r.t. the log-prob. Elementwise: the same policy_token() (common/math.h) the fused GRPO epilogue
-// evaluates per row, so the two cannot disagree.
+// derivative w.r.t. the log-prob. Elementwise (clip_cov and kl_cov after their subset of the whole call,
+// cov_selection): the same policy_token() (common/math.h) the fused GRPO epilogue evaluates per row, so the two
+// cannot disagree.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -21,7 +22,8 @@ enum PolicyTokenOutput : int {
   kPtGrad,          // ∂ℓ_t/∂lp_t
   kPtRatio,         // r_t = exp(lp_t − old_t)
   kPtLow,           // 1 where the ratio is clipped below (ppo_clip) or outside dppo's region with A <= 0, else 0
-  kPtHigh,          // 1 where clipped above (ppo_clip), capped (cispo) or outside dppo's region with A > 0, else 0
+  kPtHigh,          // 1 where clipped above (ppo_clip), capped (cispo), outside dppo's region with A > 0 or in
+                    // clip_cov's subset, else 0
   kPtKl,            // KL_t (importance weighted when asked), 0 without ref_log_probs
   kPtRolloutWeight, // ω_t, 1 without a rollout correction
   kPolicyTokenOutputs

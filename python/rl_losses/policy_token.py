@@ -22,7 +22,7 @@ class PolicyTokenOutput(NamedTuple):
     loss: ℓ_t (the surrogate times the rollout weight, plus β·KL_t), differentiable w.r.t. ``log_probs``; every
     other field is detached. ratio: r_t = exp(lp_t − old_t). clipped_low / clipped_high: 1.0 where the ratio is
     clipped below / above (ppo_clip, TRL's flags on min(r, δ)), capped (cispo, as "high") or outside DPPO's trust
-    region (dppo_tv / dppo_kl: "high" where A > 0, "low" elsewhere), else 0. kl: KL_t
+    region (dppo_tv / dppo_kl: "high" where A > 0, "low" elsewhere) or in clip_cov's subset ("high"), else 0. kl: KL_t
     (importance weighted with ``kl_importance_weighted``), 0 without ``ref_log_probs``. rollout_weight: ω_t, 1
     without a rollout correction. Every field is 0 outside ``loss_mask``.
     """
