@@ -245,3 +245,32 @@ def test_rollout_rejection_with_importance_weights(rules, thresholds, mode):
     torch.testing.assert_close(out.loss, loss.detach(), rtol=1e-9, atol=1e-10)
     scale = expected.abs().max()
     torch.testing.assert_close(grad / scale, expected / scale, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("loss_type", ["ppo_clip", "reinforce"])
+def test_bypass_mode_matches_verl(loss_type, mode, device):
+    """rl_losses_bypass_mode against verl's bypass_mode (old_log_prob = the rollout's): token-level weights
+    truncated at 1.5 and token_k1 rejection of the current log-probs against the rollout's, then ppo_clip on the
+    kept tokens, or −A·lp times the weights; loss, gradient w.r.t. the log-probs and verl's metrics."""
+    algorithm = pytest.importorskip("verl.trainer.config.algorithm")
+    rc = algorithm.RolloutCorrectionConfig(bypass_mode=True, loss_type=loss_type, rollout_is="token",
+                                           rollout_is_threshold=1.5, rollout_rs="token_k1",
+                                           rollout_rs_threshold="0.75_1.3")
+    cfg = make_config(policy_loss=verl_config.PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=rc))
+    logits, target, mask, rollout, adv, _ = batch()
+    lp = torch.log_softmax(logits, -1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    results = []
+    for fn, where in ((core_algos.get_policy_loss_fn("bypass_mode"), "cpu"),
+                      (core_algos.get_policy_loss_fn("rl_losses_bypass_mode"), device)):
+        x = lp.to(where).requires_grad_(True)
+        loss, metrics = fn(rollout.to(where), x, adv.to(where), mask.to(where), mode, cfg, None)
+        results.append((loss.detach().cpu(), torch.autograd.grad(loss, x)[0].cpu(), metrics))
+    (loss, grad, metrics), (ours, our_grad, our_metrics) = results
+    # (verl's seq-mean-token-mean divides by length + 1e-8: ~3e-10 relative)
+    torch.testing.assert_close(ours, loss, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(our_grad, grad, rtol=1e-9, atol=1e-10)
+    assert set(our_metrics) == set(metrics)
+    for key, value in metrics.items():
+        assert our_metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-10), key
+    assert 0 < metrics["rollout_corr/rollout_rs_masked_fraction"] < 1
