@@ -2,7 +2,8 @@
 policy_token_loss (through rl_losses.integrations.verl), against verl's own registered functions (verl 0.9.1,
 verl/trainer/ppo/core_algos.py) on fresh random ragged (B, T) batches: the loss, its gradient w.r.t. the logits
 through the op, and verl's metrics, for every loss_agg_mode (the aggregation presets of
-aggregation.VERL_LOSS_AGG_MODES, and token-sum), with and without verl's rollout importance weights."""
+aggregation.VERL_LOSS_AGG_MODES, and token-sum), with and without verl's rollout importance weights; the
+comparisons as helpers (tests/test_policy_cov.py takes them for clip_cov and kl_cov); verl's bypass_mode."""
 import math
 
 import pytest
@@ -143,7 +144,7 @@ def test_registered_loss_matches_verl(name, mode, dtype, device):
 
 def test_registered():
     assert rl_verl.register_verl_policy_losses()
-    for name in (*CASES, "clip_cov", "kl_cov"):
+    for name in (*CASES, "clip_cov", "kl_cov", "bypass_mode"):
         assert core_algos.get_policy_loss_fn(f"rl_losses_{name}") is rl_verl.POLICY_LOSSES[f"rl_losses_{name}"]
 
 
