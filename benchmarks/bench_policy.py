@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import Timer, git_commit, summary  # noqa: E402
 
 # The options that read the logits twice (every GSPO row does).
-TWO_PASSES = {"vespo", "vespo_token_truncate", "on_policy_sequence_truncate"}
+TWO_PASSES = {"vespo", "vespo_token_truncate", "on_policy_sequence_truncate", "grpo_clip_cov", "grpo_kl_cov"}
 
 
 def options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref):
@@ -48,6 +48,8 @@ def options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref):
         "dro": ("grpo", dict(loss_type="dro", dro_beta=0.1), None),
         "dppo_tv": ("grpo", dict(loss_type="dppo_tv"), None),
         "dppo_kl": ("grpo", dict(loss_type="dppo_kl", epsilon_low=0.05, epsilon_high=0.05), None),
+        "grpo_clip_cov": ("grpo", dict(loss_type="clip_cov"), None),  # verl's defaults
+        "grpo_kl_cov": ("grpo", dict(loss_type="kl_cov"), None),
         "vespo": ("grpo", dict(loss_type="vespo"), dict(loss_type="vespo")),
         "vespo_on_policy": ("grpo", dict(loss_type="vespo", on_policy=True), dict(loss_type="vespo",
                                                                                  on_policy=True)),

@@ -94,13 +94,19 @@
 #define RL_LOSSES_KL_WEIGHT(X) X(double, beta, 0.0)
 // The per-token options: every policy op applies them, policy_token_loss too. dro_beta: loss type dro's penalty
 // (verl's policy_loss.dro_beta, no default); clip_ratio_c: dppo_tv/dppo_kl's cap of the ratio (verl's name and
-// ActorConfig default).
+// ActorConfig default); clip_cov_* and kl_cov_ratio, ppo_kl_coef: clip_cov's and kl_cov's token selection and
+// penalty (verl's policy_loss names and defaults).
 #define RL_LOSSES_POLICY_OPTIONS(X)              \
   X(std::string, loss_type, "ppo_clip")          \
   X(double, sapo_temperature_pos, 1.0)           \
   X(double, sapo_temperature_neg, 1.05)          \
   X(OptDouble, dro_beta, None)                   \
   X(double, clip_ratio_c, 3.0)                   \
+  X(double, clip_cov_ratio, 0.0002)              \
+  X(double, clip_cov_lb, 1.0)                    \
+  X(double, clip_cov_ub, 5.0)                    \
+  X(double, kl_cov_ratio, 0.0002)                \
+  X(double, ppo_kl_coef, 0.1)                    \
   X(OptString, rollout_correction, None)         \
   X(double, rollout_cap, 3.0)                    \
   X(OptDoubles, rollout_mask_bounds, None)       \

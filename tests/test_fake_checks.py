@@ -138,7 +138,8 @@ def _bad_inputs():
         ("vespo_sequences", lambda d: grpo(d, loss_type="vespo"), "loss_type 'vespo' needs the sequences"),
         # the policy family (common/policy.cpp)
         ("loss_type", lambda d: grpo(d, loss_type="ppo"),
-         "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', 'dro', 'dppo_tv', 'dppo_kl' or 'geo_mean'"),
+         "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', 'dro', 'dppo_tv', 'dppo_kl', 'geo_mean', "
+         "'clip_cov' or 'kl_cov'"),
         ("grpo_geo_mean", lambda d: grpo(d, loss_type="geo_mean"),
          "grpo: loss_type 'geo_mean' takes the geometric mean of a sequence's clipped ratios: use gspo"),
         ("dro_no_beta", lambda d: grpo(d, loss_type="dro"), r"loss_type 'dro' needs dro_beta \(verl's"),
@@ -148,6 +149,18 @@ def _bad_inputs():
          "dro_beta must be a finite value > 0, got 0"),
         ("clip_ratio_c", lambda d: grpo(d, loss_type="dppo_tv", clip_ratio_c=-1.0),
          r"clip_ratio_c \(dppo_tv's and dppo_kl's cap of the ratio\) must be a finite value > 0, got -1"),
+        ("clip_cov_ratio", lambda d: grpo(d, loss_type="clip_cov", clip_cov_ratio=0.0),
+         r"clip_cov_ratio \(clip_cov's share of the tokens\) must be a finite value > 0, got 0"),
+        ("clip_cov_band", lambda d: token(d, loss_type="clip_cov", clip_cov_lb=2.0, clip_cov_ub=1.5),
+         r"policy_token_loss: clip_cov_lb < clip_cov_ub must hold \(clip_cov's band of the covariance\), got 2 "
+         r"and 1.5"),
+        ("kl_cov_ratio", lambda d: grpo(d, loss_type="kl_cov", kl_cov_ratio=1.5),
+         r"kl_cov_ratio \(kl_cov's share of the tokens\) must be in \(0, 1\], got 1.5"),
+        ("ppo_kl_coef", lambda d: grpo(d, loss_type="kl_cov", ppo_kl_coef=math.inf),
+         r"ppo_kl_coef \(kl_cov's penalty\) must be finite, got inf"),
+        ("gspo_clip_cov", lambda d: gspo(d, loss_type="clip_cov", num_documents=1),
+         "gspo: loss_type 'clip_cov' weighs each token's own log-prob ratio, not a sequence's"),
+        ("delta_clip_cov", lambda d: grpo(d, loss_type="clip_cov", delta=2.0), "applies to loss_type 'ppo_clip' only"),
         ("delta_sapo", lambda d: grpo(d, loss_type="sapo", delta=2.0), "applies to loss_type 'ppo_clip' only"),
         ("cispo_cap", lambda d: grpo(d, loss_type="cispo", epsilon_high=0.0), "loss_type 'cispo' caps the ratio"),
         ("sapo_temperature", lambda d: grpo(d, sapo_temperature_pos=0.0), "sapo_temperature_pos must be a finite"),
@@ -201,7 +214,7 @@ def _bad_inputs():
         # policy_token_loss
         ("token_int", lambda d: token(d, log_probs=_z(d, 4, **long)), "log_probs must be a floating-point tensor"),
         ("token_vespo", lambda d: token(d, loss_type="vespo"),
-         "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'gpg', 'dro', 'dppo_tv' or 'dppo_kl'"),
+         "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'gpg', 'dro', 'dppo_tv', 'dppo_kl', 'clip_cov' or 'kl_cov'"),
         ("token_sequence", lambda d: token(d, rollout_log_probs=_z(d, 4), rollout_correction="sequence_mask"),
          "rollout_correction must be None, 'token_truncate' or 'token_mask'"),
         ("token_beta", lambda d: token(d, beta=0.5), "policy_token_loss: beta = 0.5 > 0 needs ref_log_probs"),

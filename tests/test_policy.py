@@ -205,7 +205,7 @@ def test_overflowing_ratio_gives_finite_gradient():
 def _errors(target, old, rollout):
     return {
         "loss_type": (dict(loss_type="grpo"), "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', 'dro', "
-                                              "'dppo_tv', 'dppo_kl' or 'geo_mean', got 'grpo'"),
+                                              "'dppo_tv', 'dppo_kl', 'geo_mean', 'clip_cov' or 'kl_cov', got 'grpo'"),
         "sapo_temperature_pos": (dict(loss_type="sapo", sapo_temperature_pos=0.0),
                                  "sapo_temperature_pos must be a finite value > 0, got 0"),
         "sapo_temperature_neg": (dict(loss_type="sapo", sapo_temperature_neg=-1.0),

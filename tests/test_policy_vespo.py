@@ -457,7 +457,7 @@ BAD = {
     "lambda_neg": (dict(vespo_lambda_neg=math.inf), "vespo_lambda_neg must be a finite value >= 0"),
     "delta": (dict(delta=1.5), "delta .* applies to loss_type 'ppo_clip' only"),
     "loss_type": (dict(loss_type="vespo2"), "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', 'dro', "
-                                            "'dppo_tv', 'dppo_kl' or 'geo_mean', got 'vespo2'"),
+                                            "'dppo_tv', 'dppo_kl', 'geo_mean', 'clip_cov' or 'kl_cov', got 'vespo2'"),
 }
 
 

@@ -2,7 +2,8 @@
 policy_token_loss (through rl_losses.integrations.verl), against verl's own registered functions (verl 0.9.1,
 verl/trainer/ppo/core_algos.py) on fresh random ragged (B, T) batches: the loss, its gradient w.r.t. the logits
 through the op, and verl's metrics, for every loss_agg_mode (the aggregation presets of
-aggregation.VERL_LOSS_AGG_MODES, and token-sum), with and without verl's rollout importance weights."""
+aggregation.VERL_LOSS_AGG_MODES, and token-sum), with and without verl's rollout importance weights; the
+comparisons as helpers (tests/test_policy_cov.py takes them for clip_cov and kl_cov); verl's bypass_mode."""
 import math
 
 import pytest
@@ -50,7 +51,7 @@ def batch(batch_size=8, length=64, vocab=9):
     return logits, target.masked_fill(mask == 0, -100), mask, old, adv, weights
 
 
-def verl_loss(name, mode, logits, target, mask, old, adv, weights):
+def verl_loss(name, mode, logits, target, mask, old, adv, weights, config_of=config_of):
     """verl's (loss, gradient w.r.t. the logits, metrics), its log-probs from the logits by autograd."""
     x = logits.clone().requires_grad_(True)
     lp = torch.log_softmax(x, -1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
@@ -72,48 +73,59 @@ def aggregation_of(mode, mask):
     return weights, rows * mask.shape[-1] if mode == "seq-mean-token-sum-norm" else rows
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", list(CASES))
-def test_fused_grpo_matches_verl(name, mode):
+def fused_matches_verl(name, mode, options, config_of, device="cpu"):
+    """grpo (loss_type ``name``, ``options``) on ``device`` against verl's <name> on the CPU from the same state of
+    the default generator, without and with verl's rollout weights: the loss and its gradient w.r.t. the logits
+    equal. Returns the op's output, verl's metrics and the mask of each."""
     logits, target, mask, old, adv, weights = batch()
+    results = []
     for rollout_is_weights in (None, weights):
-        theirs = verl_loss(name, mode, logits, target, mask, old, adv, rollout_is_weights)
+        seed = int(torch.randint(0, 2**31 - 1, ()))
+        torch.manual_seed(seed)
+        theirs = verl_loss(name, mode, logits, target, mask, old, adv, rollout_is_weights, config_of)
         loss_weights, divisor = aggregation_of(mode, mask)
         if rollout_is_weights is not None:  # verl's weights multiply the token loss: the op's token weights
             loss_weights = loss_weights * rollout_is_weights
-        x = logits.clone().requires_grad_(True)
-        out = rl_losses.grpo_loss(x, target, adv, old, loss_type=name, loss_weights=loss_weights, divisor=divisor,
-                                  **CASES[name][0])
+        x = logits.to(device).requires_grad_(True)
+        torch.manual_seed(seed)
+        out = rl_losses.grpo_loss(x, target.to(device), adv.to(device), old.to(device), loss_type=name,
+                                  loss_weights=loss_weights.to(device), divisor=divisor, **options)
         (grad,) = torch.autograd.grad(out.loss, x)
         # verl's seq-mean-token-mean divides by (length + 1e-8): ~3e-10 relative of each row's term.
-        torch.testing.assert_close(out.loss, theirs[0], rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(out.loss.cpu(), theirs[0], rtol=1e-9, atol=1e-10)
         scale = theirs[1].abs().max()
-        torch.testing.assert_close(grad / scale, theirs[1] / scale, rtol=1e-9, atol=1e-10)
-        if name.startswith("dppo"):  # pg_clipfrac: the tokens outside the trust region (verl: Σ m + 1e-8)
-            clipped = float(out.clipped_fraction_low + out.clipped_fraction_high)
-            assert clipped == pytest.approx(theirs[2]["actor/pg_clipfrac"], rel=1e-9, abs=1e-12)
-            assert 0 < clipped < 1 and float(out.clipped_fraction_low) > 0 and float(out.clipped_fraction_high) > 0
-            assert theirs[2]["actor/pg_clipfrac_lower"] > 0  # the inputs reach the truncation cap
+        torch.testing.assert_close(grad.cpu() / scale, theirs[1] / scale, rtol=1e-9, atol=1e-10)
+        results.append((out, theirs[2], mask))
+    return results
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_registered_loss_matches_verl(name, mode, dtype):
-    """rl_losses_<name> in verl's registry (policy_token_loss) against verl's <name>: loss, gradient w.r.t. the
-    log-probs and the same metrics, also with verl's global batch sizes; NaN padding not read."""
+def test_fused_grpo_matches_verl(name, mode, device):
+    for out, metrics, _ in fused_matches_verl(name, mode, CASES[name][0], config_of, device):
+        if name.startswith("dppo"):  # pg_clipfrac: the tokens outside the trust region (verl: Σ m + 1e-8)
+            clipped = float(out.clipped_fraction_low + out.clipped_fraction_high)
+            assert clipped == pytest.approx(metrics["actor/pg_clipfrac"], rel=1e-9, abs=1e-12)
+            assert 0 < clipped < 1 and float(out.clipped_fraction_low) > 0 and float(out.clipped_fraction_high) > 0
+            assert metrics["actor/pg_clipfrac_lower"] > 0  # the inputs reach the truncation cap
+
+
+def assert_registered_matches_verl(name, mode, dtype, config_of, device="cpu"):
+    """rl_losses_<name> as verl's registry returns it (policy_token_loss on ``device``) against verl's <name> (on the
+    CPU), both from the same state of the default generator: loss, gradient w.r.t. the log-probs and the same
+    metrics, also with verl's global batch sizes; NaN padding not read."""
     logits, target, mask, old, adv, weights = batch()
     lp = torch.log_softmax(logits, -1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
     lp, old, adv, weights, mask = (t.to(dtype) for t in (lp, old, adv, weights, mask))
     tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
     for info in (None, dict(dp_size=4, batch_num_tokens=517, global_batch_size=23, loss_scale_factor=64)):
-        cfg = config_of(name, info)
-        results = []
-        for fn, poison in ((core_algos.get_policy_loss_fn(name), 0.0), (rl_verl.POLICY_LOSSES[f"rl_losses_{name}"],
-                                                                         math.nan)):
-            x = lp.masked_fill(mask == 0, poison).requires_grad_(True)
-            loss, metrics = fn(old, x, adv, mask, mode, cfg, weights)
-            results.append((loss.detach(), torch.autograd.grad(loss, x)[0], metrics))
+        cfg, seed, results = config_of(name, info), int(torch.randint(0, 2**31 - 1, ())), []
+        for fn, poison, where in ((core_algos.get_policy_loss_fn(name), 0.0, "cpu"),
+                                  (core_algos.get_policy_loss_fn(f"rl_losses_{name}"), math.nan, device)):
+            x = lp.masked_fill(mask == 0, poison).to(where).requires_grad_(True)
+            torch.manual_seed(seed)
+            loss, metrics = fn(old.to(where), x, adv.to(where), mask.to(where), mode, cfg, weights.to(where))
+            results.append((loss.detach().cpu(), torch.autograd.grad(loss, x)[0].cpu(), metrics))
         theirs, ours = results
         torch.testing.assert_close(ours[0].to(dtype), theirs[0], **tol)
         scale = theirs[1].abs().max()
@@ -123,9 +135,16 @@ def test_registered_loss_matches_verl(name, mode, dtype):
             assert ours[2][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_registered_loss_matches_verl(name, mode, dtype, device):
+    assert_registered_matches_verl(name, mode, dtype, config_of, device)
+
+
 def test_registered():
     assert rl_verl.register_verl_policy_losses()
-    for name in CASES:
+    for name in (*CASES, "clip_cov", "kl_cov", "bypass_mode"):
         assert core_algos.get_policy_loss_fn(f"rl_losses_{name}") is rl_verl.POLICY_LOSSES[f"rl_losses_{name}"]
 
 
@@ -145,22 +164,30 @@ def test_bad_options():
         config.LanguageModelGSPOLossConfig(loss_type="gpg")
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_linear_grpo_matches_grpo(name):
+def linear_matches_grpo(name, options, device="cpu"):
     """The fused lm_head form takes the same loss types (the options lists are shared): loss, metrics and the
-    gradients w.r.t. the hidden states and the weight equal those through grpo on hidden @ weight.T."""
+    gradients w.r.t. the hidden states and the weight equal those through grpo on hidden @ weight.T, both from the
+    same state of the default generator."""
     logits, target, mask, old, adv, weights = batch()
-    hidden = torch.randn(*target.shape, 16, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(logits.shape[-1], 16, dtype=torch.float64, requires_grad=True)
-    ours = rl_losses.linear_grpo_loss(hidden, weight, target, adv, old, loss_type=name, **CASES[name][0])
+    hidden = torch.randn(*target.shape, 16, dtype=torch.float64, device=device, requires_grad=True)
+    weight = torch.randn(logits.shape[-1], 16, dtype=torch.float64, device=device, requires_grad=True)
+    target, adv, old, seed = target.to(device), adv.to(device), old.to(device), int(torch.randint(0, 2**31 - 1, ()))
+    torch.manual_seed(seed)
+    ours = rl_losses.linear_grpo_loss(hidden, weight, target, adv, old, loss_type=name, **options)
     grads = torch.autograd.grad(ours.loss, (hidden, weight))
-    theirs = rl_losses.grpo_loss(hidden @ weight.T, target, adv, old, loss_type=name, **CASES[name][0])
+    torch.manual_seed(seed)
+    theirs = rl_losses.grpo_loss(hidden @ weight.T, target, adv, old, loss_type=name, **options)
     expected = torch.autograd.grad(theirs.loss, (hidden, weight))
     torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-12, atol=1e-14)
     for a, b in zip(grads, expected):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     for field in ("clipped_fraction_low", "clipped_fraction_high", "ratio_mean"):
         torch.testing.assert_close(getattr(ours, field), getattr(theirs, field), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_linear_grpo_matches_grpo(name, device):
+    linear_matches_grpo(name, CASES[name][0], device)
 
 
 @pytest.mark.parametrize("cap", [None, 1.2])
@@ -219,3 +246,32 @@ def test_rollout_rejection_with_importance_weights(rules, thresholds, mode):
     torch.testing.assert_close(out.loss, loss.detach(), rtol=1e-9, atol=1e-10)
     scale = expected.abs().max()
     torch.testing.assert_close(grad / scale, expected / scale, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("loss_type", ["ppo_clip", "reinforce"])
+def test_bypass_mode_matches_verl(loss_type, mode, device):
+    """rl_losses_bypass_mode against verl's bypass_mode (old_log_prob = the rollout's): token-level weights
+    truncated at 1.5 and token_k1 rejection of the current log-probs against the rollout's, then ppo_clip on the
+    kept tokens, or −A·lp times the weights; loss, gradient w.r.t. the log-probs and verl's metrics."""
+    algorithm = pytest.importorskip("verl.trainer.config.algorithm")
+    rc = algorithm.RolloutCorrectionConfig(bypass_mode=True, loss_type=loss_type, rollout_is="token",
+                                           rollout_is_threshold=1.5, rollout_rs="token_k1",
+                                           rollout_rs_threshold="0.75_1.3")
+    cfg = make_config(policy_loss=verl_config.PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=rc))
+    logits, target, mask, rollout, adv, _ = batch()
+    lp = torch.log_softmax(logits, -1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    results = []
+    for fn, where in ((core_algos.get_policy_loss_fn("bypass_mode"), "cpu"),
+                      (core_algos.get_policy_loss_fn("rl_losses_bypass_mode"), device)):
+        x = lp.to(where).requires_grad_(True)
+        loss, metrics = fn(rollout.to(where), x, adv.to(where), mask.to(where), mode, cfg, None)
+        results.append((loss.detach().cpu(), torch.autograd.grad(loss, x)[0].cpu(), metrics))
+    (loss, grad, metrics), (ours, our_grad, our_metrics) = results
+    # (verl's seq-mean-token-mean divides by length + 1e-8: ~3e-10 relative)
+    torch.testing.assert_close(ours, loss, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(our_grad, grad, rtol=1e-9, atol=1e-10)
+    assert set(our_metrics) == set(metrics)
+    for key, value in metrics.items():
+        assert our_metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-10), key
+    assert 0 < metrics["rollout_corr/rollout_rs_masked_fraction"] < 1

@@ -44,11 +44,12 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, c
   }
   // The loss types by name, in PolicyLossType's order.
   constexpr const char* kLossTypeNames[] = {"ppo_clip", "cispo", "sapo", "vespo", "gpg", "dro", "dppo_tv", "dppo_kl",
-                                            "geo_mean"};
+                                            "geo_mean", "clip_cov", "kl_cov"};
   const auto* found = std::find(std::begin(kLossTypeNames), std::end(kLossTypeNames), a.loss_type);
   TORCH_CHECK(found != std::end(kLossTypeNames), op, ": loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', "
-              "'dro', 'dppo_tv', 'dppo_kl' or 'geo_mean', got '", a.loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo "
-              "and luspo are ppo_clip with an aggregation preset: rl_losses.aggregation.TRL_LOSS_TYPES)");
+              "'dro', 'dppo_tv', 'dppo_kl', 'geo_mean', 'clip_cov' or 'kl_cov', got '", a.loss_type, "' (TRL's grpo, "
+              "bnpo, dr_grpo, dapo and luspo are ppo_clip with an aggregation preset: "
+              "rl_losses.aggregation.TRL_LOSS_TYPES)");
   o.loss_type = static_cast<int>(found - std::begin(kLossTypeNames));
   TORCH_CHECK(o.loss_type == kPpoClip || !has_delta, op, ": delta (the two-sided clip) applies to loss_type "
               "'ppo_clip' only, got loss_type '", a.loss_type, "' with delta = ", delta);
@@ -71,6 +72,18 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, c
   TORCH_CHECK(std::isfinite(a.clip_ratio_c) && a.clip_ratio_c > 0, op, ": clip_ratio_c (dppo_tv's and dppo_kl's cap "
               "of the ratio) must be a finite value > 0, got ", a.clip_ratio_c);
   o.clip_ratio_c = a.clip_ratio_c;
+  // clip_cov's and kl_cov's (verl asserts the ratios > 0; a kl_cov_ratio above 1 asks torch.topk for more tokens
+  // than there are).
+  TORCH_CHECK(std::isfinite(a.clip_cov_ratio) && a.clip_cov_ratio > 0, op, ": clip_cov_ratio (clip_cov's share of "
+              "the tokens) must be a finite value > 0, got ", a.clip_cov_ratio);
+  TORCH_CHECK(!std::isnan(a.clip_cov_lb) && !std::isnan(a.clip_cov_ub) && a.clip_cov_lb < a.clip_cov_ub, op,
+              ": clip_cov_lb < clip_cov_ub must hold (clip_cov's band of the covariance), got ", a.clip_cov_lb, " and ",
+              a.clip_cov_ub);
+  TORCH_CHECK(a.kl_cov_ratio > 0 && a.kl_cov_ratio <= 1, op, ": kl_cov_ratio (kl_cov's share of the tokens) must "
+              "be in (0, 1], got ", a.kl_cov_ratio);
+  TORCH_CHECK(std::isfinite(a.ppo_kl_coef), op, ": ppo_kl_coef (kl_cov's penalty) must be finite, got ",
+              a.ppo_kl_coef);
+  o.ppo_kl_coef = a.ppo_kl_coef;
   o.sapo_tau_pos = a.sapo_temperature_pos;
   o.sapo_tau_neg = a.sapo_temperature_neg;
   if (fused) {

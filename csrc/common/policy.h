@@ -28,6 +28,7 @@ PolicyOptions<T> policy_options_as(const PolicyOptions<double>& o) {
           .sapo_tau_neg = T(o.sapo_tau_neg),
           .dro_beta = T(o.dro_beta),
           .clip_ratio_c = T(o.clip_ratio_c),
+          .ppo_kl_coef = T(o.ppo_kl_coef),
           .beta = T(o.beta),
           .kl_estimator = o.kl_estimator,
           .kl_importance_weighted = o.kl_importance_weighted,
@@ -76,6 +77,17 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, c
 void check_sequence_ratio_loss_type(const char* op, const PolicyOptions<double>& o, const PolicyArgs& a);
 // GRPO's refusal of geo_mean, whose ratio is a sequence's.
 void check_token_ratio_loss_type(const char* op, const PolicyOptions<double>& o, const PolicyArgs& a);
+
+// clip_cov's and kl_cov's subset of the tokens (docs/policy_losses.md, verl's compute_policy_loss_clip_cov /
+// _kl_cov), on (N,) vectors of one device: the log-probs ℓ, old log-probs (ℓ itself on-policy), advantages A and
+// the mask m (bool; nothing outside it is read). cov_t = (A_t − mean_m A)·(ℓ_t − mean_m ℓ) over the whole batch;
+// kl_cov takes the k = max(⌊kl_cov_ratio·Σm⌋, 1) tokens of largest cov; clip_cov the first k = max(⌊clip_cov_ratio·
+// Σm⌋, 1) of torch.randperm(#candidates) over its candidates in index order (masked in, not clipped by the PPO clip,
+// clip_cov_lb < cov < clip_cov_ub), all of them if fewer. The draw is verl's: randperm from the default CPU
+// generator whatever the device, drawn whenever there is a candidate. Returns the (N,) bool flags the per-token
+// math reads (policy_token's `cov_selected`). Host synchronisations: Σm (kl_cov), and the candidates' count.
+at::Tensor cov_selection(const PolicyArgs& a, const PolicyOptions<double>& o, const at::Tensor& log_probs,
+                         const at::Tensor& old_log_probs, const at::Tensor& advantages, const at::Tensor& mask);
 
 // The plain objective of the fused head's policy terms: ppo_clip at the clip, the k3 KL weighted by beta.
 PolicyOptions<double> plain_policy_options(const ClipArgs& clip, double beta);

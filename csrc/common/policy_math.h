@@ -18,7 +18,7 @@ namespace rl_losses {
 // Every coefficient that a clip, cap or mask switches off is an exact 0, never 0·inf: the ratio of a token far
 // off-policy may overflow to inf, and its gradient must still be finite.
 enum PolicyLossType : int { kPpoClip = 0, kCispo = 1, kSapo = 2, kVespo = 3, kGpg = 4, kDro = 5, kDppoTv = 6,
-                             kDppoKl = 7, kGeoMean = 8 };
+                             kDppoKl = 7, kGeoMean = 8, kClipCov = 9, kKlCov = 10 };
 enum KlEstimator : int { kKlK1 = 1, kKlK2 = 2, kKlK3 = 3 };
 enum RolloutMode : int { kRolloutNone = 0, kRolloutTruncate = 1, kRolloutMask = 2 };
 
@@ -30,6 +30,7 @@ struct PolicyOptions {
   T sapo_tau_neg;         // SAPO temperature where A <= 0
   T dro_beta;             // dro: the penalty β/2·(lp − old)²
   T clip_ratio_c;         // dppo_*: the ratio's truncation cap
+  T ppo_kl_coef;          // kl_cov: κ of the selected tokens' penalty κ·|lp − old|
   T beta;                 // KL penalty towards ref_log_probs; 0 disables it
   int kl_estimator;       // KlEstimator
   bool kl_importance_weighted;  // sg(r)·KL
@@ -112,12 +113,13 @@ C10_HOST_DEVICE inline PolicyToken<T> vespo_surrogate(T phi, T ratio, T advantag
   return {-zero_or_product(phi * advantage, log_prob), phi * advantage, ratio};
 }
 
-// The loss types of verl's menu that read the token's own log-probs, δ = lp − old (not only r): per token alone,
-// so GRPO and policy_token_loss have them; GSPO, whose ratio is the sequence's, does not.
+// The loss types of verl's menu that read the token's own log-probs, δ = lp − old (not only r): per token (clip_cov
+// and kl_cov with a subset chosen beforehand), so GRPO and policy_token_loss have them; GSPO, whose ratio is the
+// sequence's, does not.
 //   gpg:  ℓ = −A·lp                       coef = A
 //   dro:  ℓ = −(A·lp − β/2·δ²)            coef = A − β·δ          (β: dro_beta)
 C10_HOST_DEVICE inline bool token_log_prob_loss_type(int loss_type) {
-  return loss_type >= kGpg && loss_type <= kDppoKl;
+  return (loss_type >= kGpg && loss_type <= kDppoKl) || loss_type == kClipCov || loss_type == kKlCov;
 }
 template <typename T>
 C10_HOST_DEVICE inline PolicyToken<T> gpg_dro_surrogate(const PolicyOptions<T>& o, T ratio, T advantage, T log_prob,
@@ -178,6 +180,27 @@ C10_HOST_DEVICE inline bool geo_mean_outside(const PolicyOptions<T>& o, T delta)
 template <typename T>
 C10_HOST_DEVICE inline PolicyToken<T> geo_mean_surrogate(T ratio, T advantage, bool inside) {
   return {-zero_or_product(advantage, ratio), inside ? zero_or_product(advantage, ratio) : T(0), ratio};
+}
+
+// Clip-Cov and KL-Cov (verl's clip_cov / kl_cov, compute_policy_loss_clip_cov / _kl_cov; arXiv 2505.22617): the
+// batch's covariance statistic picks a subset of tokens beforehand (cov_selection, common/policy_cov.cpp), and
+// `selected` says whether this token is in it:
+//   clip_cov: ℓ = ppo_clip's surrogate (no δ), 0 where selected          coef = ppo_clip's, 0 where selected
+//   kl_cov:   ℓ = −A·r + [selected]·κ·|δ|,  δ = lp − old                 coef = A·r − [selected]·κ·sgn(δ)
+// (sgn(0) = 0: autograd's derivative of |δ| at 0, the on-policy case.)
+C10_HOST_DEVICE inline bool cov_loss_type(int loss_type) { return loss_type == kClipCov || loss_type == kKlCov; }
+template <typename T>
+C10_HOST_DEVICE inline PolicyToken<T> cov_surrogate(const PolicyOptions<T>& o, bool selected, T ratio, T advantage,
+                                                    T log_prob, T old_log_prob) {
+  if (o.loss_type == kClipCov) {
+    if (selected) return {T(0), T(0), ratio};
+    return {clipped_surrogate_loss(o.clip, ratio, advantage), clip_gradient_factor(o.clip, ratio, advantage), ratio};
+  }
+  const T loss = -zero_or_product(advantage, ratio);
+  if (!selected) return {loss, -loss, ratio};
+  const T delta = log_prob - old_log_prob;
+  const T sign = delta > T(0) ? T(1) : (delta < T(0) ? T(-1) : T(0));
+  return {loss + o.ppo_kl_coef * ::fabs(delta), -loss - o.ppo_kl_coef * sign, ratio};
 }
 
 // Clipped-fraction flags per loss type: ppo_clip's low/high bounds; cispo's cap (r > ε_h and A > 0, counted as
@@ -243,14 +266,15 @@ struct PolicyTokenTerms {
   PolicyToken<T> t;
   T kl;  // the KL estimate (importance weighted when asked), 0 without a reference
   // The clipped-fraction flags: policy_clipped_low/high, or dppo's tokens outside its trust region ("high" where
-  // A > 0, "low" elsewhere).
+  // A > 0, "low" elsewhere), or clip_cov's subset ("high").
   bool clipped_low, clipped_high;
 };
-// `vespo_phi`: the token's φ (loss type vespo only, computed from its sequence's sums beforehand).
+// `vespo_phi`: the token's φ (loss type vespo only, computed from its sequence's sums beforehand);
+// `cov_selected`: the token is in clip_cov's / kl_cov's subset (cov_selection, beforehand).
 template <typename T>
 C10_HOST_DEVICE inline PolicyTokenTerms<T> policy_token(const PolicyOptions<T>& o, T log_prob, T old_log_prob,
                                                         T advantage, bool has_ref, T ref_log_prob, T rollout_w,
-                                                        T vespo_phi = T(1)) {
+                                                        T vespo_phi = T(1), bool cov_selected = false) {
   const T ratio = ::exp(log_prob - old_log_prob);
   PolicyToken<T> t;
   bool low, high;
@@ -259,6 +283,10 @@ C10_HOST_DEVICE inline PolicyTokenTerms<T> policy_token(const PolicyOptions<T>& 
     t = dppo_surrogate(o, inside, ratio, advantage, log_prob, old_log_prob);
     high = !inside && advantage > T(0);
     low = !inside && !(advantage > T(0));
+  } else if (cov_loss_type(o.loss_type)) {
+    t = cov_surrogate(o, cov_selected, ratio, advantage, log_prob, old_log_prob);
+    high = o.loss_type == kClipCov && cov_selected;  // verl's pg_clipfrac: the tokens clip_cov switches off
+    low = false;
   } else {
     t = o.loss_type == kVespo                     ? vespo_surrogate(vespo_phi, ratio, advantage, log_prob)
         : token_log_prob_loss_type(o.loss_type) ? gpg_dro_surrogate(o, ratio, advantage, log_prob, old_log_prob)

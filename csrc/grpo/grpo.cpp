@@ -50,21 +50,24 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   args.sampler_params = sampler_params(op, a.sampler, target, f.n_rows, opts, row_stats.has_value());
   if (row_stats) args.stats_in = *row_stats;
   args.entropy = rows.entropy && !row_stats;
+  // The statistics as a pass of their own (one more read of the logits, as GSPO's) where a step before the loss
+  // pass needs every token's log-prob; the loss pass then reads them.
+  const auto statistics_first = [&] {
+    if (args.stats_in.defined()) return;
+    at::Tensor stats = src.row_outputs({f.n_rows, RowStats<double>::kFields});
+    if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.stats(a, stats); });
+    args.stats_in = stats;
+    args.entropy = false;
+  };
   if (sequence_rollout || vespo) {
     // The sequences' sums (docs/policy_losses.md), before the loss pass. Where they need every token's
-    // log-prob (vespo's log-ratios lp − old; on-policy, the rollout ratios with old = lp), the statistics are
-    // computed first (one more read of the logits, as GSPO's) and the loss pass reads them; otherwise the sums
-    // take only inputs and the loss stays one pass over the logits.
+    // log-prob (vespo's log-ratios lp − old; on-policy, the rollout ratios with old = lp), the statistics come
+    // first; otherwise the sums take only inputs and the loss stays one pass over the logits.
     const SequenceIds seq = sequence_ids(op, a.document_index, a.num_documents, target,
                                          vespo ? "loss_type 'vespo'" : "a sequence-level rollout_correction");
     const bool on_policy = !rows.old_log_probs.defined();
     const bool needs_log_probs = (vespo && !on_policy) || (on_policy && rollout.defined());
-    if (needs_log_probs && !args.stats_in.defined()) {
-      at::Tensor stats = src.row_outputs({f.n_rows, RowStats<double>::kFields});
-      if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.stats(a, stats); });
-      args.stats_in = stats;
-      args.entropy = false;
-    }
+    if (needs_log_probs) statistics_first();
     GrpoSequences q;
     q.opt = opt;
     q.target = f.target1d;
@@ -85,6 +88,14 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
       rows.sequence_share = at::empty({f.n_rows}, opts);
     }
     backend.sequences(q, rows);
+  }
+  if (cov_loss_type(opt.loss_type)) {
+    // clip_cov's / kl_cov's subset, from every labelled token's log-prob (docs/policy_losses.md).
+    statistics_first();
+    at::Tensor lp = at::empty({f.n_rows}, opts);
+    backend.log_probs(args.stats_in, f.target1d, lp);
+    rows.cov_selected = cov_selection(a.policy, opt, lp, rows.old_log_probs.defined() ? rows.old_log_probs : lp,
+                                      rows.advantages, f.target1d.ge(0));
   }
   // Token-level correction weights (and, with vespo, their metrics: vespo folds them into φ).
   if (!sequence_rollout) rows.rollout_log_probs = rollout;

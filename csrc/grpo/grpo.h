@@ -1,7 +1,7 @@
 // GRPO: the per-token importance ratio under the policy family's loss types (ppo_clip, cispo, sapo, vespo and
-// verl's gpg, dro, dppo_tv, dppo_kl), rollout correction, KL penalty and entropy bonus (docs/policy_losses.md),
-// fused with its metrics. The row-pass epilogue and the device-independent forward shared by the CPU and CUDA
-// registrations.
+// verl's gpg, dro, dppo_tv, dppo_kl, clip_cov, kl_cov), rollout correction, KL penalty and entropy bonus
+// (docs/policy_losses.md), fused with its metrics. The row-pass epilogue and the device-independent forward shared
+// by the CPU and CUDA registrations.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -39,6 +39,7 @@ struct GrpoEpilogue {
   const acc_t* rollout_log_probs;  // null without a token-level rollout correction
   const acc_t* sequence_log_rho;   // null without a sequence-level one: log ρ of each token's sequence
   const acc_t* vespo_phi;          // loss type vespo: φ_t of each token (GrpoSequenceStep), else null
+  const bool* cov_selected;        // clip_cov / kl_cov: the token is in the subset (cov_selection), else null
   const acc_t* loss_weights;       // null: the label mask
   const acc_t* divisor;            // 0-dim D
   acc_t* out;                      // (N, kGrpoFields)
@@ -63,7 +64,8 @@ struct GrpoEpilogue {
     const bool vespo = vespo_phi != nullptr;
     const acc_t ref = ref_log_probs != nullptr ? ref_log_probs[row] : acc_t(0);
     const PolicyTokenTerms<acc_t> t = policy_token(opt, lp, old, adv, ref_log_probs != nullptr, ref,
-                                                   vespo ? acc_t(1) : rw, vespo ? vespo_phi[row] : acc_t(1));
+                                                   vespo ? acc_t(1) : rw, vespo ? vespo_phi[row] : acc_t(1),
+                                                   cov_selected != nullptr && cov_selected[row]);
     const acc_t w = (loss_weights ? loss_weights[row] : acc_t(1)) / *divisor;
     const acc_t h = entropy ? st.entropy() : acc_t(0);
     const acc_t c = opt.entropy_coefficient;
@@ -207,6 +209,18 @@ struct GrpoSequenceStep {
   }
 };
 
+// Each token's log-prob from the statistics (0 where unlabelled): what cov_selection reads before the loss pass.
+template <typename acc_t>
+struct GrpoStatsLogProb {
+  const acc_t* stats;     // (N, 5)
+  const int64_t* target;  // (N,)
+  acc_t* out;             // (N,)
+  C10_HOST_DEVICE void operator()(int64_t i) const {
+    const RowStats<acc_t> st = load_stats(stats, i);
+    out[i] = target[i] >= 0 ? st.log_prob(st.label) : acc_t(0);
+  }
+};
+
 // The tensors of the sequence-level steps (undefined where absent), and their outputs.
 struct GrpoSequences {
   PolicyOptions<double> opt;
@@ -221,6 +235,7 @@ struct GrpoRows {
   PolicyOptions<double> opt;
   at::Tensor advantages, old_log_probs, ref_log_probs, rollout_log_probs, sequence_log_rho, loss_weights;  // (N,)
   at::Tensor vespo_phi, sequence_share;  // (N,), vespo only
+  at::Tensor cov_selected;               // (N,) bool, clip_cov / kl_cov only
   at::Tensor divisor;
   at::Tensor out;        // (N, kGrpoFields)
   at::Tensor log_probs;  // (N,)
@@ -231,7 +246,8 @@ template <typename acc_t, bool kEntropyBonus>
 GrpoEpilogue<acc_t, kEntropyBonus> make_grpo_epilogue(const GrpoRows& r) {
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<acc_t>() : nullptr; };
   return {policy_options_as<acc_t>(r.opt), ptr(r.advantages), ptr(r.old_log_probs), ptr(r.ref_log_probs),
-          ptr(r.rollout_log_probs), ptr(r.sequence_log_rho), ptr(r.vespo_phi), ptr(r.loss_weights),
+          ptr(r.rollout_log_probs), ptr(r.sequence_log_rho), ptr(r.vespo_phi),
+          r.cov_selected.defined() ? r.cov_selected.const_data_ptr<bool>() : nullptr, ptr(r.loss_weights),
           r.divisor.const_data_ptr<acc_t>(),
           r.out.data_ptr<acc_t>(), r.log_probs.data_ptr<acc_t>(), r.entropy};
 }
@@ -245,6 +261,7 @@ struct GrpoBackend {
   // GrpoSequenceTerms, the sums per sequence, GrpoSequenceStep (into the rows' sequence_log_rho / vespo_phi /
   // sequence_share, those defined).
   void (*sequences)(const GrpoSequences&, const GrpoRows&);
+  void (*log_probs)(const at::Tensor& stats, const at::Tensor& target1d, const at::Tensor& out);  // GrpoStatsLogProb
 };
 
 template <typename Runner>
@@ -299,7 +316,15 @@ struct GrpoBackendImpl {
                                               out(r.vespo_phi), out(r.sequence_share)});
     });
   }
-  static constexpr GrpoBackend backend() { return {&stats, &rows, &metrics, &sequences}; }
+  static void log_probs(const at::Tensor& stats, const at::Tensor& target1d, const at::Tensor& out) {
+    if (out.numel() == 0) return;
+    AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "grpo", [&] {
+      Runner::for_each(out.numel(), GrpoStatsLogProb<scalar_t>{stats.const_data_ptr<scalar_t>(),
+                                                               target1d.const_data_ptr<int64_t>(),
+                                                               out.data_ptr<scalar_t>()});
+    });
+  }
+  static constexpr GrpoBackend backend() { return {&stats, &rows, &metrics, &sequences, &log_probs}; }
 };
 
 // grpo's and linear_grpo's arguments but the source's (op_args.h).

@@ -21,10 +21,12 @@ PolicyTokenResults policy_token_loss(const PolicyTokenArgs& a, PolicyTokenKernel
   // Loss types whose token loss depends on the rest of its sequence are the fused ops' alone: named here, so that
   // a loss type added to the shared options is not taken elementwise unless it is elementwise.
   const std::string& loss_type = a.policy.loss_type;
+  // clip_cov and kl_cov read the whole batch's statistics, which the op has (its log-probs are every token's).
   TORCH_CHECK(loss_type == "ppo_clip" || loss_type == "cispo" || loss_type == "sapo" || loss_type == "gpg" ||
-                  loss_type == "dro" || loss_type == "dppo_tv" || loss_type == "dppo_kl",
-              op, ": loss_type must be 'ppo_clip', 'cispo', 'sapo', 'gpg', 'dro', 'dppo_tv' or 'dppo_kl' "
-              "(sequence-level loss types are the fused ops'), got '", loss_type, "'");
+                  loss_type == "dro" || loss_type == "dppo_tv" || loss_type == "dppo_kl" || loss_type == "clip_cov" ||
+                  loss_type == "kl_cov",
+              op, ": loss_type must be 'ppo_clip', 'cispo', 'sapo', 'gpg', 'dro', 'dppo_tv', 'dppo_kl', 'clip_cov' or "
+              "'kl_cov' (sequence-level loss types are the fused ops'), got '", loss_type, "'");
   // The sequence-level modes need every token of a sequence: the fused ops have them, an elementwise op not.
   TORCH_CHECK(!sequence_level_rollout(a.policy), op, ": rollout_correction must be None, 'token_truncate' or "
               "'token_mask' (the sequence-level modes are the fused ops'), got '", a.policy.rollout_correction.value_or(""),
@@ -41,6 +43,12 @@ PolicyTokenResults policy_token_loss(const PolicyTokenArgs& a, PolicyTokenKernel
     in.rollout_log_probs = check_per_token(op, "rollout_log_probs", *a.rollout_log_probs, log_probs, acc);
   }
   if (a.loss_mask) in.loss_mask = check_loss_mask(op, *a.loss_mask, log_probs, "log_probs", log_probs.sizes(), "shape");
+  if (cov_loss_type(in.opt.loss_type)) {
+    const at::Tensor every = at::ones({log_probs.numel()}, log_probs.options().dtype(at::kBool));
+    const at::Tensor mask = in.loss_mask.defined() ? in.loss_mask : every;
+    in.cov_selected = cov_selection(a.policy, in.opt, in.log_probs,
+                                    in.old_log_probs.defined() ? in.old_log_probs : in.log_probs, in.advantages, mask);
+  }
   const auto opts = log_probs.options().dtype(acc);
   for (int k = 0; k < kPolicyTokenOutputs; ++k) in.out.push_back(at::empty(log_probs.sizes(), opts));
   if (log_probs.numel() > 0) kernel(in);

@@ -26,8 +26,8 @@ _DTYPE_NAMES = {
 # csrc/common/checks.h: kMaxDocuments.
 MAX_DOCUMENTS = 1 << 31
 # The values the C++ checks accept (common/policy.cpp, common/checks.cpp).
-TOKEN_LOSS_TYPES = ("ppo_clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl")  # policy_token_loss's
-POLICY_LOSS_TYPES = (*TOKEN_LOSS_TYPES[:3], "vespo", *TOKEN_LOSS_TYPES[3:], "geo_mean")
+TOKEN_LOSS_TYPES = ("ppo_clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov")
+POLICY_LOSS_TYPES = (*TOKEN_LOSS_TYPES[:3], "vespo", *TOKEN_LOSS_TYPES[3:7], "geo_mean", *TOKEN_LOSS_TYPES[7:])
 TOKEN_LOG_PROB_LOSS_TYPES = TOKEN_LOSS_TYPES[3:]  # over each token's own log-probs: not GSPO's
 ROLLOUT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -280,8 +280,8 @@ def policy_options(op, a, *, fused: bool, clip: bool, sequence_ratio: bool = Fal
     objective's; `sequence_ratio` (GSPO's) then check_sequence_ratio_loss_type."""
     loss_type, delta = a["loss_type"], a["delta"] if clip else None
     _check(loss_type in POLICY_LOSS_TYPES, op, "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', 'dro', "
-           "'dppo_tv', 'dppo_kl' or 'geo_mean', got '", loss_type, "' (TRL's grpo, bnpo, dr_grpo, dapo and luspo are "
-           "ppo_clip with an aggregation preset: rl_losses.aggregation.TRL_LOSS_TYPES)")
+           "'dppo_tv', 'dppo_kl', 'geo_mean', 'clip_cov' or 'kl_cov', got '", loss_type, "' (TRL's grpo, bnpo, "
+           "dr_grpo, dapo and luspo are ppo_clip with an aggregation preset: rl_losses.aggregation.TRL_LOSS_TYPES)")
     _check(loss_type == "ppo_clip" or delta is None, op, "delta (the two-sided clip) applies to loss_type "
            "'ppo_clip' only, got loss_type '", loss_type, "' with delta = ", _num(delta if delta is not None else 0.0))
     epsilon_high = a["epsilon_high"] if clip else 0.0
@@ -296,6 +296,7 @@ def policy_options(op, a, *, fused: bool, clip: bool, sequence_ratio: bool = Fal
         _check(math.isfinite(beta) and beta > 0, op, "dro_beta must be a finite value > 0, got ", _num(beta))
     _check(math.isfinite(c) and c > 0, op, "clip_ratio_c (dppo_tv's and dppo_kl's cap of the ratio) must be a finite "
            "value > 0, got ", _num(c))
+    cov_checks(op, a)
     for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
         tau = a[name]
         _check(math.isfinite(tau) and tau > 0, op, name, " must be a finite value > 0, got ", _num(tau))
@@ -337,6 +338,17 @@ def policy_options(op, a, *, fused: bool, clip: bool, sequence_ratio: bool = Fal
            "'ppo_clip', 'cispo', 'sapo', 'vespo' or 'geo_mean'")
     _check(sequence_ratio or not clip or loss_type != "geo_mean", op, "loss_type '", loss_type, "' takes the geometric "
            "mean of a sequence's clipped ratios: use gspo")
+
+
+def cov_checks(op, a):
+    ratio, lb, ub, kl_ratio, coef = (a[k] for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
+                                                    "ppo_kl_coef"))
+    _check(math.isfinite(ratio) and ratio > 0, op, "clip_cov_ratio (clip_cov's share of the tokens) must be a finite "
+           "value > 0, got ", _num(ratio))
+    _check(not math.isnan(lb) and not math.isnan(ub) and lb < ub, op, "clip_cov_lb < clip_cov_ub must hold "
+           "(clip_cov's band of the covariance), got ", _num(lb), " and ", _num(ub))
+    _check(0 < kl_ratio <= 1, op, "kl_cov_ratio (kl_cov's share of the tokens) must be in (0, 1], got ", _num(kl_ratio))
+    _check(math.isfinite(coef), op, "ppo_kl_coef (kl_cov's penalty) must be finite, got ", _num(coef))
 
 
 def sequence_ids(op, document_index, num_documents, target, why):

@@ -264,7 +264,8 @@ def policy_token(a):
            _dt(log_probs.dtype))
     check_clip(op, a)
     _check(a["loss_type"] in TOKEN_LOSS_TYPES, op, "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'gpg', 'dro', "
-           "'dppo_tv' or 'dppo_kl' (sequence-level loss types are the fused ops'), got '", a["loss_type"], "'")
+           "'dppo_tv', 'dppo_kl', 'clip_cov' or 'kl_cov' (sequence-level loss types are the fused ops'), got '",
+           a["loss_type"], "'")
     _check(not sequence_level_rollout(a), op, "rollout_correction must be None, 'token_truncate' or 'token_mask' (the "
            "sequence-level modes are the fused ops'), got '", a["rollout_correction"] or "", "'")
     policy_options(op, a, fused=False, clip=True)

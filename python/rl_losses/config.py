@@ -223,9 +223,10 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
         entropy, fused into the kernel's pass).
     beta: KL penalty towards the reference policy, per token (>= 0; > 0 needs ``ref_log_probs`` in the batch).
     The policy family (docs/policy_losses.md; the options of rl_losses.grpo_loss / gspo_loss): loss_type
-        ("ppo_clip", "cispo", "sapo", "vespo"; GRPO also verl's "gpg", "dro", "dppo_tv", "dppo_kl", GSPO its
-        "geo_mean"), dro_beta ("dro"
-        only, required there, > 0), clip_ratio_c (> 0, dppo's cap of the ratio), sapo_temperature_pos /
+        ("ppo_clip", "cispo", "sapo", "vespo"; GRPO also verl's "gpg", "dro", "dppo_tv", "dppo_kl", "clip_cov",
+        "kl_cov", GSPO its "geo_mean"), dro_beta ("dro" only, required there, > 0), clip_ratio_c (> 0, dppo's cap
+        of the ratio), clip_cov_ratio (> 0), clip_cov_lb < clip_cov_ub, kl_cov_ratio (in (0, 1]) and ppo_kl_coef
+        (finite; verl's names), sapo_temperature_pos /
         sapo_temperature_neg (> 0), vespo_k_pos /
         vespo_k_neg (finite) and vespo_lambda_pos / vespo_lambda_neg (>= 0; TRL's names), rollout_correction (None,
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"; needs ``rollout_log_probs`` in the
@@ -244,6 +245,11 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
     sapo_temperature_neg: float = default("grpo", "sapo_temperature_neg")
     dro_beta: float | None = default("grpo", "dro_beta")
     clip_ratio_c: float = default("grpo", "clip_ratio_c")
+    clip_cov_ratio: float = default("grpo", "clip_cov_ratio")
+    clip_cov_lb: float = default("grpo", "clip_cov_lb")
+    clip_cov_ub: float = default("grpo", "clip_cov_ub")
+    kl_cov_ratio: float = default("grpo", "kl_cov_ratio")
+    ppo_kl_coef: float = default("grpo", "ppo_kl_coef")
     rollout_correction: str | None = default("grpo", "rollout_correction")
     rollout_cap: float = default("grpo", "rollout_cap")
     rollout_mask_bounds: tuple[float, float] | None = default("grpo", "rollout_mask_bounds")
@@ -271,6 +277,12 @@ class LanguageModelPolicyGradientLossConfig(LanguageModelLossConfig):
             self._fail("dro_beta", "a value > 0 with loss_type='dro' (verl's policy_loss.dro_beta), None otherwise")
         self._check_float("dro_beta", low=0.0, low_inclusive=False, optional=True)
         self._check_float("clip_ratio_c", low=0.0, low_inclusive=False)
+        self._check_float("clip_cov_ratio", low=0.0, low_inclusive=False)
+        for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef"):
+            self._check_float(name)
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            self._fail("clip_cov_ub", f"a value > clip_cov_lb = {self.clip_cov_lb}")
+        self._check_float("kl_cov_ratio", low=0.0, high=1.0, low_inclusive=False)
         for name in ("vespo_k_pos", "vespo_k_neg"):
             self._check_float(name)
         for name in ("vespo_lambda_pos", "vespo_lambda_neg"):

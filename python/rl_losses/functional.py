@@ -127,7 +127,12 @@ _POLICY_DOC = """
             (−A·lp), "dro" (−(A·lp − dro_beta/2·(lp − old)²), dro_beta > 0 required, verl's
             policy_loss.dro_beta), "dppo_tv" / "dppo_kl" (−A·sg(min(r, clip_ratio_c))·lp on the tokens inside
             DPPO's trust region on the probabilities, whose bounds are epsilon_low / epsilon_high, verl's
-            clip_ratio_low / clip_ratio_high; 0 outside).
+            clip_ratio_low / clip_ratio_high; 0 outside), "clip_cov" (ppo_clip's surrogate, 0 on a random subset
+            of at most max(⌊clip_cov_ratio·N⌋, 1) tokens with clip_cov_lb < cov < clip_cov_ub that the clip leaves
+            alone) and "kl_cov" (−A·r + ppo_kl_coef·|lp − old| on the max(⌊kl_cov_ratio·N⌋, 1) tokens of largest
+            cov), cov = (A − mean A)·(lp − mean lp) over the call's labelled tokens: their statistics need every
+            log-prob first (the logits read twice); clip_cov draws from the default CPU generator, as verl's
+            torch.randperm.
         rollout_log_probs: (...) the inference engine's log-probs; ρ = exp(old − rollout).
         rollout_correction: None, "token_truncate", "token_mask", "sequence_truncate" or "sequence_mask" (TRL's
             vllm_importance_sampling_mode): the surrogate of each token (not its KL or entropy term) is

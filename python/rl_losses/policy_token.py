@@ -22,7 +22,7 @@ class PolicyTokenOutput(NamedTuple):
     loss: ℓ_t (the surrogate times the rollout weight, plus β·KL_t), differentiable w.r.t. ``log_probs``; every
     other field is detached. ratio: r_t = exp(lp_t − old_t). clipped_low / clipped_high: 1.0 where the ratio is
     clipped below / above (ppo_clip, TRL's flags on min(r, δ)), capped (cispo, as "high") or outside DPPO's trust
-    region (dppo_tv / dppo_kl: "high" where A > 0, "low" elsewhere), else 0. kl: KL_t
+    region (dppo_tv / dppo_kl: "high" where A > 0, "low" elsewhere) or in clip_cov's subset ("high"), else 0. kl: KL_t
     (importance weighted with ``kl_importance_weighted``), 0 without ``ref_log_probs``. rollout_weight: ω_t, 1
     without a rollout correction. Every field is 0 outside ``loss_mask``.
     """
@@ -64,7 +64,8 @@ def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | Non
         old_log_probs: (...) float, the sampling policy's; None for on-policy (r ≡ 1, with ∂r/∂lp = 1).
         advantages: (...) float per token, or (B,) per sequence for (B, T) log-probs.
         The options are ``rl_losses.grpo_loss``'s (``loss_type`` ppo_clip / cispo / sapo and verl's gpg / dro /
-        dppo_tv / dppo_kl with ``dro_beta`` / ``clip_ratio_c``, ``delta``,
+        dppo_tv / dppo_kl / clip_cov / kl_cov with ``dro_beta`` / ``clip_ratio_c`` / ``clip_cov_*`` /
+        ``kl_cov_ratio`` / ``ppo_kl_coef``, their statistics over the tokens of ``loss_mask``, ``delta``,
         ``ref_log_probs``/``beta``/``kl_estimator``/``kl_importance_weighted``), and its token-level rollout
         correction (``rollout_correction`` 'token_truncate' / 'token_mask' with ``rollout_log_probs``); the
         sequence-level modes and the entropy bonus need the fused ops.

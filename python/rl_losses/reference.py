@@ -6,7 +6,6 @@ plainest PyTorch. It materialises N×V temporaries freely; it is not meant to be
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -14,6 +13,7 @@ import torch
 from rl_losses import reference_verl
 from rl_losses.outputs import DistillationOutput, DpoOutput, FusedHeadOutput, PolicyLossOutput  # noqa: F401
 from rl_losses.reference_sampler import filtered
+from rl_losses.reference_vespo import _rollout_weight, _sequence_sum, _vespo_weights
 
 
 class Policy(NamedTuple):
@@ -25,6 +25,11 @@ class Policy(NamedTuple):
     sapo_temperature_neg: float = 1.05
     dro_beta: float | None = None
     clip_ratio_c: float = 3.0
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    ppo_kl_coef: float = 0.1
     rollout_correction: str | None = None
     rollout_cap: float = 3.0
     rollout_mask_bounds: tuple[float, float] | None = None
@@ -110,25 +115,6 @@ def _kl_estimate(estimator: str, lp: torch.Tensor, ref: torch.Tensor) -> torch.T
     return _k3(ref - lp)
 
 
-def _rollout_weight(p: Policy, log_rho):
-    rho = log_rho.exp()
-    if p.rollout_correction.endswith("truncate"):
-        return rho, rho.clamp(max=p.rollout_cap)
-    lo, hi = p.rollout_mask_bounds if p.rollout_mask_bounds is not None else (0.0, p.rollout_cap)
-    return rho, torch.where((rho >= lo) & (rho <= hi), rho, 0.0)
-
-
-def _sequence_sum(values, mask, sequence):
-    # Each token gets the sum of `values` over its sequence's labelled tokens (0 where padding or unlabelled: a
-    # sequence-level ratio is the product of its token ratios, TRL's and verl's definition).
-    seq = torch.where(sequence >= 0, sequence, 0).reshape(-1)
-    n = int(seq.max()) + 1 if seq.numel() else 1
-    on = (mask & (sequence >= 0)).reshape(-1)
-    sums = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(
-        0, seq, torch.where(on, values.reshape(-1), 0.0))
-    return torch.where(on, sums[seq], 0.0).reshape(values.shape)
-
-
 def _rollout_corrected(per_token, p: Policy, log_rho, mask, sequence):
     """The surrogate times the detached rollout weight ω (vespo folds ω into φ instead), with ρ and ω (None, None
     without a correction); sequence modes take ρ_s from the sequence's summed log-ratios."""
@@ -144,44 +130,6 @@ def _rows_as_sequences(target):
     # The rows of the labels' leading dimensions are the sequences.
     rows = torch.arange(target.numel() // target.shape[-1], device=target.device)
     return rows.reshape(target.shape[:-1]).unsqueeze(-1).expand(target.shape)
-
-
-# VESPO (TRL's GRPOTrainer.get_gamma_weights): the clamps of its log-ratios.
-_LOG_1E8 = math.log(1e-8)
-
-
-def _vespo_rollout_term(p: Policy, log_rho):
-    # clamp(log ω, log 1e-8, 20) of a correction weight ω (TRL: torch.log(importance_sampling_ratio), clamped).
-    _, weight = _rollout_weight(p, log_rho)
-    return torch.log(weight).clamp(_LOG_1E8, 20.0)
-
-
-def _vespo_phi(p: Policy, log_w_sum, adv):
-    # φ = exp(λ + k·log w − λ·w) with log w clamped to [log 1e-8, 20]; (k, λ) by the sign of A; λ >= 1e-4; a
-    # non-finite φ is 0.
-    log_w = log_w_sum.clamp(_LOG_1E8, 20.0)
-    pos = adv >= 0
-    k = torch.where(pos, torch.full_like(log_w, p.vespo_k_pos), torch.full_like(log_w, p.vespo_k_neg))
-    lam = torch.where(pos, torch.full_like(log_w, p.vespo_lambda_pos),
-                      torch.full_like(log_w, p.vespo_lambda_neg)).clamp(min=1e-4)
-    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-
-
-def _vespo_weights(p: Policy, lp, old, adv, mask, sequence, log_rho, on_policy):
-    """φ per token (detached) and each labelled token's share 1/n_s of its sequence (for the φ metric)."""
-    mode = p.rollout_correction
-    with torch.no_grad():
-        term = torch.zeros_like(lp) if on_policy else (lp - old).clamp(-20.0, 20.0)
-        sequence_mode = mode is not None and mode.startswith("sequence")
-        if mode is not None and not sequence_mode:
-            term = term + _vespo_rollout_term(p, log_rho)
-        log_w = _sequence_sum(term, mask, sequence)
-        if sequence_mode:  # the sequence's weight ω_s, once (Liger's (B, 1) vllm_is_ratio)
-            log_w = log_w + _vespo_rollout_term(p, _sequence_sum(log_rho, mask, sequence))
-        phi = _vespo_phi(p, log_w, adv)
-        counts = _sequence_sum(torch.ones_like(lp), mask, sequence)
-        share = torch.where(counts > 0, 1 / counts.clamp_min(1), 0.0)
-    return phi, share
 
 
 def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2, epsilon_high=0.2, delta=None,
@@ -203,6 +151,7 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
     adv = _per_sequence(advantages, target).to(logp.dtype)
     old = lp.detach() if old_log_probs is None else old_log_probs.to(logp.dtype)
     ratio = torch.exp(lp - old)
+    selected = _cov_selection(p, old, lp.detach(), adv, mask, epsilon_low, epsilon_high)  # one draw for both uses
     sequence = document_index if document_index is not None else (
         _rows_as_sequences(target) if target.dim() >= 2 else None)
     log_rho = None if p.rollout_correction is None else old.detach() - rollout_log_probs.to(logp.dtype)
@@ -211,7 +160,7 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
         phi, share = _vespo_weights(p, lp.detach(), old, adv, mask, sequence, log_rho, old_log_probs is None)
         per_token = -(phi * adv) * lp
     else:
-        per_token = _surrogate(p, ratio, adv, lp, epsilon_low, epsilon_high, delta, old)
+        per_token = _surrogate(p, ratio, adv, lp, epsilon_low, epsilon_high, delta, old, selected)
     per_token, rho, weight = _rollout_corrected(per_token, p, log_rho, mask, sequence)
     kl = None
     if ref_log_probs is not None:
@@ -238,7 +187,7 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
         counts = maskf if label_counts is None else label_counts.to(logp.dtype).clamp_min(1)
         doc_weight = torch.where(mask, 1 / counts, 0.0)
         new_logprobs = (doc_weight * lp).sum() / doc_weight.sum().clamp_min(1e-30)
-        low_flag, high_flag = _clip_flags(p, ratio, adv, epsilon_low, epsilon_high, delta, old, lp)
+        low_flag, high_flag = _clip_flags(p, ratio, adv, epsilon_low, epsilon_high, delta, old, lp, selected)
         low, high = mean(low_flag.to(logp.dtype)), mean(high_flag.to(logp.dtype))
         kl_old = mean(_k3(old - lp))
         with_entropy = compute_entropy or p.entropy_coefficient != 0.0
@@ -265,9 +214,23 @@ def _verl_options(p: Policy, epsilon_low, epsilon_high):
     return {}
 
 
-def _surrogate(p: Policy, ratio, adv, lp, epsilon_low, epsilon_high, delta=None, old=None):
+def _cov_selection(p: Policy, old, lp, adv, mask, epsilon_low, epsilon_high):
+    # clip_cov's / kl_cov's subset of the labelled tokens (reference_verl's), else None.
+    if p.loss_type == "kl_cov":
+        return reference_verl.kl_cov_selection(lp, adv, mask, kl_cov_ratio=p.kl_cov_ratio)
+    if p.loss_type == "clip_cov":
+        return reference_verl.clip_cov_selection(old, lp, adv, mask, clip_low=epsilon_low, clip_high=epsilon_high,
+                                                 clip_cov_ratio=p.clip_cov_ratio, clip_cov_lb=p.clip_cov_lb,
+                                                 clip_cov_ub=p.clip_cov_ub)
+    return None
+
+
+def _surrogate(p: Policy, ratio, adv, lp, epsilon_low, epsilon_high, delta=None, old=None, selected=None):
     """The per-token objective of each loss type at ratio r (docs/policy_losses.md; vespo's: _vespo_weights; the
-    per-token loss types of verl's menu read the old log-probs ``old`` too)."""
+    per-token loss types of verl's menu read the old log-probs ``old`` too, clip_cov and kl_cov their subset
+    ``selected`` of _cov_selection)."""
+    if p.loss_type == "kl_cov":
+        return -adv * ratio + torch.where(selected, p.ppo_kl_coef * (lp - old).abs(), 0.0)
     if p.loss_type in TOKEN_LOG_PROB_LOSS_TYPES:
         return reference_verl.PER_TOKEN[p.loss_type](old, lp, adv, torch.ones_like(lp),
                                                      **_verl_options(p, epsilon_low, epsilon_high))[0]
@@ -281,12 +244,15 @@ def _surrogate(p: Policy, ratio, adv, lp, epsilon_low, epsilon_high, delta=None,
                           torch.full_like(ratio, p.sapo_temperature_neg))
         return -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
     capped = ratio if delta is None else ratio.clamp(max=delta)
-    return -torch.minimum(capped * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
+    loss = -torch.minimum(capped * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
+    return torch.where(selected, 0.0, loss) if p.loss_type == "clip_cov" else loss
 
 
-def _clip_flags(p: Policy, ratio, adv, epsilon_low, epsilon_high, delta=None, old=None, lp=None):
+def _clip_flags(p: Policy, ratio, adv, epsilon_low, epsilon_high, delta=None, old=None, lp=None, selected=None):
     # TRL's clip_ratio flags, on its coef_1 after the two-sided clip min(r, δ); dppo's: outside its trust region,
-    # "high" where A > 0.
+    # "high" where A > 0; clip_cov's: its subset, "high".
+    if p.loss_type == "clip_cov":
+        return torch.zeros_like(selected), selected
     if p.loss_type.startswith("dppo"):
         outside = ~reference_verl.dppo_trust_region(p.loss_type, old, lp, adv, clip_low=epsilon_low,
                                                     clip_high=epsilon_high)

@@ -102,54 +102,69 @@ def _covariance(advantages, log_prob, mask):
     return (advantages - _masked_mean(advantages, mask)) * (log_prob - _masked_mean(log_prob, mask))
 
 
+def clip_cov_selection(old_log_prob, log_prob, advantages, mask, *, clip_low=0.2, clip_high=0.2, clip_cov_ratio=2e-4,
+                       clip_cov_lb=1.0, clip_cov_ub=5.0, generator=None):
+    """Clip-Cov's subset (bool, detached): the first k = max(⌊ρ·Σ m⌋, 1) of torch.randperm(#candidates,
+    generator=generator) over the candidates in row-major order (all of them if fewer; drawn whenever there is a
+    candidate, as verl's, from the global generator when ``generator`` is None). A candidate is a masked-in token
+    that the PPO clip left alone (−A·clamp(r, 1 − ε_l, 1 + ε_h) <= −A·r) with lb < cov_t < ub, cov_t = (A_t −
+    mean_m A)·(ℓ_t − mean_m ℓ) over the whole batch."""
+    if not clip_cov_ratio > 0:
+        raise ValueError(f"clip_cov: clip_cov_ratio must be > 0, got clip_cov_ratio={clip_cov_ratio}")
+    with torch.no_grad():
+        ratio = torch.exp(log_prob - old_log_prob)
+        clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high) > -advantages * ratio
+        on = mask > 0
+        cov = _covariance(advantages, log_prob, mask)
+        candidate = on & ~clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+        flat = torch.nonzero(candidate.reshape(-1)).squeeze(-1)
+        k = max(int(clip_cov_ratio * int(on.sum())), 1)
+        if flat.numel() > 0:
+            flat = flat[torch.randperm(flat.numel(), generator=generator)[:k]]
+        selected = torch.zeros(candidate.numel(), dtype=torch.bool, device=candidate.device)
+        selected[flat] = True
+    return selected.reshape(candidate.shape)
+
+
 def clip_cov(old_log_prob, log_prob, advantages, mask, *, clip_low=0.2, clip_high=0.2, clip_cov_ratio=2e-4,
              clip_cov_lb=1.0, clip_cov_ub=5.0, generator=None):
     """Clip-Cov (verl ``clip_cov``, compute_policy_loss_clip_cov; PRIME-RL's Entropy-Mechanism-of-RL):
-    L = max(−A·r, −A·clamp(r, 1 − ε_l, 1 + ε_h))·c (δ not clamped; no dual clip), where c = 0 on a random
-    subset of k = max(⌊ρ·Σ m⌋, 1) of the candidate tokens (all of them if fewer) and 1 elsewhere; a candidate is a
-    masked-in token that the PPO clip left alone (−A·clamp(r) <= −A·r) with lb < cov_t < ub, cov_t = (A_t −
-    mean_m A)·(ℓ_t − mean_m ℓ) over the whole batch (detached). The subset is the first k of
-    torch.randperm(#candidates, generator=generator) over the candidates in row-major order: verl's draw from
-    the global generator when ``generator`` is None. Metrics: actor/pg_clipfrac = mean_m([c = 0]),
-    actor/ppo_kl = mean_m(−δ)."""
-    if not clip_cov_ratio > 0:
-        raise ValueError(f"clip_cov: clip_cov_ratio must be > 0, got clip_cov_ratio={clip_cov_ratio}")
+    L = max(−A·r, −A·clamp(r, 1 − ε_l, 1 + ε_h))·c (δ not clamped; no dual clip), where c = 0 on the tokens of
+    clip_cov_selection and 1 elsewhere. Metrics: actor/pg_clipfrac = mean_m([c = 0]), actor/ppo_kl = mean_m(−δ)."""
+    selected = clip_cov_selection(old_log_prob, log_prob, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+                                  clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub,
+                                  generator=generator)
     delta = log_prob - old_log_prob
     ratio = torch.exp(delta)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    on = mask > 0
+    keep = (~selected).to(delta.dtype)
     with torch.no_grad():
-        cov = _covariance(advantages, log_prob, mask)
-        candidate = on & ~(clipped > unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
-        flat = torch.nonzero(candidate.reshape(-1)).squeeze(-1)
-        k = max(int(clip_cov_ratio * int(on.sum())), 1)
-        if flat.numel() > k:
-            flat = flat[torch.randperm(flat.numel(), generator=generator)[:k]]
-        keep = torch.ones(candidate.numel(), dtype=delta.dtype, device=delta.device)
-        keep[flat] = 0.0
-        keep = keep.reshape(candidate.shape)
-        metrics = {"actor/pg_clipfrac": _masked_mean((keep == 0).to(delta.dtype), mask),
+        metrics = {"actor/pg_clipfrac": _masked_mean(selected.to(delta.dtype), mask),
                    "actor/ppo_kl": _masked_mean(-delta, mask)}
-    return torch.maximum(unclipped, clipped) * keep, metrics
+    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)) * keep, metrics
 
 
-def kl_cov(old_log_prob, log_prob, advantages, mask, *, kl_cov_ratio=2e-4, ppo_kl_coef=0.1):
-    """KL-Cov (verl ``kl_cov``, compute_policy_loss_kl_cov; PRIME-RL's Entropy-Mechanism-of-RL):
-    L = −A·r + [t ∈ K]·κ·|δ|, K the k = max(⌊ρ·Σ m⌋, 1) masked-in tokens of largest cov_t (as in clip_cov, over
-    the whole batch, detached; none when no token is masked in), κ = ``ppo_kl_coef`` (δ not clamped).
-    Metric: actor/ppo_kl = mean_m(|δ|)."""
+def kl_cov_selection(log_prob, advantages, mask, *, kl_cov_ratio=2e-4):
+    """KL-Cov's subset (bool, detached): the k = max(⌊ρ·Σ m⌋, 1) masked-in tokens of largest cov_t (as in
+    clip_cov_selection; none when no token is masked in)."""
     if not kl_cov_ratio > 0:
         raise ValueError(f"kl_cov: kl_cov_ratio must be > 0, got kl_cov_ratio={kl_cov_ratio}")
-    delta = log_prob - old_log_prob
-    on = mask > 0
     with torch.no_grad():
+        on = mask > 0
         cov = torch.where(on, _covariance(advantages, log_prob, mask), -torch.inf).reshape(-1)
         n = int(on.sum())
         chosen = torch.zeros(cov.numel(), dtype=torch.bool, device=cov.device)
         if n:
             chosen[torch.topk(cov, max(1, int(n * kl_cov_ratio))).indices] = True
-        chosen = chosen.reshape(on.shape)
+    return chosen.reshape(on.shape)
+
+
+def kl_cov(old_log_prob, log_prob, advantages, mask, *, kl_cov_ratio=2e-4, ppo_kl_coef=0.1):
+    """KL-Cov (verl ``kl_cov``, compute_policy_loss_kl_cov; PRIME-RL's Entropy-Mechanism-of-RL):
+    L = −A·r + [t ∈ K]·κ·|δ|, K the tokens of kl_cov_selection, κ = ``ppo_kl_coef`` (δ not clamped).
+    Metric: actor/ppo_kl = mean_m(|δ|)."""
+    chosen = kl_cov_selection(log_prob, advantages, mask, kl_cov_ratio=kl_cov_ratio)
+    delta = log_prob - old_log_prob
+    with torch.no_grad():
         metrics = {"actor/ppo_kl": _masked_mean(delta.abs(), mask)}
     return -advantages * torch.exp(delta) + torch.where(chosen, ppo_kl_coef * delta.abs(), 0.0), metrics
 

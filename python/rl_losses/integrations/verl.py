@@ -13,8 +13,8 @@ every worker.
 ``register_verl_policy_losses()`` adds rl_losses' policy losses to verl's policy-loss registry
 (``actor_rollout_ref.actor.policy_loss.loss_mode``): ``rl_losses_ppo_clip`` (verl's ``vanilla``, dual-clip PPO
 with ``clip_ratio_c``), ``rl_losses_gspo``, ``rl_losses_sapo``, ``rl_losses_cispo``, ``rl_losses_gpg``,
-``rl_losses_dro``, ``rl_losses_dppo_tv``, ``rl_losses_dppo_kl`` and ``rl_losses_geo_mean`` (verl's loss_mode of the
-same name after the prefix). verl
+``rl_losses_dro``, ``rl_losses_dppo_tv``, ``rl_losses_dppo_kl``, ``rl_losses_geo_mean``, ``rl_losses_clip_cov``,
+``rl_losses_kl_cov`` and ``rl_losses_bypass_mode`` (verl's loss_mode of the same name after the prefix). verl
 hands them per-token log-probs, so their per-token math is ``rl_losses.policy_token_loss`` (the fused ops'
 per-token definition, one elementwise kernel) and their aggregation is verl's ``loss_agg_mode`` as an
 ``rl_losses.aggregation`` preset with verl's global batch sizes.
@@ -381,6 +381,69 @@ def _dppo_policy_loss(loss_type):
 dppo_tv_policy_loss = _dppo_policy_loss("dppo_tv")
 dppo_kl_policy_loss = _dppo_policy_loss("dppo_kl")
 
+
+def _policy_loss_options(config, names, fallbacks=None):
+    # verl's policy_loss options under their own names; where verl's config leaves one None, verl's function's own
+    # fallback (``fallbacks``), else the op's default (verl's PolicyLossConfig default).
+    policy = _config_value(config, "policy_loss", {})
+    return {name: float(_config_value(policy, name, (fallbacks or {}).get(name, _default(name)))) for name in names}
+
+
+def clip_cov_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                         rollout_is_weights=None):
+    """verl's ``clip_cov``: PPO's clip (clip_ratio_low/high, no dual clip), 0 on a random subset of at most
+    max(⌊clip_cov_ratio·N⌋, 1) of the tokens the clip leaves alone with clip_cov_lb < cov < clip_cov_ub, cov =
+    (A − mean A)·(lp − mean lp) over the micro-batch's response tokens; the subset is drawn as verl's
+    (torch.randperm from the default CPU generator). pg_clipfrac: the subset's share."""
+    low, high = _clip_ratios(config)
+    options = _policy_loss_options(config, ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"))
+    return _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+                        metrics=_METRICS[:2], loss_type="clip_cov", epsilon_low=low, epsilon_high=high, **options)
+
+
+def kl_cov_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                       rollout_is_weights=None):
+    """verl's ``kl_cov``: −A·r, plus ppo_kl_coef·|lp − old| on the max(⌊kl_cov_ratio·N⌋, 1) response tokens of
+    largest cov (as clip_cov's); ppo_kl: the mean |lp − old|."""
+    options = _policy_loss_options(config, ("kl_cov_ratio", "ppo_kl_coef"), fallbacks=dict(ppo_kl_coef=1.0))
+    loss, _ = _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                           rollout_is_weights, metrics=(), loss_type="kl_cov", **options)
+    keep = response_mask != 0
+    distance = torch.where(keep, log_prob - old_log_prob, 0.0).detach().abs().sum() / keep.sum().clamp(min=1)
+    return loss, {"actor/ppo_kl": distance.item()}
+
+
+def bypass_mode_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                            config=None, rollout_is_weights=None):
+    """verl's ``bypass_mode`` (``old_log_prob`` holds the rollout log-probs): verl's own importance weights and
+    rejection mask of the current log-probs against the rollout's (``compute_rollout_correction_and_rejection_mask``,
+    detached, from ``policy_loss.rollout_correction``), then on the kept tokens ``rollout_correction.loss_type``
+    "ppo_clip" (rl_losses_ppo_clip, no weights: the ratio is the correction) or "reinforce" (−A·lp times the
+    weights: rl_losses_gpg); verl's rollout metrics added."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    rc = _config_value(_config_value(config, "policy_loss", {}), "rollout_correction")
+    if rc is None:
+        raise ValueError("rl_losses_bypass_mode: policy_loss.rollout_correction is None (verl's bypass_mode needs it)")
+    loss_type = _config_value(rc, "loss_type", "ppo_clip")
+    if loss_type not in ("ppo_clip", "reinforce"):
+        raise ValueError(f"rl_losses_bypass_mode: rollout_correction.loss_type must be 'ppo_clip' or 'reinforce', got "
+                         f"{loss_type!r}")
+    with torch.no_grad():
+        weights, mask, rollout_metrics = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=log_prob, rollout_log_prob=old_log_prob, response_mask=response_mask,
+            **{name: _config_value(rc, name, default) for name, default in (
+                ("rollout_is", None), ("rollout_is_threshold", 2.0), ("rollout_is_batch_normalize", False),
+                ("rollout_rs", None), ("rollout_rs_threshold", None))})
+    if loss_type == "ppo_clip":
+        loss, metrics = ppo_clip_policy_loss(old_log_prob, log_prob, advantages, mask, loss_agg_mode, config)
+    else:
+        weights = weights.batch["rollout_is_weights"] if weights is not None else None
+        loss, metrics = _policy_loss(old_log_prob, log_prob, advantages, mask, loss_agg_mode, config, weights,
+                                     metrics=("actor/ppo_kl",), loss_type="gpg")
+    return loss, {**metrics, **rollout_metrics}
+
+
 POLICY_LOSSES = {
     "rl_losses_ppo_clip": ppo_clip_policy_loss,
     "rl_losses_gspo": gspo_policy_loss,
@@ -391,6 +454,9 @@ POLICY_LOSSES = {
     "rl_losses_dppo_tv": dppo_tv_policy_loss,
     "rl_losses_dppo_kl": dppo_kl_policy_loss,
     "rl_losses_geo_mean": geo_mean_policy_loss,
+    "rl_losses_clip_cov": clip_cov_policy_loss,
+    "rl_losses_kl_cov": kl_cov_policy_loss,
+    "rl_losses_bypass_mode": bypass_mode_policy_loss,
 }
 
 
