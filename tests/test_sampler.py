@@ -145,9 +145,9 @@ def test_token_log_probs(device, dtype, kind, per_row):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
 def test_top_k_over_a_wide_vocabulary(device, dtype):
-    """Wide enough rows that every thread of the CUDA selection reads some (V = 20000): a top_k up to the kernel's
-    1024 threads takes its short path (exact counts only down to the least of the threads' own maxima), a larger
-    one the full histogram; rows with ties, and rows whose min_p floor lies above or below that bound."""
+    """Rows wide enough that every thread of the CUDA selection reads several vectors of each (V = 20000), every
+    top_k from 1 to past the kernel's 1024 threads, rows with ties, and min_p floors above and below the top_k
+    edge."""
     n, vocab = 12, 20000
     k = torch.tensor([1, 2, 7, 50, 1000, 1023, 1024, 1025, 4000, 1024, 3, 600])
     unlabelled = torch.full((n,), -1)

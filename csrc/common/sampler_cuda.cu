@@ -19,10 +19,7 @@ namespace rl_losses {
 namespace cuda {
 namespace {
 
-// Two blocks of 512 threads per SM (at most 64 registers each): while one block's thread 0 searches its histogram
-// between sweeps, the other sweeps.
-constexpr int kThreads = 512;
-constexpr int kBlocksPerSm = 2;
+constexpr int kThreads = 1024;
 constexpr int kBins = 256;
 constexpr int kRestBin = kBins - 1;
 constexpr float kBinsPerUnit = 10.f;  // bins 0..254 cover 25.5 units of the exponent: beyond, a mass is 0
@@ -98,7 +95,7 @@ __device__ inline unsigned long long mass_at(const unsigned* lo, const unsigned*
 }
 
 template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+__global__ void __launch_bounds__(kThreads)
     sampler_floor_kernel(RowPassView<scalar_t, int64_t, acc_t> v, const float* params, acc_t* out) {
   using Key = RawKey<scalar_t>;
   using Bits = typename Key::Bits;
@@ -113,23 +110,15 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   for (int64_t row = blockIdx.x; row < v.n_rows; row += gridDim.x) {
     const scalar_t* z = v.logits + row * v.row_stride;
     const SamplerRow<acc_t> o(params + row * kSamplerColumns);
-    acc_t m = neg_inf<acc_t>(), second = neg_inf<acc_t>();  // this thread's two largest logits
+    acc_t m = neg_inf<acc_t>();
     bool nan = false;
     for_each_logit(z, v.vocab, [&](scalar_t zj) {
       const acc_t x = static_cast<acc_t>(zj);
       nan |= x != x;
-      if (x > m) {
-        second = m;
-        m = x;
-      } else if (x > second) {
-        second = x;
-      }
+      m = ::fmax(m, x);
     });
     nan = __syncthreads_or(nan);
     m = block_max(m, scratch);
-    // Each thread's two largest are two of the row's logits: at least 2 * kThreads logits are >= the least of
-    // the threads' second largest (-inf where a thread read fewer than two).
-    const acc_t least_second = -block_max(-second, scratch);
     acc_t floor = neg_inf<acc_t>();
     if (!nan && m > neg_inf<acc_t>()) {
       const ExpShifted<acc_t> e_of(v.scale, v.scale * m);
@@ -174,17 +163,13 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
         return Key::template value<acc_t>(prefix_s);
       };
       if (o.k_acts(v.vocab)) {
-        // With top_k <= 2 * kThreads the edge is at or above least_second, so the search below never passes its bin:
-        // only the bins up to it need exact counts, and the logits below go with the rest, counted in registers
-        // (the atomics were the histogram's cost; at N(0, 1) logits and V = 128256, 6-8% of them remain).
-        const int last_exact = o.top_k <= 2 * kThreads ? bin_of(least_second) : kRestBin;
         clear();
         unsigned rest = 0;
         for_each_logit(z, v.vocab, [&](scalar_t zj) {
           const acc_t x = static_cast<acc_t>(zj);
           if (x < floor) return;
           const int b = bin_of(x);
-          if (b > last_exact || b == kRestBin) {
+          if (b == kRestBin) {
             ++rest;
           } else {
             atomicAdd(&count[b], 1u);
