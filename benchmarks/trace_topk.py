@@ -17,15 +17,22 @@ from torch.profiler import ProfilerActivity, profile
 import rl_losses
 
 
-def timeline(call, path: str) -> list[dict]:
-    """The GPU activities of the second of two profiled calls (the first warms the profiler's buffers)."""
+def profiled_events(call, calls: int = 1) -> list[dict]:
+    """The trace events (CPU operators, CUDA runtime calls, GPU activities) of `calls` calls of `call`, as
+    torch.profiler's Chrome trace holds them."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
+        for _ in range(calls):
             call()
         torch.cuda.synchronize()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
-        events = json.load(f)["traceEvents"]
+        return json.load(f)["traceEvents"]
+
+
+def timeline(call) -> list[dict]:
+    """The GPU activities of the second of two profiled calls (the first warms the profiler's buffers)."""
+    events = profiled_events(call, calls=2)
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
     return gpu[len(gpu) // 2:]
 
@@ -56,9 +63,8 @@ def main() -> None:
         for _ in range(3):
             call(k)
     torch.cuda.synchronize()
-    path = os.path.join(tempfile.mkdtemp(), "trace.json")
     for k in (0, *entries):
-        acts = timeline(lambda: call(k), path)
+        acts = timeline(lambda: call(k))
         t0 = prev = acts[0]["ts"]
         span = acts[-1]["ts"] + acts[-1]["dur"] - t0
         print(f"== K={k}{' (cross-entropy)' if k == 0 else ''}: {len(acts)} GPU activities, "
