@@ -166,6 +166,11 @@ def _config_value(config, name, default=None):
     return default if value is None else value
 
 
+def _policy_loss_value(config, name, default=None):
+    """``config.policy_loss.<name>`` (verl's PolicyLossConfig), ``default`` where absent or None."""
+    return _config_value(_config_value(config, "policy_loss", {}), name, default)
+
+
 def _clip_ratios(config, lower_clip: bool = True) -> tuple[float, float]:
     """(clip_ratio_low, clip_ratio_high), checked under verl's names: the op's clip [1 − low, 1 + high] needs
     0 <= low < 1 (``lower_clip``; CISPO has no lower clip) and a finite high >= 0."""
@@ -351,7 +356,7 @@ def gpg_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_
 def dro_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
                     rollout_is_weights=None):
     """verl's ``dro``: ℓ = −(A·lp − β/2·(lp − old)²), β = ``policy_loss.dro_beta`` (> 0, required as verl's)."""
-    beta = _config_value(_config_value(config, "policy_loss", {}), "dro_beta")
+    beta = _policy_loss_value(config, "dro_beta")
     if beta is None or not (math.isfinite(beta) and beta > 0):
         raise ValueError(f"rl_losses_dro: policy_loss.dro_beta must be a finite value > 0 (verl's dro requires it), "
                          f"got dro_beta={beta}")
@@ -385,8 +390,8 @@ dppo_kl_policy_loss = _dppo_policy_loss("dppo_kl")
 def _policy_loss_options(config, names, fallbacks=None):
     # verl's policy_loss options under their own names; where verl's config leaves one None, verl's function's own
     # fallback (``fallbacks``), else the op's default (verl's PolicyLossConfig default).
-    policy = _config_value(config, "policy_loss", {})
-    return {name: float(_config_value(policy, name, (fallbacks or {}).get(name, _default(name)))) for name in names}
+    fallbacks = fallbacks or {}
+    return {name: float(_policy_loss_value(config, name, fallbacks.get(name, _default(name)))) for name in names}
 
 
 def clip_cov_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
@@ -422,7 +427,7 @@ def bypass_mode_policy_loss(old_log_prob, log_prob, advantages, response_mask, l
     weights: rl_losses_gpg); verl's rollout metrics added."""
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
-    rc = _config_value(_config_value(config, "policy_loss", {}), "rollout_correction")
+    rc = _policy_loss_value(config, "rollout_correction")
     if rc is None:
         raise ValueError("rl_losses_bypass_mode: policy_loss.rollout_correction is None (verl's bypass_mode needs it)")
     loss_type = _config_value(rc, "loss_type", "ppo_clip")
