@@ -10,7 +10,7 @@ from rl_losses import reference
 from rl_losses.reference_sampler import kept
 
 from conftest import assert_close
-from helpers import assert_fake_rejects_like_real, assert_grad_close, param_id
+from helpers import assert_fake_rejects_like_real, assert_grad_close, param_id, requires_cuda
 
 ops = torch.ops.rl_losses
 INF = float("inf")
@@ -160,6 +160,46 @@ def test_top_k_over_a_wide_vocabulary(device, dtype):
         keep = kept(x, unlabelled, **o)
         if all(torch.equal(keep, kept(x, unlabelled, **_moved(o, f))) for f in (0.999, 1.001)):
             break
+    _check_kept_set(device, dtype, x, keep, o, scale=10 if dtype == torch.bfloat16 else 1)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+def test_top_p_over_rows_past_a_million_tokens(dtype):
+    """Rows of more than 2^20 tokens, where the CUDA selection sums each bin's top_p mass with 64-bit atomics rather
+    than two 32-bit sums, alone and after top_k (the CPU's selection has one path for every length)."""
+    device = "cuda"
+    n, vocab = 3, (1 << 20) + 3
+    unlabelled = torch.full((n,), -1)
+    o = dict(top_p=torch.tensor([0.5, 0.95, 0.9], dtype=torch.float64), top_k=torch.tensor([0, 0, 1000]))
+    for _ in range(20):
+        # 5000 tokens hold the mass; the rest lie ~30 below, where a token's fixed-point mass is 0 (their float64
+        # mass, ~1e-7 of the row's, moves no decision).
+        x = torch.randn(n, vocab, dtype=torch.float64) - 30
+        top = torch.randint(0, vocab, (n, 5000))
+        x.scatter_(1, top, torch.randn(n, 5000, dtype=torch.float64) * 2)
+        x = x.to(dtype).double()
+        keep = kept(x, unlabelled, **o)
+        if all(torch.equal(keep, kept(x, unlabelled, **_moved(o, f))) for f in (0.999, 1.001)):
+            break
+    # fp32 sums over a million kept tokens: their rounding (~sqrt(V) ulps) sets the tolerance.
+    _check_kept_set(device, dtype, x, keep, o, scale=10)
+
+
+@requires_cuda
+def test_top_k_with_more_candidates_than_the_kernel_keeps():
+    """Rows of ties (values -2..2) 300000 long: the CUDA selection's candidates for top_k <= 1024 (the logits at or
+    above the least of its threads' maxima) outnumber its room for them, and it reads the row instead."""
+    n, vocab = 4, 300000
+    unlabelled = torch.full((n,), -1)
+    x = torch.round(torch.randn(n, vocab, dtype=torch.float64) * 0.5)
+    o = dict(top_k=torch.tensor([1, 5, 1000, 1024]))
+    _check_kept_set("cuda", torch.bfloat16, x, kept(x, unlabelled, **o), o, scale=10)
+
+
+def _check_kept_set(device, dtype, x, keep, o, scale):
+    """token_log_probs with options `o` over x (float64 values of `dtype`) against the reference, on labels drawn
+    from the kept sets `keep`, whose tokens are exactly those with a nonzero gradient."""
     target = _sample(x, keep)
     logits = x.to(dtype).to(device).requires_grad_()
     options = {name: value.to(device) for name, value in o.items()}
@@ -168,7 +208,7 @@ def test_top_k_over_a_wide_vocabulary(device, dtype):
     ref = x.clone().requires_grad_()
     ref_lp, _ = reference.token_log_probs(ref, target, **o)
     ref_lp.sum().backward()
-    assert_close(lp, ref_lp.detach(), dtype, scale=10 if dtype == torch.bfloat16 else 1)
+    assert_close(lp, ref_lp.detach(), dtype, scale=scale)
     assert_grad_close(logits.grad, ref.grad, dtype, scale=3)
     # The kept sets are the reference's: the gradient is nonzero exactly there (the labels were drawn from them;
     # a set of one token has a gradient of 0 up to rounding).

@@ -1,10 +1,14 @@
 // Each row's sampler floor on CUDA (common/sampler.h): one block per row, a few sweeps over the row (the later ones
-// mostly from L2). The max; min_p's floor; then top_k and top_p each in two steps: a histogram of the tokens by how
-// far below the max they are (255 bins of 0.1 units of ExpShifted's exponent, and the rest, whose top_p masses are
-// 0), spread enough that its shared-memory atomics rarely collide, finds the bin that holds the edge; a radix
-// selection over the raw bits of that bin's logits, 8 bits a sweep, finds the edge's exact value. top_k counts,
-// top_p sums fixed-point masses (2^-24 units) in 64 bits out of 32-bit atomics: integer sums, the same decision
-// whatever the order of the additions.
+// mostly from L2). Every threshold is a radix selection over the logits' raw bits read as ordered keys, a digit of
+// kDigitBits a sweep from the top, with the block finding the edge's digit by a parallel scan of the histogram:
+//  1. the max, and (top_k) the count of every key's top digit;
+//  2. (top_k) the lower digits of the keys in the edge's bin (one more sweep for bf16 and fp16: 11 + 5 bits), which
+//     give the k-th largest value v_k exactly; in the same sweep, min_p's floor (the smallest kept logit). The floor
+//     is max(min_p's, v_k): top_k over min_p's upper set is v_k when that set holds more than k tokens, else void;
+//  3. (top_p) the same selection over the masses of the tokens at or above that floor: fixed point (2^-24 units) in
+//     64 bits out of 32-bit atomics, integer sums that decide alike whatever the order of the additions.
+// The keys need no max, so top_k's first digit rides on the max's sweep; two sweeps, and no serial search, is what
+// made top_k ~3x faster than bins by distance from the max refined 8 bits a sweep (docs/consistency.md).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -20,16 +24,20 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 1024;
-constexpr int kBins = 256;
-constexpr int kRestBin = kBins - 1;
-constexpr float kBinsPerUnit = 10.f;  // bins 0..254 cover 25.5 units of the exponent: beyond, a mass is 0
+constexpr int kWarps = kThreads / 32;
+constexpr int kDigitBits = 11;  // 2048 bins: three 32-bit histograms fit the 48 KB of static shared memory
+constexpr int kBins = 1 << kDigitBits;
+// Room for each block's top_k candidates (a row's logits at or above a bound, top_k <= kThreads): beyond, the
+// selection reads the row.
+constexpr int64_t kMaxCandidates = 32768;
 
 // The raw bits of a logit as an unsigned key in the values' order (±0 one key), and back.
 template <typename scalar_t>
 struct RawKey {
   using Bits = std::conditional_t<sizeof(scalar_t) == 2, uint16_t, std::conditional_t<sizeof(scalar_t) == 4,
                                                                                         uint32_t, uint64_t>>;
-  static constexpr Bits kSign = Bits(Bits(1) << (8 * sizeof(Bits) - 1));
+  static constexpr int kBits = 8 * sizeof(Bits);
+  static constexpr Bits kSign = Bits(Bits(1) << (kBits - 1));
   __device__ static Bits of(scalar_t z) {
     Bits u;
     memcpy(&u, &z, sizeof(u));
@@ -45,21 +53,66 @@ struct RawKey {
   }
 };
 
+// One digit of the selection: the bits [shift, shift + width) of the keys whose bits above them equal `prefix`.
+template <typename Bits>
+struct Digit {
+  int shift, width;
+  Bits prefix;  // the key bits chosen so far (above shift + width), in place
+  __device__ bool holds(Bits key) const {
+    return shift + width >= 8 * static_cast<int>(sizeof(Bits)) || (key >> (shift + width)) == (prefix >> (shift + width));
+  }
+  __device__ int bin(Bits key) const { return static_cast<int>((key >> shift) & Bits((1u << width) - 1)); }
+  __device__ int bins() const { return 1 << width; }
+  // The digit below, once this one's bin is chosen (the last one reaches bit 0).
+  __device__ Digit next(int chosen) const {
+    const int w = shift < kDigitBits ? shift : kDigitBits;
+    return {shift - w, w, Bits(prefix | (Bits(chosen) << shift))};
+  }
+  __device__ Bits key(int chosen) const { return Bits(prefix | (Bits(chosen) << shift)); }
+};
+
 template <typename T>
 __device__ inline T block_max(T v, T* scratch) {
   for (int m = 16; m > 0; m >>= 1) v = ::fmax(v, __shfl_xor_sync(0xffffffffu, v, m));
   __syncthreads();
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
   __syncthreads();
-  v = scratch[threadIdx.x % (kThreads / 32)];
+  v = scratch[threadIdx.x % kWarps];
   for (int m = 16; m > 0; m >>= 1) v = ::fmax(v, __shfl_xor_sync(0xffffffffu, v, m));
   return v;
 }
 
+// The block's exclusive prefix sum of one value per thread in thread order, and (in `total`) the sum of all.
+template <typename T>
+__device__ inline T block_exclusive_sum(T v, T* sums /* kWarps + 1 */, T& total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  T inclusive = v;
+  for (int d = 1; d < 32; d <<= 1) {
+    const T o = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += o;
+  }
+  __syncthreads();  // `sums` may still be read by the previous call
+  if (lane == 31) sums[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    const T w = sums[lane];
+    T scan = w;
+    for (int d = 1; d < 32; d <<= 1) {
+      const T o = __shfl_up_sync(0xffffffffu, scan, d);
+      if (lane >= d) scan += o;
+    }
+    sums[lane] = scan - w;
+    if (lane == 31) sums[kWarps] = scan;
+  }
+  __syncthreads();
+  total = sums[kWarps];
+  return sums[warp] + inclusive - v;
+}
+static_assert(kWarps == 32, "block_exclusive_sum scans the warps' sums with one warp");
+
 // f(z) for each logit of a row, by 16-byte loads between an element-wise head and tail (the order is free: every
 // sweep's result is a max, a min or an integer sum).
-// kUnroll independent 16-byte loads in flight per thread: 4 measured 8-12% faster than 1 on an H200 (top_k, top_p);
-// 8 copies of the histograms, one per group of warps, were 5% slower: the cost is not collisions between warps.
+// kUnroll independent 16-byte loads in flight per thread: 4 measured 8-12% faster than 1 on an H200.
 template <typename scalar_t, typename F>
 __device__ inline void for_each_logit(const scalar_t* z, int64_t n, F&& f) {
   constexpr int kVec = 16 / sizeof(scalar_t);
@@ -86,26 +139,111 @@ __device__ inline void for_each_logit(const scalar_t* z, int64_t n, F&& f) {
   for (int64_t j = head + n_vec * kVec + threadIdx.x; j < n; j += kThreads) f(z[j]);
 }
 
-// A 64-bit sum in two 32-bit words, by 32-bit atomics (native in shared memory; 64-bit ones are not).
-__device__ inline void add_mass(unsigned* lo, unsigned* hi, unsigned v) {
-  if (v != 0 && atomicAdd(lo, v) + v < v) atomicAdd(hi, 1u);
+// The top_p masses of a digit's bins, 64-bit sums. Shared memory has no native 64-bit atomic add, so a row of up to
+// 2^20 tokens keeps two 32-bit sums per bin: of each mass's low 12 bits and of the rest (a mass <= 2^24 has 13 more),
+// each below 2^32; neither atomic waits for its result (one that added the carry of a 32-bit sum did, and made
+// top_p's histogram sweep cost ~6x a plain one). A longer row takes the 64-bit add (a compare-and-swap loop).
+struct MassBins {
+  static constexpr int kLowBits = 12;
+  unsigned long long* words;  // kBins of them: the 64-bit sums, or the low and the high 32-bit sums one after another
+  bool wide;
+  __device__ unsigned* low() const { return reinterpret_cast<unsigned*>(words); }
+  __device__ unsigned* high() const { return low() + kBins; }
+  __device__ void add(int b, unsigned v) const {
+    if (wide) {
+      atomicAdd(&words[b], static_cast<unsigned long long>(v));
+    } else {
+      atomicAdd(&low()[b], v & ((1u << kLowBits) - 1));
+      atomicAdd(&high()[b], v >> kLowBits);
+    }
+  }
+  __device__ unsigned long long at(int b) const {
+    return wide ? words[b] : (static_cast<unsigned long long>(high()[b]) << kLowBits) + low()[b];
+  }
+  __device__ void clear() const {
+    for (int i = threadIdx.x; i < kBins; i += kThreads) words[i] = 0;
+    __syncthreads();
+  }
+};
+
+// The bins of a digit read from the largest keys down: thread t owns the positions [t·per, (t+1)·per).
+struct BinsOwned {
+  int nb, per, first;
+  __device__ explicit BinsOwned(int bins) : nb(bins), per((bins + kThreads - 1) / kThreads), first(threadIdx.x * per) {}
+  __device__ int count() const { return first >= nb ? 0 : (nb - first < per ? nb - first : per); }
+  __device__ int bin(int i) const { return nb - 1 - first - i; }
+};
+
+// top_k: the bin that holds the key of rank `need` (1: the largest) among `count`'s, and that key's rank within it.
+__device__ inline void find_rank(const unsigned* count, int bins, unsigned long long need, unsigned long long* sums,
+                                 int* bin_s, unsigned long long* need_s) {
+  __syncthreads();  // the histogram is complete
+  const BinsOwned own(bins);
+  unsigned long long mine = 0, total;
+  for (int i = 0; i < own.count(); ++i) mine += count[own.bin(i)];
+  unsigned long long above = block_exclusive_sum(mine, sums, total);
+  for (int i = 0; i < own.count(); ++i) {
+    const unsigned c = count[own.bin(i)];
+    if (above < need && need <= above + c) {
+      *bin_s = own.bin(i);
+      *need_s = need - above;
+    }
+    above += c;
+  }
+  __syncthreads();
 }
-__device__ inline unsigned long long mass_at(const unsigned* lo, const unsigned* hi, int b) {
-  return (static_cast<unsigned long long>(hi[b]) << 32) | lo[b];
+
+// top_p: the smallest non-empty bin whose keys have a mass above them (`above0` from the bins before this digit's)
+// that top_p keeps, and that mass; `total` (the kept set's mass) is the sum of the first digit's bins.
+template <typename acc_t>
+__device__ inline void find_mass_edge(const MassBins& mass, int bins, unsigned long long above0,
+                                      bool first_digit, unsigned long long& total, const SamplerRow<acc_t>& o,
+                                      unsigned long long* sums, int* best_s, int* bin_s, unsigned long long* above_s) {
+  __syncthreads();  // the histogram is complete
+  const BinsOwned own(bins);
+  if (threadIdx.x == 0) *best_s = -1;
+  unsigned long long mine = 0, sum;
+  for (int i = 0; i < own.count(); ++i) mine += mass.at(own.bin(i));
+  unsigned long long above = above0 + block_exclusive_sum(mine, sums, sum);
+  if (first_digit) total = sum;
+  int best = -1;
+  unsigned long long best_above = 0;
+  for (int i = 0; i < own.count(); ++i) {
+    const unsigned long long m = mass.at(own.bin(i));
+    if (m != 0 && o.p_keeps(above, total)) {
+      best = own.first + i;
+      best_above = above;
+    }
+    above += m;
+  }
+  if (best >= 0) atomicMax(best_s, best);
+  __syncthreads();
+  if (best >= 0 && best == *best_s) {
+    *bin_s = bins - 1 - best;
+    *above_s = best_above;
+  }
+  __syncthreads();
 }
 
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads)
-    sampler_floor_kernel(RowPassView<scalar_t, int64_t, acc_t> v, const float* params, acc_t* out) {
+    sampler_floor_kernel(RowPassView<scalar_t, int64_t, acc_t> v, const float* params, scalar_t* workspace,
+                         acc_t* out) {
   using Key = RawKey<scalar_t>;
   using Bits = typename Key::Bits;
-  constexpr int kDigits = static_cast<int>(sizeof(Bits));
-  __shared__ acc_t scratch[32];
-  __shared__ unsigned count[kBins], lo[kBins], hi[kBins];
-  __shared__ Bits prefix_s;
-  __shared__ int bin_s;
-  __shared__ long long need_s;                   // top_k: the rank of the edge among the candidates left
-  __shared__ unsigned long long above_s, total_s;  // top_p: the mass above the candidates left; the kept set's
+  __shared__ acc_t scratch[kWarps];
+  __shared__ unsigned count[kBins];
+  __shared__ unsigned long long mass_words[kBins];
+  __shared__ unsigned long long sums[kWarps + 1], found_s;
+  __shared__ int bin_s, best_s;
+  __shared__ unsigned n_cands_s;
+  scalar_t* cands = workspace + blockIdx.x * kMaxCandidates;
+  const Digit<Bits> top{Key::kBits - kDigitBits, kDigitBits, Bits(0)};
+  const MassBins mass{mass_words, v.vocab > (int64_t(1) << 20)};
+  auto clear_count = [&] {
+    for (int i = threadIdx.x; i < kBins; i += kThreads) count[i] = 0;
+    __syncthreads();
+  };
   wait_previous_grid();
   for (int64_t row = blockIdx.x; row < v.n_rows; row += gridDim.x) {
     const scalar_t* z = v.logits + row * v.row_stride;
@@ -118,129 +256,102 @@ __global__ void __launch_bounds__(kThreads)
       m = ::fmax(m, x);
     });
     nan = __syncthreads_or(nan);
+    const acc_t thread_max = m;
     m = block_max(m, scratch);
     acc_t floor = neg_inf<acc_t>();
     if (!nan && m > neg_inf<acc_t>()) {
       const ExpShifted<acc_t> e_of(v.scale, v.scale * m);
-      // The bin of a logit: how far below the max, monotone (a larger logit never has a larger bin).
-      auto bin_of = [&](acc_t x) {
-        const acc_t d = -e_of.arg(x) * acc_t(kBinsPerUnit);
-        return d < acc_t(kRestBin) ? static_cast<int>(d) : kRestBin;
+      // min_p's floor: the smallest kept logit, in the first sweep that runs after the max.
+      bool min_p_due = o.min_p_acts();
+      acc_t lowest = -neg_inf<acc_t>();
+      auto min_p_keeps = [&](acc_t x) { return min_p_due && o.min_p_keeps(e_of(x)); };
+      auto min_p_floor = [&] {
+        const acc_t f = -block_max(-lowest, scratch);
+        min_p_due = false;
+        return f;
       };
-      auto clear = [&] {
-        for (int b = threadIdx.x; b < kBins; b += kThreads) count[b] = lo[b] = hi[b] = 0;
-        __syncthreads();
-      };
-      if (o.min_p_acts()) {
-        acc_t lowest = -neg_inf<acc_t>();
-        for_each_logit(z, v.vocab, [&](scalar_t zj) {
-          const acc_t x = static_cast<acc_t>(zj);
-          if (o.min_p_keeps(e_of(x))) lowest = ::fmin(lowest, x);
-        });
-        floor = -block_max(-lowest, scratch);
-      }
-      // The exact edge within bin bin_s: `need` (top_k) or the mass above (top_p) from the bins before, then a
-      // digit of the raw bits per sweep, from the top; `pick` chooses the digit.
-      auto select = [&](bool by_mass, auto pick) {
-        for (int d = kDigits - 1; d >= 0; --d) {
-          clear();
-          const int shift = 8 * d;
-          const Bits high = d == kDigits - 1 ? Bits(0) : Bits(Bits(~Bits(0)) << (shift + 8)), prefix = prefix_s;
-          const int bin = bin_s;
-          for_each_logit(z, v.vocab, [&](scalar_t zj) {
-            const acc_t x = static_cast<acc_t>(zj);
-            const Bits k = Key::of(zj);
-            if (x >= floor && bin_of(x) == bin && (k & high) == prefix) {
-              const int b = static_cast<int>((k >> shift) & 0xff);
-              atomicAdd(&count[b], 1u);
-              if (by_mass) add_mass(&lo[b], &hi[b], sampler_mass(e_of(x)));
-            }
-          });
-          __syncthreads();
-          if (threadIdx.x == 0) prefix_s = prefix | Bits(Bits(pick()) << shift);
-          __syncthreads();
+      acc_t kth = neg_inf<acc_t>(), min_p = neg_inf<acc_t>();
+      // What the selections read: the row, or the candidates copied out of it (n_cands >= 0).
+      int64_t n_cands = -1;
+      auto sweep = [&](auto&& f) {
+        if (n_cands < 0) {
+          for_each_logit(z, v.vocab, f);
+        } else {
+          for (int64_t i = threadIdx.x; i < n_cands; i += kThreads) f(cands[i]);
         }
-        return Key::template value<acc_t>(prefix_s);
       };
       if (o.k_acts(v.vocab)) {
-        clear();
-        unsigned rest = 0;
-        for_each_logit(z, v.vocab, [&](scalar_t zj) {
-          const acc_t x = static_cast<acc_t>(zj);
-          if (x < floor) return;
-          const int b = bin_of(x);
-          if (b == kRestBin) {
-            ++rest;
-          } else {
-            atomicAdd(&count[b], 1u);
-          }
-        });
-        rest = __reduce_add_sync(0xffffffffu, rest);
-        if (threadIdx.x % 32 == 0 && rest != 0) atomicAdd(&count[kRestBin], rest);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          long long need = static_cast<long long>(o.top_k);
-          int b = 0;
-          for (; b < kBins && need > count[b]; ++b) need -= count[b];
-          bin_s = b;  // kBins: fewer candidates than k, top_k removes nothing
-          need_s = need;
-          prefix_s = 0;
-        }
-        __syncthreads();
-        if (bin_s < kBins) {
-          floor = select(false, [&] {
-            long long need = need_s;
-            int b = kBins - 1;
-            for (; b > 0 && need > count[b]; --b) need -= count[b];
-            need_s = need;
-            return b;
+        if (o.top_k <= acc_t(kThreads)) {
+          // Each thread's max is at or above the least of them, so at least kThreads logits are: for k <= kThreads
+          // the k-th largest is too. The logits at or above it (~5% of a row of 128256) are copied out, and the
+          // selection reads them rather than the row (a shared-memory atomic per logit, or two sweeps of the row
+          // for the digits, cost 2-4x a plain sweep each).
+          const acc_t bound = -block_max(-thread_max, scratch);
+          if (threadIdx.x == 0) n_cands_s = 0;
+          __syncthreads();
+          for_each_logit(z, v.vocab, [&](scalar_t zj) {
+            const acc_t x = static_cast<acc_t>(zj);
+            if (x >= bound) {
+              const unsigned i = atomicAdd(&n_cands_s, 1u);
+              if (i < kMaxCandidates) cands[i] = zj;
+            }
+            if (min_p_keeps(x)) lowest = ::fmin(lowest, x);
           });
+          __syncthreads();
+          if (n_cands_s <= kMaxCandidates) n_cands = n_cands_s;
+          if (min_p_due) min_p = min_p_floor();
+        }
+        Digit<Bits> d = top;
+        unsigned long long need = static_cast<unsigned long long>(o.top_k);
+        for (;;) {
+          clear_count();
+          sweep([&](scalar_t zj) {
+            const Bits k = Key::of(zj);
+            if (d.holds(k)) atomicAdd(&count[d.bin(k)], 1u);
+            const acc_t x = static_cast<acc_t>(zj);
+            if (min_p_keeps(x)) lowest = ::fmin(lowest, x);  // the row's first sweep where no candidates were taken
+          });
+          if (min_p_due) min_p = min_p_floor();
+          find_rank(count, d.bins(), need, sums, &bin_s, &found_s);
+          const int chosen = bin_s;
+          need = found_s;
+          if (d.shift == 0) {
+            kth = Key::template value<acc_t>(d.key(chosen));
+            break;
+          }
+          d = d.next(chosen);
         }
       }
-      if (o.p_acts()) {
-        clear();
+      if (min_p_due) {
         for_each_logit(z, v.vocab, [&](scalar_t zj) {
           const acc_t x = static_cast<acc_t>(zj);
-          const int b = x >= floor ? bin_of(x) : kRestBin;
-          if (b != kRestBin) {  // the rest have no mass: never kept by top_p
-            atomicAdd(&count[b], 1u);
-            add_mass(&lo[b], &hi[b], sampler_mass(e_of(x)));
-          }
+          if (min_p_keeps(x)) lowest = ::fmin(lowest, x);
         });
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          unsigned long long total = 0;
-          for (int b = 0; b < kBins; ++b) total += mass_at(lo, hi, b);
-          // The last bin whose top value has less than top_p · Z above it: the edge is in it.
-          unsigned long long above = 0, best_above = 0;
-          int best = 0;
-          for (int b = 0; b < kBins && o.p_keeps(above, total); ++b) {
-            if (count[b] != 0) {
-              best = b;
-              best_above = above;
-            }
-            above += mass_at(lo, hi, b);
+        min_p = min_p_floor();
+      }
+      floor = kth > min_p ? kth : min_p;
+      if (o.p_acts()) {
+        Digit<Bits> d = top;
+        unsigned long long above = 0, total = 0;
+        for (bool first = true;; first = false) {
+          mass.clear();
+          sweep([&](scalar_t zj) {  // the candidates hold top_k's kept set, and so top_p's
+            const acc_t x = static_cast<acc_t>(zj);
+            if (!(x >= floor)) return;
+            const Bits k = Key::of(zj);
+            if (!d.holds(k)) return;
+            const unsigned units = sampler_mass(e_of(x));
+            if (units != 0) mass.add(d.bin(k), units);
+          });
+          find_mass_edge(mass, d.bins(), above, first, total, o, sums, &best_s, &bin_s, &found_s);
+          const int chosen = bin_s;
+          above = found_s;
+          if (d.shift == 0) {
+            floor = Key::template value<acc_t>(d.key(chosen));
+            break;
           }
-          total_s = total;
-          bin_s = best;
-          above_s = best_above;
-          prefix_s = 0;
+          d = d.next(chosen);
         }
-        __syncthreads();
-        floor = select(true, [&] {
-          const unsigned long long total = total_s;
-          unsigned long long above = above_s, best_above = above;
-          int best = kBins - 1;
-          for (int b = kBins - 1; b >= 0 && o.p_keeps(above, total); --b) {
-            if (count[b] != 0) {
-              best = b;
-              best_above = above;
-            }
-            above += mass_at(lo, hi, b);
-          }
-          above_s = best_above;
-          return best;
-        });
       }
     }
     if (threadIdx.x == 0) {
@@ -267,7 +378,9 @@ void sampler_floor_cuda(const RowPassArgs& args, const at::Tensor& params, const
     });
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const dim3 grid(static_cast<unsigned>(std::min<int64_t>(v.n_rows, sms * std::max(per_sm, 1))));
-    cuda::DependentLaunch(grid, cuda::kThreads, 0)(kernel, v, params.const_data_ptr<float>(), out.data_ptr<acc_t>());
+    const at::Tensor workspace = at::empty({grid.x * cuda::kMaxCandidates}, args.logits.options());
+    cuda::DependentLaunch(grid, cuda::kThreads, 0)(kernel, v, params.const_data_ptr<float>(),
+                                                   workspace.data_ptr<scalar_t>(), out.data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
