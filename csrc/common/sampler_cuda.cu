@@ -1,14 +1,18 @@
-// Each row's sampler floor on CUDA (common/sampler.h): one block per row, a few sweeps over the row (the later ones
-// mostly from L2). Every threshold is a radix selection over the logits' raw bits read as ordered keys, a digit of
-// kDigitBits a sweep from the top, with the block finding the edge's digit by a parallel scan of the histogram:
-//  1. the max, and (top_k) the count of every key's top digit;
-//  2. (top_k) the lower digits of the keys in the edge's bin (one more sweep for bf16 and fp16: 11 + 5 bits), which
-//     give the k-th largest value v_k exactly; in the same sweep, min_p's floor (the smallest kept logit). The floor
-//     is max(min_p's, v_k): top_k over min_p's upper set is v_k when that set holds more than k tokens, else void;
-//  3. (top_p) the same selection over the masses of the tokens at or above that floor: fixed point (2^-24 units) in
-//     64 bits out of 32-bit atomics, integer sums that decide alike whatever the order of the additions.
-// The keys need no max, so top_k's first digit rides on the max's sweep; two sweeps, and no serial search, is what
-// made top_k ~3x faster than bins by distance from the max refined 8 bits a sweep (docs/consistency.md).
+// Each row's sampler floor on CUDA (common/sampler.h): one block per row. Every threshold is a radix selection over
+// ordered keys (a value's raw bits, sign folded), a digit of kDigitBits at a time from the top, each digit's bin
+// found by a parallel scan of a shared-memory histogram (select_rank, find_mass_edge):
+//  1. a sweep of the row: the max of each thread's kUnroll groups of vectors (packed max.NaN, no conversion);
+//  2. top_k <= kGroups: the k-th largest group max bounds the k-th largest logit from below (two digits over the
+//     group maxima in shared memory); a second read, of only the groups whose max reaches the bound, copies the
+//     logits at or above it out (~1% of the row at k = 1024, V = 128256), and top_k's digits are counted there:
+//     the k-th largest value v_k exactly. min_p's floor (the smallest kept logit) takes a sweep of its own, or
+//     rides on that read. The floor is max(min_p's, v_k): top_k over min_p's upper set is v_k when that set holds
+//     more than k tokens, else void;
+//  3. top_p: the same selection over the masses of the tokens at or above that floor (the copied-out logits when
+//     top_k took them): fixed point (2^-24 units) in 64-bit sums, integer sums that decide alike whatever the
+//     order of the additions.
+// Measured on an H200 (docs/consistency.md): the selection's cost is its instructions (ALU-bound, IPC 2.75, DRAM
+// 16% busy for top_k before the copy-out), not the bytes it reads.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -27,6 +31,7 @@ constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kDigitBits = 11;  // 2048 bins: three 32-bit histograms fit the 48 KB of static shared memory
 constexpr int kBins = 1 << kDigitBits;
+constexpr int kDigitsAll = 64;  // select_rank: every digit of the key
 // Room for each block's top_k candidates (a row's logits at or above a bound, top_k <= kThreads): beyond, the
 // selection reads the row.
 constexpr int64_t kMaxCandidates = 32768;
@@ -110,33 +115,88 @@ __device__ inline T block_exclusive_sum(T v, T* sums /* kWarps + 1 */, T& total)
 }
 static_assert(kWarps == 32, "block_exclusive_sum scans the warps' sums with one warp");
 
-// f(z) for each logit of a row, by 16-byte loads between an element-wise head and tail (the order is free: every
-// sweep's result is a max, a min or an integer sum).
-// kUnroll independent 16-byte loads in flight per thread: 4 measured 8-12% faster than 1 on an H200.
-template <typename scalar_t, typename F>
-__device__ inline void for_each_logit(const scalar_t* z, int64_t n, F&& f) {
+// A row read by 16-byte vectors between an element-wise head and tail (the order is free: every sweep's result is a
+// max, a min or an integer sum), kUnroll independent loads in flight per thread (4 measured 8-12% faster than 1 on
+// an H200). The vectors a thread reads fall in kUnroll groups, u = (vector index / kThreads) % kUnroll (the head and
+// tail in group 0): fvec(vector, u) for the vectors of the groups `wanted(u)` keeps, one(z) for the head and tail.
+constexpr int kUnroll = 4;
+constexpr int kGroups = kThreads * kUnroll;  // of a row
+template <typename scalar_t, typename FVec, typename FOne, typename Wanted>
+__device__ inline void for_each_vector(const scalar_t* z, int64_t n, FVec&& fvec, FOne&& one, Wanted&& wanted) {
   constexpr int kVec = 16 / sizeof(scalar_t);
   const int64_t head = unaligned_head(z, n), n_vec = (n - head) / kVec;
-  for (int64_t j = threadIdx.x; j < head; j += kThreads) f(z[j]);
+  bool want[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) want[u] = wanted(u);
+  if (want[0]) {
+    for (int64_t j = threadIdx.x; j < head; j += kThreads) one(z[j]);
+    for (int64_t j = head + n_vec * kVec + threadIdx.x; j < n; j += kThreads) one(z[j]);
+  }
   const auto* zv = reinterpret_cast<const Pack<scalar_t, kVec>*>(z + head);
-  constexpr int kUnroll = 4;
   int64_t i = threadIdx.x;
   for (; i + (kUnroll - 1) * kThreads < n_vec; i += kUnroll * kThreads) {
     Pack<scalar_t, kVec> p[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) p[u] = load_vec(&zv[i + u * kThreads]);
+    for (int u = 0; u < kUnroll; ++u) {
+      if (want[u]) p[u] = load_vec(&zv[i + u * kThreads]);
+    }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) f(p[u].v[k]);
+      if (want[u]) fvec(p[u], u);
     }
   }
   for (; i < n_vec; i += kThreads) {
-    const auto pack = load_vec(&zv[i]);
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) f(pack.v[k]);
+    const int u = static_cast<int>(i / kThreads % kUnroll);
+    if (want[u]) fvec(load_vec(&zv[i]), u);
   }
-  for (int64_t j = head + n_vec * kVec + threadIdx.x; j < n; j += kThreads) f(z[j]);
+}
+
+// f(z) for each logit of a row.
+template <typename scalar_t, typename F>
+__device__ inline void for_each_logit(const scalar_t* z, int64_t n, F&& f) {
+  for_each_vector(
+      z, n,
+      [&](const auto& p, int) {
+#pragma unroll
+        for (int k = 0; k < static_cast<int>(sizeof(p.v) / sizeof(p.v[0])); ++k) f(p.v[k]);
+      },
+      f, [](int) { return true; });
+}
+
+// max with NaN propagating (a row with a NaN is not filtered), and a vector's max: one instruction per pair of
+// 16-bit values, with no conversion (max.NaN of bf16x2 / f16x2, sm_80).
+__device__ inline float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ inline double max_nan(double a, double b) { return a != a || b != b ? a + b : ::fmax(a, b); }
+template <typename scalar_t, int kVec>
+__device__ inline auto vec_max(const Pack<scalar_t, kVec>& p) {
+  if constexpr (sizeof(scalar_t) == 2) {
+    unsigned w[4];
+    memcpy(w, &p, sizeof(w));
+    unsigned a, b;
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(a) : "r"(w[0]), "r"(w[1]));
+      asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(b) : "r"(w[2]), "r"(w[3]));
+      asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(a) : "r"(a), "r"(b));
+    } else {
+      asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(a) : "r"(w[0]), "r"(w[1]));
+      asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(b) : "r"(w[2]), "r"(w[3]));
+      asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(a) : "r"(a), "r"(b));
+    }
+    scalar_t lo, hi;
+    const uint16_t l = static_cast<uint16_t>(a), h = static_cast<uint16_t>(a >> 16);
+    memcpy(&lo, &l, 2);
+    memcpy(&hi, &h, 2);
+    return max_nan(static_cast<float>(lo), static_cast<float>(hi));
+  } else {
+    auto m = p.v[0];
+#pragma unroll
+    for (int k = 1; k < kVec; ++k) m = max_nan(m, p.v[k]);
+    return m;
+  }
 }
 
 // The top_p masses of a digit's bins, 64-bit sums. Shared memory has no native 64-bit atomic add, so a row of up to
@@ -193,6 +253,26 @@ __device__ inline void find_rank(const unsigned* count, int bins, unsigned long 
   __syncthreads();
 }
 
+// The key of rank `need` (1: the largest) among the keys visit(f) gives f, a digit at a time from the top; after
+// `digits` digits, the least key of the bin reached (at or below the exact one).
+template <typename Bits, typename Visit>
+__device__ inline Bits select_rank(Visit&& visit, unsigned long long need, int digits, unsigned* count,
+                                   unsigned long long* sums, int* bin_s, unsigned long long* found_s) {
+  Digit<Bits> d{8 * static_cast<int>(sizeof(Bits)) - kDigitBits, kDigitBits, Bits(0)};
+  for (int digit = 1;; ++digit) {
+    for (int i = threadIdx.x; i < kBins; i += kThreads) count[i] = 0;
+    __syncthreads();
+    visit([&](Bits k) {
+      if (d.holds(k)) atomicAdd(&count[d.bin(k)], 1u);
+    });
+    find_rank(count, d.bins(), need, sums, bin_s, found_s);
+    const int chosen = *bin_s;
+    need = *found_s;
+    if (d.shift == 0 || digit == digits) return d.key(chosen);
+    d = d.next(chosen);
+  }
+}
+
 // top_p: the smallest non-empty bin whose keys have a mass above them (`above0` from the bins before this digit's)
 // that top_p keeps, and that mass; `total` (the kept set's mass) is the sum of the first digit's bins.
 template <typename acc_t>
@@ -234,37 +314,38 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ acc_t scratch[kWarps];
   __shared__ unsigned count[kBins];
   __shared__ unsigned long long mass_words[kBins];
+  __shared__ float group_max[kGroups];
   __shared__ unsigned long long sums[kWarps + 1], found_s;
   __shared__ int bin_s, best_s;
   __shared__ unsigned n_cands_s;
   scalar_t* cands = workspace + blockIdx.x * kMaxCandidates;
-  const Digit<Bits> top{Key::kBits - kDigitBits, kDigitBits, Bits(0)};
   const MassBins mass{mass_words, v.vocab > (int64_t(1) << 20)};
-  auto clear_count = [&] {
-    for (int i = threadIdx.x; i < kBins; i += kThreads) count[i] = 0;
-    __syncthreads();
-  };
   wait_previous_grid();
   for (int64_t row = blockIdx.x; row < v.n_rows; row += gridDim.x) {
     const scalar_t* z = v.logits + row * v.row_stride;
     const SamplerRow<acc_t> o(params + row * kSamplerColumns);
-    acc_t m = neg_inf<acc_t>();
-    bool nan = false;
-    for_each_logit(z, v.vocab, [&](scalar_t zj) {
-      const acc_t x = static_cast<acc_t>(zj);
-      nan |= x != x;
-      m = ::fmax(m, x);
-    });
-    nan = __syncthreads_or(nan);
-    const acc_t thread_max = m;
+    // The max of each of the thread's groups of vectors (NaN if one holds a NaN).
+    acc_t gmax[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) gmax[u] = neg_inf<acc_t>();
+    for_each_vector(
+        z, v.vocab,
+        [&](const auto& p, int g) {
+          const acc_t x = vec_max(p);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) gmax[u] = u == g ? max_nan(gmax[u], x) : gmax[u];
+        },
+        [&](scalar_t zj) { gmax[0] = max_nan(gmax[0], static_cast<acc_t>(zj)); }, [](int) { return true; });
+    acc_t m = gmax[0];
+#pragma unroll
+    for (int u = 1; u < kUnroll; ++u) m = max_nan(m, gmax[u]);
+    const bool nan = __syncthreads_or(m != m);
     m = block_max(m, scratch);
     acc_t floor = neg_inf<acc_t>();
     if (!nan && m > neg_inf<acc_t>()) {
       const ExpShifted<acc_t> e_of(v.scale, v.scale * m);
-      // min_p's floor: the smallest kept logit, in the first sweep that runs after the max.
-      bool min_p_due = o.min_p_acts();
+      bool min_p_due = o.min_p_acts();  // min_p's floor: the smallest kept logit
       acc_t lowest = -neg_inf<acc_t>();
-      auto min_p_keeps = [&](acc_t x) { return min_p_due && o.min_p_keeps(e_of(x)); };
       auto min_p_floor = [&] {
         const acc_t f = -block_max(-lowest, scratch);
         min_p_due = false;
@@ -281,57 +362,60 @@ __global__ void __launch_bounds__(kThreads)
         }
       };
       if (o.k_acts(v.vocab)) {
-        if (o.top_k <= acc_t(kThreads)) {
-          // Each thread's max is at or above the least of them, so at least kThreads logits are: for k <= kThreads
-          // the k-th largest is too. The logits at or above it (~5% of a row of 128256) are copied out, and the
-          // selection reads them rather than the row (a shared-memory atomic per logit, or two sweeps of the row
-          // for the digits, cost 2-4x a plain sweep each).
-          const acc_t bound = -block_max(-thread_max, scratch);
+        if (o.top_k <= acc_t(kGroups)) {
+          // Each group's max is at or above the k-th largest of them, L, for at least k groups: so at least k
+          // logits are, and the k-th largest logit is too. The logits at or above L (~1% of a row of 128256 at
+          // k = 1024) are copied out, reading again only the groups whose max reaches L, and the selection reads
+          // them rather than the row (a shared-memory atomic per logit, or a sweep of the row per digit, cost 2-4x
+          // a plain sweep each). L is the least float of the bin two digits reach (at or below the exact one).
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            group_max[threadIdx.x * kUnroll + u] =
+                sizeof(acc_t) == 8 ? __double2float_rd(gmax[u]) : static_cast<float>(gmax[u]);
+          }
+          __syncthreads();
+          using FloatKey = RawKey<float>;
+          const auto over_groups = [&](auto f) {
+            for (int i = threadIdx.x; i < kGroups; i += kThreads) f(FloatKey::of(group_max[i]));
+          };
+          acc_t bound = FloatKey::template value<acc_t>(select_rank<uint32_t>(
+              over_groups, static_cast<unsigned long long>(o.top_k), 2, count, sums, &bin_s, &found_s));
+          if (bound != bound) bound = neg_inf<acc_t>();  // the keys below −inf's are NaNs: the bin of −inf
           if (threadIdx.x == 0) n_cands_s = 0;
           __syncthreads();
-          for_each_logit(z, v.vocab, [&](scalar_t zj) {
+          auto take = [&](scalar_t zj) {
             const acc_t x = static_cast<acc_t>(zj);
             if (x >= bound) {
               const unsigned i = atomicAdd(&n_cands_s, 1u);
               if (i < kMaxCandidates) cands[i] = zj;
             }
-            if (min_p_keeps(x)) lowest = ::fmin(lowest, x);
-          });
+            if (min_p_due && o.min_p_keeps(e_of(x))) lowest = ::fmin(lowest, x);
+          };
+          for_each_vector(
+              z, v.vocab,
+              [&](const auto& p, int) {
+#pragma unroll
+                for (int k = 0; k < static_cast<int>(sizeof(p.v) / sizeof(p.v[0])); ++k) take(p.v[k]);
+              },
+              take, [&](int u) { return min_p_due || gmax[u] >= bound; });
           __syncthreads();
           if (n_cands_s <= kMaxCandidates) n_cands = n_cands_s;
           if (min_p_due) min_p = min_p_floor();
         }
-        Digit<Bits> d = top;
-        unsigned long long need = static_cast<unsigned long long>(o.top_k);
-        for (;;) {
-          clear_count();
-          sweep([&](scalar_t zj) {
-            const Bits k = Key::of(zj);
-            if (d.holds(k)) atomicAdd(&count[d.bin(k)], 1u);
-            const acc_t x = static_cast<acc_t>(zj);
-            if (min_p_keeps(x)) lowest = ::fmin(lowest, x);  // the row's first sweep where no candidates were taken
-          });
-          if (min_p_due) min_p = min_p_floor();
-          find_rank(count, d.bins(), need, sums, &bin_s, &found_s);
-          const int chosen = bin_s;
-          need = found_s;
-          if (d.shift == 0) {
-            kth = Key::template value<acc_t>(d.key(chosen));
-            break;
-          }
-          d = d.next(chosen);
-        }
+        kth = Key::template value<acc_t>(select_rank<Bits>(
+            [&](auto f) { sweep([&](scalar_t zj) { f(Key::of(zj)); }); }, static_cast<unsigned long long>(o.top_k),
+            kDigitsAll, count, sums, &bin_s, &found_s));
       }
       if (min_p_due) {
         for_each_logit(z, v.vocab, [&](scalar_t zj) {
           const acc_t x = static_cast<acc_t>(zj);
-          if (min_p_keeps(x)) lowest = ::fmin(lowest, x);
+          if (o.min_p_keeps(e_of(x))) lowest = ::fmin(lowest, x);
         });
         min_p = min_p_floor();
       }
       floor = kth > min_p ? kth : min_p;
       if (o.p_acts()) {
-        Digit<Bits> d = top;
+        Digit<Bits> d{Key::kBits - kDigitBits, kDigitBits, Bits(0)};
         unsigned long long above = 0, total = 0;
         for (bool first = true;; first = false) {
           mass.clear();
