@@ -151,16 +151,16 @@ __device__ inline void for_each_vector(const scalar_t* z, int64_t n, FVec&& fvec
   }
 }
 
-// f(z) for each logit of a row.
-template <typename scalar_t, typename F>
-__device__ inline void for_each_logit(const scalar_t* z, int64_t n, F&& f) {
+// f(z) for each logit of a row's groups that `wanted` keeps.
+template <typename scalar_t, typename F, typename Wanted>
+__device__ inline void for_each_logit(const scalar_t* z, int64_t n, F&& f, Wanted&& wanted) {
   for_each_vector(
       z, n,
       [&](const auto& p, int) {
 #pragma unroll
         for (int k = 0; k < static_cast<int>(sizeof(p.v) / sizeof(p.v[0])); ++k) f(p.v[k]);
       },
-      f, [](int) { return true; });
+      f, wanted);
 }
 
 // max with NaN propagating (a row with a NaN is not filtered), and a vector's max: one instruction per pair of
@@ -354,9 +354,13 @@ __global__ void __launch_bounds__(kThreads)
       acc_t kth = neg_inf<acc_t>(), min_p = neg_inf<acc_t>();
       // What the selections read: the row, or the candidates copied out of it (n_cands >= 0).
       int64_t n_cands = -1;
-      auto sweep = [&](auto&& f) {
+      // Each filter's kept logits lie in the groups whose max it keeps (every kept set is an upper set): the
+      // sweeps of the row read only those (`wanted`), judged with a margin (the exponential's rounding need not
+      // be monotone; a group read for nothing costs only its read).
+      auto min_p_may_keep = [&](int u) { return e_of(gmax[u]) >= o.min_p * acc_t(0.999); };
+      auto sweep = [&](auto&& f, auto&& wanted) {
         if (n_cands < 0) {
-          for_each_logit(z, v.vocab, f);
+          for_each_logit(z, v.vocab, f, wanted);
         } else {
           for (int64_t i = threadIdx.x; i < n_cands; i += kThreads) f(cands[i]);
         }
@@ -391,26 +395,25 @@ __global__ void __launch_bounds__(kThreads)
             }
             if (min_p_due && o.min_p_keeps(e_of(x))) lowest = ::fmin(lowest, x);
           };
-          for_each_vector(
-              z, v.vocab,
-              [&](const auto& p, int) {
-#pragma unroll
-                for (int k = 0; k < static_cast<int>(sizeof(p.v) / sizeof(p.v[0])); ++k) take(p.v[k]);
-              },
-              take, [&](int u) { return min_p_due || gmax[u] >= bound; });
+          for_each_logit(z, v.vocab, take,
+                         [&](int u) { return gmax[u] >= bound || (min_p_due && min_p_may_keep(u)); });
           __syncthreads();
           if (n_cands_s <= kMaxCandidates) n_cands = n_cands_s;
           if (min_p_due) min_p = min_p_floor();
         }
         kth = Key::template value<acc_t>(select_rank<Bits>(
-            [&](auto f) { sweep([&](scalar_t zj) { f(Key::of(zj)); }); }, static_cast<unsigned long long>(o.top_k),
+            [&](auto f) { sweep([&](scalar_t zj) { f(Key::of(zj)); }, [](int) { return true; }); },
+            static_cast<unsigned long long>(o.top_k),
             kDigitsAll, count, sums, &bin_s, &found_s));
       }
       if (min_p_due) {
-        for_each_logit(z, v.vocab, [&](scalar_t zj) {
-          const acc_t x = static_cast<acc_t>(zj);
-          if (o.min_p_keeps(e_of(x))) lowest = ::fmin(lowest, x);
-        });
+        for_each_logit(
+            z, v.vocab,
+            [&](scalar_t zj) {
+              const acc_t x = static_cast<acc_t>(zj);
+              if (o.min_p_keeps(e_of(x))) lowest = ::fmin(lowest, x);
+            },
+            min_p_may_keep);
         min_p = min_p_floor();
       }
       floor = kth > min_p ? kth : min_p;
@@ -426,7 +429,7 @@ __global__ void __launch_bounds__(kThreads)
             if (!d.holds(k)) return;
             const unsigned units = sampler_mass(e_of(x));
             if (units != 0) mass.add(d.bin(k), units);
-          });
+          }, [&](int u) { return gmax[u] >= floor && e_of(gmax[u]) >= acc_t(0.5 / kSamplerMassUnit); });
           find_mass_edge(mass, d.bins(), above, first, total, o, sums, &best_s, &bin_s, &found_s);
           const int chosen = bin_s;
           above = found_s;
