@@ -139,7 +139,7 @@ TORCH_LIBRARY(rl_losses, m) {
   // The per-document sums of one rank (for the sequence-data-parallel all-reduce), from its per-token log-probs;
   // the keyword options are those of the gspo op that the sums depend on.
   def(m, OpSchema("gspo_document_sums").args(RL_LOSSES_ENTRIES(RL_LOSSES_DOCUMENT_SUMS_INPUT)).kwargs()
-             .args(weighting).args(token_advantages).args(policy_tensors).args(kl_weight).args(policy)
+             .args(weighting).args(token_advantages).args(policy_tensors).args(clip).args(kl_weight).args(policy)
              .results(RL_LOSSES_ENTRIES(RL_LOSSES_DOCUMENT_SUMS_RESULTS)));
 
   // Per-token policy loss ℓ_t and ∂ℓ_t/∂lp_t from per-token log-probs (policy_token/: the fused ops' per-token math,

@@ -129,6 +129,9 @@ CASES = {
     "sdp2_gspo_vespo_sequence_truncate_counts_fp32": Case(
         "gspo", sdp=2, dtype=torch.float32, documents=DOCS_29, seq_cuts=(0, 6, 29), give_label_counts=True,
         options=dict(loss_type="vespo", rollout_correction="sequence_truncate", rollout_cap=1.5, on_policy=True)),
+    # GMPO: each token's log-ratio clipped inside its document's geometric mean, over a split document.
+    "sdp2_gspo_geo_mean_kl": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 11, 29), options=dict(
+        loss_type="geo_mean", epsilon_low=0.02, epsilon_high=0.03, beta=0.05)),
     "sdp2_gspo_iw_kl_token_weighting": Case("gspo", sdp=2, documents=DOCS_29, seq_cuts=(0, 11, 29), options=dict(
         beta=0.1, kl_importance_weighted=True, kl_estimator="k2", weighting="token")),
     "tp2_grpo_vespo_sequence_mask": Case("grpo", tp=2, shape=(3, 9), options=dict(
@@ -184,6 +187,8 @@ CASES = {
     "tp2xsdp2_gspo_token_uneven_fp32": Case("gspo", tp=2, sdp=2, dtype=torch.float32, shape=(2, 15), vocab=23,
                                             vocab_cuts=(0, 9, 23), documents=DOCS_2x15, seq_cuts=(0, 9, 15),
                                             options=dict(weighting="token", token_advantages=True)),
+    "tp2xsdp2_gspo_geo_mean": Case("gspo", tp=2, sdp=2, documents=DOCS_29, seq_cuts=(0, 12, 29),
+                                   options=dict(loss_type="geo_mean", epsilon_low=0.02, epsilon_high=0.03)),
     "tp2xsdp2_gspo_vespo_sequence_mask": Case("gspo", tp=2, sdp=2, documents=DOCS_29, seq_cuts=(0, 12, 29),
                                               options=dict(loss_type="vespo", rollout_correction="sequence_mask",
                                                            rollout_mask_bounds=(0.3, 3.0), compute_entropy=True)),

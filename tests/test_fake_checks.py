@@ -199,11 +199,7 @@ def _bad_inputs():
         ("geo_mean_rollout", lambda d: gspo(d, loss_type="geo_mean", rollout_correction="token_mask",
                                             rollout_log_probs=_z(d, 4), num_documents=1),
          "gspo: loss_type 'geo_mean' takes no rollout_correction, got 'token_mask'"),
-        ("geo_mean_sums", lambda d: sums(d, loss_type="geo_mean"),
-         r"gspo_document_sums: loss_type 'geo_mean' clips each token inside its document's sums, which document_sums "
-         r"\(gspo_document_sums\) do not: not supported"),
-        ("geo_mean_given_sums", lambda d: gspo(d, loss_type="geo_mean", document_sums=_z(d, 1, 6, dtype=torch.float32)),
-         "gspo: loss_type 'geo_mean' clips each token inside"),
+        ("sums_epsilon", lambda d: sums(d, epsilon_low=1.5), r"gspo_document_sums: epsilon_low must be in \[0, 1\)"),
         ("gspo_ref_shape", lambda d: gspo(d, ref_log_probs=_z(d, 5), num_documents=1), "ref_log_probs has shape"),
         ("gspo_advantages", lambda d: gspo(d, adv=_z(d, 2, 2), num_documents=1), "advantages has shape"),
         ("document_sums", lambda d: gspo(d, document_sums=_z(d, 1, 4)), r"document_sums must be \(1, 6\) Float"),

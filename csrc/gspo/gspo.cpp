@@ -32,15 +32,12 @@ void set_policy_inputs(const char* op, GspoState& g, const OptTensor& ref_log_pr
 
 // geo_mean (verl's: one advantage per sequence, no rollout correction of its own kind) is GSPO's sequence ratio
 // with the clip inside; the options it does not define are refused.
-void check_geo_mean(const char* op, const PolicyOptions<double>& o, bool token_advantages, const PolicyArgs& policy,
-                    bool document_sums) {
+void check_geo_mean(const char* op, const PolicyOptions<double>& o, bool token_advantages, const PolicyArgs& policy) {
   if (o.loss_type != kGeoMean) return;
   TORCH_CHECK(!token_advantages, op, ": loss_type 'geo_mean' takes its document's mean advantage, got "
               "token_advantages = True");
   TORCH_CHECK(!policy.rollout_correction, op, ": loss_type 'geo_mean' takes no rollout_correction, got '",
               policy.rollout_correction.value_or(""), "'");
-  TORCH_CHECK(!document_sums, op, ": loss_type 'geo_mean' clips each token inside its document's sums, which "
-              "document_sums (gspo_document_sums) do not: not supported");
 }
 
 }  // namespace
@@ -50,12 +47,12 @@ at::Tensor gspo_document_sums(const DocumentSumsArgs& a, const GspoBackend& back
   const at::Tensor& target = a.target;
   check_num_documents(op, a.num_documents);
   check_weighting(op, a.weighting);
-  TORCH_CHECK(std::isfinite(a.beta) && a.beta >= 0, op, ": beta must be >= 0, got ", a.beta);
+  check_clip(op, a.clip, a.beta, a.ref_log_probs.has_value());
   const auto acc = acc_dtype(a.log_probs.scalar_type());
   GspoState g;
-  g.opt = make_policy_options(op, a.policy, nullptr, nullptr, a.beta, a.rollout_log_probs.has_value());
+  g.opt = make_policy_options(op, a.policy, nullptr, &a.clip, a.beta, a.rollout_log_probs.has_value());
   check_sequence_ratio_loss_type(op, g.opt, a.policy);
-  check_geo_mean(op, g.opt, a.token_advantages, a.policy, true);
+  check_geo_mean(op, g.opt, a.token_advantages, a.policy);
   g.token_advantages = a.token_advantages;
   g.token_weighting = a.weighting == "token";
   g.num_documents = a.num_documents;
@@ -84,7 +81,7 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
   GspoState g;
   g.opt = make_policy_options(op, a.policy, &a.fused, &a.clip, a.beta, a.rollout_log_probs.has_value());
   check_sequence_ratio_loss_type(op, g.opt, a.policy);
-  check_geo_mean(op, g.opt, a.token_advantages, a.policy, document_sums.has_value());
+  check_geo_mean(op, g.opt, a.token_advantages, a.policy);
   g.target = f.target1d;
   g.document = check_per_token_int(op, "document_index", a.document_index, target);
   if (a.old_log_probs) g.old_log_probs = check_per_token(op, "old_log_probs", *a.old_log_probs, target, acc);

@@ -367,9 +367,11 @@ struct GspoArgs : GspoOwnArgs {
   RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_KL_WEIGHT(X)
 RL_LOSSES_ARG_GROUP(DocumentSumsOwnArgs, RL_LOSSES_DOCUMENT_SUMS_ARGS)
 struct DocumentSumsArgs : DocumentSumsOwnArgs {
+  ClipArgs clip;  // geo_mean clips each token's log-ratio inside its document's sums
   PolicyArgs policy;
   void read(schema::Args& args) {
     DocumentSumsOwnArgs::read(args);
+    clip.read(args);
     policy.read(args);
   }
 };

@@ -400,15 +400,13 @@ def _policy_tensors(op, a, target):
             check_per_token(op, name, a[name], target)
 
 
-def _geo_mean(op, a, document_sums):
+def _geo_mean(op, a):
     if a["loss_type"] != "geo_mean":
         return
     _check(not a["token_advantages"], op, "loss_type 'geo_mean' takes its document's mean advantage, got "
            "token_advantages = True")
     _check(not a["rollout_correction"], op, "loss_type 'geo_mean' takes no rollout_correction, got '",
            a["rollout_correction"] or "", "'")
-    _check(not document_sums, op, "loss_type 'geo_mean' clips each token inside its document's sums, which "
-           "document_sums (gspo_document_sums) do not: not supported")
 
 
 def gspo(op, a, x):
@@ -420,7 +418,7 @@ def gspo(op, a, x):
     check_row_stats(op, a.get("row_stats"), x, target.numel())
     check_weighting(op, a["weighting"])
     policy_options(op, a, fused=True, clip=True, sequence_ratio=True)
-    _geo_mean(op, a, a.get("document_sums") is not None)
+    _geo_mean(op, a)
     document_index = a["document_index"]
     check_per_token_int(op, "document_index", document_index, target)
     if a["old_log_probs"] is not None:
@@ -457,10 +455,9 @@ def document_sums(a):
     target = a["target"]
     check_num_documents(op, a["num_documents"])
     check_weighting(op, a["weighting"])
-    beta = a["beta"]
-    _check(math.isfinite(beta) and beta >= 0, op, "beta must be >= 0, got ", _num(beta))
-    policy_options(op, a, fused=False, clip=False, sequence_ratio=True)
-    _geo_mean(op, a, True)
+    check_clip(op, a)
+    policy_options(op, a, fused=False, clip=True, sequence_ratio=True)
+    _geo_mean(op, a)
     check_per_token(op, "log_probs", a["log_probs"], target)
     check_per_token_int(op, "target", target, target)
     check_per_token(op, "advantages", a["advantages"], target)

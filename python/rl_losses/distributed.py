@@ -394,12 +394,17 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     group_entropy = payload[num_documents, 0] / payload[num_documents, 1].clamp_min(1) if entropy else None
     result = policy_output("gspo", out, options)
     result = result._replace(new_logprobs=new_logprobs, entropy=group_entropy)
-    if result.kl is not None or result.rollout_ratio_mean is not None or result.vespo_phi_seq_mean is not None:
-        # The op's KL and rollout metrics are means over this rank's labelled tokens: one more small all-reduce
-        # of their sums makes them the group's (after the op: the importance-weighted KL needs the ratios). The
-        # φ metric is already divided by the group's document count: its sum over the ranks is the group's.
+    geo_mean = option("loss_type") == "geo_mean"  # its clipped fractions are of tokens, not documents
+    if (result.kl is not None or result.rollout_ratio_mean is not None or result.vespo_phi_seq_mean is not None
+            or geo_mean):
+        # The op's KL and rollout metrics (and geo_mean's clipped fractions) are means over this rank's labelled
+        # tokens: one more small all-reduce of their sums makes them the group's (after the op: the
+        # importance-weighted KL needs the ratios). The φ metric is already divided by the group's document
+        # count: its sum over the ranks is the group's.
         n = ((target >= 0) & (document_index >= 0)).sum().to(out[0].dtype)
         means = [result.kl, result.rollout_ratio_mean, result.rollout_weight_mean, result.rollout_corrected_fraction]
+        if geo_mean:
+            means += [result.clipped_fraction_low, result.clipped_fraction_high]
         zero = n.new_zeros(())
         phi = result.vespo_phi_seq_mean
         sums = torch.stack([n] + [n * m if m is not None else zero for m in means] + [zero if phi is None else phi])
@@ -408,6 +413,8 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         result = result._replace(kl=group[0], rollout_ratio_mean=group[1], rollout_weight_mean=group[2],
                                  rollout_corrected_fraction=group[3],
                                  vespo_phi_seq_mean=None if phi is None else sums[len(means) + 1])
+        if geo_mean:
+            result = result._replace(clipped_fraction_low=group[4], clipped_fraction_high=group[5])
     return result
 
 
