@@ -146,16 +146,16 @@ def test_token_log_probs(device, dtype, kind, per_row):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
 def test_top_k_over_a_wide_vocabulary(device, dtype):
     """Rows wide enough that every thread of the CUDA selection reads several vectors of each (V = 20000), every
-    top_k from 1 to past the kernel's 1024 threads, rows with ties, and min_p floors above and below the top_k
-    edge."""
-    n, vocab = 12, 20000
-    k = torch.tensor([1, 2, 7, 50, 1000, 1023, 1024, 1025, 4000, 1024, 3, 600])
+    top_k from 1 to past the kernel's 4096 group maxima (where it selects over the row), rows with ties, and min_p
+    floors above and below the top_k edge."""
+    n, vocab = 13, 20000
+    k = torch.tensor([1, 2, 7, 50, 1000, 1023, 1024, 1025, 4000, 1024, 3, 600, 5000])
     unlabelled = torch.full((n,), -1)
     for _ in range(50):
         x = (torch.randn(n, vocab, dtype=torch.float64) * 2).to(dtype).double()
         x[1] = torch.round(x[1])  # ties
         min_p = torch.zeros(n, dtype=torch.float64)
-        min_p[9:] = torch.tensor([0.001, 0.2, 1e-6])  # a floor below, above and far below the bound
+        min_p[9:12] = torch.tensor([0.001, 0.2, 1e-6])  # a floor below, above and far below the bound
         o = dict(top_k=k, min_p=min_p)
         keep = kept(x, unlabelled, **o)
         if all(torch.equal(keep, kept(x, unlabelled, **_moved(o, f))) for f in (0.999, 1.001)):
@@ -188,8 +188,9 @@ def test_top_p_over_rows_past_a_million_tokens(dtype):
 
 @requires_cuda
 def test_top_k_with_more_candidates_than_the_kernel_keeps():
-    """Rows of ties (values -2..2) 300000 long: the CUDA selection's candidates for top_k <= 1024 (the logits at or
-    above the least of its threads' maxima) outnumber its room for them, and it reads the row instead."""
+    """Rows of ties (values -2..2) 300000 long: the CUDA selection's candidates for top_k = 1000 and 1024 (the logits
+    at or above the k-th largest of its group maxima, here 1) outnumber its room for them, and it reads the row
+    instead; for top_k = 1 and 5 they fit."""
     n, vocab = 4, 300000
     unlabelled = torch.full((n,), -1)
     x = torch.round(torch.randn(n, vocab, dtype=torch.float64) * 0.5)

@@ -29,10 +29,10 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr int kDigitBits = 11;  // 2048 bins: three 32-bit histograms fit the 48 KB of static shared memory
+constexpr int kDigitBits = 11;  // 2048 bins: the histograms and the group maxima fit 48 KB of static shared memory
 constexpr int kBins = 1 << kDigitBits;
 constexpr int kDigitsAll = 64;  // select_rank: every digit of the key
-// Room for each block's top_k candidates (a row's logits at or above a bound, top_k <= kThreads): beyond, the
+// Room for each block's top_k candidates (a row's logits at or above a bound, top_k <= kGroups): beyond, the
 // selection reads the row.
 constexpr int64_t kMaxCandidates = 32768;
 
@@ -74,6 +74,8 @@ struct Digit {
     return {shift - w, w, Bits(prefix | (Bits(chosen) << shift))};
   }
   __device__ Bits key(int chosen) const { return Bits(prefix | (Bits(chosen) << shift)); }
+  // The first digit: the keys' top kDigitBits.
+  __device__ static Digit top() { return {8 * static_cast<int>(sizeof(Bits)) - kDigitBits, kDigitBits, Bits(0)}; }
 };
 
 template <typename T>
@@ -258,7 +260,7 @@ __device__ inline void find_rank(const unsigned* count, int bins, unsigned long 
 template <typename Bits, typename Visit>
 __device__ inline Bits select_rank(Visit&& visit, unsigned long long need, int digits, unsigned* count,
                                    unsigned long long* sums, int* bin_s, unsigned long long* found_s) {
-  Digit<Bits> d{8 * static_cast<int>(sizeof(Bits)) - kDigitBits, kDigitBits, Bits(0)};
+  Digit<Bits> d = Digit<Bits>::top();
   for (int digit = 1;; ++digit) {
     for (int i = threadIdx.x; i < kBins; i += kThreads) count[i] = 0;
     __syncthreads();
@@ -418,7 +420,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       floor = kth > min_p ? kth : min_p;
       if (o.p_acts()) {
-        Digit<Bits> d{Key::kBits - kDigitBits, kDigitBits, Bits(0)};
+        Digit<Bits> d = Digit<Bits>::top();
         unsigned long long above = 0, total = 0;
         for (bool first = true;; first = false) {
           mass.clear();
