@@ -353,10 +353,17 @@ template <typename acc_t>
 struct PolicyScalarPtrs {
   acc_t* p[kPolicyScalars];
 };
+
+// at::empty(sizes, options) without the trip through the dispatcher (at::detail::empty_cpu / empty_cuda; the
+// fill of uninitialised memory under torch.use_deterministic_algorithms is left out: for buffers the call writes
+// whole). A call's small outputs and scratch buffers, a dozen and more per policy op, are most of its allocations
+// (checks.cpp).
+at::Tensor new_empty(at::IntArrayRef sizes, const at::TensorOptions& options);
+
 struct PolicyScalarOutputs {
   at::Tensor t[kPolicyScalars];
   explicit PolicyScalarOutputs(const at::TensorOptions& options) {
-    for (auto& x : t) x = at::empty({}, options);
+    for (auto& x : t) x = new_empty({}, options);
   }
   template <typename acc_t>
   PolicyScalarPtrs<acc_t> ptrs() const {

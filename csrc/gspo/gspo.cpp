@@ -14,9 +14,9 @@ namespace {
 void sum_document_terms(GspoState& g, const GspoBackend& backend) {
   const auto opts = g.advantages.options();
   const int64_t n = g.target.numel();
-  g.safe_document = at::empty({n}, g.document.options());
-  g.terms = at::empty({n, kGspoSums}, opts);
-  g.local_sums = at::empty({g.num_documents, kGspoSums}, opts);
+  g.safe_document = new_empty({n}, g.document.options());
+  g.terms = new_empty({n, kGspoSums}, opts);
+  g.local_sums = new_empty({g.num_documents, kGspoSums}, opts);
   backend.token_terms(g);
 }
 
@@ -135,17 +135,17 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
   // Between the passes, a fixed few launches of O(N + S) work (on a GPU each costs 2-3 us, which small
   // shapes feel): the per-token log-probs and document terms, their sums per document, each document's ratio
   // and metrics and their totals (with D), then each token's loss share and gradient coefficient.
-  g.log_probs = at::empty({f.n_rows}, opts);
-  if (a.compute_entropy || g.opt.entropy_coefficient != 0) g.entropy = at::empty({f.n_rows}, opts);
+  g.log_probs = new_empty({f.n_rows}, opts);
+  if (a.compute_entropy || g.opt.entropy_coefficient != 0) g.entropy = new_empty({f.n_rows}, opts);
   sum_document_terms(g, backend);
-  g.sums = at::empty({n_docs, kGspoSums}, opts);
-  g.fields = at::empty({n_docs, kGspoDocFields}, opts);
-  g.ratios = at::empty({n_docs}, opts);
-  g.totals = at::empty({kGspoTotals}, opts);
+  g.sums = new_empty({n_docs, kGspoSums}, opts);
+  g.fields = new_empty({n_docs, kGspoDocFields}, opts);
+  g.ratios = new_empty({n_docs}, opts);
+  g.totals = new_empty({kGspoTotals}, opts);
   backend.documents(g);
-  if (g.opt.entropy_coefficient != 0) g.entropy_h = at::empty({f.n_rows}, opts);
-  g.token_out = at::empty({f.n_rows, kGspoTokenFields}, opts);
-  g.coef = at::empty({f.n_rows}, opts);
+  if (g.opt.entropy_coefficient != 0) g.entropy_h = new_empty({f.n_rows}, opts);
+  g.token_out = new_empty({f.n_rows, kGspoTokenFields}, opts);
+  g.coef = new_empty({f.n_rows}, opts);
   backend.tokens(g);
 
   // Pass 2: the gradient.
