@@ -215,6 +215,29 @@ at::Tensor new_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
   return at::empty(sizes, options);
 }
 
+std::vector<at::Tensor> new_scratch(const at::TensorOptions& options,
+                                    std::initializer_list<std::initializer_list<int64_t>> shapes) {
+  const int64_t align = std::max<int64_t>(1, 64 / static_cast<int64_t>(options.dtype().itemsize()));
+  std::vector<int64_t> offsets;
+  offsets.reserve(shapes.size());
+  int64_t total = 0;
+  for (const auto& shape : shapes) {
+    offsets.push_back(total);
+    total += (c10::multiply_integers(shape) + align - 1) / align * align;
+  }
+  const at::Tensor all = new_empty({total}, options);
+  std::vector<at::Tensor> pieces;
+  pieces.reserve(shapes.size());
+  for (const auto& shape : shapes) {
+    // A tensor over the buffer's storage made directly, as a view would be but without the dispatcher.
+    at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(all.storage()), all.key_set(), all.dtype());
+    t.unsafeGetTensorImpl()->set_storage_offset(offsets[pieces.size()]);
+    t.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+    pieces.push_back(std::move(t));
+  }
+  return pieces;
+}
+
 at::Tensor labelled_count(const at::Tensor& target1d, at::ScalarType dtype) {
   at::Tensor out = new_empty({}, target1d.options().dtype(dtype));
 #ifdef RL_LOSSES_WITH_CUDA

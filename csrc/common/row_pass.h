@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -359,6 +360,11 @@ struct PolicyScalarPtrs {
 // whole). A call's small outputs and scratch buffers, a dozen and more per policy op, are most of its allocations
 // (checks.cpp).
 at::Tensor new_empty(at::IntArrayRef sizes, const at::TensorOptions& options);
+// Scratch buffers of one dtype and device that live as long as the call and never leave it, in one allocation
+// (new_empty): each a contiguous tensor over its own piece, starting on a 64-byte boundary. (A returned output stays
+// a tensor of its own: a custom op's outputs must not alias one another.)
+std::vector<at::Tensor> new_scratch(const at::TensorOptions& options,
+                                    std::initializer_list<std::initializer_list<int64_t>> shapes);
 
 struct PolicyScalarOutputs {
   at::Tensor t[kPolicyScalars];
