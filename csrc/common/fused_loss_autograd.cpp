@@ -1,4 +1,4 @@
-// Autograd (and no-autograd) kernels of the public loss ops (kLosses and kLinearLosses below).
+// Autograd (and no-autograd) kernels of the public loss ops (kLosses and kLinearLosses).
 //
 // The three share one shape, so they share one kernel, written once over the op's schema:
 //   * the only differentiable input is `logits` (argument 0) and the only differentiable output is the
@@ -12,7 +12,7 @@
 //     pre-scaled, and that output goes to `_scale_grad_` with the gradient.
 // Being boxed, the kernel finds inplace_backward and bias by name, and hands the public op's arguments on to
 // the forward op, whose schema registration.cpp builds from the same list; so a new loss with this shape needs no
-// autograd code at all: list it below.
+// autograd code at all: list it in kLosses.
 // Where no gradient is needed (no_grad, inference, inputs that do not require one), the forward op runs on the
 // caller's stack below autograd, as the no-autograd kernel does: an autograd Function with nothing to record
 // cost the host a node, its context and a pass over every output, which the policy ops' 13 outputs felt
@@ -66,9 +66,8 @@ struct LossOps {
   size_t n_args;         // the public op's
   size_t inplace_index;  // of inplace_backward
   c10::OperatorHandle forward, forward_inplace;
-  // The forward op's trailing outputs that are not the public op's: grad (not in place) and grad_row_unscale,
-  // where the forward op has it.
-  size_t forward_extra, inplace_extra;
+  // Whether each ends its outputs with grad_row_unscale (after grad, which the in-place one does not return).
+  bool row_unscale, inplace_row_unscale;
 };
 
 bool returns_row_unscale(const c10::OperatorHandle& op) {
@@ -82,8 +81,8 @@ LossOps find_loss_ops(const char* name) {
   TORCH_INTERNAL_ASSERT(idx.has_value(), schema.name(), " has no inplace_backward argument");
   const auto forward = find_op(("rl_losses::_" + std::string(name) + "_forward").c_str());
   const auto inplace = find_op(("rl_losses::_" + std::string(name) + "_forward_inplace").c_str());
-  return {name, schema.arguments().size(), *idx, forward, inplace,
-          size_t(1) + returns_row_unscale(forward), size_t(returns_row_unscale(inplace))};
+  return {name, schema.arguments().size(), *idx, forward, inplace, returns_row_unscale(forward),
+          returns_row_unscale(inplace)};
 }
 
 // The public op's arguments moved off the stack as the forward ops take them: logits first, inplace_backward
@@ -113,10 +112,9 @@ struct ForwardOutputs {
 // Calls the forward op with `args` (pop_forward_args').
 ForwardOutputs call_forward(const LossOps& ops, std::vector<c10::IValue> args, bool need_grad, bool inplace) {
   if (!inplace) args.emplace_back(need_grad);
-  const auto& op = inplace ? ops.forward_inplace : ops.forward;
   ForwardOutputs f;
-  f.out = call_boxed(op, std::move(args));
-  if (returns_row_unscale(op)) {
+  f.out = call_boxed(inplace ? ops.forward_inplace : ops.forward, std::move(args));
+  if (inplace ? ops.inplace_row_unscale : ops.row_unscale) {
     f.row_unscale = f.out.back();
     f.out.pop_back();
   }
@@ -163,7 +161,7 @@ void run_without_grad(const LossOps& ops, torch::jit::Stack* stack) {
   stack->erase(first + ops.inplace_index);
   stack->emplace_back(false);  // compute_grad
   ops.forward.callBoxed(stack);
-  torch::jit::drop(*stack, ops.forward_extra);
+  torch::jit::drop(*stack, ops.row_unscale ? 2 : 1);  // grad (an empty placeholder) and grad_row_unscale
 }
 
 template <size_t I>
