@@ -1,6 +1,7 @@
 """Where a tiny call's host time goes on this machine: per-call host time of the raw ops (forward + backward, and the
 forward alone under no_grad) beside PyTorch's smallest autograd step, an add_ and an empty, with CPU tensors and with
-CUDA tensors on the same host; then every CUDA runtime call one op call makes (CUPTI through torch.profiler).
+CUDA tensors on the same host (CPU tensors only where there is no GPU); then every CUDA runtime call one op call makes
+(CUPTI through torch.profiler).
 
     python3 benchmarks/host_breakdown.py
 """
@@ -45,6 +46,8 @@ def probes(device: str) -> dict:
     xd = x.detach().clone()
     t = torch.randint(0, 64, (8,), device=device)
     adv, old = torch.randn(8, device=device), torch.randn(8, device=device)
+    # Two documents of four rows; their count given, as a trainer knows it (no max() read back).
+    docs = torch.arange(8, device=device) // 4
 
     def no_grad(fn):
         def call():
@@ -54,9 +57,11 @@ def probes(device: str) -> dict:
 
     return {"ce_fb": lambda: ops.cross_entropy(x, t)[0].backward(),
             "grpo_fb": lambda: ops.grpo(x, t, adv, old)[0].backward(),
+            "gspo_fb": lambda: ops.gspo(x, t, adv, old, docs, num_documents=2)[0].backward(),
             "ce_no_grad": no_grad(lambda: ops.cross_entropy(xd, t)),
             "ce_sum_no_grad": no_grad(lambda: ops.cross_entropy(xd, t, reduction="sum")),
             "grpo_no_grad": no_grad(lambda: ops.grpo(xd, t, adv, old)),
+            "gspo_no_grad": no_grad(lambda: ops.gspo(xd, t, adv, old, docs, num_documents=2)),
             "torch_floor_fb": lambda: (x * 2).sum().backward(),
             "add_": lambda: xd.add_(1),
             "empty": lambda: torch.empty(8, device=device)}
@@ -75,13 +80,13 @@ def runtime_calls(fn, calls: int = 20) -> list[tuple[str, str, float, float]]:
 
 
 def main() -> None:
-    for device in ("cpu", "cuda"):
+    for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
         calls = probes(device)
         print(f"== {device}: host us/call (best of 3 rounds of 3000)")
         for name, fn in calls.items():
             print(f"  {name:18s} {host_us(fn, device):8.1f}")
         if device == "cuda":
-            for name in ("ce_no_grad", "grpo_no_grad", "ce_fb", "grpo_fb"):
+            for name in ("ce_no_grad", "grpo_no_grad", "gspo_no_grad", "ce_fb", "grpo_fb"):
                 print(f"-- {name}: calls per op call (x20 calls), mean us (profiled)")
                 for cat, op, per_call, us in runtime_calls(calls[name]):
                     print(f"  {cat:12s} {per_call:5.1f} x {us:7.2f} us  {op[:80]}")

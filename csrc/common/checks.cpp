@@ -1,5 +1,6 @@
 #include "common/checks.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/TensorUtils.h>
 
 #include <algorithm>
@@ -8,10 +9,18 @@
 #include "common/batch_invariant.h"
 #include "common/row_stats.h"
 #ifdef RL_LOSSES_WITH_CUDA
+#include <ATen/cuda/EmptyTensor.h>
+
 #include "common/cuda_backends.h"
 #endif
 
 namespace rl_losses {
+
+at::Tensor flat_contiguous(const at::Tensor& t, at::ScalarType dtype) {
+  // Already so (packed sequences): the tensor itself, without the three ATen calls' host time.
+  if (t.dim() == 1 && t.scalar_type() == dtype && t.is_contiguous()) return t;
+  return t.reshape({-1}).to(dtype).contiguous();
+}
 
 at::Tensor check_target(const char* op, const at::Tensor& target, const at::Tensor& input, const char* input_name) {
   TORCH_CHECK(target.defined() && at::isIntegralType(target.scalar_type(), /*includeBool=*/false), op,
@@ -25,7 +34,7 @@ at::Tensor check_target(const char* op, const at::Tensor& target, const at::Tens
   TORCH_CHECK(target.sizes() == batch, op, ": target has shape ", target.sizes(), " but ", input_name,
               " has batch shape ", batch, " (", input_name, " shape ", input.sizes(), ")");
   // int64 labels only in the kernels: converting an int32 target is O(N) and halves the compiled kernels.
-  return target.reshape({-1}).to(at::kLong).contiguous();
+  return flat_contiguous(target, at::kLong);
 }
 
 FlatLogits check_and_flatten(const char* op, const at::Tensor& logits, const at::Tensor& target,
@@ -91,7 +100,7 @@ at::Tensor check_per_token(const char* op, const char* name, const at::Tensor& t
               target.device());
   TORCH_CHECK(t.sizes() == target.sizes(), op, ": ", name, " has shape ", t.sizes(),
               " but target has shape ", target.sizes());
-  return t.reshape({-1}).to(dtype).contiguous();
+  return flat_contiguous(t, dtype);
 }
 
 at::Tensor check_per_token_int(const char* op, const char* name, const at::Tensor& t, const at::Tensor& target) {
@@ -102,7 +111,7 @@ at::Tensor check_per_token_int(const char* op, const char* name, const at::Tenso
               target.device());
   TORCH_CHECK(t.sizes() == target.sizes(), op, ": ", name, " has shape ", t.sizes(),
               " but target has shape ", target.sizes());
-  return t.reshape({-1}).to(at::kLong).contiguous();
+  return flat_contiguous(t, at::kLong);
 }
 
 at::Tensor check_loss_mask(const char* op, const at::Tensor& mask, const at::Tensor& like, const char* like_name,
@@ -120,7 +129,7 @@ at::Tensor check_label_counts(const char* op, const at::Tensor& t, const at::Ten
   TORCH_CHECK(t.device() == target.device() && t.sizes() == target.sizes(), op,
               ": label_counts must have the target's shape ", target.sizes(), " and device ", target.device(),
               ", got ", t.sizes(), " on ", t.device());
-  return t.reshape({-1}).to(dtype).contiguous();
+  return flat_contiguous(t, dtype);
 }
 
 void check_scale(const char* op, double scale) {
@@ -198,8 +207,39 @@ RowPassArgs make_row_pass_args(const FlatLogits& f, double logits_scale_factor) 
   return args;
 }
 
+at::Tensor new_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+#ifdef RL_LOSSES_WITH_CUDA
+  if (options.device().is_cuda()) return at::detail::empty_cuda(sizes, options);
+#endif
+  if (options.device().is_cpu()) return at::detail::empty_cpu(sizes, options);
+  return at::empty(sizes, options);
+}
+
+std::vector<at::Tensor> new_scratch(const at::TensorOptions& options,
+                                    std::initializer_list<std::initializer_list<int64_t>> shapes) {
+  const int64_t align = std::max<int64_t>(1, 64 / static_cast<int64_t>(options.dtype().itemsize()));
+  std::vector<int64_t> offsets;
+  offsets.reserve(shapes.size());
+  int64_t total = 0;
+  for (const auto& shape : shapes) {
+    offsets.push_back(total);
+    total += (c10::multiply_integers(shape) + align - 1) / align * align;
+  }
+  const at::Tensor all = new_empty({total}, options);
+  std::vector<at::Tensor> pieces;
+  pieces.reserve(shapes.size());
+  for (const auto& shape : shapes) {
+    // A tensor over the buffer's storage made directly, as a view would be but without the dispatcher.
+    at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(all.storage()), all.key_set(), all.dtype());
+    t.unsafeGetTensorImpl()->set_storage_offset(offsets[pieces.size()]);
+    t.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+    pieces.push_back(std::move(t));
+  }
+  return pieces;
+}
+
 at::Tensor labelled_count(const at::Tensor& target1d, at::ScalarType dtype) {
-  at::Tensor out = at::empty({}, target1d.options().dtype(dtype));
+  at::Tensor out = new_empty({}, target1d.options().dtype(dtype));
 #ifdef RL_LOSSES_WITH_CUDA
   if (target1d.is_cuda()) {
     labelled_count_cuda(target1d, out);
@@ -212,8 +252,8 @@ at::Tensor labelled_count(const at::Tensor& target1d, at::ScalarType dtype) {
 
 std::pair<at::Tensor, at::Tensor> labelled_count_and_constant(const at::Tensor& target1d, at::ScalarType dtype,
                                                               double constant) {
-  at::Tensor out = at::empty({}, target1d.options().dtype(dtype));
-  at::Tensor c = at::empty({}, out.options());
+  at::Tensor out = new_empty({}, target1d.options().dtype(dtype));
+  at::Tensor c = new_empty({}, out.options());
 #ifdef RL_LOSSES_WITH_CUDA
   if (target1d.is_cuda()) {
     labelled_count_and_constant_cuda(target1d, out, c, constant);
@@ -229,7 +269,7 @@ at::Tensor sum_1d(const at::Tensor& x) {
                         "rl_losses: sum_1d takes a contiguous 1-D floating tensor");
 #ifdef RL_LOSSES_WITH_CUDA
   if (x.is_cuda()) {
-    at::Tensor out = at::empty({}, x.options());
+    at::Tensor out = new_empty({}, x.options());
     sum_cuda(x, out);
     return out;
   }

@@ -24,6 +24,9 @@ struct FlatLogits {
   at::TensorOptions options;  // the logits' dtype and device
 };
 
+// `t` flattened to 1-D, contiguous, in `dtype` (a view of t where it can be).
+at::Tensor flat_contiguous(const at::Tensor& t, at::ScalarType dtype);
+
 // The labels: integer ids shaped like `input`'s batch dims (all but the last), on its device; returned
 // flattened, contiguous, int64.
 at::Tensor check_target(const char* op, const at::Tensor& target, const at::Tensor& input, const char* input_name);

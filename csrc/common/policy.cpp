@@ -185,7 +185,7 @@ SequenceIds sequence_ids(const char* op, const std::optional<at::Tensor>& docume
                     d.device() == target.device(),
                 op, ": document_index must be an integer tensor shaped like target ", target.sizes(), " on ",
                 target.device(), ", got ", d.scalar_type(), " ", d.sizes(), " on ", d.device());
-    s.ids = d.reshape({-1}).to(at::kLong).contiguous();
+    s.ids = flat_contiguous(d, at::kLong);
     s.count = document_count(op, s.ids, num_documents);  // CUDA: ids >= count assert in GrpoSequenceTerms
     return s;
   }

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -353,10 +354,22 @@ template <typename acc_t>
 struct PolicyScalarPtrs {
   acc_t* p[kPolicyScalars];
 };
+
+// at::empty(sizes, options) without the trip through the dispatcher (at::detail::empty_cpu / empty_cuda; the
+// fill of uninitialised memory under torch.use_deterministic_algorithms is left out: for buffers the call writes
+// whole). A call's small outputs and scratch buffers, a dozen and more per policy op, are most of its allocations
+// (checks.cpp).
+at::Tensor new_empty(at::IntArrayRef sizes, const at::TensorOptions& options);
+// Scratch buffers of one dtype and device that live as long as the call and never leave it, in one allocation
+// (new_empty): each a contiguous tensor over its own piece, starting on a 64-byte boundary. (A returned output stays
+// a tensor of its own: a custom op's outputs must not alias one another.)
+std::vector<at::Tensor> new_scratch(const at::TensorOptions& options,
+                                    std::initializer_list<std::initializer_list<int64_t>> shapes);
+
 struct PolicyScalarOutputs {
   at::Tensor t[kPolicyScalars];
   explicit PolicyScalarOutputs(const at::TensorOptions& options) {
-    for (auto& x : t) x = at::empty({}, options);
+    for (auto& x : t) x = new_empty({}, options);
   }
   template <typename acc_t>
   PolicyScalarPtrs<acc_t> ptrs() const {

@@ -34,7 +34,7 @@ LogitsSource::LogitsSource(const char* op, const at::Tensor& logits, const at::T
                            int64_t vocab_size, bool compute_grad, bool inplace, bool scaled_later)
     : RowSource(op, check_and_flatten(op, logits, target, vocab_start, vocab_size), compute_grad || inplace) {
   const bool prescaled = scaled_later && (compute_grad || inplace) && logits.scalar_type() == at::kHalf;
-  grad_row_unscale_ = at::empty({prescaled ? f_.n_rows : 0}, logits.options().dtype(at::kFloat));
+  grad_row_unscale_ = new_empty({prescaled ? f_.n_rows : 0}, logits.options().dtype(at::kFloat));
   if (inplace) {
     TORCH_CHECK(f_.is_view, op, ": inplace_backward needs logits whose batch dimensions flatten to one row ",
                 "stride (got shape ", logits.sizes(), ", strides ", logits.strides(), ")");
@@ -52,7 +52,7 @@ LogitsSource::LogitsSource(const char* op, const at::Tensor& logits, const at::T
     advise_huge_pages(grad2d_);
     grad_ = grad2d_.view(logits.sizes());
   } else {
-    grad_ = at::empty({0}, logits.options());
+    grad_ = new_empty({0}, logits.options());
   }
 }
 

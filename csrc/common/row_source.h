@@ -40,7 +40,7 @@ class RowSource {
   // A per-row output of the accumulation dtype that the op's epilogue fills: zeros where the source skips
   // rows, uninitialised otherwise.
   at::Tensor row_outputs(at::IntArrayRef sizes) const {
-    return skips_unlabelled_ ? at::zeros(sizes, acc_options()) : at::empty(sizes, acc_options());
+    return skips_unlabelled_ ? at::zeros(sizes, acc_options()) : new_empty(sizes, acc_options());
   }
 
   // Runs `pass` over every row, chunk by chunk. With `with_grad`, each pass writes dL/dlogits of its rows

@@ -77,6 +77,20 @@ const int* Args::positions(const char* const* names, size_t n, bool returns) con
   return it->second.data();
 }
 
+const int* PositionCache::add(const Args& args, const char* const* names, size_t n, bool returns) {
+  const int* positions = args.positions(names, n, returns);
+  std::lock_guard<std::mutex> lock(mutex_);
+  const size_t used = used_.load(std::memory_order_relaxed);
+  for (size_t i = 0; i < used; ++i) {
+    if (slots_[i].schema == &args.schema()) return positions;
+  }
+  if (used < kSlots) {
+    slots_[used] = {&args.schema(), positions};
+    used_.store(used + 1, std::memory_order_release);
+  }
+  return positions;
+}
+
 c10::IValue& Args::arg(const char* name) {
   const auto i = schema_.argumentIndexWithName(name);
   if (!i) missing_argument(*this, name);

@@ -15,8 +15,10 @@
 #include <ATen/core/stack.h>
 
 #include <array>
+#include <atomic>
 #include <iterator>
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -129,6 +131,30 @@ class Args {
   std::vector<c10::IValue> results_;
 };
 
+// One group's positions in each schema that reads it (a group is read by a few ops): a short list read without a
+// lock on every call, appended to on an op's first call (Args::positions, whose map and lock serve beyond it).
+class PositionCache {
+ public:
+  const int* get(const Args& args, const char* const* names, size_t n, bool returns) {
+    const size_t used = used_.load(std::memory_order_acquire);
+    for (size_t i = 0; i < used; ++i) {
+      if (slots_[i].schema == &args.schema()) return slots_[i].positions;
+    }
+    return add(args, names, n, returns);
+  }
+
+ private:
+  const int* add(const Args& args, const char* const* names, size_t n, bool returns);
+  struct Slot {
+    const c10::FunctionSchema* schema;
+    const int* positions;
+  };
+  static constexpr size_t kSlots = 16;
+  Slot slots_[kSlots] = {};
+  std::atomic<size_t> used_{0};  // slots_[i] for i < used_ are written (release/acquire)
+  std::mutex mutex_;
+};
+
 // A call of an op from C++ (an autograd kernel calling its forward and backward ops): arguments set by name, or all
 // of them passed on from a public op whose `_forward` op takes the same list; results read by name.
 class Call {
@@ -191,7 +217,8 @@ inline void take(c10::IValue& v, OutputMask& out) {
     LIST(RL_LOSSES_GROUP_FIELD)                                                                      \
     static constexpr const char* kNames[] = {LIST(RL_LOSSES_GROUP_NAME)};                            \
     void read(::rl_losses::schema::Args& args) {                                                     \
-      const int* pos = args.positions(kNames, std::size(kNames), false);                             \
+      static ::rl_losses::schema::PositionCache cache;                                               \
+      const int* pos = cache.get(args, kNames, std::size(kNames), false);                            \
       LIST(RL_LOSSES_GROUP_READ)                                                                     \
     }                                                                                                \
   };
@@ -202,7 +229,8 @@ inline void take(c10::IValue& v, OutputMask& out) {
     LIST(RL_LOSSES_GROUP_FIELD)                                                                      \
     static constexpr const char* kNames[] = {LIST(RL_LOSSES_GROUP_NAME)};                            \
     void write(::rl_losses::schema::Args& args) const {                                              \
-      const int* pos = args.positions(kNames, std::size(kNames), true);                              \
+      static ::rl_losses::schema::PositionCache cache;                                               \
+      const int* pos = cache.get(args, kNames, std::size(kNames), true);                             \
       LIST(RL_LOSSES_GROUP_WRITE)                                                                    \
     }                                                                                                \
   };

@@ -79,20 +79,20 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
     q.rollout_log_probs = rollout;
     q.advantages = rows.advantages;
     q.sequence_rollout = sequence_rollout;
-    q.safe_sequence = at::empty({f.n_rows}, opts.dtype(at::kLong));
-    q.terms = at::empty({f.n_rows, kSeqSums}, opts);
-    q.sums = at::empty({seq.count, kSeqSums}, opts);
-    if (sequence_rollout) rows.sequence_log_rho = at::empty({f.n_rows}, opts);
+    q.safe_sequence = new_empty({f.n_rows}, opts.dtype(at::kLong));
+    q.terms = new_empty({f.n_rows, kSeqSums}, opts);
+    q.sums = new_empty({seq.count, kSeqSums}, opts);
+    if (sequence_rollout) rows.sequence_log_rho = new_empty({f.n_rows}, opts);
     if (vespo) {
-      rows.vespo_phi = at::empty({f.n_rows}, opts);
-      rows.sequence_share = at::empty({f.n_rows}, opts);
+      rows.vespo_phi = new_empty({f.n_rows}, opts);
+      rows.sequence_share = new_empty({f.n_rows}, opts);
     }
     backend.sequences(q, rows);
   }
   if (cov_loss_type(opt.loss_type)) {
     // clip_cov's / kl_cov's subset, from every labelled token's log-prob (docs/policy_losses.md).
     statistics_first();
-    at::Tensor lp = at::empty({f.n_rows}, opts);
+    at::Tensor lp = new_empty({f.n_rows}, opts);
     backend.log_probs(args.stats_in, f.target1d, lp);
     rows.cov_selected = cov_selection(a.policy, opt, lp, rows.old_log_probs.defined() ? rows.old_log_probs : lp,
                                       rows.advantages, f.target1d.ge(0));

@@ -10,13 +10,10 @@ namespace rl_losses {
 
 namespace {
 
-// GspoTokenTerms over every token, then their sums per document (this rank's): g.local_sums.
+// GspoTokenTerms over every token, then their sums per document (this rank's): into g.terms and g.local_sums,
+// allocated by the caller.
 void sum_document_terms(GspoState& g, const GspoBackend& backend) {
-  const auto opts = g.advantages.options();
-  const int64_t n = g.target.numel();
-  g.safe_document = at::empty({n}, g.document.options());
-  g.terms = at::empty({n, kGspoSums}, opts);
-  g.local_sums = at::empty({g.num_documents, kGspoSums}, opts);
+  g.safe_document = new_empty({g.target.numel()}, g.document.options());
   backend.token_terms(g);
 }
 
@@ -63,6 +60,8 @@ at::Tensor gspo_document_sums(const DocumentSumsArgs& a, const GspoBackend& back
   g.document = check_per_token_int(op, "document_index", a.document_index, target);
   g.label_counts = check_label_counts(op, a.label_counts, target, acc);
   set_policy_inputs(op, g, a.ref_log_probs, a.rollout_log_probs, a.policy, target, acc);
+  g.terms = new_empty({target.numel(), kGspoSums}, g.advantages.options());
+  g.local_sums = new_empty({g.num_documents, kGspoSums}, g.advantages.options());
   sum_document_terms(g, backend);
   return g.local_sums;
 }
@@ -132,17 +131,23 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
   // Between the passes, a fixed few launches of O(N + S) work (on a GPU each costs 2-3 us, which small
   // shapes feel): the per-token log-probs and document terms, their sums per document, each document's ratio
   // and metrics and their totals (with D), then each token's loss share and gradient coefficient.
-  g.log_probs = at::empty({f.n_rows}, opts);
-  if (a.compute_entropy || g.opt.entropy_coefficient != 0) g.entropy = at::empty({f.n_rows}, opts);
+  // The steps' buffers that no result returns, in one allocation.
+  const std::vector<at::Tensor> scratch =
+      new_scratch(opts, {{f.n_rows, kGspoSums}, {n_docs, kGspoSums}, {n_docs, kGspoSums}, {n_docs, kGspoDocFields},
+                         {kGspoTotals}, {f.n_rows, kGspoTokenFields}, {f.n_rows}});
+  g.terms = scratch[0];
+  g.local_sums = scratch[1];
+  g.sums = scratch[2];
+  g.fields = scratch[3];
+  g.totals = scratch[4];
+  g.token_out = scratch[5];
+  g.coef = scratch[6];
+  g.log_probs = new_empty({f.n_rows}, opts);
+  if (a.compute_entropy || g.opt.entropy_coefficient != 0) g.entropy = new_empty({f.n_rows}, opts);
   sum_document_terms(g, backend);
-  g.sums = at::empty({n_docs, kGspoSums}, opts);
-  g.fields = at::empty({n_docs, kGspoDocFields}, opts);
-  g.ratios = at::empty({n_docs}, opts);
-  g.totals = at::empty({kGspoTotals}, opts);
+  g.ratios = new_empty({n_docs}, opts);
   backend.documents(g);
-  if (g.opt.entropy_coefficient != 0) g.entropy_h = at::empty({f.n_rows}, opts);
-  g.token_out = at::empty({f.n_rows, kGspoTokenFields}, opts);
-  g.coef = at::empty({f.n_rows}, opts);
+  if (g.opt.entropy_coefficient != 0) g.entropy_h = new_empty({f.n_rows}, opts);
   backend.tokens(g);
 
   // Pass 2: the gradient.

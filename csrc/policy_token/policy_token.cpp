@@ -35,7 +35,7 @@ PolicyTokenResults policy_token_loss(const PolicyTokenArgs& a, PolicyTokenKernel
   in.opt = make_policy_options(op, a.policy, nullptr, &a.clip, a.beta, a.rollout_log_probs.has_value());
   const auto acc = acc_dtype(log_probs.scalar_type());
   // check_per_token compares shapes and devices with its reference tensor: here the log-probs.
-  in.log_probs = log_probs.reshape({-1}).to(acc).contiguous();
+  in.log_probs = flat_contiguous(log_probs, acc);
   if (a.old_log_probs) in.old_log_probs = check_per_token(op, "old_log_probs", *a.old_log_probs, log_probs, acc);
   in.advantages = check_per_token(op, "advantages", broadcast_per_sequence(a.advantages, log_probs), log_probs, acc);
   if (a.ref_log_probs) in.ref_log_probs = check_per_token(op, "ref_log_probs", *a.ref_log_probs, log_probs, acc);
@@ -50,7 +50,7 @@ PolicyTokenResults policy_token_loss(const PolicyTokenArgs& a, PolicyTokenKernel
                                     in.old_log_probs.defined() ? in.old_log_probs : in.log_probs, in.advantages, mask);
   }
   const auto opts = log_probs.options().dtype(acc);
-  for (int k = 0; k < kPolicyTokenOutputs; ++k) in.out.push_back(at::empty(log_probs.sizes(), opts));
+  for (int k = 0; k < kPolicyTokenOutputs; ++k) in.out.push_back(new_empty(log_probs.sizes(), opts));
   if (log_probs.numel() > 0) kernel(in);
   PolicyTokenResults r;
   r.loss = in.out[kPtLoss];
