@@ -288,6 +288,31 @@ def test_linear_forms(device, op):
     assert_close(weight.grad, ww.grad, torch.float64)
 
 
+@requires_cuda
+def test_top_k_room_only_where_top_k_acts():
+    """The CUDA selection's room for top_k's candidates (32768 logits per block) is allocated only where top_k may
+    act: top_p and min_p alone, or top_k given as the number 0, take none; the kept sets stay the reference's."""
+    n, vocab = 64, 1000
+    unlabelled = torch.full((n,), -1)
+    room = n * 32768 * 2  # bf16, a block per row at this size
+    for o, has_room in [(dict(top_p=0.9), False), (dict(min_p=0.05, top_k=0), False), (dict(top_k=10), True),
+                        (dict(top_k=torch.tensor([0] * n), top_p=0.9), True)]:
+        for _ in range(50):  # rows whose kept sets do not sit on a rounding edge
+            x = (torch.randn(n, vocab, dtype=torch.float64) * 2).to(torch.bfloat16).double()
+            keep = kept(x, unlabelled, **o)
+            if all(torch.equal(keep, kept(x, unlabelled, **_moved(o, f))) for f in (0.999, 1.001)):
+                break
+        logits = x.to("cuda", torch.bfloat16)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        rl_losses.token_log_probs(logits, torch.zeros(n, dtype=torch.long, device="cuda"), **o)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - start
+        assert (extra >= room) == has_room, (o, extra)
+        _check_kept_set("cuda", torch.bfloat16, x, keep, {k: torch.as_tensor(v) for k, v in o.items()}, scale=10)
+
+
 def test_options_off_change_nothing(device):
     # top_k = 0, top_p = 1 and min_p = 0 (as numbers) filter nothing: the plain op's bits.
     logits = torch.randn(9, 50, device=device)

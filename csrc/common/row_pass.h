@@ -58,6 +58,9 @@ struct RowPassArgs {
   // gradient.
   at::Tensor sampler_params;
   at::Tensor logit_floor;
+  // Whether a row's top_k may act (given, and not as the number 0): the CUDA selection's room for top_k's
+  // candidates is allocated only then.
+  bool sampler_top_k = false;
   // The batch-invariant mode (common/batch_invariant.h), read once per call: each row reduced in one order,
   // whatever the batch and the pass shape (the CUDA back-end's kernel choice; the CPU's is already so).
   bool batch_invariant = false;

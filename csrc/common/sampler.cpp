@@ -107,21 +107,26 @@ void sampler_floor_cpu(const RowPassArgs& args, const at::Tensor& params, const 
 
 }  // namespace
 
-at::Tensor sampler_params(const char* op, const SamplerArgs& a, const at::Tensor& target, int64_t n_rows,
-                          const at::TensorOptions& device, bool row_stats_given) {
-  if (!a.top_k && !a.top_p && !a.min_p) return {};
+void set_sampler_params(RowPassArgs& args, const char* op, const SamplerArgs& a, const at::Tensor& target,
+                        int64_t n_rows, const at::TensorOptions& device, bool row_stats_given) {
+  args.sampler_params = at::Tensor();
+  args.sampler_top_k = false;
+  if (!a.top_k && !a.top_p && !a.min_p) return;
   // Options given as numbers (0-dim CPU tensors of the right kind) that filter nothing cost nothing.
   auto off = [](const OptTensor& t, bool integral, double value) {
     return !t || (t->dim() == 0 && t->is_cpu() && integral == at::isIntegralType(t->scalar_type(), false) &&
                   t->item<double>() == value);
   };
-  if (off(a.top_k, true, 0) && off(a.top_p, false, 1) && off(a.min_p, false, 0)) return {};
+  const bool top_k_off = off(a.top_k, true, 0);
+  if (top_k_off && off(a.top_p, false, 1) && off(a.min_p, false, 0)) return;
   TORCH_CHECK(!row_stats_given, op, ": top_k, top_p and min_p need each row's whole vocabulary; they are not ",
               "available with row_stats (tensor parallelism)");
   const at::Tensor k = sampler_column(op, "top_k", a.top_k, target, n_rows, true, 0, 1e9, false, 0.f);
   const at::Tensor p = sampler_column(op, "top_p", a.top_p, target, n_rows, false, 0, 1, true, 1.f);
   const at::Tensor m = sampler_column(op, "min_p", a.min_p, target, n_rows, false, 0, 1, false, 0.f);
-  return at::stack({k.to(device.device()), p.to(device.device()), m.to(device.device())}, 1).contiguous();
+  const auto on_device = [&](const at::Tensor& t) { return t.to(device.device()); };
+  args.sampler_params = at::stack({on_device(k), on_device(p), on_device(m)}, 1).contiguous();
+  args.sampler_top_k = !top_k_off;
 }
 
 at::Tensor sampler_floor(const char* op, const RowPassArgs& args, const at::Tensor& params) {

@@ -28,13 +28,13 @@ struct SamplerArgs;
 // tensor of the call's rows, in this order.
 enum SamplerColumn : int { kSamplerTopK = 0, kSamplerTopP, kSamplerMinP, kSamplerColumns };
 
-// The per-row options of a call, validated: (N, 3) fp32 on the logits' device, or undefined where no option is
-// given (no filtering, no cost).
-// `row_stats_given`: the call's statistics come from elsewhere (tensor parallelism), which the options refuse.
-at::Tensor sampler_params(const char* op, const SamplerArgs& a, const at::Tensor& target, int64_t n_rows,
-                          const at::TensorOptions& device, bool row_stats_given);
-
 struct RowPassArgs;
+// The per-row options of a call, validated, into args.sampler_params: (N, 3) fp32 on the logits' device, or
+// undefined where no option is given (no filtering, no cost); and args.sampler_top_k: whether top_k may act.
+// `row_stats_given`: the call's statistics come from elsewhere (tensor parallelism), which the options refuse.
+void set_sampler_params(RowPassArgs& args, const char* op, const SamplerArgs& a, const at::Tensor& target,
+                        int64_t n_rows, const at::TensorOptions& device, bool row_stats_given);
+
 // (rows,) of the accumulation dtype: each row's floor (−inf: nothing filtered), for the rows of args.logits, whose
 // options are rows `args.row_index` (or row_offset + r) of `params`. Refuses a vocabulary shard: the kept set
 // needs the whole row.

@@ -47,7 +47,7 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   rows.entropy = a.compute_entropy || opt.entropy_coefficient != 0;
 
   RowPassArgs args = make_row_pass_args(f, a.logits_scale_factor);
-  args.sampler_params = sampler_params(op, a.sampler, target, f.n_rows, opts, row_stats.has_value());
+  set_sampler_params(args, op, a.sampler, target, f.n_rows, opts, row_stats.has_value());
   if (row_stats) args.stats_in = *row_stats;
   args.entropy = rows.entropy && !row_stats;
   // The statistics as a pass of their own (one more read of the logits, as GSPO's) where a step before the loss

@@ -118,7 +118,7 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
 
   // Pass 1: row statistics (unless given, e.g. all-reduced over the tensor-parallel group).
   RowPassArgs args = make_row_pass_args(f, a.logits_scale_factor);
-  args.sampler_params = sampler_params(op, a.sampler, target, f.n_rows, opts, row_stats.has_value());
+  set_sampler_params(args, op, a.sampler, target, f.n_rows, opts, row_stats.has_value());
   if (row_stats) {
     g.stats = *row_stats;
   } else {

@@ -17,7 +17,7 @@ TokenLogProbsForward token_log_probs_forward(RowSource& src, const at::Tensor& t
   TokenLogProbsRows rows{src.row_outputs({f.n_rows}), compute_entropy ? src.row_outputs({f.n_rows}) : at::Tensor(),
                          row_stats ? at::Tensor() : src.row_outputs({f.n_rows, RowStats<float>::kFields})};
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
-  args.sampler_params = sampler_params(op, a.sampler, target, f.n_rows, opts, row_stats.has_value());
+  set_sampler_params(args, op, a.sampler, target, f.n_rows, opts, row_stats.has_value());
   if (row_stats) args.stats_in = *row_stats;
   args.entropy = compute_entropy;
   if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.forward(a, rows); });
@@ -43,7 +43,7 @@ void token_log_probs_backward(RowSource& src, const at::Tensor& target, const To
   }
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
   // The same floors as the forward's: computed again from the same logits.
-  args.sampler_params = sampler_params(op, sampler, target, f.n_rows, src.acc_options(), false);
+  set_sampler_params(args, op, sampler, target, f.n_rows, src.acc_options(), false);
   args.stats_in = upstream.stats;
   if (f.n_rows > 0) src.run(args, true, [&](RowPassArgs& a) { backend.backward(a, grads); });
 }
