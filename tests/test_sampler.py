@@ -306,7 +306,8 @@ def test_top_k_room_only_where_top_k_acts():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
-        rl_losses.token_log_probs(logits, torch.zeros(n, dtype=torch.long, device="cuda"), **o)
+        on_gpu = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in o.items()}
+        rl_losses.token_log_probs(logits, torch.zeros(n, dtype=torch.long, device="cuda"), **on_gpu)
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - start
         assert (extra >= room) == has_room, (o, extra)
