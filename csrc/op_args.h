@@ -171,7 +171,7 @@
 #define RL_LOSSES_DOCUMENT_SUMS_RESULTS(X) X(at::Tensor, document_sums, )
 
 // ---- policy_token_loss: the per-token policy loss from per-token log-probs -------------------------------------
-// Every tensor is positional: torch.library.register_autograd (rl_losses/policy_token.py) needs them so.
+// Every tensor is positional, as callers of torch.ops.rl_losses.policy_token_loss pass them.
 #define RL_LOSSES_POLICY_TOKEN_INPUT(X) \
   X(at::Tensor, log_probs, )            \
   X(OptTensor, old_log_probs, )         \

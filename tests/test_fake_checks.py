@@ -210,7 +210,7 @@ def _bad_inputs():
         # policy_token_loss
         ("token_int", lambda d: token(d, log_probs=_z(d, 4, **long)), "log_probs must be a floating-point tensor"),
         ("token_vespo", lambda d: token(d, loss_type="vespo"),
-         "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'gpg', 'dro', 'dppo_tv', 'dppo_kl', 'clip_cov' or 'kl_cov'"),
+         "loss_type 'vespo' weighs a token by the rest of its sequence, which only the fused ops"),
         ("token_sequence", lambda d: token(d, rollout_log_probs=_z(d, 4), rollout_correction="sequence_mask"),
          "rollout_correction must be None, 'token_truncate' or 'token_mask'"),
         ("token_beta", lambda d: token(d, beta=0.5), "policy_token_loss: beta = 0.5 > 0 needs ref_log_probs"),

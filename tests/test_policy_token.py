@@ -136,9 +136,10 @@ BAD = [
     (dict(loss_mask=torch.ones(3, 5)), "loss_mask must be a bool or integer tensor, got Float"),
     (dict(loss_mask=torch.ones(3, 4, dtype=torch.bool)), "loss_mask has shape [3, 4] but log_probs has shape [3, 5]"),
     (dict(beta=0.5), "beta = 0.5 > 0 needs ref_log_probs"),
-    (dict(loss_type="vanilla"), "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'gpg', 'dro', 'dppo_tv', 'dppo_kl', "
-                                "'clip_cov' or 'kl_cov' (sequence-level loss types are the fused ops'), got 'vanilla'"),
-    (dict(loss_type="vespo"), "(sequence-level loss types are the fused ops'), got 'vespo'"),
+    (dict(loss_type="vanilla"), "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'vespo', 'gpg', 'dro', 'dppo_tv', "
+                                "'dppo_kl', 'geo_mean', 'clip_cov' or 'kl_cov', got 'vanilla'"),
+    (dict(loss_type="vespo"), "loss_type 'vespo' weighs a token by the rest of its sequence, which only the fused ops"),
+    (dict(loss_type="geo_mean"), "loss_type 'geo_mean' weighs a token by the rest of its sequence"),
     (dict(loss_type="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be a finite value > 0, got 0"),
     (dict(kl_estimator="k4"), "kl_estimator must be 'k1', 'k2' or 'k3', got 'k4'"),
     (dict(rollout_correction="sequence_mask"), "rollout_correction must be None, 'token_truncate' or 'token_mask'"),

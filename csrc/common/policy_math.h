@@ -19,6 +19,8 @@ namespace rl_losses {
 // off-policy may overflow to inf, and its gradient must still be finite.
 enum PolicyLossType : int { kPpoClip = 0, kCispo = 1, kSapo = 2, kVespo = 3, kGpg = 4, kDro = 5, kDppoTv = 6,
                              kDppoKl = 7, kGeoMean = 8, kClipCov = 9, kKlCov = 10 };
+// The loss types whose token loss reads the rest of its sequence (VESPO's weight, GMPO's mean): the fused ops' alone.
+C10_HOST_DEVICE inline bool sequence_loss_type(int loss_type) { return loss_type == kVespo || loss_type == kGeoMean; }
 enum KlEstimator : int { kKlK1 = 1, kKlK2 = 2, kKlK3 = 3 };
 enum RolloutMode : int { kRolloutNone = 0, kRolloutTruncate = 1, kRolloutMask = 2 };
 

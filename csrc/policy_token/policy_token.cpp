@@ -6,8 +6,6 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
-#include <string>
-
 #include "common/checks.h"
 
 namespace rl_losses {
@@ -18,21 +16,16 @@ PolicyTokenResults policy_token_loss(const PolicyTokenArgs& a, PolicyTokenKernel
   TORCH_CHECK(at::isFloatingType(log_probs.scalar_type()), op, ": log_probs must be a floating-point tensor, got ",
               log_probs.scalar_type());
   check_clip(op, a.clip, a.beta, a.ref_log_probs.has_value());
-  // Loss types whose token loss depends on the rest of its sequence are the fused ops' alone: named here, so that
-  // a loss type added to the shared options is not taken elementwise unless it is elementwise.
-  const std::string& loss_type = a.policy.loss_type;
-  // clip_cov and kl_cov read the whole batch's statistics, which the op has (its log-probs are every token's).
-  TORCH_CHECK(loss_type == "ppo_clip" || loss_type == "cispo" || loss_type == "sapo" || loss_type == "gpg" ||
-                  loss_type == "dro" || loss_type == "dppo_tv" || loss_type == "dppo_kl" || loss_type == "clip_cov" ||
-                  loss_type == "kl_cov",
-              op, ": loss_type must be 'ppo_clip', 'cispo', 'sapo', 'gpg', 'dro', 'dppo_tv', 'dppo_kl', 'clip_cov' or "
-              "'kl_cov' (sequence-level loss types are the fused ops'), got '", loss_type, "'");
   // The sequence-level modes need every token of a sequence: the fused ops have them, an elementwise op not.
   TORCH_CHECK(!sequence_level_rollout(a.policy), op, ": rollout_correction must be None, 'token_truncate' or "
               "'token_mask' (the sequence-level modes are the fused ops'), got '", a.policy.rollout_correction.value_or(""),
               "'");
   PolicyTokenInputs in;
   in.opt = make_policy_options(op, a.policy, nullptr, &a.clip, a.beta, a.rollout_log_probs.has_value());
+  // VESPO and GMPO read whole sequences; clip_cov and kl_cov the whole batch's statistics, which the op has (its
+  // log-probs are every token's).
+  TORCH_CHECK(!sequence_loss_type(in.opt.loss_type), op, ": loss_type '", a.policy.loss_type, "' weighs a token by the ",
+              "rest of its sequence, which only the fused ops (grpo, gspo) read");
   const auto acc = acc_dtype(log_probs.scalar_type());
   // check_per_token compares shapes and devices with its reference tensor: here the log-probs.
   in.log_probs = flat_contiguous(log_probs, acc);

@@ -26,9 +26,10 @@ _DTYPE_NAMES = {
 # csrc/common/checks.h: kMaxDocuments.
 MAX_DOCUMENTS = 1 << 31
 # The values the C++ checks accept (common/policy.cpp, common/checks.cpp).
-TOKEN_LOSS_TYPES = ("ppo_clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov")
-POLICY_LOSS_TYPES = (*TOKEN_LOSS_TYPES[:3], "vespo", *TOKEN_LOSS_TYPES[3:7], "geo_mean", *TOKEN_LOSS_TYPES[7:])
-TOKEN_LOG_PROB_LOSS_TYPES = TOKEN_LOSS_TYPES[3:]  # over each token's own log-probs: not GSPO's
+POLICY_LOSS_TYPES = ("ppo_clip", "cispo", "sapo", "vespo", "gpg", "dro", "dppo_tv", "dppo_kl", "geo_mean", "clip_cov",
+                     "kl_cov")
+SEQUENCE_LOSS_TYPES = ("vespo", "geo_mean")  # a token's loss reads its sequence: the fused ops' alone
+TOKEN_LOG_PROB_LOSS_TYPES = ("gpg", "dro", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov")  # not GSPO's
 ROLLOUT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 GSPO_WEIGHTINGS = ("document", "token")
@@ -336,8 +337,9 @@ def policy_options(op, a, *, fused: bool, clip: bool, sequence_ratio: bool = Fal
     _check(not sequence_ratio or loss_type not in TOKEN_LOG_PROB_LOSS_TYPES, op, "loss_type '", loss_type, "' weighs "
            "each token's own log-prob ratio, not a sequence's: use grpo (or policy_token_loss); gspo takes "
            "'ppo_clip', 'cispo', 'sapo', 'vespo' or 'geo_mean'")
-    _check(sequence_ratio or not clip or loss_type != "geo_mean", op, "loss_type '", loss_type, "' takes the geometric "
-           "mean of a sequence's clipped ratios: use gspo")
+    # check_token_ratio_loss_type: grpo's (fused, per-token ratio); policy_token_loss refuses it after this.
+    _check(sequence_ratio or not fused or loss_type != "geo_mean", op, "loss_type '", loss_type, "' takes the "
+           "geometric mean of a sequence's clipped ratios: use gspo")
 
 
 def cov_checks(op, a):

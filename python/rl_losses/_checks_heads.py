@@ -10,7 +10,7 @@ import torch
 from rl_losses._checks import (_check, _dt, _integral, _num, _shape, acc_dtype, check_beta, check_clip,
                                 check_divisor, check_epsilons, check_loss_mask, check_label_counts, check_num_documents, check_per_token,
                                 check_per_token_int, check_row_stats, check_scale, check_weighting, per_sequence,
-                                policy_options, sampler, sequence_level_rollout, TOKEN_LOSS_TYPES)
+                                policy_options, sampler, sequence_level_rollout, SEQUENCE_LOSS_TYPES)
 from rl_losses._schema import DISTILL_STATS
 
 # ---- distillation/distillation.cpp ---------------------------------------------------------------------------------
@@ -263,12 +263,11 @@ def policy_token(a):
     _check(log_probs.dtype.is_floating_point, op, "log_probs must be a floating-point tensor, got ",
            _dt(log_probs.dtype))
     check_clip(op, a)
-    _check(a["loss_type"] in TOKEN_LOSS_TYPES, op, "loss_type must be 'ppo_clip', 'cispo', 'sapo', 'gpg', 'dro', "
-           "'dppo_tv', 'dppo_kl', 'clip_cov' or 'kl_cov' (sequence-level loss types are the fused ops'), got '",
-           a["loss_type"], "'")
     _check(not sequence_level_rollout(a), op, "rollout_correction must be None, 'token_truncate' or 'token_mask' (the "
            "sequence-level modes are the fused ops'), got '", a["rollout_correction"] or "", "'")
     policy_options(op, a, fused=False, clip=True)
+    _check(a["loss_type"] not in SEQUENCE_LOSS_TYPES, op, "loss_type '", a["loss_type"], "' weighs a token by the "
+           "rest of its sequence, which only the fused ops (grpo, gspo) read")
     if a["old_log_probs"] is not None:
         check_per_token(op, "old_log_probs", a["old_log_probs"], log_probs)
     check_per_token(op, "advantages", per_sequence(a["advantages"], log_probs), log_probs)

@@ -34,27 +34,6 @@ class PolicyTokenOutput(NamedTuple):
     rollout_weight: torch.Tensor
 
 
-_SLOPE = _schema.results("policy_token_loss").index("grad_log_probs")
-_NOT_LOSS = tuple(i for i, name in enumerate(_schema.results("policy_token_loss")) if name != "loss")
-# One gradient (or None) per positional argument of the schema (the tensors): only log_probs has one.
-_NO_GRADS = (None,) * (sum(not a.kwarg_only for a in _schema.schema("policy_token_loss").arguments) - 1)
-
-
-def _setup_context(ctx, inputs, keyword_only_inputs, output):
-    ctx.input_dtype = inputs[0].dtype
-    ctx.save_for_backward(output[_SLOPE])
-    ctx.mark_non_differentiable(*(output[i] for i in _NOT_LOSS))  # the metrics come out detached
-
-
-def _backward(ctx, grad_loss, *_unused):
-    (slope,) = ctx.saved_tensors
-    grad = None if grad_loss is None else (grad_loss * slope).to(ctx.input_dtype)
-    return (grad,) + _NO_GRADS
-
-
-torch.library.register_autograd("rl_losses::policy_token_loss", _backward, setup_context=_setup_context)
-
-
 def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | None, advantages: torch.Tensor,
                       **options) -> PolicyTokenOutput:
     """Per-token policy loss from per-token log-probs (no aggregation: weigh and sum ``loss`` as you need).
@@ -78,7 +57,7 @@ def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | Non
 
 
 _RESULTS = _schema.getter("policy_token_loss", PolicyTokenOutput._fields)
-# ref_log_probs and rollout_log_probs are positional in the schema (register_autograd needs its tensors so) but
+# ref_log_probs and rollout_log_probs are positional in the schema (as callers of the op pass them) but
 # options here, as in the fused ops.
 _KEYWORDS = _schema.arguments("policy_token_loss") - {"log_probs", "old_log_probs", "advantages"}
 policy_token_loss.__signature__ = _schema.signature("policy_token_loss", keyword_only=_KEYWORDS,
