@@ -168,7 +168,10 @@ LinearSource::LinearSource(const char* op, const at::Tensor& hidden, const at::T
   if (options.weight_main_grad) main_grad_ = *options.weight_main_grad;
   if (bias) bias_ = *bias;
   const int64_t n = f_.n_rows, vocab = f_.vocab, hidden_size = hidden.size(-1), e = hidden.element_size();
-  const int64_t el = c10::elementSize(logits_dtype_);  // a logit's bytes in the budgets
+  // A logit's bytes in the budgets, in sixteenths: fp32 logits whose gradient is rounded also hold a sixteenth of
+  // their rows in the weight's dtype meanwhile (round_in_place).
+  const bool rounds = wants_grad_ && logits_dtype_ != weight.scalar_type();
+  const int64_t el16 = 16 * c10::elementSize(logits_dtype_) + (rounds ? e : 0);
   hidden_ = hidden.reshape({n, hidden_size}).contiguous();
   target_ = f_.target1d;
   m_ = n;
@@ -191,15 +194,16 @@ LinearSource::LinearSource(const char* op, const at::Tensor& hidden, const at::T
     // lean: blocks of as many logits as a chunk
     if (lean_ && chunk_rows_ < m_) block_cols_ = std::clamp<int64_t>(chunk_rows_ * vocab / m_, 1, vocab);
   } else if (!lean_) {
-    const int64_t max_rows = kFastLogitsBytes / (vocab * el);
+    const int64_t max_rows = kFastLogitsBytes * 16 / (vocab * el16);
     chunk_rows_ = part_size(m_, max_rows, max_rows >= 1024 ? 1024 : 128);
   } else {
     // What the budget leaves the logits after the statistics table and the gathered rows of hidden; a chunk of
     // rows also holds its grad_hidden rows before they are scattered.
     const int64_t gathered = rows_.defined() ? m_ * hidden_size * e : 0;
     const int64_t logits_bytes = std::max(kLeanBytes - m_ * RowStats<float>::kFields * 8 - gathered, kLeanBytes / 8);
-    chunk_rows_ = part_size(m_, logits_bytes / (vocab * el + (rows_.defined() ? hidden_size * e : 0)), 128);
-    if (chunk_rows_ < m_) block_cols_ = part_size(vocab, logits_bytes / (m_ * el), 128);
+    const int64_t row16 = vocab * el16 + (rows_.defined() ? 16 * hidden_size * e : 0);
+    chunk_rows_ = part_size(m_, logits_bytes * 16 / row16, 128);
+    if (chunk_rows_ < m_) block_cols_ = part_size(vocab, logits_bytes * 16 / (m_ * el16), 128);
   }
 
   const auto acc = hidden.options().dtype(acc_dtype(hidden.scalar_type()));

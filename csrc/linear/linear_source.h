@@ -31,7 +31,8 @@
 // "float32", a bf16/fp16 weight's GEMM 1 writes its fp32 sums (the bias added in fp32), the passes read them, and
 // the gradient they write is rounded once to the weight's dtype, in place (round_in_place), for GEMM 2 and GEMM 3,
 // whose operands share a dtype; grad_bias sums it before that rounding. The chunks then hold fewer rows: the
-// budgets count the logits' element. With a fp32 or fp64 weight both values are the weight's dtype.
+// budgets count the logits' element and the rounding's copy. With a fp32 or fp64 weight both values are the
+// weight's dtype.
 #pragma once
 
 #include <ATen/ATen.h>
