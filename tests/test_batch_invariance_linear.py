@@ -1,7 +1,8 @@
 """The batch-invariant mode of the fused lm_head (linear_* ops; docs/consistency.md): each row's outputs and
 grad_hidden row have the same bits whatever the batch, the chunk size and the strategy (every GEMM over rows takes
-the same number of rows: linear/linear_source.h, kInvariantGemmRows), the no-gradient log-probs equal the gradient
-path's, grad_weight repeats bit for bit from run to run, and the results still match the float64 reference."""
+the same number of rows: linear/linear_source.h, kInvariantGemmRows), with either head_dtype, the no-gradient
+log-probs equal the gradient path's, grad_weight repeats bit for bit from run to run, and the results still match
+the float64 reference."""
 import pytest
 import torch
 
@@ -15,7 +16,8 @@ from helpers_invariance import assert_rows_equal, case_id, leaf, row_inputs, sam
 # rows are 16-byte aligned and one whose rows are not.
 SHAPES = {"cpu": [(37, 48, 1001)], "cuda": [(1000, 256, 32000), (300, 128, 50257)]}
 CASES = [(d, *shape) for d in DEVICES for shape in SHAPES[d]]
-DTYPES = [torch.float32, torch.bfloat16]
+# (dtype, head_dtype): the logits in the weight's dtype, or bf16 operands with fp32 logits.
+PRECISIONS = [(torch.float32, "weight"), (torch.bfloat16, "weight"), (torch.bfloat16, "float32")]
 # Chunk sizes (None: the strategy's own) and strategies a row's bits must not depend on.
 LAYOUTS = [(None, "fast"), (7, "fast"), (16, "fast"), (9, "lean")]
 
@@ -50,31 +52,34 @@ LINEAR_OPS = {"linear_token_log_probs": linear_token_log_probs_rows, "linear_grp
               "linear_cross_entropy": linear_cross_entropy_rows}
 
 
-def layout_options(chunk_size, strategy):
-    return {"chunk_size": chunk_size, "strategy": strategy}
+def layout_options(chunk_size, strategy, head_dtype="weight"):
+    return {"chunk_size": chunk_size, "strategy": strategy, "head_dtype": head_dtype}
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 @pytest.mark.parametrize("op", list(LINEAR_OPS))
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_rows_do_not_depend_on_the_batch_or_the_chunks(case, op, dtype):
+def test_rows_do_not_depend_on_the_batch_or_the_chunks(case, op, precision):
     device, n, hidden_size, vocab = case
+    dtype, head_dtype = precision
     run = LINEAR_OPS[op]
     hidden, weight, _ = make_linear((n,), hidden_size, vocab, dtype, device)
     r = row_inputs(n, vocab, device)
-    whole, _ = run(hidden, weight, r)
+    whole, _ = run(hidden, weight, r, head_dtype=head_dtype)
     for layout in LAYOUTS[1:]:
-        assert_rows_equal(run(hidden, weight, r, **layout_options(*layout))[0], whole,
+        assert_rows_equal(run(hidden, weight, r, **layout_options(*layout, head_dtype))[0], whole,
                           torch.arange(n, device=device), f"chunk size {layout}")
     for (what, rows), layout in zip(sub_batches(n, device), LAYOUTS * 2):
-        part, _ = run(hidden[rows], weight, {k: v[rows] for k, v in r.items()}, **layout_options(*layout))
+        part, _ = run(hidden[rows], weight, {k: v[rows] for k, v in r.items()},
+                      **layout_options(*layout, head_dtype))
         assert_rows_equal(part, whole, rows, f"{what}, chunk size {layout}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_gspo_rows_do_not_depend_on_the_chunks(case, dtype):
+def test_gspo_rows_do_not_depend_on_the_chunks(case, precision):
     device, n, hidden_size, vocab = case
+    dtype, head_dtype = precision
     hidden, weight, _ = make_linear((n,), hidden_size, vocab, dtype, device)
     target = make_target((n,), vocab, device, masked=0.2)
     doc = torch.arange(n, device=device) * 5 // n
@@ -83,7 +88,7 @@ def test_gspo_rows_do_not_depend_on_the_chunks(case, dtype):
     for layout in LAYOUTS:
         h = leaf(hidden)
         out = rl_losses.linear_gspo_loss(h, weight, target, adv, old, doc, num_documents=5, divisor=1.0,
-                                         **layout_options(*layout))
+                                         **layout_options(*layout, head_dtype))
         out.loss.backward()
         results.append((layout, out.log_probs, out.document_ratios, h.grad))
     for layout, *got in results[1:]:
@@ -91,26 +96,28 @@ def test_gspo_rows_do_not_depend_on_the_chunks(case, dtype):
             assert same_bits(a, b), f"chunk size {layout}: {name}"
 
 
+@pytest.mark.parametrize("head_dtype", ["weight", "float32"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_no_gradient_log_probs_equal_the_gradient_path(case):
+def test_no_gradient_log_probs_equal_the_gradient_path(case, head_dtype):
     device, n, hidden_size, vocab = case
     hidden, weight, _ = make_linear((n,), hidden_size, vocab, torch.bfloat16, device)
     r = row_inputs(n, vocab, device)
     with torch.no_grad():
-        lp, _ = rl_losses.linear_token_log_probs(hidden, weight, r["target"])
+        lp, _ = rl_losses.linear_token_log_probs(hidden, weight, r["target"], head_dtype=head_dtype)
     for layout in LAYOUTS:
-        trained, _ = linear_grpo_rows(hidden, weight, r, **layout_options(*layout))
+        trained, _ = linear_grpo_rows(hidden, weight, r, **layout_options(*layout, head_dtype))
         assert same_bits(lp, trained["log_probs"]), f"chunk size {layout}"
 
 
+@pytest.mark.parametrize("head_dtype", ["weight", "float32"])
 @pytest.mark.parametrize("layout", LAYOUTS[1:], ids=str)
 @pytest.mark.parametrize("op", list(LINEAR_OPS))
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_grad_weight_repeats_bit_for_bit(case, op, layout):
+def test_grad_weight_repeats_bit_for_bit(case, op, layout, head_dtype):
     device, n, hidden_size, vocab = case
     hidden, weight, _ = make_linear((n,), hidden_size, vocab, torch.bfloat16, device)
     r = row_inputs(n, vocab, device)
-    runs = [LINEAR_OPS[op](hidden, weight, r, **layout_options(*layout)) for _ in range(2)]
+    runs = [LINEAR_OPS[op](hidden, weight, r, **layout_options(*layout, head_dtype)) for _ in range(2)]
     assert same_bits(runs[0][1], runs[1][1]), "grad_weight"
     assert_rows_equal(runs[1][0], runs[0][0], torch.arange(n, device=device), "second run")
 

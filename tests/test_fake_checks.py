@@ -113,6 +113,8 @@ def _bad_inputs():
         ("bias_dtype", lambda d: lin(d, bias=_z(d, 7, dtype=torch.float64)), "bias must be Float on"),
         ("chunk_size", lambda d: lin(d, chunk_size=0), "chunk_size must be >= 1"),
         ("strategy", lambda d: lin(d, strategy="small"), "strategy must be 'fast' or 'lean', got 'small'"),
+        ("head_dtype", lambda d: lin(d, head_dtype="bfloat16"),
+         "head_dtype must be 'weight' or 'float32', got 'bfloat16'"),
         ("main_grad_dtype", lambda d: lin(d, weight_main_grad=_z(d, 7, 5, dtype=torch.float64)),
          r"weight_main_grad must be Float \(the accumulation dtype of a Float weight\), got Double"),
         ("main_grad_shape", lambda d: lin(d, weight_main_grad=_z(d, 7, 4)),

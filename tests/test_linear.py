@@ -265,8 +265,10 @@ def test_compile_fullgraph(device):
 
 # ---- memory (CUDA) ------------------------------------------------------------------------------------------
 @requires_cuda
-def test_peak_memory_is_one_chunk_not_the_logits():
-    """Extra peak memory = one chunk of logits + the fp32 weight-gradient accumulator + O(N), never N x V."""
+@pytest.mark.parametrize("head_dtype", ["weight", "float32"])
+def test_peak_memory_is_one_chunk_not_the_logits(head_dtype):
+    """Extra peak memory = one chunk of logits + the fp32 weight-gradient accumulator + O(N), never N x V. fp32
+    logits: 4 bytes each, and a sixteenth of the chunk's rows copied while its gradient is rounded to bf16."""
     n, hidden_size, vocab, chunk = 8192, 256, 32768, 512
     hidden, weight, _ = make_linear((n,), hidden_size, vocab, torch.bfloat16, "cuda")
     target = make_target((n,), vocab, "cuda")
@@ -274,28 +276,30 @@ def test_peak_memory_is_one_chunk_not_the_logits():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    rl_losses.linear_cross_entropy(h, w, target, chunk_size=chunk).backward()
+    rl_losses.linear_cross_entropy(h, w, target, chunk_size=chunk, head_dtype=head_dtype).backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     grads = h.grad.nbytes + w.grad.nbytes
-    budget = grads + chunk * vocab * 2 + vocab * hidden_size * 4 + 64 * n + (8 << 20)
+    logits = chunk * vocab * 2 if head_dtype == "weight" else chunk * vocab * 4 + chunk // 16 * vocab * 2
+    budget = grads + logits + vocab * hidden_size * 4 + 64 * n + (8 << 20)
     assert extra <= budget, f"extra peak {extra / 2**20:.0f} MiB > budget {budget / 2**20:.0f} MiB"
     assert extra < n * vocab * 2, "the logits were materialised"
 
 
 @requires_cuda
-def test_lean_peak_memory_is_within_its_budget():
-    """Lean mode: at most 256 MiB beyond the gradients where the logits alone would be 1 GiB."""
+@pytest.mark.parametrize("head_dtype", ["weight", "float32"])
+def test_lean_peak_memory_is_within_its_budget(head_dtype):
+    """Lean mode: at most 256 MiB beyond the gradients where the logits alone would be 1 GiB (2 GiB in fp32)."""
     n, hidden_size, vocab = 16384, 512, 32768
     hidden, weight, _ = make_linear((n,), hidden_size, vocab, torch.bfloat16, "cuda")
     target = make_target((n,), vocab, "cuda")
     h, w = hidden.requires_grad_(), weight.requires_grad_()
-    rl_losses.linear_cross_entropy(h, w, target, strategy="lean").backward()  # warm-up: cuBLAS workspaces
+    rl_losses.linear_cross_entropy(h, w, target, strategy="lean", head_dtype=head_dtype).backward()  # warm-up
     h.grad = w.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    rl_losses.linear_cross_entropy(h, w, target, strategy="lean").backward()
+    rl_losses.linear_cross_entropy(h, w, target, strategy="lean", head_dtype=head_dtype).backward()
     torch.cuda.synchronize()
     beyond = torch.cuda.max_memory_allocated() - base - h.grad.nbytes - w.grad.nbytes
     assert beyond <= (256 << 20) + (4 << 20), f"{beyond / 2**20:.0f} MiB beyond the gradients"

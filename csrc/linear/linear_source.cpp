@@ -55,6 +55,24 @@ void for_gemm_pieces(int64_t n, bool fixed, const F& f) {
   }
 }
 
+// The gradient `g` (fp32, contiguous (rows, V), starting its buffer) rounded to `dtype` over the first half of its
+// own bytes, returned as that (rows, V) view: GEMM 2's and GEMM 3's operands share one dtype, and the chunk needs no
+// second buffer. In pieces of 1/16 of the rows, in order: piece k >= 1 lands below where it is read (bytes
+// [2kq, 2(k+1)q) against [4kq, 4(k+1)q), per q·V elements), over pieces already rounded; piece 0 overlaps itself
+// and goes through a copy, taken before piece 1 overwrites it.
+at::Tensor round_in_place(const at::Tensor& g, at::ScalarType dtype) {
+  const int64_t rows = g.size(0), piece = ceil_div(rows, 16);
+  const at::Tensor out = g.view(-1).view(dtype).narrow(0, 0, g.numel()).view(g.sizes());
+  if (rows == 0) return out;
+  const at::Tensor first = g.narrow(0, 0, piece).to(dtype);
+  for (int64_t r0 = piece; r0 < rows; r0 += piece) {
+    const int64_t n = std::min(piece, rows - r0);
+    out.narrow(0, r0, n).copy_(g.narrow(0, r0, n));
+  }
+  out.narrow(0, 0, piece).copy_(first);
+  return out;
+}
+
 bool aligned_16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 
 // The rows [p0, p0 + pn) of h as a GEMM operand of `rows` rows: h's own, or (`fixed`: where they are fewer or do
@@ -111,6 +129,8 @@ void check_linear_options(const char* op, const LinearOptions& o, const at::Tens
   TORCH_CHECK(!o.chunk_size || *o.chunk_size >= 1, op, ": chunk_size must be >= 1, got ", o.chunk_size.value_or(0));
   TORCH_CHECK(o.strategy == "fast" || o.strategy == "lean", op, ": strategy must be 'fast' or 'lean', got '",
               o.strategy, "'");
+  TORCH_CHECK(o.head_dtype == "weight" || o.head_dtype == "float32", op,
+              ": head_dtype must be 'weight' or 'float32', got '", o.head_dtype, "'");
   if (!o.weight_main_grad) return;
   const at::Tensor& g = *o.weight_main_grad;
   const auto acc = acc_dtype(weight.scalar_type());
@@ -143,9 +163,15 @@ LinearSource::LinearSource(const char* op, const at::Tensor& hidden, const at::T
       invariant_(batch_invariant()) {
   check_linear_options(op, options, weight);
   lean_ = options.strategy == "lean";
+  const bool half = weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf;
+  logits_dtype_ = half && options.head_dtype == "float32" ? at::kFloat : weight.scalar_type();
   if (options.weight_main_grad) main_grad_ = *options.weight_main_grad;
   if (bias) bias_ = *bias;
   const int64_t n = f_.n_rows, vocab = f_.vocab, hidden_size = hidden.size(-1), e = hidden.element_size();
+  // A logit's bytes in the budgets, in sixteenths: fp32 logits whose gradient is rounded also hold a sixteenth of
+  // their rows in the weight's dtype meanwhile (round_in_place).
+  const bool rounds = wants_grad_ && logits_dtype_ != weight.scalar_type();
+  const int64_t el16 = 16 * c10::elementSize(logits_dtype_) + (rounds ? e : 0);
   hidden_ = hidden.reshape({n, hidden_size}).contiguous();
   target_ = f_.target1d;
   m_ = n;
@@ -168,15 +194,16 @@ LinearSource::LinearSource(const char* op, const at::Tensor& hidden, const at::T
     // lean: blocks of as many logits as a chunk
     if (lean_ && chunk_rows_ < m_) block_cols_ = std::clamp<int64_t>(chunk_rows_ * vocab / m_, 1, vocab);
   } else if (!lean_) {
-    const int64_t max_rows = kFastLogitsBytes / (vocab * e);
+    const int64_t max_rows = kFastLogitsBytes * 16 / (vocab * el16);
     chunk_rows_ = part_size(m_, max_rows, max_rows >= 1024 ? 1024 : 128);
   } else {
     // What the budget leaves the logits after the statistics table and the gathered rows of hidden; a chunk of
     // rows also holds its grad_hidden rows before they are scattered.
     const int64_t gathered = rows_.defined() ? m_ * hidden_size * e : 0;
     const int64_t logits_bytes = std::max(kLeanBytes - m_ * RowStats<float>::kFields * 8 - gathered, kLeanBytes / 8);
-    chunk_rows_ = part_size(m_, logits_bytes / ((vocab + (rows_.defined() ? hidden_size : 0)) * e), 128);
-    if (chunk_rows_ < m_) block_cols_ = part_size(vocab, logits_bytes / (m_ * e), 128);
+    const int64_t row16 = vocab * el16 + (rows_.defined() ? 16 * hidden_size * e : 0);
+    chunk_rows_ = part_size(m_, logits_bytes * 16 / row16, 128);
+    if (chunk_rows_ < m_) block_cols_ = part_size(vocab, logits_bytes * 16 / (m_ * el16), 128);
   }
 
   const auto acc = hidden.options().dtype(acc_dtype(hidden.scalar_type()));
@@ -192,6 +219,10 @@ LinearSource::LinearSource(const char* op, const at::Tensor& hidden, const at::T
   if (mask_[2]) grad_bias_acc_ = at::zeros({vocab}, acc);
 }
 
+at::Tensor LinearSource::as_weight_dtype(const at::Tensor& grad) const {
+  return grad.scalar_type() == weight_.scalar_type() ? grad : round_in_place(grad, weight_.scalar_type());
+}
+
 at::Tensor LinearSource::rows_of(const at::Tensor& t, int64_t r0, int64_t n) const {
   return rows_.defined() ? t.index_select(0, rows_.narrow(0, r0, n)) : t.narrow(0, r0, n);
 }
@@ -202,7 +233,10 @@ void LinearSource::logits_of(const at::Tensor& out, const at::Tensor& h, int64_t
   for_gemm_pieces(h.size(0), fixed, [&](int64_t p0, int64_t pn, int64_t rows) {
     at::Tensor o = out.narrow(0, p0, rows);
     const at::Tensor hp = gemm_rows(h, p0, pn, rows, fixed);
-    if (bias_.defined()) {
+    if (out.scalar_type() != weight_.scalar_type()) {  // fp32 logits of 16-bit operands: the sums kept, bias added
+      if (bias_.defined()) o.copy_(bias_.narrow(0, v0, nv));
+      backend_.gemm(o, hp, w, bias_.defined());
+    } else if (bias_.defined()) {
       at::addmm_out(o, bias_.narrow(0, v0, nv), hp, w);
     } else {
       at::mm_out(o, hp, w);
@@ -218,7 +252,8 @@ void LinearSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass
   const bool weight_grad = with_grad && (mask_[1] || mask_[2]);
   const bool two_sweeps = weight_grad && block_cols_ > 0;
   const int64_t rows = buffer_rows(std::min(chunk_rows_, m_), invariant_);
-  at::Tensor buffer = at::empty({std::max(rows * vocab, two_sweeps ? m_ * block_cols_ : 0)}, hidden_.options());
+  at::Tensor buffer = at::empty({std::max(rows * vocab, two_sweeps ? m_ * block_cols_ : 0)},
+                                hidden_.options().dtype(logits_dtype_));
   if (!two_sweeps) {
     row_sweep(args, with_grad, weight_grad, at::Tensor(), buffer, pass);
     return;
@@ -266,26 +301,27 @@ void LinearSource::row_sweep(const RowPassArgs& args, bool with_grad, bool weigh
     // the statistics the epilogue saw.
     if (stats.defined() && a.stats_in.defined()) stats.narrow(0, r0, n).copy_(a.stats_in);
     if (!with_grad) continue;
+    if (weight_grad && mask_[2]) grad_bias_acc_.add_(logits.sum({0}, false, grad_bias_acc_.scalar_type()));
+    if (!mask_[0] && !(weight_grad && mask_[1])) continue;
+    const at::Tensor g_padded = as_weight_dtype(padded), g = g_padded.narrow(0, 0, n);
     if (mask_[0]) {
       at::Tensor out = rows_.defined() ? at::empty({n, hidden_size}, hidden_.options()) : grad_hidden_.narrow(0, r0, n);
       for_gemm_pieces(n, invariant_, [&](int64_t p0, int64_t pn, int64_t rows) {
         const at::Tensor own = out.narrow(0, p0, pn);
         if (rows == pn && (!invariant_ || aligned_16(own))) {
-          return backend_.gemm(own, logits.narrow(0, p0, pn), weight_, false);
+          return backend_.gemm(own, g.narrow(0, p0, pn), weight_, false);
         }
         const at::Tensor o = at::empty({rows, hidden_size}, out.options());
-        backend_.gemm(o, padded.narrow(0, p0, rows), weight_, false);
+        backend_.gemm(o, g_padded.narrow(0, p0, rows), weight_, false);
         own.copy_(o.narrow(0, 0, pn));
       });
       if (rows_.defined()) grad_hidden_.index_copy_(0, rows_.narrow(0, r0, n), out);
     }
-    if (!weight_grad) continue;
-    if (mask_[1]) {
+    if (weight_grad && mask_[1]) {
       const bool into_main_grad = main_grad_.defined();
-      backend_.gemm(into_main_grad ? main_grad_ : grad_weight_, logits.t(), h, into_main_grad || weight_grad_written_);
+      backend_.gemm(into_main_grad ? main_grad_ : grad_weight_, g.t(), h, into_main_grad || weight_grad_written_);
       weight_grad_written_ = true;
     }
-    if (mask_[2]) grad_bias_acc_.add_(logits.sum({0}, false, grad_bias_acc_.scalar_type()));
   }
 }
 
@@ -300,12 +336,12 @@ void LinearSource::vocab_sweep(const RowPassArgs& args, const at::Tensor& buffer
     a.grad = logits;
     a.vocab_start = args.vocab_start + v0;
     pass(a);
+    if (mask_[2]) grad_bias_acc_.narrow(0, v0, nv).add_(logits.sum({0}, false, grad_bias_acc_.scalar_type()));
     if (mask_[1]) {
       const bool into_main_grad = main_grad_.defined();
-      backend_.gemm((into_main_grad ? main_grad_ : grad_weight_).narrow(0, v0, nv), logits.t(), hidden_,
-                    into_main_grad);
+      backend_.gemm((into_main_grad ? main_grad_ : grad_weight_).narrow(0, v0, nv), as_weight_dtype(logits).t(),
+                    hidden_, into_main_grad);
     }
-    if (mask_[2]) grad_bias_acc_.narrow(0, v0, nv).add_(logits.sum({0}, false, grad_bias_acc_.scalar_type()));
   }
   weight_grad_written_ = true;
 }

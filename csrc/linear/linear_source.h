@@ -27,6 +27,12 @@
 // Statistics-only passes (GSPO's first pass, linear_token_log_probs' forward) are GEMM 1 and the pass, chunk
 // by chunk; GSPO thus costs 4 GEMMs when fast and 5 when lean.
 // Every GEMM sums in fp32 (fp64 for fp64 inputs), with no partial sum rounded to bf16/fp16.
+// The logits' dtype (head_dtype): "weight", GEMM 1 rounds them to the weight's dtype, as an unfused head does;
+// "float32", a bf16/fp16 weight's GEMM 1 writes its fp32 sums (the bias added in fp32), the passes read them, and
+// the gradient they write is rounded once to the weight's dtype, in place (round_in_place), for GEMM 2 and GEMM 3,
+// whose operands share a dtype; grad_bias sums it before that rounding. The chunks then hold fewer rows: the
+// budgets count the logits' element and the rounding's copy. With a fp32 or fp64 weight both values are the
+// weight's dtype.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -83,8 +89,12 @@ class LinearSource final : public RowSource {
  private:
   // The rows [r0, r0 + n) of the passes (the labelled ones where rows are skipped) of a per-row tensor.
   at::Tensor rows_of(const at::Tensor& t, int64_t r0, int64_t n) const;
-  // GEMM 1; `fixed`: in pieces of kInvariantGemmRows rows, `out` holding h's rows rounded up to whole pieces.
+  // GEMM 1 into `out` (of logits_dtype_); `fixed`: in pieces of kInvariantGemmRows rows, `out` holding h's rows
+  // rounded up to whole pieces.
   void logits_of(const at::Tensor& out, const at::Tensor& h, int64_t v0, bool fixed) const;
+  // A pass's gradient (a buffer's first rows) as GEMM 2's and GEMM 3's operand: itself, or rounded in place to the
+  // weight's dtype (fp32 logits).
+  at::Tensor as_weight_dtype(const at::Tensor& grad) const;
   void row_sweep(const RowPassArgs& args, bool with_grad, bool weight_grad, const at::Tensor& stats,
                  const at::Tensor& buffer, const Pass& pass);
   void vocab_sweep(const RowPassArgs& args, const at::Tensor& buffer, const Pass& pass);
@@ -98,6 +108,7 @@ class LinearSource final : public RowSource {
   const LinearBackend& backend_;
   bool invariant_;  // the batch-invariant mode (common/batch_invariant.h), read once per call
   bool lean_;
+  at::ScalarType logits_dtype_;  // the weight's, or fp32 (head_dtype="float32" with a 16-bit weight)
   int64_t m_;               // rows the passes see
   int64_t chunk_rows_;      // rows per chunk of a sweep over rows
   int64_t block_cols_ = 0;  // vocabulary columns per block of lean mode's sweep 2 (0: one sweep)

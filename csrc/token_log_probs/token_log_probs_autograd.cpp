@@ -98,6 +98,7 @@ class LinearTokenLogProbsFunction : public torch::autograd::Function<LinearToken
     ctx->saved_data["has_bias"] = bias.has_value();
     ctx->saved_data["strategy"] = linear.strategy;
     ctx->saved_data["skip_unlabelled"] = linear.skip_unlabelled;
+    ctx->saved_data["head_dtype"] = linear.head_dtype;
     save_sampler(ctx, a.sampler);
     // Not saved for backward: other calls' backwards add into the same buffer before this one's runs, and a
     // saved tensor would refuse its moved version.
@@ -123,7 +124,8 @@ class LinearTokenLogProbsFunction : public torch::autograd::Function<LinearToken
     call.set("hidden", saved[0]).set("weight", saved[1]).set("bias", has_bias ? c10::IValue(saved[2]) : c10::IValue());
     call.set("target", saved[3]).set("stats", saved[4]).set("output_mask", mask);
     call.set("grad_log_probs", defined_or_none(g_lp)).set("grad_entropy", defined_or_none(g_h));
-    for (const char* name : {"logits_scale_factor", "chunk_size", "strategy", "weight_main_grad", "skip_unlabelled"}) {
+    for (const char* name : {"logits_scale_factor", "chunk_size", "strategy", "weight_main_grad", "skip_unlabelled",
+                           "head_dtype"}) {
       call.set(name, ctx->saved_data[name]);
     }
     for (const char* name : SamplerArgs::kNames) call.set(name, ctx->saved_data[name]);

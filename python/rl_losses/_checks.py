@@ -190,6 +190,7 @@ def logits_source(op, a, inplace=False):
 
 
 LINEAR_STRATEGIES = ("fast", "lean")  # the linear ops' modes (csrc/linear/linear_source.cpp)
+LINEAR_HEAD_DTYPES = ("weight", "float32")  # the logits' dtype (csrc/linear/linear_source.h)
 
 
 def linear_source(op, a):
@@ -214,6 +215,8 @@ def linear_source(op, a):
     _check(chunk_size is None or chunk_size >= 1, op, "chunk_size must be >= 1, got ",
            chunk_size if chunk_size is not None else 0)
     _check(strategy in LINEAR_STRATEGIES, op, "strategy must be 'fast' or 'lean', got '", strategy, "'")
+    _check(a["head_dtype"] in LINEAR_HEAD_DTYPES, op, "head_dtype must be 'weight' or 'float32', got '",
+           a["head_dtype"], "'")
     if weight_main_grad is not None:
         g, acc = weight_main_grad, acc_dtype(weight.dtype)
         _check(g.dtype == acc, op, "weight_main_grad must be ", _dt(acc), " (the accumulation dtype of a ",

@@ -284,6 +284,11 @@ _LINEAR_ARGS_DOC = """
         skip_unlabelled: rows with a negative label take no GEMM work (True, default): their count is read on
             the host, one synchronisation per call (per forward and backward for linear_token_log_probs); their
             per-row outputs are 0. False runs every row and never synchronises (CUDA graphs).
+        head_dtype: the logits' precision. "weight" (default): rounded to the weight's dtype, as an unfused bf16
+            head and vLLM's default head. "float32": GEMM 1's fp32 sums kept (bias added in fp32), as vLLM's
+            ``head_dtype="float32"`` (``hf_overrides``) and SGLang's ``--enable-fp32-lm-head``; the gradient is
+            then rounded once to the weight's dtype for grad_hidden and grad_weight, and the chunks hold half as
+            many rows. Nothing changes for float32/float64 weights. docs/consistency.md ("Logits precision").
     The logits are ``hidden @ weight.T + bias``; they and their gradient are never materialised whole.
     Differentiable w.r.t. hidden, weight and bias (the gradients are computed in the forward, chunk by chunk).
     No ``inplace_backward``, ``tp_group`` or ``sdp_group``.
