@@ -41,7 +41,7 @@ def kept(x: torch.Tensor, target: torch.Tensor, *, top_k=None, top_p=None, min_p
             values, order = torch.sort(row, descending=True)
             before = torch.cumsum(prob[order], 0) - prob[order]
             group = torch.unique_consecutive(values, return_inverse=True)[1]
-            first = torch.full((int(group.max()) + 1,), float("inf"), dtype=torch.float64)
+            first = torch.full((int(group.max()) + 1,), float("inf"), dtype=torch.float64, device=row.device)
             first = first.scatter_reduce(0, group, before, "amin")
             above = torch.empty_like(row)
             above[order] = first[group]
