@@ -19,7 +19,7 @@ constexpr const char* kAggregations[] = {"token_mean", "sequence_mean_token_mean
 // The weights and divisor of an aggregation preset over the kept labels (docs/policy_losses.md): w = u·m, divided by
 // the sequence's kept count for sequence_mean_token_mean (u: loss_weights, else 1); D given, else Σm for token_mean,
 // the sequences holding a kept token (times the row length T for sequence_sum_constant) for the others.
-std::pair<at::Tensor, at::Tensor> aggregate(const char* op, const std::string& preset, const at::Tensor& kept,
+std::pair<at::Tensor, at::Tensor> aggregate(const std::string& preset, const at::Tensor& kept,
                                             const at::Tensor& given_weights, std::optional<double> divisor,
                                             const SequenceIds& seq, const at::TensorOptions& opts) {
   const at::Tensor m = kept.ge(0).to(opts.dtype());
@@ -27,9 +27,6 @@ std::pair<at::Tensor, at::Tensor> aggregate(const char* op, const std::string& p
   if (preset == "token_mean") {
     return {w, divisor ? at::full({}, *divisor, opts) : m.sum().clamp_min(1)};
   }
-  TORCH_CHECK(preset != "sequence_sum_constant" || divisor || !seq.ids.defined(), op, ": aggregation "
-              "'sequence_sum_constant' over document_index needs divisor (B·max_completion_length): its constant is "
-              "the row length of (B, T) labels only");
   const auto [ids, in_sequence] = sequence_of_tokens(seq, kept.numel(), kept.device());
   w = w * in_sequence;
   const at::Tensor counts = at::zeros({seq.count}, opts).index_add(0, ids, m * in_sequence);
@@ -64,6 +61,9 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
                 op, ": aggregation must be None, 'token_mean', 'sequence_mean_token_mean', 'sequence_sum_constant' or "
                 "'luspo', got '", *a.aggregation, "'");
   }
+  TORCH_CHECK(!a.aggregation || *a.aggregation != "sequence_sum_constant" || a.divisor || !a.document_index, op,
+              ": aggregation 'sequence_sum_constant' over document_index needs divisor (B·max_completion_length): its "
+              "constant is the row length of (B, T) labels only");
   const bool sequence_aggregation = a.aggregation && *a.aggregation != "token_mean";
   // label_counts with a rejection: each document's count less its rejected tokens.
   const bool recount = !rules.empty() && a.label_counts;
@@ -170,7 +170,7 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   at::Tensor n_labelled;
   if (a.aggregation) {
     n_labelled = labelled_count(kept, acc);
-    std::tie(rows.loss_weights, rows.divisor) = aggregate(op, *a.aggregation, kept, rows.loss_weights, a.divisor,
+    std::tie(rows.loss_weights, rows.divisor) = aggregate(*a.aggregation, kept, rows.loss_weights, a.divisor,
                                                           seq, opts);
   } else if (a.divisor) {
     std::tie(n_labelled, rows.divisor) = labelled_count_and_constant(kept, acc, *a.divisor);

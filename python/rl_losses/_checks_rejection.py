@@ -78,6 +78,9 @@ def grpo_sequence_options(op, a, sequence_rollout: bool, vespo: bool) -> bool:
     if aggregation is not None:
         _check(aggregation in AGGREGATIONS, op, "aggregation must be None, 'token_mean', 'sequence_mean_token_mean', "
                "'sequence_sum_constant' or 'luspo', got '", aggregation, "'")
+    _check(aggregation != "sequence_sum_constant" or a["divisor"] is not None or a["document_index"] is None, op,
+           "aggregation 'sequence_sum_constant' over document_index needs divisor (B·max_completion_length): its "
+           "constant is the row length of (B, T) labels only")
     sequence_aggregation = aggregation is not None and aggregation != "token_mean"
     recount = bool(modes) and a["label_counts"] is not None
     sequence_rule = any(not m.startswith("token_") for m in modes)
