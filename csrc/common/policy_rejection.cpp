@@ -129,13 +129,12 @@ at::Tensor reject_rollout_tokens(const std::vector<RejectionRule>& rules, const 
                                  const SequenceIds& seq) {
   if (rules.empty() || target1d.numel() == 0) return target1d;
   const at::Tensor delta = (old_log_probs - rollout_log_probs).clamp(-20.0, 20.0);  // verl's SAFETY_BOUND
-  const at::Tensor labelled = target1d.ge(0);
   at::Tensor ids, in_sequence, mask;
   if (has_sequence_rule(rules)) {
     std::tie(ids, in_sequence) = sequence_of_tokens(seq, target1d.numel(), target1d.device());
-    mask = (labelled & in_sequence).to(delta.scalar_type());
+    mask = (target1d.ge(0) & in_sequence).to(delta.scalar_type());
   }
-  at::Tensor keep = at::ones_like(labelled);
+  at::Tensor keep;  // every rule's test, and'ed
   for (const RejectionRule& r : rules) {
     const at::Tensor k = r.estimator == 1   ? -delta
                          : r.estimator == 2 ? 0.5 * delta * delta
@@ -159,7 +158,10 @@ at::Tensor reject_rollout_tokens(const std::vector<RejectionRule>& rules, const 
       }
       stat = at::where(in_sequence, per_seq.index_select(0, ids), r.hi);  // no sequence: kept
     }
-    keep = keep & stat.ge(r.lo) & stat.le(r.hi);
+    // (a NaN statistic fails both tests, as verl's)
+    const bool no_lower = r.lo == -std::numeric_limits<double>::infinity();
+    const at::Tensor passes = no_lower ? stat.le(r.hi) : stat.ge(r.lo) & stat.le(r.hi);
+    keep = keep.defined() ? keep & passes : passes;
   }
   return at::where(keep, target1d, -100);
 }
