@@ -156,22 +156,25 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   }
   // Token-level correction weights (and, with vespo, their metrics: vespo folds them into φ).
   if (!sequence_rollout && opt.rollout_mode != kRolloutNone) rows.rollout_log_probs = rollout;
-  // The labelled count, a one-block launch, is the kernel right before the loss pass, here as without the
-  // sequence steps: the cluster kernel is launched while the kernel before it still runs (dependent launch),
-  // and a 64-block one (GrpoSequenceStep) there measured 25% slower (docs/design.md, 2026-11-24: the SMs
-  // holding one of its blocks when the cluster kernel's CTAs are placed).
-  // The metrics need the labelled count; a given divisor is written by the same launch (no fill kernel).
+  // A rejected token weighs 0.
   const bool rejecting = !rules.empty();
   if (rejecting && !a.aggregation) {
     const at::Tensor m = kept.ge(0).to(acc);
     rows.loss_weights = rows.loss_weights.defined() ? rows.loss_weights * m : m;
   }
   if (recount) counts = recount_labels(counts, f.target1d, kept, seq);
+  if (a.aggregation) {
+    std::tie(rows.loss_weights, rows.divisor) = aggregate(*a.aggregation, kept, rows.loss_weights, a.divisor,
+                                                          seq, opts);
+  }
+  // The labelled count, a one-block launch, is the kernel right before the loss pass, here as without the
+  // sequence steps: the cluster kernel is launched while the kernel before it still runs (dependent launch),
+  // and a 64-block one (GrpoSequenceStep) there measured 25% slower (docs/design.md, 2026-11-24: the SMs
+  // holding one of its blocks when the cluster kernel's CTAs are placed).
+  // The metrics need the labelled count; a given divisor is written by the same launch (no fill kernel).
   at::Tensor n_labelled;
   if (a.aggregation) {
     n_labelled = labelled_count(kept, acc);
-    std::tie(rows.loss_weights, rows.divisor) = aggregate(*a.aggregation, kept, rows.loss_weights, a.divisor,
-                                                          seq, opts);
   } else if (a.divisor) {
     std::tie(n_labelled, rows.divisor) = labelled_count_and_constant(kept, acc, *a.divisor);
   } else {
