@@ -40,6 +40,10 @@ def options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref):
     its caller computes (vllm_is_ratio, (B, T) or (B, 1)); its GSPO is importance_sampling_level="sequence"."""
     rc = lambda mode, **kw: dict(rollout_log_probs=rollout, rollout_correction=mode, **kw)  # noqa: E731
     kl = lambda **kw: dict(ref_log_probs=ref, beta=0.04, **kw)  # noqa: E731
+    # verl's rollout rejection: the rollout's drift (δ ~ N(0, 0.05²)) puts k3 ≈ δ²/2 near 1.25e-3, so the token rule
+    # rejects about a fifth of the tokens and the sequence rule about half the sequences.
+    rs = lambda mode, threshold: dict(rollout_log_probs=rollout, rollout_rs=mode,  # noqa: E731
+                                      rollout_rs_threshold=threshold)
     return {
         "plain": ("grpo", dict(), dict()),
         "cispo": ("grpo", dict(loss_type="cispo", epsilon_high=4.0), dict(loss_type="cispo", eps_high=4.0)),
@@ -61,6 +65,8 @@ def options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref):
         "sequence_truncate": ("grpo", rc("sequence_truncate"), dict(vllm_is_ratio=rollout_seq_ratio("truncate"))),
         "sequence_mask": ("grpo", rc("sequence_mask"), dict(vllm_is_ratio=rollout_seq_ratio("mask"))),
         "on_policy_sequence_truncate": ("grpo", dict(on_policy=True, **rc("sequence_truncate")), None),
+        "rejection_token_k3": ("grpo", rs("token_k3", "0.002"), None),
+        "rejection_seq_mean_k3": ("grpo", rs("seq_mean_k3", "0.00125"), None),
         "k1": ("grpo", kl(kl_estimator="k1"), None),
         "k2": ("grpo", kl(kl_estimator="k2"), None),
         "k3": ("grpo", kl(kl_estimator="k3"), dict(beta=0.04)),
@@ -78,6 +84,8 @@ def options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref):
         "gspo_sequence_truncate": ("gspo", rc("sequence_truncate"),
                                    dict(importance_sampling_level="sequence",
                                         vllm_is_ratio=rollout_seq_ratio("truncate"))),
+        "gspo_rejection_token_k3": ("gspo", rs("token_k3", "0.002"), None),
+        "gspo_rejection_seq_mean_k3": ("gspo", rs("seq_mean_k3", "0.00125"), None),
     }
 
 

@@ -115,12 +115,17 @@
   X(std::string, kl_estimator, "k3")             \
   X(bool, kl_importance_weighted, False)
 // The options that need the logits or whole sequences: the fused ops' alone (not policy_token_loss's).
-#define RL_LOSSES_FUSED_POLICY_OPTIONS(X) \
-  X(double, entropy_coefficient, 0.0)     \
-  X(double, vespo_k_pos, 2.0)             \
-  X(double, vespo_lambda_pos, 3.0)        \
-  X(double, vespo_k_neg, 3.0)             \
-  X(double, vespo_lambda_neg, 2.0)
+// rollout_rs, rollout_rs_threshold: verl's rollout rejection (its algorithm.rollout_correction names and threshold
+// specification, e.g. "token_k1" with "0.8_1.25", "token_k3,seq_mean_k2" with "0.02,0.03"): the tokens it rejects
+// count as unlabelled (common/policy_rejection.cpp).
+#define RL_LOSSES_FUSED_POLICY_OPTIONS(X)   \
+  X(double, entropy_coefficient, 0.0)       \
+  X(double, vespo_k_pos, 2.0)               \
+  X(double, vespo_lambda_pos, 3.0)          \
+  X(double, vespo_k_neg, 3.0)               \
+  X(double, vespo_lambda_neg, 2.0)          \
+  X(OptString, rollout_rs, None)            \
+  X(OptString, rollout_rs_threshold, None)
 // The metrics after the loss are detached: kl (mean KL estimate towards ref_log_probs), rollout_ratio_mean (mean ρ),
 // rollout_weight_mean (mean correction weight), rollout_corrected_fraction (tokens truncated or masked); GSPO adds
 // document_ratios; vespo_phi_seq_mean (the mean VESPO weight φ over the labelled sequences, 0 for the other loss
@@ -142,13 +147,16 @@
 #define RL_LOSSES_VESPO_RESULTS(X) X(at::Tensor, vespo_phi_seq_mean, )
 
 // ---- GRPO ---------------------------------------------------------------------------------------------------------
-// document_index: the sequences of a sequence-level rollout_correction or of vespo (default: the rows);
-// num_documents: their count (default: max(document_index) + 1, read on the host).
+// document_index: the sequences of a sequence-level rollout_correction, of vespo, of a sequence rejection rule or of
+// a sequence aggregation (default: the rows); num_documents: their count (default: max(document_index) + 1, read on
+// the host). aggregation: a preset of rl_losses.aggregation computed by the op over the tokens rollout_rs keeps
+// (loss_weights then multiply its weights; divisor, when given, replaces its count).
 #define RL_LOSSES_GRPO_OPTIONS(X)        \
   X(OptTensor, loss_weights, None)       \
   X(OptTensor, label_counts, None)       \
   X(OptTensor, document_index, None)     \
-  X(OptInt, num_documents, None)
+  X(OptInt, num_documents, None)         \
+  X(OptString, aggregation, None)
 
 // ---- GSPO ---------------------------------------------------------------------------------------------------------
 #define RL_LOSSES_GSPO_DOCUMENTS(X) X(at::Tensor, document_index, )

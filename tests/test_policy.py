@@ -227,8 +227,8 @@ def _errors(target, old, rollout):
         "sequence_without_rows": (dict(rollout_correction="sequence_mask", rollout_log_probs=rollout.reshape(-1)),
                                   "needs the sequences: pass document_index"),
         "document_index_without_sequence": (dict(document_index=torch.zeros_like(target)),
-                                            "document_index groups the tokens of a sequence-level rollout_correction "
-                                            "or of loss_type 'vespo'"),
+                                            "document_index groups the tokens of a sequence-level rollout_correction, "
+                                            "of loss_type 'vespo'"),
         "rollout_shape": (dict(rollout_correction="token_mask", rollout_log_probs=rollout[:, :3]),
                           "rollout_log_probs has shape"),
         "advantages_shape": (dict(advantages=torch.randn(3)), "advantages has shape"),

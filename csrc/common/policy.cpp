@@ -146,8 +146,9 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, c
       o.rollout_hi = a.rollout_cap;
     }
   } else {
-    TORCH_CHECK(!has_rollout, op, ": rollout_log_probs given without rollout_correction (one of 'token_truncate', ",
-                "'token_mask', 'sequence_truncate', 'sequence_mask')");
+    // (rollout_rs alone reads them too: rollout_rejection_rules)
+    TORCH_CHECK(!has_rollout || f.rollout_rs, op, ": rollout_log_probs given without rollout_correction (one of ",
+                "'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask') or rollout_rs");
     TORCH_CHECK(!a.rollout_mask_bounds, op, ": rollout_mask_bounds given without a '*_mask' rollout_correction");
   }
   TORCH_CHECK(std::isfinite(f.entropy_coefficient), op, ": entropy_coefficient must be finite, got ",

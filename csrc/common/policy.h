@@ -6,6 +6,8 @@
 
 #include <ATen/ATen.h>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "common/math.h"
 #include "common/row_pass.h"
@@ -108,5 +110,35 @@ struct SequenceIds {
 };
 SequenceIds sequence_ids(const char* op, const std::optional<at::Tensor>& document_index,
                          std::optional<int64_t> num_documents, const at::Tensor& target, const char* why);
+
+// verl's rollout rejection (rollout_rs, rollout_rs_threshold: docs/policy_losses.md), parsed as verl's
+// _parse_rollout_rs_thresholds: one rule per distinct mode, each keeping a token (level kToken) or a sequence
+// where lo <= its statistic <= hi; k1's bounds are the logs of the threshold's ratio bounds ("lo_hi", or "hi" with
+// lo = 1/hi), k2's and k3's an upper bound.
+struct RejectionRule {
+  enum Level : int { kToken, kSeqSum, kSeqMean, kSeqMax } level;
+  int estimator;  // 1, 2 or 3: k1 = −δ, k2 = δ²/2, k3 = e^δ − 1 − δ of δ = clamp(old − rollout, ±20)
+  double lo, hi;
+};
+// The rules of the fused ops' options (none without rollout_rs); checks that the old and rollout log-probs are given.
+std::vector<RejectionRule> rollout_rejection_rules(const char* op, const FusedPolicyArgs& f, bool has_old,
+                                                   bool has_rollout);
+inline bool has_sequence_rule(const std::vector<RejectionRule>& rules) {
+  for (const RejectionRule& r : rules) {
+    if (r.level != RejectionRule::kToken) return true;
+  }
+  return false;
+}
+// The op's pre-pass: the labels with every token a rule rejects set to −100 (O(N) ATen steps on the (N,) inputs, no
+// read of the logits). `seq`: the sequences of the sequence rules (labelled tokens with a negative id belong to none:
+// only the token rules judge them).
+at::Tensor reject_rollout_tokens(const std::vector<RejectionRule>& rules, const at::Tensor& target1d,
+                                 const at::Tensor& old_log_probs, const at::Tensor& rollout_log_probs,
+                                 const SequenceIds& seq);
+// Each token's sequence (0 where it has none) and whether it has one, for the per-sequence sums of the pre-pass.
+std::pair<at::Tensor, at::Tensor> sequence_of_tokens(const SequenceIds& seq, int64_t n, const at::Device& device);
+// label_counts (each token's document's labelled count) less the tokens of that document the pre-pass rejected.
+at::Tensor recount_labels(const at::Tensor& counts, const at::Tensor& target1d, const at::Tensor& kept,
+                          const SequenceIds& seq);
 
 }  // namespace rl_losses

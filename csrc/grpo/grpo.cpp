@@ -1,5 +1,6 @@
 #include "grpo/grpo.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -9,6 +10,33 @@
 #include "common/row_stats.h"
 
 namespace rl_losses {
+
+namespace {
+
+// The aggregation presets the op computes (rl_losses.aggregation.PRESETS).
+constexpr const char* kAggregations[] = {"token_mean", "sequence_mean_token_mean", "sequence_sum_constant", "luspo"};
+
+// The weights and divisor of an aggregation preset over the kept labels (docs/policy_losses.md): w = u·m, divided by
+// the sequence's kept count for sequence_mean_token_mean (u: loss_weights, else 1); D given, else Σm for token_mean,
+// the sequences holding a kept token (times the row length T for sequence_sum_constant) for the others.
+std::pair<at::Tensor, at::Tensor> aggregate(const std::string& preset, const at::Tensor& kept,
+                                            const at::Tensor& given_weights, std::optional<double> divisor,
+                                            const SequenceIds& seq, const at::TensorOptions& opts) {
+  const at::Tensor m = kept.ge(0).to(opts.dtype());
+  at::Tensor w = given_weights.defined() ? given_weights * m : m;
+  if (preset == "token_mean") {
+    return {w, divisor ? at::full({}, *divisor, opts) : m.sum().clamp_min(1)};
+  }
+  const auto [ids, in_sequence] = sequence_of_tokens(seq, kept.numel(), kept.device());
+  w = w * in_sequence;
+  const at::Tensor counts = at::zeros({seq.count}, opts).index_add(0, ids, m * in_sequence);
+  if (preset == "sequence_mean_token_mean") w = w / counts.clamp_min(1).index_select(0, ids);
+  if (divisor) return {w, at::full({}, *divisor, opts)};
+  const int64_t constant = preset == "sequence_sum_constant" ? seq.row_length : 1;
+  return {w, counts.gt(0).sum().to(opts.dtype()).clamp_min(1) * constant};
+}
+
+}  // namespace
 
 PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoArgs& a, const OptTensor& row_stats,
                            const GrpoBackend& backend) {
@@ -23,9 +51,28 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   check_token_ratio_loss_type(op, opt, a.policy);
   const bool sequence_rollout = sequence_level_rollout(a.policy);
   const bool vespo = opt.loss_type == kVespo;
-  TORCH_CHECK(!a.document_index || sequence_rollout || vespo, op, ": document_index groups the tokens of a "
-              "sequence-level rollout_correction or of loss_type 'vespo'; got it with rollout_correction = '",
-              a.policy.rollout_correction.value_or("None"), "' and loss_type '", a.policy.loss_type, "'");
+  const std::vector<RejectionRule> rules = rollout_rejection_rules(op, a.fused, a.old_log_probs.has_value(),
+                                                                   a.rollout_log_probs.has_value());
+  TORCH_CHECK(rules.empty() || !vespo, op, ": rollout_rs does not apply to loss_type 'vespo' (its sequence weight "
+              "would count the rejected tokens), got rollout_rs = '", a.fused.rollout_rs.value_or(""), "'");
+  if (a.aggregation) {
+    TORCH_CHECK(std::find(std::begin(kAggregations), std::end(kAggregations), *a.aggregation) !=
+                    std::end(kAggregations),
+                op, ": aggregation must be None, 'token_mean', 'sequence_mean_token_mean', 'sequence_sum_constant' or "
+                "'luspo', got '", *a.aggregation, "'");
+  }
+  TORCH_CHECK(!a.aggregation || *a.aggregation != "sequence_sum_constant" || a.divisor || !a.document_index, op,
+              ": aggregation 'sequence_sum_constant' over document_index needs divisor (B·max_completion_length): its "
+              "constant is the row length of (B, T) labels only");
+  const bool sequence_aggregation = a.aggregation && *a.aggregation != "token_mean";
+  // label_counts with a rejection: each document's count less its rejected tokens.
+  const bool recount = !rules.empty() && a.label_counts;
+  TORCH_CHECK(!a.document_index || sequence_rollout || vespo || has_sequence_rule(rules) || sequence_aggregation ||
+                  recount,
+              op, ": document_index groups the tokens of a sequence-level rollout_correction, of loss_type 'vespo', "
+              "of a sequence rollout_rs mode or of a sequence aggregation; got it with rollout_correction = '",
+              a.policy.rollout_correction.value_or("None"), "', loss_type '", a.policy.loss_type, "', rollout_rs = '",
+              a.fused.rollout_rs.value_or("None"), "' and aggregation '", a.aggregation.value_or("None"), "'");
   TORCH_CHECK(!a.num_documents || a.document_index, op, ": num_documents = ", a.num_documents.value_or(0),
               " counts the ids of document_index, which is not given");
 
@@ -41,6 +88,18 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   if (a.rollout_log_probs) rollout = check_per_token(op, "rollout_log_probs", *a.rollout_log_probs, target, acc);
   at::Tensor counts;
   if (a.label_counts) counts = check_label_counts(op, *a.label_counts, target, acc);
+  SequenceIds seq;
+  if (sequence_rollout || vespo || has_sequence_rule(rules) || sequence_aggregation || recount) {
+    seq = sequence_ids(op, a.document_index, a.num_documents, target,
+                       vespo              ? "loss_type 'vespo'"
+                       : sequence_rollout ? "a sequence-level rollout_correction"
+                       : !rules.empty()   ? "rollout_rs (its sequence modes, or label_counts recounted)"
+                                          : "a sequence aggregation");
+  }
+  // The rollout rejection's pre-pass (inputs only): the tokens it rejects are unlabelled from here on, for the loss
+  // weights, the counts and the metrics. The row pass still sees the source's labels (the fused lm_head gathers
+  // its rows before); their weight 0 leaves them out of the loss and the gradient, and their outputs are cleared.
+  const at::Tensor kept = reject_rollout_tokens(rules, f.target1d, rows.old_log_probs, rollout, seq);
   rows.out = src.row_outputs({f.n_rows, kGrpoFields});
   rows.log_probs = src.row_outputs({f.n_rows});
   // The statistics hold Σp·x when the entropy is a metric or, with its gradient, a term of the loss.
@@ -63,14 +122,12 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
     // The sequences' sums (docs/policy_losses.md), before the loss pass. Where they need every token's
     // log-prob (vespo's log-ratios lp − old; on-policy, the rollout ratios with old = lp), the statistics come
     // first; otherwise the sums take only inputs and the loss stays one pass over the logits.
-    const SequenceIds seq = sequence_ids(op, a.document_index, a.num_documents, target,
-                                         vespo ? "loss_type 'vespo'" : "a sequence-level rollout_correction");
     const bool on_policy = !rows.old_log_probs.defined();
     const bool needs_log_probs = (vespo && !on_policy) || (on_policy && rollout.defined());
     if (needs_log_probs) statistics_first();
     GrpoSequences q;
     q.opt = opt;
-    q.target = f.target1d;
+    q.target = f.target1d;  // ρ_s over the tokens before rejection, as verl's rollout_is="sequence"
     q.ids = seq.ids;
     q.row_length = seq.row_length;
     q.count = seq.count;
@@ -95,20 +152,33 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
     at::Tensor lp = new_empty({f.n_rows}, opts);
     backend.log_probs(args.stats_in, f.target1d, lp);
     rows.cov_selected = cov_selection(a.policy, opt, lp, rows.old_log_probs.defined() ? rows.old_log_probs : lp,
-                                      rows.advantages, f.target1d.ge(0));
+                                      rows.advantages, kept.ge(0));
   }
   // Token-level correction weights (and, with vespo, their metrics: vespo folds them into φ).
-  if (!sequence_rollout) rows.rollout_log_probs = rollout;
+  if (!sequence_rollout && opt.rollout_mode != kRolloutNone) rows.rollout_log_probs = rollout;
+  // A rejected token weighs 0.
+  const bool rejecting = !rules.empty();
+  if (rejecting && !a.aggregation) {
+    const at::Tensor m = kept.ge(0).to(acc);
+    rows.loss_weights = rows.loss_weights.defined() ? rows.loss_weights * m : m;
+  }
+  if (recount) counts = recount_labels(counts, f.target1d, kept, seq);
+  if (a.aggregation) {
+    std::tie(rows.loss_weights, rows.divisor) = aggregate(*a.aggregation, kept, rows.loss_weights, a.divisor,
+                                                          seq, opts);
+  }
   // The labelled count, a one-block launch, is the kernel right before the loss pass, here as without the
   // sequence steps: the cluster kernel is launched while the kernel before it still runs (dependent launch),
   // and a 64-block one (GrpoSequenceStep) there measured 25% slower (docs/design.md, 2026-11-24: the SMs
   // holding one of its blocks when the cluster kernel's CTAs are placed).
   // The metrics need the labelled count; a given divisor is written by the same launch (no fill kernel).
   at::Tensor n_labelled;
-  if (a.divisor) {
-    std::tie(n_labelled, rows.divisor) = labelled_count_and_constant(f.target1d, acc, *a.divisor);
+  if (a.aggregation) {
+    n_labelled = labelled_count(kept, acc);
+  } else if (a.divisor) {
+    std::tie(n_labelled, rows.divisor) = labelled_count_and_constant(kept, acc, *a.divisor);
   } else {
-    n_labelled = labelled_count(f.target1d, acc);
+    n_labelled = labelled_count(kept, acc);
     rows.divisor = n_labelled;
   }
   if (f.n_rows > 0) {
@@ -117,11 +187,16 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
       backend.rows(a, rows);
     });
   }
+  if (rejecting) {
+    const at::Tensor rejected = kept.lt(0);
+    rows.out.masked_fill_(rejected.unsqueeze(1), 0);
+    rows.log_probs.masked_fill_(rejected, 0);
+  }
 
   // Metrics (docs/math.md) in one reduction over the per-token outputs: no extra pass over the vocabulary, and
   // one launch where a column sum and a division per metric took one each (2-3 us apiece on a GPU).
   const PolicyScalarOutputs scalars(opts);
-  backend.metrics(rows, f.target1d, counts, n_labelled, scalars);
+  backend.metrics(rows, kept, counts, n_labelled, scalars);
   return policy_results(scalars, rows.log_probs.view(target.sizes()));
 }
 

@@ -21,7 +21,10 @@ void sum_document_terms(GspoState& g, const GspoBackend& backend) {
 // the importance-weighted KL's gradient through R_s needs its per-document sum.
 void set_policy_inputs(const char* op, GspoState& g, const OptTensor& ref_log_probs, const OptTensor& rollout_log_probs,
                        const PolicyArgs& policy, const at::Tensor& target, at::ScalarType acc) {
-  if (rollout_log_probs) g.rollout_log_probs = check_per_token(op, "rollout_log_probs", *rollout_log_probs, target, acc);
+  // (rollout_rs alone reads them in the pre-pass, not as a correction)
+  if (rollout_log_probs && g.opt.rollout_mode != kRolloutNone) {
+    g.rollout_log_probs = check_per_token(op, "rollout_log_probs", *rollout_log_probs, target, acc);
+  }
   if (ref_log_probs) g.ref_log_probs = check_per_token(op, "ref_log_probs", *ref_log_probs, target, acc);
   g.sequence_rollout = sequence_level_rollout(policy);
   g.kl_share = g.opt.kl_importance_weighted && g.opt.beta != 0 && g.ref_log_probs.defined() && !g.token_advantages;
@@ -81,6 +84,10 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
   g.opt = make_policy_options(op, a.policy, &a.fused, &a.clip, a.beta, a.rollout_log_probs.has_value());
   check_sequence_ratio_loss_type(op, g.opt, a.policy);
   check_geo_mean(op, g.opt, a.token_advantages, a.policy);
+  const std::vector<RejectionRule> rules = rollout_rejection_rules(op, a.fused, a.old_log_probs.has_value(),
+                                                                   a.rollout_log_probs.has_value());
+  TORCH_CHECK(rules.empty() || !document_sums, op, ": rollout_rs with document_sums (sequences split over ranks) is "
+              "not fused: each rank's sums would need the whole sequence's rejection");
   g.target = f.target1d;
   g.document = check_per_token_int(op, "document_index", a.document_index, target);
   if (a.old_log_probs) g.old_log_probs = check_per_token(op, "old_log_probs", *a.old_log_probs, target, acc);
@@ -102,6 +109,14 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
     adv = adv.index_select(0, at::where(g.document >= 0, g.document, at::zeros_like(g.document))).view(target.sizes());
   }
   g.advantages = check_per_token(op, "advantages", adv, target, acc);
+  if (!rules.empty()) {
+    // The rollout rejection's pre-pass over the documents (inputs only): the tokens it rejects are unlabelled from
+    // here on, in the document sums, counts, coefficients and metrics; a document it empties no longer counts.
+    const at::Tensor rollout = check_per_token(op, "rollout_log_probs", *a.rollout_log_probs, target, acc);
+    const SequenceIds documents{g.document, 0, n_docs};
+    g.target = reject_rollout_tokens(rules, f.target1d, g.old_log_probs, rollout, documents);
+    if (g.label_counts.defined()) g.label_counts = recount_labels(g.label_counts, f.target1d, g.target, documents);
+  }
   if (document_sums) {
     // (S, 3), the sums without the policy family's columns, is accepted where those are unused.
     const bool basic = !g.rollout_log_probs.defined() && g.opt.loss_type != kVespo && !g.kl_share;

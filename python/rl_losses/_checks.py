@@ -331,8 +331,9 @@ def policy_options(op, a, *, fused: bool, clip: bool, sequence_ratio: bool = Fal
         else:
             _check(math.isfinite(cap) and cap > 0, op, "rollout_cap must be a finite value > 0, got ", _num(cap))
     else:
-        _check(not has_rollout, op, "rollout_log_probs given without rollout_correction (one of 'token_truncate', "
-               "'token_mask', 'sequence_truncate', 'sequence_mask')")
+        _check(not has_rollout or a.get("rollout_rs") is not None, op, "rollout_log_probs given without "
+               "rollout_correction (one of 'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask') or "
+               "rollout_rs")
         _check(bounds is None, op, "rollout_mask_bounds given without a '*_mask' rollout_correction")
     if fused:
         e = a["entropy_coefficient"]
@@ -380,9 +381,7 @@ def grpo(op, a, x):
     policy_options(op, a, fused=True, clip=True)
     sequence_rollout, vespo = sequence_level_rollout(a), a["loss_type"] == "vespo"
     document_index, num_documents = a["document_index"], a["num_documents"]
-    _check(document_index is None or sequence_rollout or vespo, op, "document_index groups the tokens of a "
-           "sequence-level rollout_correction or of loss_type 'vespo'; got it with rollout_correction = '",
-           a["rollout_correction"] or "None", "' and loss_type '", a["loss_type"], "'")
+    needs_sequences = _checks_rejection.grpo_sequence_options(op, a, sequence_rollout, vespo)
     _check(num_documents is None or document_index is not None, op, "num_documents = ", num_documents,
            " counts the ids of document_index, which is not given")
     check_per_token(op, "advantages", per_sequence(a["advantages"], target), target)
@@ -391,9 +390,9 @@ def grpo(op, a, x):
             check_per_token(op, name, a[name], target)
     if a["label_counts"] is not None:
         check_label_counts(op, a["label_counts"], target)
-    if sequence_rollout or vespo:
-        why = "loss_type 'vespo'" if vespo else "a sequence-level rollout_correction"
-        sequence_ids(op, document_index, num_documents, target, why)
+    if needs_sequences:
+        sequence_ids(op, document_index, num_documents, target,
+                     _checks_rejection.sequences_why(a, sequence_rollout, vespo))
     sampler(op, a, x)
 
 
@@ -424,6 +423,9 @@ def gspo(op, a, x):
     check_weighting(op, a["weighting"])
     policy_options(op, a, fused=True, clip=True, sequence_ratio=True)
     _geo_mean(op, a)
+    _check(not _checks_rejection.rollout_rejection_modes(op, a) or a.get("document_sums") is None, op, "rollout_rs "
+           "with document_sums (sequences split over ranks) is not fused: each rank's sums would need the whole "
+           "sequence's rejection")
     document_index = a["document_index"]
     check_per_token_int(op, "document_index", document_index, target)
     if a["old_log_probs"] is not None:
@@ -495,3 +497,6 @@ def sampler(op, a, x):
     total = start + vocab if total < 0 else total
     _check(start == 0 and vocab == total, op, "top_k, top_p and min_p need each row's whole vocabulary; they are not ",
            "available with a vocabulary shard (vocab_start ", start, ", vocab_size ", total, ", shard of ", vocab, ")")
+
+
+from rl_losses import _checks_rejection  # noqa: E402  (it reads this module's helpers)

@@ -140,6 +140,13 @@ _POLICY_DOC = """
             rollout_mask_bounds = (lo, hi), default (0, rollout_cap)). Sequence level: ρ is the product of the
             token ratios over the sequence's labelled tokens, TRL's definition (document_index, else the rows of
             (B, T) labels). vespo folds the weights into φ instead.
+        rollout_rs, rollout_rs_threshold: verl's rollout rejection (fused ops only), verl's names and threshold
+            specification: modes "token_k1/k2/k3", "seq_sum_k1/k2/k3", "seq_mean_k1/k2/k3", "seq_max_k2/k3",
+            comma-separated (all must pass); thresholds "lo_hi" or "hi" (k1: ratio bounds, lo = 1/hi by default),
+            "hi" (k2, k3), one for all modes or one per mode. Judges k1 = −δ, k2 = δ²/2, k3 = e^δ − 1 − δ of
+            δ = clamp(old − rollout, ±20) per token, or their sum / mean / max per sequence (document_index, else the
+            rows); needs old_log_probs and rollout_log_probs. A rejected token counts as unlabelled everywhere
+            (weights, counts, divisor, metrics, label_counts); computed from the inputs before the pass.
         kl_estimator: "k1" (lp − q), "k2" (½(lp − q)²) or "k3" (default) towards ref_log_probs, times beta;
             kl_importance_weighted: r·KL, differentiated through r too (TRL's and Liger's
             use_bias_correction_kl; GSPO: R_s·KL, differentiated through R_s).
@@ -184,6 +191,10 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
             loss_type "vespo" (negative = padding; default: the rows of (B, T) labels).
         num_documents: the count of ``document_index``'s ids (default: max(document_index) + 1, read on the host:
             a synchronisation on a GPU, which giving it avoids; CUDA checks the ids against it on the device).
+        aggregation: None, or a preset of rl_losses.aggregation ("token_mean", "sequence_mean_token_mean",
+            "sequence_sum_constant", "luspo") computed by the op over the labels rollout_rs keeps: loss_weights then
+            multiply its weights and divisor replaces its count; the sequences are document_index's or the rows
+            (sequence_sum_constant's constant: the row length T, or give divisor).
         The policy-family options (loss_type ... entropy_coefficient) are described below.
     Returns: PolicyLossOutput: ``loss`` (differentiable scalar), then the detached metrics new_logprobs,
         clipped_fraction_low/high, kl_old, entropy (None unless ``compute_entropy`` or an entropy bonus), log_probs (per

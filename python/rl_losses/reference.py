@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from rl_losses import reference_verl
+from rl_losses import reference_rejection, reference_verl
 from rl_losses.outputs import DistillationOutput, DpoOutput, FusedHeadOutput, PolicyLossOutput  # noqa: F401
 from rl_losses.reference_sampler import filtered
 from rl_losses.reference_vespo import _rollout_weight, _sequence_sum, _vespo_weights
@@ -40,6 +40,8 @@ class Policy(NamedTuple):
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+    rollout_rs: str | None = None
+    rollout_rs_threshold: str | None = None
 
 
 def _work_dtype(t: torch.Tensor) -> torch.dtype:
@@ -135,16 +137,23 @@ def _rows_as_sequences(target):
 def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2, epsilon_high=0.2, delta=None,
               ref_log_probs=None, beta=0.0, loss_weights=None, divisor=None, logits_scale_factor=1.0,
               label_counts=None, compute_entropy=False, rollout_log_probs=None, document_index=None,
-              num_documents=None, top_k=None, top_p=None, min_p=None, **policy) -> PolicyLossOutput:
+              num_documents=None, aggregation=None, top_k=None, top_p=None, min_p=None,
+              **policy) -> PolicyLossOutput:
     """GRPO per token with the policy family of docs/policy_losses.md (``policy``: the options of Policy); see
     PolicyLossOutput. ``num_documents`` only bounds ``document_index``'s ids (the sums per sequence do not depend
-    on it)."""
+    on it). ``rollout_rs`` rejects tokens before everything but the sums of a sequence-level rollout correction;
+    ``aggregation`` is a preset over the kept labels."""
     p = Policy(**policy)
     if num_documents is not None and document_index is not None and document_index.numel():
         if int(document_index.max()) >= num_documents:
             raise ValueError(f"grpo: document_index holds {int(document_index.max())} but num_documents is "
                              f"{num_documents}")
     logp = _log_softmax(logits, logits_scale_factor, target, top_k, top_p, min_p)
+    sequence = document_index if document_index is not None else (
+        _rows_as_sequences(target) if target.dim() >= 2 else None)
+    labelled = target >= 0  # before rejection: the sums of a sequence-level rollout correction (verl's rollout_is)
+    given_target, target = target, reference_rejection.rejected_labels(
+        target, old_log_probs, rollout_log_probs, sequence, p.rollout_rs, p.rollout_rs_threshold)
     mask = target >= 0
     maskf = mask.to(logp.dtype)
     lp = _label_logprob(logp, target)
@@ -152,8 +161,6 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
     old = lp.detach() if old_log_probs is None else old_log_probs.to(logp.dtype)
     ratio = torch.exp(lp - old)
     selected = _cov_selection(p, old, lp.detach(), adv, mask, epsilon_low, epsilon_high)  # one draw for both uses
-    sequence = document_index if document_index is not None else (
-        _rows_as_sequences(target) if target.dim() >= 2 else None)
     log_rho = None if p.rollout_correction is None else old.detach() - rollout_log_probs.to(logp.dtype)
     phi = share = None
     if p.loss_type == "vespo":
@@ -161,7 +168,7 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
         per_token = -(phi * adv) * lp
     else:
         per_token = _surrogate(p, ratio, adv, lp, epsilon_low, epsilon_high, delta, old, selected)
-    per_token, rho, weight = _rollout_corrected(per_token, p, log_rho, mask, sequence)
+    per_token, rho, weight = _rollout_corrected(per_token, p, log_rho, labelled, sequence)
     kl = None
     if ref_log_probs is not None:
         kl = _kl_estimate(p.kl_estimator, lp, ref_log_probs.to(logp.dtype))
@@ -172,6 +179,9 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
     entropy_tok = _entropy(logp)
     if p.entropy_coefficient != 0.0:
         per_token = per_token - p.entropy_coefficient * entropy_tok
+    if aggregation is not None:
+        loss_weights, divisor = reference_rejection.aggregation_weights(aggregation, maskf, sequence, loss_weights,
+                                                                        divisor)
     weights = maskf if loss_weights is None else torch.where(mask, loss_weights.to(logp.dtype), 0.0)
     if divisor is None:
         divisor = mask.sum().clamp_min(1)
@@ -184,6 +194,8 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
         def mean(x):
             return torch.where(mask, x, 0.0).sum() / n_lab
 
+        if label_counts is not None and p.rollout_rs is not None:
+            label_counts = reference_rejection.recounted(label_counts.to(logp.dtype), given_target, target, sequence)
         counts = maskf if label_counts is None else label_counts.to(logp.dtype).clamp_min(1)
         doc_weight = torch.where(mask, 1 / counts, 0.0)
         new_logprobs = (doc_weight * lp).sum() / doc_weight.sum().clamp_min(1e-30)
@@ -274,6 +286,10 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
     of the document's summed log-ratios; the importance-weighted KL differentiated through R_s)."""
     p = Policy(**policy)
     logp = _log_softmax(logits, logits_scale_factor, target, top_k, top_p, min_p)
+    given_target, target = target, reference_rejection.rejected_labels(
+        target, old_log_probs, rollout_log_probs, document_index, p.rollout_rs, p.rollout_rs_threshold)
+    if label_counts is not None and p.rollout_rs is not None:
+        label_counts = reference_rejection.recounted(label_counts.to(logp.dtype), given_target, target, document_index)
     dt = logp.dtype
     doc = document_index.reshape(-1).long()
     mask = ((target >= 0).reshape(-1)) & (doc >= 0)

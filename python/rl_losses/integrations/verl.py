@@ -18,6 +18,9 @@ with ``clip_ratio_c``), ``rl_losses_gspo``, ``rl_losses_sapo``, ``rl_losses_cisp
 hands them per-token log-probs, so their per-token math is ``rl_losses.policy_token_loss`` (the fused ops'
 per-token definition, one elementwise kernel) and their aggregation is verl's ``loss_agg_mode`` as an
 ``rl_losses.aggregation`` preset with verl's global batch sizes.
+
+``fused_policy_options(algorithm.rollout_correction, actor.loss_agg_mode)`` (verl_options.py) gives the fused ops'
+options of verl's rollout correction: its importance weights and its rejection (``rollout_rs``) inside the op.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import torch
 
 import rl_losses
 from rl_losses import _schema, aggregation
+from rl_losses.integrations.verl_options import fused_policy_options  # noqa: F401  (this module's API)
 
 _ops = torch.ops.rl_losses
 logger = logging.getLogger(__name__)

@@ -1,0 +1,169 @@
+// verl's rollout rejection inside the fused policy ops (docs/policy_losses.md, verl's
+// compute_rollout_rejection_mask): the options parsed as verl parses them, and the pre-pass that turns the rejected
+// tokens into unlabelled ones. The pre-pass reads the (N,) inputs only (old and rollout log-probs, labels,
+// sequences): a few O(N + S) ATen launches before the row pass, none over the logits.
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <tuple>
+
+#include "common/policy.h"
+
+namespace rl_losses {
+
+namespace {
+
+// The comma-separated, whitespace-trimmed, non-empty parts of `s` (verl's split(",") and strip()).
+std::vector<std::string> parts(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t end = std::min(s.find(',', start), s.size());
+    size_t a = start, b = end;
+    while (a < b && std::isspace(static_cast<unsigned char>(s[a]))) ++a;
+    while (b > a && std::isspace(static_cast<unsigned char>(s[b - 1]))) --b;
+    if (b > a) out.push_back(s.substr(a, b - a));
+    start = end + 1;
+  }
+  return out;
+}
+
+double number(const char* op, const std::string& text, const std::string& spec, const std::string& mode) {
+  size_t used = 0;
+  double v = std::numeric_limits<double>::quiet_NaN();
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TORCH_CHECK(used > 0 && used == text.size() && !std::isnan(v), op, ": rollout_rs_threshold '", spec,
+              "' for rollout_rs mode '", mode, "' is not a number");
+  return v;
+}
+
+constexpr const char* kModes[] = {"token_k1",    "token_k2",    "token_k3",    "seq_sum_k1", "seq_sum_k2",
+                                  "seq_sum_k3",  "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2",
+                                  "seq_max_k3"};
+
+}  // namespace
+
+std::vector<RejectionRule> rollout_rejection_rules(const char* op, const FusedPolicyArgs& f, bool has_old,
+                                                   bool has_rollout) {
+  std::vector<RejectionRule> rules;
+  if (!f.rollout_rs) {
+    TORCH_CHECK(!f.rollout_rs_threshold, op, ": rollout_rs_threshold = '", *f.rollout_rs_threshold,
+                "' given without rollout_rs");
+    return rules;
+  }
+  const std::string& given = *f.rollout_rs;
+  std::vector<std::string> modes;
+  for (const std::string& m : parts(given)) {
+    TORCH_CHECK(std::find(std::begin(kModes), std::end(kModes), m) != std::end(kModes), op, ": rollout_rs mode '",
+                m, "' is not one of token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3 (verl's), got "
+                "rollout_rs = '", given, "'");
+    if (std::find(modes.begin(), modes.end(), m) == modes.end()) modes.push_back(m);
+  }
+  TORCH_CHECK(!modes.empty(), op, ": rollout_rs must name at least one mode, got '", given, "'");
+  TORCH_CHECK(f.rollout_rs_threshold, op, ": rollout_rs = '", given, "' needs rollout_rs_threshold (verl's "
+              "specification: one per mode or one for all, 'lo_hi' or 'hi' for the k1 modes)");
+  TORCH_CHECK(has_rollout, op, ": rollout_rs = '", given, "' needs rollout_log_probs");
+  // Without old_log_probs the rules would judge the current log-probs (verl's bypass_mode): not fused.
+  TORCH_CHECK(has_old, op, ": rollout_rs = '", given, "' needs old_log_probs (it judges old against rollout; "
+              "verl's bypass_mode, which judges the current log-probs, is rl_losses_bypass_mode in "
+              "rl_losses.integrations.verl)");
+  std::vector<std::string> specs = parts(*f.rollout_rs_threshold);
+  TORCH_CHECK(specs.size() == 1 || specs.size() == modes.size(), op, ": rollout_rs_threshold = '",
+              *f.rollout_rs_threshold, "' must hold one threshold for all modes or one per mode (", modes.size(),
+              " in rollout_rs = '", given, "')");
+  if (specs.size() == 1) specs.resize(modes.size(), specs[0]);
+  for (size_t i = 0; i < modes.size(); ++i) {
+    const std::string& m = modes[i];
+    const std::string& spec = specs[i];
+    RejectionRule r{};
+    r.level = m.rfind("token_", 0) == 0     ? RejectionRule::kToken
+              : m.rfind("seq_sum_", 0) == 0 ? RejectionRule::kSeqSum
+              : m.rfind("seq_mean_", 0) == 0 ? RejectionRule::kSeqMean
+                                              : RejectionRule::kSeqMax;
+    r.estimator = m.back() - '0';
+    const size_t sep = spec.find('_');
+    if (r.estimator == 1) {
+      const double hi = number(op, sep == std::string::npos ? spec : spec.substr(sep + 1), spec, m);
+      const double lo = sep == std::string::npos ? 1.0 / hi : number(op, spec.substr(0, sep), spec, m);
+      TORCH_CHECK(lo > 0 && hi > 0, op, ": rollout_rs_threshold '", spec, "' for mode '", m, "' must be positive ",
+                  "ratio bounds, got lower ", lo, " and upper ", hi);
+      TORCH_CHECK(lo <= hi, op, ": rollout_rs_threshold '", spec, "' for mode '", m, "' must be ordered, lower <= "
+                  "upper, got lower ", lo, " and upper ", hi);
+      r.lo = std::log(lo);
+      r.hi = std::log(hi);
+    } else {
+      TORCH_CHECK(sep == std::string::npos, op, ": rollout_rs_threshold '", spec, "' for mode '", m, "' takes one "
+                  "upper bound (no '_': lower and upper bounds are for the k1 modes)");
+      r.hi = number(op, spec, spec, m);
+      TORCH_CHECK(r.hi > 0, op, ": rollout_rs_threshold '", spec, "' for mode '", m, "' must be positive, got ",
+                  r.hi);
+      r.lo = -std::numeric_limits<double>::infinity();
+    }
+    rules.push_back(r);
+  }
+  return rules;
+}
+
+std::pair<at::Tensor, at::Tensor> sequence_of_tokens(const SequenceIds& seq, int64_t n, const at::Device& device) {
+  if (seq.ids.defined()) return {seq.ids.clamp_min(0), seq.ids.ge(0)};
+  const at::Tensor rows = at::arange(n, at::TensorOptions().dtype(at::kLong).device(device))
+                              .div(std::max<int64_t>(seq.row_length, 1), "floor");
+  return {rows, at::ones({n}, rows.options().dtype(at::kBool))};
+}
+
+at::Tensor recount_labels(const at::Tensor& counts, const at::Tensor& target1d, const at::Tensor& kept,
+                          const SequenceIds& seq) {
+  const auto [ids, in_sequence] = sequence_of_tokens(seq, target1d.numel(), target1d.device());
+  const at::Tensor rejected = (target1d.ge(0) & kept.lt(0) & in_sequence).to(counts.scalar_type());
+  return counts - at::zeros({seq.count}, counts.options()).index_add(0, ids, rejected).index_select(0, ids);
+}
+
+at::Tensor reject_rollout_tokens(const std::vector<RejectionRule>& rules, const at::Tensor& target1d,
+                                 const at::Tensor& old_log_probs, const at::Tensor& rollout_log_probs,
+                                 const SequenceIds& seq) {
+  if (rules.empty() || target1d.numel() == 0) return target1d;
+  const at::Tensor delta = (old_log_probs - rollout_log_probs).clamp(-20.0, 20.0);  // verl's SAFETY_BOUND
+  at::Tensor ids, in_sequence, mask;
+  if (has_sequence_rule(rules)) {
+    std::tie(ids, in_sequence) = sequence_of_tokens(seq, target1d.numel(), target1d.device());
+    mask = (target1d.ge(0) & in_sequence).to(delta.scalar_type());
+  }
+  at::Tensor keep;  // every rule's test, and'ed
+  for (const RejectionRule& r : rules) {
+    const at::Tensor k = r.estimator == 1   ? -delta
+                         : r.estimator == 2 ? 0.5 * delta * delta
+                                            : delta.exp() - 1.0 - delta;
+    at::Tensor stat;
+    if (r.level == RejectionRule::kToken) {
+      stat = k;
+    } else {
+      const at::Tensor zeros = at::zeros({seq.count}, delta.options());
+      at::Tensor per_seq;
+      if (r.level == RejectionRule::kSeqMax) {
+        // verl's masked max: −inf outside the mask, 0 for a sequence without tokens.
+        const double inf = std::numeric_limits<double>::infinity();
+        per_seq = at::full({seq.count}, -inf, delta.options())
+                      .scatter_reduce(0, ids, at::where(mask.to(at::kBool), k, -inf), "amax", true);
+        per_seq = at::where(per_seq == -inf, zeros, per_seq);
+      } else {
+        per_seq = zeros.index_add(0, ids, k * mask);
+        // verl's masked_mean: Σ / (count + 1e-8).
+        if (r.level == RejectionRule::kSeqMean) per_seq = per_seq / (zeros.index_add(0, ids, mask) + 1e-8);
+      }
+      stat = at::where(in_sequence, per_seq.index_select(0, ids), r.hi);  // no sequence: kept
+    }
+    // (a NaN statistic fails both tests, as verl's)
+    const bool no_lower = r.lo == -std::numeric_limits<double>::infinity();
+    const at::Tensor passes = no_lower ? stat.le(r.hi) : stat.ge(r.lo) & stat.le(r.hi);
+    keep = keep.defined() ? keep & passes : passes;
+  }
+  return at::where(keep, target1d, -100);
+}
+
+}  // namespace rl_losses
