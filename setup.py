@@ -70,7 +70,7 @@ CPU_WIDTHS = ["DEFAULT", "AVX2", "AVX512"]
 def cpu_widest() -> tuple[str, str]:
     """The widest CPU vector width to compile, every narrower one included, and why. RL_LOSSES_CPU_WIDTHS=native
     (the default) compiles what this machine runs, ATen's capability of its CPU (ATEN_CPU_CAPABILITY aside): the
-    AVX-512 copy of the row loops costs a third of a CPU build. =all compiles every width (a wheel, CI: a
+    AVX-512 copy of the row loops is about a quarter of compiling the files that hold them (docs/performance.md). =all compiles every width (a wheel, CI: a
     compile break in any width must not land), =default / avx2 / avx512 up to the one named."""
     flag = os.environ.get("RL_LOSSES_CPU_WIDTHS", "native").strip().upper()
     if flag == "NATIVE":

@@ -8,8 +8,8 @@
 // vectorised at that width. Nothing is emitted as a separately linked copy, so no inline function of another
 // translation unit is replaced by an AVX one (which a file built with -mavx2 would risk).
 //
-// Each width is a copy of every row loop (a third of a CPU build's compile time for AVX-512), so a build may
-// compile only some: RL_LOSSES_CPU_WIDEST (0 baseline, 1 AVX2, 2 AVX-512) is the widest it has, every
+// Each width is a copy of every row loop (the AVX-512 one: about a quarter of compiling the files with row loops,
+// docs/performance.md), so a build may compile only some: RL_LOSSES_CPU_WIDEST (0 baseline, 1 AVX2, 2 AVX-512) is the widest it has, every
 // narrower one included. setup.py sets it from RL_LOSSES_CPU_WIDTHS: a build in place compiles what its
 // machine runs, the wheel and CI all three; unset (another build system), all three.
 #pragma once
