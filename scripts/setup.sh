@@ -7,7 +7,8 @@
 # from, and a later run whose list is unchanged skips pip. The extension is built by `setup.py build_ext
 # --inplace` into build/, which persists, so that ninja recompiles only what changed; the venv finds the
 # package through a .pth file pointing at python/ (an editable install without pip's throwaway build folder).
-# CUDA kernels are compiled where a GPU is visible or RL_LOSSES_CUDA=1 asks (setup.py).
+# CUDA kernels are compiled where a GPU is visible or RL_LOSSES_CUDA=1 asks, the CPU row loops for the vector widths
+# this CPU runs unless RL_LOSSES_CPU_WIDTHS=all asks for all (setup.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -69,7 +70,7 @@ mkdir -p build
 # The build is skipped when nothing it depends on changed since the last one: no file under csrc/ and not
 # setup.py, nor the variables that choose it, nor the number of GPUs (setup.py builds CUDA where one is visible).
 stamp=build/.stamp-built
-key="RL_LOSSES_CUDA=${RL_LOSSES_CUDA:-} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} CUDA_HOME=${CUDA_HOME:-} \
+key="RL_LOSSES_CUDA=${RL_LOSSES_CUDA:-} RL_LOSSES_CPU_WIDTHS=${RL_LOSSES_CPU_WIDTHS:-} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} CUDA_HOME=${CUDA_HOME:-} \
 gpus=$(ls /dev/nvidia[0-9]* 2>/dev/null | wc -l) torch=$("$VPY" -c 'from importlib import metadata; print(metadata.version("torch"))')"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] && [ -z "$(find csrc setup.py -newer "$stamp" -print -quit)" ] \
   && ls python/rl_losses/_C*.so > /dev/null 2>&1; then
