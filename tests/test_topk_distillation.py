@@ -131,10 +131,11 @@ def test_gradcheck(tail, device):
                     logits.clone().requires_grad_())
 
 
-def test_opcheck(device):
+@pytest.mark.parametrize("kind,beta", [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3)])
+def test_opcheck(kind, beta, device):
     logits, target, ids, lp = make_inputs((4,), 12, 5, torch.float32, device)
     x = logits.clone().requires_grad_()
-    kwargs = dict(tail="tail", logits_scale_factor=1.1)
+    kwargs = dict(tail="tail", kind=kind, beta=beta, logits_scale_factor=1.1)
     torch.library.opcheck(_ops.topk_distillation, (x, target, ids, lp), kwargs)
     torch.library.opcheck(_ops._topk_distillation_forward, (logits, target, ids, lp),
                           forward_options("topk_distillation", compute_grad=True, **kwargs))
@@ -261,7 +262,8 @@ BAD_INPUTS = [
     ("topk_tail", lambda d: _topk(d, tail="rest"), "tail must be 'none', 'renormalize' or 'tail', got 'rest'"),
     ("topk_kind", lambda d: _topk(d, kind="cross_entropy"),
      "topk_distillation: kind must be 'forward_kl', 'reverse_kl' or 'jsd', got 'cross_entropy'"),
-    ("topk_beta_above", lambda d: _topk(d, kind="jsd", beta=1.5), r"topk_distillation: beta must be in \[0, 1\], got 1.5"),
+    ("topk_beta_above", lambda d: _topk(d, kind="jsd", beta=1.5),
+     r"topk_distillation: beta must be in \[0, 1\], got 1.5"),
     ("topk_beta_below", lambda d: _topk(d, beta=-0.25), r"beta must be in \[0, 1\], got -0.25"),
     ("topk_beta_nan", lambda d: _topk(d, kind="jsd", beta=float("nan")), r"beta must be in \[0, 1\], got nan"),
     ("topk_linear_kind", lambda d: _linear_topk(d, 3, kind="jsd_"),

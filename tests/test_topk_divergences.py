@@ -1,7 +1,7 @@
 """Tests of topk_distillation's reverse KL and JSD (docs/distillation_dpo.md): loss, per-token results and the
 student's gradient against the float64 reference (rl_losses.reference_topk) for every tail mode, logits dtype and
 shape; K = V against the full-teacher op (distillation_loss), an independent implementation; JSD's β = 0 and 1;
-gradcheck; the fused lm_head; opcheck and torch.compile with JSD's statistics pass. TRL's sparse divergences:
+gradcheck; the fused lm_head; torch.compile with JSD's statistics pass. TRL's sparse divergences:
 tests/test_trl_distillation.py."""
 import math
 
@@ -13,7 +13,7 @@ import test_topk_distillation as base
 from rl_losses import reference_topk
 
 from conftest import assert_close
-from helpers import DTYPES, assert_compiled_matches_eager, forward_options, gradcheck_fresh, param_id as _id
+from helpers import DTYPES, assert_compiled_matches_eager, gradcheck_fresh, param_id as _id
 
 TAILS = base.TAILS
 # (kind, beta): the reverse KL, and JSD at a β inside (0, 1) either side of 1/2.
@@ -135,20 +135,7 @@ def test_linear_matches_reference(kind, beta, tail, strategy, chunk_size, device
     assert_close(w.grad, wr.grad, torch.float64, msg="grad_weight")
 
 
-# ---- the op's registration -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind,beta", KINDS, ids=_KIND_IDS)
-def test_opcheck(kind, beta, device):
-    logits, target, ids, lp = base.make_inputs((4,), 12, 5, torch.float32, device)
-    x = logits.clone().requires_grad_()
-    kwargs = dict(tail="tail", kind=kind, beta=beta, logits_scale_factor=1.1)
-    torch.library.opcheck(_ops.topk_distillation, (x, target, ids, lp), kwargs)
-    torch.library.opcheck(_ops._topk_distillation_forward, (logits, target, ids, lp),
-                          forward_options("topk_distillation", compute_grad=True, **kwargs))
-    hidden = torch.randn(4, 8, device=device, requires_grad=True)
-    weight = torch.randn(12, 8, device=device, requires_grad=True)
-    torch.library.opcheck(_ops.linear_topk_distillation, (hidden, weight, target, ids, lp), kwargs)
-
-
+# ---- the op's registration (opcheck of every kind: test_topk_distillation.py) --------------------------------------
 def test_compile_fullgraph(device):
     logits, target, ids, lp = base.make_inputs((4, 3), 70, 7, torch.float32, device)
 

@@ -78,16 +78,17 @@ struct TopkPartial {
     const T m = u.m > v.m ? u.m : v.m;
     const T fu = u.m == neg_inf<T>() ? T(0) : exp_nonpos(u.m - m), fv = v.m == neg_inf<T>() ? T(0) : exp_nonpos(v.m - m);
     const T cu = fu > T(0) ? fu * (u.c + u.e * (u.m - m)) : T(0), cv = fv > T(0) ? fv * (v.c + v.e * (v.m - m)) : T(0);
-    return {m, u.e * fu + v.e * fv, cu + cv, u.p + v.p, u.a + v.a, u.b + v.b, u.lp_min < v.lp_min ? u.lp_min : v.lp_min};
+    return {m, u.e * fu + v.e * fv, cu + cv, u.p + v.p, u.a + v.a, u.b + v.b,
+            u.lp_min < v.lp_min ? u.lp_min : v.lp_min};
   }
   C10_HOST_DEVICE void store(T* out) const {
-    const bool empty_ = m == neg_inf<T>();
+    const bool no_entry = m == neg_inf<T>();  // every x = −inf: Q = 0
     out[kTopkP] = T(p);
     out[kTopkRestP] = p < 1.0 ? T(1.0 - p) : T(0);
     out[kTopkA] = a;
     out[kTopkB] = b;
-    out[kTopkG] = empty_ ? m : m + T(::log(e));
-    out[kTopkC] = empty_ ? T(0) : c / e - T(::log(e));  // Σ (e^{x−m}/e)(x − m − log e − log p)
+    out[kTopkG] = no_entry ? m : m + T(::log(e));
+    out[kTopkC] = no_entry ? T(0) : c / e - T(::log(e));  // Σ (e^{x−m}/e)(x − m − log e − log p)
     out[kTopkLpMin] = lp_min;
   }
 };
@@ -133,7 +134,9 @@ enum TopkGradField : int { kTopkNorm = 0, kTopkTeacherNorm, kTopkC1, kTopkC2, kT
 template <typename T>
 C10_HOST_DEVICE inline T topk_grad_at(const DistillOptions<T>& o, const T* g, T x, T lp) {
   const T log_q = x - g[kTopkNorm];
-  if (o.kind == DistillKind::kForwardKl) return g[kTopkW] * (g[kTopkC1] * exp_nonpos(log_q) - g[kTopkC2] * T(::exp(lp)));
+  if (o.kind == DistillKind::kForwardKl) {
+    return g[kTopkW] * (g[kTopkC1] * exp_nonpos(log_q) - g[kTopkC2] * T(::exp(lp)));
+  }
   const T log_p = lp - g[kTopkTeacherNorm];
   if (o.kind == DistillKind::kReverseKl) {
     const T q = exp_nonpos(log_q);

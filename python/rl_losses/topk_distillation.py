@@ -1,6 +1,7 @@
 """Distillation from a sparse teacher (docs/distillation_dpo.md): the functional wrappers of
 ``torch.ops.rl_losses.topk_distillation`` and ``linear_topk_distillation`` (a forward KL, reverse KL or JSD over the
-teacher's top-K ids per token), and the sampled-token KL estimators of on-policy distillation over the per-token log-probs."""
+teacher's top-K ids per token), and the sampled-token KL estimators of on-policy distillation over the per-token
+log-probs."""
 from __future__ import annotations
 
 import torch
