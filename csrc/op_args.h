@@ -215,10 +215,10 @@
 #define RL_LOSSES_DISTILL_SOFTMAX(X) \
   X(double, temperature, 1.0)        \
   X(double, logits_scale_factor, 1.0)
+// kind and beta: the divergence and JSD's β, shared with the top-K op (topk_distillation/).
+#define RL_LOSSES_DISTILL_KIND(X) X(std::string, kind, "forward_kl")
 #define RL_LOSSES_DISTILL_BETA(X) X(double, beta, 0.5)
-#define RL_LOSSES_DISTILL_OPTIONS(X)     \
-  X(std::string, kind, "forward_kl")     \
-  X(OptTensor, loss_mask, None)
+#define RL_LOSSES_DISTILL_OPTIONS(X) RL_LOSSES_DISTILL_KIND(X) X(OptTensor, loss_mask, None)
 // The tensor-parallel hooks: distillation_stats' and (JSD) distillation_jsd_sums' outputs all-reduced.
 #define RL_LOSSES_DISTILL_HOOKS(X) \
   X(OptTensor, row_stats, None)    \
@@ -234,8 +234,9 @@
   X(at::Tensor, teacher_ids, )         \
   X(at::Tensor, teacher_log_probs, )
 // tail: what the teacher's remaining mass 1 − P becomes: "none" (dropped), "renormalize" (both sides renormalised
-// over the K ids) or "tail" (one more bucket).
-#define RL_LOSSES_TOPK_OPTIONS(X) X(std::string, tail, "none")
+// over the K ids) or "tail" (one more bucket); kind ("forward_kl", "reverse_kl" or "jsd") and beta: the divergence
+// over those buckets, as distillation's.
+#define RL_LOSSES_TOPK_OPTIONS(X) X(std::string, tail, "none") RL_LOSSES_DISTILL_KIND(X) RL_LOSSES_DISTILL_BETA(X)
 // divergence: the per-token KL (0 where unlabelled); student_mass Q and teacher_mass P: the K ids' probabilities.
 #define RL_LOSSES_TOPK_RESULTS(X)  \
   X(at::Tensor, loss, )            \

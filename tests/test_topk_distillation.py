@@ -131,10 +131,11 @@ def test_gradcheck(tail, device):
                     logits.clone().requires_grad_())
 
 
-def test_opcheck(device):
+@pytest.mark.parametrize("kind,beta", [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3)])
+def test_opcheck(kind, beta, device):
     logits, target, ids, lp = make_inputs((4,), 12, 5, torch.float32, device)
     x = logits.clone().requires_grad_()
-    kwargs = dict(tail="tail", logits_scale_factor=1.1)
+    kwargs = dict(tail="tail", kind=kind, beta=beta, logits_scale_factor=1.1)
     torch.library.opcheck(_ops.topk_distillation, (x, target, ids, lp), kwargs)
     torch.library.opcheck(_ops._topk_distillation_forward, (logits, target, ids, lp),
                           forward_options("topk_distillation", compute_grad=True, **kwargs))
@@ -248,16 +249,25 @@ def _topk(d, logits=None, target=None, ids=None, lp=None, **kw):
     return _ops.topk_distillation(logits, target, ids, lp, **kw)
 
 
-def _linear_topk(d, k):
+def _linear_topk(d, k, **kw):
     return _ops.linear_topk_distillation(torch.randn(4, 5, device=d), torch.randn(7, 5, device=d),
                                          torch.tensor([1, 2, -100, 3], device=d),
-                                         torch.zeros(4, k, dtype=torch.long, device=d), torch.zeros(4, k, device=d))
+                                         torch.zeros(4, k, dtype=torch.long, device=d), torch.zeros(4, k, device=d),
+                                         **kw)
 
 
 BAD_INPUTS = [
     ("topk_shard", lambda d: _topk(d, vocab_start=7, vocab_size=14),
      r"topk_distillation: a vocabulary shard \(vocab_start=7, vocab_size=14\) is not supported"),
     ("topk_tail", lambda d: _topk(d, tail="rest"), "tail must be 'none', 'renormalize' or 'tail', got 'rest'"),
+    ("topk_kind", lambda d: _topk(d, kind="cross_entropy"),
+     "topk_distillation: kind must be 'forward_kl', 'reverse_kl' or 'jsd', got 'cross_entropy'"),
+    ("topk_beta_above", lambda d: _topk(d, kind="jsd", beta=1.5),
+     r"topk_distillation: beta must be in \[0, 1\], got 1.5"),
+    ("topk_beta_below", lambda d: _topk(d, beta=-0.25), r"beta must be in \[0, 1\], got -0.25"),
+    ("topk_beta_nan", lambda d: _topk(d, kind="jsd", beta=float("nan")), r"beta must be in \[0, 1\], got nan"),
+    ("topk_linear_kind", lambda d: _linear_topk(d, 3, kind="jsd_"),
+     "linear_topk_distillation: kind must be 'forward_kl', 'reverse_kl' or 'jsd', got 'jsd_'"),
     ("topk_scale", lambda d: _topk(d, logits_scale_factor=0.0), "logits_scale_factor must be finite and > 0"),
     ("topk_divisor", lambda d: _topk(d, divisor=-1.0), "divisor must be finite and > 0, got -1"),
     ("topk_ids_dtype", lambda d: _topk(d, ids=torch.zeros(4, 3, dtype=torch.int32, device=d)),
@@ -340,6 +350,10 @@ def test_config_validation():
 
     with pytest.raises(ValueError, match="tail must be one of"):
         LanguageModelLossConfig.from_dict({"type": "topk_distillation", "tail": "rest"})
+    with pytest.raises(ValueError, match="kind must be one of"):
+        LanguageModelLossConfig.from_dict({"type": "topk_distillation", "kind": "cross_entropy"})
+    with pytest.raises(ValueError, match="beta"):
+        LanguageModelLossConfig.from_dict({"type": "topk_distillation", "kind": "jsd", "beta": 1.2})
     module = LanguageModelLossConfig.from_dict({"type": "topk_distillation", "reference_model": "big"}).get_loss()
     with pytest.raises(ValueError, match=r"batch\['reference_topk_ids'\] has no 'big'"):
         module(torch.randn(2, 5), {"labels": torch.zeros(2, dtype=torch.long),

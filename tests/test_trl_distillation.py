@@ -135,40 +135,47 @@ def topk_inputs(student, teacher, labels, ids):
     return labels, ids, torch.log_softmax(teacher, -1).gather(-1, ids)
 
 
+@pytest.mark.parametrize("alpha", BETAS)
 @pytest.mark.parametrize("add_tail", [True, False])
 @pytest.mark.parametrize("k", [1, 5])
-def test_self_distillation_topk_forward_kl(add_tail, k):
-    """SDFT/SDPO's top-k loss at α = 0 (the forward KL over the student's top-k ids, with a tail bucket or
-    renormalised) is our top-K distillation with the student's top-k ids as the support."""
+def test_self_distillation_topk(add_tail, k, alpha):
+    """SDFT/SDPO's top-k loss (TRL's JSD at α over the student's top-k ids, with a tail bucket or renormalised) is
+    our top-K distillation's kind "jsd" at β = α (and the named KL at α = 0 or 1) with the student's top-k ids as
+    the support."""
     student, teacher, labels = make_inputs()
     mask = labels != -100
     topk = sdft.compute_topk_self_distillation_loss
-    options = dict(distillation_topk=k, distillation_alpha=0.0, distillation_add_tail=add_tail)
+    options = dict(distillation_topk=k, distillation_alpha=alpha, distillation_add_tail=add_tail)
     expected_tokens = topk(student, teacher, **options).detach()
     expected = loss_and_grad(lambda s: topk(s, teacher, **options)[mask].sum(), student)
     ids = student.detach().topk(k, dim=-1).indices
     args = topk_inputs(student, teacher, labels, ids)
     tail = "tail" if add_tail else "renormalize"
-    out = rl_losses.topk_distillation_loss(student, *args, tail=tail)
-    torch.testing.assert_close(out.divergence[mask], expected_tokens[mask], **F64)
-    got = loss_and_grad(rl_losses.topk_distillation_loss, student, *args, tail=tail, divisor=1.0)
-    assert_same(got, expected)
+    for kind, beta in kind_and_beta(alpha):
+        out = rl_losses.topk_distillation_loss(student, *args, tail=tail, kind=kind, beta=beta)
+        torch.testing.assert_close(out.divergence[mask], expected_tokens[mask], **F64)
+        got = loss_and_grad(rl_losses.topk_distillation_loss, student, *args, tail=tail, kind=kind, beta=beta,
+                            divisor=1.0)
+        assert_same(got, expected)
 
 
+@pytest.mark.parametrize("beta", [0.0, 1.0])
 @pytest.mark.parametrize("add_tail", [True, False])
 @pytest.mark.parametrize("temperature", TEMPERATURES)
-def test_iw_opd_topk_forward_kl(add_tail, temperature):
+def test_iw_opd_topk(add_tail, temperature, beta):
     """IW-OPD's generalized_jsd_loss with top_k at β = 0 (the forward KL over the teacher's top-k ids of the
-    tempered logits) is our top-K distillation with those ids, logits_scale_factor = 1/T."""
+    tempered logits) and β = 1 (the reverse KL over the student's) is our top-K distillation with those ids,
+    logits_scale_factor = 1/T. (Between them TRL takes the union of both supports: as many ids as the row has.)"""
     student, teacher, labels = make_inputs()
     k = 6
-    expected = loss_and_grad(iw_opd.IWOPDTrainer.generalized_jsd_loss, student, teacher, labels=labels, beta=0.0,
+    expected = loss_and_grad(iw_opd.IWOPDTrainer.generalized_jsd_loss, student, teacher, labels=labels, beta=beta,
                              temperature=temperature, top_k=k, add_tail=add_tail)
-    ids = teacher.topk(k, dim=-1).indices
+    ids = (teacher if beta == 0.0 else student.detach()).topk(k, dim=-1).indices
     args = topk_inputs(student, teacher / temperature, labels, ids)
-    got = loss_and_grad(rl_losses.topk_distillation_loss, student, *args, tail="tail" if add_tail else "renormalize",
-                        logits_scale_factor=1.0 / temperature)
-    assert_same(got, expected)
+    for kind, b in kind_and_beta(beta):
+        got = loss_and_grad(rl_losses.topk_distillation_loss, student, *args, kind=kind, beta=b,
+                            tail="tail" if add_tail else "renormalize", logits_scale_factor=1.0 / temperature)
+        assert_same(got, expected)
 
 
 @pytest.mark.parametrize("beta", BETAS)

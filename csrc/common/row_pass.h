@@ -84,6 +84,17 @@ bool cuda_fuses_row_pass(const RowPassArgs& args);
 void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out);
 #endif
 
+// The statistics of the pass's rows as a pass of their own (the `row_stats` op, on any device) into stats_in,
+// where the epilogue needs more than they give before the gradient is written (topk_distillation's JSD).
+inline void stats_pass_first(RowPassArgs& args) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("rl_losses::row_stats", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, int64_t, int64_t, bool,
+                                               bool)>();
+  args.stats_in = op.call(args.logits, args.target, args.scale, args.vocab_start, args.vocab_total, args.entropy,
+                          args.smoothing);
+}
+
 // On CUDA, a loss that needs its gradient runs the statistics and the gradient in one kernel where
 // cuda_fuses_row_pass says so. Elsewhere (rows too long for a cluster's shared memory, unaligned rows, a
 // device older than sm_90) it runs the statistics pass as its own kernel first, then the epilogue and the
@@ -105,12 +116,7 @@ inline void split_stats_pass_on_cuda(RowPassArgs& args) {
     return;
   }
 #endif
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("rl_losses::row_stats", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, int64_t, int64_t, bool,
-                                               bool)>();
-  args.stats_in = op.call(args.logits, args.target, args.scale, args.vocab_start, args.vocab_total, args.entropy,
-                          args.smoothing);
+  stats_pass_first(args);
 }
 
 // Raw view the kernels see: plain pointers and sizes, no torch types.

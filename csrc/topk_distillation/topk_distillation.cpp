@@ -21,6 +21,21 @@ TopkTail parse_tail(const char* op, const std::string& tail) {
   TORCH_CHECK(false, op, ": tail must be 'none', 'renormalize' or 'tail', got '", tail, "'");
 }
 
+// kind and β as distillation's (its kinds but cross_entropy; jsd at β = 0 or 1 is the forward or the reverse KL).
+DistillOptions<double> parse_options(const char* op, const std::string& kind, double beta) {
+  TORCH_CHECK(std::isfinite(beta) && beta >= 0 && beta <= 1, op, ": beta must be in [0, 1], got ", beta);
+  TORCH_CHECK(kind == "forward_kl" || kind == "reverse_kl" || kind == "jsd", op,
+              ": kind must be 'forward_kl', 'reverse_kl' or 'jsd', got '", kind, "'");
+  const DistillKind k = parse_distill_kind(op, kind, beta);
+  const bool jsd = k == DistillKind::kJsd;  // 0 < β < 1
+  return {.kind = k,
+          .scale = 1.0,
+          .inv_temperature = 1.0,
+          .beta = beta,
+          .log_beta = jsd ? std::log(beta) : 0.0,
+          .log_one_minus_beta = jsd ? std::log1p(-beta) : 0.0};
+}
+
 // teacher_ids (int64) and teacher_log_probs (floating), both shaped target's batch dims + (K,), 1 <= K <= V.
 void check_teacher_shapes(const char* op, const at::Tensor& ids, const at::Tensor& lp, const at::Tensor& target,
                           const FlatLogits& f) {
@@ -99,12 +114,14 @@ TopkDistillationResults topk_distillation_forward(RowSource& src, const at::Tens
               ": a vocabulary shard (vocab_start=", f.vocab_start, ", vocab_size=", f.vocab_total,
               ") is not supported; pass the whole vocabulary");
   const TopkTail tail = parse_tail(op, a.tail);
+  const DistillOptions<double> opt = parse_options(op, a.kind, a.beta);
   check_scale(op, a.logits_scale_factor);
   check_divisor(op, a.divisor);
   check_teacher_shapes(op, a.teacher_ids, a.teacher_log_probs, target, f);
   const int64_t n = f.n_rows, k = a.teacher_ids.size(-1);
   const auto opts = src.acc_options();
-  TopkRows rows{.tail = tail,
+  TopkRows rows{.opt = opt,
+                .tail = tail,
                 .ids = a.teacher_ids.reshape({n, k}).contiguous(),
                 .log_probs = a.teacher_log_probs.reshape({n, k}).to(opts.dtype().toScalarType()).contiguous(),
                 .x = at::empty({n, k}, opts),
@@ -121,7 +138,11 @@ TopkDistillationResults topk_distillation_forward(RowSource& src, const at::Tens
     RowPassArgs args = make_row_pass_args(f, a.logits_scale_factor);
     src.run(args, src.wants_grad(), [&](RowPassArgs& p) {
       const bool gather = p.compute_stats();
-      split_stats_pass_on_cuda(p);
+      if (gather && topk_needs_jsd_step(opt)) {
+        stats_pass_first(p);
+      } else {
+        split_stats_pass_on_cuda(p);
+      }
       backend(p, rows, gather);
     });
   }

@@ -1,21 +1,30 @@
 // CUDA back-end of topk_distillation (registered in csrc/cuda_registration.cpp): the steps of topk_distillation.h on
-// CudaRunner: the gather with a warp per row (its lanes' K/32 reads each in flight at once, their sums combined by
-// shuffles), the row pass's kernels, the scatter with a thread per id.
+// CudaRunner: the gather (and JSD's step after the statistics) with a warp per row (its lanes' K/32 reads each in
+// flight at once, their sums combined by shuffles), the row pass's kernels, the scatter with a thread per id.
 #include "common/row_pass_cuda.cuh"
 #include "topk_distillation/topk_distillation.h"
 
 namespace rl_losses {
 namespace {
 
+template <typename T>
+__device__ inline T shfl(T v, int m) {
+  return __shfl_xor_sync(0xffffffffu, v, m);
+}
+
 template <typename acc_t>
 __device__ inline TopkPartial<acc_t> shfl_xor(const TopkPartial<acc_t>& s, int m) {
-  return {__shfl_xor_sync(0xffffffffu, s.m, m), __shfl_xor_sync(0xffffffffu, s.e, m),
-          __shfl_xor_sync(0xffffffffu, s.p, m), __shfl_xor_sync(0xffffffffu, s.a, m),
-          __shfl_xor_sync(0xffffffffu, s.b, m)};
+  return {shfl(s.m, m), shfl(s.e, m), shfl(s.c, m), shfl(s.p, m), shfl(s.a, m), shfl(s.b, m), shfl(s.lp_min, m)};
+}
+
+template <typename acc_t>
+__device__ inline TopkJsdPartial<acc_t> shfl_xor(const TopkJsdPartial<acc_t>& s, int m) {
+  return {shfl(s.loss, m), shfl(s.s, m)};
 }
 
 constexpr int kGatherThreads = 256;
 
+// Step 1 or 1b (G: TopkGather or TopkJsdStep), a warp per row.
 template <typename G>
 __global__ void __launch_bounds__(kGatherThreads) topk_gather_kernel(G g, int64_t n) {
   // No early trigger: the row pass's persistent cluster grid comes next, and scheduled over this grid's blocks

@@ -46,8 +46,8 @@ def _distill_pair(logits, teacher):
            " but logits has shape ", _shape(logits.shape), " (the vocabularies differ)" if vocab_differs else "")
 
 
-def _distill_beta(beta):
-    _check(math.isfinite(beta) and 0 <= beta <= 1, "distillation", "beta must be in [0, 1], got ", _num(beta))
+def _distill_beta(beta, op="distillation"):
+    _check(math.isfinite(beta) and 0 <= beta <= 1, op, "beta must be in [0, 1], got ", _num(beta))
 
 
 def _distill_softmax(temperature, s):
@@ -225,6 +225,7 @@ def token_log_probs_backward(op, a, x):
 
 # ---- topk_distillation/topk_distillation.cpp -------------------------------------------------------------------------
 TOPK_TAILS = ("none", "renormalize", "tail")
+TOPK_KINDS = ("forward_kl", "reverse_kl", "jsd")
 
 
 def topk_distillation(op, a, x):
@@ -238,6 +239,8 @@ def topk_distillation(op, a, x):
         _check(start == 0 and v == total, op, "a vocabulary shard (vocab_start=", start, ", vocab_size=", total,
                ") is not supported; pass the whole vocabulary")
     _check(a["tail"] in TOPK_TAILS, op, "tail must be 'none', 'renormalize' or 'tail', got '", a["tail"], "'")
+    _distill_beta(a["beta"], op)
+    _check(a["kind"] in TOPK_KINDS, op, "kind must be 'forward_kl', 'reverse_kl' or 'jsd', got '", a["kind"], "'")
     check_scale(op, a["logits_scale_factor"])
     check_divisor(op, a["divisor"])
     ids, lp, target = a["teacher_ids"], a["teacher_log_probs"], a["target"]

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 from rl_losses import fused_head, losses
 from rl_losses._checks import (GSPO_WEIGHTINGS, KL_ESTIMATORS, POLICY_LOSS_TYPES, ROLLOUT_MODES,
                                TOKEN_LOG_PROB_LOSS_TYPES)
-from rl_losses._checks_heads import DISTILL_KINDS, TOPK_TAILS
+from rl_losses._checks_heads import DISTILL_KINDS, TOPK_KINDS, TOPK_TAILS
 from rl_losses._schema import default
 
 # type name -> concrete config class, filled by ``LanguageModelLossConfig.__init_subclass__``.
@@ -408,6 +408,8 @@ class LanguageModelTopkDistillationLossConfig(LanguageModelLossConfig):
     """Distillation from a teacher's top-K log-probs (type ``topk_distillation``; docs/distillation_dpo.md).
 
     tail: the teacher's remaining mass: "none" (verl's forward_kl_topk), "renormalize" or "tail".
+    kind: the divergence over the ids, "forward_kl", "reverse_kl" or "jsd" (with beta, JSD's β in [0, 1]: β = 0 the
+    forward KL, β = 1 the reverse KL), as the distillation config's loss_type and beta.
     reference_model: the teacher's name; its ids and log-probs are ``batch["reference_topk_ids"][reference_model]``
     and ``batch["reference_topk_log_probs"][reference_model]`` ((..., K) each). The tokens that count are the
     labelled ones; the divisor is ``num_labels_in_batch`` when the batch gives it, else their number.
@@ -416,11 +418,15 @@ class LanguageModelTopkDistillationLossConfig(LanguageModelLossConfig):
     type_name: ClassVar[str] = "topk_distillation"
 
     tail: str = default("topk_distillation", "tail")
+    kind: str = default("topk_distillation", "kind")
+    beta: float = default("topk_distillation", "beta")
     reference_model: str = "teacher"
 
     def _validate(self) -> None:
         super()._validate()
         self._check_choice("tail", TOPK_TAILS)
+        self._check_choice("kind", TOPK_KINDS)
+        self._check_float("beta", low=0.0, high=1.0)
         if not isinstance(self.reference_model, str) or not self.reference_model:
             self._fail("reference_model", "a non-empty string", TypeError)
 

@@ -1,7 +1,10 @@
-"""Pure-PyTorch references of distillation from a sparse teacher (docs/distillation_dpo.md): the forward KL over
-the teacher's top-K ids with its remaining mass treated by ``tail``, and the sampled-token KL estimators. Plain
-autograd through the student's full log-softmax, in float64 for float64 inputs (the tests' references)."""
+"""Pure-PyTorch references of distillation from a sparse teacher (docs/distillation_dpo.md): the forward KL, reverse
+KL or JSD over the teacher's top-K ids with its remaining mass treated by ``tail``, and the sampled-token KL
+estimators. Plain autograd through the student's full log-softmax, in float64 for float64 inputs (the tests'
+references)."""
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -11,42 +14,59 @@ from rl_losses.reference import _scaled
 KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 
 
-def topk_distillation_loss(logits, target, teacher_ids, teacher_log_probs, *, tail="none", logits_scale_factor=1.0,
-                           divisor=None) -> TopkDistillationOutput:
-    """Per token t with target_t >= 0: log q = log_softmax(s·z_t), gathered at the teacher's ids, and
-        none         Σ p (log p − log q)
-        renormalize  Σ (p/P)(log(p/P) − log(q/Q))
-        tail         none + (1−P) log((1−P)/(1−Q))
+def _divergence(kind, beta, log_p, log_q):
+    """Σ over the last dim of f(p, q) (docs/distillation_dpo.md), a term exactly 0 where its weights are 0:
+    forward_kl p log(p/q), reverse_kl q log(q/p), jsd β p log(p/m) + (1−β) q log(q/m) with m = β p + (1−β) q
+    (β = 0: forward_kl, β = 1: reverse_kl, as distillation's)."""
+    def xlogy(w, a, b):  # w·(a − b), 0 where w = 0
+        return torch.where(w > 0, w * (a - b), torch.zeros_like(w))
+
+    p, q = log_p.exp(), log_q.exp()
+    if kind == "jsd" and beta == 0:
+        kind = "forward_kl"
+    elif kind == "jsd" and beta == 1:
+        kind = "reverse_kl"
+    if kind == "forward_kl":
+        return xlogy(p, log_p, log_q).sum(-1)
+    if kind == "reverse_kl":
+        return xlogy(q, log_q, log_p).sum(-1)
+    if kind != "jsd":
+        raise ValueError(f"topk_distillation_loss: unknown kind {kind!r}")
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+    return (beta * xlogy(p, log_p, log_m) + (1 - beta) * xlogy(q, log_q, log_m)).sum(-1)
+
+
+def topk_distillation_loss(logits, target, teacher_ids, teacher_log_probs, *, tail="none", kind="forward_kl",
+                           beta=0.5, logits_scale_factor=1.0, divisor=None) -> TopkDistillationOutput:
+    """Per token t with target_t >= 0: log q = log_softmax(s·z_t), gathered at the teacher's ids, and the
+    divergence `kind` (f summed over buckets) over
+        none         the K ids, (p_i, q_i)
+        renormalize  the K ids, (p_i/P, q_i/Q)
+        tail         the K ids and one more bucket (1−P, 1−Q)
     with P = Σ p, Q = Σ q over the ids; L = Σ_t ℓ_t / D (D: the labelled tokens by default)."""
     log_q_all = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
     keep = target >= 0
-    ids = torch.where(keep.unsqueeze(-1), teacher_ids, torch.zeros_like(teacher_ids))
+    ids = torch.where(keep.unsqueeze(-1), teacher_ids, torch.arange(teacher_ids.shape[-1], device=teacher_ids.device))
     log_q = log_q_all.gather(-1, ids)
-    log_p = torch.where(keep.unsqueeze(-1), teacher_log_probs.detach().to(log_q.dtype), torch.zeros_like(log_q))
-    p = log_p.exp()
-    big_p, big_q = p.sum(-1), log_q.exp().sum(-1)
-
-    def plogr(w, a, b):  # Σ w·(a − b), w = 0 terms exactly 0
-        return torch.where(w > 0, w * (a - b), torch.zeros_like(w)).sum(-1)
-
+    # An unlabelled row's teacher is the student itself (finite terms: no NaN through the masked branch).
+    log_p = torch.where(keep.unsqueeze(-1), teacher_log_probs.detach().to(log_q.dtype), log_q.detach())
+    big_p, log_big_q = log_p.exp().sum(-1), torch.logsumexp(log_q, -1)
     if tail == "renormalize":
-        log_pn = log_p - big_p.log().unsqueeze(-1)
-        per_token = plogr(p / big_p.unsqueeze(-1), log_pn, log_q - torch.logsumexp(log_q, -1, keepdim=True))
-    else:
-        per_token = plogr(p, log_p, log_q)
-        if tail == "tail":
-            rest_p = (1 - big_p).clamp_min(0)
-            rest_q = -torch.expm1(torch.logsumexp(log_q, -1))
-            per_token = per_token + torch.where(rest_p > 0, rest_p * (rest_p.log() - rest_q.log()),
-                                                torch.zeros_like(rest_p))
-        elif tail != "none":
-            raise ValueError(f"topk_distillation_loss: unknown tail {tail!r}")
+        log_p, log_q = log_p - big_p.log().unsqueeze(-1), log_q - log_big_q.unsqueeze(-1)
+    elif tail == "tail":
+        # 1 − P (a mass above 1 within the tolerance counts as 1) and 1 − Q = −expm1(log Q).
+        log_p = torch.cat([log_p, (1 - big_p).clamp_min(0).log().unsqueeze(-1)], -1)
+        log_q = torch.cat([log_q, torch.log(-torch.expm1(log_big_q)).unsqueeze(-1)], -1)
+    elif tail != "none":
+        raise ValueError(f"topk_distillation_loss: unknown tail {tail!r}")
+    per_token = _divergence(kind, beta, log_p, log_q)
     zero = torch.zeros_like(per_token)
     per_token = torch.where(keep, per_token, zero)
     if divisor is None:
         divisor = keep.sum().clamp_min(1)
     return TopkDistillationOutput(per_token.sum() / divisor, per_token.detach(),
-                                  torch.where(keep, big_q, zero).detach(), torch.where(keep, big_p, zero).detach())
+                                  torch.where(keep, log_big_q.exp(), zero).detach(),
+                                  torch.where(keep, big_p, zero).detach())
 
 
 def sampled_kl(log_probs, teacher_log_probs, estimator="k1"):

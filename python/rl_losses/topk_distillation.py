@@ -1,6 +1,7 @@
 """Distillation from a sparse teacher (docs/distillation_dpo.md): the functional wrappers of
-``torch.ops.rl_losses.topk_distillation`` and ``linear_topk_distillation`` (the forward KL over the teacher's top-K
-ids per token), and the sampled-token KL estimators of on-policy distillation over the per-token log-probs."""
+``torch.ops.rl_losses.topk_distillation`` and ``linear_topk_distillation`` (a forward KL, reverse KL or JSD over the
+teacher's top-K ids per token), and the sampled-token KL estimators of on-policy distillation over the per-token
+log-probs."""
 from __future__ import annotations
 
 import torch
@@ -14,18 +15,24 @@ _ops = torch.ops.rl_losses
 
 _TOPK_DOC = """
     Per token t with target_t >= 0, q = softmax(logits_scale_factor·logits_t) over the whole vocabulary and the
-    teacher's K pairs (k_i, log p_i), P = Σ p_i, Q = Σ q_{k_i}:
-        none         Σ_i p_i (log p_i − log q_{k_i})                   (verl's forward_kl_topk, before its clamp)
-        renormalize  Σ_i (p_i/P)(log(p_i/P) − log(q_{k_i}/Q))          (both sides renormalised over the ids)
-        tail         none + (1−P)·log((1−P)/(1−Q))                     (the remaining mass as one more bucket)
-    and L = Σ_t ℓ_t / D. The student's rows are read once, the gradient written once; nothing V-wide besides it.
+    teacher's K pairs (k_i, log p_i), P = Σ p_i, Q = Σ q_{k_i}: the divergence `kind` summed over buckets b,
+        forward_kl   f = p log(p/q)                          (verl's forward_kl_topk with tail "none")
+        reverse_kl   f = q log(q/p)
+        jsd          f = β p log(p/m) + (1−β) q log(q/m), m = β p + (1−β) q   (β = 0: forward_kl, 1: reverse_kl)
+    over the buckets `tail` makes of the ids:
+        none         (p_i, q_{k_i})                          (the student's mass on the ids only)
+        renormalize  (p_i/P, q_{k_i}/Q)                      (both sides renormalised; TRL's add_tail=False)
+        tail         (p_i, q_{k_i}) and (1−P, 1−Q)           (the remaining mass as one more bucket; TRL's add_tail)
+    and L = Σ_t ℓ_t / D. The student's rows are read once (twice for jsd: its statistics first), the gradient
+    written once; nothing V-wide besides it.
 
     Args:
         target: (...) int64/int32, the sampled tokens; a negative id marks a token that does not count (its
             teacher entries are not read).
         teacher_ids: (..., K) int64, 1 <= K <= V, distinct within a row, any order.
         teacher_log_probs: (..., K) floating, the teacher's log-probs of those ids (mass at most 1 + 1e-3).
-        tail: "none", "renormalize" or "tail". logits_scale_factor: s > 0. divisor: D (default: the tokens that count).
+        tail: "none", "renormalize" or "tail". kind: "forward_kl", "reverse_kl" or "jsd". beta: JSD's β in [0, 1].
+        logits_scale_factor: s > 0. divisor: D (default: the tokens that count).
     The teacher's values are checked on the host: on a GPU only with RL_LOSSES_CHECK_INPUTS=1 (a synchronisation).
     Returns: TopkDistillationOutput(loss, divergence, student_mass, teacher_mass), float32 (float64 for float64
         inputs); the per-token results detached, shaped like target.
@@ -38,7 +45,7 @@ def topk_distillation_loss(logits: torch.Tensor, target: torch.Tensor, teacher_i
     return TopkDistillationOutput(*_ops.topk_distillation(logits, target, teacher_ids, teacher_log_probs, **options))
 
 
-topk_distillation_loss.__doc__ = """Fused forward KL from a teacher's top-K log-probs (logits (..., V)
+topk_distillation_loss.__doc__ = """Fused divergence from a teacher's top-K log-probs (logits (..., V)
     float32/bfloat16/float16/float64; inplace_backward writes the gradient into them).""" + _TOPK_DOC
 _TOPK_DROP = ("vocab_start", "vocab_size")
 topk_distillation_loss.__signature__ = _schema.signature("topk_distillation", drop=_TOPK_DROP,
