@@ -133,7 +133,8 @@ def main() -> None:
                   f"({100 * floor_ms / ms:5.1f}% of it)")
         torch.cuda.empty_cache()
 
-    # From a sparse teacher: topk_distillation (K in 20, 64, 256; tails none and tail) against plain cross-entropy
+    # From a sparse teacher: topk_distillation (K in 20, 64, 256; forward KL with tails none and tail, reverse KL
+    # and JSD with tail) against plain cross-entropy
     # on the same logits (the target: within 1.1x of it) and torch.compile of verl's compute_forward_kl_topk formula.
     labels = torch.randint(0, v, (n,), device="cuda")
     ce_ms = timed(step(lambda: rl_losses.cross_entropy(x, labels)), args.reps)
@@ -145,6 +146,8 @@ def main() -> None:
         teacher_lp = top.float() - torch.logsumexp(teacher.float(), -1, keepdim=True)
         rows = {f"rl_losses {tail}": step(lambda tail=tail: rl_losses.topk_distillation_loss(
             x, labels, teacher_ids, teacher_lp, tail=tail).loss) for tail in ("none", "tail")}
+        rows.update({f"rl_losses {kind} tail": step(lambda kind=kind: rl_losses.topk_distillation_loss(
+            x, labels, teacher_ids, teacher_lp, tail="tail", kind=kind).loss) for kind in ("reverse_kl", "jsd")})
         rows["torch.compile"] = step(lambda: compiled_topk(x, teacher_ids, teacher_lp))
         for name, fn in rows.items():
             ms = timed_or_none(fn, args.reps, f"topk K={k} {name:18s}")
