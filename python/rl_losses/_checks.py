@@ -14,14 +14,9 @@ import math
 
 import torch
 
+from rl_losses import _checks_rejection
+from rl_losses._messages import _check, _dt, _integral, _num, _shape
 from rl_losses._schema import GSPO_BASIC_SUMS, GSPO_SUMS, ROW_STATS
-
-# c10's names of the dtypes, as its messages print them.
-_DTYPE_NAMES = {
-    torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
-    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
-    torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
-}
 
 # csrc/common/checks.h: kMaxDocuments.
 MAX_DOCUMENTS = 1 << 31
@@ -34,28 +29,6 @@ ROLLOUT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_
 KL_ESTIMATORS = ("k1", "k2", "k3")
 GSPO_WEIGHTINGS = ("document", "token")
 REDUCTIONS = ("mean", "sum", "none")
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-
-
-def _num(x: float) -> str:
-    # A double as a C++ ostream prints it (6 significant digits).
-    return f"{x:g}"
-
-
-def _shape(sizes) -> str:
-    return "[" + ", ".join(str(s) for s in sizes) + "]"
-
-
-def _check(cond, op: str, *parts) -> None:
-    if not cond:
-        raise RuntimeError(f"{op}: " + "".join(str(p) for p in parts))
-
-
-def _integral(dtype: torch.dtype) -> bool:
-    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -498,5 +471,3 @@ def sampler(op, a, x):
     _check(start == 0 and vocab == total, op, "top_k, top_p and min_p need each row's whole vocabulary; they are not ",
            "available with a vocabulary shard (vocab_start ", start, ", vocab_size ", total, ", shard of ", vocab, ")")
 
-
-from rl_losses import _checks_rejection  # noqa: E402  (it reads this module's helpers)

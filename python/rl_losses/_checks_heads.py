@@ -7,10 +7,11 @@ import math
 
 import torch
 
-from rl_losses._checks import (_check, _dt, _integral, _num, _shape, acc_dtype, check_beta, check_clip,
-                                check_divisor, check_epsilons, check_loss_mask, check_label_counts, check_num_documents, check_per_token,
+from rl_losses._checks import (SEQUENCE_LOSS_TYPES, acc_dtype, check_beta, check_clip, check_divisor, check_epsilons,
+                                check_label_counts, check_loss_mask, check_num_documents, check_per_token,
                                 check_per_token_int, check_row_stats, check_scale, check_weighting, per_sequence,
-                                policy_options, sampler, sequence_level_rollout, SEQUENCE_LOSS_TYPES)
+                                policy_options, sampler, sequence_level_rollout)
+from rl_losses._messages import _check, _dt, _integral, _num, _shape
 from rl_losses._schema import DISTILL_STATS
 
 # ---- distillation/distillation.cpp ---------------------------------------------------------------------------------

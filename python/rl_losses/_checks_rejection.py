@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from rl_losses._checks import _check, _num
+from rl_losses._messages import _check, _num
 
 # verl's SUPPORTED_ROLLOUT_RS_OPTIONS, in the op's order.
 ROLLOUT_RS_MODES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
