@@ -408,8 +408,7 @@ class LanguageModelTopkDistillationLossConfig(LanguageModelLossConfig):
     """Distillation from a teacher's top-K log-probs (type ``topk_distillation``; docs/distillation_dpo.md).
 
     tail: the teacher's remaining mass: "none" (verl's forward_kl_topk), "renormalize" or "tail".
-    kind: the divergence over the ids, "forward_kl", "reverse_kl" or "jsd" (with beta, JSD's β in [0, 1]: β = 0 the
-    forward KL, β = 1 the reverse KL), as the distillation config's loss_type and beta.
+    kind, beta: the divergence over the ids, "forward_kl", "reverse_kl" or "jsd" (β in [0, 1]), as distillation's.
     reference_model: the teacher's name; its ids and log-probs are ``batch["reference_topk_ids"][reference_model]``
     and ``batch["reference_topk_log_probs"][reference_model]`` ((..., K) each). The tokens that count are the
     labelled ones; the divisor is ``num_labels_in_batch`` when the batch gives it, else their number.
