@@ -409,9 +409,8 @@ class LanguageModelTopkDistillationLossConfig(LanguageModelLossConfig):
 
     tail: the teacher's remaining mass: "none" (verl's forward_kl_topk), "renormalize" or "tail".
     kind, beta: the divergence over the ids, "forward_kl", "reverse_kl" or "jsd" (β in [0, 1]), as distillation's.
-    reference_model: the teacher's name; its ids and log-probs are ``batch["reference_topk_ids"][reference_model]``
-    and ``batch["reference_topk_log_probs"][reference_model]`` ((..., K) each). The tokens that count are the
-    labelled ones; the divisor is ``num_labels_in_batch`` when the batch gives it, else their number.
+    reference_model: the teacher's name, the key of its ids and log-probs in ``batch["reference_topk_ids"]`` and
+    ``batch["reference_topk_log_probs"]`` ((..., K) each). Divisor: ``num_labels_in_batch``, else the labelled tokens.
     """
 
     type_name: ClassVar[str] = "topk_distillation"
