@@ -237,7 +237,7 @@
 // over the K ids) or "tail" (one more bucket); kind ("forward_kl", "reverse_kl" or "jsd") and beta: the divergence
 // over those buckets, as distillation's.
 #define RL_LOSSES_TOPK_OPTIONS(X) X(std::string, tail, "none") RL_LOSSES_DISTILL_KIND(X) RL_LOSSES_DISTILL_BETA(X)
-// divergence: the per-token KL (0 where unlabelled); student_mass Q and teacher_mass P: the K ids' probabilities.
+// divergence: the per-token divergence of `kind` (0 where unlabelled); student_mass Q and teacher_mass P: the K ids' probabilities.
 #define RL_LOSSES_TOPK_RESULTS(X)  \
   X(at::Tensor, loss, )            \
   X(at::Tensor, divergence, )      \

@@ -204,6 +204,12 @@ def _bad_inputs():
          r"rollout_rs_threshold = '1,2,3' must hold one threshold for all modes or one per mode \(2 in"),
         ("rs_number", lambda d: rollout(d, rollout_rs="token_k2", rollout_rs_threshold="two"),
          "rollout_rs_threshold 'two' for rollout_rs mode 'token_k2' is not a number"),
+        # The numbers' grammar is the op's own on both sides (Python's float() would take "1_2" and "0x" would be
+        # C's): a decimal number or "inf".
+        ("rs_number_underscore", lambda d: rollout(d, rollout_rs="token_k1", rollout_rs_threshold="0.5_1_2"),
+         "rollout_rs_threshold '0.5_1_2' for rollout_rs mode 'token_k1' is not a number"),
+        ("rs_number_hex", lambda d: rollout(d, rollout_rs="token_k2", rollout_rs_threshold="0x1p-1"),
+         "rollout_rs_threshold '0x1p-1' for rollout_rs mode 'token_k2' is not a number"),
         ("rs_k1_positive", lambda d: rollout(d, rollout_rs="seq_sum_k1", rollout_rs_threshold="0_2"),
          "rollout_rs_threshold '0_2' for mode 'seq_sum_k1' must be positive ratio bounds, got lower 0 and upper 2"),
         ("rs_k1_order", lambda d: rollout(d, rollout_rs="token_k1", rollout_rs_threshold="1.5_0.5"),

@@ -203,6 +203,9 @@ def test_fused_policy_options_from_verl_config():
         rollout_rs_threshold="0.8_1.25", aggregation="luspo")
     icepop = algorithm.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.5_2.0", rollout_rs=None)
     assert rl_verl.fused_policy_options(icepop) == dict(rollout_correction="token_mask", rollout_mask_bounds=(0.5, 2.0))
+    # verl weighs only where rollout_is and its threshold are both set.
+    no_threshold = algorithm.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=None, rollout_rs=None)
+    assert rl_verl.fused_policy_options(no_threshold) == {}
     numeric = algorithm.RolloutCorrectionConfig(rollout_is=None, rollout_rs="seq_max_k2", rollout_rs_threshold=2.5)
     assert rl_verl.fused_policy_options(numeric, "token-sum") == dict(rollout_rs="seq_max_k2",
                                                                       rollout_rs_threshold="2.5", divisor=1.0)

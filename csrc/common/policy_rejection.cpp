@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -30,16 +31,18 @@ std::vector<std::string> parts(const std::string& s) {
   return out;
 }
 
+// A decimal number (digits, '.', an exponent, a sign) or "inf", read as strtod reads it (as Python's float, which
+// the fake kernel uses: past the doubles' range inf or 0, no error), all of it.
 double number(const char* op, const std::string& text, const std::string& spec, const std::string& mode) {
-  size_t used = 0;
+  const bool decimal = !text.empty() && text.find_first_not_of("0123456789.eE+-") == std::string::npos;
   double v = std::numeric_limits<double>::quiet_NaN();
-  try {
-    v = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
+  if (decimal || text == "inf" || text == "+inf") {
+    char* end = nullptr;
+    const double read = std::strtod(text.c_str(), &end);
+    if (end == text.c_str() + text.size()) v = read;
   }
-  TORCH_CHECK(used > 0 && used == text.size() && !std::isnan(v), op, ": rollout_rs_threshold '", spec,
-              "' for rollout_rs mode '", mode, "' is not a number");
+  TORCH_CHECK(!std::isnan(v), op, ": rollout_rs_threshold '", spec, "' for rollout_rs mode '", mode,
+              "' is not a number");
   return v;
 }
 
@@ -152,7 +155,9 @@ at::Tensor reject_rollout_tokens(const std::vector<RejectionRule>& rules, const 
                       .scatter_reduce(0, ids, at::where(mask.to(at::kBool), k, -inf), "amax", true);
         per_seq = at::where(per_seq == -inf, zeros, per_seq);
       } else {
-        per_seq = zeros.index_add(0, ids, k * mask);
+        // where(), not k · mask: a NaN δ outside the mask (padding) must not reach its sequence's sum (verl's
+        // masked_sum is a where() too).
+        per_seq = zeros.index_add(0, ids, at::where(mask.to(at::kBool), k, 0.0));
         // verl's masked_mean: Σ / (count + 1e-8).
         if (r.level == RejectionRule::kSeqMean) per_seq = per_seq / (zeros.index_add(0, ids, mask) + 1e-8);
       }

@@ -64,7 +64,7 @@ struct TopkPartial {
       // The terms so far move with the max: (x_k − m − lp_k) becomes (x_k − x − lp_k).
       const bool first = m == neg_inf<T>();
       const T f = first ? T(0) : exp_nonpos(m - x);
-      c = first ? T(0) : f * (c + e * (m - x));
+      c = f > T(0) ? f * (c + e * (m - x)) : T(0);  // (f = 0: the old terms vanish, an infinite one included)
       e = f * e + T(1);
       c -= lp;
       m = x;

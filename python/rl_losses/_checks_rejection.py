@@ -14,13 +14,17 @@ ROLLOUT_RS_MODES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k
 AGGREGATIONS = ("token_mean", "sequence_mean_token_mean", "sequence_sum_constant", "luspo")
 
 
+_DECIMAL = frozenset("0123456789.eE+-")
+
+
 def _parts(s: str) -> list[str]:
     return [p.strip() for p in s.split(",") if p.strip()]
 
 
 def _number(op, text, spec, mode):
+    # policy_rejection.cpp's number(): a decimal number or "inf", all of it (not Python's wider float() grammar).
     try:
-        v = float(text)
+        v = float(text) if (text and set(text) <= _DECIMAL) or text in ("inf", "+inf") else math.nan
     except ValueError:
         v = math.nan
     _check(not math.isnan(v), op, "rollout_rs_threshold '", spec, "' for rollout_rs mode '", mode,

@@ -194,7 +194,9 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         aggregation: None, or a preset of rl_losses.aggregation ("token_mean", "sequence_mean_token_mean",
             "sequence_sum_constant", "luspo") computed by the op over the labels rollout_rs keeps: loss_weights then
             multiply its weights and divisor replaces its count; the sequences are document_index's or the rows
-            (sequence_sum_constant's constant: the row length T, or give divisor).
+            (sequence_sum_constant's constant: the row length T, or give divisor). Its sequence means divide by
+            the sequences that keep a labelled token, as verl's loss_agg_mode does, where
+            rl_losses.aggregation.aggregation_weights divides by every sequence of the batch (TRL's mean).
         The policy-family options (loss_type ... entropy_coefficient) are described below.
     Returns: PolicyLossOutput: ``loss`` (differentiable scalar), then the detached metrics new_logprobs,
         clipped_fraction_low/high, kl_old, entropy (None unless ``compute_entropy`` or an entropy bonus), log_probs (per

@@ -11,8 +11,13 @@ from __future__ import annotations
 from rl_losses import aggregation
 
 
+def _given(config, name, default=None):
+    """The config's value of `name` as set (None included), `default` where the config has no such field."""
+    return config.get(name, default) if hasattr(config, "get") else getattr(config, name, default)
+
+
 def _value(config, name, default=None):
-    value = config.get(name, default) if hasattr(config, "get") else getattr(config, name, default)
+    value = _given(config, name, default)
     return default if value is None else value
 
 
@@ -43,7 +48,8 @@ def fused_policy_options(rollout_correction, loss_agg_mode: str | None = None) -
             raise ValueError("fused_policy_options: rollout_is_batch_normalize (a batch mean of the weights) has no "
                              "option in the fused ops")
         level = _value(rollout_correction, "rollout_is")
-        if level is not None:
+        # verl weighs only where both are set: a threshold set to None turns the weights off.
+        if level is not None and _given(rollout_correction, "rollout_is_threshold", 2.0) is not None:
             if level not in ("token", "sequence"):
                 raise ValueError(f"fused_policy_options: rollout_is must be 'token' or 'sequence', got {level!r}")
             threshold = _value(rollout_correction, "rollout_is_threshold", 2.0)
