@@ -93,6 +93,8 @@ def make_trainer(cls, model, tok, s, args, cpu, **kwargs):
                   train_dataset=datasets.Dataset.from_dict({"prompt": ["w3 w4"] * s["batch"]}),
                   processing_class=tok, **kwargs)
     trainer.current_gradient_accumulation_steps = 1
+    if config.gradient_checkpointing:  # what Trainer.train() does first; compute_loss alone would run without it
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs)
     trainer.model.train()
     return trainer
 
