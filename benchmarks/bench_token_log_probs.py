@@ -11,10 +11,10 @@ GEMMs no fused form avoids: hidden @ W.T, G @ W, G.T @ hidden, as plain bf16 mat
 the agreement of log-probs, entropy and grad_weight with rl_losses. Shapes (N x H x V): the actor's micro-batch of
 16384 packed tokens at Qwen2.5-1.5B's (H=1536), Qwen2.5-7B's (H=3584, V=152064) and an H=4096 head. Providers:
 rl_losses with strategy "fast" and "lean" (what rl_losses.integrations.verl runs, per its lm_head strategy); verl's
-FusedLinearForPPO (its PyTorch implementation, chunks of 512 rows) when verl imports, and verl's Triton
-linear_cross_entropy, from verl or, without verl installed, from a folder holding copies of verl's
-verl/utils/kernel/kernels.py and linear_cross_entropy.py (``--verl-kernels``, default .whl/verl_kernels; their
-one import from the rest of verl, verl.utils.device, is provided by a shim here). OUT/bench_token_log_probs.json
+FusedLinearForPPO (its PyTorch implementation, chunks of 512 rows) and verl's Triton linear_cross_entropy, from
+verl or, where verl's package does not import (its dependencies missing), from its files (``--verl-kernels``, by
+default the installed package's verl/utils/kernel; their one import from the rest of verl, verl.utils.device, is
+provided by a shim here). OUT/bench_token_log_probs.json
 holds the results.
 """
 from __future__ import annotations
@@ -55,8 +55,14 @@ def load_verl_kernels(folder):
 def providers(verl_kernels):
     out = {f"rl_losses{'' if s == 'fast' else '_' + s}": (lambda s: lambda h, w, t: rl_losses.linear_token_log_probs(
         h, w, t, compute_entropy=True, strategy=s))(s) for s in ("fast", "lean")}
+    from head_peers import _load_file, _verl_dir  # verl's files from its installed package, without its __init__
+
     try:
-        from verl.utils.experimental.torch_functional import FusedLinearForPPOFunction
+        try:
+            from verl.utils.experimental.torch_functional import FusedLinearForPPOFunction
+        except ImportError:
+            FusedLinearForPPOFunction = _load_file("verl_experimental_torch_functional", os.path.join(
+                _verl_dir(), "utils", "experimental", "torch_functional.py")).FusedLinearForPPOFunction
 
         out["verl_torch"] = lambda h, w, t: FusedLinearForPPOFunction.apply(h, w, t, 1.0, 512)
     except ImportError as e:
@@ -65,10 +71,9 @@ def providers(verl_kernels):
         try:
             from verl.utils.kernel.linear_cross_entropy import LinearCrossEntropy
         except ImportError:
-            if not os.path.isfile(os.path.join(verl_kernels, "kernels.py")):
-                raise
-            LinearCrossEntropy = load_verl_kernels(verl_kernels).LinearCrossEntropy
-            print(f"verl_triton: verl's kernel files loaded from {verl_kernels}")
+            folder = verl_kernels or os.path.join(_verl_dir(), "utils", "kernel")
+            LinearCrossEntropy = load_verl_kernels(folder).LinearCrossEntropy
+            print(f"verl_triton: verl's kernel files loaded from {folder}")
 
         out["verl_triton"] = lambda h, w, t: LinearCrossEntropy.apply(h, w, t, 1.0, "none", None)
     except Exception as e:  # noqa: BLE001  (ImportError, or Triton failing without a GPU)
@@ -142,9 +147,9 @@ def main():
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--shapes", default=None, help=f"NxHxV,... (default {SHAPES})")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--verl-kernels", default=os.environ.get("RL_LOSSES_VERL_KERNELS", ".whl/verl_kernels"),
+    parser.add_argument("--verl-kernels", default=os.environ.get("RL_LOSSES_VERL_KERNELS"),
                         help="folder with verl's kernels.py and linear_cross_entropy.py (used when verl does not "
-                             "import)")
+                             "import; default: those of the installed verl package)")
     args = parser.parse_args()
     device = "cpu" if args.dry_run else "cuda"
     dtype = torch.float32 if args.dry_run else torch.bfloat16

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import gc
 import json
 import os
 import sys
@@ -145,6 +146,8 @@ def run_arm(name, base, tok, s, inputs, args, device):
     reps = max(2, min(args.reps, int(args.arm_seconds / max(first_s, 1e-3))))
     if device == "cuda":
         model.zero_grad(set_to_none=True)
+        gc.collect()  # an earlier arm's trainer (reference cycles) must not be freed mid-measurement
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     row = {"ms": round(median_ms(step, reps, device), 3), "steps": reps, "loss": losses[-1].float().item()}
@@ -225,6 +228,7 @@ def main():
             rows.append(row)
             print(config, name, json.dumps({k: v for k, v in row.items() if k not in ("config", "provider")}),
                   flush=True)
+            gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
             save()
