@@ -189,11 +189,14 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
                 return rl_losses_head(hidden, weight, bias, labels)
             mask = labels != -100
             # Only the labelled positions are projected (the prompt's are not), as TRL's own head does.
-            lp, entropy = rl_losses.linear_token_log_probs(hidden[mask], weight, labels[mask], bias=bias,
+            # One host synchronisation (nonzero); the gathers and scatters index with its result, and the op
+            # is told that every row it gets is labelled (skip_unlabelled=False: it does not count them again).
+            at = mask.nonzero(as_tuple=True)
+            lp, entropy = rl_losses.linear_token_log_probs(hidden[at], weight, labels[at], bias=bias,
                                                            temperature=temperature, compute_entropy=True,
-                                                           strategy=strategy)
-        log_probs = lp.new_zeros(mask.shape).masked_scatter(mask, lp)
-        entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
+                                                           strategy=strategy, skip_unlabelled=False)
+        log_probs = lp.new_zeros(mask.shape).index_put(at, lp)
+        entropy = entropy.new_zeros(mask.shape).index_put(at, entropy)
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
                                    label_mask=mask)
@@ -331,23 +334,27 @@ class GRPOTrainer(trl.GRPOTrainer):
             rollout = torch.where(torch.isnan(sampling), old, sampling).float()
         ga = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         options.update(divisor=divisor, compute_entropy=True, logits_scale_factor=1.0 / self.temperature,
-                       strategy=self.lm_head_strategy, rollout_log_probs=rollout, ref_log_probs=None if ref is None else ref.float())
+                       strategy=self.lm_head_strategy, skip_unlabelled=False, rollout_log_probs=rollout,
+                       ref_log_probs=None if ref is None else ref.float())
         masks = self.off_policy_mask_threshold is not None or self.top_entropy_quantile < 1.0
         maskf = mask.float()
         # Only the labelled positions are projected (not the completions' padding), as TRL's own head does; each
         # keeps its sequence for the options that sum over one (vespo, a sequence-level rollout correction).
-        sequence_of = torch.arange(mask.shape[0], device=mask.device).unsqueeze(1).expand_as(mask)[rows]
+        # The labelled positions (b, k): the step's one host synchronisation (nonzero); every gather and scatter
+        # below indexes with them, and the ops get only labelled rows (skip_unlabelled=False: no second count).
+        at = rows.nonzero(as_tuple=True)
+        sequence_of = at[0]
         summed = options["loss_type"] == "vespo" or options.get("rollout_correction", "").startswith("sequence")
         if summed and not sequence:  # (the GSPO op takes the sequences anyway)
             options.update(document_index=sequence_of, num_documents=mask.shape[0])
         for name in ("rollout_log_probs", "ref_log_probs"):
-            options[name] = None if options[name] is None else options[name][rows]
+            options[name] = None if options[name] is None else options[name][at]
 
         def scatter(values):  # (labelled,) -> (B, K), 0 elsewhere
-            return values.new_zeros(mask.shape).masked_scatter(rows, values)
+            return values.new_zeros(mask.shape).index_put(at, values)
 
         def head(hidden, weight, bias, _labels):
-            hidden, labels = hidden[:, -keep:][rows], target[rows]  # the completion's labelled positions
+            hidden, labels = hidden[:, -keep:][at], target[at]  # the completion's labelled positions
             current = None
             if masks:
                 # One forward GEMM per chunk, no gradient: the current log-probs (the old ones on-policy) and
@@ -356,7 +363,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                     lp, entropy = rl_losses.linear_token_log_probs(hidden, weight, labels, bias=bias,
                                                                    temperature=self.temperature,
                                                                    compute_entropy=self.top_entropy_quantile < 1.0,
-                                                                   strategy=self.lm_head_strategy)
+                                                                   strategy=self.lm_head_strategy,
+                                                                   skip_unlabelled=False)
                 current = (scatter(lp), None if entropy is None else scatter(entropy))
             if old is not None:
                 old_lp = old.float()
@@ -375,14 +383,14 @@ class GRPOTrainer(trl.GRPOTrainer):
             if coefficient is not None:
                 # TRL subtracts c·Σ e·H / (Σ e · ga) over its effective mask e; the op c'·Σ w·H / D, w = e here.
                 extra["entropy_coefficient"] = coefficient * divisor / (float(bonus_mask.sum().clamp(min=1)) * ga)
-            old_rows = None if old_lp is None else old_lp[rows]
+            old_rows = None if old_lp is None else old_lp[at]
             if sequence:
-                out = rl_losses.linear_gspo_loss(hidden, weight, labels, adv[rows], old_rows, sequence_of,
+                out = rl_losses.linear_gspo_loss(hidden, weight, labels, adv[at], old_rows, sequence_of,
                                                  bias=bias, num_documents=mask.shape[0], weighting=weighting,
                                                  **options, **extra)
             else:
-                out = rl_losses.linear_grpo_loss(hidden, weight, labels, adv[rows], old_rows, bias=bias,
-                                                 loss_weights=w[rows], **options, **extra)
+                out = rl_losses.linear_grpo_loss(hidden, weight, labels, adv[at], old_rows, bias=bias,
+                                                 loss_weights=w[at], **options, **extra)
             log_probs = scatter(out.log_probs)
             if old_lp is None:  # on-policy: the old log-probs are the current ones, detached
                 old_lp = log_probs.detach().float()
