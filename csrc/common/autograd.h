@@ -10,11 +10,22 @@
 #include <torch/autograd.h>
 
 #include <optional>
+#include <utility>
+#include <vector>
 
 namespace rl_losses {
 
 inline c10::OperatorHandle find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+// Calls an op with a boxed argument list; returns its (all tensor) outputs.
+inline std::vector<at::Tensor> call_boxed(const c10::OperatorHandle& op, std::vector<c10::IValue> args) {
+  op.callBoxed(args);
+  std::vector<at::Tensor> out;
+  out.reserve(args.size());
+  for (auto& v : args) out.push_back(std::move(v).toTensor());
+  return out;
 }
 
 // True when the forward must produce the gradient w.r.t. `t`: grad mode is on and `t` requires it.

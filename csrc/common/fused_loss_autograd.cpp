@@ -50,15 +50,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Calls an op with a boxed argument list; returns its (all tensor) outputs.
-std::vector<at::Tensor> call_boxed(const c10::OperatorHandle& op, std::vector<c10::IValue> args) {
-  op.callBoxed(args);
-  std::vector<at::Tensor> out;
-  out.reserve(args.size());
-  for (auto& v : args) out.push_back(v.toTensor());
-  return out;
-}
-
 // What the kernels of one public loss op read of its schema and its forward ops, looked up on its first call
 // rather than by a name built on every call.
 struct LossOps {

@@ -19,15 +19,15 @@ constexpr const char* kAggregations[] = {"token_mean", "sequence_mean_token_mean
 // The weights and divisor of an aggregation preset over the kept labels (docs/policy_losses.md): w = u·m, divided by
 // the sequence's kept count for sequence_mean_token_mean (u: loss_weights, else 1); D given, else Σm for token_mean,
 // the sequences holding a kept token (times the row length T for sequence_sum_constant) for the others.
-std::pair<at::Tensor, at::Tensor> aggregate(const std::string& preset, const at::Tensor& kept,
+std::pair<at::Tensor, at::Tensor> aggregate(const std::string& preset, const at::Tensor& kept_mask,
                                             const at::Tensor& given_weights, std::optional<double> divisor,
                                             const SequenceIds& seq, const at::TensorOptions& opts) {
-  const at::Tensor m = kept.ge(0).to(opts.dtype());
+  const at::Tensor m = kept_mask.to(opts.dtype());
   at::Tensor w = given_weights.defined() ? given_weights * m : m;
   if (preset == "token_mean") {
     return {w, divisor ? at::full({}, *divisor, opts) : m.sum().clamp_min(1)};
   }
-  const auto [ids, in_sequence] = sequence_of_tokens(seq, kept.numel(), kept.device());
+  const auto [ids, in_sequence] = sequence_of_tokens(seq, kept_mask.numel(), kept_mask.device());
   w = w * in_sequence;
   const at::Tensor counts = at::zeros({seq.count}, opts).index_add(0, ids, m * in_sequence);
   if (preset == "sequence_mean_token_mean") w = w / counts.clamp_min(1).index_select(0, ids);
@@ -100,6 +100,11 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   // weights, the counts and the metrics. The row pass still sees the source's labels (the fused lm_head gathers
   // its rows before); their weight 0 leaves them out of the loss and the gradient, and their outputs are cleared.
   const at::Tensor kept = reject_rollout_tokens(rules, f.target1d, rows.old_log_probs, rollout, seq);
+  at::Tensor kept_mask_once;  // kept >= 0, computed once where a step below needs it
+  const auto kept_mask = [&]() -> const at::Tensor& {
+    if (!kept_mask_once.defined()) kept_mask_once = kept.ge(0);
+    return kept_mask_once;
+  };
   rows.out = src.row_outputs({f.n_rows, kGrpoFields});
   rows.log_probs = src.row_outputs({f.n_rows});
   // The statistics hold Σp·x when the entropy is a metric or, with its gradient, a term of the loss.
@@ -152,19 +157,19 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
     at::Tensor lp = new_empty({f.n_rows}, opts);
     backend.log_probs(args.stats_in, f.target1d, lp);
     rows.cov_selected = cov_selection(a.policy, opt, lp, rows.old_log_probs.defined() ? rows.old_log_probs : lp,
-                                      rows.advantages, kept.ge(0));
+                                      rows.advantages, kept_mask());
   }
   // Token-level correction weights (and, with vespo, their metrics: vespo folds them into φ).
   if (!sequence_rollout && opt.rollout_mode != kRolloutNone) rows.rollout_log_probs = rollout;
   // A rejected token weighs 0.
   const bool rejecting = !rules.empty();
   if (rejecting && !a.aggregation) {
-    const at::Tensor m = kept.ge(0).to(acc);
+    const at::Tensor m = kept_mask().to(acc);
     rows.loss_weights = rows.loss_weights.defined() ? rows.loss_weights * m : m;
   }
   if (recount) counts = recount_labels(counts, f.target1d, kept, seq);
   if (a.aggregation) {
-    std::tie(rows.loss_weights, rows.divisor) = aggregate(*a.aggregation, kept, rows.loss_weights, a.divisor,
+    std::tie(rows.loss_weights, rows.divisor) = aggregate(*a.aggregation, kept_mask(), rows.loss_weights, a.divisor,
                                                           seq, opts);
   }
   // The labelled count, a one-block launch, is the kernel right before the loss pass, here as without the
@@ -188,7 +193,7 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
     });
   }
   if (rejecting) {
-    const at::Tensor rejected = kept.lt(0);
+    const at::Tensor rejected = kept_mask().logical_not();
     rows.out.masked_fill_(rejected.unsqueeze(1), 0);
     rows.log_probs.masked_fill_(rejected, 0);
   }

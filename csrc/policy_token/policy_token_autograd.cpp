@@ -44,10 +44,11 @@ class PolicyTokenFunction : public torch::autograd::Function<PolicyTokenFunction
   // `args`: the op's arguments, log_probs first (repeated for autograd).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& log_probs, std::vector<c10::IValue> args) {
     const PolicyTokenOp& info = policy_token_op_info();
-    call_below_autograd(info, &args);
     variable_list out;
-    out.reserve(args.size());
-    for (auto& v : args) out.push_back(std::move(v).toTensor());
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      out = call_boxed(info.op, std::move(args));
+    }
     ctx->save_for_backward({out[info.slope]});
     ctx->saved_data["dtype"] = log_probs.scalar_type();
     ctx->set_materialize_grads(false);  // only the loss's gradient is read

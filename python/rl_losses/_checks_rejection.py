@@ -6,12 +6,11 @@ from __future__ import annotations
 import math
 
 from rl_losses._messages import _check, _num
+from rl_losses.aggregation import PRESETS as AGGREGATIONS  # the presets grpo computes itself
 
 # verl's SUPPORTED_ROLLOUT_RS_OPTIONS, in the op's order.
 ROLLOUT_RS_MODES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
                     "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
-# The presets grpo computes itself (rl_losses.aggregation.PRESETS).
-AGGREGATIONS = ("token_mean", "sequence_mean_token_mean", "sequence_sum_constant", "luspo")
 
 
 _DECIMAL = frozenset("0123456789.eE+-")
