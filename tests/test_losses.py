@@ -271,11 +271,13 @@ def test_use_cuda_kernel_true_without_cuda_build(monkeypatch):
     module = LanguageModelLossConfig.from_dict({"type": "label", "use_cuda_kernel": True}).get_loss()
     with pytest.raises(RuntimeError, match="built without its CUDA kernels"):
         module.uses_kernel(torch.empty(0))
-    # None: the reference for CUDA tensors when there is no CUDA kernel (only the device is read: no GPU needed),
-    # the extension on the CPU.
+    # None: the reference for CUDA tensors when there is no CUDA kernel (only the device's flag is read: no GPU
+    # needed), the extension on the CPU and on "meta".
     module = LanguageModelLossConfig.from_dict({"type": "label"}).get_loss()
-    assert not module.uses_kernel(SimpleNamespace(device=torch.device("cuda")))
-    assert module.uses_kernel(torch.empty(0))
+    assert not module.uses_kernel(SimpleNamespace(is_cuda=True))
+    assert module.uses_kernel(torch.empty(0)) and module.uses_kernel(torch.empty(0, device="meta"))
+    monkeypatch.setattr(functional, "cuda_kernels_available", lambda: True)
+    assert module.uses_kernel(SimpleNamespace(is_cuda=True))
 
 
 def test_tp_group_needs_the_extension():
