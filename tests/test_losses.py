@@ -193,6 +193,24 @@ def test_module_matches_functional(device, config):
         torch.testing.assert_close(metrics[key].double().cpu(), value.double().cpu(), rtol=1e-6, atol=1e-7, msg=key)
 
 
+def test_config_and_name_set_anew(device):
+    """What a module binds once (its op's options, the batch tensors its config needs, their owner's name) is bound
+    again when its config or name is set."""
+    cfg = LanguageModelLossConfig.from_dict(CONFIGS[5])  # beta > 0, delta, the entropy, a scale
+    logits, batch = make_batch(device, torch.float32)
+    set_old_log_probs(batch, logits, cfg.logits_scale_factor)
+    module = LanguageModelLossConfig.from_dict({"type": "grpo"}).get_loss(name="head")
+    module(logits, batch)
+    module.config, module.name = cfg, "other"
+    loss, metrics = module(logits, batch)
+    want, out = expected_loss(cfg, logits, batch, ops=functional)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(metrics["other_entropy"], out.entropy, rtol=1e-6, atol=1e-7)
+    del batch["ref_log_probs"]
+    with pytest.raises(ValueError, match=r"other \(beta > 0\): the batch has no 'ref_log_probs'"):
+        module(logits, batch)
+
+
 @pytest.mark.parametrize("normalization", ["token", "sequence", "document", "dr_grpo"])
 def test_grpo_normalizations(normalization):
     """Each loss_normalization against a loop over documents of the reference's per-document token mean."""
