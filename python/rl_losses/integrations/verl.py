@@ -66,7 +66,8 @@ class FusedLinearForPPO(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, vocab_weights: torch.Tensor, input_ids: torch.Tensor,
                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        if hidden_states.dim() not in (2, 3) or input_ids.shape != hidden_states.shape[:-1]:
+        shape = hidden_states.shape
+        if len(shape) not in (2, 3) or input_ids.shape != shape[:-1]:
             _shape_error(hidden_states, input_ids)
         # Each .to(dtype) only where the dtype differs (its argument parsing costs the host more than the test), and
         # chunk_size only when given (each keyword costs the op's argument parsing too).
@@ -75,6 +76,8 @@ class FusedLinearForPPO(torch.nn.Module):
         log_probs, entropy = rl_losses.linear_token_log_probs(hidden_states, vocab_weights, labels,
                                                               temperature=float(temperature), **options)
         dtype = hidden_states.dtype
+        if dtype is _FLOAT32:  # the op's outputs are float32 already
+            return log_probs, entropy
         return (log_probs if log_probs.dtype is _FLOAT32 else log_probs.float(),
                 entropy if entropy.dtype is dtype else entropy.to(dtype))
 
