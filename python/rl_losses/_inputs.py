@@ -65,7 +65,7 @@ def _options(name: str, options: dict, allowed: frozenset[str]) -> dict:
     numbers (a 0-dim tensor is read on the host), the mask bounds as a list."""
     if not options:
         return options
-    if not options.keys() <= allowed:
+    if not allowed.issuperset(options):  # (no keys view made)
         _schema.check_keywords(name, options, allowed)
     if _CONVERTED.isdisjoint(options):  # most calls: nothing to convert
         return options
