@@ -193,6 +193,24 @@ def test_module_matches_functional(device, config):
         torch.testing.assert_close(metrics[key].double().cpu(), value.double().cpu(), rtol=1e-6, atol=1e-7, msg=key)
 
 
+def test_config_and_name_set_anew(device):
+    """What a module binds once (its op's options, the batch tensors its config needs, their owner's name) is bound
+    again when its config or name is set."""
+    cfg = LanguageModelLossConfig.from_dict(CONFIGS[5])  # beta > 0, delta, the entropy, a scale
+    logits, batch = make_batch(device, torch.float32)
+    set_old_log_probs(batch, logits, cfg.logits_scale_factor)
+    module = LanguageModelLossConfig.from_dict({"type": "grpo"}).get_loss(name="head")
+    module(logits, batch)
+    module.config, module.name = cfg, "other"
+    loss, metrics = module(logits, batch)
+    want, out = expected_loss(cfg, logits, batch, ops=functional)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(metrics["other_entropy"], out.entropy, rtol=1e-6, atol=1e-7)
+    del batch["ref_log_probs"]
+    with pytest.raises(ValueError, match=r"other \(beta > 0\): the batch has no 'ref_log_probs'"):
+        module(logits, batch)
+
+
 @pytest.mark.parametrize("normalization", ["token", "sequence", "document", "dr_grpo"])
 def test_grpo_normalizations(normalization):
     """Each loss_normalization against a loop over documents of the reference's per-document token mean."""
@@ -271,11 +289,13 @@ def test_use_cuda_kernel_true_without_cuda_build(monkeypatch):
     module = LanguageModelLossConfig.from_dict({"type": "label", "use_cuda_kernel": True}).get_loss()
     with pytest.raises(RuntimeError, match="built without its CUDA kernels"):
         module.uses_kernel(torch.empty(0))
-    # None: the reference for CUDA tensors when there is no CUDA kernel (only the device is read: no GPU needed),
-    # the extension on the CPU.
+    # None: the reference for CUDA tensors when there is no CUDA kernel (only the device's flag is read: no GPU
+    # needed), the extension on the CPU and on "meta".
     module = LanguageModelLossConfig.from_dict({"type": "label"}).get_loss()
-    assert not module.uses_kernel(SimpleNamespace(device=torch.device("cuda")))
-    assert module.uses_kernel(torch.empty(0))
+    assert not module.uses_kernel(SimpleNamespace(is_cuda=True))
+    assert module.uses_kernel(torch.empty(0)) and module.uses_kernel(torch.empty(0, device="meta"))
+    monkeypatch.setattr(functional, "cuda_kernels_available", lambda: True)
+    assert module.uses_kernel(SimpleNamespace(is_cuda=True))
 
 
 def test_tp_group_needs_the_extension():

@@ -37,14 +37,16 @@ def _check_labels(name: str, target: torch.Tensor, vocab_size: int | None) -> No
 
 
 def _check_labels_in(name: str, target: torch.Tensor, vocab_of: torch.Tensor, dim: int) -> None:
-    # _check_labels against vocab_of.shape[dim] (none for a 0-dim vocab_of), read only where the check runs.
-    if target.is_cuda and vocab_of.dim() >= 1:
+    # _check_labels against vocab_of.shape[dim] (none for a 0-dim vocab_of), read only where the check runs; the
+    # variable's presence is asked first, the cheapest question.
+    if _CHECK_INPUTS in _ENVIRON and target.is_cuda and vocab_of.dim() >= 1:
         _check_labels(name, target, vocab_of.shape[dim])
 
 
 def _check_document_ids(name: str, document_index: torch.Tensor, num_documents: int | None) -> None:
     # The opt-in CUDA range check of document ids (the CPU kernels always check).
-    if document_index.is_cuda and _check_inputs_enabled() and num_documents is not None and document_index.numel():
+    if (_CHECK_INPUTS in _ENVIRON and num_documents is not None and document_index.is_cuda
+            and _check_inputs_enabled() and document_index.numel()):
         high = int(document_index.max())
         if high >= num_documents:
             raise ValueError(f"{name}: document_index holds {high} but num_documents is {num_documents}")
@@ -63,7 +65,7 @@ def _options(name: str, options: dict, allowed: frozenset[str]) -> dict:
     numbers (a 0-dim tensor is read on the host), the mask bounds as a list."""
     if not options:
         return options
-    if not options.keys() <= allowed:
+    if not allowed.issuperset(options):  # (no keys view made)
         _schema.check_keywords(name, options, allowed)
     if _CONVERTED.isdisjoint(options):  # most calls: nothing to convert
         return options
@@ -95,12 +97,14 @@ _OPTIONAL = (("entropy",), ("kl",), ("rollout_ratio_mean", "rollout_weight_mean"
              ("vespo_phi_seq_mean",))
 
 
-def _picker(op: str, on: tuple[bool, ...]) -> Callable[[tuple], tuple]:
-    """The getter of PolicyLossOutput's fields but loss_type from `op`'s results followed by a None: the fields of
-    `op`'s layout, the None for those the op lacks and for the metrics of the options (_OPTIONAL) that are not `on`."""
+def _picker(op: str, on: tuple[bool, ...]) -> Callable[[tuple, str], PolicyLossOutput]:
+    """The maker of PolicyLossOutput from `op`'s results and the loss type: the fields of `op`'s layout, None for
+    those the op lacks and for the metrics of the options (_OPTIONAL) that are not `on`. Generated code: one tuple
+    built, as fast as an itemgetter, and traceable by torch.compile, which an itemgetter is not."""
     hidden = {field for fields, is_on in zip(_OPTIONAL, on) if not is_on for field in fields}
-    n = len(_schema.results(op))
-    return _schema.items_at(n if i is None or f in hidden else i for f, i in zip(_FIELDS, _LAYOUTS[op]))
+    items = "".join("None, " if i is None or f in hidden else f"out[{i}], " for f, i in zip(_FIELDS, _LAYOUTS[op]))
+    return eval(f"lambda out, loss_type: new(PolicyLossOutput, ({items}loss_type))",
+                {"new": tuple.__new__, "PolicyLossOutput": PolicyLossOutput})
 
 
 # Every op's getter for every set of metric options, made at import (torch.compile traces a dict's lookup, not the
@@ -124,16 +128,11 @@ def _metrics_on(op: str, options: dict) -> tuple[bool, ...]:
 _METRIC_OPTIONS = frozenset(("compute_entropy", "entropy_coefficient", "ref_log_probs", "rollout_correction",
                              "loss_type"))
 _AT_DEFAULTS = {op: (_PICKERS[op, _metrics_on(op, {})], _schema.default(op, "loss_type")) for op in _LAYOUTS}
-_NONE = (None,)
 
 
 def policy_output(op: str, out, options: dict) -> PolicyLossOutput:
     """The named result of a policy op from its results by name, with None for the metrics whose option is off."""
-    pick, loss_type = _AT_DEFAULTS[op]
-    if not _METRIC_OPTIONS.isdisjoint(options):
-        pick = _PICKERS[op, _metrics_on(op, options)]
-        loss_type = options.get("loss_type", loss_type)
-    return _new_tuple(PolicyLossOutput, (*pick((*out, *_NONE)), loss_type))
-
-
-_new_tuple = tuple.__new__
+    make, loss_type = _AT_DEFAULTS[op]
+    if _METRIC_OPTIONS.isdisjoint(options):
+        return make(out, loss_type)
+    return _PICKERS[op, _metrics_on(op, options)](out, options.get("loss_type", loss_type))

@@ -411,20 +411,19 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: 
     Returns: (log_probs, entropy or None), each shaped like ``labels``, float32 (float64 for float64 logits).
     """
     options = _options("token_log_probs", options, _TOKEN_LOG_PROBS)
-    scale = _scale_of_temperature("token_log_probs", temperature)
+    if temperature != _TOKEN_TEMPERATURE:  # the default's scale is the op's default: one keyword less to the op
+        options["logits_scale_factor"] = _scale_of_temperature("token_log_probs", temperature)
     if tp_group is not None:
-        return distributed.token_log_probs(logits, labels, tp_group=tp_group, logits_scale_factor=scale, **options)
+        return distributed.token_log_probs(logits, labels, tp_group=tp_group, **options)
     _check_labels_in("token_log_probs", labels, logits, -1)
-    if scale != _TOKEN_SCALE:
-        options["logits_scale_factor"] = scale
     log_probs, entropy = _ops.token_log_probs(logits, labels, **options)
     return log_probs, entropy if options.get("compute_entropy") else None
 
 
-# temperature = 1 / logits_scale_factor: the scale's default (passed on only when another: one keyword less to the op).
-_TOKEN_SCALE = _schema.default("token_log_probs", "logits_scale_factor")
+# temperature = 1 / logits_scale_factor, at the scale's default.
+_TOKEN_TEMPERATURE = 1.0 / _schema.default("token_log_probs", "logits_scale_factor")
 _TOKEN_LOG_PROBS = _wrapper(token_log_probs, "token_log_probs", drop=_TP_HOOKS + ("logits_scale_factor",), rename={"target": "labels"},
-         extra={"temperature": 1.0 / _TOKEN_SCALE, "tp_group": None})
+         extra={"temperature": _TOKEN_TEMPERATURE, "tp_group": None})
 
 
 def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -434,18 +433,17 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     chunk than the forward-computed gradients of the linear losses; it is also where ``weight_main_grad`` is
     added into, with the real upstream gradients. Unlabelled rows are skipped only without the entropy."""
     options = _options("linear_token_log_probs", options, _LINEAR_TOKEN_LOG_PROBS)
-    scale = _scale_of_temperature("linear_token_log_probs", temperature)
+    if temperature != _LINEAR_TOKEN_TEMPERATURE:  # as token_log_probs
+        options["logits_scale_factor"] = _scale_of_temperature("linear_token_log_probs", temperature)
     weight = _plain_lm_head("linear_token_log_probs", hidden, weight, options)
     _check_labels_in("linear_token_log_probs", labels, weight, 0)
-    if scale != _LINEAR_TOKEN_SCALE:
-        options["logits_scale_factor"] = scale
     log_probs, entropy = _ops.linear_token_log_probs(hidden, weight, labels, **options)
     return log_probs, entropy if options.get("compute_entropy") else None
 
 
-_LINEAR_TOKEN_SCALE = _schema.default("linear_token_log_probs", "logits_scale_factor")
+_LINEAR_TOKEN_TEMPERATURE = 1.0 / _schema.default("linear_token_log_probs", "logits_scale_factor")
 _LINEAR_TOKEN_LOG_PROBS = _wrapper(linear_token_log_probs, "linear_token_log_probs", drop=("logits_scale_factor",), rename={"target": "labels"},
-         extra={"temperature": 1.0 / _LINEAR_TOKEN_SCALE})
+         extra={"temperature": _LINEAR_TOKEN_TEMPERATURE})
 linear_token_log_probs.__doc__ += _LINEAR_ARGS_DOC.replace(
     "    Differentiable w.r.t. hidden, weight and bias (the gradients are computed in the forward, chunk by chunk).\n",
     "    Differentiable w.r.t. hidden, weight and bias.\n")

@@ -76,7 +76,6 @@ class LanguageModelLoss(torch.nn.Module):
         self.config = config
         self.name = name
         self.tp_group = tp_group
-        self._config_options_of: dict[str, dict[str, Any]] = {}
         # The extension's own options (none for the reference), passed on only when not at their defaults.
         self._kernel_options = {"tp_group": tp_group} if tp_group is not None else {}
         self._new_logprobs_name = f"{name}_new_logprobs"  # the one metric of the policy losses at metrics="none"
@@ -90,8 +89,11 @@ class LanguageModelLoss(torch.nn.Module):
     def uses_kernel(self, logits: torch.Tensor) -> bool:
         """Whether this call runs the extension's op (True) or the pure-PyTorch reference (False)."""
         choice = self.config.use_cuda_kernel
-        if choice is False:
-            return False
+        if choice is None:  # the default: the extension runs on the CPU always, on "meta" through its fake kernels,
+            # on CUDA when built so (the device's flags are read faster than its torch.device is made)
+            if logits.is_cuda:
+                return functional.cuda_kernels_available()
+            return logits.is_cpu or logits.is_meta
         if choice is True:
             problems = []
             if logits.device.type != "cuda":
@@ -104,9 +106,7 @@ class LanguageModelLoss(torch.nn.Module):
                                    f"kernel, but {' and '.join(problems)}. Set use_cuda_kernel=None to use the "
                                    f"extension wherever it runs, or False for the pure-PyTorch reference.")
             return True
-        # None: the extension runs on the CPU always, on "meta" through its fake kernels, on CUDA when built so.
-        device = logits.device
-        return device in _EXTENSION_DEVICES or (device.type == "cuda" and functional.cuda_kernels_available())
+        return False
 
     def forward(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Args:
@@ -127,6 +127,12 @@ class LanguageModelLoss(torch.nn.Module):
         # Options only the extension's op takes (the caller must not change the dict).
         return self._kernel_options if kernel else _NO_OPTIONS
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in ("config", "name"):  # what was found from them once (the config is frozen) is found again
+            self._config_options_of: dict[str, dict[str, Any]] = {}
+            self._bound_of: dict[bool, tuple[dict[str, Any], tuple]] = {}
+
     def _config_options(self, op: str) -> dict[str, Any]:
         """The config's fields that are options of `op`, less those at the op's defaults: the config gives them the
         op's names (and the reference takes the same, with the same defaults), so they pass through by name. Found
@@ -140,15 +146,36 @@ class LanguageModelLoss(torch.nn.Module):
             self._config_options_of[op] = options
         return options
 
+    def _bind(self, kernel: bool) -> tuple[dict[str, Any], tuple]:
+        """What every call of the module's op takes, found once per implementation (read it as
+        ``self._bound_of.get(kernel) or self._bind(kernel)``; the caller must not change the dict): the options from
+        the config (_fixed_options) with, for the extension's op, its own (_options); and the batch tensors that the
+        config needs (_required)."""
+        bound = self._bound_of[kernel] = ({**self._fixed_options(), **self._options(kernel)}, self._required())
+        return bound
+
+    def _fixed_options(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _required(self) -> tuple[tuple[str, str, str], ...]:
+        """(option, batch key, what needs it) of each batch tensor the config needs."""
+        return ()
+
+    def _given(self, bound: tuple[dict[str, Any], tuple], batch: Batch, keys) -> dict[str, Any]:
+        """The options of a call, in a new dict: the bound ones (_bind), the batch's entries of `keys` ((option, batch
+        key) pairs) that are there (None: the op's default, so left out) and the batch tensors the config needs."""
+        fixed, required = bound
+        options = dict(fixed)
+        for name, key in keys:
+            value = batch.get(key)
+            if value is not None:
+                options[name] = value
+        for name, key, why in required:
+            options[name] = _require(batch, key, f"{self.name} ({why})")
+        return options
+
 
 _NO_OPTIONS: dict[str, Any] = {}
-# The devices the extension always runs on; a device is looked up in a set faster than its `.type` is read (~3 µs).
-_EXTENSION_DEVICES = frozenset((torch.device("cpu"), torch.device("meta")))
-
-
-def _given(**options) -> dict[str, Any]:
-    """The batch's options that are there (None: the op's default, so left out)."""
-    return {key: value for key, value in options.items() if value is not None}
 
 
 class LanguageModelLabelEntropyLoss(LanguageModelLoss):
@@ -159,9 +186,12 @@ class LanguageModelLabelEntropyLoss(LanguageModelLoss):
     def _forward(self, logits, batch, kernel):
         labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
         fn = functional.cross_entropy if kernel else reference.cross_entropy
-        loss = fn(logits, labels, **_given(divisor=batch.get(LanguageModelLossKwargs.num_labels_in_batch)),
-                  **self._config_options("cross_entropy"), **self._options(kernel))
-        return loss, {}
+        divisor = batch.get(LanguageModelLossKwargs.num_labels_in_batch)
+        options, _ = self._bound_of.get(kernel) or self._bind(kernel)
+        return (fn(logits, labels, **options) if divisor is None else fn(logits, labels, divisor=divisor, **options)), {}
+
+    def _fixed_options(self):
+        return self._config_options("cross_entropy")
 
 
 class LanguageModelZLoss(LanguageModelLoss):
@@ -181,26 +211,29 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
 
     config: LanguageModelPolicyGradientLossConfig
 
-    def _policy_inputs(self, batch: Batch, *, on_policy_allowed: bool = False):
-        labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
-        advantages = _require(batch, LanguageModelLossKwargs.advantages, self.name)
-        key = LanguageModelLossKwargs.old_log_probabilities
-        old = batch.get(key) if on_policy_allowed else _require(batch, key, self.name)
-        return labels, advantages, old
+    def _policy_inputs(self, batch: Batch):
+        """labels, advantages and old log-probs (None: on-policy)."""
+        labels = batch.get(LanguageModelLossKwargs.labels)
+        advantages = batch.get(LanguageModelLossKwargs.advantages)
+        if labels is None or advantages is None:
+            labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
+            advantages = _require(batch, LanguageModelLossKwargs.advantages, self.name)
+        return labels, advantages, batch.get(LanguageModelLossKwargs.old_log_probabilities)
 
-    def _family(self, batch: Batch) -> dict[str, Any]:
-        """The config's options of the op (the clip, beta, the policy family's: docs/policy_losses.md) with their batch
-        tensors, and the entropy where the metrics want it."""
-        cfg = self.config
-        options = dict(self._config_options(cfg.type_name))
-        if cfg.metrics == "with_entropy":
+    def _fixed_options(self):
+        # The config's options of the op (the clip, beta, the policy family's: docs/policy_losses.md), and the entropy
+        # where the metrics want it.
+        options = dict(self._config_options(self.config.type_name))
+        if self.config.metrics == "with_entropy":
             options["compute_entropy"] = True
-        if cfg.beta > 0:  # the KL (term and metric) only with beta > 0, as TRL logs it
-            options["ref_log_probs"] = _require(batch, LanguageModelLossKwargs.ref_log_probs, f"{self.name} (beta > 0)")
-        if cfg.rollout_correction is not None:
-            options["rollout_log_probs"] = _require(batch, LanguageModelLossKwargs.rollout_log_probs,
-                                                    f"{self.name} (rollout_correction={cfg.rollout_correction!r})")
         return options
+
+    def _required(self):
+        # The KL (term and metric) only with beta > 0, as TRL logs it.
+        cfg = self.config
+        return ((("ref_log_probs", LanguageModelLossKwargs.ref_log_probs, "beta > 0"),) if cfg.beta > 0 else ()) + (
+            (("rollout_log_probs", LanguageModelLossKwargs.rollout_log_probs,
+              f"rollout_correction={cfg.rollout_correction!r}"),) if cfg.rollout_correction is not None else ())
 
     def _metrics(self, out: functional.PolicyLossOutput, batch: Batch, mask: torch.Tensor | None,
                  num_segments: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -254,6 +287,13 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
         return metrics
 
 
+# The batch's optional entries that GRPO and GSPO pass on as options: (option, batch key).
+_LABEL_COUNTS_KEYS = (("label_counts", LanguageModelLossKwargs.label_counts),)
+_TOKEN_MEAN_KEYS = (("divisor", LanguageModelLossKwargs.num_labels_in_batch), *_LABEL_COUNTS_KEYS)
+_GSPO_KEYS = (("num_documents", LanguageModelLossKwargs.num_documents), *_LABEL_COUNTS_KEYS,
+              ("divisor", LanguageModelLossKwargs.num_documents_in_batch))
+
+
 class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
     """GRPO (docs/math.md); ``config.loss_normalization`` chooses the token weights and the divisor."""
 
@@ -274,34 +314,36 @@ class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
                          f"batch (keys given: {sorted(batch)})")
 
     def _forward(self, logits, batch, kernel):
-        labels, advantages, old_log_probs = self._policy_inputs(batch, on_policy_allowed=True)
+        labels, advantages, old_log_probs = self._policy_inputs(batch)
         cfg = self.config
         # The labelled tokens, for the document count and the metrics: not computed where neither is wanted.
         mask = labels >= 0 if cfg.loss_normalization != "token" or cfg.metrics != "none" else None
-        loss_weights = None
+        bound = self._bound_of.get(kernel) or self._bind(kernel)
         if cfg.loss_normalization == "token":
-            divisor = batch.get(LanguageModelLossKwargs.num_labels_in_batch)
+            options = self._given(bound, batch, _TOKEN_MEAN_KEYS)
         else:
             divisor = self._num_documents(batch, mask)
+            loss_weights = None
             if cfg.loss_normalization == "sequence":
                 counts = _require(batch, LanguageModelLossKwargs.label_counts, self.name)
                 # In the op's working precision (fp32, fp64 for fp64 logits): 1/|o_i| is not exact in fp32.
                 loss_weights = mask / counts.to(torch.promote_types(logits.dtype, torch.float32)).clamp_min(1)
             elif cfg.loss_normalization == "dr_grpo":
                 divisor = divisor * cfg.max_completion_length
-        document_index = batch.get(LanguageModelLossKwargs.document_index)
+            options = self._given(bound, batch, _LABEL_COUNTS_KEYS)
+            options["divisor"] = divisor
+            if loss_weights is not None:
+                options["loss_weights"] = loss_weights
         # The sequences of a sequence-level rollout correction and of vespo: the packed documents when given.
-        by_sequence = cfg.loss_type == "vespo" or (cfg.rollout_correction is not None
-                                                   and cfg.rollout_correction.startswith("sequence"))
+        if cfg.loss_type == "vespo" or (cfg.rollout_correction is not None
+                                        and cfg.rollout_correction.startswith("sequence")):
+            document_index = batch.get(LanguageModelLossKwargs.document_index)
+            if document_index is not None:
+                options["document_index"] = document_index
+                if batch.get(LanguageModelLossKwargs.num_documents) is not None:
+                    options["num_documents"] = batch[LanguageModelLossKwargs.num_documents]
         fn = functional.grpo_loss if kernel else reference.grpo_loss
-        out = fn(logits, labels, advantages, old_log_probs,
-                 **_given(loss_weights=loss_weights, divisor=divisor,
-                          label_counts=batch.get(LanguageModelLossKwargs.label_counts),
-                          document_index=document_index if by_sequence else None,
-                          num_documents=batch.get(LanguageModelLossKwargs.num_documents)
-                          if by_sequence and document_index is not None else None),
-                 **self._family(batch),
-                 **self._options(kernel))
+        out = fn(logits, labels, advantages, old_log_probs, **options)
         return out.loss, self._metrics(out, batch, mask)
 
 
@@ -312,15 +354,12 @@ class LanguageModelGSPOLoss(LanguageModelPolicyGradientLoss):
     config: LanguageModelGSPOLossConfig
 
     def _forward(self, logits, batch, kernel):
-        labels, advantages, old_log_probs = self._policy_inputs(batch, on_policy_allowed=True)
+        labels, advantages, old_log_probs = self._policy_inputs(batch)
         document_index = _require(batch, LanguageModelLossKwargs.document_index, self.name)
         cfg = self.config
+        options = self._given(self._bound_of.get(kernel) or self._bind(kernel), batch, _GSPO_KEYS)
         fn = functional.gspo_loss if kernel else reference.gspo_loss
-        out = fn(logits, labels, advantages, old_log_probs, document_index,
-                 **_given(num_documents=batch.get(LanguageModelLossKwargs.num_documents),
-                          label_counts=batch.get(LanguageModelLossKwargs.label_counts),
-                          divisor=batch.get(LanguageModelLossKwargs.num_documents_in_batch)),
-                 **self._family(batch), **self._options(kernel))
+        out = fn(logits, labels, advantages, old_log_probs, document_index, **options)
         mask = num_segments = None
         if cfg.metrics != "none":
             mask = (labels >= 0) & (document_index >= 0)

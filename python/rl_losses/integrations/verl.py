@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import typing
 
 import torch
 
@@ -40,12 +41,11 @@ _VERL_KERNELS: dict = {}
 _WARNED: set[str] = set()  # the fallbacks already warned about (once per process)
 
 
-def _check_ndim(hidden_states: torch.Tensor, input_ids: torch.Tensor) -> None:
+def _shape_error(hidden_states: torch.Tensor, input_ids: torch.Tensor) -> typing.NoReturn:
     if hidden_states.dim() not in (2, 3):
         raise ValueError(f"hidden_states must be 2-D (T, H) or 3-D (B, T, H), got shape {tuple(hidden_states.shape)}")
-    if input_ids.shape != hidden_states.shape[:-1]:
-        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} but hidden_states has batch shape "
-                         f"{tuple(hidden_states.shape[:-1])}")
+    raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} but hidden_states has batch shape "
+                     f"{tuple(hidden_states.shape[:-1])}")
 
 
 class FusedLinearForPPO(torch.nn.Module):
@@ -66,16 +66,24 @@ class FusedLinearForPPO(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, vocab_weights: torch.Tensor, input_ids: torch.Tensor,
                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        _check_ndim(hidden_states, input_ids)
-        log_probs, entropy = rl_losses.linear_token_log_probs(
-            hidden_states, vocab_weights, _as(input_ids, torch.int64), temperature=float(temperature),
-            compute_entropy=True, chunk_size=self.chunk_size)
-        return _as(log_probs, torch.float32), _as(entropy, hidden_states.dtype)
+        shape = hidden_states.shape
+        if len(shape) not in (2, 3) or input_ids.shape != shape[:-1]:
+            _shape_error(hidden_states, input_ids)
+        # Each .to(dtype) only where the dtype differs (its argument parsing costs the host more than the test), and
+        # chunk_size only when given (each keyword costs the op's argument parsing too).
+        labels = input_ids if input_ids.dtype is _INT64 else input_ids.to(_INT64)
+        options = _WITH_ENTROPY if self.chunk_size is None else {**_WITH_ENTROPY, "chunk_size": self.chunk_size}
+        log_probs, entropy = rl_losses.linear_token_log_probs(hidden_states, vocab_weights, labels,
+                                                              temperature=float(temperature), **options)
+        dtype = hidden_states.dtype
+        if dtype is _FLOAT32:  # the op's outputs are float32 already
+            return log_probs, entropy
+        return (log_probs if log_probs.dtype is _FLOAT32 else log_probs.float(),
+                entropy if entropy.dtype is dtype else entropy.to(dtype))
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # t.to(dtype), without the call (its argument parsing, per step) where t has that dtype already.
-    return t if t.dtype == dtype else t.to(dtype)
+_INT64, _FLOAT32 = torch.int64, torch.float32
+_WITH_ENTROPY = {"compute_entropy": True}
 
 
 def fused_linear_for_ppo_fwd(hidden_states: torch.Tensor, vocab_weights: torch.Tensor, input_ids: torch.Tensor,
