@@ -27,10 +27,11 @@ _ops = torch.ops.rl_losses
 @pytest.mark.parametrize("tail", TAILS)
 @pytest.mark.parametrize("kind,beta", KINDS, ids=_KIND_IDS)
 def test_matches_reference(kind, beta, tail, vocab, k, dtype, device):
-    if kind == "reverse_kl" and tail == "tail" and (vocab, k) == (769, 768):
-        pytest.skip("the teacher's tail (its least probability) may round to 0: the reverse KL is +inf there")
     logits, target, ids, lp = base.make_inputs((5, 3), vocab, k, dtype, device)
-    base.check(logits, target, ids, lp, -1.3, tail=tail, kind=kind, beta=beta, logits_scale_factor=0.8)
+    # K = V - 1 with the tail: the one remaining token's mass 1 - Q = -expm1(G - lse) carries the rounding of the
+    # 16-bit and fp32 lse and G relative to its own size, which the tail's log(1 - Q) hands to every id's gradient.
+    scale = 4.0 if tail == "tail" and k == vocab - 1 else 1.0
+    base.check(logits, target, ids, lp, -1.3, scale=scale, tail=tail, kind=kind, beta=beta, logits_scale_factor=0.8)
 
 
 @pytest.mark.parametrize("tail", TAILS)
@@ -154,3 +155,25 @@ def test_reverse_kl_is_infinite_where_the_teacher_gives_an_id_no_mass(device):
     ref = reference_topk.topk_distillation_loss(logits, target, ids, lp, kind="reverse_kl")
     assert out.divergence[1] == math.inf == ref.divergence[1]
     torch.testing.assert_close(out.divergence[[0, 2]], ref.divergence[[0, 2]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=_id)
+@pytest.mark.parametrize("kind,beta", [("forward_kl", 0.5)] + KINDS, ids=["forward_kl"] + _KIND_IDS)
+def test_tail_floored_as_trl(kind, beta, dtype, device):
+    """tail="tail" where the teacher's log-probs round to P >= 1 (a confident token's log-prob 0.0) and the
+    student's ids hold all but < 1e-7 of its mass: each side's remaining mass is floored at 1 - e^{-1e-7}, as TRL's
+    add_tail_bucket clamps it; finite, and equal to the reference (whose clamp stops the student's gradient there).
+    Rows 0-3 floored on both sides, rows 4-7 on the teacher's only, the others on neither."""
+    n, vocab, k = 12, 50, 4
+    logits, target, ids, lp = base.make_inputs((n,), vocab, k, dtype, device, unlabelled=0.0)
+    ids = torch.stack([torch.randperm(vocab, device=device)[:k] for _ in range(n)])
+    logits = logits.double()
+    logits[:4].scatter_add_(-1, ids[:4], torch.full((4, k), 40.0, dtype=torch.float64, device=device))
+    confident = torch.full((8, k), -40.0, dtype=torch.float64, device=device)
+    confident[:, 0] = 0.0  # P = 1 + 3 e^{-40} >= 1
+    lp = torch.cat([confident, torch.log_softmax(torch.randn(n - 8, k, device=device, dtype=torch.float64), -1) - 1.0])
+    logits, lp = logits.to(dtype), lp.float()
+    out, grad = base.run_op(logits, target, ids, lp, tail="tail", kind=kind, beta=beta)
+    assert torch.isfinite(out.divergence).all() and torch.isfinite(grad).all()
+    base.check(logits, target, ids, lp, tail="tail", kind=kind, beta=beta)
+

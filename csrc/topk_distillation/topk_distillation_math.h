@@ -11,6 +11,7 @@
 //   none         [j ∈ K] q_j g_j − q_j S,                                   S = Σ_i q_i g_i
 //   renormalize  [j ∈ K] q̃_j (g_j − S̃),                                     S̃ = Σ_i q̃_i g_i
 //   tail         [j ∈ K] q_j (g_j − g_T) − q_j (S − Q g_T),                 g_T = g(1 − P, 1 − Q)
+// (1 − P and 1 − Q floored at kTopkTailFloor, below; where 1 − Q is, the tail's terms of g_T drop: as none's.)
 // i.e. a row coefficient a times q (the row pass's gradient) and, at the K ids, the value written whole (one
 // rounding) over the row pass's by a K-wide scatter (topk_grad_at). Forward KL (g = −p/q) and reverse KL
 // (g = log(q/p) + 1) need only K-wide sums that do not depend on lse, taken before the row pass (TopkPartial):
@@ -31,8 +32,13 @@ namespace rl_losses {
 
 enum class TopkTail : int { kNone = 0, kRenormalize = 1, kTail = 2 };
 
+// The least remaining mass of the tail bucket, 1 − e^{−1e-7}: each side's 1 − P and 1 − Q is floored there, as TRL's
+// add_tail_bucket clamps log P at −1e-7 (a teacher whose log-probs round to P ≥ 1 and a student whose ids hold all
+// but < 1e-7 of its mass keep finite terms; where the student's side is floored it does not move with x).
+constexpr double kTopkTailFloor = 9.999999500000016e-08;
+
 // The sums over one row's K entries, one row of an (N, kTopkPrepFields) table: P, the teacher's remaining mass
-// 1 − P (0 for a mass above 1), A, B, G, C and the least log p (the reverse KL's gradient bound) before the row
+// max(1 − P, kTopkTailFloor), A, B, G, C and the least log p (the reverse KL's gradient bound) before the row
 // pass; JSD's Σ f and S̃ (or S) after the statistics.
 enum TopkPrepField : int { kTopkP = 0, kTopkRestP, kTopkA, kTopkB, kTopkG, kTopkC, kTopkLpMin, kTopkJsdLoss,
                            kTopkJsdS, kTopkPrepFields };
@@ -84,7 +90,7 @@ struct TopkPartial {
   C10_HOST_DEVICE void store(T* out) const {
     const bool no_entry = m == neg_inf<T>();  // every x = −inf: Q = 0
     out[kTopkP] = T(p);
-    out[kTopkRestP] = p < 1.0 ? T(1.0 - p) : T(0);
+    out[kTopkRestP] = T(1.0 - p > kTopkTailFloor ? 1.0 - p : kTopkTailFloor);
     out[kTopkA] = a;
     out[kTopkB] = b;
     out[kTopkG] = no_entry ? m : m + T(::log(e));
@@ -164,9 +170,11 @@ C10_HOST_DEVICE inline TopkRowResult<T> topk_row(const DistillOptions<T>& o, Top
   const T p = prep[kTopkP], rest_p = prep[kTopkRestP], lse_k = prep[kTopkG];
   const T log_q = lse_k - lse < T(0) ? lse_k - lse : T(0);  // log Q (≤ 0 up to rounding)
   const T q = exp_nonpos(log_q);
-  // The remaining masses: the teacher's 1 − P (≥ 0: a mass above 1 within the checked tolerance counts as 1)
-  // and the student's 1 − Q = −expm1(log Q).
-  const T rest_q = log_q < T(0) ? -T(::expm1(log_q)) : T(0);
+  // The remaining masses, each floored at kTopkTailFloor: the teacher's 1 − P (prep) and the student's
+  // 1 − Q = −expm1(log Q); a floored student side is a constant (its terms' derivatives through 1 − Q drop).
+  const T rest_q_exact = log_q < T(0) ? -T(::expm1(log_q)) : T(0);
+  const bool q_floored = rest_q_exact < T(kTopkTailFloor);
+  const T rest_q = q_floored ? T(kTopkTailFloor) : rest_q_exact;
   const bool renormalize = tail == TopkTail::kRenormalize, with_tail = tail == TopkTail::kTail;
   g[kTopkNorm] = topk_student_norm(tail, prep, lse);
   g[kTopkTeacherNorm] = topk_teacher_norm(tail, prep);
@@ -185,10 +193,12 @@ C10_HOST_DEVICE inline TopkRowResult<T> topk_row(const DistillOptions<T>& o, Top
     a = p;
     c1 = p;
     if (with_tail) {
-      const T r = rest_p > T(0) ? rest_p / rest_q : T(0);
-      if (rest_p > T(0)) loss += rest_p * T(::log(rest_p) - ::log(rest_q));
-      a = p - r * q;
-      c1 = p + r * rest_q;  // a + r
+      loss += rest_p * T(::log(rest_p) - ::log(rest_q));
+      if (!q_floored) {
+        const T r = rest_p / rest_q;
+        a = p - r * q;
+        c1 = p + r * rest_q;  // a + r
+      }
     }
     g[kTopkC1] = c1;
     g[kTopkC2] = T(1);
@@ -204,11 +214,13 @@ C10_HOST_DEVICE inline TopkRowResult<T> topk_row(const DistillOptions<T>& o, Top
       loss = q > T(0) ? q * (c + log_q) : T(0);
       a = -(loss + q);  // −S
       c1 = T(1) + a;
-      if (with_tail && rest_q > T(0)) {
-        const T t = T(::log(rest_q)) - T(::log(rest_p));  // g_T − 1; +inf where the teacher's tail is 0
+      if (with_tail) {
+        const T t = T(::log(rest_q)) - T(::log(rest_p));  // g_T − 1
         loss += rest_q * t;
-        a += q * (t + T(1));
-        c1 = a - t;
+        if (!q_floored) {
+          a += q * (t + T(1));
+          c1 = a - t;
+        }
       }
     }
     g[kTopkC1] = c1;
@@ -222,11 +234,13 @@ C10_HOST_DEVICE inline TopkRowResult<T> topk_row(const DistillOptions<T>& o, Top
   c1 = -s;
   if (!renormalize) a = -s;
   if (with_tail) {
-    const JsdTerms<T> t = jsd_terms(o, T(::log(rest_q)), T(::log(rest_p)));  // 0 · log 0 terms are 0 there
-    const T g_t = (T(1) - o.beta) * t.q_log_ratio;
+    const JsdTerms<T> t = jsd_terms(o, T(::log(rest_q)), T(::log(rest_p)));
     loss += t.loss;
-    a += q * g_t;
-    c1 = a - g_t;
+    if (!q_floored) {
+      const T g_t = (T(1) - o.beta) * t.q_log_ratio;
+      a += q * g_t;
+      c1 = a - g_t;
+    }
   }
   g[kTopkC1] = c1;
   // q̃ (1−β)|log(q̃/m)| ≤ (1−β)·max(−log(1−β), 1/e + log 2): m ≥ (1−β) q̃ and m ≤ β + q̃ ≤ 2.

@@ -42,7 +42,7 @@ def topk_distillation_loss(logits, target, teacher_ids, teacher_log_probs, *, ta
     divergence `kind` (f summed over buckets) over
         none         the K ids, (p_i, q_i)
         renormalize  the K ids, (p_i/P, q_i/Q)
-        tail         the K ids and one more bucket (1−P, 1−Q)
+        tail         the K ids and one more bucket (1−P, 1−Q), each at least 1 − e^{−1e-7} (TRL's clamp)
     with P = Σ p, Q = Σ q over the ids; L = Σ_t ℓ_t / D (D: the labelled tokens by default)."""
     log_q_all = torch.log_softmax(_scaled(logits, logits_scale_factor), dim=-1)
     keep = target >= 0
@@ -54,9 +54,12 @@ def topk_distillation_loss(logits, target, teacher_ids, teacher_log_probs, *, ta
     if tail == "renormalize":
         log_p, log_q = log_p - big_p.log().unsqueeze(-1), log_q - log_big_q.unsqueeze(-1)
     elif tail == "tail":
-        # 1 − P (a mass above 1 within the tolerance counts as 1) and 1 − Q = −expm1(log Q).
-        log_p = torch.cat([log_p, (1 - big_p).clamp_min(0).log().unsqueeze(-1)], -1)
-        log_q = torch.cat([log_q, torch.log(-torch.expm1(log_big_q)).unsqueeze(-1)], -1)
+        # TRL's add_tail_bucket on each side: log(1 − e^{min(log mass, −1e-7)}) (the clamp stops the gradient).
+        def tail_of(log_mass):
+            return torch.log(-torch.expm1(log_mass.clamp(max=-1e-7))).unsqueeze(-1)
+
+        log_p = torch.cat([log_p, tail_of(big_p.log())], -1)
+        log_q = torch.cat([log_q, tail_of(log_big_q)], -1)
     elif tail != "none":
         raise ValueError(f"topk_distillation_loss: unknown tail {tail!r}")
     per_token = _divergence(kind, beta, log_p, log_q)

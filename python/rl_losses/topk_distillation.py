@@ -22,7 +22,8 @@ _TOPK_DOC = """
     over the buckets `tail` makes of the ids:
         none         (p_i, q_{k_i})                          (the student's mass on the ids only)
         renormalize  (p_i/P, q_{k_i}/Q)                      (both sides renormalised; TRL's add_tail=False)
-        tail         (p_i, q_{k_i}) and (1−P, 1−Q)           (the remaining mass as one more bucket; TRL's add_tail)
+        tail         (p_i, q_{k_i}) and (1−P, 1−Q)           (the remaining mass as one more bucket, each side at
+                                                             least 1 − e^{−1e-7}, as TRL's add_tail)
     and L = Σ_t ℓ_t / D. The student's rows are read once (twice for jsd: its statistics first), the gradient
     written once; nothing V-wide besides it.
 
