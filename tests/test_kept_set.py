@@ -125,3 +125,22 @@ def test_bad_inputs(case, message):
         labels[2] = 6
     with pytest.raises(ValueError, match=f"kept_token_log_probs: .*{__import__('re').escape(message)}"):
         rl_losses.kept_token_log_probs(logits, labels, kept_ids, temperature=temperature)
+
+
+def test_grpo_over_the_kept_set_through_policy_token_loss(device):
+    """The policy terms over an engine's kept set: kept_token_log_probs into policy_token_loss, summed over the
+    labelled tokens / their count, is grpo_loss with the top_k that made the set (loss and logits gradient)."""
+    logits, labels, _, _ = inputs((6, 8), 200, torch.float64, device)
+    advantages = torch.randn(labels.shape, dtype=torch.float64, device=device)
+    old = -4 * torch.rand(labels.shape, dtype=torch.float64, device=device)
+    kept_ids = ids_of(reference_sampler.kept(logits, labels, top_k=7))
+    x = logits.clone().requires_grad_()
+    lp, _ = rl_losses.kept_token_log_probs(x, labels, kept_ids)
+    labelled = labels >= 0
+    per_token = rl_losses.policy_token_loss(lp, old, advantages, loss_mask=labelled).loss
+    (per_token.sum() / labelled.sum()).backward()
+    y = logits.clone().requires_grad_()
+    fused = rl_losses.grpo_loss(y, labels, advantages, old, top_k=7)
+    fused.loss.backward()
+    assert_close(per_token.sum().detach() / labelled.sum(), fused.loss.detach(), torch.float64, msg="loss")
+    assert_close(x.grad, y.grad, torch.float64, msg="gradient")
