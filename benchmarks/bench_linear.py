@@ -8,7 +8,8 @@ N=16384, H=4096, V=128256, bf16 hidden and weight requiring grad, fwd+bwd (loss.
 gspo with 8 documents of 2048 tokens) and provider: median ms of >= 20 CUDA-event-timed calls, the ratio to the
 GEMM floor (the 3 GEMMs, 4 for GSPO, that no fused op avoids, as plain bf16 matmuls), extra peak memory (and
 beyond the gradients), speed-ups, and loss / |grad_weight| agreement with rl_losses_unfused; rl_losses_fp32 is
-the fused op with fp32 logits (head_dtype="float32") beside the default's bf16 ones. Jobs run in
+the fused op with fp32 logits (head_dtype="float32") beside the default's bf16 ones, rl_losses_lean the
+strategy "lean" beside the default "fast". Jobs run in
 priority order; OUT/bench_linear.{json,csv} are rewritten after each job (a cut-short run keeps its numbers).
 --cce (or --shapes NxHxV,...): the CE case at each shape of CCE_SHAPES against Cut Cross-Entropy
 (`cut_cross_entropy.linear_cross_entropy`, its default gradient filtering and exact), time and extra memory.
@@ -44,6 +45,8 @@ NOTES = {
     "gemm_floor": "torch.mm bf16 with out=: hidden@W.T, G@W, G.T@hidden (GSPO: the first twice); no loss",
     "rl_losses": "fused, mode 'fast': chunks of rows from a 2.5 GiB logits budget, fp32 grad_weight accumulator "
                  "(V x H x 4 bytes) across chunks",
+    "rl_losses_lean": "fused, mode 'lean': <= 256 MiB beyond the gradients, 4 GEMMs (vocabulary blocks write "
+                      "grad_weight once)",
     "rl_losses_fp32": "fused, mode 'fast', head_dtype='float32': fp32 logits (chunks of half the rows), the "
                       "gradient rounded to bf16 once for GEMM 2 and GEMM 3",
     "rl_losses_unfused": "logits = hidden @ W.T (bf16, N x V) + rl_losses logits op; autograd matmul backward",
@@ -118,18 +121,19 @@ def make_inputs(op, shape: dict, device) -> dict:
 # ------------------------------------------------------------------------------------------------ providers
 # Each: loss(op, s, chunk) -> scalar loss tensor differentiable w.r.t. s["hidden"] and s["weight"].
 
-def fused_loss(op, s, chunk, head_dtype="weight"):
+def fused_loss(op, s, chunk, head_dtype="weight", strategy="fast"):
     import rl_losses as rl
 
     h, w, t = s["hidden"], s["weight"], s["target"]
+    head = dict(chunk_size=chunk, head_dtype=head_dtype, strategy=strategy)
     if op.kind == "ce":
-        return rl.linear_cross_entropy(h, w, t, chunk_size=chunk, head_dtype=head_dtype)
+        return rl.linear_cross_entropy(h, w, t, **head)
     if op.kind == "grpo":
         return rl.linear_grpo_loss(h, w, t, s["advantages"], s["old_log_probs"], epsilon_low=EPS, epsilon_high=EPS,
-                                   chunk_size=chunk, head_dtype=head_dtype).loss
+                                   **head).loss
     return rl.linear_gspo_loss(h, w, t, s["advantages"], s["old_log_probs"], s["document_index"],
                                num_documents=s["num_seqs"], divisor=float(s["num_seqs"]), epsilon_low=EPS,
-                               epsilon_high=EPS, chunk_size=chunk, head_dtype=head_dtype).loss
+                               epsilon_high=EPS, **head).loss
 
 
 def unfused_loss(op, s, chunk):
@@ -172,6 +176,7 @@ def cce_loss(op, s, chunk, filter_eps="high"):
 
 
 PROVIDERS = {"rl_losses": fused_loss, "rl_losses_fp32": lambda op, s, c: fused_loss(op, s, c, head_dtype="float32"),
+             "rl_losses_lean": lambda op, s, c: fused_loss(op, s, c, strategy="lean"),
              "rl_losses_unfused": unfused_loss, "torch_eager": eager_loss,
              "liger": liger_loss, "liger_fp32acc": lambda op, s, c: liger_loss(op, s, c, fp32_acc=True),
              "cce": cce_loss, "cce_exact": lambda op, s, c: cce_loss(op, s, c, filter_eps=None)}
@@ -291,8 +296,8 @@ def plan(args, shape) -> list[tuple[str, str, int | None]]:
     """(op, provider, chunk) in priority order: what a short session must get comes first."""
     ops = [o for o in OPS if not args.ops or o in args.ops.split(",")]
     chunks = shape["chunks"][1:2] if args.quick else shape["chunks"]  # --quick: 2048 (and the default)
-    order = [("rl_losses", None), ("gemm_floor", None), ("rl_losses_fp32", None), ("liger", None),
-             ("rl_losses_unfused", None),
+    order = [("rl_losses", None), ("gemm_floor", None), ("rl_losses_lean", None), ("rl_losses_fp32", None),
+             ("liger", None), ("rl_losses_unfused", None),
              ("rl_losses", shape["chunks"][1]), ("torch_eager", None), ("liger_fp32acc", None)]
     order += [("rl_losses", c) for c in chunks if ("rl_losses", c) not in order]
     if args.cce:
