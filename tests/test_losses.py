@@ -209,6 +209,10 @@ def test_config_and_name_set_anew(device):
     del batch["ref_log_probs"]
     with pytest.raises(ValueError, match=r"other \(beta > 0\): the batch has no 'ref_log_probs'"):
         module(logits, batch)
+    quiet = LanguageModelLossConfig.from_dict({"type": "grpo", "metrics": "none"}).get_loss(name="head")
+    quiet(logits, batch)
+    quiet.name = "other"  # the one metric at metrics="none" follows the name too
+    assert sorted(quiet(logits, batch)[1]) == ["other", "other_new_logprobs"]
 
 
 @pytest.mark.parametrize("normalization", ["token", "sequence", "document", "dr_grpo"])

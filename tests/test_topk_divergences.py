@@ -28,9 +28,9 @@ _ops = torch.ops.rl_losses
 @pytest.mark.parametrize("kind,beta", KINDS, ids=_KIND_IDS)
 def test_matches_reference(kind, beta, tail, vocab, k, dtype, device):
     logits, target, ids, lp = base.make_inputs((5, 3), vocab, k, dtype, device)
-    # K = V - 1 with the tail: the one remaining token's mass 1 - Q = -expm1(G - lse) carries the rounding of the
-    # 16-bit and fp32 lse and G relative to its own size, which the tail's log(1 - Q) hands to every id's gradient.
-    scale = 4.0 if tail == "tail" and k == vocab - 1 else 1.0
+    # The reverse KL at K = V - 1 with the tail: the one remaining token's mass 1 - Q = -expm1(G - lse) carries the
+    # rounding of the fp32 lse and G relative to its own size, which log(1 - Q) hands to every id's gradient.
+    scale = 4.0 if kind == "reverse_kl" and tail == "tail" and k == vocab - 1 else 1.0
     base.check(logits, target, ids, lp, -1.3, scale=scale, tail=tail, kind=kind, beta=beta, logits_scale_factor=0.8)
 
 

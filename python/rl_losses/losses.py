@@ -76,9 +76,6 @@ class LanguageModelLoss(torch.nn.Module):
         self.config = config
         self.name = name
         self.tp_group = tp_group
-        # The extension's own options (none for the reference), passed on only when not at their defaults.
-        self._kernel_options = {"tp_group": tp_group} if tp_group is not None else {}
-        self._new_logprobs_name = f"{name}_new_logprobs"  # the one metric of the policy losses at metrics="none"
         if tp_group is not None and config.use_cuda_kernel is False:
             raise ValueError(f"{type(self).__name__} {name!r}: tp_group needs the extension's op, but "
                              f"use_cuda_kernel=False selects the pure-PyTorch reference, which has no tp_group")
@@ -129,7 +126,11 @@ class LanguageModelLoss(torch.nn.Module):
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
-        if name in ("config", "name"):  # what was found from them once (the config is frozen) is found again
+        if name == "name":  # the one metric of the policy losses at metrics="none"
+            self._new_logprobs_name = f"{value}_new_logprobs"
+        elif name == "tp_group":  # the extension's own options (none for the reference), passed on when set
+            self._kernel_options = {"tp_group": value} if value is not None else {}
+        if name in ("config", "name", "tp_group"):  # what was found from them once is found again (configs are frozen)
             self._config_options_of: dict[str, dict[str, Any]] = {}
             self._bound_of: dict[bool, tuple[dict[str, Any], tuple]] = {}
 
@@ -188,7 +189,8 @@ class LanguageModelLabelEntropyLoss(LanguageModelLoss):
         fn = functional.cross_entropy if kernel else reference.cross_entropy
         divisor = batch.get(LanguageModelLossKwargs.num_labels_in_batch)
         options, _ = self._bound_of.get(kernel) or self._bind(kernel)
-        return (fn(logits, labels, **options) if divisor is None else fn(logits, labels, divisor=divisor, **options)), {}
+        loss = fn(logits, labels, **options) if divisor is None else fn(logits, labels, divisor=divisor, **options)
+        return loss, {}
 
     def _fixed_options(self):
         return self._config_options("cross_entropy")
