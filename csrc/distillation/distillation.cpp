@@ -41,10 +41,6 @@ void check_pair(const at::Tensor& logits, const at::Tensor& teacher) {
                    : ""));
 }
 
-void check_beta(double beta) {
-  TORCH_CHECK(std::isfinite(beta) && beta >= 0 && beta <= 1, kOp, ": beta must be in [0, 1], got ", beta);
-}
-
 void check_softmax(double temperature, double scale) {
   TORCH_CHECK(std::isfinite(temperature) && temperature > 0, kOp, ": temperature must be finite and > 0, got ",
               temperature);
@@ -61,7 +57,13 @@ void check_acc_input(const char* name, const at::Tensor& t, int64_t n, int64_t c
               logits.device());
 }
 
-DistillOptions<double> make_options(DistillKind kind, double beta, double temperature, double scale) {
+}  // namespace
+
+void check_distill_beta(const char* op, double beta) {
+  TORCH_CHECK(std::isfinite(beta) && beta >= 0 && beta <= 1, op, ": beta must be in [0, 1], got ", beta);
+}
+
+DistillOptions<double> make_distill_options(DistillKind kind, double beta, double temperature, double scale) {
   // log β and log(1−β) only matter for JSD, where 0 < β < 1.
   const bool jsd = kind == DistillKind::kJsd;
   return {.kind = kind,
@@ -71,8 +73,6 @@ DistillOptions<double> make_options(DistillKind kind, double beta, double temper
           .log_beta = jsd ? std::log(beta) : 0.0,
           .log_one_minus_beta = jsd ? std::log1p(-beta) : 0.0};
 }
-
-}  // namespace
 
 DistillKind parse_distill_kind(const char* op, const std::string& kind, double beta) {
   if (kind == "forward_kl") return DistillKind::kForwardKl;
@@ -95,7 +95,7 @@ std::pair<DistillResults, at::Tensor> distillation_forward(const DistillationArg
   at::Tensor x = rows_of("logits", logits, &is_view);
   check_pair(logits, a.teacher_logits);
   at::Tensor y = rows_of("teacher_logits", a.teacher_logits);
-  check_beta(a.beta);
+  check_distill_beta(kOp, a.beta);
   check_softmax(a.temperature, a.logits_scale_factor);
   check_divisor(kOp, a.divisor);
   const DistillKind k = parse_distill_kind(kOp, a.kind, a.beta);
@@ -105,7 +105,7 @@ std::pair<DistillResults, at::Tensor> distillation_forward(const DistillationArg
   const auto batch = logits.sizes().slice(0, logits.dim() - 1);
 
   DistillState s;
-  s.opt = make_options(k, a.beta, a.temperature, a.logits_scale_factor);
+  s.opt = make_distill_options(k, a.beta, a.temperature, a.logits_scale_factor);
   s.logits = x;
   s.teacher = y;
   if (loss_mask) s.mask = check_loss_mask(kOp, *loss_mask, logits, "logits", batch, "batch shape").to(acc);
@@ -160,8 +160,8 @@ at::Tensor distillation_stats_op(const DistillStatsArgs& a, const DistillBackend
   check_pair(logits, a.teacher_logits);
   s.teacher = rows_of("teacher_logits", a.teacher_logits);
   check_softmax(a.temperature, a.logits_scale_factor);
-  // The statistics read no β (make_options uses it for JSD only).
-  s.opt = make_options(DistillKind::kForwardKl, 0.0, a.temperature, a.logits_scale_factor);
+  // The statistics read no β (make_distill_options uses it for JSD only).
+  s.opt = make_distill_options(DistillKind::kForwardKl, 0.0, a.temperature, a.logits_scale_factor);
   const int64_t n = s.logits.size(0);
   s.stats = at::empty({n, DistillStats<double>::kFields}, logits.options().dtype(acc_dtype(logits.scalar_type())));
   if (n > 0) backend.stats(s);
@@ -176,10 +176,10 @@ at::Tensor distillation_jsd_sums_op(const DistillJsdArgs& a, const DistillBacken
   s.logits = rows_of("logits", logits);
   check_pair(logits, a.teacher_logits);
   s.teacher = rows_of("teacher_logits", a.teacher_logits);
-  check_beta(a.beta);
+  check_distill_beta(kOp, a.beta);
   check_softmax(a.temperature, a.logits_scale_factor);
   TORCH_CHECK(a.beta > 0 && a.beta < 1, kOp, ": the JSD sums need 0 < beta < 1, got ", a.beta);
-  s.opt = make_options(DistillKind::kJsd, a.beta, a.temperature, a.logits_scale_factor);
+  s.opt = make_distill_options(DistillKind::kJsd, a.beta, a.temperature, a.logits_scale_factor);
   const int64_t n = s.logits.size(0);
   check_acc_input("row_stats", row_stats, n, DistillStats<double>::kFields, logits);
   s.stats = row_stats.reshape({n, DistillStats<double>::kFields}).contiguous();

@@ -42,6 +42,10 @@ struct DistillBackend {
 };
 
 DistillKind parse_distill_kind(const char* op, const std::string& kind, double beta);
+// β in [0, 1] (distillation's and the top-K op's).
+void check_distill_beta(const char* op, double beta);
+// The kernels' options of a kind and β (log β and log(1−β) for JSD, where 0 < β < 1), temperature and scale.
+DistillOptions<double> make_distill_options(DistillKind kind, double beta, double temperature, double scale);
 
 // distillation's arguments (op_args.h), and those of its tensor-parallel statistics ops.
 #define RL_LOSSES_DISTILLATION_ARGS(X)                                                                          \

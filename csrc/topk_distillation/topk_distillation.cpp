@@ -23,17 +23,10 @@ TopkTail parse_tail(const char* op, const std::string& tail) {
 
 // kind and β as distillation's (its kinds but cross_entropy; jsd at β = 0 or 1 is the forward or the reverse KL).
 DistillOptions<double> parse_options(const char* op, const std::string& kind, double beta) {
-  TORCH_CHECK(std::isfinite(beta) && beta >= 0 && beta <= 1, op, ": beta must be in [0, 1], got ", beta);
+  check_distill_beta(op, beta);
   TORCH_CHECK(kind == "forward_kl" || kind == "reverse_kl" || kind == "jsd", op,
               ": kind must be 'forward_kl', 'reverse_kl' or 'jsd', got '", kind, "'");
-  const DistillKind k = parse_distill_kind(op, kind, beta);
-  const bool jsd = k == DistillKind::kJsd;  // 0 < β < 1
-  return {.kind = k,
-          .scale = 1.0,
-          .inv_temperature = 1.0,
-          .beta = beta,
-          .log_beta = jsd ? std::log(beta) : 0.0,
-          .log_one_minus_beta = jsd ? std::log1p(-beta) : 0.0};
+  return make_distill_options(parse_distill_kind(op, kind, beta), beta, 1.0, 1.0);
 }
 
 // teacher_ids (int64) and teacher_log_probs (floating), both shaped target's batch dims + (K,), 1 <= K <= V.
