@@ -132,10 +132,10 @@ at::Tensor reject_rollout_tokens(const std::vector<RejectionRule>& rules, const 
                                  const SequenceIds& seq) {
   if (rules.empty() || target1d.numel() == 0) return target1d;
   const at::Tensor delta = (old_log_probs - rollout_log_probs).clamp(-20.0, 20.0);  // verl's SAFETY_BOUND
-  at::Tensor ids, in_sequence, mask;
+  at::Tensor ids, in_sequence, counted;  // counted: the labelled tokens of a sequence, which its statistic sums
   if (has_sequence_rule(rules)) {
     std::tie(ids, in_sequence) = sequence_of_tokens(seq, target1d.numel(), target1d.device());
-    mask = (target1d.ge(0) & in_sequence).to(delta.scalar_type());
+    counted = target1d.ge(0) & in_sequence;
   }
   at::Tensor keep;  // every rule's test, and'ed
   for (const RejectionRule& r : rules) {
@@ -152,14 +152,16 @@ at::Tensor reject_rollout_tokens(const std::vector<RejectionRule>& rules, const 
         // verl's masked max: −inf outside the mask, 0 for a sequence without tokens.
         const double inf = std::numeric_limits<double>::infinity();
         per_seq = at::full({seq.count}, -inf, delta.options())
-                      .scatter_reduce(0, ids, at::where(mask.to(at::kBool), k, -inf), "amax", true);
+                      .scatter_reduce(0, ids, at::where(counted, k, -inf), "amax", true);
         per_seq = at::where(per_seq == -inf, zeros, per_seq);
       } else {
         // where(), not k · mask: a NaN δ outside the mask (padding) must not reach its sequence's sum (verl's
         // masked_sum is a where() too).
-        per_seq = zeros.index_add(0, ids, at::where(mask.to(at::kBool), k, 0.0));
+        per_seq = zeros.index_add(0, ids, at::where(counted, k, 0.0));
         // verl's masked_mean: Σ / (count + 1e-8).
-        if (r.level == RejectionRule::kSeqMean) per_seq = per_seq / (zeros.index_add(0, ids, mask) + 1e-8);
+        if (r.level == RejectionRule::kSeqMean) {
+          per_seq = per_seq / (zeros.index_add(0, ids, counted.to(delta.scalar_type())) + 1e-8);
+        }
       }
       stat = at::where(in_sequence, per_seq.index_select(0, ids), r.hi);  // no sequence: kept
     }

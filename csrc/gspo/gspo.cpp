@@ -112,7 +112,9 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
   if (!rules.empty()) {
     // The rollout rejection's pre-pass over the documents (inputs only): the tokens it rejects are unlabelled from
     // here on, in the document sums, counts, coefficients and metrics; a document it empties no longer counts.
-    const at::Tensor rollout = check_per_token(op, "rollout_log_probs", *a.rollout_log_probs, target, acc);
+    const at::Tensor rollout = g.rollout_log_probs.defined()  // checked already where a correction reads them too
+                                   ? g.rollout_log_probs
+                                   : check_per_token(op, "rollout_log_probs", *a.rollout_log_probs, target, acc);
     const SequenceIds documents{g.document, 0, n_docs};
     g.target = reject_rollout_tokens(rules, f.target1d, g.old_log_probs, rollout, documents);
     if (g.label_counts.defined()) g.label_counts = recount_labels(g.label_counts, f.target1d, g.target, documents);
