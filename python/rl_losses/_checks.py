@@ -470,4 +470,3 @@ def sampler(op, a, x):
     total = start + vocab if total < 0 else total
     _check(start == 0 and vocab == total, op, "top_k, top_p and min_p need each row's whole vocabulary; they are not ",
            "available with a vocabulary shard (vocab_start ", start, ", vocab_size ", total, ", shard of ", vocab, ")")
-

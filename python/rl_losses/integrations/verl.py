@@ -32,6 +32,7 @@ import torch
 
 import rl_losses
 from rl_losses import _schema, aggregation
+from rl_losses.integrations.verl_options import _value as _config_value  # a config's value, default where None
 from rl_losses.integrations.verl_options import fused_policy_options  # noqa: F401  (this module's API)
 
 _ops = torch.ops.rl_losses
@@ -171,11 +172,6 @@ def install() -> bool:
 def _default(name):
     # verl's config may leave an option out: the op's default then.
     return _schema.default("policy_token_loss", name)
-
-
-def _config_value(config, name, default=None):
-    value = config.get(name, default) if hasattr(config, "get") else getattr(config, name, default)
-    return default if value is None else value
 
 
 def _policy_loss_value(config, name, default=None):
