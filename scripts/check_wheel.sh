@@ -6,7 +6,10 @@
 #   scripts/check_wheel.sh [WHEEL] [PYTEST ARGS...]    WHEEL: default the newest dist/*/rl_losses-*.whl
 #
 # torch comes from the package registry at the version the wheel requires, the test peers from
-# scripts/requirements-test.txt. The tests run from this checkout's tests/ against the installed package.
+# scripts/requirements-test.txt. On a machine without a registry, RL_LOSSES_OFFLINE=1: the venv sees the
+# system's packages (torch, pytest and the test peers, there or on PYTHONPATH) and pip installs the wheel alone,
+# then checks that the torch it finds is the one the wheel requires. The tests run from this checkout's tests/
+# against the installed package.
 # torch.compile's inductor tests are left out: inductor itself compiles C++ (CPU) or Triton launchers
 # (CUDA) with the host compiler, which this run removes on purpose.
 set -euo pipefail
@@ -19,10 +22,16 @@ PY=${PYTHON:-python3}
 root=$(mktemp -d)
 trap 'rm -rf "$root"' EXIT
 echo "check_wheel.sh: $wheel in a fresh venv ($root/venv)"
-"$PY" -m venv "$root/venv"
 VPY=$root/venv/bin/python
 start=$(date +%s)
-"$VPY" -m pip install -q "$wheel" -r scripts/requirements-test.txt
+if [ "${RL_LOSSES_OFFLINE:-}" = 1 ]; then
+  "$PY" -m venv --system-site-packages "$root/venv"
+  "$VPY" -m pip install -q --no-index --no-deps "$wheel"
+  "$VPY" -m pip check 2>&1 | grep -i "^rl.losses" && exit 1
+else
+  "$PY" -m venv "$root/venv"
+  "$VPY" -m pip install -q "$wheel" -r scripts/requirements-test.txt
+fi
 echo "check_wheel.sh: installed in $(($(date +%s) - start)) s"
 
 # PATH without compilers: every program of the usual folders but the C/C++/CUDA compilers.
@@ -74,4 +83,5 @@ for device in devices:
           f"{times[0] * 1e3:.1f} ms, then {min(times[1:]) * 1e3:.1f} ms")
 PYEOF
 )
-"$VPY" -m pytest tests -q -p no:cacheprovider -k "not inductor" "$@"
+# PYTEST ARGS may name test files; without any, pytest runs tests/ (pyproject.toml's testpaths).
+"$VPY" -m pytest -q -p no:cacheprovider -k "not inductor" "$@"
