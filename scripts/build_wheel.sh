@@ -3,7 +3,9 @@
 # and the CUDA kernels for sm_80 (A100; its code runs on sm_86/sm_89 too), sm_90a (H100/H200) and sm_100 (B200),
 # plus compute_100 PTX that later GPUs compile when the library loads, and the CPU row loops for every vector width
 # (RL_LOSSES_CPU_WIDTHS=all; a build in place compiles only its machine's: setup.py). RL_LOSSES_CUDA=0 builds a
-# CPU-only wheel (dist/cpu); TORCH_CUDA_ARCH_LIST overrides the architectures.
+# CPU-only wheel (dist/cpu); RL_LOSSES_WHEEL_ARCHS overrides the architectures (torch's TORCH_CUDA_ARCH_LIST syntax).
+# A TORCH_CUDA_ARCH_LIST already in the environment is not used: GPU machines often set it to their own GPU, which
+# would make a wheel for that GPU alone under the name of the wheel for all.
 #
 # The wheel is built against the torch of $PYTHON (default .venv/bin/python, from scripts/setup.sh) and requires
 # that torch's minor version (setup.py): the ops use torch's C++ API, whose ABI changes between minor versions
@@ -16,7 +18,7 @@ PY=${PYTHON:-.venv/bin/python}
 export RL_LOSSES_CUDA=${RL_LOSSES_CUDA:-1}
 variant=$([ "$RL_LOSSES_CUDA" = 0 ] && echo cpu || echo cuda)
 if [ "$variant" = cuda ]; then
-  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0a;10.0+PTX}
+  export TORCH_CUDA_ARCH_LIST=${RL_LOSSES_WHEEL_ARCHS:-8.0;9.0a;10.0+PTX}
   if [ -z "${CUDA_HOME:-}" ] && [ -e /usr/local/cuda/bin/nvcc ]; then
     export CUDA_HOME=/usr/local/cuda
   fi
@@ -43,4 +45,4 @@ for lib in libc10.so libc10_cuda.so libtorch.so libtorch_cpu.so libtorch_cuda.so
 done
 mkdir -p "dist/$variant"
 "$PY" -m auditwheel repair "${exclude[@]}" -w "dist/$variant" "$work"/dist/*.whl
-"$PY" -m auditwheel show "dist/$variant"/rl_losses-*.whl | head -n 5
+"$PY" -m auditwheel show "dist/$variant"/rl_losses-*.whl | sed -n 1,5p  # sed, not head: the pipe stays open
