@@ -44,7 +44,7 @@ from rl_losses.outputs import SampledKlOutput, TopkDistillationOutput
 from rl_losses.topk_distillation import (linear_sampled_kl_loss, linear_topk_distillation_loss, sampled_kl_loss,
                                          topk_distillation_loss)
 from rl_losses.fused_head import fused_head_loss
-from rl_losses.kept_set import kept_token_log_probs
+from rl_losses.kept_set import kept_token_log_probs, linear_kept_token_log_probs
 from rl_losses.policy_token import PolicyTokenOutput, policy_token_loss
 from rl_losses import aggregation, config, distributed, fused_head, losses, packing, reference  # noqa: F401  (submodules)
 from rl_losses.config import LanguageModelLossConfig
@@ -64,6 +64,7 @@ __all__ = [
     "PolicyLossOutput",
     "token_log_probs",
     "kept_token_log_probs",
+    "linear_kept_token_log_probs",
     "linear_token_log_probs",
     "distillation_loss",
     "linear_distillation_loss",
