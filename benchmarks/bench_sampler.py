@@ -5,7 +5,8 @@ run, for token_log_probs (forward, no gradient: the scoring entry) and GRPO (for
     python3 benchmarks/bench_sampler.py --dry-run --out /tmp/x   # CPU, small shapes: checks the logic
 
 Per arm: the median ms of CUDA-event-timed calls after warm-up and its ratio to the plain op's; the options:
-top_p = 0.9; top_k = 1024; min_p = 0.05; all three. Two kinds of rows: "flat" logits N(0, 2^2), where top_p = 0.9
+top_p = 0.9; top_k = 1024; min_p = 0.05; all three; and "kept_ids", the top_k = 1024 set handed over as the
+engine's ids (kept_token_log_probs; for GRPO into policy_token_loss, the loss averaged over the tokens). Two kinds of rows: "flat" logits N(0, 2^2), where top_p = 0.9
 keeps ~24% of the vocabulary, and "peaked" N(0, 5^2), where a few tokens hold most of the mass (as a language
 model's next token mostly does). OUT/bench_sampler.json holds the results.
 """
@@ -24,7 +25,23 @@ from timing import Timer, git_commit, summary
 
 DATA = {"flat": 2.0, "peaked": 5.0}  # the logits' standard deviation
 ARMS = {"plain": {}, "top_p": dict(top_p=0.9), "top_k": dict(top_k=1024), "min_p": dict(min_p=0.05),
-        "all": dict(top_k=1024, top_p=0.9, min_p=0.05)}
+        "all": dict(top_k=1024, top_p=0.9, min_p=0.05), "kept_ids": dict(kept_ids="top_k=1024")}
+
+
+def kept_ids_step(op, logits, target, adv, old):
+    kept_ids = logits.topk(1024, -1).indices
+    if op == "token_log_probs":
+        def step():
+            with torch.no_grad():
+                rl_losses.kept_token_log_probs(logits, target, kept_ids)
+        return step
+    x = logits.detach().requires_grad_()
+
+    def step():
+        lp, _ = rl_losses.kept_token_log_probs(x, target, kept_ids)
+        rl_losses.policy_token_loss(lp, old, adv).loss.mean().backward()
+        x.grad = None
+    return step
 
 
 def main():
@@ -45,7 +62,9 @@ def main():
         for op in ("token_log_probs", "grpo"):
             plain_ms = None
             for arm, options in ARMS.items():
-                if op == "token_log_probs":
+                if arm == "kept_ids":
+                    step = kept_ids_step(op, logits, target, adv, old)
+                elif op == "token_log_probs":
                     def step():
                         with torch.no_grad():
                             rl_losses.token_log_probs(logits, target, **options)
