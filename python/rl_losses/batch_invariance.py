@@ -13,8 +13,14 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 _ops = torch.ops.rl_losses
+
+# The mode as batch_invariant() last set it, for the Python side (group_sum): read at trace time, a compiled
+# function guards on it, where a call of the C++ flag's getter could not be traced. The kernels read the C++ flag,
+# which batch_invariant() sets together with this one.
+_entered = False
 
 
 class batch_invariant(contextlib.ContextDecorator):
@@ -29,12 +35,32 @@ class batch_invariant(contextlib.ContextDecorator):
         self._previous: list[bool] = []
 
     def __enter__(self) -> "batch_invariant":
+        global _entered
         self._previous.append(_ops._set_batch_invariant(self.enabled))
+        _entered = self.enabled
         return self
 
     def __exit__(self, *exc) -> bool:
-        _ops._set_batch_invariant(self._previous.pop())
+        global _entered
+        _entered = self._previous.pop()
+        _ops._set_batch_invariant(_entered)
         return False
+
+
+def group_sum(tensor: torch.Tensor, group) -> torch.Tensor:
+    """SUM of ``tensor`` over the process group, in place. In the mode the ranks' tensors are gathered and added in
+    rank order: an all-reduce's ring adds a value's contributions starting at a rank chosen by the value's place in
+    the message, so a row's sum would depend on the rows beside it. (max needs no order.) The mode is read on the
+    Python side (traceable by torch.compile): the switch batch_invariant() sets, or deterministic algorithms."""
+    if not (_entered or torch.are_deterministic_algorithms_enabled()):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return tensor.copy_(total)
 
 
 def is_batch_invariant() -> bool:

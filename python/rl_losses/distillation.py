@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from rl_losses import _schema
+from rl_losses.batch_invariance import group_sum
 from rl_losses._checks_heads import DISTILL_KINDS
 from rl_losses._inputs import _options
 from rl_losses._schema import DISTILL_STATS, DISTILL_STUDENT_SUMS, column
@@ -72,7 +73,7 @@ def tp_distillation_stats(logits: torch.Tensor, teacher_logits: torch.Tensor, tp
     side = [0 if DISTILL_STATS[k] in DISTILL_STUDENT_SUMS else 1 for k in sums]
     summed = stats[:, sums] * factor[:, side]
     if summed.numel():
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=tp_group)
+        group_sum(summed, tp_group)
     out = torch.empty_like(stats)
     out[:, maxima] = global_max
     out[:, sums] = summed
@@ -93,7 +94,7 @@ def _distillation_tp(logits, teacher_logits, tp_group, options) -> DistillationO
         jsd_sums = _ops.distillation_jsd_sums(logits.detach(), teacher_logits.detach(), stats, beta=beta,
                                               **softmax).reshape(-1, 2).clone()
         if jsd_sums.numel():
-            dist.all_reduce(jsd_sums, op=dist.ReduceOp.SUM, group=tp_group)
+            group_sum(jsd_sums, tp_group)
     return DistillationOutput(*_ops.distillation(logits, teacher_logits, row_stats=stats, jsd_sums=jsd_sums,
                                                  **options))
 

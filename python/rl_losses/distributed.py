@@ -72,6 +72,7 @@ import torch
 import torch.distributed as dist
 
 from rl_losses import _schema
+from rl_losses.batch_invariance import group_sum
 from rl_losses._inputs import _check_inputs_enabled, _check_labels, _options, policy_output
 from rl_losses._schema import GSPO_SUMS, ROW_STATS, column
 from rl_losses.outputs import PolicyLossOutput
@@ -167,7 +168,7 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
     sums = torch.stack([stats[:, column(ROW_STATS, c)] * (factor if c in rescaled else 1) for c in ROW_STATS[1:]],
                        dim=1)
     if sums.numel():
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+        group_sum(sums, tp_group)
     return torch.cat([global_max.unsqueeze(1), sums], dim=1)
 
 
@@ -367,7 +368,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         flag[0, 0] = float(error is not None)
         payload = torch.cat([payload, flag])
     if payload.numel():
-        dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=sdp_group)
+        group_sum(payload, sdp_group)
     if checked:
         _raise_if_failed(op, "sdp_group", payload[-1, 0].item() > 0, error)
 
@@ -408,7 +409,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         zero = n.new_zeros(())
         phi = result.vespo_phi_seq_mean
         sums = torch.stack([n] + [n * m if m is not None else zero for m in means] + [zero if phi is None else phi])
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=sdp_group)
+        group_sum(sums, sdp_group)
         group = [sums[k + 1] / sums[0].clamp_min(1) if m is not None else None for k, m in enumerate(means)]
         result = result._replace(kl=group[0], rollout_ratio_mean=group[1], rollout_weight_mean=group[2],
                                  rollout_corrected_fraction=group[3],
