@@ -169,8 +169,9 @@ class LanguageModelLoss(DirectCallModule):
         Returns: (config.weight · loss) as a differentiable float32 (float64 for float64 logits) scalar, and the
             metrics dict of detached 0-dim tensors, ``{name: loss, ...}`` (the loss there is unweighted).
         """
-        kernel = self.uses_kernel(logits)
-        bound = self._bound_of.get(kernel) or self._bind(kernel)
+        bound = self._bound_of.get(logits.is_cuda)
+        if bound is None or not (logits.is_cpu or logits.is_cuda):
+            bound = self._bind(logits)
         loss, metrics = self._forward(logits, batch, bound)
         return (loss if bound.weight == 1.0 else loss * bound.weight), {bound.name: loss.detach(), **metrics}
 
@@ -187,7 +188,7 @@ class LanguageModelLoss(DirectCallModule):
             self._kernel_options = {"tp_group": value} if value is not None else {}
         if name in ("config", "name", "tp_group"):  # what was found from them once is found again (configs are frozen)
             self._config_options_of: dict[str, dict[str, Any]] = {}
-            self._bound_of: dict[bool, _Bound] = {}
+            self._bound_of: dict[bool, _Bound] = {}  # by logits.is_cuda, for CPU and CUDA logits
 
     def _config_options(self, op: str) -> dict[str, Any]:
         """The config's fields that are options of `op`, less those at the op's defaults: the config gives them the
@@ -202,8 +203,12 @@ class LanguageModelLoss(DirectCallModule):
             self._config_options_of[op] = options
         return options
 
-    def _bind(self, kernel: bool) -> _Bound:
-        bound = self._bound_of[kernel] = _Bound(self, kernel)
+    def _bind(self, logits: torch.Tensor) -> _Bound:
+        """The call's _Bound for logits of that device: kept for CPU and CUDA logits, where uses_kernel's answer
+        depends only on the device (or raises each time)."""
+        bound = _Bound(self, self.uses_kernel(logits))
+        if logits.is_cpu or logits.is_cuda:
+            self._bound_of[logits.is_cuda] = bound
         return bound
 
     def _function(self, kernel: bool) -> Callable | None:
@@ -297,11 +302,10 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
               f"rollout_correction={cfg.rollout_correction!r}"),) if cfg.rollout_correction is not None else ())
 
 
-def _policy_metrics(bound: _Bound, out: functional.PolicyLossOutput, batch: Batch, mask: torch.Tensor | None,
+def _policy_metrics(bound: _Bound, out: functional.PolicyLossOutput, batch: Batch, mask: torch.Tensor,
                     num_segments: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    # mask: the tokens that count, needed (not None) unless metrics="none".
-    if bound.config.metrics == "none":
-        return {bound.new_logprobs_name: out.new_logprobs}
+    # The metrics of metrics="basic" and "with_entropy" (at "none", new_logprobs alone: the losses give it); mask: the
+    # tokens that count.
     n = bound.name
     metrics = {f"{n}_new_logprobs": out.new_logprobs}
     metrics.update({
@@ -416,6 +420,8 @@ class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
                 if batch.get(LanguageModelLossKwargs.num_documents) is not None:
                     options["num_documents"] = batch[LanguageModelLossKwargs.num_documents]
         out = bound.function(logits, labels, advantages, old_log_probs, **options)
+        if cfg.metrics == "none":
+            return out.loss, {bound.new_logprobs_name: out.new_logprobs}
         return out.loss, _policy_metrics(bound, out, batch, mask)
 
     def _function(self, kernel):
@@ -436,14 +442,14 @@ class LanguageModelGSPOLoss(LanguageModelPolicyGradientLoss):
         document_index = _require(batch, LanguageModelLossKwargs.document_index, bound.name)
         cfg = bound.config
         out = bound.function(logits, labels, advantages, old_log_probs, document_index, **_given(bound, batch))
-        mask = num_segments = None
-        if cfg.metrics != "none":
-            mask = (labels >= 0) & (document_index >= 0)
-            with torch.no_grad():  # documents holding a labelled token (scatter, no boolean indexing: no sync)
-                ratios = out.document_ratios
-                index = torch.where(mask, document_index, 0).reshape(-1).long()
-                hits = torch.zeros_like(ratios).index_add_(0, index, mask.reshape(-1).to(ratios.dtype))
-                num_segments = (hits > 0).sum()
+        if cfg.metrics == "none":
+            return out.loss, {bound.new_logprobs_name: out.new_logprobs}
+        mask = (labels >= 0) & (document_index >= 0)
+        with torch.no_grad():  # documents holding a labelled token (scatter, no boolean indexing: no sync)
+            ratios = out.document_ratios
+            index = torch.where(mask, document_index, 0).reshape(-1).long()
+            hits = torch.zeros_like(ratios).index_add_(0, index, mask.reshape(-1).to(ratios.dtype))
+            num_segments = (hits > 0).sum()
         return out.loss, _policy_metrics(bound, out, batch, mask, num_segments)
 
     def _function(self, kernel):
