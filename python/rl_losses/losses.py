@@ -18,6 +18,7 @@ import typing
 from typing import Any, Callable
 
 import torch
+from torch.jit import _trace as _jit_trace
 from torch.nn.modules import module as _module
 
 from rl_losses import _schema, distillation, dpo, functional, reference, reference_topk, topk_distillation
@@ -67,7 +68,6 @@ def _require(batch: Batch, key: str, owner: str) -> Any:
 _GLOBAL_HOOKS = (_module._global_forward_pre_hooks, _module._global_forward_hooks, _module._global_backward_pre_hooks,
                  _module._global_backward_hooks)
 _MODULE_CALL = torch.nn.Module.__call__
-_TRACING_STATE = torch._C._get_tracing_state
 
 
 class DirectCallModule(torch.nn.Module):
@@ -77,8 +77,10 @@ class DirectCallModule(torch.nn.Module):
     read of an nn.Module goes through its ``__getattr__`` hook's machinery (~1 µs each with the caches cold after an
     op): 5-10 µs of host time per call. This call reads one attribute, ``_module_call``: the module's own hook dicts
     (filled in place by registering a hook) and, once ``module.compile()`` or an assigned ``forward`` has set them,
-    a true value. With any of them, a hook of every module or under ``torch.jit.trace``, nn.Module's call runs as
-    before. torch.compile traces this ``__call__`` as it traces nn.Module's."""
+    a true value. With any of them, a hook of every module or while ``torch.jit.trace`` records module scopes (its
+    ``_trace_module_map``, without which nn.Module's traced call is ``forward`` too), nn.Module's call runs as before.
+    torch.compile traces this ``__call__`` as it traces nn.Module's. LanguageModelLoss has the same call with
+    forward's two arguments by name (a call with ``*args`` costs more)."""
 
     def __init__(self):
         super().__init__()
@@ -91,7 +93,7 @@ class DirectCallModule(torch.nn.Module):
             super().__setattr__("_module_call", (*self._module_call, True))
 
     def __call__(self, *args, **kwargs):
-        if any(self._module_call) or any(_GLOBAL_HOOKS) or _TRACING_STATE():
+        if any(self._module_call) or any(_GLOBAL_HOOKS) or _jit_trace._trace_module_map is not None:
             return _MODULE_CALL(self, *args, **kwargs)
         return type(self).forward(self, *args, **kwargs)
 
@@ -139,6 +141,11 @@ class LanguageModelLoss(DirectCallModule):
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, config={self.config}"
+
+    def __call__(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if any(self._module_call) or any(_GLOBAL_HOOKS) or _jit_trace._trace_module_map is not None:
+            return _MODULE_CALL(self, logits, batch)
+        return type(self).forward(self, logits, batch)
 
     def uses_kernel(self, logits: torch.Tensor) -> bool:
         """Whether this call runs the extension's op (True) or the pure-PyTorch reference (False)."""
