@@ -34,7 +34,7 @@ import rl_losses
 from rl_losses import _schema, aggregation
 from rl_losses.integrations.verl_options import _value as _config_value  # a config's value, default where None
 from rl_losses.integrations.verl_options import fused_policy_options  # noqa: F401  (this module's API)
-from rl_losses.losses import DirectCallModule
+from rl_losses._calls import DirectCallModule
 
 _ops = torch.ops.rl_losses
 logger = logging.getLogger(__name__)
