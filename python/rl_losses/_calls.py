@@ -7,8 +7,9 @@ read of an nn.Module goes through its ``__getattr__`` hook's machinery (~1 µs e
 where a plain object's is one lookup."""
 from __future__ import annotations
 
+import inspect
 import typing
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.jit import _trace as _jit_trace
@@ -38,8 +39,13 @@ class DirectCallModule(torch.nn.Module):
     (filled in place by registering a hook) and, once ``module.compile()`` or an assigned ``forward`` has set them,
     a true value. With any of them, a hook of every module or while ``torch.jit.trace`` records module scopes (its
     ``_trace_module_map``, without which nn.Module's traced call is ``forward`` too), nn.Module's call runs as before.
-    torch.compile traces this ``__call__`` as it traces nn.Module's. LanguageModelLoss has the same call with
-    forward's two arguments by name (a call with ``*args`` costs more)."""
+    Each class defining ``forward`` gets this ``__call__`` with forward's own parameters (_direct_call: a call through
+    ``*args`` costs more); torch.compile traces it as it traces nn.Module's."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "forward" in cls.__dict__:
+            cls.__call__ = _direct_call(cls.forward)
 
     def __init__(self):
         super().__init__()
@@ -51,10 +57,26 @@ class DirectCallModule(torch.nn.Module):
         if name in ("_compiled_call_impl", "forward"):  # nn.Module's call runs these: every call takes it from now
             super().__setattr__("_module_call", (*self._module_call, True))
 
-    def __call__(self, *args, **kwargs):
-        if any(self._module_call) or any(_GLOBAL_HOOKS) or _jit_trace._trace_module_map is not None:
-            return _MODULE_CALL(self, *args, **kwargs)
-        return type(self).forward(self, *args, **kwargs)
+
+
+def _direct_call(forward: Callable) -> Callable:
+    """DirectCallModule's ``__call__`` with the parameters of `forward` (defaults included): generated code."""
+    signature = inspect.signature(forward)
+    parameters = [p.replace(annotation=inspect.Parameter.empty, default=inspect.Parameter.empty)
+                  for p in signature.parameters.values()]
+    arguments = ", ".join({inspect.Parameter.VAR_POSITIONAL: f"*{p.name}", inspect.Parameter.VAR_KEYWORD: f"**{p.name}",
+                           inspect.Parameter.KEYWORD_ONLY: f"{p.name}={p.name}"}.get(p.kind, p.name)
+                          for p in parameters)
+    source = (f"def __call__{inspect.Signature(parameters)}:\n"
+              f"    if any(self._module_call) or any(_GLOBAL_HOOKS) or _jit_trace._trace_module_map is not None:\n"
+              f"        return _MODULE_CALL({arguments})\n"
+              f"    return type(self).forward({arguments})\n")
+    scope = {"_GLOBAL_HOOKS": _GLOBAL_HOOKS, "_MODULE_CALL": _MODULE_CALL, "_jit_trace": _jit_trace}
+    exec(source, scope)
+    call = scope["__call__"]
+    call.__defaults__, call.__kwdefaults__ = forward.__defaults__, forward.__kwdefaults__
+    call.__qualname__ = forward.__qualname__.replace(".forward", ".__call__")
+    return call
 
 
 class _Bound:

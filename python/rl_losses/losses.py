@@ -18,10 +18,9 @@ import typing
 from typing import Any, Callable
 
 import torch
-from torch.jit import _trace as _jit_trace
 
 from rl_losses import _schema, distillation, dpo, functional, reference, reference_topk, topk_distillation
-from rl_losses._calls import _GLOBAL_HOOKS, _MODULE_CALL, DirectCallModule, _Bound, _given, _require
+from rl_losses._calls import DirectCallModule, _Bound, _given, _require
 
 if typing.TYPE_CHECKING:  # the configs build these modules (config.py imports this file, not the reverse)
     from rl_losses.config import (
@@ -78,11 +77,6 @@ class LanguageModelLoss(DirectCallModule):
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, config={self.config}"
-
-    def __call__(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if any(self._module_call) or any(_GLOBAL_HOOKS) or _jit_trace._trace_module_map is not None:
-            return _MODULE_CALL(self, logits, batch)
-        return type(self).forward(self, logits, batch)
 
     def uses_kernel(self, logits: torch.Tensor) -> bool:
         """Whether this call runs the extension's op (True) or the pure-PyTorch reference (False)."""
