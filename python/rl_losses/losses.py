@@ -220,56 +220,55 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
             (("rollout_log_probs", LanguageModelLossKwargs.rollout_log_probs,
               f"rollout_correction={cfg.rollout_correction!r}"),) if cfg.rollout_correction is not None else ())
 
-
-def _policy_metrics(bound: _Bound, out: functional.PolicyLossOutput, batch: Batch, mask: torch.Tensor,
-                    num_segments: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    # The metrics of metrics="basic" and "with_entropy" (at "none", new_logprobs alone: the losses give it); mask: the
-    # tokens that count.
-    n = bound.name
-    metrics = {f"{n}_new_logprobs": out.new_logprobs}
-    metrics.update({
-        f"{n}_ratio_new_old": out.ratio_mean,
-        f"{n}_kl_new_old": out.kl_old,
-        f"{n}_clipped_ratio_fraction": out.clipped_fraction_low + out.clipped_fraction_high,
-        f"{n}_clipped_ratio_fraction_low": out.clipped_fraction_low,
-        f"{n}_clipped_ratio_fraction_high": out.clipped_fraction_high,
-    })
-    # Per-token statistics of the inputs, weighted like new_logprobs (each document weighs 1 when the
-    # label counts are known); O(N) work, no pass over the vocabulary.
-    with torch.no_grad():
-        dtype = out.new_logprobs.dtype
-        advantages = batch[LanguageModelLossKwargs.advantages].to(dtype)
-        if advantages.shape != mask.shape:
-            if advantages.dim() < mask.dim() and advantages.shape == mask.shape[:advantages.dim()]:
-                # per sequence: broadcast over its tokens
-                advantages = advantages.reshape(advantages.shape + (1,) * (mask.dim() - advantages.dim()))
-                advantages = advantages.expand(mask.shape)
-            else:  # per document (GSPO)
-                advantages = advantages[batch[LanguageModelLossKwargs.document_index].clamp_min(0).long()]
-        old = batch.get(LanguageModelLossKwargs.old_log_probabilities)
-        old = out.log_probs.to(dtype) if old is None else old.to(dtype)  # on-policy: old = lp
-        counts = batch.get(LanguageModelLossKwargs.label_counts)
-        weight = mask.to(dtype) if counts is None else mask / counts.to(dtype).clamp_min(1)
-        total = weight.sum().clamp_min(1e-30)
-        metrics[f"{n}_old_logprobs"] = (weight * old).sum() / total
-        metrics[f"{n}_advantage"] = (weight * advantages).sum() / total
-        if mask.numel() > 0:  # where(), not advantages[mask]: boolean indexing synchronises on CUDA
-            metrics[f"{n}_max_advantage"] = torch.where(mask, advantages, -torch.inf).amax()
-            metrics[f"{n}_min_advantage"] = torch.where(mask, advantages, torch.inf).amin()
-        metrics[f"{n}_num_tokens"] = mask.sum()
-        if num_segments is not None:
-            metrics[f"{n}_num_segments"] = num_segments
-    if out.entropy is not None:
-        metrics[f"{n}_entropy"] = out.entropy
-    if out.kl is not None:
-        metrics[f"{n}_kl"] = out.kl
-    if out.rollout_ratio_mean is not None:
-        metrics[f"{n}_rollout_ratio"] = out.rollout_ratio_mean
-        metrics[f"{n}_rollout_weight"] = out.rollout_weight_mean
-        metrics[f"{n}_rollout_corrected_fraction"] = out.rollout_corrected_fraction
-    if out.vespo_phi_seq_mean is not None:
-        metrics[f"{n}_vespo_phi"] = out.vespo_phi_seq_mean
-    return metrics
+    def _metrics(self, out: functional.PolicyLossOutput, batch: Batch, mask: torch.Tensor,
+                 num_segments: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        # The metrics of metrics="basic" and "with_entropy" (at "none", new_logprobs alone: the losses give it); mask:
+        # the tokens that count.
+        n = self.name
+        metrics = {f"{n}_new_logprobs": out.new_logprobs}
+        metrics.update({
+            f"{n}_ratio_new_old": out.ratio_mean,
+            f"{n}_kl_new_old": out.kl_old,
+            f"{n}_clipped_ratio_fraction": out.clipped_fraction_low + out.clipped_fraction_high,
+            f"{n}_clipped_ratio_fraction_low": out.clipped_fraction_low,
+            f"{n}_clipped_ratio_fraction_high": out.clipped_fraction_high,
+        })
+        # Per-token statistics of the inputs, weighted like new_logprobs (each document weighs 1 when the
+        # label counts are known); O(N) work, no pass over the vocabulary.
+        with torch.no_grad():
+            dtype = out.new_logprobs.dtype
+            advantages = batch[LanguageModelLossKwargs.advantages].to(dtype)
+            if advantages.shape != mask.shape:
+                if advantages.dim() < mask.dim() and advantages.shape == mask.shape[:advantages.dim()]:
+                    # per sequence: broadcast over its tokens
+                    advantages = advantages.reshape(advantages.shape + (1,) * (mask.dim() - advantages.dim()))
+                    advantages = advantages.expand(mask.shape)
+                else:  # per document (GSPO)
+                    advantages = advantages[batch[LanguageModelLossKwargs.document_index].clamp_min(0).long()]
+            old = batch.get(LanguageModelLossKwargs.old_log_probabilities)
+            old = out.log_probs.to(dtype) if old is None else old.to(dtype)  # on-policy: old = lp
+            counts = batch.get(LanguageModelLossKwargs.label_counts)
+            weight = mask.to(dtype) if counts is None else mask / counts.to(dtype).clamp_min(1)
+            total = weight.sum().clamp_min(1e-30)
+            metrics[f"{n}_old_logprobs"] = (weight * old).sum() / total
+            metrics[f"{n}_advantage"] = (weight * advantages).sum() / total
+            if mask.numel() > 0:  # where(), not advantages[mask]: boolean indexing synchronises on CUDA
+                metrics[f"{n}_max_advantage"] = torch.where(mask, advantages, -torch.inf).amax()
+                metrics[f"{n}_min_advantage"] = torch.where(mask, advantages, torch.inf).amin()
+            metrics[f"{n}_num_tokens"] = mask.sum()
+            if num_segments is not None:
+                metrics[f"{n}_num_segments"] = num_segments
+        if out.entropy is not None:
+            metrics[f"{n}_entropy"] = out.entropy
+        if out.kl is not None:
+            metrics[f"{n}_kl"] = out.kl
+        if out.rollout_ratio_mean is not None:
+            metrics[f"{n}_rollout_ratio"] = out.rollout_ratio_mean
+            metrics[f"{n}_rollout_weight"] = out.rollout_weight_mean
+            metrics[f"{n}_rollout_corrected_fraction"] = out.rollout_corrected_fraction
+        if out.vespo_phi_seq_mean is not None:
+            metrics[f"{n}_vespo_phi"] = out.vespo_phi_seq_mean
+        return metrics
 
 
 def _policy_inputs(batch: Batch, name: str):
@@ -341,7 +340,7 @@ class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
         out = bound.function(logits, labels, advantages, old_log_probs, **options)
         if cfg.metrics == "none":
             return out.loss, {bound.new_logprobs_name: out.new_logprobs}
-        return out.loss, _policy_metrics(bound, out, batch, mask)
+        return out.loss, self._metrics(out, batch, mask)
 
     def _function(self, kernel):
         return functional.grpo_loss if kernel else reference.grpo_loss
@@ -369,7 +368,7 @@ class LanguageModelGSPOLoss(LanguageModelPolicyGradientLoss):
             index = torch.where(mask, document_index, 0).reshape(-1).long()
             hits = torch.zeros_like(ratios).index_add_(0, index, mask.reshape(-1).to(ratios.dtype))
             num_segments = (hits > 0).sum()
-        return out.loss, _policy_metrics(bound, out, batch, mask, num_segments)
+        return out.loss, self._metrics(out, batch, mask, num_segments)
 
     def _function(self, kernel):
         return functional.gspo_loss if kernel else reference.gspo_loss
