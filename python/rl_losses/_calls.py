@@ -35,9 +35,9 @@ class DirectCallModule(torch.nn.Module):
     """An nn.Module whose call goes straight to its class's ``forward`` where nothing hooks into it.
 
     nn.Module's own call is two frames of ``*args`` and eight hook checks, each an attribute read of the module,
-    before ``forward``: 5-10 µs of host time per call. This call reads one attribute, ``_module_call``: the module's own hook dicts
-    (filled in place by registering a hook) and, once ``module.compile()`` or an assigned ``forward`` has set them,
-    a true value. With any of them, a hook of every module or while ``torch.jit.trace`` records module scopes (its
+    before ``forward``: 5-10 µs of host time per call. This call reads one attribute, ``_module_call``: the module's
+    own hook dicts (filled in place by registering a hook) and, once ``module.compile()`` or an assigned ``forward``
+    has set them, a true value. With any of them, a hook of every module or while ``torch.jit.trace`` records module scopes (its
     ``_trace_module_map``, without which nn.Module's traced call is ``forward`` too), nn.Module's call runs as before.
     Each class defining ``forward`` gets this ``__call__`` with forward's own parameters (_direct_call: a call through
     ``*args`` costs more); torch.compile traces it as it traces nn.Module's."""
