@@ -4,6 +4,7 @@ where nothing hooks into it, nn.Module's call wherever it would do more (the mod
 
 The losses are compared with float64 cross-entropy written here and with the pure-PyTorch reference."""
 import copy
+import inspect
 import pickle
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from conftest import assert_close
 
 from rl_losses import LanguageModelLossConfig, reference
+from rl_losses._calls import DirectCallModule
 from rl_losses.integrations import verl
 
 
@@ -104,6 +106,23 @@ def test_a_copy_sees_its_own_hooks(clone):
     loss, _ = module(logits, batch)
     assert len(seen) == 1
     assert_close(seen[0], _cross_entropy(logits, batch["labels"]), torch.float32)
+
+
+def test_generated_call_takes_forwards_parameters():
+    """The call is generated from forward's parameters: any kinds, defaults, and forward's own name for the module."""
+    class Affine(DirectCallModule):
+        def forward(this, x, *shifts, scale=2.0, **named):
+            return x * scale + sum(shifts) + sum(named.values())
+
+    assert str(inspect.signature(Affine.__call__)) == "(this, x, *shifts, scale=2.0, **named)"
+    module = Affine()
+    x = torch.randn(5, dtype=torch.float64)
+    assert_close(module(x), 2.0 * x, torch.float64)
+    assert_close(module(x, 1.5, 0.25, scale=-3.0, bias=0.5), -3.0 * x + 2.25, torch.float64)
+    seen = []
+    module.register_forward_pre_hook(lambda m, args: seen.append(len(args)))
+    assert_close(module(x, 1.0), 2.0 * x + 1.0, torch.float64)
+    assert seen == [2]
 
 
 def test_verl_module_hooks_and_call():

@@ -37,9 +37,9 @@ class DirectCallModule(torch.nn.Module):
     nn.Module's own call is two frames of ``*args`` and eight hook checks, each an attribute read of the module,
     before ``forward``: 5-10 µs of host time per call. This call reads one attribute, ``_module_call``: the module's
     own hook dicts (filled in place by registering a hook) and, once ``module.compile()`` or an assigned ``forward``
-    has set them, a true value. With any of them, a hook of every module or while ``torch.jit.trace`` records module scopes (its
-    ``_trace_module_map``, without which nn.Module's traced call is ``forward`` too), nn.Module's call runs as before.
-    Each class defining ``forward`` gets this ``__call__`` with forward's own parameters (_direct_call: a call through
+    has set them, a true value. With any of them, a hook of every module or while ``torch.jit.trace`` records module
+    scopes (its ``_trace_module_map``, without which nn.Module's traced call is ``forward`` too), nn.Module's call runs
+    as before. Each class defining ``forward`` gets this ``__call__`` with forward's own parameters (_direct_call: a call through
     ``*args`` costs more); torch.compile traces it as it traces nn.Module's."""
 
     def __init_subclass__(cls, **kwargs):
@@ -58,7 +58,6 @@ class DirectCallModule(torch.nn.Module):
             super().__setattr__("_module_call", (*self._module_call, True))
 
 
-
 def _direct_call(forward: Callable) -> Callable:
     """DirectCallModule's ``__call__`` with the parameters of `forward` (defaults included): generated code."""
     signature = inspect.signature(forward)
@@ -67,10 +66,11 @@ def _direct_call(forward: Callable) -> Callable:
     arguments = ", ".join({inspect.Parameter.VAR_POSITIONAL: f"*{p.name}", inspect.Parameter.VAR_KEYWORD: f"**{p.name}",
                            inspect.Parameter.KEYWORD_ONLY: f"{p.name}={p.name}"}.get(p.kind, p.name)
                           for p in parameters)
+    module = parameters[0].name  # forward's own name for the module ("self")
     source = (f"def __call__{inspect.Signature(parameters)}:\n"
-              f"    if any(self._module_call) or any(_GLOBAL_HOOKS) or _jit_trace._trace_module_map is not None:\n"
+              f"    if any({module}._module_call) or any(_GLOBAL_HOOKS) or _jit_trace._trace_module_map is not None:\n"
               f"        return _MODULE_CALL({arguments})\n"
-              f"    return type(self).forward({arguments})\n")
+              f"    return type({module}).forward({arguments})\n")
     scope = {"_GLOBAL_HOOKS": _GLOBAL_HOOKS, "_MODULE_CALL": _MODULE_CALL, "_jit_trace": _jit_trace}
     exec(source, scope)
     call = scope["__call__"]
