@@ -95,7 +95,7 @@ class LanguageModelFusedHeadLoss(LanguageModelLoss):
                     and labels is not None and advantages.shape == labels.shape)
         return False
 
-    def _forward(self, logits, batch, kernel):
+    def _forward(self, logits, batch, bound):
         fused = [k for k in self.losses if self._fusable(k, logits, batch)]
         # One policy term per pass (GRPO or GSPO): any other runs on its own.
         policy = [k for k in fused if self.config.losses[k].type_name in ("grpo", "gspo")]

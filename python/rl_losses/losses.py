@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from rl_losses import _schema, distillation, dpo, functional, reference, reference_topk, topk_distillation
+from rl_losses._calls import DirectCallModule, _Bound, _given, _require
 
 if typing.TYPE_CHECKING:  # the configs build these modules (config.py imports this file, not the reverse)
     from rl_losses.config import (
@@ -56,13 +57,7 @@ class LanguageModelLossKwargs:
     loss_mask = "loss_mask"  # bool, tokens the z-loss covers
 
 
-def _require(batch: Batch, key: str, owner: str) -> Any:
-    if batch.get(key) is None:
-        raise ValueError(f"{owner}: the batch has no {key!r} (keys given: {sorted(batch)})")
-    return batch[key]
-
-
-class LanguageModelLoss(torch.nn.Module):
+class LanguageModelLoss(DirectCallModule):
     """Base of the loss modules: the implementation switch, the weight and the metric naming.
 
     Args:
@@ -112,12 +107,13 @@ class LanguageModelLoss(torch.nn.Module):
         Returns: (config.weight · loss) as a differentiable float32 (float64 for float64 logits) scalar, and the
             metrics dict of detached 0-dim tensors, ``{name: loss, ...}`` (the loss there is unweighted).
         """
-        kernel = self.uses_kernel(logits)
-        loss, metrics = self._forward(logits, batch, kernel)
-        metrics = {self.name: loss.detach(), **metrics}
-        return (loss if self.config.weight == 1.0 else loss * self.config.weight), metrics
+        bound = self._bound_of.get(logits.is_cuda)
+        if bound is None or not (logits.is_cpu or logits.is_cuda):
+            bound = self._bind(logits)
+        loss, metrics = self._forward(logits, batch, bound)
+        return (loss if bound.weight == 1.0 else loss * bound.weight), {bound.name: loss.detach(), **metrics}
 
-    def _forward(self, logits, batch, kernel) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _forward(self, logits, batch, bound: _Bound) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
 
     def _options(self, kernel: bool) -> dict[str, Any]:
@@ -126,13 +122,11 @@ class LanguageModelLoss(torch.nn.Module):
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
-        if name == "name":  # the one metric of the policy losses at metrics="none"
-            self._new_logprobs_name = f"{value}_new_logprobs"
-        elif name == "tp_group":  # the extension's own options (none for the reference), passed on when set
+        if name == "tp_group":  # the extension's own options (none for the reference), passed on when set
             self._kernel_options = {"tp_group": value} if value is not None else {}
         if name in ("config", "name", "tp_group"):  # what was found from them once is found again (configs are frozen)
             self._config_options_of: dict[str, dict[str, Any]] = {}
-            self._bound_of: dict[bool, tuple[dict[str, Any], tuple]] = {}
+            self._bound_of: dict[bool, _Bound] = {}  # by logits.is_cuda, for CPU and CUDA logits
 
     def _config_options(self, op: str) -> dict[str, Any]:
         """The config's fields that are options of `op`, less those at the op's defaults: the config gives them the
@@ -147,33 +141,29 @@ class LanguageModelLoss(torch.nn.Module):
             self._config_options_of[op] = options
         return options
 
-    def _bind(self, kernel: bool) -> tuple[dict[str, Any], tuple]:
-        """What every call of the module's op takes, found once per implementation (read it as
-        ``self._bound_of.get(kernel) or self._bind(kernel)``; the caller must not change the dict): the options from
-        the config (_fixed_options) with, for the extension's op, its own (_options); and the batch tensors that the
-        config needs (_required)."""
-        bound = self._bound_of[kernel] = ({**self._fixed_options(), **self._options(kernel)}, self._required())
+    def _bind(self, logits: torch.Tensor) -> _Bound:
+        """The call's _Bound for logits of that device: kept for CPU and CUDA logits, where uses_kernel's answer
+        depends only on the device (or raises each time)."""
+        bound = _Bound(self, self.uses_kernel(logits))
+        if logits.is_cpu or logits.is_cuda:
+            self._bound_of[logits.is_cuda] = bound
         return bound
 
+    def _function(self, kernel: bool) -> Callable | None:
+        """The function of the modules that bind their op's arguments (None for the others)."""
+        return None
+
     def _fixed_options(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The options from the config that every call passes (the modules that bind their op's arguments)."""
+        return {}
+
+    def _batch_options(self) -> tuple[tuple[str, str], ...]:
+        """(option, batch key) of the batch's optional entries passed on as options where present."""
+        return ()
 
     def _required(self) -> tuple[tuple[str, str, str], ...]:
         """(option, batch key, what needs it) of each batch tensor the config needs."""
         return ()
-
-    def _given(self, bound: tuple[dict[str, Any], tuple], batch: Batch, keys) -> dict[str, Any]:
-        """The options of a call, in a new dict: the bound ones (_bind), the batch's entries of `keys` ((option, batch
-        key) pairs) that are there (None: the op's default, so left out) and the batch tensors the config needs."""
-        fixed, required = bound
-        options = dict(fixed)
-        for name, key in keys:
-            value = batch.get(key)
-            if value is not None:
-                options[name] = value
-        for name, key, why in required:
-            options[name] = _require(batch, key, f"{self.name} ({why})")
-        return options
 
 
 _NO_OPTIONS: dict[str, Any] = {}
@@ -184,16 +174,18 @@ class LanguageModelLabelEntropyLoss(LanguageModelLoss):
 
     config: LanguageModelLabelEntropyLossConfig
 
-    def _forward(self, logits, batch, kernel):
-        labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
-        fn = functional.cross_entropy if kernel else reference.cross_entropy
-        divisor = batch.get(LanguageModelLossKwargs.num_labels_in_batch)
-        options, _ = self._bound_of.get(kernel) or self._bind(kernel)
-        loss = fn(logits, labels, **options) if divisor is None else fn(logits, labels, divisor=divisor, **options)
-        return loss, {}
+    def _forward(self, logits, batch, bound):
+        labels = _require(batch, LanguageModelLossKwargs.labels, bound.name)
+        return bound.function(logits, labels, **_given(bound, batch)), {}
+
+    def _function(self, kernel):
+        return functional.cross_entropy if kernel else reference.cross_entropy
 
     def _fixed_options(self):
         return self._config_options("cross_entropy")
+
+    def _batch_options(self):
+        return _DIVISOR_KEYS
 
 
 class LanguageModelZLoss(LanguageModelLoss):
@@ -201,10 +193,10 @@ class LanguageModelZLoss(LanguageModelLoss):
 
     config: LanguageModelZLossConfig
 
-    def _forward(self, logits, batch, kernel):
-        fn = functional.z_loss if kernel else reference.z_loss
+    def _forward(self, logits, batch, bound):
+        fn = functional.z_loss if bound.kernel else reference.z_loss
         loss = fn(logits, loss_mask=batch.get(LanguageModelLossKwargs.loss_mask),
-                  logits_scale_factor=self.config.logits_scale_factor, **self._options(kernel))
+                  logits_scale_factor=self.config.logits_scale_factor, **bound.options)
         return loss, {}
 
 
@@ -212,15 +204,6 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
     """Shared inputs and metrics of GRPO and GSPO."""
 
     config: LanguageModelPolicyGradientLossConfig
-
-    def _policy_inputs(self, batch: Batch):
-        """labels, advantages and old log-probs (None: on-policy)."""
-        labels = batch.get(LanguageModelLossKwargs.labels)
-        advantages = batch.get(LanguageModelLossKwargs.advantages)
-        if labels is None or advantages is None:
-            labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
-            advantages = _require(batch, LanguageModelLossKwargs.advantages, self.name)
-        return labels, advantages, batch.get(LanguageModelLossKwargs.old_log_probabilities)
 
     def _fixed_options(self):
         # The config's options of the op (the clip, beta, the policy family's: docs/policy_losses.md), and the entropy
@@ -237,11 +220,10 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
             (("rollout_log_probs", LanguageModelLossKwargs.rollout_log_probs,
               f"rollout_correction={cfg.rollout_correction!r}"),) if cfg.rollout_correction is not None else ())
 
-    def _metrics(self, out: functional.PolicyLossOutput, batch: Batch, mask: torch.Tensor | None,
+    def _metrics(self, out: functional.PolicyLossOutput, batch: Batch, mask: torch.Tensor,
                  num_segments: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        # mask: the tokens that count, needed (not None) unless metrics="none".
-        if self.config.metrics == "none":
-            return {self._new_logprobs_name: out.new_logprobs}
+        # The metrics of metrics="basic" and "with_entropy" (at "none", new_logprobs alone: the losses give it); mask:
+        # the tokens that count.
         n = self.name
         metrics = {f"{n}_new_logprobs": out.new_logprobs}
         metrics.update({
@@ -289,9 +271,20 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
         return metrics
 
 
-# The batch's optional entries that GRPO and GSPO pass on as options: (option, batch key).
+def _policy_inputs(batch: Batch, name: str):
+    """labels, advantages and old log-probs (None: on-policy)."""
+    labels = batch.get(LanguageModelLossKwargs.labels)
+    advantages = batch.get(LanguageModelLossKwargs.advantages)
+    if labels is None or advantages is None:
+        labels = _require(batch, LanguageModelLossKwargs.labels, name)
+        advantages = _require(batch, LanguageModelLossKwargs.advantages, name)
+    return labels, advantages, batch.get(LanguageModelLossKwargs.old_log_probabilities)
+
+
+# The batch's optional entries that the label loss, GRPO and GSPO pass on as options: (option, batch key).
+_DIVISOR_KEYS = (("divisor", LanguageModelLossKwargs.num_labels_in_batch),)
 _LABEL_COUNTS_KEYS = (("label_counts", LanguageModelLossKwargs.label_counts),)
-_TOKEN_MEAN_KEYS = (("divisor", LanguageModelLossKwargs.num_labels_in_batch), *_LABEL_COUNTS_KEYS)
+_TOKEN_MEAN_KEYS = (*_DIVISOR_KEYS, *_LABEL_COUNTS_KEYS)
 _GSPO_KEYS = (("num_documents", LanguageModelLossKwargs.num_documents), *_LABEL_COUNTS_KEYS,
               ("divisor", LanguageModelLossKwargs.num_documents_in_batch))
 
@@ -315,15 +308,17 @@ class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
                          f"of documents: give 'num_documents_in_batch', 'label_counts' or 'document_index' in the "
                          f"batch (keys given: {sorted(batch)})")
 
-    def _forward(self, logits, batch, kernel):
-        labels, advantages, old_log_probs = self._policy_inputs(batch)
-        cfg = self.config
+    def _forward(self, logits, batch, bound):
+        labels, advantages, old_log_probs = _policy_inputs(batch, bound.name)
+        cfg = bound.config
         # The labelled tokens, for the document count and the metrics: not computed where neither is wanted.
         mask = labels >= 0 if cfg.loss_normalization != "token" or cfg.metrics != "none" else None
-        bound = self._bound_of.get(kernel) or self._bind(kernel)
-        if cfg.loss_normalization == "token":
-            options = self._given(bound, batch, _TOKEN_MEAN_KEYS)
-        else:
+        options = _given(bound, batch)
+        sequences = cfg.loss_type == "vespo" or (cfg.rollout_correction is not None
+                                                 and cfg.rollout_correction.startswith("sequence"))
+        if cfg.loss_normalization != "token" or sequences:
+            options = dict(options)  # (the bound dict itself where the batch adds nothing)
+        if cfg.loss_normalization != "token":
             divisor = self._num_documents(batch, mask)
             loss_weights = None
             if cfg.loss_normalization == "sequence":
@@ -332,21 +327,26 @@ class LanguageModelGRPOLoss(LanguageModelPolicyGradientLoss):
                 loss_weights = mask / counts.to(torch.promote_types(logits.dtype, torch.float32)).clamp_min(1)
             elif cfg.loss_normalization == "dr_grpo":
                 divisor = divisor * cfg.max_completion_length
-            options = self._given(bound, batch, _LABEL_COUNTS_KEYS)
             options["divisor"] = divisor
             if loss_weights is not None:
                 options["loss_weights"] = loss_weights
         # The sequences of a sequence-level rollout correction and of vespo: the packed documents when given.
-        if cfg.loss_type == "vespo" or (cfg.rollout_correction is not None
-                                        and cfg.rollout_correction.startswith("sequence")):
+        if sequences:
             document_index = batch.get(LanguageModelLossKwargs.document_index)
             if document_index is not None:
                 options["document_index"] = document_index
                 if batch.get(LanguageModelLossKwargs.num_documents) is not None:
                     options["num_documents"] = batch[LanguageModelLossKwargs.num_documents]
-        fn = functional.grpo_loss if kernel else reference.grpo_loss
-        out = fn(logits, labels, advantages, old_log_probs, **options)
+        out = bound.function(logits, labels, advantages, old_log_probs, **options)
+        if cfg.metrics == "none":
+            return out.loss, {bound.new_logprobs_name: out.new_logprobs}
         return out.loss, self._metrics(out, batch, mask)
+
+    def _function(self, kernel):
+        return functional.grpo_loss if kernel else reference.grpo_loss
+
+    def _batch_options(self):
+        return _TOKEN_MEAN_KEYS if self.config.loss_normalization == "token" else _LABEL_COUNTS_KEYS
 
 
 class LanguageModelGSPOLoss(LanguageModelPolicyGradientLoss):
@@ -355,22 +355,26 @@ class LanguageModelGSPOLoss(LanguageModelPolicyGradientLoss):
 
     config: LanguageModelGSPOLossConfig
 
-    def _forward(self, logits, batch, kernel):
-        labels, advantages, old_log_probs = self._policy_inputs(batch)
-        document_index = _require(batch, LanguageModelLossKwargs.document_index, self.name)
-        cfg = self.config
-        options = self._given(self._bound_of.get(kernel) or self._bind(kernel), batch, _GSPO_KEYS)
-        fn = functional.gspo_loss if kernel else reference.gspo_loss
-        out = fn(logits, labels, advantages, old_log_probs, document_index, **options)
-        mask = num_segments = None
-        if cfg.metrics != "none":
-            mask = (labels >= 0) & (document_index >= 0)
-            with torch.no_grad():  # documents holding a labelled token (scatter, no boolean indexing: no sync)
-                ratios = out.document_ratios
-                index = torch.where(mask, document_index, 0).reshape(-1).long()
-                hits = torch.zeros_like(ratios).index_add_(0, index, mask.reshape(-1).to(ratios.dtype))
-                num_segments = (hits > 0).sum()
+    def _forward(self, logits, batch, bound):
+        labels, advantages, old_log_probs = _policy_inputs(batch, bound.name)
+        document_index = _require(batch, LanguageModelLossKwargs.document_index, bound.name)
+        cfg = bound.config
+        out = bound.function(logits, labels, advantages, old_log_probs, document_index, **_given(bound, batch))
+        if cfg.metrics == "none":
+            return out.loss, {bound.new_logprobs_name: out.new_logprobs}
+        mask = (labels >= 0) & (document_index >= 0)
+        with torch.no_grad():  # documents holding a labelled token (scatter, no boolean indexing: no sync)
+            ratios = out.document_ratios
+            index = torch.where(mask, document_index, 0).reshape(-1).long()
+            hits = torch.zeros_like(ratios).index_add_(0, index, mask.reshape(-1).to(ratios.dtype))
+            num_segments = (hits > 0).sum()
         return out.loss, self._metrics(out, batch, mask, num_segments)
+
+    def _function(self, kernel):
+        return functional.gspo_loss if kernel else reference.gspo_loss
+
+    def _batch_options(self):
+        return _GSPO_KEYS
 
 
 def _of_reference_model(batch: Batch, key: str, name: str, owner: str) -> torch.Tensor:
@@ -390,13 +394,13 @@ class LanguageModelDistillationLoss(LanguageModelLoss):
 
     config: LanguageModelDistillationLossConfig
 
-    def _forward(self, logits, batch, kernel):
+    def _forward(self, logits, batch, bound):
         cfg = self.config
         teacher = _reference_logits(batch, cfg.reference_model, self.name)
-        fn = distillation.distillation_loss if kernel else reference.distillation_loss
+        fn = distillation.distillation_loss if bound.kernel else reference.distillation_loss
         out = fn(logits, teacher, kind=cfg.loss_type, loss_mask=batch.get(LanguageModelLossKwargs.loss_mask),
                  divisor=batch.get(LanguageModelLossKwargs.num_labels_in_batch),
-                 **self._config_options("distillation"), **self._options(kernel))
+                 **self._config_options("distillation"), **bound.options)
         return out.loss, {}
 
 
@@ -406,14 +410,14 @@ class LanguageModelTopkDistillationLoss(LanguageModelLoss):
 
     config: LanguageModelTopkDistillationLossConfig
 
-    def _forward(self, logits, batch, kernel):
+    def _forward(self, logits, batch, bound):
         cfg = self.config
         if self.tp_group is not None:
             raise ValueError(f"{self.name}: vocabulary parallelism (tp_group) is not supported by topk_distillation")
         labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
         ids, log_probs = (_of_reference_model(batch, key, cfg.reference_model, self.name)
                           for key in ("reference_topk_ids", "reference_topk_log_probs"))
-        fn = topk_distillation.topk_distillation_loss if kernel else reference_topk.topk_distillation_loss
+        fn = topk_distillation.topk_distillation_loss if bound.kernel else reference_topk.topk_distillation_loss
         out = fn(logits, labels, ids, log_probs, divisor=batch.get(LanguageModelLossKwargs.num_labels_in_batch),
                  **self._config_options("topk_distillation"))
         count = (labels >= 0).sum().clamp_min(1)
@@ -428,7 +432,7 @@ class LanguageModelDPOLoss(LanguageModelLoss):
 
     config: LanguageModelDPOLossConfig
 
-    def _forward(self, logits, batch, kernel):
+    def _forward(self, logits, batch, bound):
         labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
         if batch.get("document_index") is not None and batch.get("dpo_pairs") is not None:
             document_index, pairs = batch["document_index"], batch["dpo_pairs"]
@@ -437,7 +441,7 @@ class LanguageModelDPOLoss(LanguageModelLoss):
                 _require(batch, "chosen_spans", self.name), _require(batch, "rejected_spans", self.name),
                 labels.shape, labels.device)
         cfg = self.config
-        fn = dpo.dpo_loss if kernel else reference.dpo_loss
+        fn = dpo.dpo_loss if bound.kernel else reference.dpo_loss
         if batch.get("reference_chosen_log_probs") is not None:
             ref_c, ref_r = batch["reference_chosen_log_probs"], batch["reference_rejected_log_probs"]
         else:
@@ -445,10 +449,9 @@ class LanguageModelDPOLoss(LanguageModelLoss):
                 ref_logits = _reference_logits(batch, cfg.reference_model, self.name)
                 zeros = torch.zeros(pairs.shape[0], device=labels.device)
                 sums = fn(ref_logits, labels, document_index, pairs, zeros, zeros,
-                          logits_scale_factor=cfg.logits_scale_factor, **self._options(kernel)).document_log_probs
+                          logits_scale_factor=cfg.logits_scale_factor, **bound.options).document_log_probs
                 ref_c, ref_r = sums[pairs[:, 0]], sums[pairs[:, 1]]
-        out = fn(logits, labels, document_index, pairs, ref_c, ref_r, **self._config_options("dpo"),
-                 **self._options(kernel))
+        out = fn(logits, labels, document_index, pairs, ref_c, ref_r, **self._config_options("dpo"), **bound.options)
         n = self.name
         return out.loss, {f"{n}_rewards_chosen": out.rewards_chosen, f"{n}_rewards_rejected": out.rewards_rejected,
                           f"{n}_accuracy": out.accuracy, f"{n}_margin": out.margin}

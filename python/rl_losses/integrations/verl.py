@@ -34,6 +34,7 @@ import rl_losses
 from rl_losses import _schema, aggregation
 from rl_losses.integrations.verl_options import _value as _config_value  # a config's value, default where None
 from rl_losses.integrations.verl_options import fused_policy_options  # noqa: F401  (this module's API)
+from rl_losses._calls import DirectCallModule
 
 _ops = torch.ops.rl_losses
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def _shape_error(hidden_states: torch.Tensor, input_ids: torch.Tensor) -> typing
                      f"{tuple(hidden_states.shape[:-1])}")
 
 
-class FusedLinearForPPO(torch.nn.Module):
+class FusedLinearForPPO(DirectCallModule):
     """Drop-in for verl's ``FusedLinearForPPO``: ``forward(hidden_states, vocab_weights, input_ids,
     temperature=1.0) -> (log_probs, entropy)``, log-probs float32 and the entropy in the hidden states' dtype,
     as verl returns them; differentiable w.r.t. hidden_states and vocab_weights through both outputs.
