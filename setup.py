@@ -5,7 +5,8 @@ unset, CUDA is built when torch was built with it, nvcc is found and a GPU is vi
 takes minutes that a machine without a GPU would never use). The choice is printed. The CUDA architectures are
 TORCH_CUDA_ARCH_LIST's (torch's syntax: "8.0;9.0a;10.0+PTX", scripts/build_wheel.sh); unset, those of the
 visible GPUs, or sm_90 (H100/H200, what the kernels are tuned for) where none is visible. The CPU row loops are
-compiled for the vector widths this machine runs unless RL_LOSSES_CPU_WIDTHS=all asks for all three (cpu_widest).
+compiled for the widest vector width this machine runs unless RL_LOSSES_CPU_WIDTHS=all asks for all three
+(cpu_widths).
 """
 import glob
 import os
@@ -68,32 +69,35 @@ def cuda_library_includes() -> list[str]:
 CPU_WIDTHS = ["DEFAULT", "AVX2", "AVX512"]
 
 
-def cpu_widest() -> tuple[str, str]:
-    """The widest CPU vector width to compile, every narrower one included, and why. RL_LOSSES_CPU_WIDTHS=native
-    (the default) compiles what this machine runs, ATen's capability of its CPU (ATEN_CPU_CAPABILITY aside): the
-    AVX-512 copy of the row loops is about a quarter of compiling the files that hold them (docs/performance.md). =all compiles every width (a wheel, CI: a
-    compile break in any width must not land), =default / avx2 / avx512 up to the one named."""
+def cpu_widths() -> tuple[str, str, str]:
+    """The narrowest and the widest CPU vector width to compile, every one between included, and why.
+    RL_LOSSES_CPU_WIDTHS=native (the default) compiles only the widest this machine runs, ATen's capability of its
+    CPU (ATEN_CPU_CAPABILITY aside): each width is a copy of the row loops, about half of compiling a file that
+    holds them (docs/performance.md), and a library built in place runs where it was built (elsewhere the ops
+    raise when the CPU lacks that width). =all compiles every width (a wheel, CI: a compile break in any width
+    must not land), =default / avx2 / avx512 every width up to the one named."""
     flag = os.environ.get("RL_LOSSES_CPU_WIDTHS", "native").strip().upper()
     if flag == "NATIVE":
         cpu = "AVX512" if torch.cpu._is_avx512_supported() else "AVX2" if torch.cpu._is_avx2_supported() else "DEFAULT"
-        return cpu, "RL_LOSSES_CPU_WIDTHS=native: this CPU's"
+        return cpu, cpu, "RL_LOSSES_CPU_WIDTHS=native: this CPU's widest"
     if flag == "ALL":
-        return CPU_WIDTHS[-1], "RL_LOSSES_CPU_WIDTHS=all"
+        return CPU_WIDTHS[0], CPU_WIDTHS[-1], "RL_LOSSES_CPU_WIDTHS=all"
     if flag not in CPU_WIDTHS:
         raise ValueError(f"RL_LOSSES_CPU_WIDTHS={flag.lower()}: expected native, all, default, avx2 or avx512")
-    return flag, f"RL_LOSSES_CPU_WIDTHS={flag.lower()}"
+    return CPU_WIDTHS[0], flag, f"RL_LOSSES_CPU_WIDTHS={flag.lower()}"
 
 
 use_cuda, why = want_cuda()
-widest, why_widest = cpu_widest()
+narrowest, widest, why_widths = cpu_widths()
 archs = f", TORCH_CUDA_ARCH_LIST={set_cuda_archs()}" if use_cuda else ""
 print(f"rl_losses: building {'CPU + CUDA' if use_cuda else 'CPU-only'} extension ({why}; torch {torch.__version__}, "
       f"torch.version.cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME}{archs}); CPU vector widths "
-      f"{', '.join(CPU_WIDTHS[:CPU_WIDTHS.index(widest) + 1])} ({why_widest})")
+      f"{', '.join(CPU_WIDTHS[CPU_WIDTHS.index(narrowest):CPU_WIDTHS.index(widest) + 1])} ({why_widths})")
 
 sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
 # py_limited_api=True below defines Py_LIMITED_API.
-define_macros = [("RL_LOSSES_CPU_WIDEST", str(CPU_WIDTHS.index(widest)))]
+define_macros = [("RL_LOSSES_CPU_NARROWEST", str(CPU_WIDTHS.index(narrowest))),
+                 ("RL_LOSSES_CPU_WIDEST", str(CPU_WIDTHS.index(widest)))]
 # No -std flag: torch.utils.cpp_extension picks the standard its headers need (C++17 or C++20).
 # The std::string ABI must match torch's: a mismatch only shows when an error message crosses into libc10
 # (every TORCH_CHECK failure then crashed the process instead of raising). Recent torch no longer passes it.

@@ -7,8 +7,8 @@
 # from, and a later run whose list is unchanged skips pip. The extension is built by `setup.py build_ext
 # --inplace` into build/, which persists, so that ninja recompiles only what changed; the venv finds the
 # package through a .pth file pointing at python/ (an editable install without pip's throwaway build folder).
-# CUDA kernels are compiled where a GPU is visible or RL_LOSSES_CUDA=1 asks, the CPU row loops for the vector widths
-# this CPU runs unless RL_LOSSES_CPU_WIDTHS=all asks for all (setup.py).
+# CUDA kernels are compiled where a GPU is visible or RL_LOSSES_CUDA=1 asks, the CPU row loops for the widest vector
+# width this CPU runs unless RL_LOSSES_CPU_WIDTHS=all asks for all (setup.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
