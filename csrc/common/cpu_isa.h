@@ -67,9 +67,9 @@ inline CpuIsa cpu_isa() {
     const std::string c = at::get_cpu_capability();
     const CpuIsa aten = c == "AVX512" ? CpuIsa::kAvx512 : c == "AVX2" ? CpuIsa::kAvx2 : CpuIsa::kBaseline;
     const CpuIsa runs = cpu_runs();
-    TORCH_CHECK(runs >= kNarrowestCompiled, "rl_losses: this build compiled the CPU row loops for ",
-                cpu_isa_name(kNarrowestCompiled), " and wider only, and this CPU runs at most ", cpu_isa_name(runs),
-                ": rebuild on this machine or with RL_LOSSES_CPU_WIDTHS=all");
+    TORCH_CHECK(runs >= kNarrowestCompiled, "rl_losses: the CPU row loops of this build need ",
+                cpu_isa_name(kNarrowestCompiled), ", which this CPU lacks (it runs ", cpu_isa_name(runs),
+                "): rebuild on this machine or with RL_LOSSES_CPU_WIDTHS=all");
     return std::max(kNarrowestCompiled, std::min({aten, runs, kWidestCompiled}));
   }();
   return isa;
