@@ -5,7 +5,8 @@ unset, CUDA is built when torch was built with it, nvcc is found and a GPU is vi
 takes minutes that a machine without a GPU would never use). The choice is printed. The CUDA architectures are
 TORCH_CUDA_ARCH_LIST's (torch's syntax: "8.0;9.0a;10.0+PTX", scripts/build_wheel.sh); unset, those of the
 visible GPUs, or sm_90 (H100/H200, what the kernels are tuned for) where none is visible. The CPU row loops are
-compiled for the vector widths this machine runs unless RL_LOSSES_CPU_WIDTHS=all asks for all three (cpu_widest).
+compiled for the widest vector width this machine runs unless RL_LOSSES_CPU_WIDTHS=all asks for all three
+(cpu_widths).
 """
 import glob
 import os
@@ -13,6 +14,7 @@ import subprocess
 import sys
 
 from setuptools import find_packages, setup
+from torch.utils import cpp_extension
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 import torch
 
@@ -67,32 +69,35 @@ def cuda_library_includes() -> list[str]:
 CPU_WIDTHS = ["DEFAULT", "AVX2", "AVX512"]
 
 
-def cpu_widest() -> tuple[str, str]:
-    """The widest CPU vector width to compile, every narrower one included, and why. RL_LOSSES_CPU_WIDTHS=native
-    (the default) compiles what this machine runs, ATen's capability of its CPU (ATEN_CPU_CAPABILITY aside): the
-    AVX-512 copy of the row loops is about a quarter of compiling the files that hold them (docs/performance.md). =all compiles every width (a wheel, CI: a
-    compile break in any width must not land), =default / avx2 / avx512 up to the one named."""
+def cpu_widths() -> tuple[str, str, str]:
+    """The narrowest and the widest CPU vector width to compile, every one between included, and why.
+    RL_LOSSES_CPU_WIDTHS=native (the default) compiles only the widest this machine runs, ATen's capability of its
+    CPU (ATEN_CPU_CAPABILITY aside): each width is a copy of the row loops, about half of compiling a file that
+    holds them (docs/performance.md), and a library built in place runs where it was built (elsewhere the ops
+    raise when the CPU lacks that width). =all compiles every width (a wheel, CI: a compile break in any width
+    must not land), =default / avx2 / avx512 every width up to the one named."""
     flag = os.environ.get("RL_LOSSES_CPU_WIDTHS", "native").strip().upper()
     if flag == "NATIVE":
         cpu = "AVX512" if torch.cpu._is_avx512_supported() else "AVX2" if torch.cpu._is_avx2_supported() else "DEFAULT"
-        return cpu, "RL_LOSSES_CPU_WIDTHS=native: this CPU's"
+        return cpu, cpu, "RL_LOSSES_CPU_WIDTHS=native: this CPU's widest"
     if flag == "ALL":
-        return CPU_WIDTHS[-1], "RL_LOSSES_CPU_WIDTHS=all"
+        return CPU_WIDTHS[0], CPU_WIDTHS[-1], "RL_LOSSES_CPU_WIDTHS=all"
     if flag not in CPU_WIDTHS:
         raise ValueError(f"RL_LOSSES_CPU_WIDTHS={flag.lower()}: expected native, all, default, avx2 or avx512")
-    return flag, f"RL_LOSSES_CPU_WIDTHS={flag.lower()}"
+    return CPU_WIDTHS[0], flag, f"RL_LOSSES_CPU_WIDTHS={flag.lower()}"
 
 
 use_cuda, why = want_cuda()
-widest, why_widest = cpu_widest()
+narrowest, widest, why_widths = cpu_widths()
 archs = f", TORCH_CUDA_ARCH_LIST={set_cuda_archs()}" if use_cuda else ""
 print(f"rl_losses: building {'CPU + CUDA' if use_cuda else 'CPU-only'} extension ({why}; torch {torch.__version__}, "
       f"torch.version.cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME}{archs}); CPU vector widths "
-      f"{', '.join(CPU_WIDTHS[:CPU_WIDTHS.index(widest) + 1])} ({why_widest})")
+      f"{', '.join(CPU_WIDTHS[CPU_WIDTHS.index(narrowest):CPU_WIDTHS.index(widest) + 1])} ({why_widths})")
 
 sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
 # py_limited_api=True below defines Py_LIMITED_API.
-define_macros = [("RL_LOSSES_CPU_WIDEST", str(CPU_WIDTHS.index(widest)))]
+define_macros = [("RL_LOSSES_CPU_NARROWEST", str(CPU_WIDTHS.index(narrowest))),
+                 ("RL_LOSSES_CPU_WIDEST", str(CPU_WIDTHS.index(widest)))]
 # No -std flag: torch.utils.cpp_extension picks the standard its headers need (C++17 or C++20).
 # The std::string ABI must match torch's: a mismatch only shows when an error message crosses into libc10
 # (every TORCH_CHECK failure then crashed the process instead of raising). Recent torch no longer passes it.
@@ -143,6 +148,36 @@ def avoid_static_libstdcxx() -> None:
 
 avoid_static_libstdcxx()
 
+def runs_cpu_loops(source: str) -> bool:
+    """Whether a C++ file holds loops over the logits or the tokens: the row loops (common/row_pass_cpu.h) or an
+    at::parallel_for of its own (the sampler's row sweep, the per-token policy loss)."""
+    with open(source) as f:
+        text = f.read()
+    return "common/row_pass_cpu.h" in text or "at::parallel_for" in text
+
+
+def glue_at_o1(write_ninja_file):
+    """torch's ninja writer, with the C++ files that hold no CPU loop (runs_cpu_loops) compiled at -O1 instead of
+    -O3 in a CPU-only build: they check arguments, call ATen and register the ops, and -O3 made them slower to
+    compile (about half their time) for microseconds of host time that a CPU kernel's milliseconds hide. The files with loops keep -O3. A ninja variable bound
+    under a build statement overrides the file's for that statement alone."""
+    def write(**kwargs):
+        write_ninja_file(**kwargs)
+        glue = {obj for src, obj in zip(kwargs["sources"], kwargs["objects"])
+                if src.endswith(".cpp") and not runs_cpu_loops(src)}
+        with open(kwargs["path"]) as f:
+            lines = f.read().splitlines()
+        out = []
+        for line in lines:
+            out.append(line)
+            if line.startswith("build ") and ": compile " in line:
+                if line[len("build "):line.index(": compile ")].replace("$ ", " ") in glue:
+                    out.append("  post_cflags = $post_cflags -O1")
+        with open(kwargs["path"], "w") as f:
+            f.write("\n".join(out) + "\n")
+    return write
+
+
 class PrecompiledHeaderBuild(BuildExtension.with_options(use_ninja=True)):
     """torch's ninja build, with the torch headers of csrc/common/precompiled.h precompiled once (GCC) and
     force-included into every C++ file (not the .cu files). The header is built with the very flags torch's
@@ -164,10 +199,14 @@ class PrecompiledHeaderBuild(BuildExtension.with_options(use_ninja=True)):
                                    depends)
 
         self.compiler.compile = compile_with_pch
+        write_ninja_file = cpp_extension._write_ninja_file
+        if not use_cuda:  # with CUDA the glue's host time is a GPU call's critical path (docs/design.md): -O3 there
+            cpp_extension._write_ninja_file = glue_at_o1(write_ninja_file)
         try:
             super().build_extension(ext)
         finally:
             self.compiler.compile = compile_objects
+            cpp_extension._write_ninja_file = write_ninja_file
 
     def precompile(self, output_dir, macros, include_dirs, sources, debug, extra_preargs, extra_postargs, depends):
         """Builds the precompiled header if out of date; returns the flags that use it ([] where it cannot)."""

@@ -7,8 +7,8 @@
 # from, and a later run whose list is unchanged skips pip. The extension is built by `setup.py build_ext
 # --inplace` into build/, which persists, so that ninja recompiles only what changed; the venv finds the
 # package through a .pth file pointing at python/ (an editable install without pip's throwaway build folder).
-# CUDA kernels are compiled where a GPU is visible or RL_LOSSES_CUDA=1 asks, the CPU row loops for the vector widths
-# this CPU runs unless RL_LOSSES_CPU_WIDTHS=all asks for all (setup.py).
+# CUDA kernels are compiled where a GPU is visible or RL_LOSSES_CUDA=1 asks, the CPU row loops for the widest vector
+# width this CPU runs unless RL_LOSSES_CPU_WIDTHS=all asks for all (setup.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,10 +55,12 @@ then
     "$VPY" -m pip install -q "torch==2.14.1"
   fi
 fi
-install_once train -r scripts/requirements-train.txt
-if [ "${1:-}" = "--test" ]; then
-  install_once test -r scripts/requirements-test.txt
-fi
+install_once build -r scripts/requirements-build.txt
+# The example's packages install beside the build (its first ~30 s, precompiling the torch headers, keep one core
+# busy); their log is printed if pip fails.
+mkdir -p build
+install_once train -r scripts/requirements-train.txt > build/pip-train.log 2>&1 &
+train_pip=$!
 
 # torch finds CUDA through CUDA_HOME or nvcc on PATH; a wrapper nvcc in /usr/local/bin would make it guess
 # /usr/local, so point it at the toolkit itself when one is installed there.
@@ -66,7 +68,6 @@ if [ -z "${CUDA_HOME:-}" ] && [ -e /usr/local/cuda/bin/nvcc ]; then
   export CUDA_HOME=/usr/local/cuda
 fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-mkdir -p build
 # The build is skipped when nothing it depends on changed since the last one: no file under csrc/ and not
 # setup.py, nor the variables that choose it, nor the number of GPUs (setup.py builds CUDA where one is visible).
 stamp=build/.stamp-built
@@ -79,10 +80,19 @@ else
   if ! "$VPY" setup.py build_ext --inplace > build/setup.log 2>&1; then
     tail -n 40 build/setup.log
     echo "setup.sh: building the extension failed; the whole log is build/setup.log" >&2
+    wait "$train_pip" || true
     exit 1
   fi
   grep "rl_losses: building" build/setup.log || true
   echo "$key" > "$stamp"
+fi
+if ! wait "$train_pip"; then
+  cat build/pip-train.log
+  echo "setup.sh: installing scripts/requirements-train.txt failed" >&2
+  exit 1
+fi
+if [ "${1:-}" = "--test" ]; then
+  install_once test -r scripts/requirements-test.txt
 fi
 "$VPY" - <<'PYEOF'
 import os, site

@@ -1,8 +1,8 @@
 """The CPU row loops are compiled for up to three vector widths and run at the one ATen picks, no wider than the
-CPU runs nor than the build compiled (csrc/common/cpu_isa.h; a build in place compiles only the widths its machine
-runs, the wheel and CI all three: setup.py, RL_LOSSES_CPU_WIDTHS). Every width this machine runs must give the
-float64 reference's losses and gradients, at the widest compiled width at most that one. ATen reads
-ATEN_CPU_CAPABILITY once per process, so each width runs in its own subprocess."""
+CPU runs nor than the build compiled, and no narrower than the build compiled (csrc/common/cpu_isa.h; a build in
+place compiles only the widest width its machine runs, the wheel and CI all three: setup.py, RL_LOSSES_CPU_WIDTHS).
+Every width this machine runs must give the float64 reference's losses and gradients, at the compiled width
+nearest that one. ATen reads ATEN_CPU_CAPABILITY once per process, so each width runs in its own subprocess."""
 import os
 import subprocess
 import sys
@@ -12,7 +12,7 @@ import torch
 
 import rl_losses  # noqa: F401  (registers torch.ops.rl_losses)
 
-# Widths in ATen's order; a CPU runs a prefix of them, a build compiles a prefix of them.
+# Widths in ATen's order; a CPU runs a prefix of them, a build compiles a run of them.
 WIDTHS = ["DEFAULT", "AVX2", "AVX512"]
 _CPU = "AVX512" if torch.cpu._is_avx512_supported() else "AVX2" if torch.cpu._is_avx2_supported() else "DEFAULT"
 RUNS = WIDTHS[: WIDTHS.index(_CPU) + 1]
@@ -81,8 +81,9 @@ def run_child(capability, expected, reference="reference"):
 
 
 def runs_at(capability):
-    """The width the loops run at when ATen's is `capability`: the widest the CPU runs and the build compiled."""
-    return min(capability, RUNS[-1], COMPILED[-1], key=WIDTHS.index)
+    """The width the loops run at when ATen's is `capability`: at most it, the CPU's widest and the build's
+    widest, at least the build's narrowest."""
+    return max(min(capability, RUNS[-1], COMPILED[-1], key=WIDTHS.index), COMPILED[0], key=WIDTHS.index)
 
 
 @pytest.mark.parametrize("capability", WIDTHS)
@@ -90,16 +91,17 @@ def test_every_vector_width_matches_reference(capability):
     if capability not in RUNS:
         pytest.skip(f"this CPU runs at most {RUNS[-1]}")
     if capability not in COMPILED:
-        pytest.skip(f"this build compiled up to {COMPILED[-1]} (setup.py, RL_LOSSES_CPU_WIDTHS)")
+        pytest.skip(f"this build compiled {', '.join(COMPILED)} (setup.py, RL_LOSSES_CPU_WIDTHS)")
     run_child(capability, capability)
 
 
 @pytest.mark.parametrize("capability", WIDTHS)
 def test_width_not_compiled_or_not_run_falls_back(capability):
     """ATen's width where this build did not compile it, or past what the CPU runs: the loops run at the widest
-    width below it that the CPU runs and the build compiled. ATEN_CPU_CAPABILITY=avx512 makes ATen report AVX512
-    on any CPU, and torch's own AVX-512 kernels then end the process (the float64 reference among them): past the
-    CPU the ops run without it, at the width whose results the test above checks."""
+    width below it that the CPU runs and the build compiled, or, below the build's narrowest, at that one.
+    ATEN_CPU_CAPABILITY=avx512 makes ATen report AVX512 on any CPU, and torch's own AVX-512 kernels then end the
+    process (the float64 reference among them): past the CPU the ops run without it, at the width whose results the
+    test above checks."""
     if runs_at(capability) == capability:
         pytest.skip(f"{capability} is compiled and runs here (test_every_vector_width_matches_reference)")
     run_child(capability, runs_at(capability), "reference" if capability in RUNS else "no-reference")

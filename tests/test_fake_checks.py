@@ -362,6 +362,8 @@ NOT_FAKE = {
     " is undefined", "internal error", "_scale_grad_", "cublasGemmEx", "libcublas", "cublasGetMathMode",
     # CUDA graph capture's: a stream being captured is the CUDA back-end's state, not an input's.
     "skip_unlabelled=True counts the labelled rows",
+    # The machine's: a build in place run on a CPU without the vector width it compiled (common/cpu_isa.h).
+    "which this CPU lacks",
 }
 
 
