@@ -87,6 +87,16 @@ def test_equals_linear_token_log_probs_given_its_kept_set(sampler, device):
         assert_close(a, b.detach(), torch.float64, msg=name)
 
 
+def test_nothing_kept_nor_labelled(device):
+    """Every id padding and every position unlabelled: no union to gather, log-probs and entropies 0 as the logits
+    form gives them."""
+    hidden, weight, _, _ = linear_inputs((3,), torch.float64, device, False)
+    labels, kept_ids = torch.full((3,), -100, device=device), torch.full((3, 2), -1, device=device)
+    lp, entropy = rl_losses.linear_kept_token_log_probs(hidden, weight, labels, kept_ids, compute_entropy=True)
+    want = rl_losses.kept_token_log_probs(hidden @ weight.t(), labels, kept_ids, compute_entropy=True)
+    assert torch.equal(lp, want[0]) and torch.equal(entropy, want[1]) and not lp.any()
+
+
 @pytest.mark.parametrize("case,message", [
     ("range", "kept_ids must lie in [0, 6) or be -1"),
     ("label", "labels must be < the vocabulary size 6, got 6"),

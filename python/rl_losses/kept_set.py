@@ -132,6 +132,8 @@ def linear_kept_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labe
                          f"{bias.dtype}")
     ids = torch.cat([kept_ids.reshape(-1), labels.reshape(-1)]).long()
     union = torch.unique(ids[ids >= 0])  # sorted
+    if not union.numel():  # nothing kept, nothing labelled: padding still gathers a column (masked out)
+        union = ids.new_zeros(1)
     # Each id's place in the union; -1 padding and negative labels keep their sign (padding, "no label").
     kept_u = torch.where(kept_ids >= 0, torch.searchsorted(union, kept_ids.long().clamp_min(0)), -1)
     labels_u = torch.where(labels >= 0, torch.searchsorted(union, labels.long().clamp_min(0)), labels.long())
