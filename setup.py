@@ -95,6 +95,35 @@ print(f"rl_losses: building {'CPU + CUDA' if use_cuda else 'CPU-only'} extension
       f"{', '.join(CPU_WIDTHS[CPU_WIDTHS.index(narrowest):CPU_WIDTHS.index(widest) + 1])} ({why_widths})")
 
 sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+
+
+def runs_cpu_loops(source: str) -> bool:
+    """Whether a C++ file holds loops over the logits or the tokens: the row loops (common/row_pass_cpu.h) or an
+    at::parallel_for of its own (the sampler's row sweep, the per-token policy loss)."""
+    with open(source) as f:
+        text = f.read()
+    return "common/row_pass_cpu.h" in text or "at::parallel_for" in text
+
+
+def unity_glue(cpp: list[str]) -> list[str]:
+    """The C++ files without CPU loops (argument checks, ATen calls, registration: "glue") compiled as one
+    translation unit, a file of #include lines in the build folder. Apart, each paid about 1.6 s of CPU to load the
+    precompiled header and instantiate the templates it leaves pending, and they instantiate mostly the same ATen
+    templates: 22 files took about 100 CPU-s apart and 17 s together at -O1 (docs/performance.md, "Installing and building").
+    The files keep their own names for what they define inside anonymous namespaces, so no two may define the
+    same one (GCC says which). The file is rewritten only when the list changes; ninja's dependency files see
+    edits to the files it includes."""
+    glue = [s for s in cpp if not runs_cpu_loops(s)]
+    unity = os.path.join(os.environ.get("RL_LOSSES_BUILD_BASE") or "build", "unity", "glue.cpp")
+    text = "".join(f'#include "{os.path.relpath(s, "csrc")}"\n' for s in glue)
+    if not os.path.exists(unity) or open(unity).read() != text:
+        os.makedirs(os.path.dirname(unity), exist_ok=True)
+        with open(unity, "w") as f:
+            f.write(text)
+    return [s for s in cpp if s not in glue] + [unity]
+
+
+sources = unity_glue(sources)
 # py_limited_api=True below defines Py_LIMITED_API.
 define_macros = [("RL_LOSSES_CPU_NARROWEST", str(CPU_WIDTHS.index(narrowest))),
                  ("RL_LOSSES_CPU_WIDEST", str(CPU_WIDTHS.index(widest)))]
@@ -148,19 +177,11 @@ def avoid_static_libstdcxx() -> None:
 
 avoid_static_libstdcxx()
 
-def runs_cpu_loops(source: str) -> bool:
-    """Whether a C++ file holds loops over the logits or the tokens: the row loops (common/row_pass_cpu.h) or an
-    at::parallel_for of its own (the sampler's row sweep, the per-token policy loss)."""
-    with open(source) as f:
-        text = f.read()
-    return "common/row_pass_cpu.h" in text or "at::parallel_for" in text
-
-
 def glue_at_o1(write_ninja_file):
-    """torch's ninja writer, with the C++ files that hold no CPU loop (runs_cpu_loops) compiled at -O1 instead of
-    -O3 in a CPU-only build: they check arguments, call ATen and register the ops, and -O3 made them slower to
-    compile (about half their time) for microseconds of host time that a CPU kernel's milliseconds hide. The files with loops keep -O3. A ninja variable bound
-    under a build statement overrides the file's for that statement alone."""
+    """torch's ninja writer, with the glue (unity_glue's file) compiled at -O1 instead of -O3 in a CPU-only build: it
+    checks arguments, calls ATen and registers the ops, and -O3 made it slower to compile (about half its time)
+    for microseconds of host time that a CPU kernel's milliseconds hide. The files with loops keep -O3. A ninja
+    variable bound under a build statement overrides the file's for that statement alone."""
     def write(**kwargs):
         write_ninja_file(**kwargs)
         glue = {obj for src, obj in zip(kwargs["sources"], kwargs["objects"])

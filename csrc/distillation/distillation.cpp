@@ -11,16 +11,16 @@ namespace rl_losses {
 
 namespace {
 
-constexpr const char* kOp = "distillation";
+constexpr const char* kDistill = "distillation";
 
 // (N, V) with a unit column stride: a view where the batch dims merge into one row stride, else a copy.
 at::Tensor rows_of(const char* name, const at::Tensor& t, bool* is_view = nullptr) {
-  TORCH_CHECK(t.defined() && at::isFloatingType(t.scalar_type()), kOp, ": ", name,
+  TORCH_CHECK(t.defined() && at::isFloatingType(t.scalar_type()), kDistill, ": ", name,
               " must be a floating-point tensor (float32, float64, bfloat16 or float16), got ",
               t.defined() ? c10::toString(t.scalar_type()) : "undefined");
-  TORCH_CHECK(t.dim() >= 1, kOp, ": ", name, " must have at least 1 dimension (…, vocab), got a 0-dim tensor");
-  TORCH_CHECK(t.size(-1) >= 1, kOp, ": ", name, " has an empty vocabulary dimension (shape ", t.sizes(), ")");
-  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, kOp, ": ", name,
+  TORCH_CHECK(t.dim() >= 1, kDistill, ": ", name, " must have at least 1 dimension (…, vocab), got a 0-dim tensor");
+  TORCH_CHECK(t.size(-1) >= 1, kDistill, ": ", name, " has an empty vocabulary dimension (shape ", t.sizes(), ")");
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, kDistill, ": ", name,
               " must have a unit stride in the vocabulary (last) dimension, got stride ", t.stride(-1));
   const int64_t v = t.size(-1), n = t.numel() / v;
   const int64_t shape[2] = {n, v};
@@ -31,10 +31,10 @@ at::Tensor rows_of(const char* name, const at::Tensor& t, bool* is_view = nullpt
 }
 
 void check_pair(const at::Tensor& logits, const at::Tensor& teacher) {
-  TORCH_CHECK(teacher.defined(), kOp, ": teacher_logits is undefined");
-  TORCH_CHECK(teacher.device() == logits.device(), kOp, ": teacher_logits is on ", teacher.device(),
+  TORCH_CHECK(teacher.defined(), kDistill, ": teacher_logits is undefined");
+  TORCH_CHECK(teacher.device() == logits.device(), kDistill, ": teacher_logits is on ", teacher.device(),
               " but logits is on ", logits.device());
-  TORCH_CHECK(teacher.sizes() == logits.sizes(), kOp, ": teacher_logits has shape ", teacher.sizes(),
+  TORCH_CHECK(teacher.sizes() == logits.sizes(), kDistill, ": teacher_logits has shape ", teacher.sizes(),
               " but logits has shape ", logits.sizes(),
               (teacher.dim() == logits.dim() && teacher.dim() > 0 && teacher.size(-1) != logits.size(-1)
                    ? " (the vocabularies differ)"
@@ -42,18 +42,18 @@ void check_pair(const at::Tensor& logits, const at::Tensor& teacher) {
 }
 
 void check_softmax(double temperature, double scale) {
-  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, kOp, ": temperature must be finite and > 0, got ",
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, kDistill, ": temperature must be finite and > 0, got ",
               temperature);
-  check_scale(kOp, scale);
+  check_scale(kDistill, scale);
 }
 
 void check_acc_input(const char* name, const at::Tensor& t, int64_t n, int64_t cols, const at::Tensor& logits) {
   const auto acc = acc_dtype(logits.scalar_type());
-  TORCH_CHECK(t.numel() == n * cols && t.size(-1) == cols, kOp, ": ", name, " must hold (", n, ", ", cols,
+  TORCH_CHECK(t.numel() == n * cols && t.size(-1) == cols, kDistill, ": ", name, " must hold (", n, ", ", cols,
               ") values, got shape ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == acc, kOp, ": ", name, " must be ", acc, " (the accumulation dtype of ",
+  TORCH_CHECK(t.scalar_type() == acc, kDistill, ": ", name, " must be ", acc, " (the accumulation dtype of ",
               logits.scalar_type(), " logits), got ", t.scalar_type());
-  TORCH_CHECK(t.device() == logits.device(), kOp, ": ", name, " is on ", t.device(), " but logits is on ",
+  TORCH_CHECK(t.device() == logits.device(), kDistill, ": ", name, " is on ", t.device(), " but logits is on ",
               logits.device());
 }
 
@@ -95,10 +95,10 @@ std::pair<DistillResults, at::Tensor> distillation_forward(const DistillationArg
   at::Tensor x = rows_of("logits", logits, &is_view);
   check_pair(logits, a.teacher_logits);
   at::Tensor y = rows_of("teacher_logits", a.teacher_logits);
-  check_distill_beta(kOp, a.beta);
+  check_distill_beta(kDistill, a.beta);
   check_softmax(a.temperature, a.logits_scale_factor);
-  check_divisor(kOp, a.divisor);
-  const DistillKind k = parse_distill_kind(kOp, a.kind, a.beta);
+  check_divisor(kDistill, a.divisor);
+  const DistillKind k = parse_distill_kind(kDistill, a.kind, a.beta);
   const int64_t n = x.size(0);
   const auto acc = acc_dtype(logits.scalar_type());
   const auto opts = logits.options().dtype(acc);
@@ -108,7 +108,7 @@ std::pair<DistillResults, at::Tensor> distillation_forward(const DistillationArg
   s.opt = make_distill_options(k, a.beta, a.temperature, a.logits_scale_factor);
   s.logits = x;
   s.teacher = y;
-  if (loss_mask) s.mask = check_loss_mask(kOp, *loss_mask, logits, "logits", batch, "batch shape").to(acc);
+  if (loss_mask) s.mask = check_loss_mask(kDistill, *loss_mask, logits, "logits", batch, "batch shape").to(acc);
   // D: given, or the number of rows the mask keeps (all rows without one), at least 1; no host synchronisation.
   if (a.divisor) {
     s.divisor = at::full({}, *a.divisor, opts);
@@ -126,7 +126,7 @@ std::pair<DistillResults, at::Tensor> distillation_forward(const DistillationArg
   }
   if (k == DistillKind::kJsd) {
     if (jsd_sums) {
-      TORCH_CHECK(row_stats.has_value(), kOp, ": jsd_sums needs row_stats (both come from the tensor-parallel ",
+      TORCH_CHECK(row_stats.has_value(), kDistill, ": jsd_sums needs row_stats (both come from the tensor-parallel ",
                   "all-reduce)");
       check_acc_input("jsd_sums", *jsd_sums, n, 2, logits);
       s.jsd_sums = jsd_sums->reshape({n, 2}).contiguous();
@@ -140,7 +140,7 @@ std::pair<DistillResults, at::Tensor> distillation_forward(const DistillationArg
   s.grad_rows = at::empty({n, kDistGradFields}, opts);
   at::Tensor grad_out;
   if (inplace) {
-    TORCH_CHECK(is_view, kOp, ": inplace_backward needs logits whose batch dimensions flatten to one row ",
+    TORCH_CHECK(is_view, kDistill, ": inplace_backward needs logits whose batch dimensions flatten to one row ",
                 "stride (got shape ", logits.sizes(), ", strides ", logits.strides(), ")");
     s.grad = x;
   } else if (compute_grad) {
@@ -176,9 +176,9 @@ at::Tensor distillation_jsd_sums_op(const DistillJsdArgs& a, const DistillBacken
   s.logits = rows_of("logits", logits);
   check_pair(logits, a.teacher_logits);
   s.teacher = rows_of("teacher_logits", a.teacher_logits);
-  check_distill_beta(kOp, a.beta);
+  check_distill_beta(kDistill, a.beta);
   check_softmax(a.temperature, a.logits_scale_factor);
-  TORCH_CHECK(a.beta > 0 && a.beta < 1, kOp, ": the JSD sums need 0 < beta < 1, got ", a.beta);
+  TORCH_CHECK(a.beta > 0 && a.beta < 1, kDistill, ": the JSD sums need 0 < beta < 1, got ", a.beta);
   s.opt = make_distill_options(DistillKind::kJsd, a.beta, a.temperature, a.logits_scale_factor);
   const int64_t n = s.logits.size(0);
   check_acc_input("row_stats", row_stats, n, DistillStats<double>::kFields, logits);

@@ -10,7 +10,7 @@ namespace rl_losses {
 
 namespace {
 
-constexpr const char* kOp = "dpo";
+constexpr const char* kDpo = "dpo";
 
 // `pairs` must pair every document 0 .. 2P−1 exactly once, as (chosen, rejected): a pairing mistake would
 // otherwise be a silently wrong loss. Pairs on the CPU (also with CUDA logits: documents_from_spans builds them
@@ -18,12 +18,12 @@ constexpr const char* kOp = "dpo";
 // device; pairs already on the device are checked there (DpoPairStep, DpoPairCoverage: a device-side assert),
 // so that the call never waits for the device.
 at::Tensor check_pairs(const at::Tensor& pairs, const c10::Device& logits_device) {
-  TORCH_CHECK(pairs.defined() && at::isIntegralType(pairs.scalar_type(), false), kOp,
+  TORCH_CHECK(pairs.defined() && at::isIntegralType(pairs.scalar_type(), false), kDpo,
               ": pairs must be an integer tensor of (chosen, rejected) document ids, got ",
               pairs.defined() ? c10::toString(pairs.scalar_type()) : "undefined");
-  TORCH_CHECK(pairs.dim() == 2 && pairs.size(1) == 2, kOp, ": pairs must have shape (num_pairs, 2), got ",
+  TORCH_CHECK(pairs.dim() == 2 && pairs.size(1) == 2, kDpo, ": pairs must have shape (num_pairs, 2), got ",
               pairs.sizes());
-  TORCH_CHECK(pairs.device() == logits_device || pairs.is_cpu(), kOp, ": pairs is on ", pairs.device(),
+  TORCH_CHECK(pairs.device() == logits_device || pairs.is_cpu(), kDpo, ": pairs is on ", pairs.device(),
               " but logits is on ", logits_device, " (pairs may be on the logits' device or on the CPU)");
   const at::Tensor p = pairs.to(at::kLong).contiguous();
   if (!p.is_cpu()) return p;
@@ -31,10 +31,10 @@ at::Tensor check_pairs(const at::Tensor& pairs, const c10::Device& logits_device
   const int64_t* id = p.const_data_ptr<int64_t>();
   std::vector<int64_t> seen(n_docs, -1);
   for (int64_t i = 0; i < n_docs; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < n_docs, kOp, ": pairs[", i / 2, "] holds document ", id[i], ", but ",
+    TORCH_CHECK(id[i] >= 0 && id[i] < n_docs, kDpo, ": pairs[", i / 2, "] holds document ", id[i], ", but ",
                 n_pairs, " pairs cover the documents 0 .. ", n_docs - 1,
                 " (every document must be the chosen or the rejected side of exactly one pair)");
-    TORCH_CHECK(seen[id[i]] < 0, kOp, ": document ", id[i], " is in pairs[", seen[id[i]] / 2, "] and in pairs[",
+    TORCH_CHECK(seen[id[i]] < 0, kDpo, ": document ", id[i], " is in pairs[", seen[id[i]] / 2, "] and in pairs[",
                 i / 2, "]; every document must be in exactly one pair");
     seen[id[i]] = i;
   }
@@ -43,11 +43,11 @@ at::Tensor check_pairs(const at::Tensor& pairs, const c10::Device& logits_device
 
 at::Tensor check_per_pair(const char* name, const at::Tensor& t, int64_t n_pairs, const c10::Device& logits_device,
                           at::ScalarType acc) {
-  TORCH_CHECK(t.defined() && at::isFloatingType(t.scalar_type()), kOp, ": ", name,
+  TORCH_CHECK(t.defined() && at::isFloatingType(t.scalar_type()), kDpo, ": ", name,
               " must be a floating-point tensor");
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == n_pairs, kOp, ": ", name, " must have shape (", n_pairs,
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n_pairs, kDpo, ": ", name, " must have shape (", n_pairs,
               ",) (one value per pair), got ", t.sizes());
-  TORCH_CHECK(t.device() == logits_device, kOp, ": ", name, " is on ", t.device(), " but logits is on ",
+  TORCH_CHECK(t.device() == logits_device, kDpo, ": ", name, " is on ", t.device(), " but logits is on ",
               logits_device);
   return t.to(acc).contiguous();
 }
@@ -59,10 +59,10 @@ DpoResults dpo_forward(RowSource& src, const at::Tensor& target, const DpoArgs& 
   const FlatLogits& f = src.flat();
   const double beta = a.beta;
   const at::Tensor& pairs = a.pairs;
-  check_scale(kOp, a.logits_scale_factor);
-  check_divisor(kOp, a.divisor);
-  check_row_stats(kOp, row_stats, f);
-  TORCH_CHECK(std::isfinite(beta) && beta > 0, kOp, ": beta must be finite and > 0, got ", beta);
+  check_scale(kDpo, a.logits_scale_factor);
+  check_divisor(kDpo, a.divisor);
+  check_row_stats(kDpo, row_stats, f);
+  TORCH_CHECK(std::isfinite(beta) && beta > 0, kDpo, ": beta must be finite and > 0, got ", beta);
   const auto opts = src.acc_options();
   const auto acc = opts.dtype().toScalarType();
   DpoState g;
@@ -70,17 +70,17 @@ DpoResults dpo_forward(RowSource& src, const at::Tensor& target, const DpoArgs& 
   g.pairs = check_pairs(pairs, f.options.device());
   g.num_pairs = g.pairs.size(0);
   g.num_documents = 2 * g.num_pairs;
-  TORCH_CHECK(g.num_pairs > 0, kOp, ": pairs is empty; DPO needs at least one (chosen, rejected) pair");
+  TORCH_CHECK(g.num_pairs > 0, kDpo, ": pairs is empty; DPO needs at least one (chosen, rejected) pair");
   g.ref_chosen = check_per_pair("reference_chosen_log_probs", a.reference_chosen_log_probs, g.num_pairs,
                                 f.options.device(), acc);
   g.ref_rejected =
       check_per_pair("reference_rejected_log_probs", a.reference_rejected_log_probs, g.num_pairs,
                                   f.options.device(), acc);
   g.target = f.target1d;
-  g.document = check_per_token_int(kOp, "document_index", a.document_index, target);
+  g.document = check_per_token_int(kDpo, "document_index", a.document_index, target);
   if (!g.document.is_cuda() && f.n_rows > 0) {  // CUDA: a device-side assert in the per-token step
     const int64_t high = g.document.max().item<int64_t>();
-    TORCH_CHECK(high < g.num_documents, kOp, ": document_index holds ", high, " but ", g.num_pairs,
+    TORCH_CHECK(high < g.num_documents, kDpo, ": document_index holds ", high, " but ", g.num_pairs,
                 " pairs cover the documents 0 .. ", g.num_documents - 1, " (a span without a chosen/rejected pair)");
   }
   g.divisor = at::full({}, a.divisor.value_or(static_cast<double>(g.num_pairs)), opts);
