@@ -1,7 +1,7 @@
 """The batch-invariant mode under a process group (docs/consistency.md, "Tensor parallelism"): the cross-rank sums
 are added in rank order (rl_losses.batch_invariance.group_sum), not by an all-reduce whose order of additions
 depends on a value's place in the message. Three gloo processes on CPU tensors (with two ranks every order gives
-the same sum: a + b = b + a).
+the same sum: a + b = b + a); RL_LOSSES_DIST_BACKEND=nccl runs them on CUDA tensors, one GPU per rank.
 """
 import os
 import tempfile
@@ -11,7 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+BACKEND = os.environ.get("RL_LOSSES_DIST_BACKEND", "gloo")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not (dist.is_nccl_available() and torch.cuda.device_count() >= 3 if BACKEND == "nccl"
+                                    else dist.is_gloo_available()), reason=f"needs {BACKEND} (and 3 GPUs for nccl)")
 WORLD = 3
 N, V = 64, 96  # V split into three shards of 32
 
@@ -27,16 +30,20 @@ def _worker(rank: int, store: str, out: str) -> None:
     import rl_losses
     from rl_losses.batch_invariance import group_sum
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    device = torch.device("cuda", rank) if BACKEND == "nccl" else torch.device("cpu")
+    if BACKEND == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(BACKEND, init_method=f"file://{store}", rank=rank, world_size=WORLD)
     results = {}
     # Every rotation of three values whose sum depends on the order: rank r holds VALUES[(r + j) % 3] at j.
     values = (1.0, 1e8, -1e8)
-    t = torch.tensor([values[(rank + j) % 3] for j in range(30000)], dtype=torch.float32)
+    t = torch.tensor([values[(rank + j) % 3] for j in range(30000)], dtype=torch.float32, device=device)
     with rl_losses.batch_invariant():
-        results["group_sum"] = group_sum(t.clone(), dist.group.WORLD)
-    logits, target, advantages, old = _inputs()
+        results["group_sum"] = group_sum(t.clone(), dist.group.WORLD).cpu()
+    logits, target, advantages, old = (x.to(device) for x in _inputs())
     shard = logits[:, rank * (V // WORLD):(rank + 1) * (V // WORLD)]
-    for name, rows in (("all", torch.arange(N)), ("dropped", torch.arange(1, N)), ("reversed", torch.arange(N).flip(0))):
+    for name, rows in (("all", torch.arange(N, device=device)), ("dropped", torch.arange(1, N, device=device)),
+                       ("reversed", torch.arange(N, device=device).flip(0))):
         x = shard[rows].contiguous().requires_grad_()
         with rl_losses.batch_invariant():
             out_ = rl_losses.grpo_loss(x, target[rows], advantages[rows], old[rows], tp_group=dist.group.WORLD,
@@ -44,7 +51,7 @@ def _worker(rank: int, store: str, out: str) -> None:
             out_.loss.backward()
             log_probs, entropy = rl_losses.token_log_probs(shard[rows].contiguous(), target[rows],
                                                            compute_entropy=True, tp_group=dist.group.WORLD)
-        results[name] = (rows, out_.log_probs.detach(), x.grad, log_probs, entropy)
+        results[name] = tuple(x.cpu() for x in (rows, out_.log_probs.detach(), x.grad, log_probs, entropy))
     torch.save(results, f"{out}.{rank}")
     dist.destroy_process_group()
 
