@@ -1,0 +1,79 @@
+"""CPU measurement of kept_token_log_probs (docs/consistency.md): the forward without gradient and the forward +
+backward into policy_token_loss, each exactly as bench_sampler.kept_ids_step calls them (kept_ids = the top 1024 ids
+per row), with the ops each call runs counted by torch.profiler. On a GPU each counted op is one kernel over N x K
+values (or the N x V gradient), so the count is what the GPU time follows; the CPU milliseconds are the host's.
+
+    PYTHONPATH=python python benchmarks/bench_kept_set.py --shape 2048 32000 --dtype float32 bfloat16
+
+--no-check times the op as it runs on a GPU, without the CPU's input check (a sort of the ids per row, which
+dominates the CPU time and which a GPU skips unless RL_LOSSES_CHECK_INPUTS=1); the counts always leave it out.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_sampler import kept_ids_step
+from rl_losses import kept_set
+
+# Ops that only allocate or describe a tensor (no pass over its values, no kernel on a GPU).
+METADATA = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::view", "aten::reshape",
+            "aten::_reshape_alias", "aten::as_strided", "aten::select", "aten::slice", "aten::unsqueeze",
+            "aten::squeeze", "aten::expand", "aten::t", "aten::transpose", "aten::permute", "aten::detach",
+            "aten::alias", "aten::resize_", "aten::lift_fresh", "aten::result_type", "aten::_unsafe_view",
+            "aten::broadcast_to", "aten::expand_as", "aten::view_as", "detach", "aten::unbind", "aten::split"}
+
+
+def counted_ops(step) -> collections.Counter:
+    """The leaf ops one call of `step` runs that read or write values (aten and rl_losses ops)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = prof.events()
+    parents = {id(e.cpu_parent) for e in events if e.cpu_parent is not None}
+    return collections.Counter(e.name for e in events if id(e) not in parents and e.name not in METADATA
+                               and e.name.startswith(("aten::", "rl_losses::")))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", type=int, nargs=2, action="append", metavar=("N", "V"))
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--ops", action="store_true", help="print each counted op")
+    a = parser.parse_args()
+    if a.no_check:
+        kept_set._check = lambda *args, **kwargs: None
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, input check {'off' if a.no_check else 'on'}")
+    for n, v in a.shape or [(2048, 32000)]:
+        target = torch.randint(0, v, (n,))
+        target[::7] = -100
+        adv, old = torch.randn(n), -torch.rand(n)
+        for dtype in a.dtype:
+            logits = (torch.randn(n, v) * 2).to(getattr(torch, dtype))
+            for op in ("token_log_probs", "grpo"):
+                step = kept_ids_step(op, logits, target, adv, old)
+                step()
+                ops = counted_ops(step)
+                ms = []
+                for _ in range(a.reps):
+                    t = time.perf_counter()
+                    step()
+                    ms.append((time.perf_counter() - t) * 1e3)
+                name = "no grad" if op == "token_log_probs" else "fwd+bwd"
+                print(f"N={n} V={v} {dtype:8s} {name}: {statistics.median(ms):9.2f} ms (median of {a.reps}), "
+                      f"{sum(ops.values())} ops", flush=True)
+                if a.ops:
+                    print("    " + ", ".join(f"{k.split('::')[1]} x{c}" if c > 1 else k.split("::")[1]
+                                             for k, c in sorted(ops.items())))
+            del logits
+
+
+if __name__ == "__main__":
+    main()
