@@ -21,22 +21,36 @@ from torch.profiler import ProfilerActivity, profile
 from bench_sampler import kept_ids_step
 from rl_losses import kept_set
 
-# Ops that only allocate or describe a tensor (no pass over its values, no kernel on a GPU).
+# Ops that do no pass over values themselves: allocations, views, and the conversions, copies and wrappers that
+# either do nothing (a `to` to the same dtype) or do their work in a child op that is counted instead.
 METADATA = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::view", "aten::reshape",
             "aten::_reshape_alias", "aten::as_strided", "aten::select", "aten::slice", "aten::unsqueeze",
             "aten::squeeze", "aten::expand", "aten::t", "aten::transpose", "aten::permute", "aten::detach",
             "aten::alias", "aten::resize_", "aten::lift_fresh", "aten::result_type", "aten::_unsafe_view",
-            "aten::broadcast_to", "aten::expand_as", "aten::view_as", "detach", "aten::unbind", "aten::split"}
+            "aten::broadcast_to", "aten::expand_as", "aten::view_as", "detach", "aten::unbind", "aten::split",
+            "aten::to", "aten::_to_copy", "aten::contiguous", "aten::real", "aten::scalar_tensor",
+            "aten::_has_compatible_shallow_copy_type", "aten::is_nonzero"}
 
 
-def counted_ops(step) -> collections.Counter:
-    """The leaf ops one call of `step` runs that read or write values (aten and rl_losses ops)."""
+def _works(e) -> bool:
+    return e.name not in METADATA and e.name.startswith(("aten::", "rl_losses::"))
+
+
+def _has_working_child(e) -> bool:
+    return any(_works(c) or _has_working_child(c) for c in e.cpu_children)
+
+
+def counted_ops(step) -> tuple[collections.Counter, collections.Counter]:
+    """The ops one call of `step` runs that pass over values (aten and rl_losses ops with no such op inside them:
+    each is a kernel on a GPU), by name, and their CPU milliseconds."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
-    events = prof.events()
-    parents = {id(e.cpu_parent) for e in events if e.cpu_parent is not None}
-    return collections.Counter(e.name for e in events if id(e) not in parents and e.name not in METADATA
-                               and e.name.startswith(("aten::", "rl_losses::")))
+    counts, ms = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if _works(e) and not _has_working_child(e):
+            counts[e.name] += 1
+            ms[e.name] += e.cpu_time_total / 1e3
+    return counts, ms
 
 
 def main():
@@ -60,7 +74,7 @@ def main():
             for op in ("token_log_probs", "grpo"):
                 step = kept_ids_step(op, logits, target, adv, old)
                 step()
-                ops = counted_ops(step)
+                ops, op_ms = counted_ops(step)
                 ms = []
                 for _ in range(a.reps):
                     t = time.perf_counter()
@@ -72,6 +86,8 @@ def main():
                 if a.ops:
                     print("    " + ", ".join(f"{k.split('::')[1]} x{c}" if c > 1 else k.split("::")[1]
                                              for k, c in sorted(ops.items())))
+                    print("    slowest (profiled call, ms): " + ", ".join(
+                        f"{k.split('::')[1]} {t:.1f}" for k, t in op_ms.most_common(6)))
             del logits
 
 

@@ -88,12 +88,12 @@ def _kept_log_probs(logits: torch.Tensor, labels: torch.Tensor, kept_ids: torch.
 
 def _kept_forward(logits: torch.Tensor, labels: torch.Tensor, kept_ids: torch.Tensor, temperature: float,
                   compute_entropy: bool, for_backward: bool):
-    """The K-wide passes: one clamp of the ids, two comparisons, one gather, one conversion (masking), the temperature
-    (T != 1), one log_softmax; exp and entr for the entropy or the backward. Returns (log_probs, entropy or None,
-    what the backward needs or None)."""
+    """The K-wide passes: one clamp of the ids, two comparisons and their or, one gather, its masking, one conversion
+    with the temperature, one log_softmax; exp for the backward, entr and a sum for the entropy. Returns (log_probs,
+    entropy or None, what the backward needs or None)."""
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     k = kept_ids.shape[-1]
-    labelled = labels >= 0
+    unlabelled = labels < 0
     # Columns 0..K-1 are the listed ids, column K the label: a listed label is masked at its own column, so that it
     # counts once, its log-prob is column K's at every position, and its gradient is formed in `acc` on one column
     # (two columns scattered onto one id would each be rounded to the logits' dtype first). Padding (-1) gathers
@@ -101,29 +101,29 @@ def _kept_forward(logits: torch.Tensor, labels: torch.Tensor, kept_ids: torch.Te
     # (.long(): clamp does not convert into its output.)
     ids = _with_column(lambda out: torch.clamp(kept_ids.long(), min=0, out=out), kept_ids, torch.int64)
     ids[..., k] = labels.clamp_min(0)
-    valid = _with_column(lambda out: torch.logical_and(kept_ids >= 0, kept_ids != labels.unsqueeze(-1), out=out),
-                         kept_ids, torch.bool)
+    masked = _with_column(lambda out: torch.logical_or(kept_ids < 0, kept_ids == labels.unsqueeze(-1), out=out),
+                          kept_ids, torch.bool)
     # A position with no listed id and no label keeps column K, set to 0: a set of one token (log-prob and entropy 0,
     # no gradient) rather than an empty set, whose log_softmax would be NaN.
-    empty = valid[..., :k].any(-1).logical_or_(labelled).logical_not_()
-    valid[..., k] = labelled | empty
-    # The conversion to `acc` and the masking in one pass: a one-element `acc` tensor promotes the result.
-    x = torch.where(valid, logits.gather(-1, ids), torch.full((1,), float("-inf"), dtype=acc, device=logits.device))
+    empty = masked[..., :k].all(-1).logical_and_(unlabelled)
+    masked[..., k] = unlabelled ^ empty
+    # Masked in the logits' dtype (-inf is exact in each), then converted and divided by T in one op: a GPU kernel
+    # reads the one dtype and writes the other (`where` into `acc` would convert first, a pass of its own).
+    x = logits.gather(-1, ids).masked_fill_(masked, float("-inf"))
     x[..., k].masked_fill_(empty, 0.0)
-    if temperature != 1.0:
-        x.div_(temperature)
+    x = x.to(acc) if temperature == 1.0 else torch.div(x, torch.full((1,), temperature, dtype=acc, device=x.device))
     log_p = torch.log_softmax(x, -1)
-    log_probs = torch.where(labelled, log_p[..., k], 0.0)
+    log_probs = torch.where(unlabelled, 0.0, log_p[..., k])
     if not (compute_entropy or for_backward):
         return log_probs, None, None
     p = log_p.exp()
     # entr(p) = -p log p, 0 where p = 0 (masked columns, whose log p is -inf).
     neg_plogp = torch.special.entr(p) if compute_entropy else None
     entropy = neg_plogp.sum(-1) if compute_entropy else None
-    return log_probs, entropy, (ids, labelled, p, neg_plogp, entropy) if for_backward else None
+    return log_probs, entropy, (ids, unlabelled, p, neg_plogp, entropy) if for_backward else None
 
 
-def _kept_backward(ids: torch.Tensor, labelled: torch.Tensor, p: torch.Tensor, neg_plogp: torch.Tensor | None,
+def _kept_backward(ids: torch.Tensor, unlabelled: torch.Tensor, p: torch.Tensor, neg_plogp: torch.Tensor | None,
                    entropy: torch.Tensor | None, g_lp: torch.Tensor | None, g_h: torch.Tensor | None,
                    temperature: float, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
     """d/dx_j of g_lp·log p_K + g_h·H over the columns (x = logits / T, column K the label):
@@ -131,7 +131,7 @@ def _kept_backward(ids: torch.Tensor, labelled: torch.Tensor, p: torch.Tensor, n
     dtype and scattered to the ids. Masked columns have p_j = e_j = 0, hence a zero that the scatter adds exactly:
     padding and a masked listed label never change a real id's gradient."""
     k = ids.shape[-1] - 1
-    a = torch.zeros_like(p[..., k]) if g_lp is None else torch.where(labelled, g_lp, 0.0)
+    a = torch.zeros_like(p[..., k]) if g_lp is None else torch.where(unlabelled, 0.0, g_lp)
     if temperature != 1.0:
         a = a / temperature
     g = torch.empty(ids.shape, dtype=dtype, device=ids.device)
