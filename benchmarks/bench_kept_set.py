@@ -59,6 +59,8 @@ def main():
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--steps", nargs="+", choices=["no_grad", "fwd_bwd"], default=["no_grad", "fwd_bwd"],
+                        help="fwd_bwd holds the N x V gradient (and, for bf16, ATen's fp32 copy in its CPU scatter)")
     parser.add_argument("--ops", action="store_true", help="print each counted op")
     a = parser.parse_args()
     if a.no_check:
@@ -71,7 +73,7 @@ def main():
         adv, old = torch.randn(n), -torch.rand(n)
         for dtype in a.dtype:
             logits = (torch.randn(n, v) * 2).to(getattr(torch, dtype))
-            for op in ("token_log_probs", "grpo"):
+            for op in [{"no_grad": "token_log_probs", "fwd_bwd": "grpo"}[s] for s in a.steps]:
                 step = kept_ids_step(op, logits, target, adv, old)
                 step()
                 ops, op_ms = counted_ops(step)
