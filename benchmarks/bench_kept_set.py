@@ -29,7 +29,14 @@ METADATA = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::vie
             "aten::alias", "aten::resize_", "aten::lift_fresh", "aten::result_type", "aten::_unsafe_view",
             "aten::broadcast_to", "aten::expand_as", "aten::view_as", "detach", "aten::unbind", "aten::split",
             "aten::to", "aten::_to_copy", "aten::contiguous", "aten::real", "aten::scalar_tensor",
-            "aten::_has_compatible_shallow_copy_type", "aten::is_nonzero"}
+            "aten::_has_compatible_shallow_copy_type", "aten::is_nonzero", "aten::narrow", "aten::new_empty"}
+
+
+# Ops that on the CPU convert their inputs or output between dtypes as copy_ children, where a GPU kernel converts as
+# it loads and stores: counted once, as the one kernel they are on a GPU. (`where` and `to` convert by an op of
+# their own on a GPU too: their copies count.)
+CONVERTING = {"aten::gather", "aten::scatter_add_", "aten::mul", "aten::addcmul", "aten::div", "aten::add",
+              "aten::sub"}
 
 
 def _works(e) -> bool:
@@ -41,15 +48,22 @@ def _has_working_child(e) -> bool:
 
 
 def counted_ops(step) -> tuple[collections.Counter, collections.Counter]:
-    """The ops one call of `step` runs that pass over values (aten and rl_losses ops with no such op inside them:
-    each is a kernel on a GPU), by name, and their CPU milliseconds."""
+    """The ops one call of `step` runs that pass over values, each a kernel on a GPU: aten and rl_losses ops with no
+    such op inside them (or one of CONVERTING), by name, and their CPU milliseconds."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     counts, ms = collections.Counter(), collections.Counter()
-    for e in prof.events():
-        if _works(e) and not _has_working_child(e):
+
+    def walk(e):
+        if _works(e) and (e.name in CONVERTING or not _has_working_child(e)):
             counts[e.name] += 1
             ms[e.name] += e.cpu_time_total / 1e3
+            return
+        for c in e.cpu_children:
+            walk(c)
+    for e in prof.events():
+        if e.cpu_parent is None:
+            walk(e)
     return counts, ms
 
 
