@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import statistics
 import time
 
@@ -32,11 +33,11 @@ METADATA = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::vie
             "aten::_has_compatible_shallow_copy_type", "aten::is_nonzero", "aten::narrow", "aten::new_empty"}
 
 
-# Ops that on the CPU convert their inputs or output between dtypes as copy_ children, where a GPU kernel converts as
-# it loads and stores: counted once, as the one kernel they are on a GPU. (`where` and `to` convert by an op of
-# their own on a GPU too: their copies count.)
-CONVERTING = {"aten::gather", "aten::scatter_add_", "aten::mul", "aten::addcmul", "aten::div", "aten::add",
-              "aten::sub"}
+# Ops that on the CPU run copy_ or fill_ inside them (dtype conversions a GPU kernel makes as it loads and stores,
+# a reduction's initial value): counted once, as the one kernel each is on a GPU. (`where` and `to` convert by an op
+# of their own on a GPU too: their copies count.)
+UNITS = {"aten::gather", "aten::scatter_add_", "aten::mul", "aten::addcmul", "aten::div", "aten::add", "aten::sub",
+         "aten::amax", "aten::sum", "aten::any", "aten::all", "aten::argmax"}
 
 
 def _works(e) -> bool:
@@ -47,24 +48,27 @@ def _has_working_child(e) -> bool:
     return any(_works(c) or _has_working_child(c) for c in e.cpu_children)
 
 
-def counted_ops(step) -> tuple[collections.Counter, collections.Counter]:
+def counted_ops(step, wide: int) -> tuple[collections.Counter, collections.Counter, int]:
     """The ops one call of `step` runs that pass over values, each a kernel on a GPU: aten and rl_losses ops with no
-    such op inside them (or one of CONVERTING), by name, and their CPU milliseconds."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    such op inside them (or one of UNITS), by name; their CPU milliseconds; how many read an input of at least
+    `wide` values (the N x K passes and the N x V gradient's, as opposed to the per-position ones)."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
-    counts, ms = collections.Counter(), collections.Counter()
+    counts, ms, n_wide = collections.Counter(), collections.Counter(), 0
 
     def walk(e):
-        if _works(e) and (e.name in CONVERTING or not _has_working_child(e)):
+        nonlocal n_wide
+        if _works(e) and (e.name in UNITS or not _has_working_child(e)):
             counts[e.name] += 1
             ms[e.name] += e.cpu_time_total / 1e3
+            n_wide += max((math.prod(shape) for shape in e.input_shapes if shape), default=0) >= wide
             return
         for c in e.cpu_children:
             walk(c)
     for e in prof.events():
         if e.cpu_parent is None:
             walk(e)
-    return counts, ms
+    return counts, ms, n_wide
 
 
 def main():
@@ -86,11 +90,11 @@ def main():
         target[::7] = -100
         adv, old = torch.randn(n), -torch.rand(n)
         for dtype in a.dtype:
-            logits = (torch.randn(n, v) * 2).to(getattr(torch, dtype))
+            logits = torch.empty(n, v, dtype=getattr(torch, dtype)).normal_(0, 2)  # N(0, 2^2), no fp32 copy
             for op in [{"no_grad": "token_log_probs", "fwd_bwd": "grpo"}[s] for s in a.steps]:
                 step = kept_ids_step(op, logits, target, adv, old)
                 step()
-                ops, op_ms = counted_ops(step)
+                ops, op_ms, n_wide = counted_ops(step, n * 512)
                 ms = []
                 for _ in range(a.reps):
                     t = time.perf_counter()
@@ -98,7 +102,7 @@ def main():
                     ms.append((time.perf_counter() - t) * 1e3)
                 name = "no grad" if op == "token_log_probs" else "fwd+bwd"
                 print(f"N={n} V={v} {dtype:8s} {name}: {statistics.median(ms):9.2f} ms (median of {a.reps}), "
-                      f"{sum(ops.values())} ops", flush=True)
+                      f"{sum(ops.values())} ops, {n_wide} of them over N x K or N x V", flush=True)
                 if a.ops:
                     print("    " + ", ".join(f"{k.split('::')[1]} x{c}" if c > 1 else k.split("::")[1]
                                              for k, c in sorted(ops.items())))
