@@ -88,9 +88,9 @@ def _kept_log_probs(logits: torch.Tensor, labels: torch.Tensor, kept_ids: torch.
 
 def _kept_forward(logits: torch.Tensor, labels: torch.Tensor, kept_ids: torch.Tensor, temperature: float,
                   compute_entropy: bool, for_backward: bool):
-    """The K-wide passes: one clamp of the ids, two comparisons and their or, one gather, its masking, one conversion
-    with the temperature, one log_softmax; exp for the backward, entr and a sum for the entropy. Returns (log_probs,
-    entropy or None, what the backward needs or None)."""
+    """The K-wide passes: one clamp of the ids, two comparisons and their or, one `all` (positions with nothing in
+    their set), one gather, its masking, one conversion with the temperature, one log_softmax; exp for the backward,
+    entr and a sum for the entropy. Returns (log_probs, entropy or None, what the backward needs or None)."""
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     k = kept_ids.shape[-1]
     unlabelled = labels < 0
@@ -145,7 +145,9 @@ def _kept_backward(ids: torch.Tensor, unlabelled: torch.Tensor, p: torch.Tensor,
         base = neg_plogp * b.unsqueeze(-1)
         base[..., k] += a
         torch.addcmul(base, p, c.unsqueeze(-1), out=g)
-    # Autograd's gather backward would do the same: ids repeat within a row only where all but one copy is masked.
+    # scatter_add_ rather than scatter_: an id repeats within a row only where all but one copy is masked (padding's
+    # 0, a listed label), and the masked copies' exact zeros add nothing, where scatter_ would race them against
+    # the real entry's value (the order of duplicate writes is unspecified on a GPU).
     return torch.zeros(shape, dtype=dtype, device=ids.device).scatter_add_(-1, ids, g)
 
 
@@ -163,7 +165,9 @@ def _with_column(kept_part, kept_ids: torch.Tensor, dtype: torch.dtype) -> torch
 
 class _KeptLogProbs(torch.autograd.Function):
     """The kept-set log-probs (and entropies) with a backward that writes the dense gradient once: a zero fill and
-    one scatter of the K + 1 columns' gradient, computed from the saved probabilities in two K-wide passes."""
+    one scatter of the K + 1 columns' gradient, computed from the saved probabilities in one K-wide pass (two with
+    the entropy's gradient). The grads of unused outputs stay None, so a backward through the log-probs alone
+    skips the entropy's terms."""
 
     @staticmethod
     def forward(ctx, logits, labels, kept_ids, temperature, compute_entropy):
