@@ -10,7 +10,7 @@ from rl_losses import reference_sampler
 
 from conftest import assert_close
 from helpers import param_id as _id
-from helpers import assert_grad_close
+from helpers import assert_compiled_matches_eager, assert_grad_close
 
 
 def ids_of(mask: torch.Tensor, extra: int = 2) -> torch.Tensor:
@@ -144,3 +144,67 @@ def test_grpo_over_the_kept_set_through_policy_token_loss(device):
     fused.loss.backward()
     assert_close(per_token.sum().detach() / labelled.sum(), fused.loss.detach(), torch.float64, msg="loss")
     assert_close(x.grad, y.grad, torch.float64, msg="gradient")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=_id)
+def test_padding_and_listed_labels_next_to_id_0(dtype, device):
+    """Padding gathers id 0 and a listed label is masked at its own column; neither may change id 0's (or the
+    label's) gradient: id 0 listed beside padding, as the label, unlisted with padding, and a row of padding."""
+    logits = (torch.randn(6, 9, device=device) * 2).to(dtype)
+    kept_ids = torch.tensor([[-1, 0, 4, -1], [0, -1, -1, 3], [-1, 5, -1, 2], [-1, -1, -1, -1], [2, -1, 0, 7],
+                             [-1, 0, -1, -1]], device=device)  # the last: id 0 alone, p = 1
+    labels = torch.tensor([0, 0, 0, -100, 8, -100], device=device)  # listed, listed, unlisted, none, unlisted, none
+    g_lp, g_h = torch.randn(6, device=device), torch.randn(6, device=device)
+    lp, entropy, grad = run(logits, labels, kept_ids, g_lp, g_h, 0.9)
+    x, ref_lp, ref_entropy = reference(logits, labels, kept_ids, 0.9)
+    torch.autograd.backward([ref_lp, ref_entropy], [g_lp.double(), g_h.double()])
+    assert_close(lp, ref_lp.detach(), dtype, msg="log_probs")
+    assert_close(entropy, ref_entropy.detach(), dtype, msg="entropy")
+    assert_grad_close(grad, x.grad, dtype)
+    assert (grad[[0, 1, 2, 4], 0] != 0).all() and (grad[[3, 5]] == 0).all() and lp[3] == 0 and entropy[3] == 0
+
+
+@pytest.mark.parametrize("used", ["log_probs", "entropy"])
+def test_one_output_used(used, device):
+    """A backward through one of the two outputs (the other's gradient None) against the float64 reference."""
+    logits, labels, g_lp, g_h = inputs((5, 4), 120, torch.float32, device)
+    kept_ids = ids_of(torch.rand(logits.shape, device=device) < 0.1)
+    x = logits.clone().requires_grad_()
+    lp, entropy = rl_losses.kept_token_log_probs(x, labels, kept_ids, temperature=1.3, compute_entropy=True)
+    y, ref_lp, ref_entropy = reference(logits, labels, kept_ids, 1.3)
+    ((lp if used == "log_probs" else entropy) * g_lp).sum().backward()
+    ((ref_lp if used == "log_probs" else ref_entropy) * g_lp.double()).sum().backward()
+    assert_grad_close(x.grad, y.grad, torch.float32)
+
+
+def test_gradcheck_float64(device):
+    """Both outputs' gradients by finite differences, with padding, unlabelled positions and a temperature."""
+    logits, labels, _, _ = inputs((4, 3), 40, torch.float64, device)
+    mask = torch.rand(logits.shape, device=device) < 0.2
+    mask[0, 0] = False
+    kept_ids = ids_of(mask)
+    assert torch.autograd.gradcheck(
+        lambda t: rl_losses.kept_token_log_probs(t, labels, kept_ids, temperature=0.8, compute_entropy=True),
+        (logits.clone().requires_grad_(),))
+
+
+def test_no_grad_equals_grad_forward(device):
+    """The no-grad call skips autograd: the same values as the differentiable one, nothing to backward through."""
+    logits, labels, _, _ = inputs((6, 5), 200, torch.bfloat16, device)
+    kept_ids = ids_of(torch.rand(logits.shape, device=device) < 0.05).int()
+    want = rl_losses.kept_token_log_probs(logits.clone().requires_grad_(), labels.int(), kept_ids, compute_entropy=True)
+    with torch.no_grad():
+        got = rl_losses.kept_token_log_probs(logits.clone().requires_grad_(), labels.int(), kept_ids,
+                                             compute_entropy=True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b.detach()) and a.grad_fn is None
+
+
+def test_compiled_matches_eager(device):
+    logits, labels, _, _ = inputs((8,), 64, torch.float32, device)
+    kept_ids = ids_of(torch.rand(logits.shape, device=device) < 0.1)
+
+    def fn(x, labels, kept_ids):
+        lp, entropy = rl_losses.kept_token_log_probs(x, labels, kept_ids, temperature=0.7, compute_entropy=True)
+        return (lp + 0.3 * entropy).sum(), lp, entropy
+    assert_compiled_matches_eager(fn, logits, labels, kept_ids, backend="aot_eager")

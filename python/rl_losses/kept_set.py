@@ -3,11 +3,13 @@
 rather than the filter's parameters, the trainer renormalises over exactly those ids, so that a token near the
 filter's edge is not kept or dropped by the trainer's slightly different logits.
 
-The work is K-wide (K kept ids per position): the kept logits are gathered, their log-sum-exp taken in float32
+The work is K-wide (K kept ids per position): the kept logits are gathered, their log_softmax taken in float32
 (float64 for float64 logits), and the gradient is scattered back to those ids alone. Nothing V-wide is read or
-computed besides the gradient's zeros, so this is a composition of ATen ops rather than a row pass: it is
-differentiable with any upstream gradients, and composes with the per-token policy loss
-(``rl_losses.policy_token_loss``) for the policy-gradient terms.
+computed besides the gradient's zeros, so this is a composition of ATen ops rather than a row pass, each a pass
+over N x K values (a kernel on a GPU): the forward makes the fewest of them, and an autograd.Function's backward
+computes the K-wide gradient from the saved probabilities in one or two passes and writes the dense one by a zero
+fill and one scatter. It is differentiable with any upstream gradients, and composes with the per-token policy
+loss (``rl_losses.policy_token_loss``) for the policy-gradient terms.
 
 From hidden states (``linear_kept_token_log_probs``) only the logits of the ids some position keeps are computed:
 the union U of the kept ids and the labels is gathered from the lm_head's weight once, and each chunk of rows
@@ -40,6 +42,8 @@ def _check(name: str, source: str, x: torch.Tensor, vocab: int, labels: torch.Te
         raise ValueError(f"{name}: temperature must be > 0, got {temperature}")
     if x.is_cuda and not read_values and not _check_inputs_enabled():
         return  # the value checks below read the tensors on the host: opt-in on a GPU (RL_LOSSES_CHECK_INPUTS=1)
+    if torch.compiler.is_compiling():
+        return  # nor inside a compiled graph, as the ops' label checks (a host read would end the graph)
     if kept_ids.numel() and (int(kept_ids.min()) < -1 or int(kept_ids.max()) >= vocab):
         raise ValueError(f"{name}: kept_ids must lie in [0, {vocab}) or be -1 (padding), got values in "
                          f"[{int(kept_ids.min())}, {int(kept_ids.max())}]")
@@ -76,30 +80,109 @@ def kept_token_log_probs(logits: torch.Tensor, labels: torch.Tensor, kept_ids: t
 
 def _kept_log_probs(logits: torch.Tensor, labels: torch.Tensor, kept_ids: torch.Tensor, temperature: float,
                     compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    labelled = labels >= 0
-    label = labels.clamp_min(0).long().unsqueeze(-1)
-    kept_ids = kept_ids.long()
-    is_label = kept_ids == label
-    listed = is_label.any(-1, keepdim=True)
-    # The label joins the set where it is labelled and not already listed; padding takes a real id (0) whose
-    # entries are then masked out.
-    ids = torch.cat([kept_ids, label], -1)
-    valid = torch.cat([kept_ids >= 0, labelled.unsqueeze(-1) & ~listed], -1)
-    x = logits.gather(-1, ids.clamp_min(0)).to(acc) / temperature
-    # The label's value is read from x, at its listed column where listed: its gradient then sums with the
-    # log-sum-exp's in `acc` on one column, not rounded apart into two that cancel in the logits' dtype.
-    picked = x.gather(-1, torch.where(listed, is_label.int().argmax(-1, keepdim=True), kept_ids.shape[-1])).squeeze(-1)
-    x = x.masked_fill(~valid, float("-inf"))
-    lse = torch.logsumexp(x, -1)
-    log_probs = torch.where(labelled, picked - lse, torch.zeros((), dtype=acc, device=logits.device))
-    if not compute_entropy:
-        return log_probs, None
-    # Outside the set log p is taken as 0 before the product (p = 0 there): −inf · 0 would be NaN, and its gradient
-    # would reach the set's log-sum-exp.
-    log_p = torch.where(valid, x - lse.unsqueeze(-1), torch.zeros((), dtype=acc, device=logits.device))
-    entropy = -(torch.where(valid, log_p.exp(), torch.zeros((), dtype=acc, device=logits.device)) * log_p).sum(-1)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _KeptLogProbs.apply(logits, labels, kept_ids, temperature, compute_entropy)
+    log_probs, entropy, _ = _kept_forward(logits, labels, kept_ids, temperature, compute_entropy, False)
     return log_probs, entropy
+
+
+def _kept_forward(logits: torch.Tensor, labels: torch.Tensor, kept_ids: torch.Tensor, temperature: float,
+                  compute_entropy: bool, for_backward: bool):
+    """The K-wide passes: one clamp of the ids, two comparisons and their or, one `all` (positions with nothing in
+    their set), one gather, its masking, one conversion with the temperature, one log_softmax; exp for the backward,
+    entr and a sum for the entropy. Returns (log_probs, entropy or None, what the backward needs or None)."""
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    k = kept_ids.shape[-1]
+    unlabelled = labels < 0
+    # Columns 0..K-1 are the listed ids, column K the label: a listed label is masked at its own column, so that it
+    # counts once, its log-prob is column K's at every position, and its gradient is formed in `acc` on one column
+    # (two columns scattered onto one id would each be rounded to the logits' dtype first). Padding (-1) gathers
+    # id 0 and is masked.
+    # (.long(): clamp does not convert into its output.)
+    ids = _with_column(lambda out: torch.clamp(kept_ids.long(), min=0, out=out), kept_ids, torch.int64)
+    ids[..., k] = labels.clamp_min(0)
+    masked = _with_column(lambda out: torch.logical_or(kept_ids < 0, kept_ids == labels.unsqueeze(-1), out=out),
+                          kept_ids, torch.bool)
+    # A position with no listed id and no label keeps column K, set to 0: a set of one token (log-prob and entropy 0,
+    # no gradient) rather than an empty set, whose log_softmax would be NaN.
+    empty = masked[..., :k].all(-1).logical_and_(unlabelled)
+    masked[..., k] = unlabelled ^ empty
+    # Masked in the logits' dtype (-inf is exact in each), then converted and divided by T in one op: a GPU kernel
+    # reads the one dtype and writes the other (`where` into `acc` would convert first, a pass of its own).
+    x = logits.gather(-1, ids).masked_fill_(masked, float("-inf"))
+    x[..., k].masked_fill_(empty, 0.0)
+    x = x.to(acc) if temperature == 1.0 else torch.div(x, torch.full((1,), temperature, dtype=acc, device=x.device))
+    log_p = torch.log_softmax(x, -1)
+    log_probs = torch.where(unlabelled, 0.0, log_p[..., k])
+    if not (compute_entropy or for_backward):
+        return log_probs, None, None
+    p = log_p.exp()
+    # entr(p) = -p log p, 0 where p = 0 (masked columns, whose log p is -inf).
+    neg_plogp = torch.special.entr(p) if compute_entropy else None
+    entropy = neg_plogp.sum(-1) if compute_entropy else None
+    return log_probs, entropy, (ids, unlabelled, p, neg_plogp, entropy) if for_backward else None
+
+
+def _kept_backward(ids: torch.Tensor, unlabelled: torch.Tensor, p: torch.Tensor, neg_plogp: torch.Tensor | None,
+                   entropy: torch.Tensor | None, g_lp: torch.Tensor | None, g_h: torch.Tensor | None,
+                   temperature: float, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """d/dx_j of g_lp·log p_K + g_h·H over the columns (x = logits / T, column K the label):
+    g_lp·([j = K] − p_j) + g_h·(e_j − p_j·H) with e_j = −p_j log p_j; divided by T, rounded once to the logits'
+    dtype and scattered to the ids. Masked columns have p_j = e_j = 0, hence a zero that the scatter adds exactly:
+    padding and a masked listed label never change a real id's gradient."""
+    k = ids.shape[-1] - 1
+    a = torch.zeros_like(p[..., k]) if g_lp is None else torch.where(unlabelled, 0.0, g_lp)
+    if temperature != 1.0:
+        a = a / temperature
+    g = torch.empty(ids.shape, dtype=dtype, device=ids.device)
+    if g_h is None:
+        c = -a
+        torch.mul(p, c.unsqueeze(-1), out=g)  # computed in `acc`, rounded once to the logits' dtype
+        g[..., k] = torch.addcmul(a, p[..., k], c)
+    else:
+        b = g_h / temperature if temperature != 1.0 else g_h
+        c = torch.addcmul(a, b, entropy).neg_()
+        base = neg_plogp * b.unsqueeze(-1)
+        base[..., k] += a
+        torch.addcmul(base, p, c.unsqueeze(-1), out=g)
+    # scatter_add_ rather than scatter_: an id repeats within a row only where all but one copy is masked (padding's
+    # 0, a listed label), and the masked copies' exact zeros add nothing, where scatter_ would race them against
+    # the real entry's value (the order of duplicate writes is unspecified on a GPU).
+    return torch.zeros(shape, dtype=dtype, device=ids.device).scatter_add_(-1, ids, g)
+
+
+def _with_column(kept_part, kept_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A (..., K + 1) tensor whose first K columns are kept_part(out), column K left for the caller. Eager, kept_part
+    writes into the first columns of one buffer (`out=`), sparing the pass over the K columns that a cat makes;
+    torch.compile refuses a non-contiguous `out=` and fuses a cat, so it gets the cat."""
+    if torch.compiler.is_compiling():
+        part = kept_part(None)
+        return torch.cat([part, part.new_empty((*part.shape[:-1], 1))], -1)
+    out = torch.empty((*kept_ids.shape[:-1], kept_ids.shape[-1] + 1), dtype=dtype, device=kept_ids.device)
+    kept_part(out[..., :-1])
+    return out
+
+
+class _KeptLogProbs(torch.autograd.Function):
+    """The kept-set log-probs (and entropies) with a backward that writes the dense gradient once: a zero fill and
+    one scatter of the K + 1 columns' gradient, computed from the saved probabilities in one K-wide pass (two with
+    the entropy's gradient). The grads of unused outputs stay None, so a backward through the log-probs alone
+    skips the entropy's terms."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, kept_ids, temperature, compute_entropy):
+        log_probs, entropy, saved = _kept_forward(logits, labels, kept_ids, temperature, compute_entropy, True)
+        ctx.save_for_backward(*saved)
+        ctx.temperature, ctx.dtype, ctx.shape = temperature, logits.dtype, logits.shape
+        ctx.set_materialize_grads(False)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, g_lp, g_h):
+        if g_lp is None and g_h is None:
+            return None, None, None, None, None
+        grad = _kept_backward(*ctx.saved_tensors, g_lp, g_h, ctx.temperature, ctx.dtype, ctx.shape)
+        return grad, None, None, None, None
 
 
 # Rows per chunk of linear_kept_token_log_probs: a chunk's logits over the union hold at most this many values.
