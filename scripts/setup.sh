@@ -59,11 +59,16 @@ then
   fi
 fi
 install_once build -r scripts/requirements-build.txt
-# The example's packages install beside the build (its first ~30 s, precompiling the torch headers, keep one core
-# busy); their log is printed if pip fails.
+# The example's packages (and with --test the test suite's) install beside the build, which keeps the other core
+# busy: pip mostly waits on the network and the disk. Their log is printed if pip fails.
 mkdir -p build
-install_once train -r scripts/requirements-train.txt > build/pip-train.log 2>&1 &
-train_pip=$!
+if [ "${1:-}" = "--test" ]; then
+  { install_once train -r scripts/requirements-train.txt && install_once test -r scripts/requirements-test.txt; } \
+    > build/pip.log 2>&1 &
+else
+  install_once train -r scripts/requirements-train.txt > build/pip.log 2>&1 &
+fi
+packages_pip=$!
 
 # torch finds CUDA through CUDA_HOME or nvcc on PATH; a wrapper nvcc in /usr/local/bin would make it guess
 # /usr/local, so point it at the toolkit itself when one is installed there.
@@ -83,19 +88,16 @@ else
   if ! "$VPY" setup.py build_ext --inplace > build/setup.log 2>&1; then
     tail -n 40 build/setup.log
     echo "setup.sh: building the extension failed; the whole log is build/setup.log" >&2
-    wait "$train_pip" || true
+    wait "$packages_pip" || true
     exit 1
   fi
   grep "rl_losses: building" build/setup.log || true
   echo "$key" > "$stamp"
 fi
-if ! wait "$train_pip"; then
-  cat build/pip-train.log
-  echo "setup.sh: installing scripts/requirements-train.txt failed" >&2
+if ! wait "$packages_pip"; then
+  cat build/pip.log
+  echo "setup.sh: installing scripts/requirements-train.txt or requirements-test.txt failed" >&2
   exit 1
-fi
-if [ "${1:-}" = "--test" ]; then
-  install_once test -r scripts/requirements-test.txt
 fi
 "$VPY" - <<'PYEOF'
 import os, site
