@@ -83,11 +83,12 @@ void check_token_ratio_loss_type(const char* op, const PolicyOptions<double>& o,
 // clip_cov's and kl_cov's subset of the tokens (docs/policy_losses.md, verl's compute_policy_loss_clip_cov /
 // _kl_cov), on (N,) vectors of one device: the log-probs ℓ, old log-probs (ℓ itself on-policy), advantages A and
 // the mask m (bool; nothing outside it is read). cov_t = (A_t − mean_m A)·(ℓ_t − mean_m ℓ) over the whole batch;
-// kl_cov takes the k = max(⌊kl_cov_ratio·Σm⌋, 1) tokens of largest cov; clip_cov the first k = max(⌊clip_cov_ratio·
-// Σm⌋, 1) of torch.randperm(#candidates) over its candidates in index order (masked in, not clipped by the PPO clip,
-// clip_cov_lb < cov < clip_cov_ub), all of them if fewer. The draw is verl's: randperm from the default CPU
-// generator whatever the device, drawn whenever there is a candidate. Returns the (N,) bool flags the per-token
-// math reads (policy_token's `cov_selected`). Host synchronisations: Σm (kl_cov), and the candidates' count.
+// kl_cov takes the k = max(⌊kl_cov_ratio·Σm⌋, 1) tokens of largest cov (ties: the first in index order); clip_cov a
+// uniformly random k = max(⌊clip_cov_ratio·Σm⌋, 1) of its candidates (masked in, not clipped by the PPO clip,
+// clip_cov_lb < cov < clip_cov_ub), all of them if fewer: those of the k smallest keys of torch.rand(N,
+// dtype=float64) from the default generator of the tensors' device, drawn on every call. Returns the (N,) bool flags
+// the per-token math reads (policy_token's `cov_selected`). No host synchronisation: k and the ranks stay on the
+// device.
 at::Tensor cov_selection(const PolicyArgs& a, const PolicyOptions<double>& o, const at::Tensor& log_probs,
                          const at::Tensor& old_log_probs, const at::Tensor& advantages, const at::Tensor& mask);
 

@@ -227,13 +227,20 @@ def _verl_options(p: Policy, epsilon_low, epsilon_high):
 
 
 def _cov_selection(p: Policy, old, lp, adv, mask, epsilon_low, epsilon_high):
-    # clip_cov's / kl_cov's subset of the labelled tokens (reference_verl's), else None.
+    # clip_cov's / kl_cov's subset of the labelled tokens, else None. kl_cov's is reference_verl's; clip_cov's draw
+    # is the op's (docs/policy_losses.md): of reference_verl's candidates, the k = max(⌊ρ·Σm⌋, 1) of smallest key,
+    # the keys torch.rand over every token in float64 on the tensors' device (ties: index order).
     if p.loss_type == "kl_cov":
         return reference_verl.kl_cov_selection(lp, adv, mask, kl_cov_ratio=p.kl_cov_ratio)
     if p.loss_type == "clip_cov":
-        return reference_verl.clip_cov_selection(old, lp, adv, mask, clip_low=epsilon_low, clip_high=epsilon_high,
-                                                 clip_cov_ratio=p.clip_cov_ratio, clip_cov_lb=p.clip_cov_lb,
-                                                 clip_cov_ub=p.clip_cov_ub)
+        candidate = reference_verl.clip_cov_candidates(old, lp, adv, mask, clip_low=epsilon_low, clip_high=epsilon_high,
+                                                       clip_cov_lb=p.clip_cov_lb, clip_cov_ub=p.clip_cov_ub)
+        keys = torch.rand(mask.numel(), dtype=torch.float64, device=mask.device)
+        k = max(int(p.clip_cov_ratio * int(mask.sum())), 1)
+        first = torch.argsort(torch.where(candidate.reshape(-1), keys, 2.0), stable=True)[:k]
+        selected = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+        selected[first] = True
+        return selected.reshape(mask.shape) & candidate
     return None
 
 
