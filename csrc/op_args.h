@@ -94,7 +94,7 @@
   X(double, epsilon_high, 0.2)    \
   X(OptDouble, delta, None)
 #define RL_LOSSES_KL_WEIGHT(X) X(double, beta, 0.0)
-// The per-token options: every policy op applies them, policy_token_loss too. dro_beta: loss type dro's penalty
+// The per-token options: every policy op applies them, policy_token_loss and the fused head's policy terms too. dro_beta: loss type dro's penalty
 // (verl's policy_loss.dro_beta, no default); clip_ratio_c: dppo_tv/dppo_kl's cap of the ratio (verl's name and
 // ActorConfig default); clip_cov_* and kl_cov_ratio, ppo_kl_coef: clip_cov's and kl_cov's token selection and
 // penalty (verl's policy_loss names and defaults).
@@ -261,6 +261,8 @@
   X(at::Tensor, document_log_probs, )
 
 // ---- the fused head: label CE, z-loss and a GRPO or GSPO term in one pass (fused_head/) ---------------------------
+// Its policy terms also take the policy family's shared groups: RL_LOSSES_POLICY_TENSORS (ref_log_probs,
+// rollout_log_probs), RL_LOSSES_CLIP, RL_LOSSES_KL_WEIGHT and RL_LOSSES_POLICY_OPTIONS (registration.cpp).
 #define RL_LOSSES_FUSED_HEAD_OPTIONS(X)   \
   X(double, label_weight, 0.0)            \
   X(double, label_smoothing, 0.0)         \
@@ -271,7 +273,6 @@
   X(double, grpo_weight, 0.0)             \
   X(OptTensor, advantages, None)          \
   X(OptTensor, old_log_probs, None)       \
-  X(OptTensor, ref_log_probs, None)       \
   X(OptTensor, loss_weights, None)        \
   X(OptDouble, grpo_divisor, None)        \
   X(double, gspo_weight, 0.0)             \

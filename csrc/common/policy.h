@@ -92,9 +92,6 @@ void check_token_ratio_loss_type(const char* op, const PolicyOptions<double>& o,
 at::Tensor cov_selection(const PolicyArgs& a, const PolicyOptions<double>& o, const at::Tensor& log_probs,
                          const at::Tensor& old_log_probs, const at::Tensor& advantages, const at::Tensor& mask);
 
-// The plain objective of the fused head's policy terms: ppo_clip at the clip, the k3 KL weighted by beta.
-PolicyOptions<double> plain_policy_options(const ClipArgs& clip, double beta);
-
 // Per-sequence advantages broadcast to the tokens: (B,) for (B, T) labels (any batch shape: advantages shaped
 // like the labels' leading dimensions) become (B, T); a tensor shaped like the labels is returned as is.
 at::Tensor broadcast_per_sequence(const at::Tensor& t, const at::Tensor& target);
