@@ -94,10 +94,10 @@
   X(double, epsilon_high, 0.2)    \
   X(OptDouble, delta, None)
 #define RL_LOSSES_KL_WEIGHT(X) X(double, beta, 0.0)
-// The per-token options: every policy op applies them, policy_token_loss and the fused head's policy terms too. dro_beta: loss type dro's penalty
-// (verl's policy_loss.dro_beta, no default); clip_ratio_c: dppo_tv/dppo_kl's cap of the ratio (verl's name and
-// ActorConfig default); clip_cov_* and kl_cov_ratio, ppo_kl_coef: clip_cov's and kl_cov's token selection and
-// penalty (verl's policy_loss names and defaults).
+// The per-token options: every policy op applies them, policy_token_loss and the fused head's policy terms too.
+// dro_beta: loss type dro's penalty (verl's policy_loss.dro_beta, no default); clip_ratio_c: dppo_tv/dppo_kl's cap
+// of the ratio (verl's name and ActorConfig default); clip_cov_* and kl_cov_ratio, ppo_kl_coef: clip_cov's and
+// kl_cov's token selection and penalty (verl's policy_loss names and defaults).
 #define RL_LOSSES_POLICY_OPTIONS(X)              \
   X(std::string, loss_type, "ppo_clip")          \
   X(double, sapo_temperature_pos, 1.0)           \
