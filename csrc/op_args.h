@@ -114,18 +114,20 @@
   X(OptDoubles, rollout_mask_bounds, None)       \
   X(std::string, kl_estimator, "k3")             \
   X(bool, kl_importance_weighted, False)
-// The options that need the logits or whole sequences: the fused ops' alone (not policy_token_loss's).
 // rollout_rs, rollout_rs_threshold: verl's rollout rejection (its algorithm.rollout_correction names and threshold
 // specification, e.g. "token_k1" with "0.8_1.25", "token_k3,seq_mean_k2" with "0.02,0.03"): the tokens it rejects
-// count as unlabelled (common/policy_rejection.cpp).
+// count as unlabelled (common/policy_rejection.cpp). grpo's, gspo's and the fused head's policy terms'.
+#define RL_LOSSES_ROLLOUT_REJECTION(X) \
+  X(OptString, rollout_rs, None)       \
+  X(OptString, rollout_rs_threshold, None)
+// The options that need the logits or whole sequences: the fused ops' alone (not policy_token_loss's).
 #define RL_LOSSES_FUSED_POLICY_OPTIONS(X)   \
   X(double, entropy_coefficient, 0.0)       \
   X(double, vespo_k_pos, 2.0)               \
   X(double, vespo_lambda_pos, 3.0)          \
   X(double, vespo_k_neg, 3.0)               \
   X(double, vespo_lambda_neg, 2.0)          \
-  X(OptString, rollout_rs, None)            \
-  X(OptString, rollout_rs_threshold, None)
+  RL_LOSSES_ROLLOUT_REJECTION(X)
 // The metrics after the loss are detached: kl (mean KL estimate towards ref_log_probs), rollout_ratio_mean (mean ρ),
 // rollout_weight_mean (mean correction weight), rollout_corrected_fraction (tokens truncated or masked); GSPO adds
 // document_ratios; vespo_phi_seq_mean (the mean VESPO weight φ over the labelled sequences, 0 for the other loss
@@ -262,7 +264,8 @@
 
 // ---- the fused head: label CE, z-loss and a GRPO or GSPO term in one pass (fused_head/) ---------------------------
 // Its policy terms also take the policy family's shared groups: RL_LOSSES_POLICY_TENSORS (ref_log_probs,
-// rollout_log_probs), RL_LOSSES_CLIP, RL_LOSSES_KL_WEIGHT and RL_LOSSES_POLICY_OPTIONS (registration.cpp).
+// rollout_log_probs), RL_LOSSES_CLIP, RL_LOSSES_KL_WEIGHT, RL_LOSSES_POLICY_OPTIONS and RL_LOSSES_ROLLOUT_REJECTION
+// (registration.cpp).
 #define RL_LOSSES_FUSED_HEAD_OPTIONS(X)   \
   X(double, label_weight, 0.0)            \
   X(double, label_smoothing, 0.0)         \

@@ -213,8 +213,8 @@ TORCH_LIBRARY(rl_losses, m) {
   // shares advantages, old_log_probs, the policy tensors, the clip, beta and the per-token policy options with GRPO
   // (at most one of the two is on).
   def_loss(m, "fused_head", logits,
-           cat({RL_LOSSES_ENTRIES(RL_LOSSES_FUSED_HEAD_OPTIONS), policy_tensors, clip, kl_weight, policy, weighting,
-                scale}),
+           cat({RL_LOSSES_ENTRIES(RL_LOSSES_FUSED_HEAD_OPTIONS), policy_tensors, clip, kl_weight, policy,
+                RL_LOSSES_ENTRIES(RL_LOSSES_ROLLOUT_REJECTION), weighting, scale}),
            tp_hooks,
            RL_LOSSES_ENTRIES(RL_LOSSES_FUSED_HEAD_RESULTS));
 }

@@ -1,6 +1,7 @@
 """The fused head's policy terms with the policy family's per-token options (loss types, the rollout-engine
 correction with rollout_log_probs: token_truncate, token_mask with IcePop's bounds, the decoupled three-policy form;
-the KL estimators; GSPO's term the sequence-level correction and geo_mean too): the head equals grpo_loss /
+the KL estimators; verl's rollout rejection rollout_rs, token and sequence modes; GSPO's term the sequence-level
+correction and geo_mean too): the head equals grpo_loss /
 gspo_loss with the same options beside CE and the z-loss, and the float64 reference; what a term cannot take is
 refused by the real op and by its fake kernel with the same message."""
 import math
@@ -32,6 +33,10 @@ GRPO_CASES = {
     "kl_k2_weighted": dict(kl_estimator="k2", kl_importance_weighted=True, beta=0.05),
     "kl_k1_cispo_truncate": dict(loss_type="cispo", epsilon_high=2.0, kl_estimator="k1", beta=0.1,
                                  rollout_correction="token_truncate", rollout_cap=1.05),
+    "rs_token_k1": dict(rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25", loss_weights=True),
+    # a sequence mode over the rows of the (B, T) labels, beside IcePop's mask
+    "rs_seq_mean_k2_icepop": dict(rollout_rs="seq_mean_k2", rollout_rs_threshold="0.05",
+                                  rollout_correction="token_mask", rollout_mask_bounds=(0.7, 1.4)),
 }
 GSPO_CASES = {
     "cispo": dict(loss_type="cispo", epsilon_high=1.5),
@@ -41,6 +46,9 @@ GSPO_CASES = {
     "sequence_truncate": dict(rollout_correction="sequence_truncate", rollout_cap=1.2),
     "sequence_mask": dict(rollout_correction="sequence_mask", rollout_mask_bounds=(0.5, 1.5)),
     "kl_weighted": dict(kl_estimator="k2", kl_importance_weighted=True, beta=0.05),
+    "rs_token_k3": dict(rollout_rs="token_k3", rollout_rs_threshold="0.02"),
+    "rs_seq_sum_k1_truncate": dict(rollout_rs="seq_sum_k1", rollout_rs_threshold="0.2_5.0",
+                                   rollout_correction="sequence_truncate", rollout_cap=1.5),
 }
 
 
@@ -55,14 +63,17 @@ def make_inputs(shape, vocab, dtype, device, documents=4):
     doc = (torch.arange(n, device=device) * documents // (n - 2)).clamp_max(documents - 1)
     doc[-2:] = -1
     return dict(logits=logits, target=target, advantages=torch.randn(shape, device=device), old_log_probs=near(0.2),
-                ref_log_probs=near(0.2), rollout=near(0.25), document_index=doc.view(shape))
+                ref_log_probs=near(0.2), rollout=near(0.25), document_index=doc.view(shape),
+                weights=torch.rand(shape, device=device))
 
 
 def _policy(inputs, options):
     """The case's options with the tensors it names."""
     out = dict(options)
-    if "rollout_correction" in out:
+    if "rollout_correction" in out or "rollout_rs" in out:
         out["rollout_log_probs"] = inputs["rollout"]
+    if out.pop("loss_weights", False):
+        out["loss_weights"] = inputs["weights"]
     if out.get("beta"):
         out["ref_log_probs"] = inputs["ref_log_probs"]
     return out
@@ -160,6 +171,20 @@ BAD = [
     (dict(grpo_weight=1.0, loss_type="dro"), r"loss_type 'dro' needs dro_beta"),
     (dict(grpo_weight=1.0, rollout_correction="token_mask", rollout_log_probs=lambda d: torch.zeros(4, device=d),
           rollout_mask_bounds=[2.0, 1.0]), r"rollout_mask_bounds must satisfy lo < hi"),
+    (dict(grpo_weight=1.0, rollout_rs="token_k1", rollout_log_probs=lambda d: torch.zeros(4, device=d)),
+     "rollout_rs = 'token_k1' needs rollout_rs_threshold"),
+    (dict(grpo_weight=1.0, rollout_rs="token_k2", rollout_rs_threshold="0.1"), "rollout_rs = 'token_k2' needs "
+     "rollout_log_probs"),
+    (dict(gspo_weight=1.0, rollout_rs="seq_max_k3", rollout_rs_threshold="0.1", old_log_probs=None,
+          rollout_log_probs=lambda d: torch.zeros(4, device=d)), "rollout_rs = 'seq_max_k3' needs old_log_probs"),
+    (dict(grpo_weight=1.0, rollout_rs="seq_sum_k2", rollout_rs_threshold="0.1", document_index=None,
+          rollout_log_probs=lambda d: torch.zeros(4, device=d)), r"rollout_rs \(its sequence modes\) needs the "
+     "sequences"),
+    (dict(grpo_weight=1.0, rollout_rs="token_k3", rollout_rs_threshold="0.1",
+          rollout_log_probs=lambda d: torch.zeros(2, device=d)), r"rollout_log_probs has shape \[2\]"),
+    (dict(gspo_weight=1.0, rollout_rs="token_k3", rollout_rs_threshold="0.1",
+          rollout_log_probs=lambda d: torch.zeros(2, device=d)), r"rollout_log_probs has shape \[2\]"),
+    (dict(grpo_weight=1.0, rollout_rs_threshold="0.1"), "rollout_rs_threshold = '0.1' given without rollout_rs"),
 ]
 
 

@@ -118,8 +118,10 @@ struct RejectionRule {
   int estimator;  // 1, 2 or 3: k1 = −δ, k2 = δ²/2, k3 = e^δ − 1 − δ of δ = clamp(old − rollout, ±20)
   double lo, hi;
 };
-// The rules of the fused ops' options (none without rollout_rs); checks that the old and rollout log-probs are given.
-std::vector<RejectionRule> rollout_rejection_rules(const char* op, const FusedPolicyArgs& f, bool has_old,
+// The rules of rollout_rs and rollout_rs_threshold (none without rollout_rs); checks that the old and rollout
+// log-probs are given.
+std::vector<RejectionRule> rollout_rejection_rules(const char* op, const OptString& rollout_rs,
+                                                   const OptString& rollout_rs_threshold, bool has_old,
                                                    bool has_rollout);
 inline bool has_sequence_rule(const std::vector<RejectionRule>& rules) {
   for (const RejectionRule& r : rules) {

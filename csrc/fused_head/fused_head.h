@@ -4,7 +4,8 @@
 // computed once, the logits read once (where the CE/GRPO row kernel fuses) and one summed gradient written once.
 // Each term's value is an output of its own. The policy terms take the policy family's per-token options (op_args.h:
 // RL_LOSSES_POLICY_OPTIONS, and the token-level rollout correction with rollout_log_probs; GSPO's term the
-// sequence-level one too), each term equal to grpo_loss / gspo_loss with the same options.
+// sequence-level one too) and verl's rollout rejection (rollout_rs: the rejected tokens weigh 0 in the term, as
+// unlabelled in grpo_loss / gspo_loss), each term equal to its op with the same options.
 //
 // GSPO needs every document's sequence ratio before any gradient, so with a GSPO term the head costs what GSPO
 // alone costs: GSPO's statistics pass (or the given, all-reduced statistics), GSPO's own per-document steps
@@ -194,7 +195,7 @@ struct FusedHeadBackendImpl {
 // fused_head's arguments but the logits and the hooks (op_args.h).
 #define RL_LOSSES_FUSED_HEAD_ARGS(X)                                                                 \
   RL_LOSSES_FUSED_HEAD_OPTIONS(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_KL_WEIGHT(X) RL_LOSSES_GSPO_WEIGHTING(X) \
-  RL_LOSSES_SCALE(X)
+  RL_LOSSES_ROLLOUT_REJECTION(X) RL_LOSSES_SCALE(X)
 RL_LOSSES_ARG_GROUP(FusedHeadOwnArgs, RL_LOSSES_FUSED_HEAD_ARGS)
 struct FusedHeadArgs : FusedHeadOwnArgs {
   ClipArgs clip;

@@ -80,8 +80,8 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
   g.opt = make_policy_options(op, a.policy, &a.fused, &a.clip, a.beta, a.rollout_log_probs.has_value());
   check_sequence_ratio_loss_type(op, g.opt, a.policy);
   check_geo_mean(op, g.opt, a.token_advantages, a.policy);
-  const std::vector<RejectionRule> rules = rollout_rejection_rules(op, a.fused, a.old_log_probs.has_value(),
-                                                                   a.rollout_log_probs.has_value());
+  const std::vector<RejectionRule> rules = rollout_rejection_rules(
+      op, a.fused.rollout_rs, a.fused.rollout_rs_threshold, a.old_log_probs.has_value(), a.rollout_log_probs.has_value());
   TORCH_CHECK(rules.empty() || !document_sums, op, ": rollout_rs with document_sums (sequences split over ranks) is "
               "not fused: each rank's sums would need the whole sequence's rejection");
   g.target = f.target1d;

@@ -7,11 +7,12 @@ import math
 
 import torch
 
+from rl_losses import _checks_rejection
 from rl_losses._checks import (SEQUENCE_LOSS_TYPES, TOKEN_LOG_PROB_LOSS_TYPES, _geo_mean, acc_dtype, check_beta,
                                 check_clip, check_divisor, check_epsilons, check_label_counts, check_loss_mask,
                                 check_num_documents, check_per_token, check_per_token_int, check_row_stats,
                                 check_scale, check_weighting, per_sequence, policy_options, sampler,
-                                sequence_level_rollout)
+                                sequence_ids, sequence_level_rollout)
 from rl_losses._messages import _check, _dt, _integral, _num, _shape
 from rl_losses._schema import DISTILL_STATS
 
@@ -183,6 +184,11 @@ def fused_head(a):
             check_per_token(op, "rollout_log_probs", a["rollout_log_probs"], target)
         if a["loss_weights"] is not None:
             check_per_token(op, "loss_weights", a["loss_weights"], target)
+        modes = _checks_rejection.rollout_rejection_modes(op, a)
+        if modes and a["rollout_correction"] is None:
+            check_per_token(op, "rollout_log_probs", a["rollout_log_probs"], target)
+        if any(m.startswith("seq_") for m in modes):
+            sequence_ids(op, a["document_index"], a["num_documents"], target, "rollout_rs (its sequence modes)")
     if gspo_weight != 0:
         _fused_head_gspo(op, a)
     if a["z_loss_weight"] != 0 and a["z_loss_mask"] is not None:
@@ -217,6 +223,7 @@ def _fused_head_gspo(op, a):
            "log-prob ratio, not a sequence's: use grpo (or policy_token_loss); gspo takes 'ppo_clip', 'cispo', "
            "'sapo', 'vespo' or 'geo_mean'")
     _geo_mean(op, {**a, "token_advantages": False})
+    modes = _checks_rejection.rollout_rejection_modes(op, a)
     _check(a["advantages"] is not None and a["document_index"] is not None, op, "gspo_weight = ",
            _num(a["gspo_weight"]), " > 0 needs advantages and document_index")
     check_per_token(op, "advantages", a["advantages"], target)
@@ -231,6 +238,8 @@ def _fused_head_gspo(op, a):
         check_label_counts(op, a["label_counts"], target)
     if a["num_documents"] is not None:
         check_num_documents(op, a["num_documents"])
+    if modes and a["rollout_correction"] is None:  # the rejection's pre-pass
+        check_per_token(op, "rollout_log_probs", a["rollout_log_probs"], target)
 
 
 # ---- token_log_probs/token_log_probs.cpp -------------------------------------------------------------------------

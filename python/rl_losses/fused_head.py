@@ -36,9 +36,11 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None
         The policy terms take rl_losses.grpo_loss's per-token options by the same names (epsilon_low / epsilon_high,
             beta, ``loss_type``, its parameters, ``kl_estimator``, ``kl_importance_weighted``, the rollout-engine
             correction ``rollout_correction`` with ``rollout_log_probs``, ``rollout_cap``, ``rollout_mask_bounds``:
-            docs/policy_losses.md), each term equal to its op with them. Not fused (refused; grpo_loss and
-            gspo_loss have them): loss_type "vespo", the entropy bonus and rollout_rs; in the GRPO term, loss_type
-            "clip_cov" / "kl_cov" and the "sequence_*" corrections, which need every token's log-prob first.
+            verl's rollout rejection ``rollout_rs`` / ``rollout_rs_threshold``: docs/policy_losses.md), each term
+            equal to its op with them (the sequences of the GRPO term's seq_* rejection modes: ``document_index``,
+            else the rows of (B, T) labels). Not fused (refused; grpo_loss and gspo_loss have them): loss_type
+            "vespo" and the entropy bonus; in the GRPO term, loss_type "clip_cov" / "kl_cov" and the "sequence_*"
+            corrections, which need every token's log-prob first.
         gspo_weight: the GSPO term's weight; GRPO and GSPO are exclusive (at most one weight > 0). The GSPO term is
             rl_losses.gspo_loss with the options above at the sequence ratio (loss_type "ppo_clip", "cispo", "sapo"
             or "geo_mean"; the rollout correction per token or per document), ``weighting`` "document" or
@@ -163,7 +165,7 @@ class LanguageModelFusedHeadLoss(LanguageModelLoss):
 
 
 def _head_takes(cfg) -> bool:
-    """The policy config's options that the fused head does not take (the entropy bonus, VESPO's, rollout_rs, …) are
+    """The policy config's options that the fused head does not take (the entropy bonus, VESPO's, …) are
     at their op's defaults, and its loss type and rollout correction are those the head's term fuses."""
     op = cfg.type_name
     names = _schema.arguments(op) - _schema.arguments("fused_head")
@@ -182,7 +184,7 @@ def _policy_options(cfg, batch, name) -> dict:
     options = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in shared}
     if cfg.beta > 0:
         options["ref_log_probs"] = _require(batch, LanguageModelLossKwargs.ref_log_probs, name)
-    if cfg.rollout_correction is not None:
+    if cfg.rollout_correction is not None or options.get("rollout_rs") is not None:
         options["rollout_log_probs"] = _require(batch, LanguageModelLossKwargs.rollout_log_probs, name)
     return options
 
