@@ -94,10 +94,10 @@
   X(double, epsilon_high, 0.2)    \
   X(OptDouble, delta, None)
 #define RL_LOSSES_KL_WEIGHT(X) X(double, beta, 0.0)
-// The per-token options: every policy op applies them, policy_token_loss too. dro_beta: loss type dro's penalty
-// (verl's policy_loss.dro_beta, no default); clip_ratio_c: dppo_tv/dppo_kl's cap of the ratio (verl's name and
-// ActorConfig default); clip_cov_* and kl_cov_ratio, ppo_kl_coef: clip_cov's and kl_cov's token selection and
-// penalty (verl's policy_loss names and defaults).
+// The per-token options: every policy op applies them, policy_token_loss and the fused head's policy terms too.
+// dro_beta: loss type dro's penalty (verl's policy_loss.dro_beta, no default); clip_ratio_c: dppo_tv/dppo_kl's cap
+// of the ratio (verl's name and ActorConfig default); clip_cov_* and kl_cov_ratio, ppo_kl_coef: clip_cov's and
+// kl_cov's token selection and penalty (verl's policy_loss names and defaults).
 #define RL_LOSSES_POLICY_OPTIONS(X)              \
   X(std::string, loss_type, "ppo_clip")          \
   X(double, sapo_temperature_pos, 1.0)           \
@@ -114,18 +114,20 @@
   X(OptDoubles, rollout_mask_bounds, None)       \
   X(std::string, kl_estimator, "k3")             \
   X(bool, kl_importance_weighted, False)
-// The options that need the logits or whole sequences: the fused ops' alone (not policy_token_loss's).
 // rollout_rs, rollout_rs_threshold: verl's rollout rejection (its algorithm.rollout_correction names and threshold
 // specification, e.g. "token_k1" with "0.8_1.25", "token_k3,seq_mean_k2" with "0.02,0.03"): the tokens it rejects
-// count as unlabelled (common/policy_rejection.cpp).
+// count as unlabelled (common/policy_rejection.cpp). grpo's, gspo's and the fused head's policy terms'.
+#define RL_LOSSES_ROLLOUT_REJECTION(X) \
+  X(OptString, rollout_rs, None)       \
+  X(OptString, rollout_rs_threshold, None)
+// The options that need the logits or whole sequences: the fused ops' alone (not policy_token_loss's).
 #define RL_LOSSES_FUSED_POLICY_OPTIONS(X)   \
   X(double, entropy_coefficient, 0.0)       \
   X(double, vespo_k_pos, 2.0)               \
   X(double, vespo_lambda_pos, 3.0)          \
   X(double, vespo_k_neg, 3.0)               \
   X(double, vespo_lambda_neg, 2.0)          \
-  X(OptString, rollout_rs, None)            \
-  X(OptString, rollout_rs_threshold, None)
+  RL_LOSSES_ROLLOUT_REJECTION(X)
 // The metrics after the loss are detached: kl (mean KL estimate towards ref_log_probs), rollout_ratio_mean (mean ρ),
 // rollout_weight_mean (mean correction weight), rollout_corrected_fraction (tokens truncated or masked); GSPO adds
 // document_ratios; vespo_phi_seq_mean (the mean VESPO weight φ over the labelled sequences, 0 for the other loss
@@ -261,6 +263,9 @@
   X(at::Tensor, document_log_probs, )
 
 // ---- the fused head: label CE, z-loss and a GRPO or GSPO term in one pass (fused_head/) ---------------------------
+// Its policy terms also take the policy family's shared groups: RL_LOSSES_POLICY_TENSORS (ref_log_probs,
+// rollout_log_probs), RL_LOSSES_CLIP, RL_LOSSES_KL_WEIGHT, RL_LOSSES_POLICY_OPTIONS and RL_LOSSES_ROLLOUT_REJECTION
+// (registration.cpp).
 #define RL_LOSSES_FUSED_HEAD_OPTIONS(X)   \
   X(double, label_weight, 0.0)            \
   X(double, label_smoothing, 0.0)         \
@@ -271,7 +276,6 @@
   X(double, grpo_weight, 0.0)             \
   X(OptTensor, advantages, None)          \
   X(OptTensor, old_log_probs, None)       \
-  X(OptTensor, ref_log_probs, None)       \
   X(OptTensor, loss_weights, None)        \
   X(OptDouble, grpo_divisor, None)        \
   X(double, gspo_weight, 0.0)             \

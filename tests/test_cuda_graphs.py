@@ -127,6 +127,11 @@ CASES = [
     Case("grpo_token_truncate", *_grpo({"with_rollout": True, "rollout_correction": "token_truncate"})),
     Case("grpo_sequence_truncate", *_grpo_documents({"with_rollout": True, "rollout_correction": "sequence_truncate"})),
     Case("grpo_vespo", *_grpo_documents({"loss_type": "vespo"})),
+    # clip_cov and kl_cov: their subsets' sizes and ranks stay on the device. clip_cov takes every candidate here
+    # (k >= N), so that the replays' fresh draws and the reference's agree.
+    Case("grpo_kl_cov", *_grpo({"loss_type": "kl_cov", "kl_cov_ratio": 0.05})),
+    Case("grpo_clip_cov", *_grpo({"loss_type": "clip_cov", "clip_cov_ratio": 1.0, "clip_cov_lb": -1e3,
+                                  "clip_cov_ub": 1e3})),
     Case("gspo", lambda x, d: _gspo(rl_losses, x, d), lambda x, d: _gspo(reference, x, d)),
     Case("dpo", lambda x, d: _dpo(rl_losses, x, d), lambda x, d: _dpo(reference, x, d)),
     *(Case(f"linear_ce_{mode}",
@@ -170,6 +175,32 @@ def test_static_size_call_does_not_synchronise(case, monkeypatch):
     torch.cuda.set_sync_debug_mode("error")
     try:
         _step(case, leaves, d)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
+def test_cov_subsets_do_not_synchronise(name, monkeypatch):
+    """clip_cov's and kl_cov's subsets as they run (k a few of many candidates; the CASES' clip_cov takes them all),
+    in grpo and policy_token_loss, fwd+bwd: verl's own functions read their counts on the host."""
+    monkeypatch.delenv("RL_LOSSES_CHECK_INPUTS", raising=False)
+    d = _inputs(N, V, torch.bfloat16)
+    x = d["logits"].clone().requires_grad_()
+    y = (d["old"] + 0.1 * torch.randn_like(d["old"])).requires_grad_()
+    options = dict(loss_type=name, clip_cov_ratio=0.05, clip_cov_lb=-1e3, clip_cov_ub=1e3, kl_cov_ratio=0.05)
+
+    def step():
+        loss = rl_losses.grpo_loss(x, d["target"], d["adv"], d["old"], divisor=150.0, **options).loss
+        per_token = rl_losses.policy_token_loss(y, d["old"], d["adv"], loss_mask=d["target"] >= 0, **options).loss
+        return torch.autograd.grad(loss + per_token.sum(), (x, y))
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()

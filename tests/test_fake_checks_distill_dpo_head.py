@@ -166,6 +166,14 @@ def _bad_inputs():
         ("head_gspo_delta", lambda d: _gspo_head(d, delta=2.0), "delta is the GRPO term's two-sided clip"),
         ("head_gspo_weights", lambda d: _gspo_head(d, loss_weights=torch.zeros(4, device=d)),
          "loss_weights weigh the GRPO term's tokens"),
+        # the policy terms' options (more in test_fused_head_policy.py)
+        ("head_vespo", lambda d: _gspo_head(d, loss_type="vespo"), "loss_type 'vespo' weighs a sequence with "
+         r"vespo_k_\* and vespo_lambda_\*, options of grpo_loss and gspo_loss, not of the fused head"),
+        ("head_grpo_per_token", lambda d: _grpo_head(d, loss_type="clip_cov"), "the GRPO term takes the per-token "
+         "options; rollout_correction 'None' with loss_type 'clip_cov' needs a sequence's or the batch's"),
+        ("head_grpo_rollout_shape", lambda d: _grpo_head(d, rollout_correction="token_truncate",
+                                                         rollout_log_probs=torch.zeros(3, device=d)),
+         r"rollout_log_probs has shape \[3\] but target has shape \[4\]"),
         ("head_z_mask_dtype", lambda d: _head(d, z_loss_weight=1.0, z_loss_mask=torch.ones(4, device=d)),
          "z_loss_mask must be a bool or integer tensor, got Float"),
         ("head_z_mask_shape", lambda d: _head(d, z_loss_weight=1.0, z_loss_mask=torch.ones(5, dtype=torch.bool,

@@ -268,7 +268,8 @@ def test_head_config_fuses_gspo_and_matches_the_separate_modules(extras, device,
 
 def test_head_config_runs_what_it_cannot_fuse_on_its_own(device, monkeypatch):
     """One policy term per pass (the GRPO one here; GSPO then runs alone), and a GSPO loss with an option the head
-    does not fuse (cispo) runs alone too; the head's loss, gradient and metrics are the sums all the same."""
+    does not fuse (GSPO-token's token_advantages) runs alone too; the head's loss, gradient and metrics are the sums
+    all the same."""
     calls = []
     monkeypatch.setattr(rl_losses.fused_head, "fused_head_loss", lambda *a, **k: calls.append(k) or fused_head_loss(*a, **k))
     logits, batch = _config_batch(device, False)
@@ -276,6 +277,6 @@ def test_head_config_runs_what_it_cannot_fuse_on_its_own(device, monkeypatch):
     head_equals_separate_modules(losses, logits, batch)
     assert len(calls) == 1 and calls[0]["grpo_weight"] == 0.5 and not calls[0].get("gspo_weight")
     calls.clear()
-    losses = {"ce": {"type": "label"}, "sq": {"type": "gspo", "loss_type": "cispo"}}
+    losses = {"ce": {"type": "label"}, "sq": {"type": "gspo", "token_advantages": True}}
     head_equals_separate_modules(losses, logits, batch)
     assert not calls

@@ -2,8 +2,11 @@
 registered in verl as rl_losses_clip_cov / rl_losses_kl_cov, against verl's own functions (verl 0.9.1,
 compute_policy_loss_clip_cov / _kl_cov) and the float64 references on fresh random ragged (B, T) batches: the loss,
 its gradient w.r.t. the logits (the log-probs for policy_token_loss) and verl's metrics, for every loss_agg_mode.
-clip_cov's random subset: the op draws torch.randperm from the default CPU generator as verl does, so that the two
-agree from the same seed."""
+clip_cov's random subset: the op ranks the candidates by keys drawn on its device (no host synchronisation), verl
+takes the first k of torch.randperm on the CPU; verl's randperm is given the op's draw (`verl_draws_as_the_op`), so
+that the two agree from the same seed."""
+from unittest import mock
+
 import pytest
 import torch
 
@@ -38,9 +41,43 @@ def fresh_seed():
     return int(torch.randint(0, 2**31 - 1, ()))
 
 
+def randperm_as_the_op(candidates, device):
+    """torch.randperm(#candidates), whose first k give verl its subset, patched to the op's clip_cov draw from the
+    generator's current state: the candidates (in index order) ordered by the keys torch.rand(N, dtype=float64) on
+    ``device``."""
+    keys = torch.rand(candidates.numel(), dtype=torch.float64, device=device).cpu()
+    order = torch.argsort(keys[candidates.reshape(-1).cpu()], stable=True)
+
+    def randperm(n, **_):
+        assert n == order.numel(), (n, order.numel())
+        return order
+
+    return mock.patch.object(torch, "randperm", randperm)
+
+
+def candidates_of(old, lp, adv, mask):
+    options = CASES["clip_cov"][0]
+    return reference_verl.clip_cov_candidates(old, lp.detach(), adv, mask, clip_low=options["epsilon_low"],
+                                              clip_high=options["epsilon_high"], clip_cov_lb=options["clip_cov_lb"],
+                                              clip_cov_ub=options["clip_cov_ub"])
+
+
+@pytest.fixture
+def verl_draws_as_the_op(device, monkeypatch):
+    """verl's clip_cov (its registry's) with its torch.randperm(#candidates) returning the op's draw on ``device``,
+    taken from the generator's state at the call, as the op takes it."""
+    verl_clip_cov = core_algos.get_policy_loss_fn("clip_cov")
+
+    def clip_cov(old_log_prob, log_prob, advantages, response_mask, *args, **kwargs):
+        with randperm_as_the_op(candidates_of(old_log_prob, log_prob, advantages, response_mask), device):
+            return verl_clip_cov(old_log_prob, log_prob, advantages, response_mask, *args, **kwargs)
+
+    monkeypatch.setitem(core_algos.POLICY_LOSS_REGISTRY, "clip_cov", clip_cov)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_fused_grpo_matches_verl(name, mode, device):
+def test_fused_grpo_matches_verl(name, mode, device, verl_draws_as_the_op):
     for out, metrics, mask in fused_matches_verl(name, mode, CASES[name][0], config_of, device):
         if name == "clip_cov":  # pg_clipfrac: the subset, k of its many candidates (verl: Σ m + 1e-8)
             n = int((mask > 0).sum())
@@ -53,14 +90,15 @@ def test_fused_grpo_matches_verl(name, mode, device):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_registered_loss_matches_verl(name, mode, dtype, device):
+def test_registered_loss_matches_verl(name, mode, dtype, device, verl_draws_as_the_op):
     assert_registered_matches_verl(name, mode, dtype, config_of, device)
 
 
 @pytest.mark.parametrize("case", ["clip_cov", "kl_cov", "kl_cov-on-policy", "clip_cov-options"])
 def test_grpo_matches_reference(case, device):
     """grpo against reference.grpo_loss (reference_verl's subsets) with the policy family's other terms: the
-    rollout correction, the KL penalty, the entropy bonus, loss weights; on-policy kl_cov's penalty is 0."""
+    rollout correction, the KL penalty, the entropy bonus, loss weights; on-policy kl_cov's penalty is 0. The
+    reference runs on the op's device: clip_cov's keys come from that device's generator."""
     name = case.split("-")[0]
     logits, target, mask, old, adv, weights = batch()
     options = dict(CASES[name][0])
@@ -70,18 +108,25 @@ def test_grpo_matches_reference(case, device):
     on_policy = case.endswith("on-policy")
     old = None if on_policy else old
     results, seed = [], fresh_seed()
-    for fn, where in ((reference.grpo_loss, "cpu"), (rl_losses.grpo_loss, device)):
+    for fn, where in ((reference.grpo_loss, device), (rl_losses.grpo_loss, device)):
         x = logits.to(where).requires_grad_(True)
         moved = {k: v.to(where) if torch.is_tensor(v) else v for k, v in options.items()}
         torch.manual_seed(seed)
         out = fn(x, target.to(where), adv.to(where), None if old is None else old.to(where), loss_type=name, **moved)
         results.append((out, torch.autograd.grad(out.loss, x)[0].cpu()))
     (theirs, expected), (ours, grad) = results
-    torch.testing.assert_close(ours.loss.cpu(), theirs.loss, rtol=1e-10, atol=1e-12)
+    if name == "clip_cov":  # the draw decides: k of more candidates
+        lp = torch.log_softmax(logits, -1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        n = int((mask > 0).sum())
+        k = max(int(options["clip_cov_ratio"] * n), 1)
+        assert float(ours.clipped_fraction_high) * n == pytest.approx(k)
+        assert 1 < k < int(candidates_of(old, lp, adv, mask).sum())
+    torch.testing.assert_close(ours.loss.cpu(), theirs.loss.cpu(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grad, expected, rtol=1e-9, atol=1e-12)
     for field in ("clipped_fraction_low", "clipped_fraction_high", "ratio_mean", "kl_old", "kl", "entropy"):
         if getattr(theirs, field) is not None:
-            torch.testing.assert_close(getattr(ours, field).cpu(), getattr(theirs, field), rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(getattr(ours, field).cpu(), getattr(theirs, field).cpu(), rtol=1e-10,
+                                       atol=1e-12)
     if on_policy:  # −A·r alone (r = 1, no clip reached): the penalty's |δ| = 0
         plain = reference.grpo_loss(logits, target, adv, None).loss
         torch.testing.assert_close(ours.loss.cpu(), plain, rtol=1e-10, atol=1e-12)
@@ -93,8 +138,8 @@ def test_linear_grpo_matches_grpo(name, device):
 
 
 def test_subset_follows_the_generator(device):
-    """clip_cov's subset is the default CPU generator's draw: the same seed gives the same loss, another seed
-    (almost surely) another subset; kl_cov's top k does not depend on it."""
+    """clip_cov's subset is a draw from the default generator of the op's device: the same seed gives the same
+    loss, another seed (almost surely) another subset; kl_cov's top k does not depend on it."""
     logits, target, mask, old, adv, weights = batch()
     args = (logits.to(device), target.to(device), adv.to(device), old.to(device))
     losses = {}
@@ -113,7 +158,7 @@ def test_subset_follows_the_generator(device):
 
 def test_policy_token_matches_reference_verl(device):
     """policy_token_loss's per-token loss and gradient equal reference_verl's per-token matrices (the mask's
-    tokens only, their statistics over the mask)."""
+    tokens only, their statistics over the mask; clip_cov's torch.randperm given the op's draw)."""
     logits, target, mask, old, adv, weights = batch()
     lp = torch.log_softmax(logits, -1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
     for name, fn in (("clip_cov", reference_verl.clip_cov), ("kl_cov", reference_verl.kl_cov)):
@@ -122,7 +167,8 @@ def test_policy_token_matches_reference_verl(device):
             verl_options.update(clip_low=options["epsilon_low"], clip_high=options["epsilon_high"])
         x = lp.clone().requires_grad_(True)
         torch.manual_seed(seed)
-        expected = fn(old, x, adv, mask, **verl_options)[0]
+        with randperm_as_the_op(candidates_of(old, lp, adv, mask), device):
+            expected = fn(old, x, adv, mask, **verl_options)[0]
         y = lp.to(device).requires_grad_(True)
         torch.manual_seed(seed)
         out = rl_losses.policy_token_loss(y, old.to(device), adv.to(device), loss_mask=mask.to(device) > 0,

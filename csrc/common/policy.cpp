@@ -16,20 +16,6 @@ void check_clip(const char* op, const ClipArgs& clip, double beta, bool has_ref_
   check_beta(op, beta, has_ref_log_probs);
 }
 
-PolicyOptions<double> plain_policy_options(const ClipArgs& clip, double beta) {
-  return {.clip = {.epsilon_low = clip.epsilon_low,
-                   .epsilon_high = clip.epsilon_high,
-                   .delta = clip.delta.value_or(std::numeric_limits<double>::infinity())},
-          .loss_type = kPpoClip,
-          .sapo_tau_pos = 1.0,
-          .sapo_tau_neg = 1.0,
-          .beta = beta,
-          .kl_estimator = kKlK3,
-          .kl_importance_weighted = false,
-          .rollout_mode = kRolloutNone,
-          .rollout_cap = 1.0};  // the options left out (no entropy bonus, no VESPO) are 0
-}
-
 PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, const FusedPolicyArgs* fused,
                                           const ClipArgs* clip, double beta, bool has_rollout) {
   const FusedPolicyArgs no_fused{};

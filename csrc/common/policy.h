@@ -83,16 +83,14 @@ void check_token_ratio_loss_type(const char* op, const PolicyOptions<double>& o,
 // clip_cov's and kl_cov's subset of the tokens (docs/policy_losses.md, verl's compute_policy_loss_clip_cov /
 // _kl_cov), on (N,) vectors of one device: the log-probs ℓ, old log-probs (ℓ itself on-policy), advantages A and
 // the mask m (bool; nothing outside it is read). cov_t = (A_t − mean_m A)·(ℓ_t − mean_m ℓ) over the whole batch;
-// kl_cov takes the k = max(⌊kl_cov_ratio·Σm⌋, 1) tokens of largest cov; clip_cov the first k = max(⌊clip_cov_ratio·
-// Σm⌋, 1) of torch.randperm(#candidates) over its candidates in index order (masked in, not clipped by the PPO clip,
-// clip_cov_lb < cov < clip_cov_ub), all of them if fewer. The draw is verl's: randperm from the default CPU
-// generator whatever the device, drawn whenever there is a candidate. Returns the (N,) bool flags the per-token
-// math reads (policy_token's `cov_selected`). Host synchronisations: Σm (kl_cov), and the candidates' count.
+// kl_cov takes the k = max(⌊kl_cov_ratio·Σm⌋, 1) tokens of largest cov (ties: the first in index order); clip_cov a
+// uniformly random k = max(⌊clip_cov_ratio·Σm⌋, 1) of its candidates (masked in, not clipped by the PPO clip,
+// clip_cov_lb < cov < clip_cov_ub), all of them if fewer: those of the k smallest keys of torch.rand(N,
+// dtype=float64) from the default generator of the tensors' device, drawn on every call. Returns the (N,) bool flags
+// the per-token math reads (policy_token's `cov_selected`). No host synchronisation: k and the ranks stay on the
+// device.
 at::Tensor cov_selection(const PolicyArgs& a, const PolicyOptions<double>& o, const at::Tensor& log_probs,
                          const at::Tensor& old_log_probs, const at::Tensor& advantages, const at::Tensor& mask);
-
-// The plain objective of the fused head's policy terms: ppo_clip at the clip, the k3 KL weighted by beta.
-PolicyOptions<double> plain_policy_options(const ClipArgs& clip, double beta);
 
 // Per-sequence advantages broadcast to the tokens: (B,) for (B, T) labels (any batch shape: advantages shaped
 // like the labels' leading dimensions) become (B, T); a tensor shaped like the labels is returned as is.
@@ -120,8 +118,10 @@ struct RejectionRule {
   int estimator;  // 1, 2 or 3: k1 = −δ, k2 = δ²/2, k3 = e^δ − 1 − δ of δ = clamp(old − rollout, ±20)
   double lo, hi;
 };
-// The rules of the fused ops' options (none without rollout_rs); checks that the old and rollout log-probs are given.
-std::vector<RejectionRule> rollout_rejection_rules(const char* op, const FusedPolicyArgs& f, bool has_old,
+// The rules of rollout_rs and rollout_rs_threshold (none without rollout_rs); checks that the old and rollout
+// log-probs are given.
+std::vector<RejectionRule> rollout_rejection_rules(const char* op, const OptString& rollout_rs,
+                                                   const OptString& rollout_rs_threshold, bool has_old,
                                                    bool has_rollout);
 inline bool has_sequence_rule(const std::vector<RejectionRule>& rules) {
   for (const RejectionRule& r : rules) {

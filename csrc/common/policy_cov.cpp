@@ -1,28 +1,42 @@
-// clip_cov's and kl_cov's token selection (common/policy.h: cov_selection): O(N) steps on (N,) vectors in ATen
+// clip_cov's and kl_cov's token selection (common/policy.h: cov_selection): O(N log N) steps on (N,) vectors in ATen
 // ops, the same on every device, between the statistics pass that gives each token's log-prob and the loss pass
-// that reads the flags.
-#include <algorithm>
-#include <cstdint>
+// that reads the flags. Every count stays on the device (k is a 0-dim tensor, the subset a rank below it), so the
+// call neither waits for the device nor depends on a size the host reads: a CUDA graph can capture it.
 #include <limits>
 
 #include "common/policy.h"
 
 namespace rl_losses {
 
+namespace {
+
+// Each token's place in the order of `keys` (0: first), ties in index order: one stable sort and a scatter.
+at::Tensor rank_of(const at::Tensor& keys, bool descending) {
+  const at::Tensor order = std::get<1>(keys.sort(/*stable=*/true, /*dim=*/0, descending));
+  return at::empty_like(order).scatter_(0, order, at::arange(keys.numel(), order.options()));
+}
+
+// k = max(⌊ratio·n⌋, 1) (verl's int(ratio·n) of the masked-in count n), in float64 as the host's product was.
+at::Tensor subset_size(double ratio, const at::Tensor& n) {
+  return (n.to(at::kDouble) * ratio).floor().clamp_min(1);
+}
+
+}  // namespace
+
 at::Tensor cov_selection(const PolicyArgs& a, const PolicyOptions<double>& o, const at::Tensor& log_probs,
                          const at::Tensor& old_log_probs, const at::Tensor& advantages, const at::Tensor& mask) {
-  at::Tensor selected = at::zeros(mask.sizes(), mask.options());
-  const int64_t n = mask.sum().item<int64_t>();
-  if (n == 0) return selected;
-  // Where m = 0 nothing is read: the padding may hold NaN.
+  const at::Tensor n = mask.sum();  // int64, 0-dim on the device
+  // Where m = 0 nothing is read: the padding may hold NaN. (Without a token, the means are 0/1 and nothing is
+  // selected: every rank test below is and-ed with the mask.)
   const at::Tensor zero = at::zeros({}, log_probs.options());
   const at::Tensor lp = at::where(mask, log_probs, zero);
   const at::Tensor adv = at::where(mask, advantages, zero);
-  const at::Tensor cov = (adv - adv.sum() / double(n)) * (lp - lp.sum() / double(n));
+  const at::Tensor count = n.clamp_min(1).to(log_probs.scalar_type());
+  const at::Tensor cov = (adv - adv.sum() / count) * (lp - lp.sum() / count);
   if (o.loss_type == kKlCov) {
-    const int64_t k = std::max<int64_t>(static_cast<int64_t>(a.kl_cov_ratio * double(n)), 1);
+    // The k tokens of largest cov (verl's torch.topk; among equal values the first in index order).
     const at::Tensor ranked = at::where(mask, cov, -std::numeric_limits<double>::infinity());
-    return selected.index_fill_(0, std::get<1>(ranked.topk(k)), true);
+    return mask & rank_of(ranked, /*descending=*/true).lt(subset_size(a.kl_cov_ratio, n));
   }
   // clip_cov's candidates: the tokens the PPO clip leaves alone (verl's ~clip_by_origin, in its own form) inside
   // the covariance band.
@@ -31,13 +45,13 @@ at::Tensor cov_selection(const PolicyArgs& a, const PolicyOptions<double>& o, co
   const at::Tensor clipped = -adv * ratio.clamp(1.0 - o.clip.epsilon_low, 1.0 + o.clip.epsilon_high);
   const at::Tensor candidate = mask & clipped.gt(unclipped).logical_not() & cov.gt(a.clip_cov_lb) &
                                cov.lt(a.clip_cov_ub);
-  at::Tensor index = candidate.nonzero().squeeze(-1);
-  const int64_t count = index.size(0);
-  if (count == 0) return selected;
-  const int64_t k = std::max<int64_t>(static_cast<int64_t>(a.clip_cov_ratio * double(n)), 1);
-  const at::Tensor perm = at::randperm(count, at::TensorOptions().dtype(at::kLong));  // verl's torch.randperm(count)
-  index = index.index_select(0, perm.slice(0, 0, std::min(k, count)).to(index.device()));
-  return selected.index_fill_(0, index, true);
+  // A uniformly random k-subset of the candidates (all of them if fewer), as verl's first k of
+  // torch.randperm(#candidates): the k candidates of smallest key, the keys U(0, 1) in float64 drawn for every
+  // token from the device's default generator (a CUDA graph replays it with fresh draws), the other tokens' keys
+  // set past every candidate's.
+  const at::Tensor keys = at::rand({mask.numel()}, mask.options().dtype(at::kDouble));
+  const at::Tensor placed = at::where(candidate, keys, 2.0);
+  return candidate & rank_of(placed, /*descending=*/false).lt(subset_size(a.clip_cov_ratio, n));
 }
 
 }  // namespace rl_losses

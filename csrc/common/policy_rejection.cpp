@@ -52,15 +52,16 @@ constexpr const char* kModes[] = {"token_k1",    "token_k2",    "token_k3",    "
 
 }  // namespace
 
-std::vector<RejectionRule> rollout_rejection_rules(const char* op, const FusedPolicyArgs& f, bool has_old,
+std::vector<RejectionRule> rollout_rejection_rules(const char* op, const OptString& rollout_rs,
+                                                   const OptString& rollout_rs_threshold, bool has_old,
                                                    bool has_rollout) {
   std::vector<RejectionRule> rules;
-  if (!f.rollout_rs) {
-    TORCH_CHECK(!f.rollout_rs_threshold, op, ": rollout_rs_threshold = '", *f.rollout_rs_threshold,
+  if (!rollout_rs) {
+    TORCH_CHECK(!rollout_rs_threshold, op, ": rollout_rs_threshold = '", *rollout_rs_threshold,
                 "' given without rollout_rs");
     return rules;
   }
-  const std::string& given = *f.rollout_rs;
+  const std::string& given = *rollout_rs;
   std::vector<std::string> modes;
   for (const std::string& m : parts(given)) {
     TORCH_CHECK(std::find(std::begin(kModes), std::end(kModes), m) != std::end(kModes), op, ": rollout_rs mode '",
@@ -69,16 +70,16 @@ std::vector<RejectionRule> rollout_rejection_rules(const char* op, const FusedPo
     if (std::find(modes.begin(), modes.end(), m) == modes.end()) modes.push_back(m);
   }
   TORCH_CHECK(!modes.empty(), op, ": rollout_rs must name at least one mode, got '", given, "'");
-  TORCH_CHECK(f.rollout_rs_threshold, op, ": rollout_rs = '", given, "' needs rollout_rs_threshold (verl's "
+  TORCH_CHECK(rollout_rs_threshold, op, ": rollout_rs = '", given, "' needs rollout_rs_threshold (verl's "
               "specification: one per mode or one for all, 'lo_hi' or 'hi' for the k1 modes)");
   TORCH_CHECK(has_rollout, op, ": rollout_rs = '", given, "' needs rollout_log_probs");
   // Without old_log_probs the rules would judge the current log-probs (verl's bypass_mode): not fused.
   TORCH_CHECK(has_old, op, ": rollout_rs = '", given, "' needs old_log_probs (it judges old against rollout; "
               "verl's bypass_mode, which judges the current log-probs, is rl_losses_bypass_mode in "
               "rl_losses.integrations.verl)");
-  std::vector<std::string> specs = parts(*f.rollout_rs_threshold);
+  std::vector<std::string> specs = parts(*rollout_rs_threshold);
   TORCH_CHECK(specs.size() == 1 || specs.size() == modes.size(), op, ": rollout_rs_threshold = '",
-              *f.rollout_rs_threshold, "' must hold one threshold for all modes or one per mode (", modes.size(),
+              *rollout_rs_threshold, "' must hold one threshold for all modes or one per mode (", modes.size(),
               " in rollout_rs = '", given, "')");
   if (specs.size() == 1) specs.resize(modes.size(), specs[0]);
   for (size_t i = 0; i < modes.size(); ++i) {

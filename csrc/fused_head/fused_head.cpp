@@ -10,10 +10,22 @@ namespace rl_losses {
 
 namespace {
 
-// The GSPO term's checks and state (gspo.cpp: gspo_forward's, for the plain GSPO the head fuses: ppo_clip at the
-// sequence ratio, the k3 KL per token, no rollout correction, the document's mean advantage).
+// The policy terms' options (make_policy_options without the fused ops' own: the entropy bonus, VESPO's weight
+// parameters and rollout_rs are grpo's and gspo's alone, so loss_type 'vespo', whose weight reads them, is theirs).
+PolicyOptions<double> head_policy_options(const char* op, const FusedHeadArgs& a) {
+  // rollout_log_probs feed the correction or, without one, the rejection, which make_policy_options (here without
+  // the fused ops' arguments) does not see: it refuses them only where neither reads them.
+  const bool read = a.rollout_log_probs.has_value() && (a.policy.rollout_correction || !a.rollout_rs);
+  const PolicyOptions<double> o = make_policy_options(op, a.policy, nullptr, &a.clip, a.beta, read);
+  TORCH_CHECK(o.loss_type != kVespo, op, ": loss_type 'vespo' weighs a sequence with vespo_k_* and vespo_lambda_*, "
+              "options of grpo_loss and gspo_loss, not of the fused head: use those ops");
+  return o;
+}
+
+// The GSPO term's checks and state (gspo.cpp: gspo_forward's, for the GSPO the head fuses: the per-token policy
+// options at the sequence ratio, the document's mean advantage).
 GspoState gspo_term_state(const char* op, const FlatLogits& f, const at::Tensor& target, const FusedHeadArgs& a,
-                          const PolicyOptions<double>& options, at::ScalarType acc) {
+                          at::ScalarType acc) {
   check_epsilons(op, a.clip.epsilon_low, a.clip.epsilon_high);
   TORCH_CHECK(!a.clip.delta, op, ": delta is the GRPO term's two-sided clip; the GSPO term has none, got delta = ",
               a.clip.delta.value_or(0.0));
@@ -21,18 +33,31 @@ GspoState gspo_term_state(const char* op, const FlatLogits& f, const at::Tensor&
               "`weighting` (pass loss_weights=None)");
   check_beta(op, a.beta, a.ref_log_probs.has_value());
   check_weighting(op, a.weighting);
+  GspoState g;
+  g.opt = head_policy_options(op, a);
+  check_sequence_ratio_loss_type(op, g.opt, a.policy);
+  check_geo_mean(op, g.opt, /*token_advantages=*/false, a.policy);
+  const std::vector<RejectionRule> rules = rollout_rejection_rules(
+      op, a.rollout_rs, a.rollout_rs_threshold, a.old_log_probs.has_value(), a.rollout_log_probs.has_value());
   TORCH_CHECK(a.advantages && a.document_index, op, ": gspo_weight = ", a.gspo_weight,
               " > 0 needs advantages and document_index");
-  GspoState g;
-  g.opt = options;
   g.target = f.target1d;
   g.advantages = check_per_token(op, "advantages", *a.advantages, target, acc);
   if (a.old_log_probs) g.old_log_probs = check_per_token(op, "old_log_probs", *a.old_log_probs, target, acc);
-  if (a.beta != 0) g.ref_log_probs = check_per_token(op, "ref_log_probs", *a.ref_log_probs, target, acc);
+  set_policy_inputs(op, g, a.beta != 0 ? a.ref_log_probs : std::nullopt, a.rollout_log_probs, a.policy, target, acc);
   g.document = check_per_token_int(op, "document_index", *a.document_index, target);
   if (a.label_counts) g.label_counts = check_label_counts(op, *a.label_counts, target, acc);
   // The number of documents: given, or max(document_index) + 1 (which synchronises with the device).
   g.num_documents = document_count(op, g.document, a.num_documents);
+  if (!rules.empty()) {
+    // gspo_forward's pre-pass: the rejected tokens are unlabelled for the GSPO steps (sums, counts, coefficients).
+    const at::Tensor rollout = g.rollout_log_probs.defined()
+                                   ? g.rollout_log_probs
+                                   : check_per_token(op, "rollout_log_probs", *a.rollout_log_probs, target, acc);
+    const SequenceIds documents{g.document, 0, g.num_documents};
+    g.target = reject_rollout_tokens(rules, f.target1d, g.old_log_probs, rollout, documents);
+    if (g.label_counts.defined()) g.label_counts = recount_labels(g.label_counts, f.target1d, g.target, documents);
+  }
   g.divisor = a.gspo_divisor;
   g.token_weighting = a.weighting == "token";
   return g;
@@ -85,19 +110,45 @@ FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, co
              .label_smoothing = label_smoothing,
              .z_loss_factor = 0.0,
              .vocab_size = static_cast<double>(f.vocab_total)};
-  rows.grpo = plain_policy_options(a.clip, a.beta);
   for (int k = 0; k < kHeadTerms; ++k) rows.weight[k] = weights[k];
+  at::Tensor grpo_kept;  // the GRPO term's labels after rollout_rs (undefined without it)
   if (grpo_weight != 0) {
     check_clip(op, a.clip, a.beta, a.ref_log_probs.has_value());
+    rows.grpo = head_policy_options(op, a);
+    check_token_ratio_loss_type(op, rows.grpo, a.policy);
+    // The row pass's epilogue reads one token at a time: what needs a sequence's or the batch's log-probs first
+    // (a sequence-level correction; clip_cov's and kl_cov's subsets) is grpo_loss's.
+    TORCH_CHECK(!sequence_level_rollout(a.policy) && !cov_loss_type(rows.grpo.loss_type), op, ": the GRPO term "
+                "takes the per-token options; rollout_correction '", a.policy.rollout_correction.value_or("None"),
+                "' with loss_type '", a.policy.loss_type, "' needs a sequence's or the batch's log-probs first: use "
+                "grpo_loss for 'sequence_*' corrections, 'clip_cov' and 'kl_cov'");
     TORCH_CHECK(a.advantages && a.old_log_probs, op, ": grpo_weight = ", grpo_weight,
                 " > 0 needs advantages and old_log_probs");
     rows.advantages = check_per_token(op, "advantages", *a.advantages, target, acc);
     rows.old_log_probs = check_per_token(op, "old_log_probs", *a.old_log_probs, target, acc);
     if (a.beta != 0) rows.ref_log_probs = check_per_token(op, "ref_log_probs", *a.ref_log_probs, target, acc);
+    if (rows.grpo.rollout_mode != kRolloutNone) {
+      rows.rollout_log_probs = check_per_token(op, "rollout_log_probs", *a.rollout_log_probs, target, acc);
+    }
     if (a.loss_weights) rows.loss_weights = check_per_token(op, "loss_weights", *a.loss_weights, target, acc);
+    const std::vector<RejectionRule> rules = rollout_rejection_rules(op, a.rollout_rs, a.rollout_rs_threshold,
+                                                                     /*has_old=*/true, a.rollout_log_probs.has_value());
+    if (!rules.empty()) {
+      // grpo_forward's pre-pass: a rejected token weighs 0 in the GRPO term and leaves its default divisor.
+      const at::Tensor rollout = rows.rollout_log_probs.defined()
+                                     ? rows.rollout_log_probs
+                                     : check_per_token(op, "rollout_log_probs", *a.rollout_log_probs, target, acc);
+      SequenceIds seq;
+      if (has_sequence_rule(rules)) {
+        seq = sequence_ids(op, a.document_index, a.num_documents, target, "rollout_rs (its sequence modes)");
+      }
+      grpo_kept = reject_rollout_tokens(rules, f.target1d, rows.old_log_probs, rollout, seq);
+      const at::Tensor m = grpo_kept.ge(0).to(acc);
+      rows.loss_weights = rows.loss_weights.defined() ? rows.loss_weights * m : m;
+    }
   }
   GspoState g;
-  if (gspo_weight != 0) g = gspo_term_state(op, f, target, a, rows.grpo, acc);
+  if (gspo_weight != 0) g = gspo_term_state(op, f, target, a, acc);
   if (z_loss_weight != 0 && a.z_loss_mask) {
     const at::Tensor& m = *a.z_loss_mask;
     TORCH_CHECK(m.scalar_type() == at::kBool || at::isIntegralType(m.scalar_type(), false), op,
@@ -108,7 +159,7 @@ FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, co
     rows.z_mask = m.reshape({-1}).ne(0).to(acc).contiguous();
   }
   // Each divisor: given, or the number of the term's tokens (at least 1; no host synchronisation): the labelled
-  // ones for CE and GRPO, those of z_loss_mask (every token without one) for the z-loss. GSPO divides its shares
+  // ones for CE and GRPO (GRPO's: those rollout_rs keeps), those of z_loss_mask (every token without one) for the z-loss. GSPO divides its shares
   // itself (GspoTokenStep: by gspo_divisor, default the labelled documents).
   at::Tensor n_labelled;
   const std::optional<double> divisors[kHeadTerms - 1] = {a.label_divisor, a.z_loss_divisor, a.grpo_divisor};
@@ -118,6 +169,8 @@ FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, co
     } else if (k == kHeadZLoss) {
       rows.divisor[k] = rows.z_mask.defined() ? sum_1d(rows.z_mask).clamp_min(1)
                                               : at::full({}, static_cast<double>(std::max<int64_t>(f.n_rows, 1)), opts);
+    } else if (k == kHeadGrpo && grpo_kept.defined()) {
+      rows.divisor[k] = labelled_count(grpo_kept, acc);
     } else {
       if (!n_labelled.defined()) n_labelled = labelled_count(f.target1d, acc);
       rows.divisor[k] = n_labelled;

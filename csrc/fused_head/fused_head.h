@@ -2,7 +2,10 @@
 // cross-entropy (with smoothing), z-loss and GRPO or GSPO, each with its weight and divisor. Every term's
 // gradient is (a, b, c) of the row pass (row_pass.h), so the terms add up in one epilogue: the statistics are
 // computed once, the logits read once (where the CE/GRPO row kernel fuses) and one summed gradient written once.
-// Each term's value is an output of its own.
+// Each term's value is an output of its own. The policy terms take the policy family's per-token options (op_args.h:
+// RL_LOSSES_POLICY_OPTIONS, and the token-level rollout correction with rollout_log_probs; GSPO's term the
+// sequence-level one too) and verl's rollout rejection (rollout_rs: the rejected tokens weigh 0 in the term, as
+// unlabelled in grpo_loss / gspo_loss), each term equal to its op with the same options.
 //
 // GSPO needs every document's sequence ratio before any gradient, so with a GSPO term the head costs what GSPO
 // alone costs: GSPO's statistics pass (or the given, all-reduced statistics), GSPO's own per-document steps
@@ -38,7 +41,7 @@ struct FusedHeadEpilogue {
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
   static constexpr bool kSkipsUnlabelled = true;
   CrossEntropyOptions<acc_t> ce;  // λ = 1, ε, ζ = 0, V
-  PolicyOptions<acc_t> grpo;  // ppo_clip with the k3 KL: the plain GRPO term
+  PolicyOptions<acc_t> grpo;  // the GRPO term's (make_policy_options)
   acc_t weight[kHeadTerms];
   const acc_t* divisor[kHeadTerms];  // 0-dim each; null for GSPO (its shares are divided already)
   const int64_t* labels;             // (N,) the true labels (the row pass's may be a stand-in, see above)
@@ -46,6 +49,7 @@ struct FusedHeadEpilogue {
   const acc_t* advantages;           // null unless the GRPO term is on
   const acc_t* old_log_probs;
   const acc_t* ref_log_probs;  // null unless beta > 0
+  const acc_t* rollout_log_probs;  // null without a (token-level) rollout correction
   const acc_t* loss_weights;   // null: the label mask
   const acc_t* gspo_out;       // (N, kGspoTokenFields) GspoTokenStep's outputs; null unless the GSPO term is on
   const acc_t* gspo_coef;      // (N,) its gradient coefficients
@@ -82,9 +86,12 @@ struct FusedHeadEpilogue {
       g = {g.a + t.a, g.b + t.b, g.c + t.c};
     }
     if (weight[kHeadGrpo] != acc_t(0)) {
+      // The rollout weight of log ρ = old − rollout, as GrpoEpilogue's (1 without a correction).
+      const acc_t old = old_log_probs[row];
+      const acc_t rw = rollout_log_probs != nullptr ? rollout_weight(grpo, old - rollout_log_probs[row]) : acc_t(1);
       const PolicyToken<acc_t> t =
-          policy_token(grpo, lp, old_log_probs[row], advantages[row], ref_log_probs != nullptr,
-                       ref_log_probs != nullptr ? ref_log_probs[row] : acc_t(0), acc_t(1)).t;
+          policy_token(grpo, lp, old, advantages[row], ref_log_probs != nullptr,
+                       ref_log_probs != nullptr ? ref_log_probs[row] : acc_t(0), rw).t;
       const acc_t w = (loss_weights != nullptr ? loss_weights[row] : acc_t(1)) / *divisor[kHeadGrpo];
       o[kHeadGrpo] = zero_or_product(w, t.loss);  // a zero weight masks the token, even at an overflowed ratio
       const acc_t coef = zero_or_product(weight[kHeadGrpo] * w, t.coef);
@@ -125,12 +132,12 @@ struct FusedHeadTotals {
 
 struct FusedHeadRows {
   CrossEntropyOptions<double> ce;
-  PolicyOptions<double> grpo;
+  PolicyOptions<double> grpo{};  // (read only with the GRPO term on)
   double weight[kHeadTerms];
   at::Tensor divisor[kHeadTerms];
   at::Tensor labels;  // (N,) int64, the true labels
   at::Tensor z_mask;  // (N,) or undefined
-  at::Tensor advantages, old_log_probs, ref_log_probs, loss_weights;
+  at::Tensor advantages, old_log_probs, ref_log_probs, rollout_log_probs, loss_weights;
   at::Tensor gspo_out, gspo_coef;  // GspoState's token_out and coef, or undefined
   at::Tensor out, log_probs;
   at::Tensor scalars[kHeadTerms + 1];
@@ -151,6 +158,7 @@ FusedHeadEpilogue<acc_t> make_fused_head_epilogue(const FusedHeadRows& r) {
   e.advantages = ptr(r.advantages);
   e.old_log_probs = ptr(r.old_log_probs);
   e.ref_log_probs = ptr(r.ref_log_probs);
+  e.rollout_log_probs = ptr(r.rollout_log_probs);
   e.loss_weights = ptr(r.loss_weights);
   e.gspo_out = ptr(r.gspo_out);
   e.gspo_coef = ptr(r.gspo_coef);
@@ -185,14 +193,17 @@ struct FusedHeadBackendImpl {
 };
 
 // fused_head's arguments but the logits and the hooks (op_args.h).
-#define RL_LOSSES_FUSED_HEAD_ARGS(X) \
-  RL_LOSSES_FUSED_HEAD_OPTIONS(X) RL_LOSSES_KL_WEIGHT(X) RL_LOSSES_GSPO_WEIGHTING(X) RL_LOSSES_SCALE(X)
+#define RL_LOSSES_FUSED_HEAD_ARGS(X)                                                                 \
+  RL_LOSSES_FUSED_HEAD_OPTIONS(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_KL_WEIGHT(X) RL_LOSSES_GSPO_WEIGHTING(X) \
+  RL_LOSSES_ROLLOUT_REJECTION(X) RL_LOSSES_SCALE(X)
 RL_LOSSES_ARG_GROUP(FusedHeadOwnArgs, RL_LOSSES_FUSED_HEAD_ARGS)
 struct FusedHeadArgs : FusedHeadOwnArgs {
   ClipArgs clip;
+  PolicyArgs policy;
   void read(schema::Args& args) {
     FusedHeadOwnArgs::read(args);
     clip.read(args);
+    policy.read(args);
   }
 };
 RL_LOSSES_RESULT_GROUP(FusedHeadResults, RL_LOSSES_FUSED_HEAD_RESULTS)

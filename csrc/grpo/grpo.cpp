@@ -51,8 +51,8 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   check_token_ratio_loss_type(op, opt, a.policy);
   const bool sequence_rollout = sequence_level_rollout(a.policy);
   const bool vespo = opt.loss_type == kVespo;
-  const std::vector<RejectionRule> rules = rollout_rejection_rules(op, a.fused, a.old_log_probs.has_value(),
-                                                                   a.rollout_log_probs.has_value());
+  const std::vector<RejectionRule> rules = rollout_rejection_rules(
+      op, a.fused.rollout_rs, a.fused.rollout_rs_threshold, a.old_log_probs.has_value(), a.rollout_log_probs.has_value());
   TORCH_CHECK(rules.empty() || !vespo, op, ": rollout_rs does not apply to loss_type 'vespo' (its sequence weight "
               "would count the rejected tokens), got rollout_rs = '", a.fused.rollout_rs.value_or(""), "'");
   if (a.aggregation) {

@@ -17,8 +17,8 @@ void sum_document_terms(GspoState& g, const GspoBackend& backend) {
   backend.token_terms(g);
 }
 
-// The policy family's options of GspoState: the rollout log-probs (checked), whether ρ is per document, and whether
-// the importance-weighted KL's gradient through R_s needs its per-document sum.
+}  // namespace
+
 void set_policy_inputs(const char* op, GspoState& g, const OptTensor& ref_log_probs, const OptTensor& rollout_log_probs,
                        const PolicyArgs& policy, const at::Tensor& target, at::ScalarType acc) {
   // (rollout_rs alone reads them in the pre-pass, not as a correction)
@@ -30,8 +30,6 @@ void set_policy_inputs(const char* op, GspoState& g, const OptTensor& ref_log_pr
   g.kl_share = g.opt.kl_importance_weighted && g.opt.beta != 0 && g.ref_log_probs.defined() && !g.token_advantages;
 }
 
-// geo_mean (verl's: one advantage per sequence, no rollout correction of its own kind) is GSPO's sequence ratio
-// with the clip inside; the options it does not define are refused.
 void check_geo_mean(const char* op, const PolicyOptions<double>& o, bool token_advantages, const PolicyArgs& policy) {
   if (o.loss_type != kGeoMean) return;
   TORCH_CHECK(!token_advantages, op, ": loss_type 'geo_mean' takes its document's mean advantage, got "
@@ -39,8 +37,6 @@ void check_geo_mean(const char* op, const PolicyOptions<double>& o, bool token_a
   TORCH_CHECK(!policy.rollout_correction, op, ": loss_type 'geo_mean' takes no rollout_correction, got '",
               policy.rollout_correction.value_or(""), "'");
 }
-
-}  // namespace
 
 at::Tensor gspo_document_sums(const DocumentSumsArgs& a, const GspoBackend& backend) {
   constexpr const char* op = "gspo_document_sums";
@@ -84,8 +80,8 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
   g.opt = make_policy_options(op, a.policy, &a.fused, &a.clip, a.beta, a.rollout_log_probs.has_value());
   check_sequence_ratio_loss_type(op, g.opt, a.policy);
   check_geo_mean(op, g.opt, a.token_advantages, a.policy);
-  const std::vector<RejectionRule> rules = rollout_rejection_rules(op, a.fused, a.old_log_probs.has_value(),
-                                                                   a.rollout_log_probs.has_value());
+  const std::vector<RejectionRule> rules = rollout_rejection_rules(
+      op, a.fused.rollout_rs, a.fused.rollout_rs_threshold, a.old_log_probs.has_value(), a.rollout_log_probs.has_value());
   TORCH_CHECK(rules.empty() || !document_sums, op, ": rollout_rs with document_sums (sequences split over ranks) is "
               "not fused: each rank's sums would need the whole sequence's rejection");
   g.target = f.target1d;

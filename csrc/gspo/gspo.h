@@ -376,6 +376,15 @@ struct DocumentSumsArgs : DocumentSumsOwnArgs {
   }
 };
 
+// The policy family's options of GspoState (gspo, gspo_document_sums, the fused head's GSPO term): the rollout
+// log-probs (checked), whether ρ is per document, and whether the importance-weighted KL's gradient through R_s
+// needs its per-document sum. Reads g.opt and g.token_advantages.
+void set_policy_inputs(const char* op, GspoState& g, const OptTensor& ref_log_probs, const OptTensor& rollout_log_probs,
+                       const PolicyArgs& policy, const at::Tensor& target, at::ScalarType acc);
+// geo_mean (verl's: one advantage per sequence, no rollout correction of its own kind) is GSPO's sequence ratio
+// with the clip inside; the options it does not define are refused.
+void check_geo_mean(const char* op, const PolicyOptions<double>& o, bool token_advantages, const PolicyArgs& policy);
+
 // The per-document sums of this rank's tokens (see registration.cpp: gspo_document_sums).
 at::Tensor gspo_document_sums(const DocumentSumsArgs& a, const GspoBackend& backend);
 

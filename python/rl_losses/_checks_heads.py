@@ -7,10 +7,12 @@ import math
 
 import torch
 
-from rl_losses._checks import (SEQUENCE_LOSS_TYPES, acc_dtype, check_beta, check_clip, check_divisor, check_epsilons,
-                                check_label_counts, check_loss_mask, check_num_documents, check_per_token,
-                                check_per_token_int, check_row_stats, check_scale, check_weighting, per_sequence,
-                                policy_options, sampler, sequence_level_rollout)
+from rl_losses import _checks_rejection
+from rl_losses._checks import (SEQUENCE_LOSS_TYPES, TOKEN_LOG_PROB_LOSS_TYPES, _geo_mean, acc_dtype, check_beta,
+                                check_clip, check_divisor, check_epsilons, check_label_counts, check_loss_mask,
+                                check_num_documents, check_per_token, check_per_token_int, check_row_stats,
+                                check_scale, check_weighting, per_sequence, policy_options, sampler,
+                                sequence_ids, sequence_level_rollout)
 from rl_losses._messages import _check, _dt, _integral, _num, _shape
 from rl_losses._schema import DISTILL_STATS
 
@@ -164,14 +166,29 @@ def fused_head(a):
     check_row_stats(op, a["row_stats"], logits, target.numel())
     if grpo_weight != 0:
         check_clip(op, a)
+        _head_policy_options(op, a)
+        loss_type = a["loss_type"]
+        _check(loss_type != "geo_mean", op, "loss_type '", loss_type, "' takes the geometric mean of a sequence's "
+               "clipped ratios: use gspo")
+        _check(not sequence_level_rollout(a) and loss_type not in ("clip_cov", "kl_cov"), op, "the GRPO term takes "
+               "the per-token options; rollout_correction '", a["rollout_correction"] or "None", "' with loss_type '",
+               loss_type, "' needs a sequence's or the batch's log-probs first: use grpo_loss for 'sequence_*' "
+               "corrections, 'clip_cov' and 'kl_cov'")
         _check(a["advantages"] is not None and a["old_log_probs"] is not None, op, "grpo_weight = ",
                _num(grpo_weight), " > 0 needs advantages and old_log_probs")
         check_per_token(op, "advantages", a["advantages"], target)
         check_per_token(op, "old_log_probs", a["old_log_probs"], target)
         if a["beta"] != 0:
             check_per_token(op, "ref_log_probs", a["ref_log_probs"], target)
+        if a["rollout_correction"] is not None:
+            check_per_token(op, "rollout_log_probs", a["rollout_log_probs"], target)
         if a["loss_weights"] is not None:
             check_per_token(op, "loss_weights", a["loss_weights"], target)
+        modes = _checks_rejection.rollout_rejection_modes(op, a)
+        if modes and a["rollout_correction"] is None:
+            check_per_token(op, "rollout_log_probs", a["rollout_log_probs"], target)
+        if any(m.startswith("seq_") for m in modes):
+            sequence_ids(op, a["document_index"], a["num_documents"], target, "rollout_rs (its sequence modes)")
     if gspo_weight != 0:
         _fused_head_gspo(op, a)
     if a["z_loss_weight"] != 0 and a["z_loss_mask"] is not None:
@@ -181,6 +198,13 @@ def fused_head(a):
         _check(m.device == logits.device and list(m.shape) == list(target.shape), op,
                "z_loss_mask must have the target's shape ", _shape(target.shape), " and device ", logits.device,
                ", got ", _shape(m.shape), " on ", m.device)
+
+
+def _head_policy_options(op, a):
+    """fused_head.cpp: head_policy_options."""
+    policy_options(op, a, fused=False, clip=True)
+    _check(a["loss_type"] != "vespo", op, "loss_type 'vespo' weighs a sequence with vespo_k_* and vespo_lambda_*, "
+           "options of grpo_loss and gspo_loss, not of the fused head: use those ops")
 
 
 def _fused_head_gspo(op, a):
@@ -193,11 +217,20 @@ def _fused_head_gspo(op, a):
            "`weighting` (pass loss_weights=None)")
     check_beta(op, a["beta"], a["ref_log_probs"])
     check_weighting(op, a["weighting"])
+    _head_policy_options(op, a)
+    loss_type = a["loss_type"]
+    _check(loss_type not in TOKEN_LOG_PROB_LOSS_TYPES, op, "loss_type '", loss_type, "' weighs each token's own "
+           "log-prob ratio, not a sequence's: use grpo (or policy_token_loss); gspo takes 'ppo_clip', 'cispo', "
+           "'sapo', 'vespo' or 'geo_mean'")
+    _geo_mean(op, {**a, "token_advantages": False})
+    modes = _checks_rejection.rollout_rejection_modes(op, a)
     _check(a["advantages"] is not None and a["document_index"] is not None, op, "gspo_weight = ",
            _num(a["gspo_weight"]), " > 0 needs advantages and document_index")
     check_per_token(op, "advantages", a["advantages"], target)
     if a["old_log_probs"] is not None:  # None: on-policy
         check_per_token(op, "old_log_probs", a["old_log_probs"], target)
+    if a["rollout_correction"] is not None:  # set_policy_inputs
+        check_per_token(op, "rollout_log_probs", a["rollout_log_probs"], target)
     if a["beta"] != 0:
         check_per_token(op, "ref_log_probs", a["ref_log_probs"], target)
     check_per_token_int(op, "document_index", a["document_index"], target)
@@ -205,6 +238,8 @@ def _fused_head_gspo(op, a):
         check_label_counts(op, a["label_counts"], target)
     if a["num_documents"] is not None:
         check_num_documents(op, a["num_documents"])
+    if modes and a["rollout_correction"] is None:  # the rejection's pre-pass
+        check_per_token(op, "rollout_log_probs", a["rollout_log_probs"], target)
 
 
 # ---- token_log_probs/token_log_probs.cpp -------------------------------------------------------------------------

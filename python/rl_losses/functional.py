@@ -131,8 +131,8 @@ _POLICY_DOC = """
             of at most max(⌊clip_cov_ratio·N⌋, 1) tokens with clip_cov_lb < cov < clip_cov_ub that the clip leaves
             alone) and "kl_cov" (−A·r + ppo_kl_coef·|lp − old| on the max(⌊kl_cov_ratio·N⌋, 1) tokens of largest
             cov), cov = (A − mean A)·(lp − mean lp) over the call's labelled tokens: their statistics need every
-            log-prob first (the logits read twice); clip_cov draws from the default CPU generator, as verl's
-            torch.randperm.
+            log-prob first (the logits read twice); clip_cov draws its subset from the default generator of
+            the logits' device (no host synchronisation; not verl's torch.randperm draw).
         rollout_log_probs: (...) the inference engine's log-probs; ρ = exp(old − rollout).
         rollout_correction: None, "token_truncate", "token_mask", "sequence_truncate" or "sequence_mask" (TRL's
             vllm_importance_sampling_mode): the surrogate of each token (not its KL or entropy term) is

@@ -33,13 +33,21 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None
     Args:
         logits: (..., V) float32/bfloat16/float16/float64; target: (...) int labels, negative = no label.
         advantages, old_log_probs (and ref_log_probs with beta > 0, optional loss_weights): (...) float, for GRPO.
+        The policy terms take rl_losses.grpo_loss's per-token options by the same names (epsilon_low / epsilon_high,
+            beta, ``loss_type``, its parameters, ``kl_estimator``, ``kl_importance_weighted``, the rollout-engine
+            correction ``rollout_correction`` with ``rollout_log_probs``, ``rollout_cap``, ``rollout_mask_bounds``:
+            verl's rollout rejection ``rollout_rs`` / ``rollout_rs_threshold``: docs/policy_losses.md), each term
+            equal to its op with them (the sequences of the GRPO term's seq_* rejection modes: ``document_index``,
+            else the rows of (B, T) labels). Not fused (refused; grpo_loss and gspo_loss have them): loss_type
+            "vespo" and the entropy bonus; in the GRPO term, loss_type "clip_cov" / "kl_cov" and the "sequence_*"
+            corrections, which need every token's log-prob first.
         gspo_weight: the GSPO term's weight; GRPO and GSPO are exclusive (at most one weight > 0). The GSPO term is
-            rl_losses.gspo_loss's plain form: loss_type "ppo_clip" at the sequence ratio with epsilon_low /
-            epsilon_high, the k3 KL per token with beta, ``weighting`` "document" or "token", the documents of
-            ``document_index`` ((...) int, negative = padding; ``num_documents`` its size, default max + 1, which
-            synchronises with the host), optional ``label_counts``, ``gspo_divisor``; ``advantages`` per token
-            (averaged per document), ``old_log_probs`` None for on-policy. ``delta`` and ``loss_weights`` are the
-            GRPO term's and are refused with GSPO.
+            rl_losses.gspo_loss with the options above at the sequence ratio (loss_type "ppo_clip", "cispo", "sapo"
+            or "geo_mean"; the rollout correction per token or per document), ``weighting`` "document" or
+            "token", the documents of ``document_index`` ((...) int, negative = padding; ``num_documents`` its
+            size, default max + 1, which synchronises with the host), optional ``label_counts``, ``gspo_divisor``;
+            ``advantages`` per token (averaged per document), ``old_log_probs`` None for on-policy. ``delta`` and
+            ``loss_weights`` are the GRPO term's and are refused with GSPO.
         tp_group: vocabulary-parallel process group: ``logits`` hold this rank's columns, labels are global ids;
             the row statistics are all-reduced over the group first, then the op reads its shard once, for the
             terms and the gradient. Every output is identical on every rank; the gradient is this rank's column
@@ -87,11 +95,11 @@ class LanguageModelFusedHeadLoss(LanguageModelLoss):
         if cfg.type_name == "z_loss":
             return True
         if cfg.type_name == "grpo":
-            return cfg.loss_normalization == "token" and cfg.metrics == "none" and _plain(cfg)
-        if cfg.type_name == "gspo":  # the plain form the head fuses (rl_losses.fused_head_loss), per-token advantages
+            return cfg.loss_normalization == "token" and cfg.metrics == "none" and _head_takes(cfg)
+        if cfg.type_name == "gspo":  # the form the head fuses (rl_losses.fused_head_loss), per-token advantages
             advantages = batch.get(LanguageModelLossKwargs.advantages)
             labels = batch.get(LanguageModelLossKwargs.labels)
-            return (cfg.metrics == "none" and _plain(cfg) and cfg.delta is None and advantages is not None
+            return (cfg.metrics == "none" and _head_takes(cfg) and cfg.delta is None and advantages is not None
                     and labels is not None and advantages.shape == labels.shape)
         return False
 
@@ -124,10 +132,8 @@ class LanguageModelFusedHeadLoss(LanguageModelLoss):
             elif cfg.type_name == "z_loss":
                 kwargs.update(z_loss_weight=cfg.weight, z_loss_mask=batch.get(LanguageModelLossKwargs.loss_mask))
             elif cfg.type_name == "gspo":  # as LanguageModelGSPOLoss passes it to rl_losses.gspo_loss
-                if cfg.beta > 0:
-                    kwargs["ref_log_probs"] = _require(batch, LanguageModelLossKwargs.ref_log_probs, name)
-                kwargs.update(gspo_weight=cfg.weight, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
-                              beta=cfg.beta, weighting=cfg.weighting,
+                kwargs.update(_policy_options(cfg, batch, name))
+                kwargs.update(gspo_weight=cfg.weight,
                               document_index=_require(batch, LanguageModelLossKwargs.document_index, name),
                               num_documents=batch.get(LanguageModelLossKwargs.num_documents),
                               label_counts=batch.get(LanguageModelLossKwargs.label_counts),
@@ -135,10 +141,8 @@ class LanguageModelFusedHeadLoss(LanguageModelLoss):
                               advantages=_require(batch, LanguageModelLossKwargs.advantages, name),
                               old_log_probs=batch.get(LanguageModelLossKwargs.old_log_probabilities))
             else:
-                if cfg.beta > 0:
-                    kwargs["ref_log_probs"] = _require(batch, LanguageModelLossKwargs.ref_log_probs, name)
-                kwargs.update(grpo_weight=cfg.weight, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
-                              delta=cfg.delta, beta=cfg.beta, grpo_divisor=divisor,
+                kwargs.update(_policy_options(cfg, batch, name))
+                kwargs.update(grpo_weight=cfg.weight, grpo_divisor=divisor,
                               advantages=_require(batch, LanguageModelLossKwargs.advantages, name),
                               old_log_probs=_require(batch, LanguageModelLossKwargs.old_log_probabilities, name))
         out = fused_head_loss(logits, labels, **kwargs)
@@ -160,12 +164,29 @@ class LanguageModelFusedHeadLoss(LanguageModelLoss):
         return out.loss, metrics
 
 
-def _plain(cfg) -> bool:
-    """The policy config's options that the fused head does not take (its loss type, rollout correction, KL
-    estimator, entropy bonus, …) are at their op's defaults: the head's terms are plain GRPO and GSPO."""
+def _head_takes(cfg) -> bool:
+    """The policy config's options that the fused head does not take (the entropy bonus, VESPO's, …) are
+    at their op's defaults, and its loss type and rollout correction are those the head's term fuses."""
     op = cfg.type_name
     names = _schema.arguments(op) - _schema.arguments("fused_head")
-    return all(getattr(cfg, f.name) == _schema.default(op, f.name) for f in dataclasses.fields(cfg) if f.name in names)
+    if not all(getattr(cfg, f.name) == _schema.default(op, f.name) for f in dataclasses.fields(cfg) if f.name in names):
+        return False
+    if cfg.loss_type == "vespo":
+        return False
+    sequence_rollout = cfg.rollout_correction is not None and cfg.rollout_correction.startswith("sequence")
+    return op == "gspo" or not (sequence_rollout or cfg.loss_type in ("clip_cov", "kl_cov"))
+
+
+def _policy_options(cfg, batch, name) -> dict:
+    """The policy config's options the head shares with the config's op, by name (the clip, beta, the per-token
+    policy options), with the batch's tensors they need."""
+    shared = _schema.arguments(cfg.type_name) & _schema.arguments("fused_head")
+    options = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in shared}
+    if cfg.beta > 0:
+        options["ref_log_probs"] = _require(batch, LanguageModelLossKwargs.ref_log_probs, name)
+    if cfg.rollout_correction is not None or options.get("rollout_rs") is not None:
+        options["rollout_log_probs"] = _require(batch, LanguageModelLossKwargs.rollout_log_probs, name)
+    return options
 
 
 @torch.no_grad()

@@ -227,13 +227,20 @@ def _verl_options(p: Policy, epsilon_low, epsilon_high):
 
 
 def _cov_selection(p: Policy, old, lp, adv, mask, epsilon_low, epsilon_high):
-    # clip_cov's / kl_cov's subset of the labelled tokens (reference_verl's), else None.
+    # clip_cov's / kl_cov's subset of the labelled tokens, else None. kl_cov's is reference_verl's; clip_cov's draw
+    # is the op's (docs/policy_losses.md): of reference_verl's candidates, the k = max(⌊ρ·Σm⌋, 1) of smallest key,
+    # the keys torch.rand over every token in float64 on the tensors' device (ties: index order).
     if p.loss_type == "kl_cov":
         return reference_verl.kl_cov_selection(lp, adv, mask, kl_cov_ratio=p.kl_cov_ratio)
     if p.loss_type == "clip_cov":
-        return reference_verl.clip_cov_selection(old, lp, adv, mask, clip_low=epsilon_low, clip_high=epsilon_high,
-                                                 clip_cov_ratio=p.clip_cov_ratio, clip_cov_lb=p.clip_cov_lb,
-                                                 clip_cov_ub=p.clip_cov_ub)
+        candidate = reference_verl.clip_cov_candidates(old, lp, adv, mask, clip_low=epsilon_low, clip_high=epsilon_high,
+                                                       clip_cov_lb=p.clip_cov_lb, clip_cov_ub=p.clip_cov_ub)
+        keys = torch.rand(mask.numel(), dtype=torch.float64, device=mask.device)
+        k = max(int(p.clip_cov_ratio * int(mask.sum())), 1)
+        first = torch.argsort(torch.where(candidate.reshape(-1), keys, 2.0), stable=True)[:k]
+        selected = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+        selected[first] = True
+        return selected.reshape(mask.shape) & candidate
     return None
 
 
@@ -441,9 +448,11 @@ def fused_head_loss(logits, target, *, label_weight=0.0, label_smoothing=0.0, la
                     z_loss_divisor=None, z_loss_mask=None, grpo_weight=0.0, advantages=None, old_log_probs=None,
                     ref_log_probs=None, loss_weights=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
                     grpo_divisor=None, gspo_weight=0.0, document_index=None, num_documents=None, label_counts=None,
-                    weighting="document", gspo_divisor=None, logits_scale_factor=1.0) -> FusedHeadOutput:
+                    weighting="document", gspo_divisor=None, logits_scale_factor=1.0, rollout_log_probs=None,
+                    **policy) -> FusedHeadOutput:
     """The weighted sum of the separate losses: CE and GRPO over the labelled tokens, the z-loss over
-    ``z_loss_mask`` (every token without one), GSPO (ppo_clip, k3 KL) over the documents of ``document_index``."""
+    ``z_loss_mask`` (every token without one), GSPO over the documents of ``document_index``; both policy terms
+    with ``rollout_log_probs`` and the options of Policy (``policy``) as grpo_loss and gspo_loss take them."""
     s = logits_scale_factor
     zero = logits.new_zeros((), dtype=_work_dtype(logits))
     label = cross_entropy(logits, target, logits_scale_factor=s, label_smoothing=label_smoothing,
@@ -451,11 +460,12 @@ def fused_head_loss(logits, target, *, label_weight=0.0, label_smoothing=0.0, la
     z = z_loss(logits, loss_mask=z_loss_mask, logits_scale_factor=s, divisor=z_loss_divisor) if z_loss_weight else zero
     grpo = grpo_loss(logits, target, advantages, old_log_probs, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                      delta=delta, ref_log_probs=ref_log_probs, beta=beta, loss_weights=loss_weights,
-                     divisor=grpo_divisor, logits_scale_factor=s).loss if grpo_weight else zero
+                     divisor=grpo_divisor, logits_scale_factor=s, rollout_log_probs=rollout_log_probs,
+                     **policy).loss if grpo_weight else zero
     gspo = gspo_loss(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
                      label_counts=label_counts, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                      weighting=weighting, divisor=gspo_divisor, logits_scale_factor=s, ref_log_probs=ref_log_probs,
-                     beta=beta).loss if gspo_weight else zero
+                     beta=beta, rollout_log_probs=rollout_log_probs, **policy).loss if gspo_weight else zero
     lp = _label_logprob(torch.log_softmax(_scaled(logits, s), dim=-1), target)
     total = label_weight * label + z_loss_weight * z + grpo_weight * grpo + gspo_weight * gspo
     return FusedHeadOutput(total, label.detach(), z.detach(), grpo.detach(), lp.detach(), gspo.detach())

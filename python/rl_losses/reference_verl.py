@@ -102,23 +102,29 @@ def _covariance(advantages, log_prob, mask):
     return (advantages - _masked_mean(advantages, mask)) * (log_prob - _masked_mean(log_prob, mask))
 
 
-def clip_cov_selection(old_log_prob, log_prob, advantages, mask, *, clip_low=0.2, clip_high=0.2, clip_cov_ratio=2e-4,
-                       clip_cov_lb=1.0, clip_cov_ub=5.0, generator=None):
-    """Clip-Cov's subset (bool, detached): the first k = max(⌊ρ·Σ m⌋, 1) of torch.randperm(#candidates,
-    generator=generator) over the candidates in row-major order (all of them if fewer; drawn whenever there is a
-    candidate, as verl's, from the global generator when ``generator`` is None). A candidate is a masked-in token
-    that the PPO clip left alone (−A·clamp(r, 1 − ε_l, 1 + ε_h) <= −A·r) with lb < cov_t < ub, cov_t = (A_t −
-    mean_m A)·(ℓ_t − mean_m ℓ) over the whole batch."""
-    if not clip_cov_ratio > 0:
-        raise ValueError(f"clip_cov: clip_cov_ratio must be > 0, got clip_cov_ratio={clip_cov_ratio}")
+def clip_cov_candidates(old_log_prob, log_prob, advantages, mask, *, clip_low=0.2, clip_high=0.2, clip_cov_lb=1.0,
+                        clip_cov_ub=5.0):
+    """Clip-Cov's candidates (bool, detached): the masked-in tokens that the PPO clip left alone (−A·clamp(r, 1 − ε_l,
+    1 + ε_h) <= −A·r) with lb < cov_t < ub, cov_t = (A_t − mean_m A)·(ℓ_t − mean_m ℓ) over the whole batch."""
     with torch.no_grad():
         ratio = torch.exp(log_prob - old_log_prob)
         clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high) > -advantages * ratio
-        on = mask > 0
         cov = _covariance(advantages, log_prob, mask)
-        candidate = on & ~clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+        return (mask > 0) & ~clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+
+
+def clip_cov_selection(old_log_prob, log_prob, advantages, mask, *, clip_low=0.2, clip_high=0.2, clip_cov_ratio=2e-4,
+                       clip_cov_lb=1.0, clip_cov_ub=5.0, generator=None):
+    """Clip-Cov's subset (bool, detached), verl's draw: the first k = max(⌊ρ·Σ m⌋, 1) of torch.randperm(#candidates,
+    generator=generator) over the candidates (clip_cov_candidates) in row-major order (all of them if fewer; drawn
+    whenever there is a candidate, as verl's, from the global generator when ``generator`` is None)."""
+    if not clip_cov_ratio > 0:
+        raise ValueError(f"clip_cov: clip_cov_ratio must be > 0, got clip_cov_ratio={clip_cov_ratio}")
+    candidate = clip_cov_candidates(old_log_prob, log_prob, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+                                    clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub)
+    with torch.no_grad():
         flat = torch.nonzero(candidate.reshape(-1)).squeeze(-1)
-        k = max(int(clip_cov_ratio * int(on.sum())), 1)
+        k = max(int(clip_cov_ratio * int((mask > 0).sum())), 1)
         if flat.numel() > 0:
             flat = flat[torch.randperm(flat.numel(), generator=generator)[:k]]
         selected = torch.zeros(candidate.numel(), dtype=torch.bool, device=candidate.device)

@@ -407,8 +407,9 @@ def clip_cov_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss
                          rollout_is_weights=None):
     """verl's ``clip_cov``: PPO's clip (clip_ratio_low/high, no dual clip), 0 on a random subset of at most
     max(⌊clip_cov_ratio·N⌋, 1) of the tokens the clip leaves alone with clip_cov_lb < cov < clip_cov_ub, cov =
-    (A − mean A)·(lp − mean lp) over the micro-batch's response tokens; the subset is drawn as verl's
-    (torch.randperm from the default CPU generator). pg_clipfrac: the subset's share."""
+    (A − mean A)·(lp − mean lp) over the micro-batch's response tokens; the subset is uniformly random as verl's,
+    drawn on the tensors' device without a host synchronisation (not verl's torch.randperm draw: docs/policy_losses.md).
+    pg_clipfrac: the subset's share."""
     low, high = _clip_ratios(config)
     options = _policy_loss_options(config, ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"))
     return _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
