@@ -34,6 +34,7 @@ def _recorded(call, op: str):
         seen.append((args, kwargs))
         return packet(*args, **kwargs)
 
+    record._op = record  # the wrappers call the packet's C++ function, its `_op`, outside torch.compile
     setattr(ops, op, record)
     try:
         call()
