@@ -43,9 +43,9 @@ def _check_labels(name: str, target: torch.Tensor, vocab_size: int | None) -> No
 
 
 def _check_labels_in(name: str, target: torch.Tensor, vocab_of: torch.Tensor, dim: int) -> None:
-    # _check_labels against vocab_of.shape[dim] (none for a 0-dim vocab_of), read only where the check runs; the
-    # variable's presence is asked first, the cheapest question.
-    if _CHECK_INPUTS in _ENVIRON and target.is_cuda and vocab_of.dim() >= 1:
+    # _check_labels against vocab_of.shape[dim] (none for a 0-dim vocab_of), read only where the check runs. The
+    # wrappers call it only where the variable is present (``_CHECK_INPUTS in _ENVIRON``, the cheapest question).
+    if target.is_cuda and vocab_of.dim() >= 1:
         _check_labels(name, target, vocab_of.shape[dim])
 
 
