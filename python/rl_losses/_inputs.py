@@ -13,6 +13,12 @@ from rl_losses import _schema
 from rl_losses.outputs import PolicyLossOutput
 
 
+# The wrappers call an op's C++ function, ``torch.ops.rl_losses.<op>._op``: what the op's OpOverloadPacket calls
+# after a Python frame of its own (the arguments repacked through *args / **kwargs and a torchbind test), which
+# cost ~0.5-1 µs per fwd+bwd call on a CPU host (benchmarks/results/cpu-2026-11-27-python-layer.txt). torch.compile's
+# tracing knows the packet, not the C++ function: while it traces (this function is then True), the packet.
+_tracing = torch.compiler.is_dynamo_compiling
+
 # os.environ.get of an unset name raises and catches a KeyError inside (~2 µs a call); the dict behind os.environ,
 # which every write to os.environ updates, answers the same in a lookup.
 _ENVIRON = os.environ._data
@@ -37,9 +43,9 @@ def _check_labels(name: str, target: torch.Tensor, vocab_size: int | None) -> No
 
 
 def _check_labels_in(name: str, target: torch.Tensor, vocab_of: torch.Tensor, dim: int) -> None:
-    # _check_labels against vocab_of.shape[dim] (none for a 0-dim vocab_of), read only where the check runs; the
-    # variable's presence is asked first, the cheapest question.
-    if _CHECK_INPUTS in _ENVIRON and target.is_cuda and vocab_of.dim() >= 1:
+    # _check_labels against vocab_of.shape[dim] (none for a 0-dim vocab_of), read only where the check runs. The
+    # wrappers call it only where the variable is present (``_CHECK_INPUTS in _ENVIRON``, the cheapest question).
+    if target.is_cuda and vocab_of.dim() >= 1:
         _check_labels(name, target, vocab_of.shape[dim])
 
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from rl_losses import _schema
 from rl_losses.batch_invariance import group_sum
 from rl_losses._checks_heads import DISTILL_KINDS
-from rl_losses._inputs import _options
+from rl_losses._inputs import _options, _tracing
 from rl_losses._schema import DISTILL_STATS, DISTILL_STUDENT_SUMS, column
 from rl_losses.outputs import DistillationOutput
 
@@ -47,7 +47,8 @@ def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, *, tp_
     options = _options("distillation_loss", options, _KEYWORDS)
     if tp_group is not None:
         return _distillation_tp(logits, teacher_logits, tp_group, options)
-    return DistillationOutput(*_ops.distillation(logits, teacher_logits, **options))
+    op = _ops.distillation if _tracing() else _ops.distillation._op
+    return DistillationOutput(*op(logits, teacher_logits, **options))
 
 
 distillation_loss.__signature__ = _schema.signature("distillation", drop=_HOOKS, extra={"tp_group": None},

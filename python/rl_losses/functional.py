@@ -11,7 +11,8 @@ import functools
 import torch
 
 from rl_losses import _schema, distributed
-from rl_losses._inputs import _check_document_ids, _check_labels_in, _options, policy_output
+from rl_losses._inputs import (_CHECK_INPUTS, _ENVIRON, _check_document_ids, _check_labels_in, _options, _tracing,
+                               policy_output)
 from rl_losses.outputs import PolicyLossOutput
 
 _ops = torch.ops.rl_losses
@@ -64,8 +65,10 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None, 
     options = _options("cross_entropy", options, _CROSS_ENTROPY)
     if tp_group is not None:
         return distributed.cross_entropy(logits, target, tp_group=tp_group, **options)
-    _check_labels_in("cross_entropy", target, logits, -1)
-    return _ops.cross_entropy(logits, target, **options)[0]
+    if _CHECK_INPUTS in _ENVIRON:  # RL_LOSSES_CHECK_INPUTS set: the opt-in host checks (else one lookup)
+        _check_labels_in("cross_entropy", target, logits, -1)
+    op = _ops.cross_entropy if _tracing() else _ops.cross_entropy._op
+    return op(logits, target, **options)[0]
 
 
 _CROSS_ENTROPY = _wrapper(cross_entropy, "cross_entropy", drop=_TP_HOOKS + ("label_weight",), extra={"tp_group": None})
@@ -102,7 +105,8 @@ def z_loss(logits: torch.Tensor, *, loss_mask: torch.Tensor | None = None, tp_gr
     if tp_group is not None:
         return distributed.cross_entropy(logits, target, tp_group=tp_group, z_loss_factor=1.0, label_weight=0.0,
                                          **options)
-    return _ops.cross_entropy(logits, target, z_loss_factor=1.0, label_weight=0.0, **options)[0]
+    op = _ops.cross_entropy if _tracing() else _ops.cross_entropy._op
+    return op(logits, target, z_loss_factor=1.0, label_weight=0.0, **options)[0]
 
 
 _Z_LOSS = _wrapper(z_loss, "cross_entropy", only=("logits_scale_factor", "divisor"), extra={"loss_mask": None, "tp_group": None})
@@ -206,10 +210,12 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     options = _options("grpo_loss", options, _GRPO)
     if tp_group is not None:
         return distributed.grpo_loss(logits, target, advantages, old_log_probs, tp_group=tp_group, **options)
-    _check_labels_in("grpo", target, logits, -1)
-    if options.get("document_index") is not None:
-        _check_document_ids("grpo", options["document_index"], options.get("num_documents"))
-    return policy_output("grpo", _ops.grpo(logits, target, advantages, old_log_probs, **options), options)
+    if _CHECK_INPUTS in _ENVIRON:
+        _check_labels_in("grpo", target, logits, -1)
+        if options.get("document_index") is not None:
+            _check_document_ids("grpo", options["document_index"], options.get("num_documents"))
+    op = _ops.grpo if _tracing() else _ops.grpo._op
+    return policy_output("grpo", op(logits, target, advantages, old_log_probs, **options), options)
 
 
 _GRPO = _wrapper(grpo_loss, "grpo", drop=_TP_HOOKS, extra={"tp_group": None}, returns=PolicyLossOutput)
@@ -265,10 +271,11 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     if tp_group is not None or sdp_group is not None:
         return distributed.gspo_loss(logits, target, advantages, old_log_probs, document_index, tp_group=tp_group,
                                      sdp_group=sdp_group, **options)
-    _check_labels_in("gspo", target, logits, -1)
-    _check_document_ids("gspo", document_index, options.get("num_documents"))
-    return policy_output("gspo", _ops.gspo(logits, target, advantages, old_log_probs, document_index, **options),
-                         options)
+    if _CHECK_INPUTS in _ENVIRON:
+        _check_labels_in("gspo", target, logits, -1)
+        _check_document_ids("gspo", document_index, options.get("num_documents"))
+    op = _ops.gspo if _tracing() else _ops.gspo._op
+    return policy_output("gspo", op(logits, target, advantages, old_log_probs, document_index, **options), options)
 
 
 _GSPO = _wrapper(gspo_loss, "gspo", drop=_TP_HOOKS + ("document_sums",), extra={"tp_group": None, "sdp_group": None},
@@ -339,8 +346,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     weight gradient is summed over tokens). Returns the loss, as ``cross_entropy``."""
     options = _options("linear_cross_entropy", options, _LINEAR_CROSS_ENTROPY)
     weight = _plain_lm_head("linear_cross_entropy", hidden, weight, options)
-    _check_labels_in("linear_cross_entropy", target, weight, 0)
-    return _ops.linear_cross_entropy(hidden, weight, target, **options)[0]
+    if _CHECK_INPUTS in _ENVIRON:
+        _check_labels_in("linear_cross_entropy", target, weight, 0)
+    op = _ops.linear_cross_entropy if _tracing() else _ops.linear_cross_entropy._op
+    return op(hidden, weight, target, **options)[0]
 
 
 _LINEAR_CROSS_ENTROPY = _wrapper(linear_cross_entropy, "linear_cross_entropy", drop=("label_weight",))
@@ -352,11 +361,12 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
     ``old_log_probs`` and the options (the policy family's included) are those of ``grpo_loss``; returns its PolicyLossOutput."""
     options = _options("linear_grpo_loss", options, _LINEAR_GRPO)
     weight = _plain_lm_head("linear_grpo", hidden, weight, options)
-    _check_labels_in("linear_grpo", target, weight, 0)
-    if options.get("document_index") is not None:
-        _check_document_ids("linear_grpo", options["document_index"], options.get("num_documents"))
-    return policy_output("linear_grpo", _ops.linear_grpo(hidden, weight, target, advantages, old_log_probs, **options),
-                         options)
+    if _CHECK_INPUTS in _ENVIRON:
+        _check_labels_in("linear_grpo", target, weight, 0)
+        if options.get("document_index") is not None:
+            _check_document_ids("linear_grpo", options["document_index"], options.get("num_documents"))
+    op = _ops.linear_grpo if _tracing() else _ops.linear_grpo._op
+    return policy_output("linear_grpo", op(hidden, weight, target, advantages, old_log_probs, **options), options)
 
 
 _LINEAR_GRPO = _wrapper(linear_grpo_loss, "linear_grpo", returns=PolicyLossOutput)
@@ -370,9 +380,11 @@ def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
     for the gradient."""
     options = _options("linear_gspo_loss", options, _LINEAR_GSPO)
     weight = _plain_lm_head("linear_gspo", hidden, weight, options)
-    _check_labels_in("linear_gspo", target, weight, 0)
-    _check_document_ids("linear_gspo", document_index, options.get("num_documents"))
-    out = _ops.linear_gspo(hidden, weight, target, advantages, old_log_probs, document_index, **options)
+    if _CHECK_INPUTS in _ENVIRON:
+        _check_labels_in("linear_gspo", target, weight, 0)
+        _check_document_ids("linear_gspo", document_index, options.get("num_documents"))
+    op = _ops.linear_gspo if _tracing() else _ops.linear_gspo._op
+    out = op(hidden, weight, target, advantages, old_log_probs, document_index, **options)
     return policy_output("linear_gspo", out, options)
 
 
@@ -415,8 +427,10 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: 
         options["logits_scale_factor"] = _scale_of_temperature("token_log_probs", temperature)
     if tp_group is not None:
         return distributed.token_log_probs(logits, labels, tp_group=tp_group, **options)
-    _check_labels_in("token_log_probs", labels, logits, -1)
-    log_probs, entropy = _ops.token_log_probs(logits, labels, **options)
+    if _CHECK_INPUTS in _ENVIRON:
+        _check_labels_in("token_log_probs", labels, logits, -1)
+    op = _ops.token_log_probs if _tracing() else _ops.token_log_probs._op
+    log_probs, entropy = op(logits, labels, **options)
     return log_probs, entropy if options.get("compute_entropy") else None
 
 
@@ -436,8 +450,10 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     if temperature != _LINEAR_TOKEN_TEMPERATURE:  # as token_log_probs
         options["logits_scale_factor"] = _scale_of_temperature("linear_token_log_probs", temperature)
     weight = _plain_lm_head("linear_token_log_probs", hidden, weight, options)
-    _check_labels_in("linear_token_log_probs", labels, weight, 0)
-    log_probs, entropy = _ops.linear_token_log_probs(hidden, weight, labels, **options)
+    if _CHECK_INPUTS in _ENVIRON:
+        _check_labels_in("linear_token_log_probs", labels, weight, 0)
+    op = _ops.linear_token_log_probs if _tracing() else _ops.linear_token_log_probs._op
+    log_probs, entropy = op(hidden, weight, labels, **options)
     return log_probs, entropy if options.get("compute_entropy") else None
 
 
