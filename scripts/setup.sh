@@ -33,7 +33,9 @@ install_once() {
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return
   fi
-  "${PIP[@]}" "$@"
+  # `|| return`: called on the left of `&&` (the background installs below), a function runs without `set -e`,
+  # and a failed pip would otherwise still write the stamp.
+  "${PIP[@]}" "$@" || return
   echo "$want" > "$stamp"
 }
 

@@ -126,6 +126,40 @@ def test_equals_the_policy_op_with_the_same_options(term, case, dtype, device):
     assert_grad_close(grad, grad64, dtype, scale=8.0 if dtype == torch.bfloat16 else 2.0)
 
 
+@pytest.mark.parametrize("mode", ["seq_mean_k2", "seq_max_k3"])
+def test_grpo_sequence_rejection_over_packed_documents(mode, device):
+    """A packed 1-D batch: the GRPO term's sequence rejection groups its tokens by document_index, as grpo_loss and
+    the float64 reference do (not by rows)."""
+    documents = 4
+    i = make_inputs((123,), 97, torch.float32, device, documents)
+    # A threshold between the documents' statistics (k2 = δ²/2, k3 = e^δ − 1 − δ, δ = old − rollout): half of them
+    # are rejected, and one document over the whole batch would be judged otherwise.
+    delta = (i["old_log_probs"] - i["rollout"]).double()
+    per_token = 0.5 * delta**2 if mode.endswith("k2") else torch.exp(delta) - 1 - delta
+    labelled = i["target"] >= 0
+    stats = sorted(float(per_token[labelled & (i["document_index"] == d)].mean() if mode.startswith("seq_mean")
+                         else per_token[labelled & (i["document_index"] == d)].max()) for d in range(documents))
+    options = dict(rollout_rs=mode, rollout_rs_threshold=f"{(stats[1] + stats[2]) / 2:.6g}",
+                   rollout_log_probs=i["rollout"])
+    docs = dict(document_index=i["document_index"], num_documents=documents)
+    x = i["logits"].clone().requires_grad_()
+    out = fused_head_loss(x, i["target"], grpo_weight=1.0, advantages=i["advantages"],
+                          old_log_probs=i["old_log_probs"], **docs, **options)
+    (grad,) = torch.autograd.grad(out.loss, x)
+    y = i["logits"].clone().requires_grad_()
+    policy = rl_losses.grpo_loss(y, i["target"], i["advantages"], i["old_log_probs"], **docs, **options)
+    (expected,) = torch.autograd.grad(policy.loss, y)
+    assert_close(out.grpo_loss, policy.loss.detach(), torch.float32)
+    assert_grad_close(grad, expected, torch.float32)
+    ref = reference.fused_head_loss(i["logits"].double(), i["target"], grpo_weight=1.0, **_to64(dict(
+        advantages=i["advantages"], old_log_probs=i["old_log_probs"], **docs, **options)))
+    assert_close(out.grpo_loss, ref.grpo_loss, torch.float32)
+    one = dict(docs, document_index=i["document_index"].clamp_max(0))  # one document (and the padding)
+    other = fused_head_loss(i["logits"], i["target"], grpo_weight=1.0, advantages=i["advantages"],
+                            old_log_probs=i["old_log_probs"], **one, **options)
+    assert float(other.grpo_loss) != float(out.grpo_loss)  # the grouping matters on these inputs
+
+
 def test_the_options_change_the_term(device):
     """The cases reach their options: each term differs from the plain one (ppo_clip, no correction)."""
     i = make_inputs((3, 41), 97, torch.float32, device)

@@ -208,3 +208,15 @@ def test_compiled_matches_eager(device):
         lp, entropy = rl_losses.kept_token_log_probs(x, labels, kept_ids, temperature=0.7, compute_entropy=True)
         return (lp + 0.3 * entropy).sum(), lp, entropy
     assert_compiled_matches_eager(fn, logits, labels, kept_ids, backend="aot_eager")
+
+
+def test_no_second_derivative():
+    """The backward forms the gradient from saved, detached probabilities: a second derivative raises rather than
+    coming out as zero."""
+    logits = torch.randn(3, 10, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([1, 4, -1])
+    kept = torch.tensor([[1, 2, 3], [4, 5, -1], [0, 7, 9]])
+    log_probs, _ = rl_losses.kept_token_log_probs(logits, labels, kept)
+    (grad,) = torch.autograd.grad(log_probs.sum(), logits, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not require grad|differentiate twice"):
+        grad.pow(2).sum().backward()

@@ -60,7 +60,7 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None
     def option(name):
         return _schema.option("fused_head", options, name)
 
-    if options.get("document_index") is not None and option("gspo_weight"):
+    if options.get("document_index") is not None:  # read by GSPO's term and by the GRPO term's sequence rejection
         _check_document_ids("fused_head_loss", options["document_index"], options.get("num_documents"))
     if tp_group is not None or vocab_start is not None or vocab_size is not None:  # else the op's defaults
         options["row_stats"], options["vocab_start"], options["vocab_size"] = distributed._tp_setup(

@@ -18,6 +18,7 @@ multiplies by those |U| rows, so the work and memory scale with |U| rather than 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from rl_losses._inputs import _check_inputs_enabled
 
@@ -178,6 +179,7 @@ class _KeptLogProbs(torch.autograd.Function):
         return log_probs, entropy
 
     @staticmethod
+    @once_differentiable  # the gradient is formed from saved, detached probabilities: no second derivative
     def backward(ctx, g_lp, g_h):
         if g_lp is None and g_h is None:
             return None, None, None, None, None

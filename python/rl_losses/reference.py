@@ -458,10 +458,13 @@ def fused_head_loss(logits, target, *, label_weight=0.0, label_smoothing=0.0, la
     label = cross_entropy(logits, target, logits_scale_factor=s, label_smoothing=label_smoothing,
                           divisor=label_divisor) if label_weight else zero
     z = z_loss(logits, loss_mask=z_loss_mask, logits_scale_factor=s, divisor=z_loss_divisor) if z_loss_weight else zero
+    # The GRPO term's sequence rejection groups tokens by document_index where given (as grpo_loss does).
+    sequences = dict(document_index=document_index, num_documents=num_documents) \
+        if str(policy.get("rollout_rs") or "").startswith("seq") else {}
     grpo = grpo_loss(logits, target, advantages, old_log_probs, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                      delta=delta, ref_log_probs=ref_log_probs, beta=beta, loss_weights=loss_weights,
                      divisor=grpo_divisor, logits_scale_factor=s, rollout_log_probs=rollout_log_probs,
-                     **policy).loss if grpo_weight else zero
+                     **sequences, **policy).loss if grpo_weight else zero
     gspo = gspo_loss(logits, target, advantages, old_log_probs, document_index, num_documents=num_documents,
                      label_counts=label_counts, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                      weighting=weighting, divisor=gspo_divisor, logits_scale_factor=s, ref_log_probs=ref_log_probs,
