@@ -49,15 +49,7 @@ GspoState gspo_term_state(const char* op, const FlatLogits& f, const at::Tensor&
   if (a.label_counts) g.label_counts = check_label_counts(op, *a.label_counts, target, acc);
   // The number of documents: given, or max(document_index) + 1 (which synchronises with the device).
   g.num_documents = document_count(op, g.document, a.num_documents);
-  if (!rules.empty()) {
-    // gspo_forward's pre-pass: the rejected tokens are unlabelled for the GSPO steps (sums, counts, coefficients).
-    const at::Tensor rollout = g.rollout_log_probs.defined()
-                                   ? g.rollout_log_probs
-                                   : check_per_token(op, "rollout_log_probs", *a.rollout_log_probs, target, acc);
-    const SequenceIds documents{g.document, 0, g.num_documents};
-    g.target = reject_rollout_tokens(rules, f.target1d, g.old_log_probs, rollout, documents);
-    if (g.label_counts.defined()) g.label_counts = recount_labels(g.label_counts, f.target1d, g.target, documents);
-  }
+  reject_rollout_documents(op, g, rules, f.target1d, target, a.rollout_log_probs, acc, g.num_documents);
   g.divisor = a.gspo_divisor;
   g.token_weighting = a.weighting == "token";
   return g;

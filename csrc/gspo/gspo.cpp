@@ -65,6 +65,20 @@ at::Tensor gspo_document_sums(const DocumentSumsArgs& a, const GspoBackend& back
   return g.local_sums;
 }
 
+// The rollout rejection's pre-pass over the documents (inputs only): the tokens it rejects are unlabelled from here
+// on, in the document sums, counts, coefficients and metrics; a document it empties no longer counts.
+void reject_rollout_documents(const char* op, GspoState& g, const std::vector<RejectionRule>& rules,
+                              const at::Tensor& target1d, const at::Tensor& target, const OptTensor& rollout_log_probs,
+                              at::ScalarType acc, int64_t num_documents) {
+  if (rules.empty()) return;
+  const at::Tensor rollout = g.rollout_log_probs.defined()  // checked already where a correction reads them too
+                                 ? g.rollout_log_probs
+                                 : check_per_token(op, "rollout_log_probs", *rollout_log_probs, target, acc);
+  const SequenceIds documents{g.document, 0, num_documents};
+  g.target = reject_rollout_tokens(rules, target1d, g.old_log_probs, rollout, documents);
+  if (g.label_counts.defined()) g.label_counts = recount_labels(g.label_counts, target1d, g.target, documents);
+}
+
 PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoArgs& a, const OptTensor& row_stats,
                            const OptTensor& document_sums, const GspoBackend& backend) {
   const char* op = src.op();
@@ -105,16 +119,7 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
     adv = adv.index_select(0, at::where(g.document >= 0, g.document, at::zeros_like(g.document))).view(target.sizes());
   }
   g.advantages = check_per_token(op, "advantages", adv, target, acc);
-  if (!rules.empty()) {
-    // The rollout rejection's pre-pass over the documents (inputs only): the tokens it rejects are unlabelled from
-    // here on, in the document sums, counts, coefficients and metrics; a document it empties no longer counts.
-    const at::Tensor rollout = g.rollout_log_probs.defined()  // checked already where a correction reads them too
-                                   ? g.rollout_log_probs
-                                   : check_per_token(op, "rollout_log_probs", *a.rollout_log_probs, target, acc);
-    const SequenceIds documents{g.document, 0, n_docs};
-    g.target = reject_rollout_tokens(rules, f.target1d, g.old_log_probs, rollout, documents);
-    if (g.label_counts.defined()) g.label_counts = recount_labels(g.label_counts, f.target1d, g.target, documents);
-  }
+  reject_rollout_documents(op, g, rules, f.target1d, target, a.rollout_log_probs, acc, n_docs);
   if (document_sums) {
     // (S, 3), the sums without the policy family's columns, is accepted where those are unused.
     const bool basic = !g.rollout_log_probs.defined() && g.opt.loss_type != kVespo && !g.kl_share;

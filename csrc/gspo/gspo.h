@@ -376,14 +376,16 @@ struct DocumentSumsArgs : DocumentSumsOwnArgs {
   }
 };
 
-// The policy family's options of GspoState (gspo, gspo_document_sums, the fused head's GSPO term): the rollout
-// log-probs (checked), whether ρ is per document, and whether the importance-weighted KL's gradient through R_s
-// needs its per-document sum. Reads g.opt and g.token_advantages.
+// The policy family's options of GspoState (gspo, gspo_document_sums, the fused head's GSPO term): rollout log-probs
+// (checked), whether ρ is per document, whether the weighted KL's gradient needs R_s's per-document sum.
 void set_policy_inputs(const char* op, GspoState& g, const OptTensor& ref_log_probs, const OptTensor& rollout_log_probs,
                        const PolicyArgs& policy, const at::Tensor& target, at::ScalarType acc);
-// geo_mean (verl's: one advantage per sequence, no rollout correction of its own kind) is GSPO's sequence ratio
-// with the clip inside; the options it does not define are refused.
+// geo_mean (verl's, one advantage per sequence): GSPO's sequence ratio, clip inside; other options refused.
 void check_geo_mean(const char* op, const PolicyOptions<double>& o, bool token_advantages, const PolicyArgs& policy);
+// The rollout rejection's pre-pass over g's documents (gspo.cpp): g.target less the rejected tokens, counts redone.
+void reject_rollout_documents(const char* op, GspoState& g, const std::vector<RejectionRule>& rules,
+                              const at::Tensor& target1d, const at::Tensor& target, const OptTensor& rollout_log_probs,
+                              at::ScalarType acc, int64_t num_documents);
 
 // The per-document sums of this rank's tokens (see registration.cpp: gspo_document_sums).
 at::Tensor gspo_document_sums(const DocumentSumsArgs& a, const GspoBackend& backend);
