@@ -13,11 +13,16 @@ from rl_losses import _schema
 from rl_losses.outputs import PolicyLossOutput
 
 
-# The wrappers call an op's C++ function, ``torch.ops.rl_losses.<op>._op``: what the op's OpOverloadPacket calls
-# after a Python frame of its own (the arguments repacked through *args / **kwargs and a torchbind test), which
-# cost ~0.5-1 µs per fwd+bwd call on a CPU host (benchmarks/results/cpu-2026-11-27-python-layer.txt). torch.compile's
-# tracing knows the packet, not the C++ function: while it traces (this function is then True), the packet.
 _tracing = torch.compiler.is_dynamo_compiling
+
+
+def _direct(packet):
+    """What the wrappers call for ``torch.ops.rl_losses.<op>``: the op's C++ function (``packet._op``), which the
+    OpOverloadPacket calls after a Python frame of its own (the arguments repacked through *args / **kwargs and a
+    torchbind test) that cost ~0.5-1 µs per fwd+bwd call on a CPU host
+    (benchmarks/results/cpu-2026-11-27-python-layer.txt). torch.compile's tracing knows the packet, not the C++
+    function: while it traces, the packet."""
+    return packet if _tracing() else packet._op
 
 # os.environ.get of an unset name raises and catches a KeyError inside (~2 µs a call); the dict behind os.environ,
 # which every write to os.environ updates, answers the same in a lookup.

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from rl_losses import _schema
 from rl_losses.batch_invariance import group_sum
 from rl_losses._checks_heads import DISTILL_KINDS
-from rl_losses._inputs import _options, _tracing
+from rl_losses._inputs import _direct, _options
 from rl_losses._schema import DISTILL_STATS, DISTILL_STUDENT_SUMS, column
 from rl_losses.outputs import DistillationOutput
 
@@ -47,7 +47,7 @@ def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, *, tp_
     options = _options("distillation_loss", options, _KEYWORDS)
     if tp_group is not None:
         return _distillation_tp(logits, teacher_logits, tp_group, options)
-    op = _ops.distillation if _tracing() else _ops.distillation._op
+    op = _direct(_ops.distillation)
     return DistillationOutput(*op(logits, teacher_logits, **options))
 
 

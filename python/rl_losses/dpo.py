@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rl_losses import _schema, distributed
-from rl_losses._inputs import _check_inputs_enabled, _options, _tracing
+from rl_losses._inputs import _check_inputs_enabled, _direct, _options
 from rl_losses.outputs import DpoOutput
 
 _ops = torch.ops.rl_losses
@@ -47,7 +47,7 @@ def dpo_loss(logits: torch.Tensor, target: torch.Tensor, document_index: torch.T
         options["row_stats"], options["vocab_start"], options["vocab_size"] = distributed._tp_setup(
             "dpo", logits, target, tp_group, _schema.option("dpo", options, "logits_scale_factor"), vocab_start,
             vocab_size)
-    op = _ops.dpo if _tracing() else _ops.dpo._op
+    op = _direct(_ops.dpo)
     out = op(logits, target, document_index, pairs, reference_chosen_log_probs, reference_rejected_log_probs, **options)
     return DpoOutput._make(_RESULTS(out))
 

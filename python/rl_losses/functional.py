@@ -11,7 +11,7 @@ import functools
 import torch
 
 from rl_losses import _schema, distributed
-from rl_losses._inputs import (_CHECK_INPUTS, _ENVIRON, _check_document_ids, _check_labels_in, _options, _tracing,
+from rl_losses._inputs import (_CHECK_INPUTS, _ENVIRON, _check_document_ids, _check_labels_in, _direct, _options,
                                policy_output)
 from rl_losses.outputs import PolicyLossOutput
 
@@ -67,7 +67,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None, 
         return distributed.cross_entropy(logits, target, tp_group=tp_group, **options)
     if _CHECK_INPUTS in _ENVIRON:  # RL_LOSSES_CHECK_INPUTS set: the opt-in host checks (else one lookup)
         _check_labels_in("cross_entropy", target, logits, -1)
-    op = _ops.cross_entropy if _tracing() else _ops.cross_entropy._op
+    op = _direct(_ops.cross_entropy)
     return op(logits, target, **options)[0]
 
 
@@ -105,7 +105,7 @@ def z_loss(logits: torch.Tensor, *, loss_mask: torch.Tensor | None = None, tp_gr
     if tp_group is not None:
         return distributed.cross_entropy(logits, target, tp_group=tp_group, z_loss_factor=1.0, label_weight=0.0,
                                          **options)
-    op = _ops.cross_entropy if _tracing() else _ops.cross_entropy._op
+    op = _direct(_ops.cross_entropy)
     return op(logits, target, z_loss_factor=1.0, label_weight=0.0, **options)[0]
 
 
@@ -214,7 +214,7 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         _check_labels_in("grpo", target, logits, -1)
         if options.get("document_index") is not None:
             _check_document_ids("grpo", options["document_index"], options.get("num_documents"))
-    op = _ops.grpo if _tracing() else _ops.grpo._op
+    op = _direct(_ops.grpo)
     return policy_output("grpo", op(logits, target, advantages, old_log_probs, **options), options)
 
 
@@ -274,7 +274,7 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     if _CHECK_INPUTS in _ENVIRON:
         _check_labels_in("gspo", target, logits, -1)
         _check_document_ids("gspo", document_index, options.get("num_documents"))
-    op = _ops.gspo if _tracing() else _ops.gspo._op
+    op = _direct(_ops.gspo)
     return policy_output("gspo", op(logits, target, advantages, old_log_probs, document_index, **options), options)
 
 
@@ -348,7 +348,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     weight = _plain_lm_head("linear_cross_entropy", hidden, weight, options)
     if _CHECK_INPUTS in _ENVIRON:
         _check_labels_in("linear_cross_entropy", target, weight, 0)
-    op = _ops.linear_cross_entropy if _tracing() else _ops.linear_cross_entropy._op
+    op = _direct(_ops.linear_cross_entropy)
     return op(hidden, weight, target, **options)[0]
 
 
@@ -365,7 +365,7 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
         _check_labels_in("linear_grpo", target, weight, 0)
         if options.get("document_index") is not None:
             _check_document_ids("linear_grpo", options["document_index"], options.get("num_documents"))
-    op = _ops.linear_grpo if _tracing() else _ops.linear_grpo._op
+    op = _direct(_ops.linear_grpo)
     return policy_output("linear_grpo", op(hidden, weight, target, advantages, old_log_probs, **options), options)
 
 
@@ -383,7 +383,7 @@ def linear_gspo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
     if _CHECK_INPUTS in _ENVIRON:
         _check_labels_in("linear_gspo", target, weight, 0)
         _check_document_ids("linear_gspo", document_index, options.get("num_documents"))
-    op = _ops.linear_gspo if _tracing() else _ops.linear_gspo._op
+    op = _direct(_ops.linear_gspo)
     out = op(hidden, weight, target, advantages, old_log_probs, document_index, **options)
     return policy_output("linear_gspo", out, options)
 
@@ -429,7 +429,7 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: 
         return distributed.token_log_probs(logits, labels, tp_group=tp_group, **options)
     if _CHECK_INPUTS in _ENVIRON:
         _check_labels_in("token_log_probs", labels, logits, -1)
-    op = _ops.token_log_probs if _tracing() else _ops.token_log_probs._op
+    op = _direct(_ops.token_log_probs)
     log_probs, entropy = op(logits, labels, **options)
     return log_probs, entropy if options.get("compute_entropy") else None
 
@@ -452,7 +452,7 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     weight = _plain_lm_head("linear_token_log_probs", hidden, weight, options)
     if _CHECK_INPUTS in _ENVIRON:
         _check_labels_in("linear_token_log_probs", labels, weight, 0)
-    op = _ops.linear_token_log_probs if _tracing() else _ops.linear_token_log_probs._op
+    op = _direct(_ops.linear_token_log_probs)
     log_probs, entropy = op(hidden, weight, labels, **options)
     return log_probs, entropy if options.get("compute_entropy") else None
 

@@ -8,7 +8,7 @@ import typing
 import torch
 
 from rl_losses import _schema, distributed
-from rl_losses._inputs import _check_document_ids, _options, _tracing
+from rl_losses._inputs import _check_document_ids, _direct, _options
 from rl_losses.losses import Batch, LanguageModelLoss, LanguageModelLossKwargs, _require
 from rl_losses.outputs import FusedHeadOutput
 
@@ -66,7 +66,7 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None
         options["row_stats"], options["vocab_start"], options["vocab_size"] = distributed._tp_setup(
             "fused_head_loss", logits, target, tp_group, option("logits_scale_factor"), vocab_start, vocab_size,
             smoothing=option("label_smoothing") != 0 and option("label_weight") != 0)
-    out = (_ops.fused_head if _tracing() else _ops.fused_head._op)(logits, target, **options)
+    out = _direct(_ops.fused_head)(logits, target, **options)
     return FusedHeadOutput._make(_RESULTS(out))
 
 

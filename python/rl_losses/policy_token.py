@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from rl_losses import _schema
-from rl_losses._inputs import _options, _tracing
+from rl_losses._inputs import _direct, _options
 
 _ops = torch.ops.rl_losses
 
@@ -54,7 +54,7 @@ def policy_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor | Non
             and every output, the gradient included, is 0.
     """
     options = _options("policy_token_loss", options, _KEYWORDS)
-    op = _ops.policy_token_loss if _tracing() else _ops.policy_token_loss._op
+    op = _direct(_ops.policy_token_loss)
     out = op(log_probs, old_log_probs, advantages, **options)
     return PolicyTokenOutput._make(_RESULTS(out))
 
