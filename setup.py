@@ -105,22 +105,24 @@ def runs_cpu_loops(source: str) -> bool:
     return "common/row_pass_cpu.h" in text or "at::parallel_for" in text
 
 
+UNITY_GLUE = os.path.join(os.environ.get("RL_LOSSES_BUILD_BASE") or "build", "unity", "glue.cpp")
+
+
 def unity_glue(cpp: list[str]) -> list[str]:
     """The C++ files without CPU loops (argument checks, ATen calls, registration: "glue") compiled as one
-    translation unit, a file of #include lines in the build folder. Apart, each paid about 1.6 s of CPU to load the
-    precompiled header and instantiate the templates it leaves pending, and they instantiate mostly the same ATen
-    templates: 22 files took about 100 CPU-s apart and 17 s together at -O1 (docs/performance.md, "Installing and building").
-    The files keep their own names for what they define inside anonymous namespaces, so no two may define the
-    same one (GCC says which). The file is rewritten only when the list changes; ninja's dependency files see
-    edits to the files it includes."""
+    translation unit, UNITY_GLUE, a file of #include lines in the build folder. Apart, each paid about 1.6 s of CPU
+    to load the precompiled header and instantiate the templates it leaves pending, and they instantiate mostly the
+    same ATen templates: 22 files took about 100 CPU-s apart and 17 s together at -O1 (docs/performance.md,
+    "Installing and building"). The files keep their own names for what they define inside anonymous namespaces,
+    so no two may define the same one (GCC says which). The file is rewritten only when the list changes; ninja's
+    dependency files see edits to the files it includes."""
     glue = [s for s in cpp if not runs_cpu_loops(s)]
-    unity = os.path.join(os.environ.get("RL_LOSSES_BUILD_BASE") or "build", "unity", "glue.cpp")
     text = "".join(f'#include "{os.path.relpath(s, "csrc")}"\n' for s in glue)
-    if not os.path.exists(unity) or open(unity).read() != text:
-        os.makedirs(os.path.dirname(unity), exist_ok=True)
-        with open(unity, "w") as f:
+    if not os.path.exists(UNITY_GLUE) or open(UNITY_GLUE).read() != text:
+        os.makedirs(os.path.dirname(UNITY_GLUE), exist_ok=True)
+        with open(UNITY_GLUE, "w") as f:
             f.write(text)
-    return [s for s in cpp if s not in glue] + [unity]
+    return [s for s in cpp if s not in glue] + [UNITY_GLUE]
 
 
 sources = unity_glue(sources)
@@ -185,7 +187,7 @@ def glue_at_o1(write_ninja_file):
     def write(**kwargs):
         write_ninja_file(**kwargs)
         glue = {obj for src, obj in zip(kwargs["sources"], kwargs["objects"])
-                if src.endswith(".cpp") and not runs_cpu_loops(src)}
+                if os.path.abspath(src) == os.path.abspath(UNITY_GLUE)}
         with open(kwargs["path"]) as f:
             lines = f.read().splitlines()
         out = []
