@@ -311,12 +311,23 @@ def policy_options(op, a, *, fused: bool, clip: bool, sequence_ratio: bool = Fal
     if fused:
         e = a["entropy_coefficient"]
         _check(math.isfinite(e), op, "entropy_coefficient must be finite, got ", _num(e))
-    _check(not sequence_ratio or loss_type not in TOKEN_LOG_PROB_LOSS_TYPES, op, "loss_type '", loss_type, "' weighs "
-           "each token's own log-prob ratio, not a sequence's: use grpo (or policy_token_loss); gspo takes "
-           "'ppo_clip', 'cispo', 'sapo', 'vespo' or 'geo_mean'")
-    # check_token_ratio_loss_type: grpo's (fused, per-token ratio); policy_token_loss refuses it after this.
-    _check(sequence_ratio or not fused or loss_type != "geo_mean", op, "loss_type '", loss_type, "' takes the "
-           "geometric mean of a sequence's clipped ratios: use gspo")
+    if sequence_ratio:
+        check_sequence_ratio_loss_type(op, loss_type)
+    elif fused:  # grpo's (per-token ratio); policy_token_loss refuses it after this
+        check_token_ratio_loss_type(op, loss_type)
+
+
+def check_sequence_ratio_loss_type(op, loss_type):
+    """policy.cpp: check_sequence_ratio_loss_type."""
+    _check(loss_type not in TOKEN_LOG_PROB_LOSS_TYPES, op, "loss_type '", loss_type, "' weighs each token's own "
+           "log-prob ratio, not a sequence's: use grpo (or policy_token_loss); gspo takes 'ppo_clip', 'cispo', "
+           "'sapo', 'vespo' or 'geo_mean'")
+
+
+def check_token_ratio_loss_type(op, loss_type):
+    """policy.cpp: check_token_ratio_loss_type."""
+    _check(loss_type != "geo_mean", op, "loss_type '", loss_type, "' takes the geometric mean of a sequence's "
+           "clipped ratios: use gspo")
 
 
 def cov_checks(op, a):

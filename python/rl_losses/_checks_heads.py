@@ -8,11 +8,11 @@ import math
 import torch
 
 from rl_losses import _checks_rejection
-from rl_losses._checks import (SEQUENCE_LOSS_TYPES, TOKEN_LOG_PROB_LOSS_TYPES, _geo_mean, acc_dtype, check_beta,
-                                check_clip, check_divisor, check_epsilons, check_label_counts, check_loss_mask,
-                                check_num_documents, check_per_token, check_per_token_int, check_row_stats,
-                                check_scale, check_weighting, per_sequence, policy_options, sampler,
-                                sequence_ids, sequence_level_rollout)
+from rl_losses._checks import (SEQUENCE_LOSS_TYPES, _geo_mean, acc_dtype, check_beta, check_clip, check_divisor,
+                                check_epsilons, check_label_counts, check_loss_mask, check_num_documents,
+                                check_per_token, check_per_token_int, check_row_stats, check_scale,
+                                check_sequence_ratio_loss_type, check_token_ratio_loss_type, check_weighting,
+                                per_sequence, policy_options, sampler, sequence_ids, sequence_level_rollout)
 from rl_losses._messages import _check, _dt, _integral, _num, _shape
 from rl_losses._schema import DISTILL_STATS
 
@@ -168,8 +168,7 @@ def fused_head(a):
         check_clip(op, a)
         _head_policy_options(op, a)
         loss_type = a["loss_type"]
-        _check(loss_type != "geo_mean", op, "loss_type '", loss_type, "' takes the geometric mean of a sequence's "
-               "clipped ratios: use gspo")
+        check_token_ratio_loss_type(op, loss_type)
         _check(not sequence_level_rollout(a) and loss_type not in ("clip_cov", "kl_cov"), op, "the GRPO term takes "
                "the per-token options; rollout_correction '", a["rollout_correction"] or "None", "' with loss_type '",
                loss_type, "' needs a sequence's or the batch's log-probs first: use grpo_loss for 'sequence_*' "
@@ -218,10 +217,7 @@ def _fused_head_gspo(op, a):
     check_beta(op, a["beta"], a["ref_log_probs"])
     check_weighting(op, a["weighting"])
     _head_policy_options(op, a)
-    loss_type = a["loss_type"]
-    _check(loss_type not in TOKEN_LOG_PROB_LOSS_TYPES, op, "loss_type '", loss_type, "' weighs each token's own "
-           "log-prob ratio, not a sequence's: use grpo (or policy_token_loss); gspo takes 'ppo_clip', 'cispo', "
-           "'sapo', 'vespo' or 'geo_mean'")
+    check_sequence_ratio_loss_type(op, a["loss_type"])
     _geo_mean(op, {**a, "token_advantages": False})
     modes = _checks_rejection.rollout_rejection_modes(op, a)
     _check(a["advantages"] is not None and a["document_index"] is not None, op, "gspo_weight = ",
