@@ -1,8 +1,8 @@
 """_scatter_rows (csrc/kept_set/), the dense gradient rows of kept_token_log_probs: against a float64 scatter_add_
 written here, on fresh random rows with padding (-1), masked copies of a real id (value 0, as kept_set.py's padding at
-id 0 and a listed label), zero values, K > V, no rows, K = 0, odd V (rows not 16-byte aligned on a GPU) and
-non-contiguous inputs; opcheck and torch.compile; bad inputs on the real op, on meta tensors and under
-FakeTensorMode."""
+id 0 and a listed label), zero values, K > V, no rows, K = 0, odd V (rows not 16-byte aligned on a GPU), rows of
+several of the CUDA kernel's 32 KB tiles, more ids than its threads hold (K > 1024), and non-contiguous inputs;
+opcheck and torch.compile; bad inputs on the real op, on meta tensors and under FakeTensorMode."""
 import math
 
 import pytest
@@ -44,7 +44,7 @@ def reference(ids, values, vocab):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=_id)
 @pytest.mark.parametrize("shape,k,vocab", [
     ((5,), 9, 37), ((2, 3), 17, 1001), ((4,), 40, 8), ((3,), 0, 11), ((0,), 5, 13), ((6,), 1, 1),
-    ((2,), 1025, 4099), ((3,), 64, 128256),
+    ((2,), 1025, 4099), ((3,), 64, 128256), ((2,), 2100, 40001),
 ], ids=lambda v: _id(v) if isinstance(v, tuple) else str(v))
 def test_matches_float64_reference(shape, k, vocab, dtype, device):
     ids, values = random_rows(shape, k, vocab, dtype, device)
