@@ -238,3 +238,15 @@ def test_verl_module_refuses_a_temperature_of_zero():
     ppo = verl.FusedLinearForPPO(chunk_size=None)
     with pytest.raises(ValueError, match="linear_token_log_probs: temperature must be > 0, got 0.0"):
         ppo(torch.randn(4, 8), torch.randn(11, 8), torch.randint(0, 11, (4,)), temperature=0.0)
+
+
+@pytest.mark.parametrize("hidden_shape, ids_shape, message", [
+    ((2, 4, 8), (8,), r"input_ids has shape \(8,\) but hidden_states has batch shape \(2, 4\)"),
+    ((6, 8), (2, 3), r"input_ids has shape \(2, 3\) but hidden_states has batch shape \(6,\)"),
+    ((1, 2, 3, 8), (1, 2, 3), r"hidden_states must be 2-D \(T, H\) or 3-D \(B, T, H\), got shape \(1, 2, 3, 8\)")])
+def test_verl_module_names_a_shape_mismatch(hidden_shape, ids_shape, message):
+    """input_ids' shape is read only where the op refuses its inputs: the module's own message all the same."""
+    ppo = verl.FusedLinearForPPO(chunk_size=None)
+    with pytest.raises(ValueError, match=message) as raised:
+        ppo(torch.randn(hidden_shape), torch.randn(11, 8), torch.randint(0, 11, ids_shape))
+    assert raised.value.__context__ is None or raised.value.__suppress_context__
