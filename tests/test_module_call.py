@@ -250,3 +250,21 @@ def test_verl_module_names_a_shape_mismatch(hidden_shape, ids_shape, message):
     with pytest.raises(ValueError, match=message) as raised:
         ppo(torch.randn(hidden_shape), torch.randn(11, 8), torch.randint(0, 11, ids_shape))
     assert raised.value.__context__ is None or raised.value.__suppress_context__
+
+
+def test_a_subclass_with_its_own_forward_step_keeps_it():
+    """A subclass's _forward runs: the direct op call is only for the classes that define it with their _forward."""
+    from rl_losses.losses import LanguageModelGRPOLoss
+
+    class Doubled(LanguageModelGRPOLoss):
+        def _forward(self, logits, batch, bound):
+            loss, metrics = super()._forward(logits, batch, bound)
+            return 2.0 * loss, metrics
+
+    config = LanguageModelLossConfig.from_dict({"type": "grpo"})
+    logits, batch = _inputs()
+    loss, metrics = Doubled(config, name="grpo")(logits, batch)
+    expected = reference.grpo_loss(logits.detach().double(), batch["labels"], batch["advantages"].double(),
+                                   batch["old_log_probabilities"].double()).loss
+    assert_close(metrics["grpo"], 2.0 * expected, torch.float32)
+    assert config.get_loss()(logits, batch)[0].item() == pytest.approx(expected.item(), rel=1e-5)

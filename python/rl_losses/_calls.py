@@ -108,9 +108,10 @@ class _Bound:
         # name of its op (whose C++ function it calls), the wrapper's name and keywords (_options of the batch's
         # entries), the batch keys of the op's tensors after the logits and the positions of those it needs, the
         # second metric's name and position in the op's results (None: the loss alone). None where the module's config
-        # has more to do per call (_direct_inputs) or the module has a tp_group.
+        # has more to do per call (_direct_inputs), the module has a tp_group or its class a _forward of its own (a
+        # subclass's, which the direct call would skip).
         self.op = self.wrapper = self.keywords = self.keys = self.needed = self.metric = self.metric_at = None
-        form = functional.DIRECT_FORMS.get(self.function) if module.tp_group is None else None
+        form = functional.DIRECT_FORMS.get(self.function) if module.tp_group is None and module._direct_ok else None
         inputs = module._direct_inputs() if form is not None else None
         if inputs is not None:
             self.op, self.wrapper, self.keywords = form

@@ -68,6 +68,13 @@ class LanguageModelLoss(DirectCallModule):
         tp_group: vocabulary-parallel process group, forwarded to the extension's op (not the reference).
     """
 
+    _direct_ok = False  # whether _direct_inputs and _forward come from one class (found per class: __init_subclass__)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A subclass's own _forward, which the direct call would skip, keeps its calls off it.
+        cls._direct_ok = "_direct_inputs" in cls.__dict__ or (cls._direct_ok and "_forward" not in cls.__dict__)
+
     def __init__(self, config: LanguageModelLossConfig, *, name: str, tp_group=None):
         super().__init__()
         self.config = config
