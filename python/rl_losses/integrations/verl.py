@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import logging
 import math
-import typing
 
 import torch
 
 import rl_losses
 from rl_losses import _schema, aggregation
-from rl_losses.integrations.verl_options import _value as _config_value  # a config's value, default where None
-from rl_losses.integrations.verl_options import fused_policy_options  # noqa: F401  (this module's API)
+from rl_losses.integrations.verl_options import _value as _config_value, fused_policy_options  # noqa: F401 (API)
 from rl_losses._calls import DirectCallModule
+from rl_losses.functional import _CHECK_INPUTS, _ENVIRON, _direct, _scale_of_temperature
 
 _ops = torch.ops.rl_losses
 logger = logging.getLogger(__name__)
@@ -43,11 +42,11 @@ _VERL_KERNELS: dict = {}
 _WARNED: set[str] = set()  # the fallbacks already warned about (once per process)
 
 
-def _shape_error(hidden_states: torch.Tensor, input_ids: torch.Tensor) -> typing.NoReturn:
+def _shape_error(hidden_states: torch.Tensor, input_ids: torch.Tensor) -> ValueError:
     if hidden_states.dim() not in (2, 3):
-        raise ValueError(f"hidden_states must be 2-D (T, H) or 3-D (B, T, H), got shape {tuple(hidden_states.shape)}")
-    raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} but hidden_states has batch shape "
-                     f"{tuple(hidden_states.shape[:-1])}")
+        return ValueError(f"hidden_states must be 2-D (T, H) or 3-D (B, T, H), got shape {tuple(hidden_states.shape)}")
+    return ValueError(f"input_ids has shape {tuple(input_ids.shape)} but hidden_states has batch shape "
+                      f"{tuple(hidden_states.shape[:-1])}")
 
 
 class FusedLinearForPPO(DirectCallModule):
@@ -68,15 +67,25 @@ class FusedLinearForPPO(DirectCallModule):
 
     def forward(self, hidden_states: torch.Tensor, vocab_weights: torch.Tensor, input_ids: torch.Tensor,
                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = hidden_states.shape
-        if len(shape) not in (2, 3) or input_ids.shape != shape[:-1]:
-            _shape_error(hidden_states, input_ids)
-        # Each .to(dtype) only where the dtype differs (its argument parsing costs the host more than the test), and
-        # chunk_size only when given (each keyword costs the op's argument parsing too).
+        if hidden_states.dim() not in (2, 3):
+            raise _shape_error(hidden_states, input_ids)
+        # Host time (µs a call, CPU host): .to(dtype), chunk_size only where needed; the op's C++ function where the
+        # wrapper would do nothing more (~2-3); input_ids' shape read only where the op refuses it, as any other (~2).
         labels = input_ids if input_ids.dtype is _INT64 else input_ids.to(_INT64)
         options = _WITH_ENTROPY if self.chunk_size is None else {**_WITH_ENTROPY, "chunk_size": self.chunk_size}
-        log_probs, entropy = rl_losses.linear_token_log_probs(hidden_states, vocab_weights, labels,
-                                                              temperature=float(temperature), **options)
+        try:
+            if type(hidden_states) is _TENSOR and type(vocab_weights) in _PLAIN and _CHECK_INPUTS not in _ENVIRON:
+                if temperature != 1.0:
+                    options = {**options, "logits_scale_factor": _scale_of_temperature(_OP_NAME, temperature)}
+                log_probs, entropy = _direct(_ops.linear_token_log_probs)(hidden_states, vocab_weights, labels,
+                                                                          **options)
+            else:
+                log_probs, entropy = rl_losses.linear_token_log_probs(hidden_states, vocab_weights, labels,
+                                                                      temperature=float(temperature), **options)
+        except Exception:
+            if input_ids.shape == hidden_states.shape[:-1]:
+                raise
+            raise _shape_error(hidden_states, input_ids) from None  # as a check before the op would
         dtype = hidden_states.dtype
         if dtype is _FLOAT32:  # the op's outputs are float32 already
             return log_probs, entropy
@@ -84,8 +93,8 @@ class FusedLinearForPPO(DirectCallModule):
                 entropy if entropy.dtype is dtype else entropy.to(dtype))
 
 
-_INT64, _FLOAT32 = torch.int64, torch.float32
-_WITH_ENTROPY = {"compute_entropy": True}
+_INT64, _FLOAT32, _TENSOR, _PLAIN = torch.int64, torch.float32, torch.Tensor, (torch.Tensor, torch.nn.Parameter)
+_WITH_ENTROPY, _OP_NAME = {"compute_entropy": True}, "linear_token_log_probs"  # (the wrapper's name in messages)
 
 
 def fused_linear_for_ppo_fwd(hidden_states: torch.Tensor, vocab_weights: torch.Tensor, input_ids: torch.Tensor,
