@@ -1,7 +1,9 @@
 // clip_cov's and kl_cov's token selection (common/policy.h: cov_selection): O(N log N) steps on (N,) vectors in ATen
-// ops, the same on every device, between the statistics pass that gives each token's log-prob and the loss pass
-// that reads the flags. Every count stays on the device (k is a 0-dim tensor, the subset a rank below it), so the
+// ops, the same on every device, on each token's log-prob (from grpo's loss pass, or a statistics pass before the
+// loss pass where the fused lm_head's chunks cannot be revisited). Every count stays on the device (k is a 0-dim tensor, the subset a rank below it), so the
 // call neither waits for the device nor depends on a size the host reads: a CUDA graph can capture it.
+#include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "common/policy.h"
@@ -10,9 +12,11 @@ namespace rl_losses {
 
 namespace {
 
-// Each token's place in the order of `keys` (0: first), ties in index order: one stable sort and a scatter.
-at::Tensor rank_of(const at::Tensor& keys, bool descending) {
+// Each token's place in the order of `keys` (0: first), ties in index order: one stable sort and a scatter. The
+// first `n_first` tokens of that order go to *first.
+at::Tensor rank_of(const at::Tensor& keys, bool descending, int64_t n_first, at::Tensor* first) {
   const at::Tensor order = std::get<1>(keys.sort(/*stable=*/true, /*dim=*/0, descending));
+  if (first != nullptr) *first = order.narrow(0, 0, n_first);
   return at::empty_like(order).scatter_(0, order, at::arange(keys.numel(), order.options()));
 }
 
@@ -23,8 +27,20 @@ at::Tensor subset_size(double ratio, const at::Tensor& n) {
 
 }  // namespace
 
-at::Tensor cov_selection(const PolicyArgs& a, const PolicyOptions<double>& o, const at::Tensor& log_probs,
-                         const at::Tensor& old_log_probs, const at::Tensor& advantages, const at::Tensor& mask) {
+int64_t cov_subset_bound(const PolicyArgs& a, const PolicyOptions<double>& o, int64_t n_tokens) {
+  if (n_tokens == 0) return 0;
+  // subset_size's k with n = n_tokens: a product by ratio > 0 and its floor, each rounded monotonically in
+  // float64, so that k <= this bound for every masked-in count n <= n_tokens.
+  const double ratio = o.loss_type == kKlCov ? a.kl_cov_ratio : a.clip_cov_ratio;
+  const double k = std::max(std::floor(static_cast<double>(n_tokens) * ratio), 1.0);
+  return k >= static_cast<double>(n_tokens) ? n_tokens : static_cast<int64_t>(k);
+}
+
+CovSelection cov_selection(const PolicyArgs& a, const PolicyOptions<double>& o, const at::Tensor& log_probs,
+                           const at::Tensor& old_log_probs, const at::Tensor& advantages, const at::Tensor& mask,
+                           int64_t n_first) {
+  CovSelection r;
+  at::Tensor* first = n_first > 0 ? &r.first : nullptr;
   const at::Tensor n = mask.sum();  // int64, 0-dim on the device
   // Where m = 0 nothing is read: the padding may hold NaN. (Without a token, the means are 0/1 and nothing is
   // selected: every rank test below is and-ed with the mask.)
@@ -36,7 +52,8 @@ at::Tensor cov_selection(const PolicyArgs& a, const PolicyOptions<double>& o, co
   if (o.loss_type == kKlCov) {
     // The k tokens of largest cov (verl's torch.topk; among equal values the first in index order).
     const at::Tensor ranked = at::where(mask, cov, -std::numeric_limits<double>::infinity());
-    return mask & rank_of(ranked, /*descending=*/true).lt(subset_size(a.kl_cov_ratio, n));
+    r.selected = mask & rank_of(ranked, /*descending=*/true, n_first, first).lt(subset_size(a.kl_cov_ratio, n));
+    return r;
   }
   // clip_cov's candidates: the tokens the PPO clip leaves alone (verl's ~clip_by_origin, in its own form) inside
   // the covariance band.
@@ -51,7 +68,8 @@ at::Tensor cov_selection(const PolicyArgs& a, const PolicyOptions<double>& o, co
   // set past every candidate's.
   const at::Tensor keys = at::rand({mask.numel()}, mask.options().dtype(at::kDouble));
   const at::Tensor placed = at::where(candidate, keys, 2.0);
-  return candidate & rank_of(placed, /*descending=*/false).lt(subset_size(a.clip_cov_ratio, n));
+  r.selected = candidate & rank_of(placed, /*descending=*/false, n_first, first).lt(subset_size(a.clip_cov_ratio, n));
+  return r;
 }
 
 }  // namespace rl_losses

@@ -327,6 +327,13 @@ struct GrpoBackendImpl {
   static constexpr GrpoBackend backend() { return {&stats, &rows, &metrics, &sequences, &log_probs}; }
 };
 
+// clip_cov's / kl_cov's subset and its rows, after a loss pass `a` over the whole batch (RowSource::rows_revisitable)
+// run with no token selected: cov_selection over the pass's log-probs (masked by `mask`), then the same pass again
+// over the rows that may hold a selected token, whose outputs, log-probs and gradient rows replace the first
+// pass's where selected (grpo_cov.cpp).
+void grpo_cov_fix_up(const RowPassArgs& a, GrpoRows& rows, const PolicyArgs& policy, const at::Tensor& mask,
+                     const GrpoBackend& backend);
+
 // grpo's and linear_grpo's arguments but the source's (op_args.h).
 #define RL_LOSSES_GRPO_ARGS(X)                                                                            \
   RL_LOSSES_POLICY_INPUTS(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_GRPO_OPTIONS(X) RL_LOSSES_KL_WEIGHT(X) \
