@@ -6,50 +6,39 @@
 
 namespace rl_losses {
 
-namespace {
-
-at::Tensor gather(const at::Tensor& t, const at::Tensor& index) { return t.defined() ? t.index_select(0, index) : t; }
-
-// dst[index[i]] = src[i] where keep[i] (dim 0); the other rows of dst keep their bits.
-void put_where(const at::Tensor& dst, const at::Tensor& index, const at::Tensor& keep, const at::Tensor& src) {
-  const at::Tensor k = src.dim() > 1 ? keep.unsqueeze(1) : keep;
-  dst.index_copy_(0, index, at::where(k, src, dst.index_select(0, index)));
-}
-
-}  // namespace
-
 void grpo_cov_fix_up(const RowPassArgs& a, GrpoRows& rows, const PolicyArgs& policy, const at::Tensor& mask,
                      const GrpoBackend& backend) {
+  TORCH_INTERNAL_ASSERT(a.row_offset == 0 && !a.row_index.defined() && !a.stats_out.defined(),
+                        "rl_losses: the clip_cov / kl_cov fix-up needs a pass over the whole batch");
   // Every selected token is among the `bound` of lowest rank: the sub-batch is sized on the host, so nothing here
   // waits for the device (a CUDA graph captures the call).
   const int64_t bound = cov_subset_bound(policy, rows.opt, a.logits.size(0));
   const CovSelection sel =
       cov_selection(policy, rows.opt, rows.log_probs, rows.old_log_probs.defined() ? rows.old_log_probs : rows.log_probs,
                     rows.advantages, mask, bound);
-  const at::Tensor& index = sel.first;
-  GrpoRows sub = rows;
-  for (at::Tensor* t : {&sub.advantages, &sub.old_log_probs, &sub.ref_log_probs, &sub.rollout_log_probs,
-                        &sub.sequence_log_rho, &sub.loss_weights, &sub.vespo_phi, &sub.sequence_share}) {
-    *t = gather(*t, index);
+  const at::TensorOptions acc = rows.out.options();
+  GrpoRows sub = rows;  // the options, the divisor; the per-row tensors the sub-batch's own
+  for (at::Tensor* t : grpo_row_inputs(sub)) {
+    if (t->defined()) *t = new_empty({bound}, acc);  // undefined stays so: it switches a term off
   }
-  sub.cov_selected = sel.selected.index_select(0, index);
-  sub.out = new_empty({bound, kGrpoFields}, rows.out.options());
-  sub.log_probs = new_empty({bound}, rows.log_probs.options());
+  sub.cov_selected = new_empty({bound}, acc.dtype(at::kBool));
+  sub.out = new_empty({bound, kGrpoFields}, acc);
+  sub.log_probs = new_empty({bound}, acc);
 
-  RowPassArgs s = a;  // the first pass's rows, as that pass saw them (statistics, floors), gathered
-  for (at::Tensor* t : {&s.logits, &s.target, &s.stats_in, &s.sampler_params, &s.logit_floor}) *t = gather(*t, index);
-  if (a.write_grad()) s.grad = at::empty({bound, a.grad.size(1)}, a.grad.options());
+  RowPassArgs s = a;  // the first pass's rows as it saw them (statistics, floors), gathered
+  s.logits = new_empty({bound, a.logits.size(1)}, a.logits.options());
+  s.target = new_empty({bound}, a.target.options());
+  for (at::Tensor* t : {&s.stats_in, &s.sampler_params, &s.logit_floor}) {
+    if (t->defined()) *t = t->index_select(0, sel.first);  // tensor parallelism, the split pass, the sampler
+  }
+  if (a.write_grad()) s.grad = new_empty({bound, a.grad.size(1)}, a.grad.options());
   if (a.grad_row_unscale.defined()) s.grad_row_unscale = new_empty({bound}, a.grad_row_unscale.options());
-  TORCH_INTERNAL_ASSERT(a.row_offset == 0 && !a.row_index.defined() && !a.stats_out.defined(),
-                        "rl_losses: the clip_cov / kl_cov fix-up needs a pass over the whole batch");
+
+  const GrpoCovRows c{sel.first, sel.selected, a, rows, s, sub};
+  backend.cov_gather(c);
   split_stats_pass_on_cuda(s);
   backend.rows(s, sub);
-
-  const at::Tensor& keep = sub.cov_selected;
-  put_where(rows.out, index, keep, sub.out);
-  put_where(rows.log_probs, index, keep, sub.log_probs);
-  if (a.write_grad()) put_where(a.grad, index, keep, s.grad);
-  if (a.grad_row_unscale.defined()) put_where(a.grad_row_unscale, index, keep, s.grad_row_unscale);
+  backend.cov_write_back(c);
   rows.cov_selected = sel.selected;
 }
 
