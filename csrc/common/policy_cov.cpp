@@ -1,7 +1,8 @@
 // clip_cov's and kl_cov's token selection (common/policy.h: cov_selection): O(N log N) steps on (N,) vectors in ATen
-// ops, the same on every device, on each token's log-prob (from grpo's loss pass, or a statistics pass before the
-// loss pass where the fused lm_head's chunks cannot be revisited). Every count stays on the device (k is a 0-dim tensor, the subset a rank below it), so the
-// call neither waits for the device nor depends on a size the host reads: a CUDA graph can capture it.
+// ops, the same on every device, on each token's log-prob (grpo: from its loss pass, or from a statistics pass
+// before it where a pass cannot be redone, grpo.cpp). Every count stays on the device (k is a 0-dim tensor, the
+// subset a rank below it), so the call neither waits for the device nor depends on a size the host reads: a CUDA
+// graph can capture it.
 #include <algorithm>
 #include <cmath>
 #include <limits>

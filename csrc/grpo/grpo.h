@@ -213,7 +213,8 @@ struct GrpoSequenceStep {
   }
 };
 
-// Each token's log-prob from the statistics (0 where unlabelled): what cov_selection reads before the loss pass.
+// Each token's log-prob from the statistics (0 where unlabelled): what cov_selection reads where it comes before the
+// loss pass (the fused lm_head, inplace_backward).
 template <typename acc_t>
 struct GrpoStatsLogProb {
   const acc_t* stats;     // (N, 5)

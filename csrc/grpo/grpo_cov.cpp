@@ -13,9 +13,8 @@ void grpo_cov_fix_up(const RowPassArgs& a, GrpoRows& rows, const PolicyArgs& pol
   // Every selected token is among the `bound` of lowest rank: the sub-batch is sized on the host, so nothing here
   // waits for the device (a CUDA graph captures the call).
   const int64_t bound = cov_subset_bound(policy, rows.opt, a.logits.size(0));
-  const CovSelection sel =
-      cov_selection(policy, rows.opt, rows.log_probs, rows.old_log_probs.defined() ? rows.old_log_probs : rows.log_probs,
-                    rows.advantages, mask, bound);
+  const at::Tensor& old = rows.old_log_probs.defined() ? rows.old_log_probs : rows.log_probs;  // on-policy: ℓ
+  const CovSelection sel = cov_selection(policy, rows.opt, rows.log_probs, old, rows.advantages, mask, bound);
   const at::TensorOptions acc = rows.out.options();
   GrpoRows sub = rows;  // the options, the divisor; the per-row tensors the sub-batch's own
   for (at::Tensor* t : grpo_row_inputs(sub)) {
