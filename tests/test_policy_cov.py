@@ -135,45 +135,52 @@ def test_grpo_matches_reference(case, device):
         torch.testing.assert_close(ours.loss.cpu(), plain, rtol=1e-10, atol=1e-12)
 
 
-# Ratios that select many tokens (clip_cov: a band holding most tokens), so that most rows of grpo's fix-up
-# sub-batch are selected and some are not (clip_cov: k of more candidates; kl_cov: the masked tokens past k).
-MANY = {
-    "clip_cov": (dict(epsilon_low=0.15, epsilon_high=0.25, clip_cov_ratio=0.4, clip_cov_lb=-50.0, clip_cov_ub=50.0),
-                 dict(clip_ratio_low=0.15, clip_ratio_high=0.25),
-                 dict(clip_cov_ratio=0.4, clip_cov_lb=-50.0, clip_cov_ub=50.0)),
-    "kl_cov": (dict(kl_cov_ratio=0.6, ppo_kl_coef=0.4), {}, dict(kl_cov_ratio=0.6, ppo_kl_coef=0.4)),
-}
+def many(name, ratio):
+    """A case (CASES' layout) selecting many tokens: clip_cov's band holds nearly every token, so that its subset
+    is k = ⌊ratio·N⌋ of more candidates; kl_cov's top k leaves the rest of the sort's first rows unselected."""
+    if name == "clip_cov":
+        band = dict(clip_cov_ratio=ratio, clip_cov_lb=-50.0, clip_cov_ub=50.0)
+        return (dict(epsilon_low=0.15, epsilon_high=0.25, **band), dict(clip_ratio_low=0.15, clip_ratio_high=0.25),
+                band)
+    return dict(kl_cov_ratio=ratio, ppo_kl_coef=0.4), {}, dict(kl_cov_ratio=ratio, ppo_kl_coef=0.4)
 
 
-def many_config_of(name, global_batch_info=None):
-    _, overrides, policy = MANY[name]
-    return make_config(global_batch_info, policy_loss=verl_config.PolicyLossConfig(loss_mode=name, **policy),
-                       **overrides)
+# grpo over the batch's 512 rows: a bound max(⌊ratio·512⌋, 1) of at most 64 rows (an eighth) runs the selected rows
+# again after the loss pass (0.1: 51 rows, most of them selected); past it a statistics pass comes first (0.5).
+RATIOS = [0.1, 0.5]
 
 
+@pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-@pytest.mark.parametrize("name", list(MANY))
-def test_many_selected_match_verl(name, mode, device, monkeypatch):
-    """grpo picks its subset from its loss pass's log-probs and runs the rows that may hold a selected token again:
-    with most tokens selected, the loss and the gradient w.r.t. the logits still equal verl's."""
-    draw_as_the_op(device, monkeypatch, MANY["clip_cov"][0])
-    for out, metrics, mask in fused_matches_verl(name, mode, MANY[name][0], many_config_of, device):
+@pytest.mark.parametrize("name", list(CASES))
+def test_many_selected_match_verl(name, mode, ratio, device, monkeypatch):
+    """Many tokens selected, through both of grpo's orders (the loss pass first, whose selected rows then run
+    again; or a statistics pass first): the loss and the gradient w.r.t. the logits equal verl's."""
+    case = many(name, ratio)
+    draw_as_the_op(device, monkeypatch, many("clip_cov", ratio)[0])
+
+    def config(loss_mode, global_batch_info=None):
+        return make_config(global_batch_info, policy_loss=verl_config.PolicyLossConfig(loss_mode=loss_mode, **case[2]),
+                           **case[1])
+
+    for out, metrics, mask in fused_matches_verl(name, mode, case[0], config, device):
         n = int((mask > 0).sum())
-        if name == "clip_cov":
-            assert 0.3 * n < float(out.clipped_fraction_high) * n <= int(0.4 * n) + 1e-6
+        if name == "clip_cov":  # k of more candidates (0.1), or most of the candidates (0.5)
+            selected = float(out.clipped_fraction_high) * n
+            assert selected == pytest.approx(int(ratio * n)) if ratio < 0.2 else 0.25 * n < selected <= ratio * n
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("inplace", [False, True])
-@pytest.mark.parametrize("name", list(MANY))
+@pytest.mark.parametrize("name", list(CASES))
 def test_many_selected_low_precision(name, inplace, dtype, device):
     """16-bit logits (fp16: each gradient row stored pre-scaled by its own power of two, a selected row's
-    different from its first pass's), with the sampler's top_k floors and inplace_backward (which keeps a
+    different from its first pass's), with the sampler's top_k floors, and inplace_backward (which keeps a
     statistics pass before the loss pass): the loss, log-probs and gradient against the float64 reference on the
     same rounded logits."""
     logits, target, mask, old, adv, weights = batch(vocab=33)
     logits = logits.to(dtype)
-    options = dict(MANY[name][0], top_k=20)
+    options = dict(many(name, RATIOS[0])[0], top_k=20)
     results, seed = [], fresh_seed()
     for fn, x in ((reference.grpo_loss, logits.double()), (rl_losses.grpo_loss, logits.to(device))):
         x = x.clone().requires_grad_(True)

@@ -154,9 +154,11 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   // clip_cov's / kl_cov's subset, from every labelled token's log-prob (docs/policy_losses.md): after the loss pass,
   // which gives them, and a fix-up of the selected rows (grpo_cov_fix_up) where the pass sees the whole batch and
   // leaves the logits intact; otherwise (the fused lm_head's chunks, whose gradients are consumed chunk by chunk,
-  // and inplace_backward) from a statistics pass before the loss pass.
+  // and inplace_backward) from a statistics pass before the loss pass. So too for a subset bound past an eighth of
+  // the rows: the fix-up moves its rows about five times (gather, pass, gradient, write-back) and holds two
+  // buffers of them, where the statistics pass reads every row once.
   const bool cov = cov_loss_type(opt.loss_type);
-  const bool cov_after = cov && src.rows_revisitable();
+  const bool cov_after = cov && src.rows_revisitable() && cov_subset_bound(a.policy, opt, f.n_rows) * 8 <= f.n_rows;
   const at::Tensor cov_mask = cov_after ? kept_mask() : at::Tensor();  // here: no launch between count and pass
   if (cov && !cov_after) {
     statistics_first();
