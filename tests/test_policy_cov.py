@@ -55,24 +55,27 @@ def randperm_as_the_op(candidates, device):
     return mock.patch.object(torch, "randperm", randperm)
 
 
-def candidates_of(old, lp, adv, mask):
-    options = CASES["clip_cov"][0]
+def candidates_of(old, lp, adv, mask, options=CASES["clip_cov"][0]):
     return reference_verl.clip_cov_candidates(old, lp.detach(), adv, mask, clip_low=options["epsilon_low"],
                                               clip_high=options["epsilon_high"], clip_cov_lb=options["clip_cov_lb"],
                                               clip_cov_ub=options["clip_cov_ub"])
 
 
-@pytest.fixture
-def verl_draws_as_the_op(device, monkeypatch):
+def draw_as_the_op(device, monkeypatch, options):
     """verl's clip_cov (its registry's) with its torch.randperm(#candidates) returning the op's draw on ``device``,
-    taken from the generator's state at the call, as the op takes it."""
+    taken from the generator's state at the call, as the op takes it (the candidates under ``options``)."""
     verl_clip_cov = core_algos.get_policy_loss_fn("clip_cov")
 
     def clip_cov(old_log_prob, log_prob, advantages, response_mask, *args, **kwargs):
-        with randperm_as_the_op(candidates_of(old_log_prob, log_prob, advantages, response_mask), device):
+        with randperm_as_the_op(candidates_of(old_log_prob, log_prob, advantages, response_mask, options), device):
             return verl_clip_cov(old_log_prob, log_prob, advantages, response_mask, *args, **kwargs)
 
     monkeypatch.setitem(core_algos.POLICY_LOSS_REGISTRY, "clip_cov", clip_cov)
+
+
+@pytest.fixture
+def verl_draws_as_the_op(device, monkeypatch):
+    draw_as_the_op(device, monkeypatch, CASES["clip_cov"][0])
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -130,6 +133,69 @@ def test_grpo_matches_reference(case, device):
     if on_policy:  # −A·r alone (r = 1, no clip reached): the penalty's |δ| = 0
         plain = reference.grpo_loss(logits, target, adv, None).loss
         torch.testing.assert_close(ours.loss.cpu(), plain, rtol=1e-10, atol=1e-12)
+
+
+def many(name, ratio):
+    """A case (CASES' layout) selecting many tokens: clip_cov's band holds nearly every token, so that its subset
+    is k = ⌊ratio·N⌋ of more candidates; kl_cov's top k leaves the rest of the sort's first rows unselected."""
+    if name == "clip_cov":
+        band = dict(clip_cov_ratio=ratio, clip_cov_lb=-50.0, clip_cov_ub=50.0)
+        return (dict(epsilon_low=0.15, epsilon_high=0.25, **band), dict(clip_ratio_low=0.15, clip_ratio_high=0.25),
+                band)
+    return dict(kl_cov_ratio=ratio, ppo_kl_coef=0.4), {}, dict(kl_cov_ratio=ratio, ppo_kl_coef=0.4)
+
+
+# grpo over the batch's 512 rows: a bound max(⌊ratio·512⌋, 1) of at most 64 rows (an eighth) runs the selected rows
+# again after the loss pass (0.02: 10 rows, found by sweeps of the keys; 0.1: 51 rows, by a sort; most of them
+# selected); past it a statistics pass comes first (0.5).
+RATIOS = [0.02, 0.1, 0.5]
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_many_selected_match_verl(name, mode, ratio, device, monkeypatch):
+    """Many tokens selected, through both of grpo's orders (the loss pass first, whose selected rows then run
+    again; or a statistics pass first): the loss and the gradient w.r.t. the logits equal verl's."""
+    case = many(name, ratio)
+    draw_as_the_op(device, monkeypatch, many("clip_cov", ratio)[0])
+
+    def config(loss_mode, global_batch_info=None):
+        return make_config(global_batch_info, policy_loss=verl_config.PolicyLossConfig(loss_mode=loss_mode, **case[2]),
+                           **case[1])
+
+    for out, metrics, mask in fused_matches_verl(name, mode, case[0], config, device):
+        n = int((mask > 0).sum())
+        if name == "clip_cov":  # k of more candidates (0.1), or most of the candidates (0.5)
+            selected = float(out.clipped_fraction_high) * n
+            assert selected == pytest.approx(int(ratio * n)) if ratio < 0.2 else 0.25 * n < selected <= ratio * n
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("name", list(CASES))
+def test_many_selected_low_precision(name, inplace, dtype, device):
+    """16-bit logits (fp16: each gradient row stored pre-scaled by its own power of two, a selected row's
+    different from its first pass's), with the sampler's top_k floors, and inplace_backward (which keeps a
+    statistics pass before the loss pass): the loss, log-probs and gradient against the float64 reference on the
+    same rounded logits."""
+    logits, target, mask, old, adv, weights = batch(vocab=33)
+    logits = logits.to(dtype)
+    options = dict(many(name, RATIOS[0])[0], top_k=20)
+    results, seed = [], fresh_seed()
+    for fn, x in ((reference.grpo_loss, logits.double()), (rl_losses.grpo_loss, logits.to(device))):
+        x = x.clone().requires_grad_(True)
+        torch.manual_seed(seed)
+        kw = dict(inplace_backward=True) if inplace and fn is rl_losses.grpo_loss else {}
+        out = fn(x.clone() if kw else x, target.to(x.device), adv.to(x.device), old.to(x.device), loss_type=name,
+                 loss_weights=weights.to(x.device), **options, **kw)
+        results.append((out, torch.autograd.grad(out.loss, x)[0].double().cpu()))
+    (theirs, expected), (ours, grad) = results
+    torch.testing.assert_close(ours.loss.double().cpu(), theirs.loss, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(ours.log_probs.double().cpu(), theirs.log_probs.double(), rtol=1e-5, atol=1e-5)
+    scale = expected.abs().max()
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(grad / scale, expected / scale, rtol=4 * eps, atol=4 * eps)
 
 
 @pytest.mark.parametrize("name", list(CASES))

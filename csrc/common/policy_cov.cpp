@@ -1,57 +1,55 @@
-// clip_cov's and kl_cov's token selection (common/policy.h: cov_selection): O(N log N) steps on (N,) vectors in ATen
-// ops, the same on every device, between the statistics pass that gives each token's log-prob and the loss pass
-// that reads the flags. Every count stays on the device (k is a 0-dim tensor, the subset a rank below it), so the
-// call neither waits for the device nor depends on a size the host reads: a CUDA graph can capture it.
-#include <limits>
+// clip_cov's and kl_cov's token selection (common/policy.h: cov_selection) on each token's log-prob (grpo: from its
+// loss pass, or from a statistics pass before it where a pass cannot be redone, grpo.cpp); the steps are
+// common/policy_cov.h's, on the tensors' device. Every count stays on the device (k is computed there, the subset
+// the first k of an order), so the call neither waits for the device nor depends on a size the host reads: a CUDA
+// graph can capture it.
+#include <algorithm>
+#include <cmath>
 
-#include "common/policy.h"
+#include "common/cuda_backends.h"
+#include "common/policy_cov.h"
 
 namespace rl_losses {
 
-namespace {
-
-// Each token's place in the order of `keys` (0: first), ties in index order: one stable sort and a scatter.
-at::Tensor rank_of(const at::Tensor& keys, bool descending) {
-  const at::Tensor order = std::get<1>(keys.sort(/*stable=*/true, /*dim=*/0, descending));
-  return at::empty_like(order).scatter_(0, order, at::arange(keys.numel(), order.options()));
+int64_t cov_subset_bound(const PolicyArgs& a, const PolicyOptions<double>& o, int64_t n_tokens) {
+  if (n_tokens == 0) return 0;
+  // k = max(⌊ratio·n⌋, 1) with n = n_tokens: a product by ratio > 0 and its floor, each rounded monotonically in
+  // float64, so that k <= this bound for every masked-in count n <= n_tokens.
+  const double ratio = o.loss_type == kKlCov ? a.kl_cov_ratio : a.clip_cov_ratio;
+  const double k = std::max(std::floor(static_cast<double>(n_tokens) * ratio), 1.0);
+  return k >= static_cast<double>(n_tokens) ? n_tokens : static_cast<int64_t>(k);
 }
 
-// k = max(⌊ratio·n⌋, 1) (verl's int(ratio·n) of the masked-in count n), in float64 as the host's product was.
-at::Tensor subset_size(double ratio, const at::Tensor& n) {
-  return (n.to(at::kDouble) * ratio).floor().clamp_min(1);
-}
-
-}  // namespace
-
-at::Tensor cov_selection(const PolicyArgs& a, const PolicyOptions<double>& o, const at::Tensor& log_probs,
-                         const at::Tensor& old_log_probs, const at::Tensor& advantages, const at::Tensor& mask) {
-  const at::Tensor n = mask.sum();  // int64, 0-dim on the device
-  // Where m = 0 nothing is read: the padding may hold NaN. (Without a token, the means are 0/1 and nothing is
-  // selected: every rank test below is and-ed with the mask.)
-  const at::Tensor zero = at::zeros({}, log_probs.options());
-  const at::Tensor lp = at::where(mask, log_probs, zero);
-  const at::Tensor adv = at::where(mask, advantages, zero);
-  const at::Tensor count = n.clamp_min(1).to(log_probs.scalar_type());
-  const at::Tensor cov = (adv - adv.sum() / count) * (lp - lp.sum() / count);
-  if (o.loss_type == kKlCov) {
-    // The k tokens of largest cov (verl's torch.topk; among equal values the first in index order).
-    const at::Tensor ranked = at::where(mask, cov, -std::numeric_limits<double>::infinity());
-    return mask & rank_of(ranked, /*descending=*/true).lt(subset_size(a.kl_cov_ratio, n));
+CovSelection cov_selection(const PolicyArgs& a, const PolicyOptions<double>& o, const at::Tensor& log_probs,
+                           const at::Tensor& old_log_probs, const at::Tensor& advantages, const at::Tensor& mask,
+                           int64_t n_first) {
+  const int64_t n = mask.numel();
+  CovSelectArgs s;
+  s.kl = o.loss_type == kKlCov;
+  s.ratio = s.kl ? a.kl_cov_ratio : a.clip_cov_ratio;
+  s.eps_low = o.clip.epsilon_low;
+  s.eps_high = o.clip.epsilon_high;
+  s.lb = a.clip_cov_lb;
+  s.ub = a.clip_cov_ub;
+  s.log_probs = log_probs.contiguous();
+  s.old_log_probs = old_log_probs.to(log_probs.scalar_type()).contiguous();
+  s.advantages = advantages.to(log_probs.scalar_type()).contiguous();
+  s.mask = mask.to(at::kBool).contiguous();
+  // clip_cov's uniformly random k-subset of its candidates (all of them if fewer), as verl's first k of
+  // torch.randperm(#candidates): the k candidates of smallest key, the keys U(0, 1) in float64 drawn for every token
+  // from the device's default generator (a CUDA graph replays it with fresh draws).
+  if (!s.kl) s.draws = at::rand({n}, mask.options().dtype(at::kDouble));
+  s.means = at::empty({3}, log_probs.options());
+  s.selected = at::zeros({n}, mask.options().dtype(at::kBool));
+  s.first = at::empty({std::max<int64_t>(n_first, cov_subset_bound(a, o, n))}, mask.options().dtype(at::kLong));
+#ifdef RL_LOSSES_WITH_CUDA
+  if (mask.is_cuda()) {
+    cov_select_cuda(s);
+    return {s.selected, s.first.narrow(0, 0, n_first)};
   }
-  // clip_cov's candidates: the tokens the PPO clip leaves alone (verl's ~clip_by_origin, in its own form) inside
-  // the covariance band.
-  const at::Tensor ratio = (lp - at::where(mask, old_log_probs, zero)).exp();
-  const at::Tensor unclipped = -adv * ratio;
-  const at::Tensor clipped = -adv * ratio.clamp(1.0 - o.clip.epsilon_low, 1.0 + o.clip.epsilon_high);
-  const at::Tensor candidate = mask & clipped.gt(unclipped).logical_not() & cov.gt(a.clip_cov_lb) &
-                               cov.lt(a.clip_cov_ub);
-  // A uniformly random k-subset of the candidates (all of them if fewer), as verl's first k of
-  // torch.randperm(#candidates): the k candidates of smallest key, the keys U(0, 1) in float64 drawn for every
-  // token from the device's default generator (a CUDA graph replays it with fresh draws), the other tokens' keys
-  // set past every candidate's.
-  const at::Tensor keys = at::rand({mask.numel()}, mask.options().dtype(at::kDouble));
-  const at::Tensor placed = at::where(candidate, keys, 2.0);
-  return candidate & rank_of(placed, /*descending=*/false).lt(subset_size(a.clip_cov_ratio, n));
+#endif
+  cov_select_cpu(s);
+  return {s.selected, s.first.narrow(0, 0, n_first)};
 }
 
 }  // namespace rl_losses

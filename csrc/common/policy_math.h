@@ -185,8 +185,9 @@ C10_HOST_DEVICE inline PolicyToken<T> geo_mean_surrogate(T ratio, T advantage, b
 }
 
 // Clip-Cov and KL-Cov (verl's clip_cov / kl_cov, compute_policy_loss_clip_cov / _kl_cov; arXiv 2505.22617): the
-// batch's covariance statistic picks a subset of tokens beforehand (cov_selection, common/policy_cov.cpp), and
-// `selected` says whether this token is in it:
+// batch's covariance statistic picks a subset of tokens (cov_selection, common/policy_cov.cpp; grpo: after a loss
+// pass with none selected, whose selected rows it then runs again, grpo/grpo_cov.cpp), and `selected` says whether
+// this token is in it:
 //   clip_cov: ℓ = ppo_clip's surrogate (no δ), 0 where selected          coef = ppo_clip's, 0 where selected
 //   kl_cov:   ℓ = −A·r + [selected]·κ·|δ|,  δ = lp − old                 coef = A·r − [selected]·κ·sgn(δ)
 // (sgn(0) = 0: autograd's derivative of |δ| at 0, the on-policy case.)
@@ -272,7 +273,7 @@ struct PolicyTokenTerms {
   bool clipped_low, clipped_high;
 };
 // `vespo_phi`: the token's φ (loss type vespo only, computed from its sequence's sums beforehand);
-// `cov_selected`: the token is in clip_cov's / kl_cov's subset (cov_selection, beforehand).
+// `cov_selected`: the token is in clip_cov's / kl_cov's subset (cov_selection).
 template <typename T>
 C10_HOST_DEVICE inline PolicyTokenTerms<T> policy_token(const PolicyOptions<T>& o, T log_prob, T old_log_prob,
                                                         T advantage, bool has_ref, T ref_log_prob, T rollout_w,

@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <utility>
+#include <vector>
 
 #include "common/cpu_isa.h"
 #include "common/row_pass.h"
@@ -174,6 +176,14 @@ struct CpuRunner {
   template <int K>
   static void sum_rows_by_index(const at::Tensor& values, const at::Tensor& index, const at::Tensor& out) {
     sum_rows_by_index_aten(values, index, out);
+  }
+  // first[b], b < count <= n: the indices of the `count` smallest key.key(i), in order, ties by index.
+  template <typename K>
+  static void select_first(int64_t n, int64_t count, const K& key, int64_t* first) {
+    std::vector<std::pair<double, int64_t>> keys(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) keys[i] = {key.key(i), i};
+    std::partial_sort(keys.begin(), keys.begin() + count, keys.end());
+    for (int64_t b = 0; b < count; ++b) first[b] = keys[b].second;
   }
   // r.finish(s) once, with s[k] = Σ_{i < n} of r.terms(i)[k] (see row_pass.h): summed in order, in fp64.
   template <typename R>

@@ -199,6 +199,69 @@ __global__ void __launch_bounds__(kThreads) sum_then_kernel(int64_t n, R r) {
   if (lane == 0) r.finish(s);
 }
 
+// first[b], b < count: the indices i < n of smallest key.key(i), in that order, ties by index (a stable sort's
+// first `count`). One block, one sweep of the keys per index taken, each sweep the least (key, i) after the last
+// taken: for a few indices of a few thousand keys (clip_cov's and kl_cov's subsets), where a sort is several
+// launches. Keys are never NaN (the key functor orders them).
+template <int kThreads, typename K>
+__global__ void __launch_bounds__(kThreads) select_first_kernel(int64_t n, int64_t count, K key, int64_t* first) {
+  wait_previous_grid();
+  __shared__ double warp_key[kThreads / 32];
+  __shared__ int64_t warp_index[kThreads / 32];
+  __shared__ double last_key;
+  __shared__ int64_t last_index;
+  if (threadIdx.x == 0) {
+    last_key = -INFINITY;
+    last_index = -1;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t b = 0; b < count; ++b) {
+    const double lk = last_key;
+    const int64_t li = last_index;
+    double bk = INFINITY;
+    int64_t bi = n;
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+      const double k = key.key(i);
+      if ((k > lk || (k == lk && i > li)) && (k < bk || (k == bk && i < bi))) {
+        bk = k;
+        bi = i;
+      }
+    }
+    for (int m = 16; m > 0; m >>= 1) {
+      const double ok = __shfl_xor_sync(0xffffffffu, bk, m);
+      const int64_t oi = __shfl_xor_sync(0xffffffffu, bi, m);
+      if (ok < bk || (ok == bk && oi < bi)) {
+        bk = ok;
+        bi = oi;
+      }
+    }
+    if (lane == 0) {
+      warp_key[warp] = bk;
+      warp_index[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      bk = lane < kThreads / 32 ? warp_key[lane] : INFINITY;
+      bi = lane < kThreads / 32 ? warp_index[lane] : n;
+      for (int m = 16; m > 0; m >>= 1) {
+        const double ok = __shfl_xor_sync(0xffffffffu, bk, m);
+        const int64_t oi = __shfl_xor_sync(0xffffffffu, bi, m);
+        if (ok < bk || (ok == bk && oi < bi)) {
+          bk = ok;
+          bi = oi;
+        }
+      }
+      if (lane == 0) {
+        first[b] = bi;
+        last_key = bk;
+        last_index = bi;
+      }
+    }
+    __syncthreads();
+  }
+}
+
 // out[index[i], :] += values[i, :] for i < n (K columns, out zeroed before). A warp whose 32 rows share one
 // index (the common case: packed documents are runs of tokens) adds their sum with one atomic per column;
 // any other warp adds row by row. It replaces ATen's fill and index_add_ (a slow generic kernel: 9 us at
@@ -307,6 +370,14 @@ struct CudaRunner {
           cuda::sum_segments_in_order_kernel<K, scalar_t>, segments, values.const_data_ptr<scalar_t>(),
           order.const_data_ptr<int64_t>(), ends.const_data_ptr<int64_t>(), out.data_ptr<scalar_t>());
     });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  // first[b], b < count <= n: the indices of the `count` smallest key.key(i), in order, ties by index, in one
+  // single-block launch (select_first_kernel).
+  template <typename K>
+  static void select_first(int64_t n, int64_t count, const K& key, int64_t* first) {
+    if (count == 0) return;
+    cuda::DependentLaunch(1, 1024, 0)(cuda::select_first_kernel<1024, K>, n, count, key, first);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   // r.finish(s) once, with s[k] = Σ_{i < n} of r.terms(i)[k] (see row_pass.h), in one single-block launch (the

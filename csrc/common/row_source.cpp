@@ -35,6 +35,7 @@ LogitsSource::LogitsSource(const char* op, const at::Tensor& logits, const at::T
     : RowSource(op, check_and_flatten(op, logits, target, vocab_start, vocab_size), compute_grad || inplace) {
   const bool prescaled = scaled_later && (compute_grad || inplace) && logits.scalar_type() == at::kHalf;
   grad_row_unscale_ = new_empty({prescaled ? f_.n_rows : 0}, logits.options().dtype(at::kFloat));
+  rows_revisitable_ = !inplace;
   if (inplace) {
     TORCH_CHECK(f_.is_view, op, ": inplace_backward needs logits whose batch dimensions flatten to one row ",
                 "stride (got shape ", logits.sizes(), ", strides ", logits.strides(), ")");

@@ -37,6 +37,9 @@ class RowSource {
   bool wants_grad() const { return wants_grad_; }
   // Whether the passes leave the unlabelled rows out (see above).
   bool skips_unlabelled() const { return skips_unlabelled_; }
+  // Whether one pass sees every row at once and leaves the logits as they were (the logits as given, the gradient
+  // not written over them): an op may then run rows again after that pass (grpo's clip_cov / kl_cov fix-up).
+  bool rows_revisitable() const { return rows_revisitable_; }
   // A per-row output of the accumulation dtype that the op's epilogue fills: zeros where the source skips
   // rows, uninitialised otherwise.
   at::Tensor row_outputs(at::IntArrayRef sizes) const {
@@ -55,6 +58,7 @@ class RowSource {
   FlatLogits f_;
   bool wants_grad_;
   bool skips_unlabelled_ = false;
+  bool rows_revisitable_ = false;
 };
 
 class LogitsSource final : public RowSource {

@@ -1,10 +1,11 @@
-// CPU registration of `row_stats` and `_scale_grad_`.
+// CPU registration of `row_stats` and `_scale_grad_`; the CPU side of the small steps between passes.
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 
+#include "common/policy_cov.h"
 #include "common/row_pass_cpu.h"
 #include "common/row_stats.h"
 
@@ -77,6 +78,8 @@ void labelled_count_and_constant_cpu(const at::Tensor& target1d, const at::Tenso
                                      double constant) {
   labelled_count_and_constant_on<CpuRunner>(target1d, out, constant_out, constant);
 }
+
+void cov_select_cpu(const CovSelectArgs& s) { cov_select<CpuRunner>(s); }
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   m.impl("row_stats", torch::CppFunction::makeFromBoxedFunction<&row_stats_kernel<stats_cpu>>());

@@ -1,5 +1,7 @@
 // CUDA back-ends of `row_stats` and `_scale_grad_` (registered in csrc/cuda_registration.cpp), and the
 // CUDA side of split_stats_pass_on_cuda (row_pass.h).
+#include "common/cuda_backends.h"
+#include "common/policy_cov.h"
 #include "common/row_pass_cuda.cuh"
 #include "common/row_stats.h"
 
@@ -15,6 +17,8 @@ void labelled_count_and_constant_cuda(const at::Tensor& target1d, const at::Tens
                                       const at::Tensor& constant_out, double constant) {
   labelled_count_and_constant_on<CudaRunner>(target1d, out, constant_out, constant);
 }
+
+void cov_select_cuda(const CovSelectArgs& s) { cov_select<CudaRunner>(s); }
 
 void sum_cuda(const at::Tensor& x, const at::Tensor& out) {
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "sum_1d", [&] {

@@ -151,13 +151,22 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
     }
     backend.sequences(q, rows);
   }
-  if (cov_loss_type(opt.loss_type)) {
-    // clip_cov's / kl_cov's subset, from every labelled token's log-prob (docs/policy_losses.md).
+  // clip_cov's / kl_cov's subset, from every labelled token's log-prob (docs/policy_losses.md): after the loss pass,
+  // which gives them, and a fix-up of the selected rows (grpo_cov_fix_up) where the pass sees the whole batch and
+  // leaves the logits intact; otherwise (the fused lm_head's chunks, whose gradients are consumed chunk by chunk,
+  // and inplace_backward) from a statistics pass before the loss pass. So too for a subset bound past an eighth of
+  // the rows: the fix-up moves its rows about five times (gather, pass, gradient, write-back) and holds two
+  // buffers of them, where the statistics pass reads every row once.
+  const bool cov = cov_loss_type(opt.loss_type);
+  const bool cov_after = cov && src.rows_revisitable() && cov_subset_bound(a.policy, opt, f.n_rows) * 8 <= f.n_rows;
+  const at::Tensor cov_mask = cov_after ? kept_mask() : at::Tensor();  // here: no launch between count and pass
+  if (cov && !cov_after) {
     statistics_first();
     at::Tensor lp = new_empty({f.n_rows}, opts);
     backend.log_probs(args.stats_in, f.target1d, lp);
     rows.cov_selected = cov_selection(a.policy, opt, lp, rows.old_log_probs.defined() ? rows.old_log_probs : lp,
-                                      rows.advantages, kept_mask());
+                                      rows.advantages, kept_mask())
+                            .selected;
   }
   // Token-level correction weights (and, with vespo, their metrics: vespo folds them into φ).
   if (!sequence_rollout && opt.rollout_mode != kRolloutNone) rows.rollout_log_probs = rollout;
@@ -186,10 +195,12 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
     n_labelled = labelled_count(kept, acc);
     rows.divisor = n_labelled;
   }
+  const PolicyArgs& policy = a.policy;
   if (f.n_rows > 0) {
     src.run(args, src.wants_grad(), [&](RowPassArgs& a) {
       split_stats_pass_on_cuda(a);
       backend.rows(a, rows);
+      if (cov_after) grpo_cov_fix_up(a, rows, policy, cov_mask, backend);
     });
   }
   if (rejecting) {

@@ -6,14 +6,18 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <array>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "common/policy.h"
 #include "common/row_pass.h"
 #include "common/row_source.h"
+#include "grpo/grpo_cov.h"
 
 namespace rl_losses {
 
@@ -209,7 +213,8 @@ struct GrpoSequenceStep {
   }
 };
 
-// Each token's log-prob from the statistics (0 where unlabelled): what cov_selection reads before the loss pass.
+// Each token's log-prob from the statistics (0 where unlabelled): what cov_selection reads where it comes before the
+// loss pass (the fused lm_head, inplace_backward).
 template <typename acc_t>
 struct GrpoStatsLogProb {
   const acc_t* stats;     // (N, 5)
@@ -242,6 +247,25 @@ struct GrpoRows {
   bool entropy;
 };
 
+// The per-row inputs a clip_cov / kl_cov sub-batch gathers (GrpoCovGather's order), of a GrpoRows or a const one.
+template <class Rows>
+auto grpo_row_inputs(Rows& r) {
+  return std::array<decltype(&r.advantages), kGrpoCovInputs>{&r.advantages,       &r.old_log_probs,
+                                                             &r.ref_log_probs,    &r.rollout_log_probs,
+                                                             &r.sequence_log_rho, &r.loss_weights};
+}
+
+// grpo's clip_cov / kl_cov fix-up (grpo_cov.cpp): the first pass's rows and args, and the sub-batch's, whose row i
+// is row index[i].
+struct GrpoCovRows {
+  at::Tensor index;     // (bound,) int64
+  at::Tensor selected;  // (N,) bool
+  const RowPassArgs& pass;
+  const GrpoRows& rows;
+  const RowPassArgs& sub_pass;
+  const GrpoRows& sub;
+};
+
 template <typename acc_t, bool kEntropyBonus>
 GrpoEpilogue<acc_t, kEntropyBonus> make_grpo_epilogue(const GrpoRows& r) {
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<acc_t>() : nullptr; };
@@ -262,6 +286,8 @@ struct GrpoBackend {
   // sequence_share, those defined).
   void (*sequences)(const GrpoSequences&, const GrpoRows&);
   void (*log_probs)(const at::Tensor& stats, const at::Tensor& target1d, const at::Tensor& out);  // GrpoStatsLogProb
+  void (*cov_gather)(const GrpoCovRows&);      // GrpoCovGather
+  void (*cov_write_back)(const GrpoCovRows&);  // GrpoCovWriteBack
 };
 
 template <typename Runner>
@@ -324,8 +350,54 @@ struct GrpoBackendImpl {
                                                                out.data_ptr<scalar_t>()});
     });
   }
-  static constexpr GrpoBackend backend() { return {&stats, &rows, &metrics, &sequences, &log_probs}; }
+  static void cov_gather(const GrpoCovRows& c) {
+    const RowPassArgs &a = c.pass, &s = c.sub_pass;
+    const int64_t vocab = a.logits.size(1), width = std::max<int64_t>(vocab, 1);
+    RL_LOSSES_DISPATCH_LOGITS(a.logits.scalar_type(), "grpo", [&] {
+      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      GrpoCovGather<scalar_t, acc_t> f{width, vocab, c.index.const_data_ptr<int64_t>(),
+                                       a.logits.const_data_ptr<scalar_t>(), a.logits.stride(0),
+                                       s.logits.data_ptr<scalar_t>(), a.target.const_data_ptr<int64_t>(),
+                                       s.target.data_ptr<int64_t>(), c.selected.const_data_ptr<bool>(),
+                                       c.sub.cov_selected.data_ptr<bool>(), {}, {}};
+      const auto in = grpo_row_inputs(c.rows);
+      const auto out = grpo_row_inputs(c.sub);
+      for (int k = 0; k < kGrpoCovInputs; ++k) {
+        f.in[k] = in[k]->defined() ? in[k]->template const_data_ptr<acc_t>() : nullptr;
+        f.sub_in[k] = out[k]->defined() ? out[k]->template data_ptr<acc_t>() : nullptr;
+      }
+      Runner::for_each(c.index.numel() * width, f);
+    });
+  }
+  static void cov_write_back(const GrpoCovRows& c) {
+    const RowPassArgs &a = c.pass, &s = c.sub_pass;
+    const bool grad = a.write_grad() && a.grad.size(1) > 0, unscale = a.grad_row_unscale.defined();
+    const int64_t width = grad ? a.grad.size(1) : 1;
+    RL_LOSSES_DISPATCH_LOGITS(a.logits.scalar_type(), "grpo", [&] {
+      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      Runner::for_each(c.index.numel() * width,
+                       GrpoCovWriteBack<scalar_t, acc_t>{
+                           width, kGrpoFields, c.index.const_data_ptr<int64_t>(),
+                           c.sub.cov_selected.const_data_ptr<bool>(),
+                           grad ? s.grad.const_data_ptr<scalar_t>() : nullptr,
+                           grad ? a.grad.data_ptr<scalar_t>() : nullptr, grad ? a.grad.stride(0) : 0,
+                           c.sub.out.const_data_ptr<acc_t>(), c.rows.out.data_ptr<acc_t>(),
+                           c.sub.log_probs.const_data_ptr<acc_t>(), c.rows.log_probs.data_ptr<acc_t>(),
+                           unscale ? s.grad_row_unscale.const_data_ptr<float>() : nullptr,
+                           unscale ? a.grad_row_unscale.data_ptr<float>() : nullptr});
+    });
+  }
+  static constexpr GrpoBackend backend() {
+    return {&stats, &rows, &metrics, &sequences, &log_probs, &cov_gather, &cov_write_back};
+  }
 };
+
+// clip_cov's / kl_cov's subset and its rows, after a loss pass `a` over the whole batch (RowSource::rows_revisitable)
+// run with no token selected: cov_selection over the pass's log-probs (masked by `mask`), then the same pass again
+// over the rows that may hold a selected token, whose outputs, log-probs and gradient rows replace the first
+// pass's where selected (grpo_cov.cpp).
+void grpo_cov_fix_up(const RowPassArgs& a, GrpoRows& rows, const PolicyArgs& policy, const at::Tensor& mask,
+                     const GrpoBackend& backend);
 
 // grpo's and linear_grpo's arguments but the source's (op_args.h).
 #define RL_LOSSES_GRPO_ARGS(X)                                                                            \

@@ -40,7 +40,8 @@ PolicyTokenResults policy_token_loss(const PolicyTokenArgs& a, PolicyTokenKernel
     const at::Tensor every = at::ones({log_probs.numel()}, log_probs.options().dtype(at::kBool));
     const at::Tensor mask = in.loss_mask.defined() ? in.loss_mask : every;
     in.cov_selected = cov_selection(a.policy, in.opt, in.log_probs,
-                                    in.old_log_probs.defined() ? in.old_log_probs : in.log_probs, in.advantages, mask);
+                                    in.old_log_probs.defined() ? in.old_log_probs : in.log_probs, in.advantages, mask)
+                          .selected;
   }
   const auto opts = log_probs.options().dtype(acc);
   for (int k = 0; k < kPolicyTokenOutputs; ++k) in.out.push_back(new_empty(log_probs.sizes(), opts));
