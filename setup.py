@@ -179,23 +179,48 @@ def avoid_static_libstdcxx() -> None:
 
 avoid_static_libstdcxx()
 
-def glue_at_o1(write_ninja_file):
-    """torch's ninja writer, with the glue (unity_glue's file) compiled at -O1 instead of -O3 in a CPU-only build: it
-    checks arguments, calls ATen and registers the ops, and -O3 made it slower to compile (about half its time)
-    for microseconds of host time that a CPU kernel's milliseconds hide. The files with loops keep -O3. A ninja
-    variable bound under a build statement overrides the file's for that statement alone."""
+def ninja_escape(path: str) -> str:
+    return path.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+
+def edit_ninja_file(write_ninja_file, pch_flags: list[str]):
+    """torch's ninja writer, with the precompiled header (PrecompiledHeaderBuild) made a build step of its own and the
+    glue (unity_glue's file) compiled without it. The header is compiled by torch's own compile rule, with the flags
+    it gives every C++ file but the -include of the header itself, and every other C++ object waits for it; ninja
+    rebuilds it when its command or a header it includes changes. The glue includes torch/autograd.h, most of the
+    header's parse again, and took as long with the header as without (30.4 CPU-s without, 33.9 with, at -O1 and a
+    load average of 6 on 2 cores): left out of it, it compiles on the second core while the header is precompiled
+    on the first, which the build used to leave idle for 28 s. In a CPU-only build the glue also compiles at -O1 instead of -O3: it checks arguments,
+    calls ATen and registers the ops, and -O3 made it slower to compile (about half its time) for microseconds of
+    host time that a CPU kernel's milliseconds hide; the files with loops keep -O3. (With CUDA its host time is a
+    GPU call's critical path: docs/design.md.) A ninja variable bound under a build statement overrides the
+    file's for that statement alone."""
     def write(**kwargs):
         write_ninja_file(**kwargs)
         glue = {obj for src, obj in zip(kwargs["sources"], kwargs["objects"])
                 if os.path.abspath(src) == os.path.abspath(UNITY_GLUE)}
         with open(kwargs["path"]) as f:
             lines = f.read().splitlines()
+        post = next(line for line in lines if line.startswith("post_cflags = "))[len("post_cflags = "):]
+        header = pch_flags[1] if pch_flags else None
+        if header:
+            without = post.replace(" " + " ".join(pch_flags), "")
+            assert without != post, f"the precompiled header's flags {pch_flags} are not in post_cflags: {post}"
+            post = without
+        glue_flags = post + (" -O1" if not use_cuda else "")
         out = []
         for line in lines:
-            out.append(line)
-            if line.startswith("build ") and ": compile " in line:
-                if line[len("build "):line.index(": compile ")].replace("$ ", " ") in glue:
-                    out.append("  post_cflags = $post_cflags -O1")
+            target = line[len("build "):line.index(": compile ")].replace("$ ", " ") \
+                if line.startswith("build ") and ": compile " in line else None
+            if target in glue:
+                out += [line, f"  post_cflags = {glue_flags}"]
+            elif target and header:
+                out.append(f"{line} | {ninja_escape(header)}.gch")
+            else:
+                out.append(line)
+        if header:
+            out += [f"build {ninja_escape(header)}.gch: compile {ninja_escape(header)}",
+                    "  cflags = $cflags -x c++-header", f"  post_cflags = {post}"]
         with open(kwargs["path"], "w") as f:
             f.write("\n".join(out) + "\n")
     return write
@@ -203,36 +228,35 @@ def glue_at_o1(write_ninja_file):
 
 class PrecompiledHeaderBuild(BuildExtension.with_options(use_ninja=True)):
     """torch's ninja build, with the torch headers of csrc/common/precompiled.h precompiled once (GCC) and
-    force-included into every C++ file (not the .cu files). The header is built with the very flags torch's
-    compile wrapper gives the C++ files; GCC checks them (-Winvalid-pch says where it cannot use the header, and
-    the file then parses the headers itself), so a mismatch costs time, never correctness. A stamp of the
-    command and torch's version rebuilds it when either changes; without a GNU compiler it is skipped.
+    force-included into every C++ file but the glue (not the .cu files): a step of the ninja file
+    (edit_ninja_file), compiled with the very flags torch's compile rule gives the C++ files. GCC checks them
+    (-Winvalid-pch says where it cannot use the header, and the file then parses the headers itself), so a mismatch
+    costs time, never correctness. Without a GNU compiler it is skipped.
     """
 
     def build_extension(self, ext):
         compile_objects = self.compiler.compile  # torch's ninja wrapper, installed by build_extensions
+        write_ninja_file = cpp_extension._write_ninja_file
 
         def compile_with_pch(sources, output_dir=None, macros=None, include_dirs=None, debug=0, extra_preargs=None,
                              extra_postargs=None, depends=None):
-            flags = self.precompile(output_dir, macros, include_dirs, sources, debug, extra_preargs, extra_postargs,
-                                    depends)
+            flags = self.precompiled_header(extra_postargs)
             if flags:
                 extra_postargs = dict(extra_postargs, cxx=extra_postargs["cxx"] + flags)
+            cpp_extension._write_ninja_file = edit_ninja_file(write_ninja_file, flags)
             return compile_objects(sources, output_dir, macros, include_dirs, debug, extra_preargs, extra_postargs,
                                    depends)
 
         self.compiler.compile = compile_with_pch
-        write_ninja_file = cpp_extension._write_ninja_file
-        if not use_cuda:  # with CUDA the glue's host time is a GPU call's critical path (docs/design.md): -O3 there
-            cpp_extension._write_ninja_file = glue_at_o1(write_ninja_file)
         try:
             super().build_extension(ext)
         finally:
             self.compiler.compile = compile_objects
             cpp_extension._write_ninja_file = write_ninja_file
 
-    def precompile(self, output_dir, macros, include_dirs, sources, debug, extra_preargs, extra_postargs, depends):
-        """Builds the precompiled header if out of date; returns the flags that use it ([] where it cannot)."""
+    def precompiled_header(self, extra_postargs) -> list[str]:
+        """Writes the header that edit_ninja_file's step precompiles; returns the flags that use it ([] where it
+        cannot: no GNU compiler, whose precompiled-header format this is)."""
         cxx = os.environ.get("CXX", "c++")  # the compiler torch's ninja file compiles C++ with
         if not isinstance(extra_postargs, dict) or "cxx" not in extra_postargs or sys.platform != "linux":
             return []
@@ -240,32 +264,14 @@ class PrecompiledHeaderBuild(BuildExtension.with_options(use_ninja=True)):
             version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
         except (OSError, subprocess.SubprocessError):
             return []
-        if "Free Software Foundation" not in version:  # GCC's own precompiled-header format
+        if "Free Software Foundation" not in version:
             return []
-        # The flags of torch's wrapper (unix_wrap_ninja_compile): the compiler's, the preprocessor's, then the
-        # post flags with the language standard torch appends when none is given.
-        _, _, _, pp_opts, _ = self.compiler._setup_compile(os.path.abspath(output_dir), macros, include_dirs,
-                                                           sources, depends, extra_postargs)
-        post = list(extra_postargs["cxx"])
-        if not any(f.startswith("-std=") for f in post):
-            post.append("-std=c++20")
-        pch_dir = os.path.join(os.path.abspath(self.build_temp), "pch")
-        header = os.path.join(pch_dir, "rl_losses_pch.h")
-        cmd = ([cxx] + self.compiler.compiler_so[1:] + self.compiler._get_cc_args(pp_opts, debug, extra_preargs)
-               + ["-x", "c++-header", header, "-o", header + ".gch"] + post)
-        with open(os.path.join(ROOT, "csrc", "common", "precompiled.h")) as f:
-            stamp = "\n".join([" ".join(cmd), torch.__version__, f.read()])
-        stamp_file = header + ".stamp"
-        if not (os.path.exists(header + ".gch") and os.path.exists(stamp_file) and open(stamp_file).read() == stamp):
-            os.makedirs(pch_dir, exist_ok=True)
+        header = os.path.join(os.path.abspath(self.build_temp), "pch", "rl_losses_pch.h")
+        text = '#include "common/precompiled.h"\n'
+        if not os.path.exists(header) or open(header).read() != text:  # rewritten only if changed: ninja sees its time
+            os.makedirs(os.path.dirname(header), exist_ok=True)
             with open(header, "w") as f:
-                f.write('#include "common/precompiled.h"\n')
-            print("rl_losses: precompiling the torch headers (csrc/common/precompiled.h)")
-            if subprocess.run(cmd).returncode != 0:
-                print("rl_losses: WARNING: precompiling the headers failed; every file parses them itself")
-                return []
-            with open(stamp_file, "w") as f:
-                f.write(stamp)
+                f.write(text)
         return ["-include", header, "-Winvalid-pch"]
 
 
