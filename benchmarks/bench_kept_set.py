@@ -36,7 +36,7 @@ METADATA = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::vie
 # Ops that on the CPU run copy_ or fill_ inside them (dtype conversions a GPU kernel makes as it loads and stores,
 # a reduction's initial value): counted once, as the one kernel each is on a GPU. (`where` and `to` convert by an op
 # of their own on a GPU too: their copies count.)
-UNITS = {"aten::gather", "aten::scatter_add_", "aten::mul", "aten::addcmul", "aten::div", "aten::add", "aten::sub",
+UNITS = {"aten::gather", "aten::mul", "aten::addcmul", "aten::div", "aten::add", "aten::sub",
          "aten::amax", "aten::sum", "aten::any", "aten::all", "aten::argmax"}
 
 
@@ -78,7 +78,7 @@ def main():
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--steps", nargs="+", choices=["no_grad", "fwd_bwd"], default=["no_grad", "fwd_bwd"],
-                        help="fwd_bwd holds the N x V gradient (and, for bf16, ATen's fp32 copy in its CPU scatter)")
+                        help="fwd_bwd holds the N x V gradient")
     parser.add_argument("--ops", action="store_true", help="print each counted op")
     a = parser.parse_args()
     if a.no_check:

@@ -18,6 +18,7 @@
 #include "fused_head/fused_head.h"
 #include "grpo/grpo.h"
 #include "gspo/gspo.h"
+#include "kept_set/kept_set.h"
 #include "policy_token/policy_token.h"
 #include "token_log_probs/token_log_probs.h"
 #include "topk_distillation/topk_distillation.h"
@@ -76,6 +77,7 @@ TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) {
   register_linear_loss<GspoLoss<gspo_backend_cuda>, linear_backend_cuda, OnTensorsDevice>(m);
   m.impl("gspo_document_sums", on_device<&GspoLoss<gspo_backend_cuda>::document_sums>());
   m.impl("policy_token_loss", on_device<&policy_token_op<&policy_token_cuda>>());
+  m.impl("_scatter_rows", on_device<&scatter_rows_op<&scatter_rows_cuda>>());
   using Distill = DistillKernels<distill_backend_cuda>;
   m.impl("_distillation_forward", on_device<&Distill::forward<false>>());
   m.impl("_distillation_forward_inplace", on_device<&Distill::forward<true>>());

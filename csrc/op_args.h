@@ -199,6 +199,12 @@
   X(at::Tensor, kl, )                     \
   X(at::Tensor, rollout_weight, )
 
+// ---- the kept-set gradient (kept_set/): dense (..., vocab_size) rows from K values per row at K ids ---------------
+#define RL_LOSSES_SCATTER_ROWS_INPUT(X) \
+  X(at::Tensor, ids, )                  \
+  X(at::Tensor, values, )               \
+  X(int64_t, vocab_size, )
+
 // ---- per-token log-probs and entropies (token_log_probs/) -------------------------------------------------------
 #define RL_LOSSES_TOKEN_LOG_PROBS_RESULTS(X) \
   X(at::Tensor, log_probs, )                 \

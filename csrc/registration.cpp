@@ -153,6 +153,13 @@ TORCH_LIBRARY(rl_losses, m) {
              .args(RL_LOSSES_ENTRIES(RL_LOSSES_POLICY_TOKEN_MASK)).kwargs().args(clip).args(kl_weight).args(policy)
              .results(RL_LOSSES_ENTRIES(RL_LOSSES_POLICY_TOKEN_RESULTS)));
 
+  // ---- the kept-set gradient (kept_set/) -----------------------------------------------------------------------
+  // grad (..., vocab_size) in values' dtype: zeros, but values[..., j] at ids[..., j] where the id is >= 0 (-1:
+  // padding) and the value nonzero (at most one nonzero value per id and row: kept_set.h). The backward of
+  // rl_losses.kept_token_log_probs (python/rl_losses/kept_set.py), in one pass over the rows.
+  def(m, OpSchema("_scatter_rows").args(RL_LOSSES_ENTRIES(RL_LOSSES_SCATTER_ROWS_INPUT))
+             .results(RL_LOSSES_ENTRIES(RL_LOSSES_GRAD)));
+
   // ---- per-token log-probs and entropies (token_log_probs/) ---------------------------------------------------
   // Differentiable through both outputs with any upstream gradients, so the backward is an op of its own:
   // `_token_log_probs_forward` also returns the row statistics (N, 5) it computed (empty when `row_stats` were

@@ -127,6 +127,18 @@ def run_linear_ops(n, h, v, dtype):
         _close(f"{name} {dtype} grad_weight", w.grad, w64.grad, tol)
 
 
+def run_scatter_rows(n, k, v, dtype):
+    """_scatter_rows (the kept-set gradient): padding, masked zero copies of a real id and odd V (unaligned rows)."""
+    ids = torch.rand(n, v, device=DEVICE).argsort(-1)[:, :k]
+    values = torch.randn(n, k, device=DEVICE).to(dtype)
+    ids[:, 1::3], values[:, 2::3] = -1, 0.0
+    ids[:, 2::3] = ids[:, :1]  # zero copies of column 0's id
+    ours = torch.ops.rl_losses._scatter_rows(ids, values, v)
+    ref = torch.zeros(n, v, dtype=torch.float64).scatter_add_(
+        -1, ids.cpu().clamp_min(0), torch.where(ids >= 0, values, 0.0).double().cpu())
+    _close(f"_scatter_rows {dtype}", ours, ref, 0.0)
+
+
 def main():
     if DEVICE == "cuda" and not (torch.cuda.is_available() and rl_losses.cuda_kernels_available()):
         print("sanitize_ops: needs a GPU and the extension's CUDA kernels")
@@ -139,6 +151,9 @@ def main():
                     run_logits_ops(n, v, dtype, aligned, inplace, upstream=1.0 if inplace else 3.0)
     for dtype in (torch.float32, torch.bfloat16):
         run_linear_ops(45, 24, 513, dtype)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for n, k, v in ((1, 1, 1), (37, 9, 1003), (5, 1025, 50257)):
+            run_scatter_rows(n, k, v, dtype)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     print("sanitize_ops: every op ran")

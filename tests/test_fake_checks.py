@@ -13,6 +13,7 @@ from helpers import assert_fake_rejects_like_real, forward_options
 from test_fake_checks_distill_dpo_head import BAD_INPUTS as HEAD_BAD_INPUTS
 from test_topk_distillation import BAD_INPUTS as TOPK_BAD_INPUTS
 from test_sampler import BAD_INPUTS as SAMPLER_BAD_INPUTS
+from test_scatter_rows import BAD_INPUTS as SCATTER_ROWS_BAD_INPUTS
 
 ops = torch.ops.rl_losses
 CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
@@ -353,6 +354,8 @@ NOT_FAKE = {
     "document_index holds", "holds document", "is in pairs", "target: label ", "must hold values in",
     # The teacher's top-K ids and log-probs (test_topk_distillation.py: test_bad_teacher_values).
     "teacher_ids: id ", "more than once", "teacher_log_probs: NaN", "the probabilities of row",
+    # _scatter_rows' ids (test_scatter_rows.py: test_ids_out_of_range).
+    "is outside [-1, ",
     # Two devices: on the CPU every tensor is on the one device (the CUDA tests pass a CPU tensor to a GPU op).
     " is on ",
     # Autograd's: they run above every kernel (common/autograd.h, token_log_probs_autograd.cpp), on meta tensors too.
@@ -373,7 +376,7 @@ def _not_fake(pattern):
 
 def test_every_check_has_a_bad_input():
     messages = []
-    for _, call, _ in BAD_INPUTS + HEAD_BAD_INPUTS + SAMPLER_BAD_INPUTS + TOPK_BAD_INPUTS:
+    for _, call, _ in BAD_INPUTS + HEAD_BAD_INPUTS + SAMPLER_BAD_INPUTS + TOPK_BAD_INPUTS + SCATTER_ROWS_BAD_INPUTS:
         with pytest.raises(RuntimeError) as e:
             call("cpu")
         messages.append(str(e.value))

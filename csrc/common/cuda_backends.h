@@ -15,6 +15,7 @@ struct DpoBackend;
 struct FusedHeadBackend;
 struct TokenLogProbsBackend;
 struct PolicyTokenInputs;
+struct ScatterRowsInputs;
 struct TopkRows;
 
 void labelled_count_cuda(const at::Tensor& target1d, const at::Tensor& out);
@@ -30,6 +31,7 @@ const DpoBackend& dpo_backend_cuda();
 const FusedHeadBackend& fused_head_backend_cuda();
 const TokenLogProbsBackend& token_log_probs_backend_cuda();
 void policy_token_cuda(const PolicyTokenInputs& in);
+void scatter_rows_cuda(const ScatterRowsInputs& in);
 void topk_distillation_rows_cuda(const RowPassArgs& args, const TopkRows& rows, bool gather);
 
 }  // namespace rl_losses

@@ -1,6 +1,7 @@
-"""The checks of the distillation, DPO, fused-head, token_log_probs and policy_token_loss ops (csrc/distillation,
-csrc/dpo, csrc/fused_head, csrc/token_log_probs, csrc/policy_token), as ``_checks.py`` holds the others': the same
-conditions in the same order, the same messages, over the call's arguments by name."""
+"""The checks of the distillation, DPO, fused-head, token_log_probs, policy_token_loss and _scatter_rows ops
+(csrc/distillation, csrc/dpo, csrc/fused_head, csrc/token_log_probs, csrc/policy_token, csrc/kept_set), as
+``_checks.py`` holds the others': the same conditions in the same order, the same messages, over the call's arguments
+by name."""
 from __future__ import annotations
 
 import math
@@ -311,3 +312,18 @@ def policy_token(a):
             check_per_token(op, name, a[name], log_probs)
     if a["loss_mask"] is not None:
         check_loss_mask(op, a["loss_mask"], log_probs, "log_probs", log_probs.shape, "shape")
+
+
+# ---- kept_set/kept_set.cpp ------------------------------------------------------------------------------------------
+SCATTER_ROWS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def scatter_rows(a):
+    """scatter_rows' checks but the ids' range (the data's: real op only)."""
+    op, ids, values = "_scatter_rows", a["ids"], a["values"]
+    _check(ids.dtype == torch.int64, op, "ids must be an int64 tensor, got ", _dt(ids.dtype))
+    _check(values.dtype in SCATTER_ROWS_DTYPES, op, "values must be float32, float64, bfloat16 or float16, got ",
+           _dt(values.dtype))
+    _check(ids.dim() >= 1 and ids.shape == values.shape, op, "ids and values must have one shape (..., K), got ids ",
+           _shape(ids.shape), " and values ", _shape(values.shape))
+    _check(a["vocab_size"] >= 0, op, "vocab_size must be >= 0, got ", a["vocab_size"])

@@ -145,6 +145,16 @@ def _policy_token_loss(a):
 _register("policy_token_loss", _policy_token_loss)
 
 
+# ---- the kept-set gradient -------------------------------------------------------------------------------------------
+def _scatter_rows(a):
+    _checks_heads.scatter_rows(a)
+    ids = a["ids"]
+    return {"grad": torch.empty([*ids.shape[:-1], a["vocab_size"]], dtype=a["values"].dtype, device=ids.device)}
+
+
+_register("_scatter_rows", _scatter_rows)
+
+
 # ---- per-token log-probs and entropies ----------------------------------------------------------------------------
 def _token_log_probs(name, with_stats):
     def fake(a):

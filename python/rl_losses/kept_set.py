@@ -5,11 +5,12 @@ filter's edge is not kept or dropped by the trainer's slightly different logits.
 
 The work is K-wide (K kept ids per position): the kept logits are gathered, their log_softmax taken in float32
 (float64 for float64 logits), and the gradient is scattered back to those ids alone. Nothing V-wide is read or
-computed besides the gradient's zeros, so this is a composition of ATen ops rather than a row pass, each a pass
-over N x K values (a kernel on a GPU): the forward makes the fewest of them, and an autograd.Function's backward
-computes the K-wide gradient from the saved probabilities in one or two passes and writes the dense one by a zero
-fill and one scatter. It is differentiable with any upstream gradients, and composes with the per-token policy
-loss (``rl_losses.policy_token_loss``) for the policy-gradient terms.
+computed besides the gradient, so this is a composition of ATen ops rather than a row pass, each a pass over N x K
+values (a kernel on a GPU): the forward makes the fewest of them, and an autograd.Function's backward computes the
+K-wide gradient from the saved probabilities in one or two passes and writes the dense one in one pass over its
+rows (the library's ``_scatter_rows``: zeros and the K + 1 values at their ids). It is differentiable with any
+upstream gradients, and composes with the per-token policy loss (``rl_losses.policy_token_loss``) for the
+policy-gradient terms.
 
 From hidden states (``linear_kept_token_log_probs``) only the logits of the ids some position keeps are computed:
 the union U of the kept ids and the labels is gathered from the lm_head's weight once, and each chunk of rows
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from rl_losses._inputs import _check_inputs_enabled
+from rl_losses._inputs import _check_inputs_enabled, _direct
 
 __all__ = ["kept_token_log_probs", "linear_kept_token_log_probs"]
 
@@ -146,10 +147,11 @@ def _kept_backward(ids: torch.Tensor, unlabelled: torch.Tensor, p: torch.Tensor,
         base = neg_plogp * b.unsqueeze(-1)
         base[..., k] += a
         torch.addcmul(base, p, c.unsqueeze(-1), out=g)
-    # scatter_add_ rather than scatter_: an id repeats within a row only where all but one copy is masked (padding's
-    # 0, a listed label), and the masked copies' exact zeros add nothing, where scatter_ would race them against
-    # the real entry's value (the order of duplicate writes is unspecified on a GPU).
-    return torch.zeros(shape, dtype=dtype, device=ids.device).scatter_add_(-1, ids, g)
+    # One pass over the dense rows (csrc/kept_set/): zeros and the columns' values at their ids. An id repeats within
+    # a row only where all but one copy is masked (padding's 0, a listed label), and the op leaves zeros out, so the
+    # masked copies' exact zeros never race the real entry's value (the order of duplicate stores is unspecified on
+    # a GPU): the result of zeros.scatter_add_(-1, ids, g), without a separate fill and atomic adds.
+    return _direct(torch.ops.rl_losses._scatter_rows)(ids, g, shape[-1])
 
 
 def _with_column(kept_part, kept_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -165,9 +167,9 @@ def _with_column(kept_part, kept_ids: torch.Tensor, dtype: torch.dtype) -> torch
 
 
 class _KeptLogProbs(torch.autograd.Function):
-    """The kept-set log-probs (and entropies) with a backward that writes the dense gradient once: a zero fill and
-    one scatter of the K + 1 columns' gradient, computed from the saved probabilities in one K-wide pass (two with
-    the entropy's gradient). The grads of unused outputs stay None, so a backward through the log-probs alone
+    """The kept-set log-probs (and entropies) with a backward that writes the dense gradient once (_scatter_rows: the
+    K + 1 columns' gradient at their ids, zeros elsewhere), computed from the saved probabilities in one K-wide pass
+    (two with the entropy's gradient). The grads of unused outputs stay None, so a backward through the log-probs alone
     skips the entropy's terms."""
 
     @staticmethod
