@@ -173,3 +173,68 @@ def test_compile_fullgraph_of_a_step(kind):
         expected = reference.gspo_loss(*args, batch["advantages"].double(), batch["old_log_probabilities"].double(),
                                        batch["document_index"], num_documents=3).loss
     assert_close(metrics[module.name], expected, torch.float32)
+
+
+# Configs whose forward calls the op's C++ function itself (rl_losses._calls._Bound.op), with batch entries that the
+# call passes on (converted as the wrapper converts them) or that the config requires.
+_DIRECT_CASES = [
+    ({"type": "label", "label_smoothing": 0.1, "weight": 0.5}, {"num_labels_in_batch": 11}),
+    ({"type": "grpo", "epsilon_high": 0.28}, {"num_labels_in_batch": torch.tensor(13.0), "label_counts": "counts"}),
+    ({"type": "grpo", "beta": 0.04, "weight": 2.0}, {"ref_log_probs": "ref"}),
+    ({"type": "gspo"}, {"num_documents_in_batch": 4}),
+    ({"type": "gspo", "rollout_correction": "token_truncate"}, {"rollout_log_probs": "ref"}),
+]
+
+
+@pytest.mark.parametrize("config, entries", _DIRECT_CASES, ids=[str(c) for c, _ in _DIRECT_CASES])
+def test_direct_op_call_matches_the_wrapper_and_the_reference(config, entries, monkeypatch):
+    """The op called from forward gives the wrapper's loss, metrics and gradient (the wrapper runs where the opt-in
+    checks are on), and the pure-PyTorch reference's in float64."""
+    logits, batch = _inputs()
+    counts = torch.bincount(batch["document_index"], (batch["labels"] >= 0).long())[batch["document_index"]]
+    extra = {"counts": counts, "ref": -torch.rand(logits.shape[0]) - 2.0}
+    batch.update({key: extra.get(value, value) if isinstance(value, str) else value for key, value in entries.items()})
+    module = LanguageModelLossConfig.from_dict(config).get_loss()
+    module(logits, batch)
+    bound, wrapped = module._bound_of[False], []
+    assert bound.op is not None
+    bound.function = lambda *args, _function=bound.function, **kwargs: wrapped.append(1) or _function(*args, **kwargs)
+    results = []
+    for checks in (False, True):
+        if checks:
+            monkeypatch.setenv("RL_LOSSES_CHECK_INPUTS", "1")
+        x = logits.detach().requires_grad_()
+        loss, metrics = module(x, batch)
+        loss.backward()
+        results.append((loss, metrics, x.grad))
+        assert len(wrapped) == checks
+    (loss, metrics, grad), (wrapper_loss, wrapper_metrics, wrapper_grad) = results
+    assert metrics.keys() == wrapper_metrics.keys()
+    assert all(torch.equal(metrics[k], wrapper_metrics[k]) for k in metrics)
+    assert torch.equal(loss, wrapper_loss) and torch.equal(grad, wrapper_grad)
+    assert not any(m.requires_grad for m in metrics.values())
+    reference_module = LanguageModelLossConfig.from_dict({**config, "use_cuda_kernel": False}).get_loss()
+    x64 = logits.detach().double().requires_grad_()
+    batch64 = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+    expected_loss, expected_metrics = reference_module(x64, batch64)
+    expected_loss.backward()
+    assert metrics.keys() == expected_metrics.keys()
+    for key in metrics:
+        assert_close(metrics[key], expected_metrics[key], torch.float32)
+    assert_close(loss, expected_loss, torch.float32)
+    assert_close(grad, x64.grad, torch.float32)
+
+
+@pytest.mark.parametrize("kind, missing", [("label", "labels"), ("grpo", "advantages"), ("gspo", "document_index")])
+def test_direct_op_call_names_a_missing_batch_entry(kind, missing):
+    module = LanguageModelLossConfig.from_dict({"type": kind}).get_loss()
+    logits, batch = _inputs()
+    del batch[missing]
+    with pytest.raises(ValueError, match=f"the batch has no '{missing}'"):
+        module(logits, batch)
+
+
+def test_verl_module_refuses_a_temperature_of_zero():
+    ppo = verl.FusedLinearForPPO(chunk_size=None)
+    with pytest.raises(ValueError, match="linear_token_log_probs: temperature must be > 0, got 0.0"):
+        ppo(torch.randn(4, 8), torch.randn(11, 8), torch.randint(0, 11, (4,)), temperature=0.0)

@@ -15,6 +15,9 @@ import torch
 from torch.jit import _trace as _jit_trace
 from torch.nn.modules import module as _module
 
+from rl_losses import _schema, functional
+from rl_losses._inputs import _options
+
 if typing.TYPE_CHECKING:
     from rl_losses.losses import Batch, LanguageModelLoss
 
@@ -88,7 +91,7 @@ class _Bound:
     op's default, so left out) and the batch tensors the config needs ((option, batch key, what needs it))."""
 
     __slots__ = ("kernel", "config", "name", "new_logprobs_name", "weight", "function", "options", "batch_options",
-                 "required")
+                 "optional_keys", "required", "op", "wrapper", "keywords", "keys", "needed", "metric", "metric_at")
 
     def __init__(self, module: LanguageModelLoss, kernel: bool):
         self.kernel = kernel
@@ -99,7 +102,22 @@ class _Bound:
         self.function = module._function(kernel)
         self.options = {**module._fixed_options(), **module._options(kernel)}
         self.batch_options = module._batch_options()
+        self.optional_keys = frozenset(key for _, key in self.batch_options)
         self.required = module._required()
+        # The direct call of LanguageModelLoss.forward, around the functional wrapper (functional.DIRECT_FORMS): the
+        # name of its op (whose C++ function it calls), the wrapper's name and keywords (_options of the batch's
+        # entries), the batch keys of the op's tensors after the logits and the positions of those it needs, the
+        # second metric's name and position in the op's results (None: the loss alone). None where the module's config
+        # has more to do per call (_direct_inputs) or the module has a tp_group.
+        self.op = self.wrapper = self.keywords = self.keys = self.needed = self.metric = self.metric_at = None
+        form = functional.DIRECT_FORMS.get(self.function) if module.tp_group is None else None
+        inputs = module._direct_inputs() if form is not None else None
+        if inputs is not None:
+            self.op, self.wrapper, self.keywords = form
+            self.keys, self.needed, field = inputs
+            self.options = _options(self.wrapper, dict(self.options), self.keywords)  # converted as the wrapper would
+            if field is not None:
+                self.metric, self.metric_at = f"{module.name}_{field}", _schema.results(self.op).index(field)
 
 
 def _given(bound: _Bound, batch: Batch) -> dict[str, Any]:

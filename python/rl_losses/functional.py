@@ -282,6 +282,13 @@ _GSPO = _wrapper(gspo_loss, "gspo", drop=_TP_HOOKS + ("document_sums",), extra={
          returns=PolicyLossOutput)
 gspo_loss.__doc__ += _POLICY_DOC
 
+# The wrappers that the loss modules call around where nothing needs them (rl_losses._calls._Bound: no opt-in check,
+# no tp_group, no torch.compile trace): wrapper -> (its op, its name and keywords for _options). What such a call skips
+# is the wrapper's frames and its named result: its loss is the op's first result.
+DIRECT_FORMS = {cross_entropy: ("cross_entropy", "cross_entropy", _CROSS_ENTROPY),
+                grpo_loss: ("grpo", "grpo_loss", _GRPO),
+                gspo_loss: ("gspo", "gspo_loss", _GSPO)}
+
 
 # ---- fused lm_head -------------------------------------------------------------------------------------------
 _LINEAR_ARGS_DOC = """
