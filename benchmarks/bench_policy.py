@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import Timer, git_commit, summary  # noqa: E402
 
 # The options that read the logits twice (every GSPO row does).
-TWO_PASSES = {"vespo", "vespo_token_truncate", "on_policy_sequence_truncate", "grpo_clip_cov", "grpo_kl_cov"}
+# (clip_cov and kl_cov read them once from logits: their selected rows are read again, a few rows.)
+TWO_PASSES = {"vespo", "vespo_token_truncate", "on_policy_sequence_truncate"}
 
 
 def options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref):
