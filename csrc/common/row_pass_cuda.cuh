@@ -199,6 +199,23 @@ __global__ void __launch_bounds__(kThreads) sum_then_kernel(int64_t n, R r) {
   if (lane == 0) r.finish(s);
 }
 
+// (bk, bi) becomes the lesser of itself and (k, i) in the order of keys, then indices.
+__device__ inline void keep_least(double& bk, int64_t& bi, double k, int64_t i) {
+  if (k < bk || (k == bk && i < bi)) {
+    bk = k;
+    bi = i;
+  }
+}
+
+// Every lane of the warp ends with the warp's least (bk, bi).
+__device__ inline void warp_least(double& bk, int64_t& bi) {
+  for (int m = 16; m > 0; m >>= 1) {
+    const double k = __shfl_xor_sync(0xffffffffu, bk, m);
+    const int64_t i = __shfl_xor_sync(0xffffffffu, bi, m);
+    keep_least(bk, bi, k, i);
+  }
+}
+
 // first[b], b < count: the indices i < n of smallest key.key(i), in that order, ties by index (a stable sort's
 // first `count`). One block, one sweep of the keys per index taken, each sweep the least (key, i) after the last
 // taken: for a few indices of a few thousand keys (clip_cov's and kl_cov's subsets), where a sort is several
@@ -223,19 +240,9 @@ __global__ void __launch_bounds__(kThreads) select_first_kernel(int64_t n, int64
     int64_t bi = n;
     for (int64_t i = threadIdx.x; i < n; i += kThreads) {
       const double k = key.key(i);
-      if ((k > lk || (k == lk && i > li)) && (k < bk || (k == bk && i < bi))) {
-        bk = k;
-        bi = i;
-      }
+      if (k > lk || (k == lk && i > li)) keep_least(bk, bi, k, i);  // after the last taken
     }
-    for (int m = 16; m > 0; m >>= 1) {
-      const double ok = __shfl_xor_sync(0xffffffffu, bk, m);
-      const int64_t oi = __shfl_xor_sync(0xffffffffu, bi, m);
-      if (ok < bk || (ok == bk && oi < bi)) {
-        bk = ok;
-        bi = oi;
-      }
-    }
+    warp_least(bk, bi);
     if (lane == 0) {
       warp_key[warp] = bk;
       warp_index[warp] = bi;
@@ -244,14 +251,7 @@ __global__ void __launch_bounds__(kThreads) select_first_kernel(int64_t n, int64
     if (warp == 0) {
       bk = lane < kThreads / 32 ? warp_key[lane] : INFINITY;
       bi = lane < kThreads / 32 ? warp_index[lane] : n;
-      for (int m = 16; m > 0; m >>= 1) {
-        const double ok = __shfl_xor_sync(0xffffffffu, bk, m);
-        const int64_t oi = __shfl_xor_sync(0xffffffffu, bi, m);
-        if (ok < bk || (ok == bk && oi < bi)) {
-          bk = ok;
-          bi = oi;
-        }
-      }
+      warp_least(bk, bi);
       if (lane == 0) {
         first[b] = bi;
         last_key = bk;
