@@ -20,8 +20,8 @@ from typing import Any, Callable
 import torch
 
 from rl_losses import _schema, distillation, dpo, functional, reference, reference_topk, topk_distillation
-from rl_losses._calls import DirectCallModule, _Bound, _given, _require
-from rl_losses._inputs import _CHECK_INPUTS, _ENVIRON, _options, _tracing
+from rl_losses._calls import DirectCallModule, _Bound, _call_op, _given, _require
+from rl_losses._inputs import _CHECK_INPUTS, _ENVIRON, _tracing
 
 if typing.TYPE_CHECKING:  # the configs build these modules (config.py imports this file, not the reverse)
     from rl_losses.config import (
@@ -37,7 +37,6 @@ if typing.TYPE_CHECKING:  # the configs build these modules (config.py imports t
     )
 
 Batch = dict[str, Any]
-_OPS = torch.ops.rl_losses
 
 
 class LanguageModelLossKwargs:
@@ -119,28 +118,12 @@ class LanguageModelLoss(DirectCallModule):
         bound = self._bound_of.get(logits.is_cuda)
         if bound is None or not (logits.is_cpu or logits.is_cuda):
             bound = self._bind(logits)
-        # The direct call (_Bound.op: the op's C++ function with the bound options) where the wrapper would do
-        # nothing more and the config nothing per call: no frame of _forward, the wrapper, its _options, _direct or
-        # named result (~3-4 µs of host time per call on a CPU host). Where the batch lacks a tensor the op needs,
-        # _forward tells which.
+        # The direct call (_Bound.op, _call_op) where the wrapper would do nothing more and the config nothing per
+        # call; where the batch lacks a tensor the op needs, _forward tells which.
         if bound.op is not None and _CHECK_INPUTS not in _ENVIRON and not _tracing():
-            get = batch.get
-            tensors = tuple(map(get, bound.keys))
-            for i in bound.needed:
-                if tensors[i] is None:
-                    break
-            else:
-                options = bound.options
-                if bound.required or not bound.optional_keys.isdisjoint(batch):
-                    options = _given(bound, batch)
-                    if options is not bound.options:  # the batch's entries, converted as the wrapper converts them
-                        options = _options(bound.wrapper, options, bound.keywords)
-                out = getattr(_OPS, bound.op)._op(logits, *tensors, **options)  # (the op the namespace holds now)
-                loss = out[0]
-                metrics = {bound.name: loss.data}
-                if bound.metric is not None:
-                    metrics[bound.metric] = out[bound.metric_at]
-                return (loss if bound.weight == 1.0 else loss * bound.weight), metrics
+            out = _call_op(bound, logits, batch)
+            if out is not None:
+                return out
         loss, metrics = self._forward(logits, batch, bound)
         # The metric is `loss.data`: detached as loss.detach() is, without the dispatcher's call and the view's autograd
         # record that detach() makes (~1.5 µs of host time per call on a CPU host); torch.compile traces it too.
