@@ -88,15 +88,14 @@ void check_token_ratio_loss_type(const char* op, const PolicyOptions<double>& o,
 // clip_cov_lb < cov < clip_cov_ub), all of them if fewer: those of the k smallest keys of torch.rand(N,
 // dtype=float64) from the default generator of the tensors' device, drawn on every call. Returns the (N,) bool flags
 // the per-token math reads (policy_token's `cov_selected`). No host synchronisation: k and the ranks stay on the
-// device. With n_first > 0, also the indices of the n_first tokens of lowest rank: every selected token is among
-// them when n_first >= cov_subset_bound(a, o, N) (grpo's fix-up of the selected rows after its loss pass).
+// device. Also the indices of the cov_subset_bound(a, o, N) tokens of lowest rank, among which every selected token
+// is (grpo's fix-up of the selected rows after its loss pass).
 struct CovSelection {
   at::Tensor selected;  // (N,) bool
-  at::Tensor first;     // (n_first,) int64, distinct, or undefined
+  at::Tensor first;     // (cov_subset_bound(a, o, N),) int64, distinct
 };
 CovSelection cov_selection(const PolicyArgs& a, const PolicyOptions<double>& o, const at::Tensor& log_probs,
-                           const at::Tensor& old_log_probs, const at::Tensor& advantages, const at::Tensor& mask,
-                           int64_t n_first = 0);
+                           const at::Tensor& old_log_probs, const at::Tensor& advantages, const at::Tensor& mask);
 // A bound on the subset's size k for any mask over n_tokens tokens, known on the host: max(⌊ratio·n_tokens⌋, 1),
 // at most n_tokens (0 without a token).
 int64_t cov_subset_bound(const PolicyArgs& a, const PolicyOptions<double>& o, int64_t n_tokens);

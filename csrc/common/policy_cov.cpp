@@ -21,8 +21,7 @@ int64_t cov_subset_bound(const PolicyArgs& a, const PolicyOptions<double>& o, in
 }
 
 CovSelection cov_selection(const PolicyArgs& a, const PolicyOptions<double>& o, const at::Tensor& log_probs,
-                           const at::Tensor& old_log_probs, const at::Tensor& advantages, const at::Tensor& mask,
-                           int64_t n_first) {
+                           const at::Tensor& old_log_probs, const at::Tensor& advantages, const at::Tensor& mask) {
   const int64_t n = mask.numel();
   CovSelectArgs s;
   s.kl = o.loss_type == kKlCov;
@@ -41,15 +40,15 @@ CovSelection cov_selection(const PolicyArgs& a, const PolicyOptions<double>& o, 
   if (!s.kl) s.draws = at::rand({n}, mask.options().dtype(at::kDouble));
   s.means = at::empty({3}, log_probs.options());
   s.selected = at::zeros({n}, mask.options().dtype(at::kBool));
-  s.first = at::empty({std::max<int64_t>(n_first, cov_subset_bound(a, o, n))}, mask.options().dtype(at::kLong));
+  s.first = at::empty({cov_subset_bound(a, o, n)}, mask.options().dtype(at::kLong));
 #ifdef RL_LOSSES_WITH_CUDA
   if (mask.is_cuda()) {
     cov_select_cuda(s);
-    return {s.selected, s.first.narrow(0, 0, n_first)};
+    return {s.selected, s.first};
   }
 #endif
   cov_select_cpu(s);
-  return {s.selected, s.first.narrow(0, 0, n_first)};
+  return {s.selected, s.first};
 }
 
 }  // namespace rl_losses

@@ -10,11 +10,11 @@ void grpo_cov_fix_up(const RowPassArgs& a, GrpoRows& rows, const PolicyArgs& pol
                      const GrpoBackend& backend) {
   TORCH_INTERNAL_ASSERT(a.row_offset == 0 && !a.row_index.defined() && !a.stats_out.defined(),
                         "rl_losses: the clip_cov / kl_cov fix-up needs a pass over the whole batch");
-  // Every selected token is among the `bound` of lowest rank: the sub-batch is sized on the host, so nothing here
-  // waits for the device (a CUDA graph captures the call).
-  const int64_t bound = cov_subset_bound(policy, rows.opt, a.logits.size(0));
+  // Every selected token is among sel.first, the `bound` of lowest rank: the sub-batch is sized on the host, so
+  // nothing here waits for the device (a CUDA graph captures the call).
   const at::Tensor& old = rows.old_log_probs.defined() ? rows.old_log_probs : rows.log_probs;  // on-policy: ℓ
-  const CovSelection sel = cov_selection(policy, rows.opt, rows.log_probs, old, rows.advantages, mask, bound);
+  const CovSelection sel = cov_selection(policy, rows.opt, rows.log_probs, old, rows.advantages, mask);
+  const int64_t bound = sel.first.numel();
   const at::TensorOptions acc = rows.out.options();
   GrpoRows sub = rows;  // the options, the divisor; the per-row tensors the sub-batch's own
   for (at::Tensor* t : grpo_row_inputs(sub)) {
