@@ -33,7 +33,8 @@ import rl_losses
 from rl_losses import _schema, aggregation
 from rl_losses.integrations.verl_options import _value as _config_value, fused_policy_options  # noqa: F401 (API)
 from rl_losses._calls import DirectCallModule
-from rl_losses.functional import _CHECK_INPUTS, _ENVIRON, _direct, _scale_of_temperature
+from rl_losses._inputs import _CHECK_INPUTS, _ENVIRON, _direct
+from rl_losses.functional import _scale_of_temperature
 
 _ops = torch.ops.rl_losses
 logger = logging.getLogger(__name__)
