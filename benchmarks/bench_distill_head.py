@@ -3,8 +3,8 @@
     python benchmarks/bench_distill_head.py [--n 16384] [--v 128256] [--dtype bfloat16] [--reps 20] \
         [--hidden 4096] [--out OUT.json]
 
-Distillation (forward KL, reverse KL, JSD β=0.5; student and teacher logits of one dtype): rl_losses against
-torch.compile of the reference formula and Liger-Kernel's JSD kernel (liger_kernel.ops.jsd through LigerJSD,
+Distillation (forward KL, reverse KL, JSD β=0.5; student and teacher logits of one dtype): rl_losses (and in
+its batch-invariant mode, "b-inv") against torch.compile of the reference formula and Liger-Kernel's JSD kernel (liger_kernel.ops.jsd through LigerJSD,
 when installed; it takes log-probabilities, so its time includes a log_softmax of each input), forward +
 backward, with the floor (read the student, read the teacher, write the gradient) at the measured copy rate.
 From a sparse teacher: topk_distillation (K = 20, 64, 256) against plain cross-entropy on the same logits (target:
@@ -116,8 +116,14 @@ def main() -> None:
             loss_fn().backward()
         return run
 
+    def invariant(kind):
+        # The batch-invariant mode, whose rows run the separate passes (statistics, JSD's sums, gradient).
+        with rl_losses.batch_invariant():
+            return rl_losses.distillation_loss(x, teacher, kind=kind, beta=0.5).loss
+
     for kind in ("forward_kl", "reverse_kl", "jsd"):
         rows = {"rl_losses": step(lambda: rl_losses.distillation_loss(x, teacher, kind=kind, beta=0.5).loss),
+                "rl_losses b-inv": step(lambda: invariant(kind)),
                 "torch.compile": step(lambda: compiled(x, teacher, kind))}
         if LigerJSD is not None:
             beta = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}[kind]
