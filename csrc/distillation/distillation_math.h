@@ -132,9 +132,47 @@ C10_HOST_DEVICE inline JsdTerms<T> jsd_terms(const DistillOptions<T>& o, T log_q
 // Columns of the per-row gradient table the row step writes for the gradient pass.
 enum DistillGradField : int { kDistLseS = 0, kDistLseT, kDistWeight, kDistConst, kDistGradFields };
 
+// One unmasked row's result from its statistics (and JSD's sums: Σ loss terms, S): the divergence ℓ_t and the
+// gradient table (lse of both sides, the weight w = w_t/D, the row constant c: reverse KL ws/ss, JSD S).
+template <typename T>
+struct DistillRowResult {
+  T divergence;
+  T table[kDistGradFields];
+};
+
+template <typename T>
+C10_HOST_DEVICE inline DistillRowResult<T> distill_row(const DistillOptions<T>& opt, const DistillStats<T>& st,
+                                                       T jsd_loss, T jsd_s, T w) {
+  const T lse_s = st.lse_student(), lse_t = st.lse_teacher();
+  T loss, c = T(0);
+  switch (opt.kind) {
+    case DistillKind::kForwardKl:
+      loss = st.wt / st.st + (lse_s - lse_t);
+      break;
+    case DistillKind::kReverseKl:
+      c = st.ws / st.ss;
+      loss = c - (lse_s - lse_t);
+      break;
+    case DistillKind::kCrossEntropy:
+      loss = lse_s - st.hx / st.st;
+      break;
+    default:  // kJsd
+      loss = jsd_loss;
+      c = jsd_s;
+      break;
+  }
+  DistillRowResult<T> r;
+  r.divergence = loss;
+  r.table[kDistLseS] = lse_s;
+  r.table[kDistLseT] = lse_t;
+  r.table[kDistWeight] = w;
+  r.table[kDistConst] = c;
+  return r;
+}
+
 // Per row, after the statistics (and JSD's sums): the row's share of the loss, w_t·ℓ_t / D, and what the
-// gradient pass needs: lse of both sides, the weight w_t/D (0 for a masked row) and the row constant c
-// (reverse KL: ws/ss; JSD: S).
+// gradient pass needs (distill_row's table; zeros for a masked row). The CUDA cluster kernel evaluates
+// distill_row itself, from the statistics it holds on chip.
 template <typename T>
 struct DistillRowStep {
   DistillOptions<T> opt;
@@ -155,32 +193,13 @@ struct DistillRowStep {
       for (int k = 0; k < kDistGradFields; ++k) g[k] = T(0);
       return;
     }
-    const DistillStats<T> st = DistillStats<T>::load(stats + i * DistillStats<T>::kFields);
-    const T lse_s = st.lse_student(), lse_t = st.lse_teacher();
-    T loss, c = T(0);
-    switch (opt.kind) {
-      case DistillKind::kForwardKl:
-        loss = st.wt / st.st + (lse_s - lse_t);
-        break;
-      case DistillKind::kReverseKl:
-        c = st.ws / st.ss;
-        loss = c - (lse_s - lse_t);
-        break;
-      case DistillKind::kCrossEntropy:
-        loss = lse_s - st.hx / st.st;
-        break;
-      default:  // kJsd
-        loss = jsd_sums[2 * i];
-        c = jsd_sums[2 * i + 1];
-        break;
-    }
-    const T w = m / *divisor;
-    row_loss[i] = w * loss;
-    divergence[i] = loss;
-    g[kDistLseS] = lse_s;
-    g[kDistLseT] = lse_t;
-    g[kDistWeight] = w;
-    g[kDistConst] = c;
+    const bool jsd = opt.kind == DistillKind::kJsd;
+    const DistillRowResult<T> r = distill_row(opt, DistillStats<T>::load(stats + i * DistillStats<T>::kFields),
+                                              jsd ? jsd_sums[2 * i] : T(0), jsd ? jsd_sums[2 * i + 1] : T(0),
+                                              m / *divisor);
+    row_loss[i] = r.table[kDistWeight] * r.divergence;
+    divergence[i] = r.divergence;
+    for (int k = 0; k < kDistGradFields; ++k) g[k] = r.table[k];
   }
 };
 

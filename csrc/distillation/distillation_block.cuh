@@ -1,0 +1,86 @@
+// Device pieces both CUDA kernels of distillation share (distillation_cuda.cu's one-block-per-row passes and
+// the cluster kernel, distillation_cluster.cuh): aligned loads of a few elements, a group of columns folded
+// into the statistics, and the block reductions of DistillStats and of a sum.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "distillation/distillation_math.h"
+
+namespace rl_losses {
+namespace distill_cuda {
+
+// K elements of T from p in as few aligned loads as their bytes allow (16, 8 or 4 bytes each).
+template <typename T, int K>
+__device__ inline void load_elems(const T* p, T (&out)[K]) {
+  constexpr int kBytes = K * static_cast<int>(sizeof(T));
+  if constexpr (kBytes % 16 == 0) {
+    uint4 raw[kBytes / 16];
+#pragma unroll
+    for (int i = 0; i < kBytes / 16; ++i) raw[i] = reinterpret_cast<const uint4*>(p)[i];
+    memcpy(out, raw, kBytes);
+  } else if constexpr (kBytes == 8) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    memcpy(out, &raw, kBytes);
+  } else {
+    static_assert(kBytes == 4, "4, 8 or a multiple of 16 bytes");
+    const unsigned raw = *reinterpret_cast<const unsigned*>(p);
+    memcpy(out, &raw, kBytes);
+  }
+}
+
+// n pairs (x, y) folded into the state: one max and one rescale test per group rather than per element.
+template <int n, typename acc_t>
+__device__ inline void add_group(DistillStats<acc_t>& st, const acc_t (&x)[n], const acc_t (&y)[n]) {
+  acc_t mx = x[0], my = y[0];
+#pragma unroll
+  for (int k = 1; k < n; ++k) {
+    mx = ::fmax(mx, x[k]);
+    my = ::fmax(my, y[k]);
+  }
+  st.rescale(mx, my);
+#pragma unroll
+  for (int k = 0; k < n; ++k) st.add_at_max(x[k], y[k]);
+}
+
+template <typename acc_t>
+__device__ inline DistillStats<acc_t> shfl_xor(const DistillStats<acc_t>& s, int m) {
+  return {__shfl_xor_sync(0xffffffffu, s.ms, m), __shfl_xor_sync(0xffffffffu, s.ss, m),
+          __shfl_xor_sync(0xffffffffu, s.mt, m), __shfl_xor_sync(0xffffffffu, s.st, m),
+          __shfl_xor_sync(0xffffffffu, s.wt, m), __shfl_xor_sync(0xffffffffu, s.ws, m),
+          __shfl_xor_sync(0xffffffffu, s.hx, m)};
+}
+
+// The block's combined state, in every lane of warp 0 (the same bits: combine is commutative, and each
+// butterfly step combines the same two values in both lanes): warps by shuffles, then warp 0 over the warps'.
+template <int kThreads, typename acc_t>
+__device__ inline DistillStats<acc_t> block_combine(DistillStats<acc_t> s, DistillStats<acc_t>* scratch) {
+  constexpr int kWarps = kThreads / 32;
+  for (int m = 16; m > 0; m >>= 1) s = DistillStats<acc_t>::combine(s, shfl_xor(s, m));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) scratch[warp] = s;
+  __syncthreads();
+  if (warp == 0) {
+    s = lane < kWarps ? scratch[lane] : DistillStats<acc_t>::empty();
+    for (int m = 16; m > 0; m >>= 1) s = DistillStats<acc_t>::combine(s, shfl_xor(s, m));
+  }
+  return s;
+}
+
+// The block's sum, in every lane of warp 0.
+template <int kThreads, typename acc_t>
+__device__ inline acc_t block_sum(acc_t x, acc_t* scratch) {
+  for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  x = threadIdx.x < kThreads / 32 ? scratch[threadIdx.x] : acc_t(0);
+  if (warp == 0) {
+    for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  }
+  return x;
+}
+
+}  // namespace distill_cuda
+}  // namespace rl_losses
