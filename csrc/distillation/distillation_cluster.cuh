@@ -230,7 +230,9 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
       __syncthreads();  // sum_scratch is reused
       q_sum = block_sum<kThreads>(q_sum, sum_scratch);
       if (threadIdx.x == 0) mbarrier_arrive_expect(&sums_full[q], n_ctas * static_cast<unsigned>(sizeof(float2)));
-      if (threadIdx.x < n_ctas) send_to_rank(&gathered_sums[q][rank], make_float2(loss, q_sum), &sums_full[q], threadIdx.x);
+      if (threadIdx.x < n_ctas) {
+        send_to_rank(&gathered_sums[q][rank], make_float2(loss, q_sum), &sums_full[q], threadIdx.x);
+      }
       if (threadIdx.x < 32) {
         const int lane = threadIdx.x;
         mbarrier_wait(&sums_full[q], slot_phase);

@@ -1,12 +1,12 @@
-// CUDA back-end of distillation (registered in csrc/cuda_registration.cpp): one kernel per pass over all rows
-// (statistics of both softmaxes, JSD's sums, the gradient), the O(N) row step between them (CudaRunner).
+// CUDA back-end of distillation (registered in csrc/cuda_registration.cpp). A call that computes the gradient
+// runs on sm_90 as one cluster kernel that reads both rows once (distillation_cluster.cuh, where it applies);
+// otherwise here: one kernel per pass over all rows (statistics of both softmaxes, JSD's sums, the gradient),
+// the O(N) row step between them (CudaRunner).
 //
 // Each kernel gives one block to a row at a time (a persistent grid looping over rows) and streams the
 // student's and the teacher's rows together: 16-byte loads of the student (and the teacher's elements at the
 // same columns) where both rows are aligned and V is a whole number of vectors, element by element otherwise;
-// fp32 accumulation, 64-bit row offsets. The passes read the rows again from DRAM: the floor of one read of
-// each tensor would need the rows held on chip between passes (the cross-entropy's cluster kernel does that
-// for one tensor; a pair of rows of V = 128256 in bf16 is 513 KB).
+// fp32 accumulation, 64-bit row offsets. The passes read the rows again from DRAM.
 #include "common/row_pass_cuda.cuh"
 #include "distillation/distillation.h"
 #include "distillation/distillation_block.cuh"
