@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
       for (; i >= piece_end; piece_end += v.piece_groups) mbarrier_wait(&landed[next_piece++], phase);
       float x[kVec], y[kVec];
       load_group(i, x, y);
-      add_group(st, x, y);
+      add_group<kKind != DistillKind::kJsd>(st, x, y);  // JSD's row step reads the two lse only
     }
     st = block_combine<kThreads>(st, scratch);  // in warp 0
     const int q = it & 1;

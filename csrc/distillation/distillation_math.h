@@ -58,16 +58,20 @@ struct DistillStats {
   // Adds one pair (x, y) at the current maxima (which bound x and y). A side whose values are all −inf so far
   // adds nothing (x − max would be NaN), and a zero weight never multiplies an infinite difference (a −inf
   // logit of the other side): 0·inf would make a NaN.
+  // kWeighted = false: the two sums of exponentials only (all JSD's row step reads; wt, ws, hx stay 0).
+  template <bool kWeighted = true>
   C10_HOST_DEVICE void add_at_max(T x, T y) {
     const T eq = ms == neg_inf<T>() ? T(0) : exp_nonpos(x - ms);
     const T ep = mt == neg_inf<T>() ? T(0) : exp_nonpos(y - mt);
     ss += eq;
     st += ep;
-    if (ep > T(0)) {
-      wt += ep * (y - x);
-      hx += ep * x;
+    if constexpr (kWeighted) {
+      if (ep > T(0)) {
+        wt += ep * (y - x);
+        hx += ep * x;
+      }
+      if (eq > T(0)) ws += eq * (x - y);
     }
-    if (eq > T(0)) ws += eq * (x - y);
   }
 
   C10_HOST_DEVICE static DistillStats combine(const DistillStats& a, const DistillStats& b) {
@@ -123,7 +127,7 @@ C10_HOST_DEVICE inline JsdTerms<T> jsd_terms(const DistillOptions<T>& o, T log_q
   const T a = o.log_beta + log_p, b = o.log_one_minus_beta + log_q;
   const T hi = a > b ? a : b, lo = a > b ? b : a;
   // hi == −inf: P = Q = 0 here, the element adds nothing (and −inf − −inf would be a NaN).
-  const T log_m = hi == neg_inf<T>() ? neg_inf<T>() : hi + ::log1p(exp_nonpos(lo - hi));
+  const T log_m = hi == neg_inf<T>() ? neg_inf<T>() : hi + log1p_unit(exp_nonpos(lo - hi));
   const T p = exp_nonpos(log_p), q = exp_nonpos(log_q);  // log-probabilities: <= 0
   const T lq = q > T(0) ? log_q - log_m : T(0), lp = p > T(0) ? log_p - log_m : T(0);
   return {o.beta * p * lp + (T(1) - o.beta) * q * lq, q * lq, lq, q};
