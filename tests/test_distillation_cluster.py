@@ -106,19 +106,27 @@ def test_where_the_cluster_kernel_does_not_apply():
     a row too long for 16 CTAs: the separate passes, still matching the reference."""
     if not _sm90():
         pytest.skip("the cluster kernel runs on sm_90 only")
+    def leaf(logits):
+        return logits.detach().clone().requires_grad_()
+
     cases = []
     logits, teacher, mask = make_inputs((3,), 4100, torch.bfloat16, "cuda", masked=0.3)
-    cases.append(("vocab % 8", logits, teacher, mask))
+    cases.append(("vocab % 8", logits, teacher, mask, leaf))
     logits, teacher, mask = make_inputs((3,), 4096, torch.bfloat16, "cuda", teacher_dtype=torch.float64)
-    cases.append(("fp64 teacher", logits, teacher, mask))
-    pad = torch.randn(3, 4096 + 8, device="cuda").to(torch.bfloat16)
-    logits, teacher = pad[:, 1:4097], torch.randn(3, 4096, device="cuda").to(torch.bfloat16)
-    cases.append(("unaligned", logits, teacher, None))
+    cases.append(("fp64 teacher", logits, teacher, mask, leaf))
     logits, teacher, mask = make_inputs((2,), 151936, torch.float32, "cuda")  # 8 bytes a column: 19 CTAs
-    cases.append(("too long", logits, teacher, mask))
-    for name, logits, teacher, mask in cases:
+    cases.append(("too long", logits, teacher, mask, leaf))
+
+    def unaligned(logits):  # each row one element past a 16-byte boundary (a view: the op keeps its strides)
+        pad = torch.zeros(logits.shape[0], logits.shape[1] + 8, dtype=logits.dtype, device="cuda")
+        pad[:, 1:logits.shape[1] + 1] = logits
+        return pad.requires_grad_()[:, 1:logits.shape[1] + 1]
+
+    logits, teacher, mask = make_inputs((3,), 4096, torch.bfloat16, "cuda", masked=0.3)
+    cases.append(("unaligned", logits, teacher, mask, unaligned))
+    for name, logits, teacher, mask, student in cases:
         check_all_kinds(logits, teacher, mask)
-        x = logits.detach().clone().requires_grad_()
+        x = student(logits)
         assert launches(lambda: rl_losses.distillation_loss(x, teacher, kind="jsd", loss_mask=mask)) == 0, name
     logits, teacher, mask = make_inputs((3,), 4096, torch.bfloat16, "cuda")
     with torch.no_grad():

@@ -31,8 +31,8 @@ __device__ inline void load_elems(const T* p, T (&out)[K]) {
 }
 
 // n pairs (x, y) folded into the state: one max and one rescale test per group rather than per element
-// (kWeighted: DistillStats::add_at_max's).
-template <bool kWeighted = true, int n, typename acc_t>
+// (kSums: DistillStats::add_at_max's).
+template <int kSums = kAllSums, int n, typename acc_t>
 __device__ inline void add_group(DistillStats<acc_t>& st, const acc_t (&x)[n], const acc_t (&y)[n]) {
   acc_t mx = x[0], my = y[0];
 #pragma unroll
@@ -42,7 +42,7 @@ __device__ inline void add_group(DistillStats<acc_t>& st, const acc_t (&x)[n], c
   }
   st.rescale(mx, my);
 #pragma unroll
-  for (int k = 0; k < n; ++k) st.template add_at_max<kWeighted>(x[k], y[k]);
+  for (int k = 0; k < n; ++k) st.template add_at_max<kSums>(x[k], y[k]);
 }
 
 template <typename acc_t>

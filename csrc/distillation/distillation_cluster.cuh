@@ -17,7 +17,13 @@
 //      CTA has the same bits, and lane 0 runs distill_row (the row step's math); rank 0 writes row_loss and
 //      divergence (the op's outputs; the statistics, sums and gradient table stay on chip);
 //   4. every CTA writes the gradient of its slice from shared memory (distill_grad), one 16-byte store per
-//      group. In place (grad == logits) is safe: a CTA writes only its own slice, after it has landed.
+//      group, a piece at a time: once every thread is done with a piece (a block barrier), thread 0 issues the
+//      copy of that piece of the cluster's next row read, so the next row's load overlaps this row's gradient
+//      (the per-element math is heavy here: 4 exponentials for the KLs, and the first version, which issued a
+//      row's copy only once the previous row was done, ran at 56% of the copy ceiling on an H200 with the SMs'
+//      special-function and issue slots ~60% busy). In place (grad == logits) is safe: a CTA writes only its
+//      own slice, after it has landed.
+// The statistics accumulate only the weighted sums the kind's row step reads (distill_sums_of).
 // A masked row (mask 0) is neither read nor exchanged: every CTA writes zeros over its slice, rank 0 the zero
 // outputs (every CTA reads the same mask, so all skip the same rows). No cluster barrier per row (it would
 // wait for every thread's outstanding gradient stores): a slot of `gathered` / `gathered_sums` is rewritten two
@@ -79,6 +85,8 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
   using Stats = DistillStats<float>;
   constexpr int kThreads = kClusterThreads, kWarps = kThreads / 32;
   constexpr int kVec = 16 / sizeof(student_t);  // columns per group
+  // The gradient of the cross-entropy is the forward KL's (distill_row reads the kind for the loss).
+  constexpr DistillKind kGrad = kKind == DistillKind::kCrossEntropy ? DistillKind::kForwardKl : kKind;
   // The tail launch starts at once and waits at its end (cluster_kernel.cuh says why that is safe: it reads
   // nothing the main launch writes).
   if (tail) {
@@ -121,24 +129,21 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
   }
   cluster.sync();  // every CTA's barriers are initialised before any peer sends to them
 
-  // Thread 0 copies this CTA's slice of `row`, both tensors' columns of piece p completing landed[p].
-  auto fetch = [&](int64_t row) {
+  // Thread 0 copies piece p of this CTA's slice of `row`: both tensors' columns of the piece complete landed[p].
+  auto fetch_piece = [&](int64_t row, int p) {
     if (threadIdx.x != 0) return;
-    const char* src_s = reinterpret_cast<const char*>(v.z + row * v.rs + begin);
-    const char* src_t = reinterpret_cast<const char*>(v.zt + row * v.rt + begin);
-    auto copy = [&](char* dst, const char* src, unsigned start, unsigned end, uint64_t* bar) {
+    constexpr unsigned ss = sizeof(student_t), st = sizeof(teacher_t);
+    const unsigned c0 = static_cast<unsigned>(p * v.piece_groups * kVec),
+                   c1 = static_cast<unsigned>(std::min(n_groups, (p + 1) * v.piece_groups) * kVec);
+    auto copy = [&](char* dst, const char* src, unsigned start, unsigned end) {
       for (unsigned off = start; off < end; off += 16384) {
-        bulk_copy_to_shared(dst + off, src + off, std::min(16384u, end - off), bar);
+        bulk_copy_to_shared(dst + off, src + off, std::min(16384u, end - off), &landed[p]);
       }
     };
-    for (int p = 0; p < n_pieces; ++p) {
-      const unsigned c0 = static_cast<unsigned>(p * v.piece_groups * kVec),
-                     c1 = static_cast<unsigned>(std::min(n_groups, (p + 1) * v.piece_groups) * kVec);
-      constexpr unsigned ss = sizeof(student_t), st = sizeof(teacher_t);
-      mbarrier_arrive_expect(&landed[p], (c1 - c0) * (ss + st));
-      copy(reinterpret_cast<char*>(base), src_s, c0 * ss, c1 * ss, &landed[p]);
-      copy(reinterpret_cast<char*>(base) + v.teacher_offset, src_t, c0 * st, c1 * st, &landed[p]);
-    }
+    mbarrier_arrive_expect(&landed[p], (c1 - c0) * (ss + st));
+    copy(reinterpret_cast<char*>(base), reinterpret_cast<const char*>(v.z + row * v.rs + begin), c0 * ss, c1 * ss);
+    copy(reinterpret_cast<char*>(base) + v.teacher_offset, reinterpret_cast<const char*>(v.zt + row * v.rt + begin),
+         c0 * st, c1 * st);
   };
   // Group i of the slice from shared memory, as x = s·z and y = z_teacher / T.
   auto load_group = [&](int i, float (&x)[kVec], float (&y)[kVec]) {
@@ -164,14 +169,24 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
     }
   };
 
+  // The rows this cluster reads: from r on, the first whose mask is not 0 (every CTA of the cluster reads the same
+  // mask, so all skip the same rows).
+  auto next_read = [&](int64_t r) {
+    if (v.mask != nullptr) {
+      while (r < v.n_rows && v.mask[r] == 0.0f) r += row_step;
+    }
+    return r;
+  };
+
   int64_t row = blockIdx.x / n_ctas;
-  // Each row's mask is loaded a row ahead; `it` counts the rows read (the barriers' phases, the slots).
-  bool next_masked = v.mask != nullptr && row < v.n_rows && v.mask[row] == 0.0f;
+  int64_t read_row = next_read(row);
+  if (read_row < v.n_rows) {
+    for (int p = 0; p < n_pieces; ++p) fetch_piece(read_row, p);
+  }
+  // `it` counts the rows read (the barriers' phases, the slots).
   for (int it = 0; row < v.n_rows; row += row_step) {
-    const bool masked = next_masked;
-    if (v.mask != nullptr && row + row_step < v.n_rows) next_masked = v.mask[row + row_step] == 0.0f;
     student_t* const g = v.grad + row * v.rg + begin;
-    if (masked) {
+    if (row != read_row) {  // masked: zeros, nothing read or exchanged
       if (rank == 0 && threadIdx.x == 0) {
         v.row_loss[row] = 0.0f;
         v.divergence[row] = 0.0f;
@@ -179,8 +194,7 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
       block_zero_fill<kThreads>(g, n_cols);
       continue;
     }
-    __syncthreads();  // every thread is done reading the slices the copy overwrites
-    fetch(row);
+    const int64_t next = next_read(row + row_step);  // its mask loads overlap this row's work
     const unsigned phase = static_cast<unsigned>(it & 1);
     // A thread waits for the pieces in order, through the one of its group i, before it reads group i.
     int next_piece = 0, piece_end = 0;
@@ -189,7 +203,7 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
       for (; i >= piece_end; piece_end += v.piece_groups) mbarrier_wait(&landed[next_piece++], phase);
       float x[kVec], y[kVec];
       load_group(i, x, y);
-      add_group<kKind != DistillKind::kJsd>(st, x, y);  // JSD's row step reads the two lse only
+      add_group<distill_sums_of(kKind)>(st, x, y);
     }
     st = block_combine<kThreads>(st, scratch);  // in warp 0
     const int q = it & 1;
@@ -249,19 +263,29 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
 
     const float sw = v.opt.scale * table[kDistWeight], lse_s = table[kDistLseS], lse_t = table[kDistLseT],
                 c = table[kDistConst];
+    // The gradient piece by piece; once every thread is done with a piece, the next row's copy of it is issued, so
+    // that the copy overlaps the rest of this row's gradient.
+    for (int p = 0; p < n_pieces; ++p) {
+      const int end = std::min(n_groups, (p + 1) * v.piece_groups);
 #pragma unroll 2
-    for (int i = threadIdx.x; i < n_groups; i += kThreads) {
-      float x[kVec], y[kVec];
-      load_group(i, x, y);
-      student_t out[kVec];
+      for (int i = p * v.piece_groups + threadIdx.x; i < end; i += kThreads) {
+        float x[kVec], y[kVec];
+        load_group(i, x, y);
+        student_t out[kVec];
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        out[k] = static_cast<student_t>(sw * distill_grad<kKind>(v.opt, x[k], y[k], lse_s, lse_t, c));
+        for (int k = 0; k < kVec; ++k) {
+          out[k] = static_cast<student_t>(sw * distill_grad<kGrad>(v.opt, x[k], y[k], lse_s, lse_t, c));
+        }
+        uint4 raw;
+        memcpy(&raw, out, sizeof(raw));
+        *reinterpret_cast<uint4*>(g + i * kVec) = raw;
       }
-      uint4 raw;
-      memcpy(&raw, out, sizeof(raw));
-      *reinterpret_cast<uint4*>(g + i * kVec) = raw;
+      if (next < v.n_rows) {
+        __syncthreads();  // piece p is read (statistics, sums, gradient) by every thread
+        fetch_piece(next, p);
+      }
     }
+    read_row = next;
   }
   cluster.sync();  // no CTA exits while a peer may still write into its shared memory
   if (tail) wait_for_previous_grid();

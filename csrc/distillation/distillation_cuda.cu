@@ -192,8 +192,10 @@ bool cluster_rows_cuda(const DistillState& s) {
   RL_LOSSES_DISPATCH_DISTILL(s.logits.scalar_type(), s.teacher.scalar_type(), [&] {
     switch (s.opt.kind) {
       case DistillKind::kForwardKl:
-      case DistillKind::kCrossEntropy:  // the gradient of the forward KL; distill_row reads the kind
         done = distill_cuda::launch_distill_cluster<DistillKind::kForwardKl, student_t, teacher_t>(s);
+        break;
+      case DistillKind::kCrossEntropy:
+        done = distill_cuda::launch_distill_cluster<DistillKind::kCrossEntropy, student_t, teacher_t>(s);
         break;
       case DistillKind::kReverseKl:
         done = distill_cuda::launch_distill_cluster<DistillKind::kReverseKl, student_t, teacher_t>(s);

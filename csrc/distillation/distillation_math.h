@@ -21,6 +21,15 @@ namespace rl_losses {
 
 enum class DistillKind : int { kForwardKl = 0, kReverseKl = 1, kCrossEntropy = 2, kJsd = 3 };
 
+// DistillStats' weighted sums, as bits: the ones a kind's row step reads (distill_row) are all that the fused CUDA
+// pass accumulates; the statistics op of tensor parallelism, which serves every kind, takes them all.
+enum DistillSums : int { kSumWt = 1, kSumWs = 2, kSumHx = 4, kAllSums = 7 };
+constexpr int distill_sums_of(DistillKind k) {
+  return k == DistillKind::kForwardKl ? kSumWt : k == DistillKind::kReverseKl ? kSumWs
+                                             : k == DistillKind::kCrossEntropy ? kSumHx
+                                                                               : 0;  // JSD: the two lse only
+}
+
 // Online statistics of one row (or one vocabulary shard of it) of student x and teacher y. Sums weighted by
 // e^{y−mt} rescale with the teacher's max, those weighted by e^{x−ms} with the student's; partial states
 // combine associatively (the CUDA block reduction and the tensor-parallel all-reduce rely on it).
@@ -58,18 +67,20 @@ struct DistillStats {
   // Adds one pair (x, y) at the current maxima (which bound x and y). A side whose values are all −inf so far
   // adds nothing (x − max would be NaN), and a zero weight never multiplies an infinite difference (a −inf
   // logit of the other side): 0·inf would make a NaN.
-  // kWeighted = false: the two sums of exponentials only (all JSD's row step reads; wt, ws, hx stay 0).
-  template <bool kWeighted = true>
+  // kSums: the weighted sums to accumulate (DistillSums bits; the others stay 0).
+  template <int kSums = kAllSums>
   C10_HOST_DEVICE void add_at_max(T x, T y) {
     const T eq = ms == neg_inf<T>() ? T(0) : exp_nonpos(x - ms);
     const T ep = mt == neg_inf<T>() ? T(0) : exp_nonpos(y - mt);
     ss += eq;
     st += ep;
-    if constexpr (kWeighted) {
+    if constexpr ((kSums & (kSumWt | kSumHx)) != 0) {
       if (ep > T(0)) {
-        wt += ep * (y - x);
-        hx += ep * x;
+        if constexpr ((kSums & kSumWt) != 0) wt += ep * (y - x);
+        if constexpr ((kSums & kSumHx) != 0) hx += ep * x;
       }
+    }
+    if constexpr ((kSums & kSumWs) != 0) {
       if (eq > T(0)) ws += eq * (x - y);
     }
   }
