@@ -3,8 +3,12 @@
 // into the statistics, and the block reductions of DistillStats and of a sum.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "distillation/distillation_math.h"
 
@@ -27,6 +31,28 @@ __device__ inline void load_elems(const T* p, T (&out)[K]) {
     static_assert(kBytes == 4, "4, 8 or a multiple of 16 bytes");
     const unsigned raw = *reinterpret_cast<const unsigned*>(p);
     memcpy(out, &raw, kBytes);
+  }
+}
+
+// K floats rounded to K student_t values for one 16-byte store: pairs of bf16 / fp16 by one cvt.rn.*x2.f32 each
+// (the element-wise conversion takes one per value).
+template <typename student_t, int K>
+__device__ inline void round_to(const float (&g)[K], student_t (&out)[K]) {
+  if constexpr (std::is_same_v<student_t, c10::BFloat16>) {
+#pragma unroll
+    for (int k = 0; k < K; k += 2) {
+      const __nv_bfloat162 two = __floats2bfloat162_rn(g[k], g[k + 1]);
+      memcpy(&out[k], &two, sizeof(two));
+    }
+  } else if constexpr (std::is_same_v<student_t, c10::Half>) {
+#pragma unroll
+    for (int k = 0; k < K; k += 2) {
+      const __half2 two = __floats2half2_rn(g[k], g[k + 1]);
+      memcpy(&out[k], &two, sizeof(two));
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < K; ++k) out[k] = static_cast<student_t>(g[k]);
   }
 }
 
