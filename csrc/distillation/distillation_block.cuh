@@ -10,6 +10,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "common/cuda/vectors.cuh"
 #include "distillation/distillation_math.h"
 
 namespace rl_losses {
@@ -56,8 +57,23 @@ __device__ inline void round_to(const float (&g)[K], student_t (&out)[K]) {
   }
 }
 
-// n pairs (x, y) folded into the state: one max and one rescale test per group rather than per element
-// (kSums: DistillStats::add_at_max's).
+// n pairs (x, y) folded into the state, given their maxima: one rescale and one −inf test per group rather
+// than per element (kSums: DistillStats::add_at_max's). The cluster kernel's; add_group below, the separate
+// statistics pass's, takes the maxima itself and tests per element (the group's code twice, as here, made its
+// fp64 instantiations spill).
+template <int kSums = kAllSums, int n, typename acc_t>
+__device__ inline void add_group_at(DistillStats<acc_t>& st, const acc_t (&x)[n], const acc_t (&y)[n], acc_t mx,
+                                    acc_t my) {
+  st.rescale(mx, my);
+  if (st.ms != neg_inf<acc_t>() && st.mt != neg_inf<acc_t>()) {
+#pragma unroll
+    for (int k = 0; k < n; ++k) st.template add_at_max<kSums, true>(x[k], y[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < n; ++k) st.template add_at_max<kSums>(x[k], y[k]);
+  }
+}
+
 template <int kSums = kAllSums, int n, typename acc_t>
 __device__ inline void add_group(DistillStats<acc_t>& st, const acc_t (&x)[n], const acc_t (&y)[n]) {
   acc_t mx = x[0], my = y[0];
@@ -69,6 +85,23 @@ __device__ inline void add_group(DistillStats<acc_t>& st, const acc_t (&x)[n], c
   st.rescale(mx, my);
 #pragma unroll
   for (int k = 0; k < n; ++k) st.template add_at_max<kSums>(x[k], y[k]);
+}
+
+// max_k x_k of x_k = z_k·scale (scale > 0, so that the rounded products keep the order of z): over packed bf16
+// pairs (one instruction per pair; __hmax2, like fmax, returns the other input where one is NaN), else fmax.
+template <typename T, int K>
+__device__ inline float scaled_max(const cuda::Pack<T, K>& z, const float (&x)[K], float scale) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && K % 2 == 0) {
+    __nv_bfloat162 pairs[K / 2];
+    memcpy(pairs, &z, sizeof(pairs));
+    const __nv_bfloat162 m2 = tree_reduce(pairs, [](__nv_bfloat162 a, __nv_bfloat162 b) { return __hmax2(a, b); });
+    return ::fmaxf(__low2float(m2), __high2float(m2)) * scale;
+  } else {
+    float m = x[0];
+#pragma unroll
+    for (int k = 1; k < K; ++k) m = ::fmaxf(m, x[k]);
+    return m;
+  }
 }
 
 template <typename acc_t>

@@ -146,10 +146,9 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
          c0 * st, c1 * st);
   };
   // Group i of the slice from shared memory, as x = s·z and y = z_teacher / T.
-  // (unpack: bf16 to fp32 at one instruction per value.)
-  auto load_group = [&](int i, float (&x)[kVec], float (&y)[kVec]) {
-    Pack<student_t, kVec> a;
-    Pack<teacher_t, kVec> b;
+  // (unpack: bf16 to fp32 at one instruction per value.) The raw vectors stay in a and b.
+  auto load_raw = [&](int i, Pack<student_t, kVec>& a, Pack<teacher_t, kVec>& b, float (&x)[kVec],
+                      float (&y)[kVec]) {
     load_elems(zs + i * kVec, a.v);
     load_elems(ts + i * kVec, b.v);
     unpack(a, x);
@@ -159,6 +158,11 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
       x[k] *= v.opt.scale;
       y[k] *= v.opt.inv_temperature;
     }
+  };
+  auto load_group = [&](int i, float (&x)[kVec], float (&y)[kVec]) {
+    Pack<student_t, kVec> a;
+    Pack<teacher_t, kVec> b;
+    load_raw(i, a, b, x, y);
   };
   // Lane 0 of warp 0: the row step from the combined statistics (and sums); rank 0 writes the outputs.
   auto finish_row = [&](int64_t row, const Stats& all, float jsd_loss, float jsd_s) {
@@ -204,9 +208,12 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
     Stats st = Stats::empty();
     for (int i = threadIdx.x; i < n_groups; i += kThreads) {
       for (; i >= piece_end; piece_end += v.piece_groups) mbarrier_wait(&landed[next_piece++], phase);
+      Pack<student_t, kVec> a;
+      Pack<teacher_t, kVec> b;
       float x[kVec], y[kVec];
-      load_group(i, x, y);
-      add_group<distill_sums_of(kKind)>(st, x, y);
+      load_raw(i, a, b, x, y);
+      add_group_at<distill_sums_of(kKind)>(st, x, y, scaled_max(a, x, v.opt.scale),
+                                           scaled_max(b, y, v.opt.inv_temperature));
     }
     st = block_combine<kThreads>(st, scratch);  // in warp 0
     const int q = it & 1;

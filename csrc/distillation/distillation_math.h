@@ -67,11 +67,12 @@ struct DistillStats {
   // Adds one pair (x, y) at the current maxima (which bound x and y). A side whose values are all −inf so far
   // adds nothing (x − max would be NaN), and a zero weight never multiplies an infinite difference (a −inf
   // logit of the other side): 0·inf would make a NaN.
-  // kSums: the weighted sums to accumulate (DistillSums bits; the others stay 0).
-  template <int kSums = kAllSums>
+  // kSums: the weighted sums to accumulate (DistillSums bits; the others stay 0). kFiniteMax: the caller has
+  // tested both maxima for −inf (once for a group of pairs, not per element).
+  template <int kSums = kAllSums, bool kFiniteMax = false>
   C10_HOST_DEVICE void add_at_max(T x, T y) {
-    const T eq = ms == neg_inf<T>() ? T(0) : exp_nonpos(x - ms);
-    const T ep = mt == neg_inf<T>() ? T(0) : exp_nonpos(y - mt);
+    const T eq = !kFiniteMax && ms == neg_inf<T>() ? T(0) : exp_nonpos(x - ms);
+    const T ep = !kFiniteMax && mt == neg_inf<T>() ? T(0) : exp_nonpos(y - mt);
     ss += eq;
     st += ep;
     if constexpr ((kSums & (kSumWt | kSumHx)) != 0) {
