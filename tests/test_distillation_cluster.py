@@ -135,3 +135,25 @@ def test_where_the_cluster_kernel_does_not_apply():
     with rl_losses.batch_invariant():
         check_all_kinds(logits, teacher, mask)
         assert launches(lambda: rl_losses.distillation_loss(x, teacher, kind="forward_kl")) == 0
+
+
+@requires_cuda
+def test_infinite_logits_match_the_separate_passes():
+    """−inf logits (a masked vocabulary; whole 16-byte groups of both rows, where a thread's maxima are still −inf)
+    give what the separate passes give (the batch-invariant mode takes them): the cluster kernel tests the maxima
+    for −inf once per group."""
+    if not _sm90():
+        pytest.skip("the cluster kernel runs on sm_90 only")
+    logits, teacher, _ = make_inputs((5,), 32000, torch.bfloat16, "cuda")
+    logits[:, :64] = float("-inf")
+    teacher[:, :64] = float("-inf")
+    teacher[:, 100:3000:7] = float("-inf")
+    logits[1, 5000:5100] = float("-inf")  # where the teacher is not: the forward KL and the cross-entropy are inf
+    for kind in KINDS:
+        fused, fused_grad = run_op(logits, teacher, kind=kind, beta=0.3)
+        with rl_losses.batch_invariant():
+            split, split_grad = run_op(logits, teacher, kind=kind, beta=0.3)
+        torch.testing.assert_close(fused.divergence, split.divergence, rtol=1e-5, atol=1e-6, equal_nan=True,
+                                   msg=kind)
+        torch.testing.assert_close(fused_grad.float(), split_grad.float(), rtol=2e-2, atol=1e-7, equal_nan=True,
+                                   msg=kind)
