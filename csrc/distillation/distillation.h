@@ -4,7 +4,8 @@
 // Passes per row: statistics of both softmaxes at once (DistillStats; given as `row_stats` under tensor
 // parallelism), for JSD the sums that need both normalised rows (`jsd_sums`, idem), the row step
 // (DistillRowStep: loss and gradient table), then the student's gradient, written once. The CPU runs them row
-// by row (a row stays in cache); CUDA runs each pass over all rows as its own kernel.
+// by row (a row stays in cache); CUDA runs them in one cluster kernel where it applies (sm_90, with a gradient:
+// distillation_cluster.cuh), else each pass over all rows as its own kernel.
 #pragma once
 
 #include <ATen/ATen.h>

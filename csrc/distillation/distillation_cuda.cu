@@ -1,19 +1,26 @@
-// CUDA back-end of distillation (registered in csrc/cuda_registration.cpp): one kernel per pass over all rows
-// (statistics of both softmaxes, JSD's sums, the gradient), the O(N) row step between them (CudaRunner).
+// CUDA back-end of distillation (registered in csrc/cuda_registration.cpp). A call that computes the gradient
+// runs on sm_90 as one cluster kernel that reads both rows once (distillation_cluster.cuh, where it applies);
+// otherwise here: one kernel per pass over all rows (statistics of both softmaxes, JSD's sums, the gradient),
+// the O(N) row step between them (CudaRunner).
 //
 // Each kernel gives one block to a row at a time (a persistent grid looping over rows) and streams the
 // student's and the teacher's rows together: 16-byte loads of the student (and the teacher's elements at the
 // same columns) where both rows are aligned and V is a whole number of vectors, element by element otherwise;
-// fp32 accumulation, 64-bit row offsets. The passes read the rows again from DRAM: the floor of one read of
-// each tensor would need the rows held on chip between passes (the cross-entropy's cluster kernel does that
-// for one tensor; a pair of rows of V = 128256 in bf16 is 513 KB).
+// fp32 accumulation, 64-bit row offsets. The passes read the rows again from DRAM.
 #include "common/row_pass_cuda.cuh"
 #include "distillation/distillation.h"
+#include "distillation/distillation_block.cuh"
+#include "distillation/distillation_cluster.cuh"
 
 #include <type_traits>
 
 namespace rl_losses {
 namespace {
+
+using distill_cuda::add_group;
+using distill_cuda::block_combine;
+using distill_cuda::block_sum;
+using distill_cuda::load_elems;
 
 enum class DistillPass { kStats, kJsdSums, kGrad };
 
@@ -31,61 +38,6 @@ struct DistillView {
   DistillOptions<acc_t> opt;
   bool vec;  // the 16-byte vector path applies (both rows aligned, V a multiple of the vector)
 };
-
-// K elements of T from p in as few aligned loads as their bytes allow (16, 8 or 4 bytes each).
-template <typename T, int K>
-__device__ inline void load_elems(const T* p, T (&out)[K]) {
-  constexpr int kBytes = K * static_cast<int>(sizeof(T));
-  if constexpr (kBytes % 16 == 0) {
-    uint4 raw[kBytes / 16];
-#pragma unroll
-    for (int i = 0; i < kBytes / 16; ++i) raw[i] = reinterpret_cast<const uint4*>(p)[i];
-    memcpy(out, raw, kBytes);
-  } else if constexpr (kBytes == 8) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(p);
-    memcpy(out, &raw, kBytes);
-  } else {
-    static_assert(kBytes == 4, "4, 8 or a multiple of 16 bytes");
-    const unsigned raw = *reinterpret_cast<const unsigned*>(p);
-    memcpy(out, &raw, kBytes);
-  }
-}
-
-template <typename acc_t>
-__device__ inline DistillStats<acc_t> shfl_xor(const DistillStats<acc_t>& s, int m) {
-  return {__shfl_xor_sync(0xffffffffu, s.ms, m), __shfl_xor_sync(0xffffffffu, s.ss, m),
-          __shfl_xor_sync(0xffffffffu, s.mt, m), __shfl_xor_sync(0xffffffffu, s.st, m),
-          __shfl_xor_sync(0xffffffffu, s.wt, m), __shfl_xor_sync(0xffffffffu, s.ws, m),
-          __shfl_xor_sync(0xffffffffu, s.hx, m)};
-}
-
-// The block's combined state, in thread 0 (warps by shuffles, then warp 0 over the warps' states).
-template <int kThreads, typename acc_t>
-__device__ inline DistillStats<acc_t> block_combine(DistillStats<acc_t> s, DistillStats<acc_t>* scratch) {
-  constexpr int kWarps = kThreads / 32;
-  for (int m = 16; m > 0; m >>= 1) s = DistillStats<acc_t>::combine(s, shfl_xor(s, m));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) scratch[warp] = s;
-  __syncthreads();
-  if (warp == 0) {
-    s = lane < kWarps ? scratch[lane] : DistillStats<acc_t>::empty();
-    for (int m = 16; m > 0; m >>= 1) s = DistillStats<acc_t>::combine(s, shfl_xor(s, m));
-  }
-  return s;
-}
-
-template <int kThreads, typename acc_t>
-__device__ inline acc_t block_sum(acc_t x, acc_t* scratch) {
-  for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) scratch[warp] = x;
-  __syncthreads();
-  x = threadIdx.x < kThreads / 32 ? scratch[threadIdx.x] : acc_t(0);
-  if (warp == 0) {
-    for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
-  }
-  return x;
-}
 
 // f(j0, x[kVec], y[kVec]) over the row's columns j0, j0+1, ... in groups of kVec (vector path), or f on groups
 // of one element (element path), each thread taking every kThreads-th group.
@@ -130,16 +82,7 @@ __global__ void __launch_bounds__(kThreads) distill_kernel(DistillView<student_t
       if (masked) continue;  // the row step writes zeros for it without reading its statistics
       DistillStats<acc_t> st = DistillStats<acc_t>::empty();
       for_row<kThreads, kVec>(v, z, zt, [&](int64_t, const auto& x, const auto& y) {
-        constexpr int n = std::extent_v<std::remove_reference_t<decltype(x)>>;
-        acc_t mx = x[0], my = y[0];
-#pragma unroll
-        for (int k = 1; k < n; ++k) {
-          mx = ::fmax(mx, x[k]);
-          my = ::fmax(my, y[k]);
-        }
-        st.rescale(mx, my);
-#pragma unroll
-        for (int k = 0; k < n; ++k) st.add_at_max(x[k], y[k]);
+        add_group(st, x, y);
       });
       st = block_combine<kThreads>(st, scratch);
       if (threadIdx.x == 0) st.store(v.stats + row * DistillStats<acc_t>::kFields);
@@ -243,7 +186,30 @@ void launch(const DistillState& s) {
 void stats_cuda(const DistillState& s) { launch<DistillPass::kStats, DistillKind::kForwardKl>(s); }
 void jsd_sums_cuda(const DistillState& s) { launch<DistillPass::kJsdSums, DistillKind::kJsd>(s); }
 
+// The fused pass (distillation_cluster.cuh) where it applies: every output and the gradient in one read.
+bool cluster_rows_cuda(const DistillState& s) {
+  bool done = false;
+  RL_LOSSES_DISPATCH_DISTILL(s.logits.scalar_type(), s.teacher.scalar_type(), [&] {
+    switch (s.opt.kind) {
+      case DistillKind::kForwardKl:
+        done = distill_cuda::launch_distill_cluster<DistillKind::kForwardKl, student_t, teacher_t>(s);
+        break;
+      case DistillKind::kCrossEntropy:
+        done = distill_cuda::launch_distill_cluster<DistillKind::kCrossEntropy, student_t, teacher_t>(s);
+        break;
+      case DistillKind::kReverseKl:
+        done = distill_cuda::launch_distill_cluster<DistillKind::kReverseKl, student_t, teacher_t>(s);
+        break;
+      default:
+        done = distill_cuda::launch_distill_cluster<DistillKind::kJsd, student_t, teacher_t>(s);
+        break;
+    }
+  });
+  return done;
+}
+
 void rows_cuda(const DistillState& s) {
+  if (cluster_rows_cuda(s)) return;
   if (!s.stats_given) stats_cuda(s);
   if (s.opt.kind == DistillKind::kJsd && !s.jsd_given) jsd_sums_cuda(s);
   AT_DISPATCH_FLOATING_TYPES(s.row_loss.scalar_type(), "distillation", [&] {

@@ -21,6 +21,15 @@ namespace rl_losses {
 
 enum class DistillKind : int { kForwardKl = 0, kReverseKl = 1, kCrossEntropy = 2, kJsd = 3 };
 
+// DistillStats' weighted sums, as bits: the ones a kind's row step reads (distill_row) are all that the fused CUDA
+// pass accumulates; the statistics op of tensor parallelism, which serves every kind, takes them all.
+enum DistillSums : int { kSumWt = 1, kSumWs = 2, kSumHx = 4, kAllSums = 7 };
+constexpr int distill_sums_of(DistillKind k) {
+  return k == DistillKind::kForwardKl ? kSumWt : k == DistillKind::kReverseKl ? kSumWs
+                                             : k == DistillKind::kCrossEntropy ? kSumHx
+                                                                               : 0;  // JSD: the two lse only
+}
+
 // Online statistics of one row (or one vocabulary shard of it) of student x and teacher y. Sums weighted by
 // e^{y−mt} rescale with the teacher's max, those weighted by e^{x−ms} with the student's; partial states
 // combine associatively (the CUDA block reduction and the tensor-parallel all-reduce rely on it).
@@ -58,16 +67,23 @@ struct DistillStats {
   // Adds one pair (x, y) at the current maxima (which bound x and y). A side whose values are all −inf so far
   // adds nothing (x − max would be NaN), and a zero weight never multiplies an infinite difference (a −inf
   // logit of the other side): 0·inf would make a NaN.
+  // kSums: the weighted sums to accumulate (DistillSums bits; the others stay 0). kFiniteMax: the caller has
+  // tested both maxima for −inf (once for a group of pairs, not per element).
+  template <int kSums = kAllSums, bool kFiniteMax = false>
   C10_HOST_DEVICE void add_at_max(T x, T y) {
-    const T eq = ms == neg_inf<T>() ? T(0) : exp_nonpos(x - ms);
-    const T ep = mt == neg_inf<T>() ? T(0) : exp_nonpos(y - mt);
+    const T eq = !kFiniteMax && ms == neg_inf<T>() ? T(0) : exp_nonpos(x - ms);
+    const T ep = !kFiniteMax && mt == neg_inf<T>() ? T(0) : exp_nonpos(y - mt);
     ss += eq;
     st += ep;
-    if (ep > T(0)) {
-      wt += ep * (y - x);
-      hx += ep * x;
+    if constexpr ((kSums & (kSumWt | kSumHx)) != 0) {
+      if (ep > T(0)) {
+        if constexpr ((kSums & kSumWt) != 0) wt += ep * (y - x);
+        if constexpr ((kSums & kSumHx) != 0) hx += ep * x;
+      }
     }
-    if (eq > T(0)) ws += eq * (x - y);
+    if constexpr ((kSums & kSumWs) != 0) {
+      if (eq > T(0)) ws += eq * (x - y);
+    }
   }
 
   C10_HOST_DEVICE static DistillStats combine(const DistillStats& a, const DistillStats& b) {
@@ -123,7 +139,7 @@ C10_HOST_DEVICE inline JsdTerms<T> jsd_terms(const DistillOptions<T>& o, T log_q
   const T a = o.log_beta + log_p, b = o.log_one_minus_beta + log_q;
   const T hi = a > b ? a : b, lo = a > b ? b : a;
   // hi == −inf: P = Q = 0 here, the element adds nothing (and −inf − −inf would be a NaN).
-  const T log_m = hi == neg_inf<T>() ? neg_inf<T>() : hi + ::log1p(exp_nonpos(lo - hi));
+  const T log_m = hi == neg_inf<T>() ? neg_inf<T>() : hi + log1p_unit(exp_nonpos(lo - hi));
   const T p = exp_nonpos(log_p), q = exp_nonpos(log_q);  // log-probabilities: <= 0
   const T lq = q > T(0) ? log_q - log_m : T(0), lp = p > T(0) ? log_p - log_m : T(0);
   return {o.beta * p * lp + (T(1) - o.beta) * q * lq, q * lq, lq, q};
@@ -132,9 +148,47 @@ C10_HOST_DEVICE inline JsdTerms<T> jsd_terms(const DistillOptions<T>& o, T log_q
 // Columns of the per-row gradient table the row step writes for the gradient pass.
 enum DistillGradField : int { kDistLseS = 0, kDistLseT, kDistWeight, kDistConst, kDistGradFields };
 
+// One unmasked row's result from its statistics (and JSD's sums: Σ loss terms, S): the divergence ℓ_t and the
+// gradient table (lse of both sides, the weight w = w_t/D, the row constant c: reverse KL ws/ss, JSD S).
+template <typename T>
+struct DistillRowResult {
+  T divergence;
+  T table[kDistGradFields];
+};
+
+template <typename T>
+C10_HOST_DEVICE inline DistillRowResult<T> distill_row(const DistillOptions<T>& opt, const DistillStats<T>& st,
+                                                       T jsd_loss, T jsd_s, T w) {
+  const T lse_s = st.lse_student(), lse_t = st.lse_teacher();
+  T loss, c = T(0);
+  switch (opt.kind) {
+    case DistillKind::kForwardKl:
+      loss = st.wt / st.st + (lse_s - lse_t);
+      break;
+    case DistillKind::kReverseKl:
+      c = st.ws / st.ss;
+      loss = c - (lse_s - lse_t);
+      break;
+    case DistillKind::kCrossEntropy:
+      loss = lse_s - st.hx / st.st;
+      break;
+    default:  // kJsd
+      loss = jsd_loss;
+      c = jsd_s;
+      break;
+  }
+  DistillRowResult<T> r;
+  r.divergence = loss;
+  r.table[kDistLseS] = lse_s;
+  r.table[kDistLseT] = lse_t;
+  r.table[kDistWeight] = w;
+  r.table[kDistConst] = c;
+  return r;
+}
+
 // Per row, after the statistics (and JSD's sums): the row's share of the loss, w_t·ℓ_t / D, and what the
-// gradient pass needs: lse of both sides, the weight w_t/D (0 for a masked row) and the row constant c
-// (reverse KL: ws/ss; JSD: S).
+// gradient pass needs (distill_row's table; zeros for a masked row). The CUDA cluster kernel evaluates
+// distill_row itself, from the statistics it holds on chip.
 template <typename T>
 struct DistillRowStep {
   DistillOptions<T> opt;
@@ -155,32 +209,13 @@ struct DistillRowStep {
       for (int k = 0; k < kDistGradFields; ++k) g[k] = T(0);
       return;
     }
-    const DistillStats<T> st = DistillStats<T>::load(stats + i * DistillStats<T>::kFields);
-    const T lse_s = st.lse_student(), lse_t = st.lse_teacher();
-    T loss, c = T(0);
-    switch (opt.kind) {
-      case DistillKind::kForwardKl:
-        loss = st.wt / st.st + (lse_s - lse_t);
-        break;
-      case DistillKind::kReverseKl:
-        c = st.ws / st.ss;
-        loss = c - (lse_s - lse_t);
-        break;
-      case DistillKind::kCrossEntropy:
-        loss = lse_s - st.hx / st.st;
-        break;
-      default:  // kJsd
-        loss = jsd_sums[2 * i];
-        c = jsd_sums[2 * i + 1];
-        break;
-    }
-    const T w = m / *divisor;
-    row_loss[i] = w * loss;
-    divergence[i] = loss;
-    g[kDistLseS] = lse_s;
-    g[kDistLseT] = lse_t;
-    g[kDistWeight] = w;
-    g[kDistConst] = c;
+    const bool jsd = opt.kind == DistillKind::kJsd;
+    const DistillRowResult<T> r = distill_row(opt, DistillStats<T>::load(stats + i * DistillStats<T>::kFields),
+                                              jsd ? jsd_sums[2 * i] : T(0), jsd ? jsd_sums[2 * i + 1] : T(0),
+                                              m / *divisor);
+    row_loss[i] = r.table[kDistWeight] * r.divergence;
+    divergence[i] = r.divergence;
+    for (int k = 0; k < kDistGradFields; ++k) g[k] = r.table[k];
   }
 };
 

@@ -336,20 +336,30 @@ inline ClusterShape row_cluster_shape(const RowPassArgs& args) {
   return {};
 }
 
-// The cluster launch of `shape` for `kernel`: its attributes, and the clusters the current device can hold
-// at once (0: none), asked of the occupancy calculator once per kernel, device and shape.
+// The cluster launch of `ctas` CTAs per cluster for `kernel` with `smem` bytes of dynamic shared memory (at most
+// kClusterCtaBytes + kSliceSmemAlign): its attributes, and the clusters the current device can hold at once (0:
+// none), asked of the occupancy calculator once per kernel, device and shape. row_cluster_kernel's launches take
+// a ClusterShape; distillation's cluster kernel (distillation/distillation_cluster.cuh) gives its own bytes.
 template <typename Kernel>
 class ClusterLaunch {
  public:
-  ClusterLaunch(Kernel* kernel, const ClusterShape& shape) : kernel_(kernel), shape_(shape) {
+  // The buffers of `shape`, and the most the kernel may skip to align them (the dynamic shared memory is
+  // 16-byte aligned).
+  ClusterLaunch(Kernel* kernel, const ClusterShape& shape)
+      : ClusterLaunch(kernel, shape.ctas, static_cast<size_t>(shape.slice_vecs) * 16 + kSliceSmemAlign - 16) {
+    slice_vecs_ = shape.slice_vecs;
+  }
+  ClusterLaunch(Kernel* kernel, int ctas, size_t smem) : kernel_(kernel), ctas_(ctas), smem_(smem) {
+    TORCH_INTERNAL_ASSERT(smem <= static_cast<size_t>(kClusterCtaBytes + kSliceSmemAlign),
+                          "rl_losses: a cluster CTA's shared memory beyond its bound");
     dim_.id = cudaLaunchAttributeClusterDimension;
-    dim_.val.clusterDim.x = static_cast<unsigned>(shape.ctas);
+    dim_.val.clusterDim.x = static_cast<unsigned>(ctas);
     dim_.val.clusterDim.y = 1;
     dim_.val.clusterDim.z = 1;
   }
 
   int resident_clusters() const {
-    return occupancy_once(reinterpret_cast<const void*>(kernel_), shape_.ctas, static_cast<int>(smem()), [&] {
+    return occupancy_once(reinterpret_cast<const void*>(kernel_), ctas_, static_cast<int>(smem_), [&] {
       // Room for the largest buffers any shape takes, all of the SM's unified L1/shared memory as shared
       // memory so that 3 CTAs' buffers fit (the kernel's loads bypass L1 anyway), and clusters of 16 (beyond
       // the portable 8).
@@ -359,9 +369,9 @@ class ClusterLaunch {
                                           cudaSharedmemCarveoutMaxShared));
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
       cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(static_cast<unsigned>(shape_.ctas));
+      cfg.gridDim = dim3(static_cast<unsigned>(ctas_));
       cfg.blockDim = dim3(kClusterThreads);
-      cfg.dynamicSmemBytes = smem();
+      cfg.dynamicSmemBytes = smem_;
       cudaLaunchAttribute dim = dim_;
       cfg.attrs = &dim;
       cfg.numAttrs = 1;
@@ -376,20 +386,26 @@ class ClusterLaunch {
     });
   }
 
-  // `clusters` clusters over the view's rows.
+  // row_cluster_kernel: `clusters` clusters over the view's rows.
   template <typename View, typename Epilogue>
   void operator()(const View& v, const Epilogue& epi, int64_t clusters, bool tail) const {
-    DependentLaunch launch(dim3(static_cast<unsigned>(shape_.ctas * clusters)), kClusterThreads, smem());
-    launch.add(dim_);
-    launch(kernel_, v, epi, shape_.slice_vecs, /*stages=*/1, kClusterPieceBytes / 16, tail);
+    launch(clusters, v, epi, slice_vecs_, /*stages=*/1, kClusterPieceBytes / 16, tail);
+  }
+
+  // `clusters` clusters of the kernel with these arguments.
+  template <typename... Args>
+  void launch(int64_t clusters, const Args&... args) const {
+    DependentLaunch dl(dim3(static_cast<unsigned>(ctas_ * clusters)), kClusterThreads, smem_);
+    dl.add(dim_);
+    dl(kernel_, args...);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
  private:
-  // The buffers, and the most the kernel may skip to align them (the dynamic shared memory is 16-byte aligned).
-  size_t smem() const { return static_cast<size_t>(shape_.slice_vecs) * 16 + kSliceSmemAlign - 16; }
   Kernel* kernel_;
-  ClusterShape shape_;
+  int ctas_;
+  size_t smem_;
+  int slice_vecs_ = 0;
   cudaLaunchAttribute dim_;
 };
 

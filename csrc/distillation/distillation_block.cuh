@@ -1,0 +1,146 @@
+// Device pieces both CUDA kernels of distillation share (distillation_cuda.cu's one-block-per-row passes and
+// the cluster kernel, distillation_cluster.cuh): aligned loads of a few elements, a group of columns folded
+// into the statistics, and the block reductions of DistillStats and of a sum.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "common/cuda/vectors.cuh"
+#include "distillation/distillation_math.h"
+
+namespace rl_losses {
+namespace distill_cuda {
+
+// K elements of T from p in as few aligned loads as their bytes allow (16, 8 or 4 bytes each).
+template <typename T, int K>
+__device__ inline void load_elems(const T* p, T (&out)[K]) {
+  constexpr int kBytes = K * static_cast<int>(sizeof(T));
+  if constexpr (kBytes % 16 == 0) {
+    uint4 raw[kBytes / 16];
+#pragma unroll
+    for (int i = 0; i < kBytes / 16; ++i) raw[i] = reinterpret_cast<const uint4*>(p)[i];
+    memcpy(out, raw, kBytes);
+  } else if constexpr (kBytes == 8) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    memcpy(out, &raw, kBytes);
+  } else {
+    static_assert(kBytes == 4, "4, 8 or a multiple of 16 bytes");
+    const unsigned raw = *reinterpret_cast<const unsigned*>(p);
+    memcpy(out, &raw, kBytes);
+  }
+}
+
+// K floats rounded to K student_t values for one 16-byte store: pairs of bf16 / fp16 by one cvt.rn.*x2.f32 each
+// (the element-wise conversion takes one per value).
+template <typename student_t, int K>
+__device__ inline void round_to(const float (&g)[K], student_t (&out)[K]) {
+  if constexpr (std::is_same_v<student_t, c10::BFloat16>) {
+#pragma unroll
+    for (int k = 0; k < K; k += 2) {
+      const __nv_bfloat162 two = __floats2bfloat162_rn(g[k], g[k + 1]);
+      memcpy(&out[k], &two, sizeof(two));
+    }
+  } else if constexpr (std::is_same_v<student_t, c10::Half>) {
+#pragma unroll
+    for (int k = 0; k < K; k += 2) {
+      const __half2 two = __floats2half2_rn(g[k], g[k + 1]);
+      memcpy(&out[k], &two, sizeof(two));
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < K; ++k) out[k] = static_cast<student_t>(g[k]);
+  }
+}
+
+// n pairs (x, y) folded into the state, given their maxima: one rescale and one −inf test per group rather
+// than per element (kSums: DistillStats::add_at_max's). The cluster kernel's; add_group below, the separate
+// statistics pass's, takes the maxima itself and tests per element (the group's code twice, as here, made its
+// fp64 instantiations spill).
+template <int kSums = kAllSums, int n, typename acc_t>
+__device__ inline void add_group_at(DistillStats<acc_t>& st, const acc_t (&x)[n], const acc_t (&y)[n], acc_t mx,
+                                    acc_t my) {
+  st.rescale(mx, my);
+  if (st.ms != neg_inf<acc_t>() && st.mt != neg_inf<acc_t>()) {
+#pragma unroll
+    for (int k = 0; k < n; ++k) st.template add_at_max<kSums, true>(x[k], y[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < n; ++k) st.template add_at_max<kSums>(x[k], y[k]);
+  }
+}
+
+template <int kSums = kAllSums, int n, typename acc_t>
+__device__ inline void add_group(DistillStats<acc_t>& st, const acc_t (&x)[n], const acc_t (&y)[n]) {
+  acc_t mx = x[0], my = y[0];
+#pragma unroll
+  for (int k = 1; k < n; ++k) {
+    mx = ::fmax(mx, x[k]);
+    my = ::fmax(my, y[k]);
+  }
+  st.rescale(mx, my);
+#pragma unroll
+  for (int k = 0; k < n; ++k) st.template add_at_max<kSums>(x[k], y[k]);
+}
+
+// max_k x_k of x_k = z_k·scale (scale > 0, so that the rounded products keep the order of z): over packed bf16
+// pairs (one instruction per pair; __hmax2, like fmax, returns the other input where one is NaN), else fmax.
+template <typename T, int K>
+__device__ inline float scaled_max(const cuda::Pack<T, K>& z, const float (&x)[K], float scale) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && K % 2 == 0) {
+    __nv_bfloat162 pairs[K / 2];
+    memcpy(pairs, &z, sizeof(pairs));
+    const __nv_bfloat162 m2 = tree_reduce(pairs, [](__nv_bfloat162 a, __nv_bfloat162 b) { return __hmax2(a, b); });
+    return ::fmaxf(__low2float(m2), __high2float(m2)) * scale;
+  } else {
+    float m = x[0];
+#pragma unroll
+    for (int k = 1; k < K; ++k) m = ::fmaxf(m, x[k]);
+    return m;
+  }
+}
+
+template <typename acc_t>
+__device__ inline DistillStats<acc_t> shfl_xor(const DistillStats<acc_t>& s, int m) {
+  return {__shfl_xor_sync(0xffffffffu, s.ms, m), __shfl_xor_sync(0xffffffffu, s.ss, m),
+          __shfl_xor_sync(0xffffffffu, s.mt, m), __shfl_xor_sync(0xffffffffu, s.st, m),
+          __shfl_xor_sync(0xffffffffu, s.wt, m), __shfl_xor_sync(0xffffffffu, s.ws, m),
+          __shfl_xor_sync(0xffffffffu, s.hx, m)};
+}
+
+// The block's combined state, in every lane of warp 0 (the same bits: combine is commutative, and each
+// butterfly step combines the same two values in both lanes): warps by shuffles, then warp 0 over the warps'.
+template <int kThreads, typename acc_t>
+__device__ inline DistillStats<acc_t> block_combine(DistillStats<acc_t> s, DistillStats<acc_t>* scratch) {
+  constexpr int kWarps = kThreads / 32;
+  for (int m = 16; m > 0; m >>= 1) s = DistillStats<acc_t>::combine(s, shfl_xor(s, m));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) scratch[warp] = s;
+  __syncthreads();
+  if (warp == 0) {
+    s = lane < kWarps ? scratch[lane] : DistillStats<acc_t>::empty();
+    for (int m = 16; m > 0; m >>= 1) s = DistillStats<acc_t>::combine(s, shfl_xor(s, m));
+  }
+  return s;
+}
+
+// The block's sum, in every lane of warp 0.
+template <int kThreads, typename acc_t>
+__device__ inline acc_t block_sum(acc_t x, acc_t* scratch) {
+  for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  x = threadIdx.x < kThreads / 32 ? scratch[threadIdx.x] : acc_t(0);
+  if (warp == 0) {
+    for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  }
+  return x;
+}
+
+}  // namespace distill_cuda
+}  // namespace rl_losses

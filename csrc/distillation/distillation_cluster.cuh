@@ -1,0 +1,409 @@
+// Distillation's fused CUDA pass (sm_90): statistics, JSD's sums, the row step and the gradient of a row in one
+// kernel, the row split over a thread-block cluster of C CTAs that hold their column slices of BOTH the
+// student's and the teacher's row in shared memory from the load to the gradient, so that each tensor is read
+// from DRAM once (the separate passes of distillation_cuda.cu read both rows two or three times).
+//
+// The structure is the cross-entropy cluster kernel's (common/cuda/cluster_kernel.cuh, whose helpers it uses:
+// bulk copies in pieces on mbarriers, st.async messages between the CTAs, ClusterLaunch's occupancy, the
+// persistent grid and its tail launch). Per row, CTA rank r owning columns [r·slice, min(V, (r+1)·slice)):
+//   1. thread 0 bulk-copies the student's and the teacher's slice side by side (student at 0, teacher at a
+//      128-byte boundary after it), in pieces of both of ~16 KB, each on its own mbarrier; every thread folds
+//      its groups of 16 bytes of the student (and the teacher's columns beside them) into a DistillStats as
+//      soon as their piece has landed (distillation_math.h: one copy of the formula), the block combines them
+//      and sends the CTA's state to every CTA of the cluster (st.async into a slot of their `gathered`);
+//   2. JSD only: with both log-normalisers known, the sums (Σ loss terms, S) over the slice from shared
+//      memory, block sums, the same exchange of the two values;
+//   3. warp 0 of every CTA combines the C states (and sums) in rank order by a fixed butterfly, so that every
+//      CTA has the same bits, and lane 0 runs distill_row (the row step's math); rank 0 writes row_loss and
+//      divergence (the op's outputs; the statistics, sums and gradient table stay on chip);
+//   4. every CTA writes the gradient of its slice from shared memory (distill_grad), one 16-byte store per
+//      group, a piece at a time: once every thread is done with a piece (a block barrier), thread 0 issues the
+//      copy of that piece of the cluster's next row read, so the next row's load overlaps this row's gradient
+//      (the per-element math is heavy here: 4 exponentials for the KLs, and the first version, which issued a
+//      row's copy only once the previous row was done, ran at 56% of the copy ceiling on an H200 with the SMs'
+//      special-function and issue slots ~60% busy). In place (grad == logits) is safe: a CTA writes only its
+//      own slice, after it has landed.
+// The statistics accumulate only the weighted sums the kind's row step reads (distill_sums_of).
+// A masked row (mask 0) is neither read nor exchanged: every CTA writes zeros over its slice, rank 0 the zero
+// outputs (every CTA reads the same mask, so all skip the same rows). No cluster barrier per row (it would
+// wait for every thread's outstanding gradient stores): a slot of `gathered` / `gathered_sums` is rewritten two
+// rows read later, which a peer reaches only after this CTA has sent it the next row's state, i.e. after the
+// block barrier that follows warp 0's reads of the slot.
+//
+// Where: CUDA sm_90+, a gradient asked, statistics and JSD sums not given (tensor parallelism keeps the
+// separate passes, which take them), not in the batch-invariant mode (the tail launch's C depends on N, and
+// the forward-only path's bits would differ), student and teacher each fp32/bf16/fp16, V a multiple of 8
+// (every slice and piece a whole number of 16-byte copies), rows 16-byte aligned in logits, teacher and grad,
+// and the slices of the fewest CTAs (1 to 16) fitting kClusterCtaBytes (bf16 + bf16: 4 bytes a column, so 8
+// CTAs at V = 128256 and 10 at 151936; bf16 + fp32: 6 bytes, 12 and 14). Otherwise launch_distill_cluster
+// returns false and the separate passes run.
+#pragma once
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <cooperative_groups.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#include "common/batch_invariant.h"
+#include "common/cuda/cluster_kernel.cuh"
+#include "distillation/distillation.h"
+#include "distillation/distillation_block.cuh"
+
+namespace rl_losses {
+namespace distill_cuda {
+
+// A slice arrives in at most this many pieces (each of kClusterThreads groups or a multiple: >= 6 KB).
+constexpr int kDistillMaxPieces = 12;
+
+template <typename student_t, typename teacher_t>
+struct DistillClusterView {
+  const student_t* z;
+  const teacher_t* zt;
+  student_t* grad;
+  int64_t rs, rt, rg;  // row strides (elements)
+  int64_t n_rows, vocab;
+  const float* mask;     // (N,) or null
+  const float* divisor;  // 0-dim D
+  float* row_loss;       // (N,)
+  float* divergence;     // (N,)
+  DistillOptions<float> opt;
+  int slice_cols;      // columns per CTA (a multiple of 8)
+  int teacher_offset;  // bytes from the student's slice to the teacher's in shared memory
+  int piece_groups;    // groups of 16 student bytes per piece (a multiple of kClusterThreads)
+};
+
+template <DistillKind kKind, typename student_t, typename teacher_t>
+__global__ void __launch_bounds__(cuda::kClusterThreads, 3)
+    distill_cluster_kernel(DistillClusterView<student_t, teacher_t> v, bool tail) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  CUDA_KERNEL_ASSERT(false && "rl_losses: thread-block clusters need sm_90");  // not launched there
+#else
+  using namespace cuda;
+  using Stats = DistillStats<float>;
+  constexpr int kThreads = kClusterThreads, kWarps = kThreads / 32;
+  constexpr int kVec = 16 / sizeof(student_t);  // columns per group
+  // The gradient of the cross-entropy is the forward KL's (distill_row reads the kind for the loss).
+  constexpr DistillKind kGrad = kKind == DistillKind::kCrossEntropy ? DistillKind::kForwardKl : kKind;
+  // The tail launch starts at once and waits at its end (cluster_kernel.cuh says why that is safe: it reads
+  // nothing the main launch writes).
+  if (tail) {
+    let_next_grid_launch();
+  } else {
+    wait_previous_grid();
+  }
+  const auto cluster = cooperative_groups::this_cluster();
+  const int n_ctas = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* const base =
+      smem_raw + (kSliceSmemAlign - smem_addr(smem_raw) % kSliceSmemAlign) % kSliceSmemAlign;
+  const student_t* const zs = reinterpret_cast<const student_t*>(base);
+  const teacher_t* const ts = reinterpret_cast<const teacher_t*>(base + v.teacher_offset);
+  __shared__ Stats scratch[kWarps];
+  __shared__ float sum_scratch[kWarps];
+  __shared__ Stats gathered[2][kMaxClusterSize];
+  __shared__ float2 gathered_sums[2][kMaxClusterSize];
+  __shared__ uint64_t gathered_full[2], sums_full[2];
+  __shared__ uint64_t landed[kDistillMaxPieces];
+  __shared__ Stats jsd_stats;           // JSD: the row's statistics between steps 1 and 3
+  __shared__ float lse_shared[2];       // JSD: the log-normalisers for step 2
+  __shared__ float table[kDistGradFields];
+
+  const int64_t begin = static_cast<int64_t>(rank) * v.slice_cols;
+  const int n_cols = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(v.vocab - begin, v.slice_cols)));
+  const int n_groups = n_cols / kVec;
+  const int n_pieces = (n_groups + v.piece_groups - 1) / v.piece_groups;
+  const int64_t row_step = gridDim.x / n_ctas;
+  int ctas_pow2 = 1;
+  while (ctas_pow2 < n_ctas) ctas_pow2 *= 2;
+
+  if (threadIdx.x == 0) {
+    for (int p = 0; p < kDistillMaxPieces; ++p) mbarrier_init(&landed[p]);
+    for (int q = 0; q < 2; ++q) {
+      mbarrier_init(&gathered_full[q]);
+      mbarrier_init(&sums_full[q]);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  cluster.sync();  // every CTA's barriers are initialised before any peer sends to them
+
+  // Thread 0 copies piece p of this CTA's slice of `row`: both tensors' columns of the piece complete landed[p].
+  auto fetch_piece = [&](int64_t row, int p) {
+    if (threadIdx.x != 0) return;
+    constexpr unsigned ss = sizeof(student_t), st = sizeof(teacher_t);
+    const unsigned c0 = static_cast<unsigned>(p * v.piece_groups * kVec),
+                   c1 = static_cast<unsigned>(std::min(n_groups, (p + 1) * v.piece_groups) * kVec);
+    auto copy = [&](char* dst, const char* src, unsigned start, unsigned end) {
+      for (unsigned off = start; off < end; off += 16384) {
+        bulk_copy_to_shared(dst + off, src + off, std::min(16384u, end - off), &landed[p]);
+      }
+    };
+    mbarrier_arrive_expect(&landed[p], (c1 - c0) * (ss + st));
+    copy(reinterpret_cast<char*>(base), reinterpret_cast<const char*>(v.z + row * v.rs + begin), c0 * ss, c1 * ss);
+    copy(reinterpret_cast<char*>(base) + v.teacher_offset, reinterpret_cast<const char*>(v.zt + row * v.rt + begin),
+         c0 * st, c1 * st);
+  };
+  // Group i of the slice from shared memory, as x = s·z and y = z_teacher / T.
+  // (unpack: bf16 to fp32 at one instruction per value.) The raw vectors stay in a and b.
+  auto load_raw = [&](int i, Pack<student_t, kVec>& a, Pack<teacher_t, kVec>& b, float (&x)[kVec],
+                      float (&y)[kVec]) {
+    load_elems(zs + i * kVec, a.v);
+    load_elems(ts + i * kVec, b.v);
+    unpack(a, x);
+    unpack(b, y);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      x[k] *= v.opt.scale;
+      y[k] *= v.opt.inv_temperature;
+    }
+  };
+  auto load_group = [&](int i, float (&x)[kVec], float (&y)[kVec]) {
+    Pack<student_t, kVec> a;
+    Pack<teacher_t, kVec> b;
+    load_raw(i, a, b, x, y);
+  };
+  // Lane 0 of warp 0: the row step from the combined statistics (and sums); rank 0 writes the outputs.
+  auto finish_row = [&](int64_t row, const Stats& all, float jsd_loss, float jsd_s) {
+    const float m = v.mask != nullptr ? v.mask[row] : 1.0f;
+    const DistillRowResult<float> r = distill_row(v.opt, all, jsd_loss, jsd_s, m / *v.divisor);
+#pragma unroll
+    for (int k = 0; k < kDistGradFields; ++k) table[k] = r.table[k];
+    if (rank == 0) {
+      v.row_loss[row] = r.table[kDistWeight] * r.divergence;
+      v.divergence[row] = r.divergence;
+    }
+  };
+
+  // The rows this cluster reads: from r on, the first whose mask is not 0 (every CTA of the cluster reads the same
+  // mask, so all skip the same rows).
+  auto next_read = [&](int64_t r) {
+    if (v.mask != nullptr) {
+      while (r < v.n_rows && v.mask[r] == 0.0f) r += row_step;
+    }
+    return r;
+  };
+
+  int64_t row = blockIdx.x / n_ctas;
+  int64_t read_row = next_read(row);
+  if (read_row < v.n_rows) {
+    for (int p = 0; p < n_pieces; ++p) fetch_piece(read_row, p);
+  }
+  // `it` counts the rows read (the barriers' phases, the slots).
+  for (int it = 0; row < v.n_rows; row += row_step) {
+    student_t* const g = v.grad + row * v.rg + begin;
+    if (row != read_row) {  // masked: zeros, nothing read or exchanged
+      if (rank == 0 && threadIdx.x == 0) {
+        v.row_loss[row] = 0.0f;
+        v.divergence[row] = 0.0f;
+      }
+      block_zero_fill<kThreads>(g, n_cols);
+      continue;
+    }
+    const int64_t next = next_read(row + row_step);  // its mask loads overlap this row's work
+    const unsigned phase = static_cast<unsigned>(it & 1);
+    // A thread waits for the pieces in order, through the one of its group i, before it reads group i.
+    int next_piece = 0, piece_end = 0;
+    Stats st = Stats::empty();
+    for (int i = threadIdx.x; i < n_groups; i += kThreads) {
+      for (; i >= piece_end; piece_end += v.piece_groups) mbarrier_wait(&landed[next_piece++], phase);
+      Pack<student_t, kVec> a;
+      Pack<teacher_t, kVec> b;
+      float x[kVec], y[kVec];
+      load_raw(i, a, b, x, y);
+      add_group_at<distill_sums_of(kKind)>(st, x, y, scaled_max(a, x, v.opt.scale),
+                                           scaled_max(b, y, v.opt.inv_temperature));
+    }
+    st = block_combine<kThreads>(st, scratch);  // in warp 0
+    const int q = it & 1;
+    const unsigned slot_phase = static_cast<unsigned>((it >> 1) & 1);
+    if (threadIdx.x == 0) mbarrier_arrive_expect(&gathered_full[q], n_ctas * static_cast<unsigned>(sizeof(Stats)));
+    if (threadIdx.x < n_ctas) send_to_rank(&gathered[q][rank], st, &gathered_full[q], threadIdx.x);
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      mbarrier_wait(&gathered_full[q], slot_phase);
+      Stats all = lane < n_ctas ? gathered[q][lane] : Stats::empty();
+      for (int m = ctas_pow2 / 2; m > 0; m >>= 1) all = Stats::combine(all, shfl_xor(all, m));
+      if (lane == 0) {
+        if constexpr (kKind == DistillKind::kJsd) {
+          jsd_stats = all;
+          lse_shared[0] = all.lse_student();
+          lse_shared[1] = all.lse_teacher();
+        } else {
+          finish_row(row, all, 0.0f, 0.0f);
+        }
+      }
+    }
+    __syncthreads();
+    if constexpr (kKind == DistillKind::kJsd) {
+      // Each thread reads the groups it has waited for in step 1.
+      const float lse_s = lse_shared[0], lse_t = lse_shared[1];
+      float loss = 0.0f, q_sum = 0.0f;
+      for (int i = threadIdx.x; i < n_groups; i += kThreads) {
+        float x[kVec], y[kVec];
+        load_group(i, x, y);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          const JsdTerms<float> t = jsd_terms(v.opt, x[k] - lse_s, y[k] - lse_t);
+          loss += t.loss;
+          q_sum += t.q_term;
+        }
+      }
+      loss = block_sum<kThreads>(loss, sum_scratch);
+      __syncthreads();  // sum_scratch is reused
+      q_sum = block_sum<kThreads>(q_sum, sum_scratch);
+      if (threadIdx.x == 0) mbarrier_arrive_expect(&sums_full[q], n_ctas * static_cast<unsigned>(sizeof(float2)));
+      if (threadIdx.x < n_ctas) {
+        send_to_rank(&gathered_sums[q][rank], make_float2(loss, q_sum), &sums_full[q], threadIdx.x);
+      }
+      if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        mbarrier_wait(&sums_full[q], slot_phase);
+        float2 all = lane < n_ctas ? gathered_sums[q][lane] : make_float2(0.0f, 0.0f);
+        for (int m = ctas_pow2 / 2; m > 0; m >>= 1) {
+          all.x += __shfl_xor_sync(0xffffffffu, all.x, m);
+          all.y += __shfl_xor_sync(0xffffffffu, all.y, m);
+        }
+        if (lane == 0) finish_row(row, jsd_stats, all.x, all.y);
+      }
+      __syncthreads();
+    }
+    ++it;
+
+    const float sw = v.opt.scale * table[kDistWeight], lse_s = table[kDistLseS], lse_t = table[kDistLseT],
+                c = table[kDistConst];
+    // The gradient piece by piece; once every thread is done with a piece, the next row's copy of it is issued, so
+    // that the copy overlaps the rest of this row's gradient.
+    for (int p = 0; p < n_pieces; ++p) {
+      const int end = std::min(n_groups, (p + 1) * v.piece_groups);
+#pragma unroll 2
+      for (int i = p * v.piece_groups + threadIdx.x; i < end; i += kThreads) {
+        float x[kVec], y[kVec];
+        load_group(i, x, y);
+        float gf[kVec];
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) gf[k] = sw * distill_grad<kGrad>(v.opt, x[k], y[k], lse_s, lse_t, c);
+        student_t out[kVec];
+        round_to(gf, out);
+        uint4 raw;
+        memcpy(&raw, out, sizeof(raw));
+        *reinterpret_cast<uint4*>(g + i * kVec) = raw;
+      }
+      if (next < v.n_rows) {
+        __syncthreads();  // piece p is read (statistics, sums, gradient) by every thread
+        fetch_piece(next, p);
+      }
+    }
+    read_row = next;
+  }
+  cluster.sync();  // no CTA exits while a peer may still write into its shared memory
+  if (tail) wait_for_previous_grid();
+#endif
+}
+
+// The launch shape with c CTAs per row: columns per CTA rounded up to 256 (slices starting on 512-byte
+// boundaries of a bf16 row, as the CE kernel's: cluster_kernel.cuh) where that still fits, else to 8; ctas = 0
+// where the slices do not fit kClusterCtaBytes.
+struct DistillClusterShape {
+  int ctas = 0;
+  int slice_cols = 0, teacher_offset = 0, piece_groups = 0;
+  size_t smem = 0;  // dynamic shared memory: the slices and the most the kernel skips to align them
+};
+
+inline DistillClusterShape distill_cluster_shape(int64_t vocab, int64_t ss, int64_t st, int c) {
+  const int64_t per_cta = (vocab + c - 1) / c;
+  auto round_up = [](int64_t x, int64_t to) { return (x + to - 1) / to * to; };
+  auto bytes = [&](int64_t cols) { return round_up(cols * ss, cuda::kSliceSmemAlign) + cols * st; };
+  int64_t cols = round_up(per_cta, 256);
+  if (c == 1 || bytes(cols) > cuda::kClusterCtaBytes) cols = round_up(per_cta, 8);
+  if (bytes(cols) > cuda::kClusterCtaBytes) return {};
+  const int64_t vec = 16 / ss;
+  // Pieces of ~16 KB of both tensors: kClusterThreads groups, or a multiple of them.
+  const int64_t unit = cuda::kClusterThreads * vec * (ss + st);
+  const int64_t piece_groups = cuda::kClusterThreads * std::max<int64_t>(1, cuda::kClusterPieceBytes / unit);
+  TORCH_INTERNAL_ASSERT((cols / vec + piece_groups - 1) / piece_groups <= kDistillMaxPieces);
+  DistillClusterShape s;
+  s.ctas = c;
+  s.slice_cols = static_cast<int>(cols);
+  s.teacher_offset = static_cast<int>(round_up(cols * ss, cuda::kSliceSmemAlign));
+  s.piece_groups = static_cast<int>(piece_groups);
+  s.smem = static_cast<size_t>(bytes(cols) + cuda::kSliceSmemAlign - 16);
+  return s;
+}
+
+inline bool rows_aligned_16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && (t.stride(0) * t.element_size()) % 16 == 0;
+}
+
+// Runs the whole of DistillState's rows (outputs and gradient) in the cluster kernel where it applies (the
+// file's header); false otherwise, having launched nothing. Persistent grid and tail launch as
+// launch_row_cluster's (cluster_kernel.cuh).
+template <DistillKind kKind, typename student_t, typename teacher_t>
+bool launch_distill_cluster(const DistillState& s) {
+  if constexpr (std::is_same_v<student_t, double> || std::is_same_v<teacher_t, double>) {
+    return false;  // fp64 (reference-grade tests) keeps the separate passes
+  } else {
+    if (!s.grad.defined() || s.stats_given || s.jsd_given || !s.logits.is_cuda() || batch_invariant()) return false;
+    const int64_t n = s.logits.size(0), vocab = s.logits.size(1);
+    if (n == 0 || vocab % 8 != 0) return false;
+    if (!rows_aligned_16(s.logits) || !rows_aligned_16(s.teacher) || !rows_aligned_16(s.grad)) return false;
+    if (at::cuda::getDeviceProperties(s.logits.get_device())->major < 9) return false;
+    constexpr int64_t ss = sizeof(student_t), st = sizeof(teacher_t);
+    DistillClusterShape shape;
+    for (int c = 1; c <= cuda::kMaxClusterSize && shape.ctas == 0; ++c) shape = distill_cluster_shape(vocab, ss, st, c);
+    if (shape.ctas == 0) return false;
+    auto* kernel = &distill_cluster_kernel<kKind, student_t, teacher_t>;
+    using Launch = cuda::ClusterLaunch<std::remove_pointer_t<decltype(kernel)>>;
+    const Launch main_launch(kernel, shape.ctas, shape.smem);
+    const int clusters = main_launch.resident_clusters();
+    if (clusters == 0) return false;
+
+    DistillClusterView<student_t, teacher_t> v;
+    v.z = s.logits.const_data_ptr<student_t>();
+    v.zt = s.teacher.const_data_ptr<teacher_t>();
+    v.grad = s.grad.data_ptr<student_t>();
+    v.rs = s.logits.stride(0);
+    v.rt = s.teacher.stride(0);
+    v.rg = s.grad.stride(0);
+    v.n_rows = n;
+    v.vocab = vocab;
+    v.mask = s.mask.defined() ? s.mask.const_data_ptr<float>() : nullptr;
+    v.divisor = s.divisor.const_data_ptr<float>();
+    v.row_loss = s.row_loss.data_ptr<float>();
+    v.divergence = s.divergence.data_ptr<float>();
+    v.opt = distill_options_as<float>(s.opt);
+    auto with_shape = [](DistillClusterView<student_t, teacher_t> w, const DistillClusterShape& sh) {
+      w.slice_cols = sh.slice_cols;
+      w.teacher_offset = sh.teacher_offset;
+      w.piece_groups = sh.piece_groups;
+      return w;
+    };
+    const int64_t tail_rows = n > clusters ? n % clusters : 0;
+    if (tail_rows != 0) {
+      for (int c = cuda::kMaxClusterSize; c > shape.ctas; --c) {
+        const DistillClusterShape tail = distill_cluster_shape(vocab, ss, st, c);
+        if (tail.ctas == 0 || tail.slice_cols * (ss + st) < cuda::kClusterPieceBytes) continue;
+        const Launch tail_launch(kernel, tail.ctas, tail.smem);
+        if (tail_launch.resident_clusters() < tail_rows) continue;
+        auto head = with_shape(v, shape), rest = with_shape(v, tail);
+        head.n_rows = n - tail_rows;
+        rest.n_rows = tail_rows;
+        rest.z += head.n_rows * v.rs;
+        rest.zt += head.n_rows * v.rt;
+        rest.grad += head.n_rows * v.rg;
+        if (v.mask != nullptr) rest.mask += head.n_rows;
+        rest.row_loss += head.n_rows;
+        rest.divergence += head.n_rows;
+        main_launch.launch(clusters, head, false);
+        tail_launch.launch(tail_rows, rest, true);
+        return true;
+      }
+    }
+    main_launch.launch(std::min<int64_t>(n, clusters), with_shape(v, shape), false);
+    return true;
+  }
+}
+
+}  // namespace distill_cuda
+}  // namespace rl_losses
