@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(kThreads)
       // Each filter's kept logits lie in the groups whose max it keeps (every kept set is an upper set): the
       // sweeps of the row read only those (`wanted`), judged with a margin (the exponential's rounding need not
       // be monotone; a group read for nothing costs only its read).
-      auto min_p_may_keep = [&](int u) { return e_of(gmax[u]) >= o.min_p * acc_t(0.999); };
+      auto min_p_may_keep = [&](int u) { return o.min_p_may_keep(e_of(gmax[u])); };
       auto sweep = [&](auto&& f, auto&& wanted) {
         if (n_cands < 0) {
           for_each_logit(z, v.vocab, f, wanted);
