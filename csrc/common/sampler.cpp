@@ -144,7 +144,6 @@ bool sampler_floor_in_pass(const char* op, RowPassArgs& args) {
   args.min_p_in_pass = false;
   if (!args.logits.is_cuda() || args.sampler_top_k || args.sampler_top_p) return false;
 #ifdef RL_LOSSES_WITH_CUDA
-  args.min_p_in_pass = true;
   args.min_p_in_pass = cuda_fuses_row_pass(args);
 #endif
   return args.min_p_in_pass;

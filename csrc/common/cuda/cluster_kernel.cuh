@@ -203,8 +203,6 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     const int64_t local = label - v.vocab_start - begin;  // the label's column within this slice
     const bool has_label = label >= 0 && local >= 0 && local < n_elems;
 
-    const int q = it & 1;  // the row's slot in `gathered` (and in min_p's exchanges)
-    const unsigned gather_phase = static_cast<unsigned>((it >> 1) & 1);
     // The statistics of the slice, with the logits below `floor` read as −inf where kFloors: the plain kernel's
     // loop (and the statistics of every floor but min_p's, whose step 3 runs it once the floor is known).
     auto slice_stats = [&](acc_t floor) {
@@ -241,16 +239,19 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     if constexpr (kFloor == ClusterFloor::kGiven) floor = v.floor[row];
     if constexpr (kMinP) {  // steps 1 and 2 of cluster_sampler.cuh
       auto& ms = min_p_shared;
+      const int q = it & 1;  // the row's slots, and their barriers' phase
+      const unsigned gather_phase = static_cast<unsigned>((it >> 1) & 1);
       // 1. the raw max of the slice; block_nan_min's barrier makes the whole slice visible to every thread
       acc_t m = slice_max<kThreads, acc_t>(slice, x, n_full, rem, owns_rem, wait_piece);
       m = -block_nan_min<kThreads>(-m, ms.scratch);
       if (threadIdx.x < 32) {
         acc_t all = cluster_gather(m, ms.maxes[q], &ms.maxes_full[q], rank, n_ctas, gather_phase, neg_inf<acc_t>());
-        for (int k = 16; k > 0; k >>= 1) all = ::fmax(all, __shfl_xor_sync(0xffffffffu, all, k));
+        for (int k = 16; k > 0; k >>= 1) all = max_nan(all, __shfl_xor_sync(0xffffffffu, all, k));
         if (threadIdx.x == 0) ms.row_max = all;
       }
       __syncthreads();
-      // 2. the least logit min_p keeps, or the label's, or NaN: every CTA filters alike (the same max and option)
+      // 2. the least logit min_p keeps, or the label's: every CTA filters alike (the same max and option; a NaN
+      // max, from a NaN in the row, filters nothing)
       const acc_t row_max = ms.row_max;
       const SamplerRow<acc_t> o(v.sampler_params + v.epilogue_row(row) * kSamplerColumns);
       const bool filters = o.min_p_acts() && row_max > neg_inf<acc_t>();
@@ -258,20 +259,22 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
       if (filters) {
         lowest = min_p_lowest<kThreads>(slice, n_full, rem, owns_rem, ExpShifted<acc_t>(v.scale, v.scale * row_max), o);
         if (threadIdx.x == 0 && has_label) {
+          if (local < n_full * kVec) wait_piece(static_cast<int>(local / kVec));  // it may be another's
           lowest = floor_with_label(lowest, true, static_cast<acc_t>(reinterpret_cast<const scalar_t*>(slice)[local]));
         }
       }
       lowest = block_nan_min<kThreads>(lowest, ms.scratch);
       if (threadIdx.x < 32) {
         acc_t all = cluster_gather(lowest, ms.lowest[q], &ms.lowest_full[q], rank, n_ctas, gather_phase, -neg_inf<acc_t>());
-        for (int k = 16; k > 0; k >>= 1) all = nan_min(all, __shfl_xor_sync(0xffffffffu, all, k));
-        if (threadIdx.x == 0) ms.floor = !filters || all != all ? neg_inf<acc_t>() : all;
+        for (int k = 16; k > 0; k >>= 1) all = ::fmin(all, __shfl_xor_sync(0xffffffffu, all, k));
+        if (threadIdx.x == 0) ms.floor = filters ? all : neg_inf<acc_t>();
       }
       __syncthreads();
       floor = ms.floor;
     }
     RowStats<acc_t> st = slice_stats(floor);
     st = block_combine<kThreads>(st, scratch);  // its barrier also makes the whole slice visible to every thread
+    const int q = it & 1;            // the row's slot in `gathered`
     if (threadIdx.x == 0) mbarrier_arrive_expect(&gathered_full[q], n_ctas * static_cast<unsigned>(sizeof(st)));
     if (threadIdx.x < n_ctas) {  // thread t sends this CTA's statistics to rank t
       if (has_label && local < n_full * kVec) wait_piece(static_cast<int>(local / kVec));  // it may be another's
@@ -281,7 +284,7 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     }
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
-      mbarrier_wait(&gathered_full[q], gather_phase);
+      mbarrier_wait(&gathered_full[q], static_cast<unsigned>((it >> 1) & 1));
       RowStats<acc_t> all = lane < n_ctas ? gathered[q][lane] : RowStats<acc_t>::empty();
       for (int m = ctas_pow2 / 2; m > 0; m >>= 1) all = RowStats<acc_t>::combine(all, shfl_xor(all, m));
       if (lane == 0) {
@@ -296,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
 
     GradOf<scalar_t, acc_t, Epilogue::kMayUseEntropyGrad, kFloors> grad_of(coef_shared, max_shared, log_sumexp_shared,
                                                                            v.scale, has_label ? local : int64_t(-1));
-    grad_of.floor = floor;
+    if constexpr (kFloors) grad_of.floor = floor;
     VecT* gv = reinterpret_cast<VecT*>(v.grad + row * v.grad_row_stride + begin);
     // Unrolled by 2. By 4 gained up to a point at large V, but took the bf16 kernel from 64 to 72 registers
     // (4 to 3 CTAs per SM where the slices allow more): -6.5 points at V = 8192 (docs/design.md v16).

@@ -5,17 +5,19 @@
 // the kernel applies it as row_pass_kernel does, with the same helpers (add_vecs<…, kFloor> in the statistics,
 // GradOf<…, kFloor> in the gradient; the label's logit is never below its row's floor): a logit below the floor
 // counts as −inf and gets a zero gradient. This saves the second read of the logits that the split pass (statistics
-// launch, then gradient launch) took.
+// launch, then gradient launch) took. Most of a row lies below the floor of a filter that keeps few tokens: those
+// helpers skip a chunk wholly below it in the statistics and write its zero gradient without exponentials.
 //
 // ClusterFloor::kMinP: where min_p is the only filter of the call (RowPassArgs::min_p_in_pass; per-row values from
 // v.sampler_params), no floor kernel runs: the cluster computes each row's floor from the slices it already holds in
 // shared memory, in three exchanges between its CTAs instead of one:
-//   1. the max of each slice (no exponentials), exchanged: the row's max m (scaled: s·m, as RowStats keep it);
+//   1. the max of each slice (no exponentials; NaN where the slice holds a NaN, as the floor kernel's), exchanged:
+//      the row's raw max m;
 //   2. over the slice in shared memory, the least logit min_p keeps (e^(s·z − s·m) ≥ min_p, ExpShifted: the same
 //      test, on the same values, as the floor kernel's, so the same tokens are kept), lowered to the label's logit
 //      where the slice holds the label (sampler.h's floor_with_label: the floor is the least of the kept logits and
-//      the label's), or NaN where the slice holds a NaN; exchanged as a NaN-propagating min: the floor, −inf where
-//      nothing is filtered (a NaN in the row, a row of −inf, min_p = 0), exactly as the floor kernel's;
+//      the label's); exchanged as a min: the floor, or −inf where nothing is filtered (m NaN or −inf, min_p = 0),
+//      exactly as the floor kernel's;
 //   3. the statistics over the logits at or above the floor (the kGiven path's loop, from shared memory),
 //      exchanged as the plain kernel's, then its epilogue and gradient with the floor.
 // Vectors whose max min_p cannot keep are skipped in step 2 with the floor kernel's margin (SamplerRow::
@@ -61,31 +63,10 @@ __device__ inline void send_to_rank(T* dst, const T& value, uint64_t* bar, unsig
 // computed in the kernel.
 enum class ClusterFloor { kNone, kGiven, kMinP };
 
-// The least of a and b where neither is NaN, else NaN: a NaN anywhere in a row reaches the cluster's result.
+// The least of a and b where neither is NaN, else NaN (step 1's max, negated: a NaN in a row reaches the row's max).
 template <typename acc_t>
 __device__ inline acc_t nan_min(acc_t a, acc_t b) {
   return a != a ? a : (b != b ? b : ::fmin(a, b));
-}
-
-// The raw max of N 16-byte vectors (a NaN skipped, as RowStats' max does): over packed pairs for bf16 (exact).
-template <typename acc_t, typename scalar_t, int kVec, int N>
-__device__ inline acc_t vecs_max(const Pack<scalar_t, kVec> (&z)[N]) {
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
-    __nv_bfloat162 pairs[N * kVec / 2];
-    memcpy(pairs, z, sizeof(pairs));
-    const __nv_bfloat162 m2 = tree_reduce(pairs, [](__nv_bfloat162 a, __nv_bfloat162 b) { return __hmax2(a, b); });
-    return ::fmaxf(__low2float(m2), __high2float(m2));
-  } else {
-    acc_t m[N * kVec];
-#pragma unroll
-    for (int n = 0; n < N; ++n) {
-      acc_t one[kVec];
-      unpack(z[n], one);
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) m[n * kVec + k] = one[k];
-    }
-    return tree_reduce(m, [](acc_t a, acc_t b) { return ::fmax(a, b); });
-  }
 }
 
 // The shared state of the kMinP exchanges 1 and 2 (the third is the plain kernel's), by row parity; nothing for the
@@ -135,7 +116,7 @@ __device__ inline acc_t slice_max(VecT* slice, const scalar_t* x, int n_full, in
     for (int k = 0; k < kVec; ++k) {
       if (k < rem) {
         part.v[k] = x[n_full * kVec + k];
-        m = ::fmax(m, static_cast<acc_t>(part.v[k]));
+        m = max_nan(m, static_cast<acc_t>(part.v[k]));
       }
     }
     store_vec(&slice[n_full], part);
@@ -146,35 +127,31 @@ __device__ inline acc_t slice_max(VecT* slice, const scalar_t* x, int n_full, in
     VecT chunk[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) chunk[c] = load_vec(&slice[i + c * kThreads]);
-    m = ::fmax(m, vecs_max<acc_t>(chunk));
+#pragma unroll
+    for (int c = 0; c < 4; ++c) m = max_nan(m, static_cast<acc_t>(vec_max_nan(chunk[c])));
   }
   for (; i < n_full; i += kThreads) {
     wait_piece(i);
-    const VecT one[1] = {load_vec(&slice[i])};
-    m = ::fmax(m, vecs_max<acc_t>(one));
+    m = max_nan(m, static_cast<acc_t>(vec_max_nan(load_vec(&slice[i]))));
   }
   return m;
 }
 
-// Step 2 for one thread: its least logit of the slice (n_full vectors from `slice`, the rem elements of the vector
-// at n_full where owns_rem) that min_p keeps, NaN if it saw a NaN.
+// Step 2 for one thread: its least logit of the slice (n_full vectors from `slice`, the rem elements of the vector at
+// n_full where owns_rem) that min_p keeps (a row without NaN: step 1 leaves a row with one unfiltered).
 template <int kThreads, typename acc_t, typename VecT>
 __device__ inline acc_t min_p_lowest(const VecT* slice, int n_full, int rem, bool owns_rem,
                                      const ExpShifted<acc_t>& e_of, const SamplerRow<acc_t>& o) {
   constexpr int kVec = sizeof(VecT::v) / sizeof(VecT::v[0]);
   acc_t lowest = -neg_inf<acc_t>();
   auto take = [&](acc_t x) {
-    if (x != x) lowest = x;
-    if (lowest == lowest && o.min_p_keeps(e_of(x))) lowest = ::fmin(lowest, x);
+    if (o.min_p_keeps(e_of(x))) lowest = ::fmin(lowest, x);
   };
   for (int i = threadIdx.x; i < n_full; i += kThreads) {
-    const VecT one[1] = {load_vec(&slice[i])};
-    acc_t x[kVec];
-    unpack(one[0], x);
-    bool nan = false;
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) nan |= x[k] != x[k];
-    if (nan || o.min_p_may_keep(e_of(vecs_max<acc_t>(one)))) {
+    const VecT z = load_vec(&slice[i]);
+    if (o.min_p_may_keep(e_of(static_cast<acc_t>(vec_max_nan(z))))) {
+      acc_t x[kVec];
+      unpack(z, x);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) take(x[k]);
     }
