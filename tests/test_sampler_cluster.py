@@ -1,9 +1,9 @@
-"""The sampler's floors in the CUDA cluster kernel (common/cuda/cluster_sampler.cuh): a fused pass (gradient in the
-forward) with top_k / top_p / min_p over rows that a thread-block cluster holds (16-byte aligned rows), the floor
-given by the selection kernel, or computed in the cluster where min_p is the only filter (per row or one value),
-against the float64 reference, and against the split pass (floor kernel, then one block per row: what the
-batch-invariant mode runs) for the exact kept sets. Row counts that leave a last, part-empty round (the tail
-launch), labels below the floor and unlabelled rows."""
+"""min_p's floor computed in the CUDA cluster kernel (common/cuda/cluster_sampler.cuh): a fused pass (gradient in
+the forward) where min_p is the only filter (per row or one value), over rows that a thread-block cluster holds
+(16-byte aligned rows), against the float64 reference, and against the split pass (the selection kernel's floor,
+then one block per row: what the batch-invariant mode runs) for the exact kept sets; beside it, the same rows with
+top_k / top_p as well (the selection kernel and the split pass). Row counts that leave a last, part-empty round
+(the tail launch), labels below the floor and unlabelled rows."""
 import pytest
 import torch
 
@@ -138,13 +138,11 @@ def test_cluster_floors_against_the_reference(shape, dtype, kind, op):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
 @pytest.mark.parametrize("per_row", [True, False], ids=["per_row", "scalar"])
-@pytest.mark.parametrize("kind", ["min_p", "all"])
-def test_cluster_floors_equal_the_split_pass(dtype, per_row, kind):
-    """The cluster kernel (min_p's floor computed in it; the other filters' from the selection kernel) against the
-    batch-invariant mode's split pass (the selection kernel's floor, then one block per row): the same tokens kept,
-    the same values to fp32 rounding."""
+def test_cluster_min_p_equals_the_split_pass(dtype, per_row):
+    """The cluster kernel (min_p's floor computed in it) against the batch-invariant mode's split pass (the selection
+    kernel's floor, then one block per row): the same tokens kept, the same values to fp32 rounding."""
     n, vocab = SHAPES[0]
-    x, target, o = _inputs(dtype, n, vocab, kind, per_row=per_row, seed=1)
+    x, target, o = _inputs(dtype, n, vocab, "min_p", per_row=per_row, seed=1)
     outs, grad = _run("grpo", x, target, o, dtype)
     with rl_losses.batch_invariant():
         split_outs, split_grad = _run("grpo", x, target, o, dtype)

@@ -64,9 +64,9 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
   constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
   auto launch = [&](auto s, auto g) {
     constexpr bool kS = decltype(s)::value, kG = decltype(g)::value;
-    // A pass with the sampler's floors that the cluster kernel does not run comes split (split_stats_pass_on_cuda,
-    // or launch_row_pass's own split): the statistics alone, then the gradient from them; here the fused and the
-    // statistics-given forward shapes never read floors.
+    // A pass with the sampler's floors always comes split (split_stats_pass_on_cuda, or the fused shape's fallback
+    // below): the statistics alone, then the gradient from them; the fused and the statistics-given forward shapes
+    // never read floors (min_p's computed in the cluster kernel aside).
     if constexpr (MaySample<Epilogue>::value && kS != kG) {
       if (args.logit_floor.defined()) {
         return launch_resident(&row_pass_kernel<kThreads, kUnroll, scalar_t, label_t, acc_t, kS, kG, kEntropy,
@@ -85,14 +85,12 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
   if constexpr (Epilogue::kMayWriteGrad) {
     if (stats && grad) {
       if (launch_row_cluster<scalar_t, label_t, acc_t, kEntropy, kSmoothing>(args, epi)) return;
-      if (args.logit_floor.defined() || args.min_p_in_pass) {
-        // A pass with the sampler's floor that no cluster can run (none resident): split as
-        // split_stats_pass_on_cuda splits the others, its floor computed first where the pass was to.
+      if (args.min_p_in_pass) {
+        // min_p's floor was to be computed in the cluster kernel, which the device cannot make resident: the
+        // selection kernel's floor, and the pass split as split_stats_pass_on_cuda splits the others.
         RowPassArgs a = args;
-        if (a.min_p_in_pass) {
-          a.min_p_in_pass = false;
-          a.logit_floor = sampler_floor("rl_losses", a, a.sampler_params);
-        }
+        a.min_p_in_pass = false;
+        a.logit_floor = sampler_floor("rl_losses", a, a.sampler_params);
         floor_stats_pass_first(a);
         return launch_row_pass<kThreads, scalar_t, label_t, acc_t, kEntropy, kSmoothing>(a, epi);
       }

@@ -293,11 +293,9 @@ void LinearSource::row_sweep(const RowPassArgs& args, bool with_grad, bool weigh
       a.row_offset = r0;
     }
     if (args.stats_in.defined()) a.stats_in = rows_of(args.stats_in, r0, n);
+    if (args.sampler_params.defined()) a.logit_floor = sampler_floor(op_, a, args.sampler_params);
     if (stats.defined()) a.stats_out = stats.narrow(0, r0, n);
     if (with_grad) a.grad = logits;  // the chunk's gradient overwrites its logits
-    if (args.sampler_params.defined() && !sampler_floor_in_pass(op_, a)) {
-      a.logit_floor = sampler_floor(op_, a, args.sampler_params);
-    }
     pass(a);
     // Where the CUDA back-end ran the statistics as a pass of their own (split_stats_pass_on_cuda), those are
     // the statistics the epilogue saw.

@@ -78,10 +78,9 @@ constexpr int kClusterCtasPerSm = sizeof(acc_t) == 8 ? 2 : 3;
 // at the end of the slice, beyond the copied bytes. A slot of `gathered` is rewritten two rows read later, which
 // a peer can reach only after this CTA has sent it the next row's state, i.e. after this CTA's block barrier
 // that follows warp 0's reads of the slot.
-// kFloor: the sampler's floor of each row, none (ClusterFloor::kNone), given in v.floor or min_p's computed here
-// (cluster_sampler.cuh).
+// kMinP: each row's sampler floor, min_p's, computed here (cluster_sampler.cuh).
 template <int kThreads, typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing,
-          typename Epilogue, ClusterFloor kFloor = ClusterFloor::kNone>
+          typename Epilogue, bool kMinP = false>
 __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     row_cluster_kernel(RowPassView<scalar_t, label_t, acc_t> v, Epilogue epi, int slice_vecs, int stages,
                        int piece_vecs, bool tail) {
@@ -118,8 +117,7 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
   __shared__ acc_t max_shared, log_sumexp_shared;
   // One mbarrier per piece of each buffer: that piece of the slice has arrived.
   __shared__ uint64_t landed[2][kClusterMaxPieces];
-  constexpr bool kFloors = kFloor != ClusterFloor::kNone, kMinP = kFloor == ClusterFloor::kMinP;
-  __shared__ ClusterMinPShared<kFloor, acc_t> min_p_shared;  // empty unless kMinP
+  __shared__ ClusterMinPShared<kMinP, acc_t> min_p_shared;  // empty unless kMinP
 
   // This CTA's columns: n_full whole vectors, then rem < kVec elements (the row's end, in the last CTA only).
   const int64_t begin = static_cast<int64_t>(rank) * slice_vecs * kVec;
@@ -203,40 +201,7 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     const int64_t local = label - v.vocab_start - begin;  // the label's column within this slice
     const bool has_label = label >= 0 && local >= 0 && local < n_elems;
 
-    // The statistics of the slice, with the logits below `floor` read as −inf where kFloors: the plain kernel's
-    // loop (and the statistics of every floor but min_p's, whose step 3 runs it once the floor is known).
-    auto slice_stats = [&](acc_t floor) {
-      auto kept = [&](acc_t z) { return kFloors && z < floor ? neg_inf<acc_t>() : z; };
-      RowStats<acc_t> st = RowStats<acc_t>::empty();
-      if (owns_rem) {
-        VecT part;
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          if (k < rem) {
-            part.v[k] = x[n_full * kVec + k];
-            st.template add<kEntropy, kSmoothing>(kept(static_cast<acc_t>(part.v[k])), v.scale);
-          }
-        }
-        store_vec(&slice[n_full], part);
-      }
-      constexpr int kChunk = kClusterChunkVecs<kEntropy, kSmoothing>;
-      int i = threadIdx.x;
-      for (; i + (kChunk - 1) * kThreads < n_full; i += kChunk * kThreads) {
-        wait_piece(i);
-        VecT chunk[kChunk];
-#pragma unroll
-        for (int c = 0; c < kChunk; ++c) chunk[c] = load_vec(&slice[i + c * kThreads]);
-        add_vecs<kEntropy, kSmoothing, kFloors>(st, chunk, v.scale, floor);
-      }
-      for (; i < n_full; i += kThreads) {
-        wait_piece(i);
-        const VecT one[1] = {load_vec(&slice[i])};
-        add_vecs<kEntropy, kSmoothing, kFloors>(st, one, v.scale, floor);
-      }
-      return st;
-    };
     acc_t floor = acc_t(0);
-    if constexpr (kFloor == ClusterFloor::kGiven) floor = v.floor[row];
     if constexpr (kMinP) {  // steps 1 and 2 of cluster_sampler.cuh
       auto& ms = min_p_shared;
       const int q = it & 1;  // the row's slots, and their barriers' phase
@@ -272,7 +237,34 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
       __syncthreads();
       floor = ms.floor;
     }
-    RowStats<acc_t> st = slice_stats(floor);
+    // The statistics of the slice; where kMinP (step 3), over the logits at or above the floor (below: −inf).
+    RowStats<acc_t> st = RowStats<acc_t>::empty();
+    if (owns_rem) {
+      VecT part;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        if (k < rem) {
+          part.v[k] = x[n_full * kVec + k];
+          const acc_t z = static_cast<acc_t>(part.v[k]);
+          st.template add<kEntropy, kSmoothing>(kMinP && z < floor ? neg_inf<acc_t>() : z, v.scale);
+        }
+      }
+      store_vec(&slice[n_full], part);
+    }
+    constexpr int kChunk = kClusterChunkVecs<kEntropy, kSmoothing>;
+    int i = threadIdx.x;
+    for (; i + (kChunk - 1) * kThreads < n_full; i += kChunk * kThreads) {
+      wait_piece(i);
+      VecT chunk[kChunk];
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) chunk[c] = load_vec(&slice[i + c * kThreads]);
+      add_vecs<kEntropy, kSmoothing, kMinP>(st, chunk, v.scale, floor);
+    }
+    for (; i < n_full; i += kThreads) {
+      wait_piece(i);
+      const VecT one[1] = {load_vec(&slice[i])};
+      add_vecs<kEntropy, kSmoothing, kMinP>(st, one, v.scale, floor);
+    }
     st = block_combine<kThreads>(st, scratch);  // its barrier also makes the whole slice visible to every thread
     const int q = it & 1;            // the row's slot in `gathered`
     if (threadIdx.x == 0) mbarrier_arrive_expect(&gathered_full[q], n_ctas * static_cast<unsigned>(sizeof(st)));
@@ -297,9 +289,8 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     }
     __syncthreads();
 
-    GradOf<scalar_t, acc_t, Epilogue::kMayUseEntropyGrad, kFloors> grad_of(coef_shared, max_shared, log_sumexp_shared,
-                                                                           v.scale, has_label ? local : int64_t(-1));
-    if constexpr (kFloors) grad_of.floor = floor;
+    const GradOf<scalar_t, acc_t, Epilogue::kMayUseEntropyGrad, kMinP> grad_of(
+        coef_shared, max_shared, log_sumexp_shared, v.scale, has_label ? local : int64_t(-1), floor);
     VecT* gv = reinterpret_cast<VecT*>(v.grad + row * v.grad_row_stride + begin);
     // Unrolled by 2. By 4 gained up to a point at large V, but took the bf16 kernel from 64 to 72 registers
     // (4 to 3 CTAs per SM where the slices allow more): -6.5 points at V = 8192 (docs/design.md v16).
@@ -353,11 +344,13 @@ inline ClusterShape cluster_shape(const RowPassArgs& args, int c) {
 // (a power of two measured slower: 84.0% of the copy at V = 151936 bf16 with 8 CTAs, 88.1% with 5), 1 stage
 // (launch_row_cluster falls back to row_pass_kernel where the device cannot make it resident). ctas = 0 where
 // the kernel does not apply: not the fused shape, a device older than sm_90, rows of the logits or the
-// gradient not 16-byte aligned, a row longer than kMaxClusterSize slices, and the batch-invariant mode (every
-// row's statistics in row_pass_kernel: row_pass_cuda.cuh). The sampler's floors apply (cluster_sampler.cuh).
+// gradient not 16-byte aligned, a row longer than kMaxClusterSize slices; a sampler floor computed before the pass
+// (top_k, top_p: the split pass with row_pass_kernel measured faster, docs/design.md; min_p alone is computed in
+// the kernel, cluster_sampler.cuh) and the batch-invariant mode (every row's statistics in row_pass_kernel:
+// row_pass_cuda.cuh).
 inline ClusterShape row_cluster_shape(const RowPassArgs& args) {
   if (!args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return {};
-  if (args.batch_invariant) return {};
+  if (args.logit_floor.defined() || args.batch_invariant) return {};
   if (!rows_16_byte_aligned(args)) return {};
   if (at::cuda::getDeviceProperties(args.logits.get_device())->major < 9) return {};
   for (int c = 1; c <= kMaxClusterSize; ++c) {
@@ -431,23 +424,18 @@ class ClusterLaunch {
 // tail launch with more CTAs per row instead, each with a shorter slice, where slices of at least a piece
 // fit and the device holds a cluster per tail row: its CTAs start on the SMs the main launch frees.
 template <typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing, typename Epilogue,
-          ClusterFloor kFloor = ClusterFloor::kNone>
+          bool kMinP = false>
 bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
-  // The sampler's floors: compiled only for the epilogues of ops that take the sampler's options.
-  if constexpr (kFloor == ClusterFloor::kNone && MaySample<Epilogue>::value) {
+  // min_p's floor in the kernel: compiled only for the epilogues of ops that take the sampler's options.
+  if constexpr (!kMinP && MaySample<Epilogue>::value) {
     if (args.min_p_in_pass) {
-      return launch_row_cluster<scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue, ClusterFloor::kMinP>(args,
-                                                                                                              epi);
-    }
-    if (args.logit_floor.defined()) {
-      return launch_row_cluster<scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue, ClusterFloor::kGiven>(args,
-                                                                                                               epi);
+      return launch_row_cluster<scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue, true>(args, epi);
     }
   }
-  TORCH_CHECK(kFloor != ClusterFloor::kNone || (!args.logit_floor.defined() && !args.min_p_in_pass),
+  TORCH_CHECK(!args.logit_floor.defined() && args.min_p_in_pass == kMinP,
               "rl_losses: internal error: a sampler floor this pass cannot read");
   auto* kernel =
-      &row_cluster_kernel<kClusterThreads, scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue, kFloor>;
+      &row_cluster_kernel<kClusterThreads, scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue, kMinP>;
   using Launch = ClusterLaunch<std::remove_pointer_t<decltype(kernel)>>;
   const auto v = make_view<scalar_t, label_t, acc_t>(args);
   const ClusterShape shape = row_cluster_shape(args);
@@ -471,7 +459,6 @@ bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
       rest.row_offset += head.n_rows;
       if (v.row_index != nullptr) rest.row_index += head.n_rows;
       if (v.stats_out != nullptr) rest.stats_out += head.n_rows * RowStats<acc_t>::kFields;
-      if (v.floor != nullptr) rest.floor += head.n_rows;  // (sampler_params: by the epilogue's row)
       TORCH_INTERNAL_ASSERT(v.stats_in == nullptr, "rl_losses: the fused pass reads no statistics");
       main_launch(head, epi, clusters, false);
       tail_launch(rest, epi, tail_rows, true);

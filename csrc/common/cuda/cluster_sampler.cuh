@@ -1,16 +1,8 @@
-// The sampler's floor (common/sampler.h) in the cluster kernel (cluster_kernel.cuh): how a fused pass with a
-// sampler filter keeps its single read of the logits from DRAM.
-//
-// ClusterFloor::kGiven: each row's floor comes computed (the sampler's floor kernel, sampler_cuda.cu) in v.floor, and
-// the kernel applies it as row_pass_kernel does, with the same helpers (add_vecs<…, kFloor> in the statistics,
-// GradOf<…, kFloor> in the gradient; the label's logit is never below its row's floor): a logit below the floor
-// counts as −inf and gets a zero gradient. This saves the second read of the logits that the split pass (statistics
-// launch, then gradient launch) took. Most of a row lies below the floor of a filter that keeps few tokens: those
-// helpers skip a chunk wholly below it in the statistics and write its zero gradient without exponentials.
-//
-// ClusterFloor::kMinP: where min_p is the only filter of the call (RowPassArgs::min_p_in_pass; per-row values from
-// v.sampler_params), no floor kernel runs: the cluster computes each row's floor from the slices it already holds in
-// shared memory, in three exchanges between its CTAs instead of one:
+// min_p's floor (common/sampler.h) in the cluster kernel (cluster_kernel.cuh): where min_p is the only filter of a
+// fused call (RowPassArgs::min_p_in_pass; per-row values from v.sampler_params), no selection kernel runs before the
+// pass (sampler_cuda.cu: a read of the logits of its own) and the pass is not split into a statistics launch and a
+// gradient launch (two more reads): the cluster computes each row's floor from the slices it already holds in shared
+// memory, in three exchanges between its CTAs instead of one:
 //   1. the max of each slice (no exponentials; NaN where the slice holds a NaN, as the floor kernel's), exchanged:
 //      the row's raw max m;
 //   2. over the slice in shared memory, the least logit min_p keeps (e^(s·z − s·m) ≥ min_p, ExpShifted: the same
@@ -18,8 +10,13 @@
 //      where the slice holds the label (sampler.h's floor_with_label: the floor is the least of the kept logits and
 //      the label's); exchanged as a min: the floor, or −inf where nothing is filtered (m NaN or −inf, min_p = 0),
 //      exactly as the floor kernel's;
-//   3. the statistics over the logits at or above the floor (the kGiven path's loop, from shared memory),
-//      exchanged as the plain kernel's, then its epilogue and gradient with the floor.
+//   3. the statistics over the logits at or above the floor (the plain kernel's loop, with add_vecs<…, kFloor> as
+//      row_pass_kernel applies a floor, from shared memory), exchanged as the plain kernel's, then its epilogue and
+//      gradient (GradOf<…, kFloor>: zero below the floor). Most of a row lies below the floor of a filter that keeps
+//      few tokens: those helpers skip a chunk wholly below it in the statistics and write its zero gradient without
+//      exponentials.
+// The other filters' floors (top_k, top_p) come from the selection kernel, and their pass runs split with
+// row_pass_kernel: applied in this kernel they measured slower (docs/design.md).
 // Vectors whose max min_p cannot keep are skipped in step 2 with the floor kernel's margin (SamplerRow::
 // min_p_may_keep). Each exchange has its own slots and mbarrier per row parity, used as the plain kernel's (a slot
 // is rewritten two rows later, which a peer reaches only after this CTA's last exchange of the row between).
@@ -59,10 +56,6 @@ __device__ inline void send_to_rank(T* dst, const T& value, uint64_t* bar, unsig
   }
 }
 
-// Which floor the cluster kernel applies: none (the plain kernel, unchanged), the one in v.floor, or min_p's,
-// computed in the kernel.
-enum class ClusterFloor { kNone, kGiven, kMinP };
-
 // The least of a and b where neither is NaN, else NaN (step 1's max, negated: a NaN in a row reaches the row's max).
 template <typename acc_t>
 __device__ inline acc_t nan_min(acc_t a, acc_t b) {
@@ -70,13 +63,13 @@ __device__ inline acc_t nan_min(acc_t a, acc_t b) {
 }
 
 // The shared state of the kMinP exchanges 1 and 2 (the third is the plain kernel's), by row parity; nothing for the
-// other floors.
-template <ClusterFloor kFloor, typename acc_t>
+// plain kernel.
+template <bool kMinP, typename acc_t>
 struct ClusterMinPShared {
   __device__ void init() {}
 };
 template <typename acc_t>
-struct ClusterMinPShared<ClusterFloor::kMinP, acc_t> {
+struct ClusterMinPShared<true, acc_t> {
   acc_t maxes[2][kMaxClusterSize];            // step 1: each CTA's raw max
   acc_t lowest[2][kMaxClusterSize];           // step 2: each CTA's least kept logit (or the label's, or NaN)
   uint64_t maxes_full[2], lowest_full[2];

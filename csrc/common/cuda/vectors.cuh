@@ -205,10 +205,12 @@ struct GradOf {
   bool zero;      // a = b = c (= h) = 0 (a masked row): exact zeros, never exp of a -inf lse
   ProbFactor<acc_t, kEntropyGrad> factor;
 
-  __device__ GradOf(const GradCoef<acc_t>& coef, acc_t max, acc_t log_sumexp, acc_t scale, int64_t label_)
+  __device__ GradOf(const GradCoef<acc_t>& coef, acc_t max, acc_t log_sumexp, acc_t scale, int64_t label_,
+                    acc_t floor_ = acc_t(0))
       : sa(scale * coef.a),
         sb(scale * coef.b),
         sc(scale * coef.c),
+        floor(floor_),
         p_of(scale, max, log_sumexp),
         label(label_),
         zero(coef.a == acc_t(0) && coef.b == acc_t(0) && coef.c == acc_t(0) && (!kEntropyGrad || coef.h == acc_t(0))),
