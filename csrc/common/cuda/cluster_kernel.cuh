@@ -222,7 +222,8 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
       const bool filters = o.min_p_acts() && row_max > neg_inf<acc_t>();
       acc_t lowest = -neg_inf<acc_t>();
       if (filters) {
-        lowest = min_p_lowest<kThreads>(slice, n_full, rem, owns_rem, ExpShifted<acc_t>(v.scale, v.scale * row_max), o);
+        const ExpShifted<acc_t> e_of(v.scale, v.scale * row_max);  // the floor kernel's
+        lowest = min_p_lowest<kThreads>(slice, n_full, rem, owns_rem, e_of, o);
         if (threadIdx.x == 0 && has_label) {
           if (local < n_full * kVec) wait_piece(static_cast<int>(local / kVec));  // it may be another's
           lowest = floor_with_label(lowest, true, static_cast<acc_t>(reinterpret_cast<const scalar_t*>(slice)[local]));
