@@ -59,8 +59,11 @@ struct RowPassArgs {
   at::Tensor sampler_params;
   at::Tensor logit_floor;
   // Whether a row's top_k may act (given, and not as the number 0): the CUDA selection's room for top_k's
-  // candidates is allocated only then.
-  bool sampler_top_k = false;
+  // candidates is allocated only then. Whether a row's top_p may act (given, and not as the number 1).
+  bool sampler_top_k = false, sampler_top_p = false;
+  // logit_floor undefined, and the pass computes each row's floor from sampler_params itself: min_p is the only
+  // filter of the call and the CUDA cluster kernel runs the pass (sampler_floor_in_pass, common/sampler.h).
+  bool min_p_in_pass = false;
   // The batch-invariant mode (common/batch_invariant.h), read once per call: each row reduced in one order,
   // whatever the batch and the pass shape (the CUDA back-end's kernel choice; the CPU's is already so).
   bool batch_invariant = false;
@@ -95,6 +98,20 @@ inline void stats_pass_first(RowPassArgs& args) {
                           args.smoothing);
 }
 
+#ifdef RL_LOSSES_WITH_CUDA
+// The statistics of a pass with the sampler's floors (which the `row_stats` op does not take) as a launch of their
+// own into args.stats_in: of the pass's own rows, as the `row_stats` op's.
+inline void floor_stats_pass_first(RowPassArgs& args) {
+  RowPassArgs stats_pass = args;
+  stats_pass.grad = at::Tensor();
+  stats_pass.row_offset = 0;
+  stats_pass.row_index = at::Tensor();
+  args.stats_in = at::empty({args.logits.size(0), RowStats<float>::kFields},
+                            args.logits.options().dtype(acc_dtype(args.logits.scalar_type())));
+  row_stats_cuda(stats_pass, args.stats_in);
+}
+#endif
+
 // On CUDA, a loss that needs its gradient runs the statistics and the gradient in one kernel where
 // cuda_fuses_row_pass says so. Elsewhere (rows too long for a cluster's shared memory, unaligned rows, a
 // device older than sm_90) it runs the statistics pass as its own kernel first, then the epilogue and the
@@ -105,16 +122,7 @@ inline void split_stats_pass_on_cuda(RowPassArgs& args) {
   if (!args.logits.is_cuda() || !args.write_grad() || !args.compute_stats()) return;
 #ifdef RL_LOSSES_WITH_CUDA
   if (cuda_fuses_row_pass(args)) return;
-  if (args.logit_floor.defined()) {  // the `row_stats` op takes no floors
-    RowPassArgs stats_pass = args;  // the statistics of the pass's own rows, as the `row_stats` op's
-    stats_pass.grad = at::Tensor();
-    stats_pass.row_offset = 0;
-    stats_pass.row_index = at::Tensor();
-    args.stats_in = at::empty({args.logits.size(0), RowStats<float>::kFields},
-                              args.logits.options().dtype(acc_dtype(args.logits.scalar_type())));
-    row_stats_cuda(stats_pass, args.stats_in);
-    return;
-  }
+  if (args.logit_floor.defined()) return floor_stats_pass_first(args);
 #endif
   stats_pass_first(args);
 }
@@ -136,6 +144,9 @@ struct RowPassView {
   const int64_t* row_index;  // or null
   acc_t* stats_out;          // or null
   const acc_t* floor;        // (n_rows,) or null: the sampler's floor of each row
+  // (rows of the whole call, 3) or null: the sampler's options by the epilogue's row index, where the pass
+  // computes the floor (min_p_in_pass)
+  const float* sampler_params;
   acc_t scale;
 
   // The index the epilogue (and every per-token array it reads) knows the row by.
@@ -161,6 +172,7 @@ inline RowPassView<scalar_t, label_t, acc_t> make_view(const RowPassArgs& a) {
   v.row_index = a.row_index.defined() ? a.row_index.const_data_ptr<int64_t>() : nullptr;
   v.stats_out = a.stats_out.defined() ? a.stats_out.data_ptr<acc_t>() : nullptr;
   v.floor = a.logit_floor.defined() ? a.logit_floor.const_data_ptr<acc_t>() : nullptr;
+  v.sampler_params = a.min_p_in_pass ? a.sampler_params.const_data_ptr<float>() : nullptr;
   v.scale = static_cast<acc_t>(a.scale);
   return v;
 }

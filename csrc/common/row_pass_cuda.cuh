@@ -34,6 +34,7 @@
 #include "common/cuda/row_kernel.cuh"
 #include "common/dependent_launch.cuh"
 #include "common/row_pass.h"
+#include "common/sampler.h"
 
 namespace rl_losses {
 namespace cuda {
@@ -63,8 +64,9 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
   constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
   auto launch = [&](auto s, auto g) {
     constexpr bool kS = decltype(s)::value, kG = decltype(g)::value;
-    // A pass with the sampler's floors always comes split (split_stats_pass_on_cuda): the statistics alone, then
-    // the gradient from them; the fused and the statistics-given forward shapes never read floors.
+    // A pass with the sampler's floors always comes split (split_stats_pass_on_cuda, or the fused shape's fallback
+    // below): the statistics alone, then the gradient from them; the fused and the statistics-given forward shapes
+    // never read floors (min_p's computed in the cluster kernel aside).
     if constexpr (MaySample<Epilogue>::value && kS != kG) {
       if (args.logit_floor.defined()) {
         return launch_resident(&row_pass_kernel<kThreads, kUnroll, scalar_t, label_t, acc_t, kS, kG, kEntropy,
@@ -83,6 +85,15 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
   if constexpr (Epilogue::kMayWriteGrad) {
     if (stats && grad) {
       if (launch_row_cluster<scalar_t, label_t, acc_t, kEntropy, kSmoothing>(args, epi)) return;
+      if (args.min_p_in_pass) {
+        // min_p's floor was to be computed in the cluster kernel, which the device cannot make resident: the
+        // selection kernel's floor, and the pass split as split_stats_pass_on_cuda splits the others.
+        RowPassArgs a = args;
+        a.min_p_in_pass = false;
+        a.logit_floor = sampler_floor("rl_losses", a, a.sampler_params);
+        floor_stats_pass_first(a);
+        return launch_row_pass<kThreads, scalar_t, label_t, acc_t, kEntropy, kSmoothing>(a, epi);
+      }
       return launch(T{}, T{});
     }
     if constexpr (Epilogue::kMayReadStats) {

@@ -61,13 +61,14 @@ void LogitsSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass
   TORCH_INTERNAL_ASSERT(!with_grad || grad2d_.defined(), "rl_losses: a gradient pass without a gradient buffer");
   RowPassArgs a = args;
   a.logits = f_.logits2d;
-  if (a.sampler_params.defined()) {
-    if (!floor_.defined()) floor_ = sampler_floor(op_, a, a.sampler_params);
-    a.logit_floor = floor_;
-  }
   if (with_grad) {
     a.grad = grad2d_;
     if (grad_row_unscale_.numel() > 0) a.grad_row_unscale = grad_row_unscale_;
+  }
+  // A floor the pass computes itself (min_p alone, CUDA) is not kept: a later pass computes its own.
+  if (a.sampler_params.defined() && (floor_.defined() || !sampler_floor_in_pass(op_, a))) {
+    if (!floor_.defined()) floor_ = sampler_floor(op_, a, a.sampler_params);
+    a.logit_floor = floor_;
   }
   pass(a);
 }

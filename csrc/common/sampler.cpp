@@ -110,7 +110,7 @@ void sampler_floor_cpu(const RowPassArgs& args, const at::Tensor& params, const 
 void set_sampler_params(RowPassArgs& args, const char* op, const SamplerArgs& a, const at::Tensor& target,
                         int64_t n_rows, const at::TensorOptions& device, bool row_stats_given) {
   args.sampler_params = at::Tensor();
-  args.sampler_top_k = false;
+  args.sampler_top_k = args.sampler_top_p = args.min_p_in_pass = false;
   if (!a.top_k && !a.top_p && !a.min_p) return;
   // Options given as numbers (0-dim CPU tensors of the right kind) that filter nothing cost nothing.
   auto off = [](const OptTensor& t, bool integral, double value) {
@@ -127,13 +127,30 @@ void set_sampler_params(RowPassArgs& args, const char* op, const SamplerArgs& a,
   const auto on_device = [&](const at::Tensor& t) { return t.to(device.device()); };
   args.sampler_params = at::stack({on_device(k), on_device(p), on_device(m)}, 1).contiguous();
   args.sampler_top_k = !top_k_off;
+  args.sampler_top_p = !off(a.top_p, false, 1);
 }
 
-at::Tensor sampler_floor(const char* op, const RowPassArgs& args, const at::Tensor& params) {
+namespace {
+void check_whole_vocabulary(const char* op, const RowPassArgs& args) {
   TORCH_CHECK(args.vocab_start == 0 && args.logits.size(1) == args.vocab_total, op,
               ": top_k, top_p and min_p need each row's whole vocabulary; they are not available with a vocabulary "
               "shard (vocab_start ", args.vocab_start, ", vocab_size ", args.vocab_total, ", shard of ",
               args.logits.size(1), ")");
+}
+}  // namespace
+
+bool sampler_floor_in_pass(const char* op, RowPassArgs& args) {
+  check_whole_vocabulary(op, args);
+  args.min_p_in_pass = false;
+  if (!args.logits.is_cuda() || args.sampler_top_k || args.sampler_top_p) return false;
+#ifdef RL_LOSSES_WITH_CUDA
+  args.min_p_in_pass = cuda_fuses_row_pass(args);
+#endif
+  return args.min_p_in_pass;
+}
+
+at::Tensor sampler_floor(const char* op, const RowPassArgs& args, const at::Tensor& params) {
+  check_whole_vocabulary(op, args);
   const int64_t rows = args.logits.size(0);
   const at::Tensor mine = args.row_index.defined() ? params.index_select(0, args.row_index)
                                                    : params.narrow(0, args.row_offset, rows).contiguous();

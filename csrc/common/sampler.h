@@ -35,6 +35,11 @@ struct RowPassArgs;
 void set_sampler_params(RowPassArgs& args, const char* op, const SamplerArgs& a, const at::Tensor& target,
                         int64_t n_rows, const at::TensorOptions& device, bool row_stats_given);
 
+// Whether the row pass of `args` (its gradient buffer set) computes each row's floor itself: min_p is the call's only
+// filter and the CUDA cluster kernel runs the pass (common/cuda/cluster_sampler.cuh). Then it sets
+// args.min_p_in_pass. Refuses a vocabulary shard, as sampler_floor does.
+bool sampler_floor_in_pass(const char* op, RowPassArgs& args);
+
 // (rows,) of the accumulation dtype: each row's floor (−inf: nothing filtered), for the rows of args.logits, whose
 // options are rows `args.row_index` (or row_offset + r) of `params`. Refuses a vocabulary shard: the kept set
 // needs the whole row.
@@ -59,6 +64,9 @@ struct SamplerRow {
   C10_HOST_DEVICE bool min_p_acts() const { return min_p > T(0); }
   // min_p keeps a token whose e^(x − max) ≥ min_p (p_j ≥ min_p · p_max).
   C10_HOST_DEVICE bool min_p_keeps(T e) const { return e >= min_p; }
+  // Whether min_p may keep a logit of a group whose max has e^(x − max) = e: the CUDA kernels skip the other groups,
+  // judged with a margin (the exponential's rounding need not be monotone; a group read for nothing costs only that).
+  C10_HOST_DEVICE bool min_p_may_keep(T e) const { return e >= min_p * T(0.999); }
   // top_p keeps the tokens whose mass strictly above them is below top_p · Z (Z: the mass left by min_p and top_k).
   C10_HOST_DEVICE bool p_keeps(uint64_t mass_above, uint64_t total) const {
     return static_cast<double>(mass_above) < static_cast<double>(top_p) * static_cast<double>(total);

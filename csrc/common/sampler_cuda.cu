@@ -165,42 +165,6 @@ __device__ inline void for_each_logit(const scalar_t* z, int64_t n, F&& f, Wante
       f, wanted);
 }
 
-// max with NaN propagating (a row with a NaN is not filtered), and a vector's max: one instruction per pair of
-// 16-bit values, with no conversion (max.NaN of bf16x2 / f16x2, sm_80).
-__device__ inline float max_nan(float a, float b) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-__device__ inline double max_nan(double a, double b) { return a != a || b != b ? a + b : ::fmax(a, b); }
-template <typename scalar_t, int kVec>
-__device__ inline auto vec_max(const Pack<scalar_t, kVec>& p) {
-  if constexpr (sizeof(scalar_t) == 2) {
-    unsigned w[4];
-    memcpy(w, &p, sizeof(w));
-    unsigned a, b;
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-      asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(a) : "r"(w[0]), "r"(w[1]));
-      asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(b) : "r"(w[2]), "r"(w[3]));
-      asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(a) : "r"(a), "r"(b));
-    } else {
-      asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(a) : "r"(w[0]), "r"(w[1]));
-      asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(b) : "r"(w[2]), "r"(w[3]));
-      asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(a) : "r"(a), "r"(b));
-    }
-    scalar_t lo, hi;
-    const uint16_t l = static_cast<uint16_t>(a), h = static_cast<uint16_t>(a >> 16);
-    memcpy(&lo, &l, 2);
-    memcpy(&hi, &h, 2);
-    return max_nan(static_cast<float>(lo), static_cast<float>(hi));
-  } else {
-    auto m = p.v[0];
-#pragma unroll
-    for (int k = 1; k < kVec; ++k) m = max_nan(m, p.v[k]);
-    return m;
-  }
-}
-
 // The top_p masses of a digit's bins, 64-bit sums. Shared memory has no native 64-bit atomic add, so a row of up to
 // 2^20 tokens keeps two 32-bit sums per bin: of each mass's low 12 bits and of the rest (a mass <= 2^24 has 13 more),
 // each below 2^32; neither atomic waits for its result (one that added the carry of a 32-bit sum did, and made
@@ -333,7 +297,7 @@ __global__ void __launch_bounds__(kThreads)
     for_each_vector(
         z, v.vocab,
         [&](const auto& p, int g) {
-          const acc_t x = vec_max(p);
+          const acc_t x = vec_max_nan(p);
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) gmax[u] = u == g ? max_nan(gmax[u], x) : gmax[u];
         },
@@ -359,7 +323,7 @@ __global__ void __launch_bounds__(kThreads)
       // Each filter's kept logits lie in the groups whose max it keeps (every kept set is an upper set): the
       // sweeps of the row read only those (`wanted`), judged with a margin (the exponential's rounding need not
       // be monotone; a group read for nothing costs only its read).
-      auto min_p_may_keep = [&](int u) { return e_of(gmax[u]) >= o.min_p * acc_t(0.999); };
+      auto min_p_may_keep = [&](int u) { return o.min_p_may_keep(e_of(gmax[u])); };
       auto sweep = [&](auto&& f, auto&& wanted) {
         if (n_cands < 0) {
           for_each_logit(z, v.vocab, f, wanted);

@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "common/bulk_copy.cuh"
+#include "common/cuda/cluster_sampler.cuh"
 #include "common/cuda/vectors.cuh"
 #include "common/dependent_launch.cuh"
 
@@ -27,7 +28,6 @@ namespace cuda {
 // others' work (slices of 96 KB, 2 CTAs per SM, measured faster on one H100 only, slower on an H200 and at
 // V = 262144). 64 KB slices hold a bf16 row of 128256 in 4 CTAs, of 262144 in 8; an fp32 row of 262144 in 16.
 constexpr int64_t kClusterCtaBytes = 64 * 1024;
-constexpr int kMaxClusterSize = 16;  // 8 is portable; H100/H200 allow 16 (NonPortableClusterSizeAllowed)
 // A slice arrives in pieces of kClusterPieceBytes, each on its own mbarrier, so that the statistics start
 // on the first piece while the others are still in flight (waiting for the whole slice measured slower).
 constexpr int kClusterPieceBytes = 16 * 1024;
@@ -48,25 +48,6 @@ static_assert(kClusterPieceBytes / 16 % (4 * kClusterThreads) == 0, "a statistic
 // allocated), where the fp32 math fits without spills; fp64 (reference-grade tests) needs more and gets 2.
 template <typename acc_t>
 constexpr int kClusterCtasPerSm = sizeof(acc_t) == 8 ? 2 : 3;
-
-// Writes `value` into `dst` of the cluster's CTA `rank` (dst: this CTA's address of the same variable) and
-// counts its bytes on that CTA's mbarrier `bar` (st.async, sm_90): no fence, no cluster barrier.
-template <typename T>
-__device__ inline void send_to_rank(T* dst, const T& value, uint64_t* bar, unsigned rank) {
-  static_assert(sizeof(T) % 4 == 0, "sent as 32-bit words");
-  unsigned words[sizeof(T) / 4];
-  memcpy(words, &value, sizeof(T));
-  unsigned remote_dst, remote_bar;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote_dst) : "r"(smem_addr(dst)), "r"(rank));
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote_bar) : "r"(smem_addr(bar)), "r"(rank));
-#pragma unroll
-  for (int k = 0; k < static_cast<int>(sizeof(T) / 4); ++k) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(
-                     remote_dst + 4 * k),
-                 "r"(words[k]), "r"(remote_bar)
-                 : "memory");
-  }
-}
 
 // Fused statistics, epilogue and gradient (CE, GRPO) with a cluster of C CTAs per row, C = the cluster's
 // size (1 to 16). CTA rank r owns the columns [r·slice, min(V, (r+1)·slice)) of every row and keeps them in
@@ -97,8 +78,9 @@ __device__ inline void send_to_rank(T* dst, const T& value, uint64_t* bar, unsig
 // at the end of the slice, beyond the copied bytes. A slot of `gathered` is rewritten two rows read later, which
 // a peer can reach only after this CTA has sent it the next row's state, i.e. after this CTA's block barrier
 // that follows warp 0's reads of the slot.
+// kMinP: each row's sampler floor, min_p's, computed here (cluster_sampler.cuh).
 template <int kThreads, typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing,
-          typename Epilogue>
+          typename Epilogue, bool kMinP = false>
 __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     row_cluster_kernel(RowPassView<scalar_t, label_t, acc_t> v, Epilogue epi, int slice_vecs, int stages,
                        int piece_vecs, bool tail) {
@@ -135,6 +117,7 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
   __shared__ acc_t max_shared, log_sumexp_shared;
   // One mbarrier per piece of each buffer: that piece of the slice has arrived.
   __shared__ uint64_t landed[2][kClusterMaxPieces];
+  __shared__ ClusterMinPShared<kMinP, acc_t> min_p_shared;  // empty unless kMinP
 
   // This CTA's columns: n_full whole vectors, then rem < kVec elements (the row's end, in the last CTA only).
   const int64_t begin = static_cast<int64_t>(rank) * slice_vecs * kVec;
@@ -154,6 +137,7 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     }
     mbarrier_init(&gathered_full[0]);
     mbarrier_init(&gathered_full[1]);
+    min_p_shared.init();
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   cluster.sync();  // every CTA's barriers are initialised before any peer sends to them
@@ -217,6 +201,44 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     const int64_t local = label - v.vocab_start - begin;  // the label's column within this slice
     const bool has_label = label >= 0 && local >= 0 && local < n_elems;
 
+    acc_t floor = acc_t(0);
+    if constexpr (kMinP) {  // steps 1 and 2 of cluster_sampler.cuh
+      auto& ms = min_p_shared;
+      const int q = it & 1;  // the row's slots, and their barriers' phase
+      const unsigned gather_phase = static_cast<unsigned>((it >> 1) & 1);
+      // 1. the raw max of the slice; block_nan_min's barrier makes the whole slice visible to every thread
+      acc_t m = slice_max<kThreads, acc_t>(slice, x, n_full, rem, owns_rem, wait_piece);
+      m = -block_nan_min<kThreads>(-m, ms.scratch);
+      if (threadIdx.x < 32) {
+        acc_t all = cluster_gather(m, ms.maxes[q], &ms.maxes_full[q], rank, n_ctas, gather_phase, neg_inf<acc_t>());
+        for (int k = 16; k > 0; k >>= 1) all = max_nan(all, __shfl_xor_sync(0xffffffffu, all, k));
+        if (threadIdx.x == 0) ms.row_max = all;
+      }
+      __syncthreads();
+      // 2. the least logit min_p keeps, or the label's: every CTA filters alike (the same max and option; a NaN
+      // max, from a NaN in the row, filters nothing)
+      const acc_t row_max = ms.row_max;
+      const SamplerRow<acc_t> o(v.sampler_params + v.epilogue_row(row) * kSamplerColumns);
+      const bool filters = o.min_p_acts() && row_max > neg_inf<acc_t>();
+      acc_t lowest = -neg_inf<acc_t>();
+      if (filters) {
+        const ExpShifted<acc_t> e_of(v.scale, v.scale * row_max);  // the floor kernel's
+        lowest = min_p_lowest<kThreads>(slice, n_full, rem, owns_rem, e_of, o);
+        if (threadIdx.x == 0 && has_label) {
+          if (local < n_full * kVec) wait_piece(static_cast<int>(local / kVec));  // it may be another's
+          lowest = floor_with_label(lowest, true, static_cast<acc_t>(reinterpret_cast<const scalar_t*>(slice)[local]));
+        }
+      }
+      lowest = block_nan_min<kThreads>(lowest, ms.scratch);
+      if (threadIdx.x < 32) {
+        acc_t all = cluster_gather(lowest, ms.lowest[q], &ms.lowest_full[q], rank, n_ctas, gather_phase, -neg_inf<acc_t>());
+        for (int k = 16; k > 0; k >>= 1) all = ::fmin(all, __shfl_xor_sync(0xffffffffu, all, k));
+        if (threadIdx.x == 0) ms.floor = filters ? all : neg_inf<acc_t>();
+      }
+      __syncthreads();
+      floor = ms.floor;
+    }
+    // The statistics of the slice; where kMinP (step 3), over the logits at or above the floor (below: −inf).
     RowStats<acc_t> st = RowStats<acc_t>::empty();
     if (owns_rem) {
       VecT part;
@@ -224,7 +246,8 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
       for (int k = 0; k < kVec; ++k) {
         if (k < rem) {
           part.v[k] = x[n_full * kVec + k];
-          st.template add<kEntropy, kSmoothing>(static_cast<acc_t>(part.v[k]), v.scale);
+          const acc_t z = static_cast<acc_t>(part.v[k]);
+          st.template add<kEntropy, kSmoothing>(kMinP && z < floor ? neg_inf<acc_t>() : z, v.scale);
         }
       }
       store_vec(&slice[n_full], part);
@@ -236,12 +259,12 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
       VecT chunk[kChunk];
 #pragma unroll
       for (int c = 0; c < kChunk; ++c) chunk[c] = load_vec(&slice[i + c * kThreads]);
-      add_vecs<kEntropy, kSmoothing>(st, chunk, v.scale);
+      add_vecs<kEntropy, kSmoothing, kMinP>(st, chunk, v.scale, floor);
     }
     for (; i < n_full; i += kThreads) {
       wait_piece(i);
       const VecT one[1] = {load_vec(&slice[i])};
-      add_vecs<kEntropy, kSmoothing>(st, one, v.scale);
+      add_vecs<kEntropy, kSmoothing, kMinP>(st, one, v.scale, floor);
     }
     st = block_combine<kThreads>(st, scratch);  // its barrier also makes the whole slice visible to every thread
     const int q = it & 1;            // the row's slot in `gathered`
@@ -267,8 +290,8 @@ __global__ void __launch_bounds__(kThreads, kClusterCtasPerSm<acc_t>)
     }
     __syncthreads();
 
-    const GradOf<scalar_t, acc_t, Epilogue::kMayUseEntropyGrad> grad_of(coef_shared, max_shared, log_sumexp_shared,
-                                                                        v.scale, has_label ? local : int64_t(-1));
+    const GradOf<scalar_t, acc_t, Epilogue::kMayUseEntropyGrad, kMinP> grad_of(
+        coef_shared, max_shared, log_sumexp_shared, v.scale, has_label ? local : int64_t(-1), floor);
     VecT* gv = reinterpret_cast<VecT*>(v.grad + row * v.grad_row_stride + begin);
     // Unrolled by 2. By 4 gained up to a point at large V, but took the bf16 kernel from 64 to 72 registers
     // (4 to 3 CTAs per SM where the slices allow more): -6.5 points at V = 8192 (docs/design.md v16).
@@ -322,8 +345,10 @@ inline ClusterShape cluster_shape(const RowPassArgs& args, int c) {
 // (a power of two measured slower: 84.0% of the copy at V = 151936 bf16 with 8 CTAs, 88.1% with 5), 1 stage
 // (launch_row_cluster falls back to row_pass_kernel where the device cannot make it resident). ctas = 0 where
 // the kernel does not apply: not the fused shape, a device older than sm_90, rows of the logits or the
-// gradient not 16-byte aligned, a row longer than kMaxClusterSize slices; the sampler's floors (row_pass_kernel
-// reads them) and the batch-invariant mode (every row's statistics in row_pass_kernel: row_pass_cuda.cuh).
+// gradient not 16-byte aligned, a row longer than kMaxClusterSize slices; a sampler floor computed before the pass
+// (top_k, top_p: the split pass with row_pass_kernel measured faster, docs/design.md; min_p alone is computed in
+// the kernel, cluster_sampler.cuh) and the batch-invariant mode (every row's statistics in row_pass_kernel:
+// row_pass_cuda.cuh).
 inline ClusterShape row_cluster_shape(const RowPassArgs& args) {
   if (!args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return {};
   if (args.logit_floor.defined() || args.batch_invariant) return {};
@@ -415,9 +440,19 @@ class ClusterLaunch {
 // the rows (N = 4096, V = 32000: 396 clusters of 1 take 11 rounds for 10.3 rows each). Those rows go to a
 // tail launch with more CTAs per row instead, each with a shorter slice, where slices of at least a piece
 // fit and the device holds a cluster per tail row: its CTAs start on the SMs the main launch frees.
-template <typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing, typename Epilogue>
+template <typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing, typename Epilogue,
+          bool kMinP = false>
 bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
-  auto* kernel = &row_cluster_kernel<kClusterThreads, scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue>;
+  // min_p's floor in the kernel: compiled only for the epilogues of ops that take the sampler's options.
+  if constexpr (!kMinP && MaySample<Epilogue>::value) {
+    if (args.min_p_in_pass) {
+      return launch_row_cluster<scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue, true>(args, epi);
+    }
+  }
+  TORCH_CHECK(!args.logit_floor.defined() && args.min_p_in_pass == kMinP,
+              "rl_losses: internal error: a sampler floor this pass cannot read");
+  auto* kernel =
+      &row_cluster_kernel<kClusterThreads, scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue, kMinP>;
   using Launch = ClusterLaunch<std::remove_pointer_t<decltype(kernel)>>;
   const auto v = make_view<scalar_t, label_t, acc_t>(args);
   const ClusterShape shape = row_cluster_shape(args);

@@ -86,14 +86,76 @@ __device__ inline void unpack(const Pack<scalar_t, kVec>& z, acc_t (&out)[kVec])
   }
 }
 
+// max with NaN propagating (the sampler's selection leaves a row with a NaN unfiltered), and a vector's max so: one
+// instruction per pair of 16-bit values, with no conversion (max.NaN of bf16x2 / f16x2, sm_80).
+__device__ inline float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ inline double max_nan(double a, double b) { return a != a || b != b ? a + b : ::fmax(a, b); }
+template <typename scalar_t, int kVec>
+__device__ inline auto vec_max_nan(const Pack<scalar_t, kVec>& p) {
+  if constexpr (sizeof(scalar_t) == 2) {
+    unsigned w[4];
+    memcpy(w, &p, sizeof(w));
+    unsigned a, b;
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(a) : "r"(w[0]), "r"(w[1]));
+      asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(b) : "r"(w[2]), "r"(w[3]));
+      asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(a) : "r"(a), "r"(b));
+    } else {
+      asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(a) : "r"(w[0]), "r"(w[1]));
+      asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(b) : "r"(w[2]), "r"(w[3]));
+      asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(a) : "r"(a), "r"(b));
+    }
+    scalar_t lo, hi;
+    const uint16_t l = static_cast<uint16_t>(a), h = static_cast<uint16_t>(a >> 16);
+    memcpy(&lo, &l, 2);
+    memcpy(&hi, &h, 2);
+    return max_nan(static_cast<float>(lo), static_cast<float>(hi));
+  } else {
+    auto m = p.v[0];
+#pragma unroll
+    for (int k = 1; k < kVec; ++k) m = max_nan(m, p.v[k]);
+    return m;
+  }
+}
+
+// The raw max of N 16-byte vectors (a NaN skipped, as RowStats' max does): over packed pairs for bf16 (exact).
+template <typename acc_t, typename scalar_t, int kVec, int N>
+__device__ inline acc_t vecs_max(const Pack<scalar_t, kVec> (&z)[N]) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    __nv_bfloat162 pairs[N * kVec / 2];
+    memcpy(pairs, z, sizeof(pairs));
+    const __nv_bfloat162 m2 = tree_reduce(pairs, [](__nv_bfloat162 a, __nv_bfloat162 b) { return __hmax2(a, b); });
+    return ::fmaxf(__low2float(m2), __high2float(m2));
+  } else {
+    acc_t m[N * kVec];
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      acc_t one[kVec];
+      unpack(z[n], one);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) m[n * kVec + k] = one[k];
+    }
+    return tree_reduce(m, [](acc_t a, acc_t b) { return ::fmax(a, b); });
+  }
+}
+
 // Folds N 16-byte vectors of raw logits (x = s·z) into the state as one chunk: one max and one rescale test
 // per N·kVec logits. bf16 takes the chunk's max over packed pairs first (one instruction per two values,
 // exact: the max of bf16 values is one of them). kFloor: a logit below `floor` (the sampler's) counts as −inf;
 // the chunk's max may still be such a logit's, which only shifts the state's sums (never the row's max: the
-// most probable token is always kept).
+// most probable token is always kept). A chunk wholly below the floor adds nothing but −inf to Σx, and is skipped
+// where that sum is not taken (most of a row, for a filter that keeps few tokens; a finite floor means a row
+// without NaN: the selection leaves such rows at −inf).
 template <bool kEntropy, bool kSmoothing, bool kFloor = false, typename acc_t, typename scalar_t, int kVec, int N>
 __device__ inline void add_vecs(RowStats<acc_t>& st, const Pack<scalar_t, kVec> (&z)[N], acc_t scale,
                                 acc_t floor = acc_t(0)) {
+  if constexpr (kFloor && !kSmoothing) {
+    if (vecs_max<acc_t>(z) < floor) return;
+  }
   acc_t chunk[N * kVec];
 #pragma unroll
   for (int n = 0; n < N; ++n) {
@@ -143,10 +205,12 @@ struct GradOf {
   bool zero;      // a = b = c (= h) = 0 (a masked row): exact zeros, never exp of a -inf lse
   ProbFactor<acc_t, kEntropyGrad> factor;
 
-  __device__ GradOf(const GradCoef<acc_t>& coef, acc_t max, acc_t log_sumexp, acc_t scale, int64_t label_)
+  __device__ GradOf(const GradCoef<acc_t>& coef, acc_t max, acc_t log_sumexp, acc_t scale, int64_t label_,
+                    acc_t floor_ = acc_t(0))
       : sa(scale * coef.a),
         sb(scale * coef.b),
         sc(scale * coef.c),
+        floor(floor_),
         p_of(scale, max, log_sumexp),
         label(label_),
         zero(coef.a == acc_t(0) && coef.b == acc_t(0) && coef.c == acc_t(0) && (!kEntropyGrad || coef.h == acc_t(0))),
@@ -170,6 +234,14 @@ struct GradOf {
 #pragma unroll
       for (int k = 0; k < kVec; ++k) out.v[k] = scalar_t(0);
       return out;
+    }
+    if constexpr (kFloor) {  // a vector wholly below the floor: zeros, without its exponentials
+      const Pack<scalar_t, kVec> one[1] = {z};
+      if (vecs_max<acc_t>(one) < floor) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) out.v[k] = scalar_t(0);
+        return out;
+      }
     }
     acc_t g[kVec];
     unpack(z, g);
