@@ -390,6 +390,10 @@ void reject_rollout_documents(const char* op, GspoState& g, const std::vector<Re
 // The per-document sums of this rank's tokens (see registration.cpp: gspo_document_sums).
 at::Tensor gspo_document_sums(const DocumentSumsArgs& a, const GspoBackend& backend);
 
+// The CPU back-end (gspo_cpu.cpp), which fused_head's CPU back-end shares for its GSPO term (as CUDA's does:
+// cuda_backends.h): its kernels are then compiled once.
+const GspoBackend& gspo_backend_cpu();
+
 // The results of the `gspo` schema; the gradient, when the source wants one, is the source's. `document_sums`:
 // the sequence-data-parallel hook (logits op only).
 PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoArgs& a, const OptTensor& row_stats,
