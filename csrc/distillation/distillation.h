@@ -7,7 +7,8 @@
 // by row (a row stays in cache); CUDA runs each pass over all rows as its own kernel.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 
 #include <optional>
 #include <string>

@@ -1,6 +1,7 @@
 // CPU back-end of distillation: at::parallel_for over rows; each row's passes (statistics, JSD sums, row step,
 // gradient) run back to back while its two rows are in cache. The inner loops are `omp simd` reductions and
 // element-wise sweeps the compiler vectorises (cpu_isa.h picks the widest ISA).
+#include <ATen/Dispatch.h>
 #include <torch/library.h>
 
 #include <algorithm>

@@ -10,6 +10,8 @@
 #include "common/row_pass_cuda.cuh"
 #include "distillation/distillation.h"
 
+#include <ATen/Dispatch.h>
+
 #include <type_traits>
 
 namespace rl_losses {

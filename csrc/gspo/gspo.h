@@ -7,7 +7,8 @@
 // rollout ratio, one VESPO weight and one importance-weighted KL gradient.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 
 #include <optional>
 #include <string>
