@@ -8,7 +8,7 @@
 //
 // Not the ATen/ATen.h umbrella either, which declares every ATen op (its ATen/Functions.h): the tensor, the
 // dispatch macros, parallel_for, the registration API and the few ops the headers under csrc/ call (each file
-// includes the ATen/ops/ headers of the others it calls). Precompiling it took 23.3 CPU-s against 31.6 for the
+// includes the ATen/ops/ headers of the others it calls). Precompiling it took 19.7 CPU-s against 26.7 for the
 // umbrella header; a file compiled with either took as long (benchmarks/results/cpu-2026-11-27-build-tus.txt).
 // No header that a file with CPU loops includes may include ATen/ATen.h: that file would parse the rest of it.
 #pragma once

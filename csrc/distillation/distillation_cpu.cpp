@@ -90,8 +90,8 @@ void row_grad(const student_t* z, const teacher_t* zt, student_t* g, int64_t n, 
 // the 16 (an fp32 or fp64 student: one each). A teacher of another dtype is converted to acc_t a row at a time, into
 // a buffer of the thread's, by a loop of its own: the row loops read the teacher only as static_cast<acc_t>(zt[j]),
 // so the results are the same to the bit, and the converted row is read from cache by the sweeps that follow it.
-// The 16 pairs were 37 of this file's CPU-s to compile (of the whole CPU-only build's ~245; the file was the build's
-// longest).
+// With all 16 pairs this file was the build's longest: 30.0 CPU-s to compile, 15.7 with these 6
+// (benchmarks/results/cpu-2026-11-27-build-tus.txt).
 #define RL_LOSSES_DISPATCH_DISTILL_CPU(STUDENT, TEACHER, ...)                                                 \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, STUDENT, "distillation", [&] {                   \
     using student_t = scalar_t;                                                                               \
