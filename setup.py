@@ -105,27 +105,42 @@ def runs_cpu_loops(source: str) -> bool:
     return "common/row_pass_cpu.h" in text or "at::parallel_for" in text
 
 
-UNITY_GLUE = os.path.join(os.environ.get("RL_LOSSES_BUILD_BASE") or "build", "unity", "glue.cpp")
+UNITY = os.path.join(os.environ.get("RL_LOSSES_BUILD_BASE") or "build", "unity")
+UNITY_GLUE = os.path.join(UNITY, "glue.cpp")
+UNITY_LOOPS = os.path.join(UNITY, "loops.cpp")
 
 
-def unity_glue(cpp: list[str]) -> list[str]:
-    """The C++ files without CPU loops (argument checks, ATen calls, registration: "glue") compiled as one
-    translation unit, UNITY_GLUE, a file of #include lines in the build folder. Apart, each paid about 1.6 s of CPU
-    to load the precompiled header and instantiate the templates it leaves pending, and they instantiate mostly the
-    same ATen templates: 22 files took about 100 CPU-s apart and 17 s together at -O1 (docs/performance.md,
-    "Installing and building"). The files keep their own names for what they define inside anonymous namespaces,
-    so no two may define the same one (GCC says which). The file is rewritten only when the list changes; ninja's
-    dependency files see edits to the files it includes."""
-    glue = [s for s in cpp if not runs_cpu_loops(s)]
-    text = "".join(f'#include "{os.path.relpath(s, "csrc")}"\n' for s in glue)
-    if not os.path.exists(UNITY_GLUE) or open(UNITY_GLUE).read() != text:
-        os.makedirs(os.path.dirname(UNITY_GLUE), exist_ok=True)
-        with open(UNITY_GLUE, "w") as f:
+def write_unity(path: str, files: list[str]) -> str:
+    """A translation unit of #include lines, rewritten only when the list changes; ninja's dependency files see
+    edits to the files it includes. The files keep their own names for what they define inside anonymous
+    namespaces, so no two of one unit may define the same one (GCC says which)."""
+    text = "".join(f'#include "{os.path.relpath(s, "csrc")}"\n' for s in files)
+    if not os.path.exists(path) or open(path).read() != text:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
             f.write(text)
-    return [s for s in cpp if s not in glue] + [UNITY_GLUE]
+    return path
 
 
-sources = unity_glue(sources)
+def unity_sources(cpp: list[str]) -> list[str]:
+    """The C++ files compiled in three kinds of translation units. Each unit paid about 1.6 s of CPU to load the
+    precompiled header and instantiate the templates it leaves pending (more on a busy machine), whatever its size.
+    - The files without CPU loops (argument checks, ATen calls, registration: "glue"): one unit, UNITY_GLUE. They
+      instantiate mostly the same ATen templates: 22 files took about 100 CPU-s apart and 17 s together at -O1
+      (docs/performance.md, "Installing and building").
+    - The files with loops of their own but no row pass (element-wise loops over tokens or rows: the per-token
+      policy loss, the sampler's floors, the kept set's scatter), each a few seconds of code: one unit,
+      UNITY_LOOPS, at -O3 with the precompiled header like every file with loops: 3 files took 17.5 CPU-s apart,
+      7.6 together (benchmarks/results/cpu-2026-11-27-build-tus.txt).
+    - The files with the row loops (common/row_pass_cpu.h), 10-20 CPU-s of code each: one unit each, so that the
+      build's two jobs share them evenly."""
+    glue = [s for s in cpp if not runs_cpu_loops(s)]
+    rows = [s for s in cpp if s not in glue and "common/row_pass_cpu.h" in open(s).read()]
+    loops = [s for s in cpp if s not in glue and s not in rows]
+    return rows + [write_unity(UNITY_GLUE, glue), write_unity(UNITY_LOOPS, loops)]
+
+
+sources = unity_sources(sources)
 # py_limited_api=True below defines Py_LIMITED_API.
 define_macros = [("RL_LOSSES_CPU_NARROWEST", str(CPU_WIDTHS.index(narrowest))),
                  ("RL_LOSSES_CPU_WIDEST", str(CPU_WIDTHS.index(widest)))]
@@ -185,7 +200,7 @@ def ninja_escape(path: str) -> str:
 
 def edit_ninja_file(write_ninja_file, pch_flags: list[str]):
     """torch's ninja writer, with the precompiled header (PrecompiledHeaderBuild) made a build step of its own and the
-    glue (unity_glue's file) compiled without it. The header is compiled by torch's own compile rule, with the flags
+    glue (UNITY_GLUE) compiled without it. The header is compiled by torch's own compile rule, with the flags
     it gives every C++ file but the -include of the header itself, and every other C++ object waits for it; ninja
     rebuilds it when its command or a header it includes changes. The glue includes torch/autograd.h, most of the
     header's parse again, and took as long with the header as without (30.4 CPU-s without, 33.9 with, at -O1 and a

@@ -1,6 +1,7 @@
 #include "common/checks.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/TensorUtils.h>
 
 #include <algorithm>

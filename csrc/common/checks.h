@@ -2,7 +2,7 @@
 // expected and the actual value (docs/conventions.md, errors).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <string>

@@ -1,7 +1,7 @@
 // The CUDA back-ends, defined in the *_cuda.cu files and registered by csrc/cuda_registration.cpp.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "common/row_pass.h"
 

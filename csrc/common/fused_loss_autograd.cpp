@@ -25,6 +25,7 @@
 // that buffer, for an upstream gradient of 1, and autograd gets none for the weight (its .grad is untouched):
 // the backward then refuses any other upstream gradient (a device-side assert on CUDA, no synchronisation),
 // since what was added cannot be scaled afterwards.
+#include <ATen/ops/_assert_async.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 

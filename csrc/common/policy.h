@@ -4,7 +4,8 @@
 // turned into the PolicyOptions the kernels see (common/policy_math.h).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+
 #include <optional>
 #include <utility>
 #include <vector>

@@ -3,6 +3,10 @@
 // common/policy_cov.h's, on the tensors' device. Every count stays on the device (k is computed there, the subset
 // the first k of an order), so the call neither waits for the device nor depends on a size the host reads: a CUDA
 // graph can capture it.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/rand.h>
+#include <ATen/ops/zeros.h>
+
 #include <algorithm>
 #include <cmath>
 

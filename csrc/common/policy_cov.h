@@ -9,7 +9,9 @@
 // is the same; what took ~25 ATen launches (~35 for clip_cov) takes 4-5.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
 #include <c10/macros/Macros.h>
 
 #include <cmath>

@@ -2,6 +2,13 @@
 // compute_rollout_rejection_mask): the options parsed as verl parses them, and the pre-pass that turns the rejected
 // tokens into unlabelled ones. The pre-pass reads the (N,) inputs only (old and rollout log-probs, labels,
 // sequences): a few O(N + S) ATen launches before the row pass, none over the logits.
+#include <ATen/ops/arange.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/TensorOperators.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cmath>

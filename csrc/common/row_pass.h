@@ -12,8 +12,10 @@
 // otherwise). GSPO runs 1, a per-document step, then 3. The CPU and CUDA back-ends implement this contract.
 #pragma once
 
-#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>

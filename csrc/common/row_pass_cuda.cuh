@@ -23,6 +23,10 @@
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/searchsorted.h>
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>

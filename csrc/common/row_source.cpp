@@ -2,6 +2,8 @@
 
 #include "common/sampler.h"
 
+#include <ATen/ops/empty.h>
+
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif

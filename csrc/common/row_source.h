@@ -13,7 +13,8 @@
 // there, and reads no statistics of an unlabelled row.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
 
 #include <functional>
 #include <vector>

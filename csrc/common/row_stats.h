@@ -3,7 +3,9 @@
 // the loss ops through their `row_stats` argument; GSPO uses them for its first pass.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
 
 #include <optional>
 #include <type_traits>

@@ -1,4 +1,5 @@
 // CPU registration of `row_stats` and `_scale_grad_`; the CPU side of the small steps between passes.
+#include <ATen/Dispatch.h>
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>

@@ -1,5 +1,7 @@
 // CUDA back-ends of `row_stats` and `_scale_grad_` (registered in csrc/cuda_registration.cpp), and the
 // CUDA side of split_stats_pass_on_cuda (row_pass.h).
+#include <ATen/Dispatch.h>
+
 #include "common/cuda_backends.h"
 #include "common/policy_cov.h"
 #include "common/row_pass_cuda.cuh"

@@ -1,6 +1,10 @@
 // The sampler's options checked and laid out per row, and each row's floor on the CPU (common/sampler.h).
 #include "common/sampler.h"
 
+#include <ATen/ops/aminmax.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/stack.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -10,7 +10,7 @@
 // the top_p masses in fixed point (2^-24 units, integer sums: the same decision whatever the summation order).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/macros/Macros.h>
 
 #include <cstdint>

@@ -14,6 +14,7 @@
 // Measured on an H200 (docs/consistency.md): the selection's cost is its instructions (ALU-bound, IPC 2.75, DRAM
 // 16% busy for top_k before the copy-out), not the bytes it reads.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 
 #include <cstring>

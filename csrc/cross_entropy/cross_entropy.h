@@ -2,7 +2,7 @@
 // device-independent forward that the CPU and CUDA registrations share.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <functional>
 #include <optional>

@@ -1,5 +1,7 @@
 #include "distillation/distillation.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/TensorUtils.h>
 
 #include <cmath>

@@ -8,7 +8,8 @@
 // distillation_cluster.cuh), else each pass over all rows as its own kernel.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 
 #include <optional>
 #include <string>

@@ -1,9 +1,12 @@
 // CPU back-end of distillation: at::parallel_for over rows; each row's passes (statistics, JSD sums, row step,
 // gradient) run back to back while its two rows are in cache. The inner loops are `omp simd` reductions and
 // element-wise sweeps the compiler vectorises (cpu_isa.h picks the widest ISA).
+#include <ATen/Dispatch.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
+#include <vector>
 
 #include "common/row_pass_cpu.h"
 #include "distillation/distillation.h"
@@ -83,62 +86,112 @@ void row_grad(const student_t* z, const teacher_t* zt, student_t* g, int64_t n, 
   }
 }
 
-template <typename F>
-void for_rows(int64_t n_rows, int64_t vocab, const F& f) {
+// The teacher dtypes the row loops are compiled for: the student's own and its accumulation dtype, 6 pairs of
+// the 16 (an fp32 or fp64 student: one each). A teacher of another dtype is converted to acc_t a row at a time, into
+// a buffer of the thread's, by a loop of its own: the row loops read the teacher only as static_cast<acc_t>(zt[j]),
+// so the results are the same to the bit, and the converted row is read from cache by the sweeps that follow it.
+// With all 16 pairs this file was the build's longest: 30.0 CPU-s to compile, 15.7 with these 6
+// (benchmarks/results/cpu-2026-11-27-build-tus.txt).
+#define RL_LOSSES_DISPATCH_DISTILL_CPU(STUDENT, TEACHER, ...)                                                 \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, STUDENT, "distillation", [&] {                   \
+    using student_t = scalar_t;                                                                               \
+    using acc_t = typename acc_type<student_t>::type;                                                         \
+    if constexpr (std::is_same_v<student_t, acc_t>) {                                                         \
+      using teacher_t = acc_t;                                                                                \
+      __VA_ARGS__();                                                                                          \
+    } else if ((TEACHER) == c10::CppTypeToScalarType<student_t>::value) {                                     \
+      using teacher_t = student_t;                                                                            \
+      __VA_ARGS__();                                                                                          \
+    } else {                                                                                                  \
+      using teacher_t = acc_t;                                                                                \
+      __VA_ARGS__();                                                                                          \
+    }                                                                                                         \
+  })
+
+// n values of a teacher's row of dtype src_t as acc_t.
+template <typename src_t, typename acc_t>
+void convert_row(const void* src, acc_t* dst, int64_t n) {
+  const src_t* x = static_cast<const src_t*>(src);
+  run_vectorised([&] {
+    RL_LOSSES_SIMD
+    for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<acc_t>(x[j]);
+  });
+}
+
+// f(i, zt) for every row i, with zt the teacher's row i as teacher_t: the tensor's own row where it has that
+// dtype, else the row converted (RL_LOSSES_DISPATCH_DISTILL_CPU); null where `mask` (the student's dtype's
+// accumulation type, or null) is 0, a row whose teacher is not read.
+template <typename teacher_t, typename acc_t, typename F>
+void for_rows(const DistillState& s, const acc_t* mask, const F& f) {
+  const int64_t n_rows = s.logits.size(0), vocab = s.logits.size(1);
+  void (*convert)(const void*, teacher_t*, int64_t) = nullptr;
+  if (s.teacher.scalar_type() != c10::CppTypeToScalarType<teacher_t>::value) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, s.teacher.scalar_type(), "distillation",
+                                    [&] { convert = &convert_row<scalar_t, teacher_t>; });
+  }
+  const char* teacher = static_cast<const char*>(s.teacher.const_data_ptr());
+  const int64_t row_bytes = s.teacher.stride(0) * s.teacher.element_size();
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(vocab, 1));
   at::parallel_for(0, n_rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<teacher_t> converted(convert != nullptr ? vocab : 0);
     run_vectorised([&] {
-      for (int64_t i = begin; i < end; ++i) f(i);
+      for (int64_t i = begin; i < end; ++i) {
+        // One call of f (run_vectorised's `flatten` inlines each call site).
+        const teacher_t* row = reinterpret_cast<const teacher_t*>(teacher + i * row_bytes);
+        if (mask != nullptr && mask[i] == acc_t(0)) {
+          row = nullptr;
+        } else if (convert != nullptr) {
+          convert(row, converted.data(), vocab);
+          row = converted.data();
+        }
+        f(i, row);
+      }
     });
   });
 }
 
 void stats_cpu(const DistillState& s) {
-  RL_LOSSES_DISPATCH_DISTILL(s.logits.scalar_type(), s.teacher.scalar_type(), [&] {
+  RL_LOSSES_DISPATCH_DISTILL_CPU(s.logits.scalar_type(), s.teacher.scalar_type(), [&] {
     const auto o = distill_options_as<acc_t>(s.opt);
     const student_t* z = s.logits.const_data_ptr<student_t>();
-    const teacher_t* zt = s.teacher.const_data_ptr<teacher_t>();
-    const int64_t v = s.logits.size(1), rs = s.logits.stride(0), rt = s.teacher.stride(0);
+    const int64_t v = s.logits.size(1), rs = s.logits.stride(0);
     acc_t* out = s.stats.data_ptr<acc_t>();
-    for_rows(s.logits.size(0), v, [&](int64_t i) {
-      row_stats(z + i * rs, zt + i * rt, v, o).store(out + i * DistillStats<acc_t>::kFields);
+    for_rows<teacher_t>(s, static_cast<const acc_t*>(nullptr), [&](int64_t i, const teacher_t* zt) {
+      row_stats(z + i * rs, zt, v, o).store(out + i * DistillStats<acc_t>::kFields);
     });
   });
 }
 
 void jsd_sums_cpu(const DistillState& s) {
-  RL_LOSSES_DISPATCH_DISTILL(s.logits.scalar_type(), s.teacher.scalar_type(), [&] {
+  RL_LOSSES_DISPATCH_DISTILL_CPU(s.logits.scalar_type(), s.teacher.scalar_type(), [&] {
     const auto o = distill_options_as<acc_t>(s.opt);
     const student_t* z = s.logits.const_data_ptr<student_t>();
-    const teacher_t* zt = s.teacher.const_data_ptr<teacher_t>();
-    const int64_t v = s.logits.size(1), rs = s.logits.stride(0), rt = s.teacher.stride(0);
+    const int64_t v = s.logits.size(1), rs = s.logits.stride(0);
     const acc_t* stats = s.stats.const_data_ptr<acc_t>();
     acc_t* out = s.jsd_sums.data_ptr<acc_t>();
-    for_rows(s.logits.size(0), v, [&](int64_t i) {
+    for_rows<teacher_t>(s, static_cast<const acc_t*>(nullptr), [&](int64_t i, const teacher_t* zt) {
       const auto st = DistillStats<acc_t>::load(stats + i * DistillStats<acc_t>::kFields);
-      row_jsd_sums(z + i * rs, zt + i * rt, v, o, st, out + 2 * i);
+      row_jsd_sums(z + i * rs, zt, v, o, st, out + 2 * i);
     });
   });
 }
 
 template <DistillKind kKind>
 void rows_cpu_kind(const DistillState& s) {
-  RL_LOSSES_DISPATCH_DISTILL(s.logits.scalar_type(), s.teacher.scalar_type(), [&] {
+  RL_LOSSES_DISPATCH_DISTILL_CPU(s.logits.scalar_type(), s.teacher.scalar_type(), [&] {
     const auto o = distill_options_as<acc_t>(s.opt);
     const auto step = make_distill_row_step<acc_t>(s);
     const student_t* z = s.logits.const_data_ptr<student_t>();
-    const teacher_t* zt = s.teacher.const_data_ptr<teacher_t>();
     student_t* grad = s.grad.defined() ? s.grad.data_ptr<student_t>() : nullptr;
-    const int64_t v = s.logits.size(1), rs = s.logits.stride(0), rt = s.teacher.stride(0);
+    const int64_t v = s.logits.size(1), rs = s.logits.stride(0);
     const int64_t rg = s.grad.defined() ? s.grad.stride(0) : 0;
     const acc_t* mask = s.mask.defined() ? s.mask.const_data_ptr<acc_t>() : nullptr;
     acc_t* stats = s.stats.data_ptr<acc_t>();
     acc_t* sums = s.jsd_sums.defined() ? s.jsd_sums.data_ptr<acc_t>() : nullptr;
-    for_rows(s.logits.size(0), v, [&](int64_t i) {
+    // A masked row is not read (zti is null): the step writes zeros and the gradient row is zero-filled.
+    for_rows<teacher_t>(s, mask, [&](int64_t i, const teacher_t* zti) {
       const student_t* zi = z + i * rs;
-      const teacher_t* zti = zt + i * rt;
-      // A masked row is not read: the step writes zeros and the gradient row is zero-filled.
-      if (mask == nullptr || mask[i] != acc_t(0)) {
+      if (zti != nullptr) {
         acc_t* st = stats + i * DistillStats<acc_t>::kFields;
         if (!s.stats_given) row_stats(zi, zti, v, o).store(st);
         if (kKind == DistillKind::kJsd && !s.jsd_given) {

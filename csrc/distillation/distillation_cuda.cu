@@ -12,6 +12,8 @@
 #include "distillation/distillation_block.cuh"
 #include "distillation/distillation_cluster.cuh"
 
+#include <ATen/Dispatch.h>
+
 #include <type_traits>
 
 namespace rl_losses {

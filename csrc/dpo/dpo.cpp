@@ -1,5 +1,8 @@
 #include "dpo/dpo.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+
 #include <cmath>
 #include <vector>
 

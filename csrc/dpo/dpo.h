@@ -8,7 +8,8 @@
 // coef_t·(p − onehot) (PolicyCoefEpilogue), which reads the logits again.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 
 #include <optional>
 #include <tuple>

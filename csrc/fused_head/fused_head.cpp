@@ -1,5 +1,11 @@
 #include "fused_head/fused_head.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/TensorOperators.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>

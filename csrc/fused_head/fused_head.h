@@ -13,7 +13,8 @@
 // statistics given, whose epilogue adds GSPO's per-token coefficient to the other terms' (a, b, c).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 
 #include <optional>
 #include <string>

@@ -8,17 +8,10 @@
 namespace rl_losses {
 namespace {
 
-// The GSPO term runs GSPO's statistics pass and its steps between the passes; its gradient is the head's own pass
-// (and its metrics are not the head's), so those two are left out.
-const GspoBackend& head_gspo_backend_cpu() {
-  using Impl = GspoBackendImpl<CpuRunner>;
-  static constexpr GspoBackend backend = {&Impl::stats, nullptr, &Impl::token_terms, &Impl::documents, &Impl::tokens,
-                                          nullptr};
-  return backend;
-}
-
+// The GSPO term runs the statistics pass and the steps between the passes of GSPO's CPU back-end (gspo_cpu.cpp,
+// compiled there); its gradient is the head's own pass, and GSPO's metrics are not the head's.
 const FusedHeadBackend& fused_head_backend_cpu() {
-  static constexpr FusedHeadBackend backend = FusedHeadBackendImpl<CpuRunner, head_gspo_backend_cpu>::backend();
+  static constexpr FusedHeadBackend backend = FusedHeadBackendImpl<CpuRunner, gspo_backend_cpu>::backend();
   return backend;
 }
 

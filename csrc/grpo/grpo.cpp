@@ -1,5 +1,9 @@
 #include "grpo/grpo.h"
 
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/TensorOperators.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>

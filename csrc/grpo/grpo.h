@@ -4,7 +4,8 @@
 // by the CPU and CUDA registrations.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 
 #include <algorithm>
 #include <array>

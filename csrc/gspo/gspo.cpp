@@ -1,5 +1,11 @@
 #include "gspo/gspo.h"
 
+#include <ATen/ops/cat.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <ATen/TensorOperators.h>
+
 #include <cmath>
 #include <limits>
 

@@ -7,7 +7,8 @@
 // rollout ratio, one VESPO weight and one importance-weighted KL gradient.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 
 #include <optional>
 #include <string>
@@ -389,6 +390,10 @@ void reject_rollout_documents(const char* op, GspoState& g, const std::vector<Re
 
 // The per-document sums of this rank's tokens (see registration.cpp: gspo_document_sums).
 at::Tensor gspo_document_sums(const DocumentSumsArgs& a, const GspoBackend& backend);
+
+// The CPU back-end (gspo_cpu.cpp), which fused_head's CPU back-end shares for its GSPO term (as CUDA's does:
+// cuda_backends.h): its kernels are then compiled once.
+const GspoBackend& gspo_backend_cpu();
 
 // The results of the `gspo` schema; the gradient, when the source wants one, is the source's. `document_sums`:
 // the sequence-data-parallel hook (logits op only).

@@ -6,14 +6,11 @@
 #include "gspo/gspo.h"
 
 namespace rl_losses {
-namespace {
 
 const GspoBackend& gspo_backend_cpu() {
   static constexpr GspoBackend backend = GspoBackendImpl<CpuRunner>::backend();
   return backend;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   using Gspo = GspoLoss<gspo_backend_cpu>;

@@ -10,9 +10,9 @@
 // (kept_token_log_probs checks that its ids are distinct), not checked here.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include "op_args.h"
+
+#include <ATen/core/Tensor.h>
 
 namespace rl_losses {
 

@@ -1,6 +1,8 @@
 // The fused lm_head's CUDA GEMM and graph-capture test (compiled only into CUDA builds; host code).
 #ifdef RL_LOSSES_WITH_CUDA
 
+#include <ATen/ops/addmm.h>
+
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <cublas_v2.h>

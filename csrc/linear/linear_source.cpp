@@ -2,6 +2,13 @@
 
 #include "common/sampler.h"
 
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/nonzero.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/TensorOperators.h>
+
 #include <algorithm>
 #include <utility>
 

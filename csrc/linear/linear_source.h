@@ -35,7 +35,7 @@
 // weight's dtype.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <array>
 #include <optional>

@@ -2,8 +2,9 @@
 // cuda_registration.cpp).
 #include "policy_token/policy_token.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/Dispatch.h>
+#include <ATen/ops/ones.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "common/checks.h"

@@ -5,7 +5,7 @@
 // cannot disagree.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <vector>

@@ -1,6 +1,7 @@
 // policy_token_loss on CUDA: one thread per token (elementwise; the math is policy_token_at, shared with the CPU).
 // Registered in cuda_registration.cpp.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 
 #include "common/cuda_backends.h"

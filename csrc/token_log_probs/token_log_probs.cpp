@@ -1,4 +1,7 @@
+
 #include "token_log_probs/token_log_probs.h"
+
+#include <ATen/ops/empty.h>
 
 #include "common/checks.h"
 #include "common/sampler.h"

@@ -11,7 +11,7 @@
 // CPU and CUDA registrations are here.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <tuple>

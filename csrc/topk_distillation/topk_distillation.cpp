@@ -1,5 +1,12 @@
 #include "topk_distillation/topk_distillation.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/isnan.h>
+#include <ATen/ops/logsumexp.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/where.h>
+#include <ATen/TensorOperators.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>

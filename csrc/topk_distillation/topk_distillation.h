@@ -11,7 +11,7 @@
 // runs this loss unchanged.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <string>
 
