@@ -34,9 +34,10 @@
 // separate passes, which take them), not in the batch-invariant mode (the tail launch's C depends on N, and
 // the forward-only path's bits would differ), student and teacher each fp32/bf16/fp16, V a multiple of 8
 // (every slice and piece a whole number of 16-byte copies), rows 16-byte aligned in logits, teacher and grad,
-// and the slices of the fewest CTAs (1 to 16) fitting kClusterCtaBytes (bf16 + bf16: 4 bytes a column, so 8
-// CTAs at V = 128256 and 10 at 151936; bf16 + fp32: 6 bytes, 12 and 14). Otherwise launch_distill_cluster
-// returns false and the separate passes run.
+// and the slices of the fewest CTAs fitting kClusterCtaBytes, at most kDistillClusterMaxCtas (8 for the KLs and
+// the cross-entropy, 4 for JSD: where it measured faster; bf16 + bf16 take 4 bytes a column, so 8 CTAs at
+// V = 128256 and 10 at 151936; bf16 + fp32 6 bytes). Otherwise launch_distill_cluster returns false and the
+// separate passes run.
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>
@@ -332,6 +333,14 @@ inline DistillClusterShape distill_cluster_shape(int64_t vocab, int64_t ss, int6
   return s;
 }
 
+// The most CTAs per row at which the kernel measured faster than the separate passes (H200, bf16 student and
+// teacher, fwd+bwd, the same build: benchmarks/results/h200-2026-11-27-distill-cluster.txt): the KLs 1.37x /
+// 1.25x / 1.18x at 2 / 4 / 8 CTAs (V = 32000 / 65536 / 128256), 0.91x at 10 (V = 151936); JSD, which reads its
+// slices twice more from shared memory, 1.10x / 0.99x / 0.95x / 0.70x. (The tail launch's wider clusters carry
+// only a last round's few rows.)
+template <DistillKind kKind>
+constexpr int kDistillClusterMaxCtas = kKind == DistillKind::kJsd ? 4 : 8;
+
 inline bool rows_aligned_16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && (t.stride(0) * t.element_size()) % 16 == 0;
 }
@@ -352,7 +361,7 @@ bool launch_distill_cluster(const DistillState& s) {
     constexpr int64_t ss = sizeof(student_t), st = sizeof(teacher_t);
     DistillClusterShape shape;
     for (int c = 1; c <= cuda::kMaxClusterSize && shape.ctas == 0; ++c) shape = distill_cluster_shape(vocab, ss, st, c);
-    if (shape.ctas == 0) return false;
+    if (shape.ctas == 0 || shape.ctas > kDistillClusterMaxCtas<kKind>) return false;
     auto* kernel = &distill_cluster_kernel<kKind, student_t, teacher_t>;
     using Launch = cuda::ClusterLaunch<std::remove_pointer_t<decltype(kernel)>>;
     const Launch main_launch(kernel, shape.ctas, shape.smem);
