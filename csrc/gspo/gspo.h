@@ -1,5 +1,4 @@
 // GSPO (docs/math.md): the sequence-level, geometric-mean importance ratio over packed documents.
-//
 // Pass 1 (the statistics row pass) reads the logits once; the per-token log-probs, the per-document sums
 // (GspoSum) and each token's gradient coefficient are then O(N + S) steps on the device; pass 2 reads the logits
 // again and writes the gradient. Between the two, the document sums may be replaced by their all-reduce over a
@@ -44,7 +43,6 @@ enum GspoTotal : int { kGspoLabelledDocs = kGspoDocFields, kGspoDivisor, kGspoTo
 enum GspoTokenField : int { kGspoTokenLoss = 0, kGspoTokenLogProb, kGspoTokenEntropy, kGspoTokenLabelled,
                             kGspoTokenKl, kGspoTokenRolloutRatio, kGspoTokenRolloutWeight, kGspoTokenRolloutCorrected,
                             kGspoTokenVespoPhi, kGspoTokenClipLow, kGspoTokenClipHigh, kGspoTokenFields };
-
 // Everything between the two row passes, as tensors of the accumulation dtype (int64 for ids): the inputs,
 // then what each step writes. Optional ones are undefined when absent.
 struct GspoState {
@@ -68,7 +66,6 @@ struct GspoState {
   at::Tensor token_out, coef;  // (N, kGspoTokenFields), (N,)
   at::Tensor entropy_h;        // (N,) the entropy bonus's gradient coefficient h_t, or undefined
 };
-
 // Per token: m_t (labelled, not padding), its log-prob from the row statistics (and entropy) unless given,
 // its document with padding sent to document 0 (its terms are zero), and its terms of the document sums
 // (GspoSum), with u_t = m_t / N_t when label_counts gives N_t, else u_t = m_t (the document step divides by the
@@ -187,7 +184,6 @@ struct GspoDocumentTotals {
     totals[kGspoDivisor] = has_divisor ? divisor : n;
   }
 };
-
 // Per token: its share of the loss, κ_t·f(R_s, A)/D, and its gradient coefficient κ_t·(−∂f/∂lp)/D, with
 // A = Ā_s (or A_t for GSPO-token), κ_t = u_t (weighting "document") or m_t ("token") and f the surrogate of the
 // loss type at the sequence ratio R_s (common/policy_math.h: policy_surrogate, whose ppo_clip caps R_s at δ as
@@ -390,9 +386,7 @@ void reject_rollout_documents(const char* op, GspoState& g, const std::vector<Re
 
 // The per-document sums of this rank's tokens (see registration.cpp: gspo_document_sums).
 at::Tensor gspo_document_sums(const DocumentSumsArgs& a, const GspoBackend& backend);
-
-// The CPU back-end (gspo_cpu.cpp), which fused_head's CPU back-end shares for its GSPO term (as CUDA's does:
-// cuda_backends.h): its kernels are then compiled once.
+// The CPU back-end (gspo_cpu.cpp), shared by fused_head's CPU GSPO term (its kernels compiled once).
 const GspoBackend& gspo_backend_cpu();
 
 // The results of the `gspo` schema; the gradient, when the source wants one, is the source's. `document_sums`:
