@@ -249,3 +249,17 @@ def config_paths(cfg, logits, batch, metrics=()):
         loss.backward()
         results.append((loss.detach(), *(values[m] for m in metrics), x.grad))
     return results
+
+
+def kernel_launches(fn, name):
+    """How many CUDA kernels whose name contains `name` one call of fn launches (skips the test where the profiler
+    records none in this process)."""
+    fn()  # outside the profile: the first call's one-time work
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        pytest.skip("the profiler recorded no CUDA kernels in this process")
+    return sum(name in k for k in kernels)

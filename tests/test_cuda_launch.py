@@ -12,7 +12,8 @@ import torch
 
 import rl_losses
 from conftest import assert_close
-from helpers import assert_grad_close, make_logits, op_loss, op_reference, policy_inputs, requires_cuda
+from helpers import (assert_grad_close, kernel_launches, make_logits, op_loss, op_reference, policy_inputs,
+                     requires_cuda)
 
 DOCS = 8
 SHAPES = [(1200, 16384, torch.bfloat16), (1200, 16384, torch.float16), (1200, 8192, torch.float32),
@@ -57,18 +58,6 @@ def test_mostly_masked_rows_match_reference(op, n, v, dtype, masked):
     _check(op, n, v, dtype, "inplace", masked=masked)
 
 
-def _kernel_launches(fn, name):
-    fn()  # outside the profile: the first call's one-time work
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    if not kernels:
-        pytest.skip("the profiler recorded no CUDA kernels in this process")
-    return sum(name in k for k in kernels)
-
-
 @requires_cuda
 def test_a_part_empty_last_round_takes_a_tail_launch():
     """The shape of the first test, on a 132-SM sm_90 device, runs as a main and a tail launch."""
@@ -78,9 +67,9 @@ def test_a_part_empty_last_round_takes_a_tail_launch():
     logits = make_logits((1200,), 16384, torch.bfloat16, "cuda")
     target, *_ = policy_inputs(logits, DOCS)
     x = logits.requires_grad_()  # the forward then computes the gradient: the fused pass
-    assert _kernel_launches(lambda: rl_losses.cross_entropy(x, target), "row_cluster_kernel") == 2
+    assert kernel_launches(lambda: rl_losses.cross_entropy(x, target), "row_cluster_kernel") == 2
     # One round: no tail.
-    assert _kernel_launches(lambda: rl_losses.cross_entropy(x[:300], target[:300]), "row_cluster_kernel") == 1
+    assert kernel_launches(lambda: rl_losses.cross_entropy(x[:300], target[:300]), "row_cluster_kernel") == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")

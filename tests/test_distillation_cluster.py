@@ -10,7 +10,7 @@ import torch
 
 import rl_losses
 
-from helpers import param_id as _id, requires_cuda
+from helpers import kernel_launches, param_id as _id, requires_cuda
 from test_distillation import KINDS, check, make_inputs, run_op
 
 KERNEL = "distill_cluster_kernel"
@@ -20,17 +20,8 @@ def _sm90():
     return torch.cuda.get_device_capability()[0] == 9
 
 
-def launches(fn, name=KERNEL):
-    """How many kernels whose name contains `name` one call of fn launches (None: the profiler saw none)."""
-    fn()  # outside the profile: the first call's one-time work
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    if not kernels:
-        pytest.skip("the profiler recorded no CUDA kernels in this process")
-    return sum(name in k for k in kernels)
+def launches(fn):
+    return kernel_launches(fn, KERNEL)
 
 
 def check_all_kinds(logits, teacher, mask, scale=4.0):
