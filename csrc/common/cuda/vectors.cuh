@@ -165,12 +165,8 @@ __device__ inline void add_vecs(RowStats<acc_t>& st, const Pack<scalar_t, kVec> 
     for (int k = 0; k < kVec; ++k) chunk[n * kVec + k] = kFloor && one[k] < floor ? neg_inf<acc_t>() : one[k];
   }
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
-    __nv_bfloat162 pairs[N * kVec / 2];
-    memcpy(pairs, z, sizeof(pairs));
-    // __hmax2 returns the other input where one is NaN, as fmax does; a NaN still reaches the sums.
-    const __nv_bfloat162 m2 = tree_reduce(pairs, [](__nv_bfloat162 a, __nv_bfloat162 b) { return __hmax2(a, b); });
-    const float z_max = ::fmaxf(__low2float(m2), __high2float(m2));
-    st.template add_chunk_with_max<kEntropy, kSmoothing, N * kVec>(chunk, z_max, scale);
+    // The max over packed pairs skips a NaN (__hmax2 returns the other input, as fmax does); it still reaches the sums.
+    st.template add_chunk_with_max<kEntropy, kSmoothing, N * kVec>(chunk, vecs_max<acc_t>(z), scale);
   } else {
     st.template add_chunk<kEntropy, kSmoothing, N * kVec>(chunk, scale);
   }
