@@ -251,9 +251,9 @@ def config_paths(cfg, logits, batch, metrics=()):
     return results
 
 
-def kernel_launches(fn, name):
-    """How many CUDA kernels whose name contains `name` one call of fn launches (skips the test where the profiler
-    records none in this process)."""
+def cuda_kernels(fn):
+    """The names of the CUDA kernels one call of fn launches (skips the test where the profiler records none in
+    this process)."""
     fn()  # outside the profile: the first call's one-time work
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -262,4 +262,9 @@ def kernel_launches(fn, name):
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if not kernels:
         pytest.skip("the profiler recorded no CUDA kernels in this process")
-    return sum(name in k for k in kernels)
+    return kernels
+
+
+def kernel_launches(fn, name):
+    """How many CUDA kernels whose name contains `name` one call of fn launches."""
+    return sum(name in k for k in cuda_kernels(fn))

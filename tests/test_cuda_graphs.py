@@ -21,7 +21,8 @@ import torch
 import rl_losses
 from rl_losses import reference
 from conftest import assert_close
-from helpers import assert_grad_close, make_logits, op_loss, op_reference, policy_inputs, requires_cuda
+from helpers import (assert_grad_close, cuda_kernels, make_logits, op_loss, op_reference, policy_inputs,
+                     requires_cuda)
 
 DOCS = 8
 H = 128  # hidden size of the fused lm_head cases
@@ -315,12 +316,5 @@ def test_kernels_per_call(name):
     def call():  # autograd.grad: no AccumulateGrad, which may copy a gradient it cannot take over
         torch.autograd.grad(fn(x, inputs), x)
 
-    call()  # outside the profile: the first call's one-time work
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    if not kernels:
-        pytest.skip("the profiler recorded no CUDA kernels in this process")
+    kernels = cuda_kernels(call)
     assert len(kernels) == expected, "\n".join(kernels)
