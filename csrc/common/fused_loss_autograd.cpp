@@ -16,7 +16,7 @@
 // Where no gradient is needed (no_grad, inference, inputs that do not require one), the forward op runs on the
 // caller's stack below autograd, as the no-autograd kernel does: an autograd Function with nothing to record
 // cost the host a node, its context and a pass over every output, which the policy ops' 13 outputs felt
-// (docs/design.md, host time).
+// (docs/host_time.md).
 //
 // The fused-linear ops (linear_cross_entropy, linear_grpo, linear_gspo) have the same shape with three
 // differentiable inputs, hidden (argument 0), weight (1) and the optional `bias`: `_linear_<op>_forward(<the

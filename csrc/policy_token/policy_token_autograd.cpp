@@ -1,6 +1,6 @@
 // policy_token_loss's autograd kernel: differentiable w.r.t. log_probs through its loss, whose derivative the op
 // returns per token (grad_log_probs): the backward is grad_loss · grad_log_probs. In C++ rather than Python
-// (torch.library.register_autograd), where it cost the host ~600 µs a call on the GPU machine (docs/design.md).
+// (torch.library.register_autograd), whose Python frames every call would pay on the host (docs/host_time.md).
 #include <ATen/TensorOperators.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
