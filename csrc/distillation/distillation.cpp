@@ -123,23 +123,16 @@ std::pair<DistillResults, at::Tensor> distillation_forward(const DistillationArg
     check_acc_input("row_stats", *row_stats, n, DistillStats<double>::kFields, logits);
     s.stats = row_stats->reshape({n, DistillStats<double>::kFields}).contiguous();
     s.stats_given = true;
-  } else {
-    s.stats = at::empty({n, DistillStats<double>::kFields}, opts);
   }
-  if (k == DistillKind::kJsd) {
-    if (jsd_sums) {
-      TORCH_CHECK(row_stats.has_value(), kDistill, ": jsd_sums needs row_stats (both come from the tensor-parallel ",
-                  "all-reduce)");
-      check_acc_input("jsd_sums", *jsd_sums, n, 2, logits);
-      s.jsd_sums = jsd_sums->reshape({n, 2}).contiguous();
-      s.jsd_given = true;
-    } else {
-      s.jsd_sums = at::empty({n, 2}, opts);
-    }
+  if (k == DistillKind::kJsd && jsd_sums) {
+    TORCH_CHECK(row_stats.has_value(), kDistill, ": jsd_sums needs row_stats (both come from the tensor-parallel ",
+                "all-reduce)");
+    check_acc_input("jsd_sums", *jsd_sums, n, 2, logits);
+    s.jsd_sums = jsd_sums->reshape({n, 2}).contiguous();
+    s.jsd_given = true;
   }
   s.row_loss = at::empty({n}, opts);
   s.divergence = at::empty({n}, opts);
-  s.grad_rows = at::empty({n, kDistGradFields}, opts);
   at::Tensor grad_out;
   if (inplace) {
     TORCH_CHECK(is_view, kDistill, ": inplace_backward needs logits whose batch dimensions flatten to one row ",
@@ -151,7 +144,13 @@ std::pair<DistillResults, at::Tensor> distillation_forward(const DistillationArg
   } else {
     grad_out = at::empty({0}, logits.options());
   }
-  if (n > 0) backend.rows(s);
+  if (n > 0 && !(backend.fused_rows != nullptr && backend.fused_rows(s))) {
+    // The separate passes' buffers, only where they run.
+    if (!s.stats_given) s.stats = at::empty({n, DistillStats<double>::kFields}, opts);
+    if (k == DistillKind::kJsd && !s.jsd_given) s.jsd_sums = at::empty({n, 2}, opts);
+    s.grad_rows = at::empty({n, kDistGradFields}, opts);
+    backend.rows(s);
+  }
   return {DistillResults{sum_1d(s.row_loss), s.divergence.view(batch)}, grad_out};
 }
 

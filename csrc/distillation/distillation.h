@@ -37,10 +37,13 @@ struct DistillState {
 
 // The back-end of one device. `stats` fills state.stats for every row, `jsd_sums` fills state.jsd_sums (given
 // the statistics); `rows` runs whatever of the passes is not given, the row step, and the gradient if asked.
+// `fused_rows` (null where the device has none) runs every output and the gradient in one pass where it applies
+// and returns whether it did: it reads no stats, jsd_sums or grad_rows, which are then never allocated.
 struct DistillBackend {
   void (*stats)(const DistillState&);
   void (*jsd_sums)(const DistillState&);
   void (*rows)(const DistillState&);
+  bool (*fused_rows)(const DistillState&);
 };
 
 DistillKind parse_distill_kind(const char* op, const std::string& kind, double beta);

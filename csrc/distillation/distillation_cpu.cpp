@@ -218,7 +218,7 @@ void rows_cpu(const DistillState& s) {
 }
 
 const DistillBackend& distill_backend_cpu() {
-  static constexpr DistillBackend backend{&stats_cpu, &jsd_sums_cpu, &rows_cpu};
+  static constexpr DistillBackend backend{&stats_cpu, &jsd_sums_cpu, &rows_cpu, nullptr};
   return backend;
 }
 

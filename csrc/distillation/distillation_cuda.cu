@@ -211,7 +211,6 @@ bool cluster_rows_cuda(const DistillState& s) {
 }
 
 void rows_cuda(const DistillState& s) {
-  if (cluster_rows_cuda(s)) return;
   if (!s.stats_given) stats_cuda(s);
   if (s.opt.kind == DistillKind::kJsd && !s.jsd_given) jsd_sums_cuda(s);
   AT_DISPATCH_FLOATING_TYPES(s.row_loss.scalar_type(), "distillation", [&] {
@@ -232,7 +231,7 @@ void rows_cuda(const DistillState& s) {
 }  // namespace
 
 const DistillBackend& distill_backend_cuda() {
-  static constexpr DistillBackend backend{&stats_cuda, &jsd_sums_cuda, &rows_cuda};
+  static constexpr DistillBackend backend{&stats_cuda, &jsd_sums_cuda, &rows_cuda, &cluster_rows_cuda};
   return backend;
 }
 
