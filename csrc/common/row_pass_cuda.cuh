@@ -35,6 +35,7 @@
 
 #include "common/batch_invariant.h"
 #include "common/cuda/cluster_kernel.cuh"
+#include "common/cuda/cluster_order.cuh"
 #include "common/cuda/row_kernel.cuh"
 #include "common/dependent_launch.cuh"
 #include "common/row_pass.h"
@@ -107,19 +108,24 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
       if (grad) return launch(F{}, T{});
     }
   }
+  if (stats && !grad && args.batch_invariant &&
+      launch_cluster_order_stats<scalar_t, label_t, acc_t, kEntropy, kSmoothing>(args, epi)) {
+    return;
+  }
   if (stats) return launch(T{}, F{});
   if constexpr (Epilogue::kMayReadStats) launch(F{}, F{});
 }
 
-// The pass the batch-invariant mode runs for `args` (RowPassArgs::batch_invariant). Every row's statistics come
-// from row_pass_kernel, one block per row with a block size set by V (the cluster kernel is off in the mode:
-// cluster_kernel.cuh; a statistics-only variant of it measured not deterministic run to run, cause not found), so
-// the fused passes take the split path. Here: the statistics computed with the entropy sums wherever the epilogue
-// may use them, else with the smoothing sums, since either sets the kernel's online-softmax chunk (so a row reduces
-// in one order with or without its entropy, in the no-gradient pass as in the split path's; the sums' other uses
-// are off where the op's options leave them unused), and logits whose rows do not all start on 16-byte boundaries
-// read from an aligned copy (the kernel reads a row's unaligned head element by element, so the order would follow
-// the row's address). The gradient is written where `args` says: it is element-wise, the same from either copy.
+// The pass the batch-invariant mode runs for `args` (RowPassArgs::batch_invariant). A row's statistics are
+// reduced in one order whatever the pass: where the fused pass takes the cluster kernel (V·elem a multiple of 16
+// on sm_90), in its order, the statistics-only passes by cluster_order_stats_kernel (and the cluster kernel without
+// its tail launch); elsewhere by row_pass_kernel, one block per row with a block size set by V, the fused passes
+// split. Here: the statistics computed with the entropy sums wherever the epilogue may use them, else with the
+// smoothing sums, since either sets the kernels' online-softmax chunk (so a row reduces in one order with or
+// without its entropy, in the no-gradient pass as in the gradient's; the sums' other uses are off where the op's
+// options leave them unused), and logits whose rows do not all start on 16-byte boundaries read from an aligned
+// copy (row_pass_kernel reads a row's unaligned head element by element, so the order would follow the row's
+// address). The gradient is written where `args` says: it is element-wise, the same from either copy.
 template <typename Epi>
 RowPassArgs batch_invariant_pass(const RowPassArgs& args) {
   RowPassArgs a = args;

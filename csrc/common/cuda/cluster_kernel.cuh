@@ -347,18 +347,21 @@ inline ClusterShape cluster_shape(const RowPassArgs& args, int c) {
 // the kernel does not apply: not the fused shape, a device older than sm_90, rows of the logits or the
 // gradient not 16-byte aligned, a row longer than kMaxClusterSize slices; a sampler floor computed before the pass
 // (top_k, top_p: the split pass with row_pass_kernel measured faster, docs/design.md; min_p alone is computed in
-// the kernel, cluster_sampler.cuh) and the batch-invariant mode (every row's statistics in row_pass_kernel:
-// row_pass_cuda.cuh).
-inline ClusterShape row_cluster_shape(const RowPassArgs& args) {
-  if (!args.logits.is_cuda() || !args.compute_stats() || !args.write_grad()) return {};
-  if (args.logit_floor.defined() || args.batch_invariant) return {};
-  if (!rows_16_byte_aligned(args)) return {};
+// the kernel, cluster_sampler.cuh). cluster_shape_of_rows: the same but for the pass's shape and the floor (the
+// batch-invariant mode's statistics in the kernel's order, cluster_order.cuh).
+inline ClusterShape cluster_shape_of_rows(const RowPassArgs& args) {
+  if (!args.logits.is_cuda() || !args.compute_stats() || !rows_16_byte_aligned(args)) return {};
   if (at::cuda::getDeviceProperties(args.logits.get_device())->major < 9) return {};
   for (int c = 1; c <= kMaxClusterSize; ++c) {
     const ClusterShape shape = cluster_shape(args, c);
     if (shape.ctas != 0) return shape;
   }
   return {};
+}
+
+inline ClusterShape row_cluster_shape(const RowPassArgs& args) {
+  if (!args.write_grad() || args.logit_floor.defined()) return {};
+  return cluster_shape_of_rows(args);
 }
 
 // The cluster launch of `ctas` CTAs per cluster for `kernel` with `smem` bytes of dynamic shared memory (at most
@@ -460,7 +463,8 @@ bool launch_row_cluster(const RowPassArgs& args, const Epilogue& epi) {
   const Launch main_launch(kernel, shape);
   const int clusters = main_launch.resident_clusters();
   if (clusters == 0) return false;
-  const int64_t tail_rows = v.n_rows > clusters ? v.n_rows % clusters : 0;
+  // No tail in the batch-invariant mode: its CTAs per row would reduce those rows in another order.
+  const int64_t tail_rows = v.n_rows > clusters && !args.batch_invariant ? v.n_rows % clusters : 0;
   if (tail_rows != 0) {
     for (int c = kMaxClusterSize; c > shape.ctas; --c) {
       const ClusterShape tail = cluster_shape(args, c);
