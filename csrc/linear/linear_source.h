@@ -81,7 +81,10 @@ class LinearSource final : public RowSource {
   LinearSource(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
                const std::optional<at::Tensor>& bias, const at::Tensor& target, const LinearOptions& options,
                std::array<bool, 3> output_mask, const LinearBackend& backend);
-  void run(const RowPassArgs& args, bool with_grad, const Pass& pass) override;
+  // A RowRevisit (grpo's clip_cov / kl_cov) of at most `bound` rows: cheaper than the statistics pass it saves
+  // (the sub-batch runs up to two passes), and two sub-batches of logits within a chunk's budget.
+  bool revisits(int64_t bound) const override { return bound * 8 <= m_ && 2 * bound <= chunk_rows_; }
+  void run(const RowPassArgs& args, bool with_grad, const Pass& pass, const RowRevisit* revisit = nullptr) override;
   // grad_hidden (hidden's shape), grad_weight (V, H) and grad_bias (V,) in their inputs' dtypes, or empty
   // placeholders (grad_weight: also when it went into weight_main_grad). Frees the accumulators.
   std::vector<at::Tensor> grads() override;
@@ -95,11 +98,23 @@ class LinearSource final : public RowSource {
   // A pass's gradient (a buffer's first rows) as GEMM 2's and GEMM 3's operand: itself, or rounded in place to the
   // weight's dtype (fp32 logits).
   at::Tensor as_weight_dtype(const at::Tensor& grad) const;
+  // GEMM 2 over the first n rows of a gradient (n_padded, V) in the weight's dtype, into out (n, H).
+  void hidden_grad_of(const at::Tensor& out, const at::Tensor& g_padded, int64_t n) const;
   void row_sweep(const RowPassArgs& args, bool with_grad, bool weight_grad, const at::Tensor& stats,
-                 const at::Tensor& buffer, const Pass& pass);
+                 const at::Tensor& buffer, const Pass& pass, const RowRevisit* revisit);
+  // A revisit's sub-batch: its rows' logits (GEMM 1 into `padded`, (rows, V)) as a pass's.
+  RowPassArgs sub_batch(const RowPassArgs& args, const at::Tensor& index, const at::Tensor& h,
+                        at::Tensor& padded) const;
+  // Where a single chunk holds every row: its gradient rows replaced before GEMM 2 and GEMM 3 read them.
+  void revisit_chunk(const RowPassArgs& args, const RowRevisit& revisit, bool with_grad, const at::Tensor& buffer,
+                     int64_t n_padded);
+  // After the sweep over rows: grad_hidden's rows replaced; with `weight_delta`, grad_weight (an fp32 sum) and
+  // grad_bias take the changed rows' difference.
+  void revisit_rows(const RowPassArgs& args, const RowRevisit& revisit, bool with_grad, bool weight_delta);
   void vocab_sweep(const RowPassArgs& args, const at::Tensor& buffer, const Pass& pass);
 
   at::Tensor hidden_;  // (M, H) contiguous: the rows the passes see
+  at::Tensor hidden_all_;  // (N, H): every row, the skipped ones too (a revisit indexes rows globally)
   at::Tensor target_;  // (M,)
   at::Tensor rows_;    // (M,) their global rows where unlabelled rows are skipped, else undefined (M = N)
   at::Tensor weight_, bias_;
