@@ -164,3 +164,13 @@ def test_no_statistics_pass(mode, chunk):
             loss_type="ppo_clip" if name == "plain" else name, **options).loss.backward())
     for name in CASES:
         assert flops["plain"] < flops[name] <= 1.05 * flops["plain"], flops
+
+
+@pytest.mark.usefixtures("batch_invariant_mode")
+@pytest.mark.parametrize("chunk", ["one_chunk", "chunks"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", list(CASES))
+def test_batch_invariant_mode(device, name, mode, chunk):
+    """The batch-invariant mode's GEMMs take whole pieces of rows: the sub-batch's too (its logits then the sweep's
+    bits)."""
+    check(device, torch.float32, name, mode, CHUNKS[chunk])
