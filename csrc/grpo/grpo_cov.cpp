@@ -1,7 +1,8 @@
 // grpo's clip_cov / kl_cov with one read of the logits (docs/policy_losses.md, "Passes over the logits"): the loss
 // pass runs first with no token selected, its log-probs give the subset (cov_selection), and the rows that may hold
 // a selected token run the same pass again, a sub-batch of at most cov_subset_bound rows (3 at N = 16384 with
-// verl's ratio 2e-4), whose results replace the first pass's on the selected tokens only.
+// verl's ratio 2e-4), whose results replace the first pass's on the selected tokens only. The fused lm_head, whose
+// chunks' gradients are consumed chunk by chunk, redoes those rows itself (grpo_cov_revisit: a RowRevisit).
 #include "grpo/grpo.h"
 
 #include <utility>

@@ -26,6 +26,13 @@
 // row); their grad_hidden rows are scattered back, the others are zeros.
 // Statistics-only passes (GSPO's first pass, linear_token_log_probs' forward) are GEMM 1 and the pass, chunk
 // by chunk; GSPO thus costs 4 GEMMs when fast and 5 when lean.
+// A pass with a RowRevisit (grpo's clip_cov / kl_cov, docs/policy_losses.md) redoes a few rows once every row's
+// epilogue has run: their logits recomputed (GEMM 1 over their hidden rows), the op's pass over them as a
+// sub-batch (row_index: their global rows). Where one chunk holds every row, the changed rows' gradient replaces
+// the chunk's before GEMM 2 and GEMM 3; after several chunks, grad_hidden's changed rows are recomputed (GEMM 2) and
+// grad_weight's fp32 sum (the accumulator or weight_main_grad; never a rounded one) and grad_bias take the change
+// of those gradient rows (the sub-batch's pass without the change gives the rows the chunks consumed); in lean
+// mode the selection comes between the sweeps (sweep 1's statistics), so only grad_hidden's rows are recomputed.
 // Every GEMM sums in fp32 (fp64 for fp64 inputs), with no partial sum rounded to bf16/fp16.
 // The logits' dtype (head_dtype): "weight", GEMM 1 rounds them to the weight's dtype, as an unfused head does;
 // "float32", a bf16/fp16 weight's GEMM 1 writes its fp32 sums (the bias added in fp32), the passes read them, and
