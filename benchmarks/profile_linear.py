@@ -6,6 +6,8 @@ its time goes; then each mode's grad_weight error against a float64 reference.
     python3 benchmarks/profile_linear.py --shapes 16384x4096x128256 --modes fast,lean --reps 20
     python3 benchmarks/profile_linear.py --errors-only --device cpu --dtype float32   # the error table alone
     python3 benchmarks/profile_linear.py --dry-run       # CPU, tiny shapes: checks the logic
+    python3 benchmarks/profile_linear.py --shapes 8192x4096x128256,16384x4096x128256 --modes fast,lean,fast+main_grad \
+        --loss-types ppo_clip,clip_cov,kl_cov --reps 20   # clip_cov / kl_cov beside plain GRPO in each mode
 
 Per shape N x H x V (bf16; default N = 16384, H in {1536, 2048, 4096}, V in {128256, 151936}): the floor
 (hidden @ W.T, G @ W, G.T @ hidden, each timed alone), then per mode the median fwd+bwd time, its ratio to the
@@ -17,7 +19,9 @@ kind (gemm: cuBLAS; row: rl_losses' row kernels; other). Modes:
     fast/half, lean/half        half the rows unlabelled (skipped): also the time over the same mode's labelled one
     512MiB-chunks               fast mode with the chunk rule of the previous release (512 MiB of logits), for
                                 comparison
-The error table (one small shape, --error-shape): max|ours - ref| / max|ref| and the Frobenius ratio of grad_weight
+--loss-types: each mode with each loss type (verl's defaults: clip_cov's and kl_cov's ratio 2e-4, whose subset
+revisits max(⌊2e-4·N⌋, 1) rows; docs/policy_losses.md), timed after the mode's plain (ppo_clip) row, with the
+ratio to it. The error table (one small shape, --error-shape): max|ours - ref| / max|ref| and the Frobenius ratio of grad_weight
 for each way of forming it, ref = the float64 gradient of the float64 loss of the same (rounded) inputs; last, for
 contrast, the gradient of the rounded logits summed over 4 chunks in fp32 and in bf16 (a bf16 accumulator).
 """
@@ -142,7 +146,7 @@ def floor_ms(x: dict, reps: int, dev: str) -> tuple[float, dict]:
     return sum(times.values()), times
 
 
-def run_mode(name: str, x: dict, reps: int, dev: str) -> dict:
+def run_mode(name: str, x: dict, reps: int, dev: str, loss_type: str = "ppo_clip") -> dict:
     mode, main_grad, half, chunk_rule = MODES[name]
     hw = x["hidden"].clone().requires_grad_()
     ww = x["weight"].clone().requires_grad_()
@@ -155,7 +159,7 @@ def run_mode(name: str, x: dict, reps: int, dev: str) -> dict:
     def step():
         hw.grad = ww.grad = None
         rl_losses.linear_grpo_loss(hw, ww, target, x["adv"], x["old"], strategy=mode, chunk_size=chunk,
-                                   weight_main_grad=buffer).loss.backward()
+                                   weight_main_grad=buffer, loss_type=loss_type).loss.backward()
 
     for _ in range(2):
         step()
@@ -210,6 +214,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(f"{n}x{h}x{v}" for n, h, v in SHAPES))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--loss-types", default="ppo_clip", help="comma-separated linear_grpo loss types per mode")
     ap.add_argument("--error-shape", default="4096x1024x32768")
     ap.add_argument("--errors-only", action="store_true")
     ap.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
@@ -234,13 +239,16 @@ def main() -> int:
               + "  ".join(f"{k} {t:.3f}" for k, t in parts.items())
               + f"  | fast chunk {fast_chunk_rows(n, v, x['weight'].element_size())} rows")
         done: dict[str, dict] = {}
-        for name in modes:
-            r = done[name] = run_mode(name, x, args.reps, dev)
-            line = f"  {name:15s} {r['ms']:9.3f} ms = {r['ms'] / floor:.3f} x floor"
+        for name, loss_type in [(m, t) for m in modes for t in args.loss_types.split(",")]:
+            key = name if loss_type == "ppo_clip" else f"{name} {loss_type}"
+            r = done[key] = run_mode(name, x, args.reps, dev, loss_type)
+            line = f"  {key:24s} {r['ms']:9.3f} ms = {r['ms'] / floor:.3f} x floor"
+            if key != name and name in done:
+                line += f"  {r['ms'] / done[name]['ms']:.4f} x plain"
             if r["beyond_mib"] is not None:
                 line += f"  {r['beyond_mib']:7.0f} MiB beyond the gradients"
             labelled = name.split("/")[0]
-            if name.endswith("/half") and labelled in done:
+            if name.endswith("/half") and key == name and labelled in done:
                 line += f"  {r['ms'] / done[labelled]['ms']:.3f} x the labelled batch"
             print(line)
             if r["kinds"]:

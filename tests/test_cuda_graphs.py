@@ -146,6 +146,17 @@ CASES = [
            lambda h, w, d: reference.grpo_loss(_linear_ref(h, w, d), d["target"], d["adv"], d["old"],
                                                divisor=150.0).loss,
            hidden=True, dtype=torch.float32) for mode in ("fast", "lean")),
+    # kl_cov's few rows revisited by the fused lm_head (csrc/linear/linear_source.h, RowRevisit): after 3 chunks
+    # (fast), between lean mode's sweeps, and in one chunk of every row.
+    *(Case(f"linear_grpo_kl_cov_{layout}",
+           lambda h, w, d, options=options: rl_losses.linear_grpo_loss(
+               h, w, d["target"], d["adv"], d["old"], divisor=150.0, loss_type="kl_cov", kl_cov_ratio=0.05,
+               **options).loss,
+           lambda h, w, d: reference.grpo_loss(_linear_ref(h, w, d), d["target"], d["adv"], d["old"], divisor=150.0,
+                                               loss_type="kl_cov", kl_cov_ratio=0.05).loss,
+           hidden=True, dtype=torch.float32)
+      for layout, options in (("fast", _linear_options("fast")), ("lean", _linear_options("lean")),
+                              ("one_chunk", dict(skip_unlabelled=False)))),
     Case("linear_gspo",
          lambda h, w, d: rl_losses.linear_gspo_loss(h, w, d["target"], d["adv"], d["old"], d["doc"],
                                                     num_documents=DOCS, divisor=float(DOCS),
@@ -185,17 +196,22 @@ def test_static_size_call_does_not_synchronise(case, monkeypatch):
 @pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
 def test_cov_subsets_do_not_synchronise(name, monkeypatch):
     """clip_cov's and kl_cov's subsets as they run (k a few of many candidates; the CASES' clip_cov takes them all),
-    in grpo and policy_token_loss, fwd+bwd: verl's own functions read their counts on the host."""
+    in grpo, policy_token_loss and linear_grpo, fwd+bwd: verl's own functions read their counts on the host."""
     monkeypatch.delenv("RL_LOSSES_CHECK_INPUTS", raising=False)
     d = _inputs(N, V, torch.bfloat16)
     x = d["logits"].clone().requires_grad_()
     y = (d["old"] + 0.1 * torch.randn_like(d["old"])).requires_grad_()
     options = dict(loss_type=name, clip_cov_ratio=0.05, clip_cov_lb=-1e3, clip_cov_ub=1e3, kl_cov_ratio=0.05)
 
+    e = _inputs(N, V, torch.bfloat16, hidden=True)  # linear_grpo, its selected rows revisited after 3 chunks
+    h, w = e["hidden"].clone().requires_grad_(), e["weight"].clone().requires_grad_()
+
     def step():
         loss = rl_losses.grpo_loss(x, d["target"], d["adv"], d["old"], divisor=150.0, **options).loss
         per_token = rl_losses.policy_token_loss(y, d["old"], d["adv"], loss_mask=d["target"] >= 0, **options).loss
-        return torch.autograd.grad(loss + per_token.sum(), (x, y))
+        linear = rl_losses.linear_grpo_loss(h, w, e["target"], e["adv"], e["old"], divisor=150.0,
+                                            **_linear_options("fast"), **options).loss
+        return torch.autograd.grad(loss + per_token.sum() + linear, (x, y, h, w))
 
     step()
     torch.cuda.synchronize()

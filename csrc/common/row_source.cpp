@@ -59,7 +59,8 @@ LogitsSource::LogitsSource(const char* op, const at::Tensor& logits, const at::T
   }
 }
 
-void LogitsSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass) {
+void LogitsSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass, const RowRevisit* revisit) {
+  TORCH_INTERNAL_ASSERT(revisit == nullptr, "rl_losses: the logits source revisits no rows (revisits() is false)");
   TORCH_INTERNAL_ASSERT(!with_grad || grad2d_.defined(), "rl_losses: a gradient pass without a gradient buffer");
   RowPassArgs a = args;
   a.logits = f_.logits2d;

@@ -17,12 +17,24 @@
 #include <ATen/ops/zeros.h>
 
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "common/checks.h"
 #include "common/row_pass.h"
 
 namespace rl_losses {
+
+// A second look at a few rows once a pass has seen every row (grpo's clip_cov / kl_cov on the fused lm_head, whose
+// chunks' gradients are consumed before the last chunk's pass): the source calls `select` once every row's per-row
+// outputs exist and before any gradient it derives is final; it returns the rows to run again (global, int64
+// (bound,), the bound known on the host: nothing waits for the device) and, (bound,) bool, where their pass changes
+// (it may also set what later passes read). `pass` runs them as a sub-batch (args.row_index: those rows) with the
+// change, or without it (`changed` false: as the first pass ran them, for a source that subtracts what it consumed).
+struct RowRevisit {
+  std::function<std::pair<at::Tensor, at::Tensor>()> select;
+  std::function<void(RowPassArgs&, bool changed)> pass;
+};
 
 class RowSource {
  public:
@@ -47,9 +59,13 @@ class RowSource {
     return skips_unlabelled_ ? at::zeros(sizes, acc_options()) : new_empty(sizes, acc_options());
   }
 
+  // Whether run() takes a RowRevisit of `bound` rows (at most): LinearSource where the sub-batch's logits fit its
+  // chunk budget.
+  virtual bool revisits(int64_t bound) const { (void)bound; return false; }
   // Runs `pass` over every row, chunk by chunk. With `with_grad`, each pass writes dL/dlogits of its rows
-  // (for an upstream gradient of 1) into args.grad, and the source turns it into the op's gradients.
-  virtual void run(const RowPassArgs& args, bool with_grad, const Pass& pass) = 0;
+  // (for an upstream gradient of 1) into args.grad, and the source turns it into the op's gradients. `revisit`
+  // (where revisits()): the rows it selects end with its changed pass's outputs and gradients.
+  virtual void run(const RowPassArgs& args, bool with_grad, const Pass& pass, const RowRevisit* revisit = nullptr) = 0;
   // The op's gradient outputs (empty placeholders where none was computed), once, after the passes.
   virtual std::vector<at::Tensor> grads() = 0;
 
@@ -70,7 +86,7 @@ class LogitsSource final : public RowSource {
   // pre-scaled (row_pass.h, GradRowPrescaled; grad_row_unscale() returns their factors).
   LogitsSource(const char* op, const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
                int64_t vocab_size, bool compute_grad, bool inplace, bool scaled_later = false);
-  void run(const RowPassArgs& args, bool with_grad, const Pass& pass) override;
+  void run(const RowPassArgs& args, bool with_grad, const Pass& pass, const RowRevisit* revisit = nullptr) override;
   std::vector<at::Tensor> grads() override { return {grad_}; }
   // (N,) fp32 2^-k per row for fp16 gradients computed with scaled_later; an empty fp32 tensor otherwise
   // (`_scale_grad_`'s row_unscale).

@@ -157,14 +157,17 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   }
   // clip_cov's / kl_cov's subset, from every labelled token's log-prob (docs/policy_losses.md): after the loss pass,
   // which gives them, and a fix-up of the selected rows (grpo_cov_fix_up) where the pass sees the whole batch and
-  // leaves the logits intact; otherwise (the fused lm_head's chunks, whose gradients are consumed chunk by chunk,
-  // and inplace_backward) from a statistics pass before the loss pass. So too for a subset bound past an eighth of
-  // the rows: the fix-up moves its rows about five times (gather, pass, gradient, write-back) and holds two
-  // buffers of them, where the statistics pass reads every row once.
+  // leaves the logits intact; the fused lm_head, whose chunks' gradients are consumed chunk by chunk, revisits
+  // them itself (RowRevisit: their logits recomputed, their gradients' change added); otherwise (inplace_backward,
+  // statistics already computed) from a statistics pass before the loss pass. So too for a subset bound past an
+  // eighth of the rows: the fix-up moves its rows about five times (gather, pass, gradient, write-back) and holds
+  // two buffers of them, where the statistics pass reads every row once.
   const bool cov = cov_loss_type(opt.loss_type);
-  const bool cov_after = cov && src.rows_revisitable() && cov_subset_bound(a.policy, opt, f.n_rows) * 8 <= f.n_rows;
-  const at::Tensor cov_mask = cov_after ? kept_mask() : at::Tensor();  // here: no launch between count and pass
-  if (cov && !cov_after) {
+  const int64_t cov_bound = cov ? cov_subset_bound(a.policy, opt, f.n_rows) : 0;
+  const bool cov_after = cov && src.rows_revisitable() && cov_bound * 8 <= f.n_rows;
+  const bool cov_revisit = cov && !cov_after && !args.stats_in.defined() && src.revisits(cov_bound);
+  const at::Tensor cov_mask = cov_after || cov_revisit ? kept_mask() : at::Tensor();  // no launch between count and pass
+  if (cov && !cov_after && !cov_revisit) {
     statistics_first();
     at::Tensor lp = new_empty({f.n_rows}, opts);
     backend.log_probs(args.stats_in, f.target1d, lp);
@@ -200,12 +203,17 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
     rows.divisor = n_labelled;
   }
   const PolicyArgs& policy = a.policy;
+  RowRevisit revisit;
+  if (cov_revisit) revisit = grpo_cov_revisit(rows, policy, cov_mask, backend);
   if (f.n_rows > 0) {
-    src.run(args, src.wants_grad(), [&](RowPassArgs& a) {
-      split_stats_pass_on_cuda(a);
-      backend.rows(a, rows);
-      if (cov_after) grpo_cov_fix_up(a, rows, policy, cov_mask, backend);
-    });
+    src.run(
+        args, src.wants_grad(),
+        [&](RowPassArgs& a) {
+          split_stats_pass_on_cuda(a);
+          backend.rows(a, rows);
+          if (cov_after) grpo_cov_fix_up(a, rows, policy, cov_mask, backend);
+        },
+        cov_revisit ? &revisit : nullptr);
   }
   if (rejecting) {
     const at::Tensor rejected = kept_mask().logical_not();

@@ -400,6 +400,12 @@ struct GrpoBackendImpl {
 void grpo_cov_fix_up(const RowPassArgs& a, GrpoRows& rows, const PolicyArgs& policy, const at::Tensor& mask,
                      const GrpoBackend& backend);
 
+// The same for a source that revisits rows itself (the fused lm_head: RowRevisit): the subset selected once every
+// row's log-prob exists (rows.cov_selected set, for the passes after it), its rows' pass with or without it. Holds
+// references to `rows`, `policy` and `mask` for the source's run.
+RowRevisit grpo_cov_revisit(GrpoRows& rows, const PolicyArgs& policy, const at::Tensor& mask,
+                            const GrpoBackend& backend);
+
 // grpo's and linear_grpo's arguments but the source's (op_args.h).
 #define RL_LOSSES_GRPO_ARGS(X)                                                                            \
   RL_LOSSES_POLICY_INPUTS(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_GRPO_OPTIONS(X) RL_LOSSES_KL_WEIGHT(X) \

@@ -1,8 +1,11 @@
 // grpo's clip_cov / kl_cov with one read of the logits (docs/policy_losses.md, "Passes over the logits"): the loss
 // pass runs first with no token selected, its log-probs give the subset (cov_selection), and the rows that may hold
 // a selected token run the same pass again, a sub-batch of at most cov_subset_bound rows (3 at N = 16384 with
-// verl's ratio 2e-4), whose results replace the first pass's on the selected tokens only.
+// verl's ratio 2e-4), whose results replace the first pass's on the selected tokens only. The fused lm_head, whose
+// chunks' gradients are consumed chunk by chunk, redoes those rows itself (grpo_cov_revisit: a RowRevisit).
 #include "grpo/grpo.h"
+
+#include <utility>
 
 namespace rl_losses {
 
@@ -39,6 +42,24 @@ void grpo_cov_fix_up(const RowPassArgs& a, GrpoRows& rows, const PolicyArgs& pol
   backend.rows(s, sub);
   backend.cov_write_back(c);
   rows.cov_selected = sel.selected;
+}
+
+RowRevisit grpo_cov_revisit(GrpoRows& rows, const PolicyArgs& policy, const at::Tensor& mask,
+                            const GrpoBackend& backend) {
+  RowRevisit r;
+  r.select = [&rows, &policy, mask] {
+    const at::Tensor& old = rows.old_log_probs.defined() ? rows.old_log_probs : rows.log_probs;  // on-policy: ℓ
+    const CovSelection sel = cov_selection(policy, rows.opt, rows.log_probs, old, rows.advantages, mask);
+    rows.cov_selected = sel.selected;
+    return std::make_pair(sel.first, sel.selected.index_select(0, sel.first));
+  };
+  r.pass = [&rows, &backend](RowPassArgs& a, bool changed) {
+    GrpoRows sub = rows;  // the per-row arrays the batch's: the sub-batch indexes them by row_index
+    if (!changed) sub.cov_selected = at::Tensor();
+    split_stats_pass_on_cuda(a);
+    backend.rows(a, sub);
+  };
+  return r;
 }
 
 }  // namespace rl_losses

@@ -3,6 +3,10 @@
 #include "common/sampler.h"
 
 #include <ATen/ops/addmm.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/where.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/nonzero.h>
@@ -180,6 +184,7 @@ LinearSource::LinearSource(const char* op, const at::Tensor& hidden, const at::T
   const bool rounds = wants_grad_ && logits_dtype_ != weight.scalar_type();
   const int64_t el16 = 16 * c10::elementSize(logits_dtype_) + (rounds ? e : 0);
   hidden_ = hidden.reshape({n, hidden_size}).contiguous();
+  hidden_all_ = hidden_;
   target_ = f_.target1d;
   m_ = n;
   if (options.skip_unlabelled && n > 0) {
@@ -251,7 +256,7 @@ void LinearSource::logits_of(const at::Tensor& out, const at::Tensor& h, int64_t
   });
 }
 
-void LinearSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass) {
+void LinearSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass, const RowRevisit* revisit) {
   TORCH_CHECK(!(lean_ && args.sampler_params.defined()), op_, ": top_k, top_p and min_p need each row's whole ",
               "vocabulary at once, which strategy='lean' does not hold; use strategy='fast'");
   if (m_ == 0) return;
@@ -259,17 +264,22 @@ void LinearSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass
   const bool weight_grad = with_grad && (mask_[1] || mask_[2]);
   const bool two_sweeps = weight_grad && block_cols_ > 0;
   const int64_t rows = buffer_rows(std::min(chunk_rows_, m_), invariant_);
-  at::Tensor buffer = at::empty({std::max(rows * vocab, two_sweeps ? m_ * block_cols_ : 0)},
+  // A revisit's one more row: where the rows the passes skip land (revisit_chunk).
+  const int64_t extra = revisit != nullptr ? vocab : 0;
+  at::Tensor buffer = at::empty({std::max(rows * vocab + extra, two_sweeps ? m_ * block_cols_ : 0)},
                                 hidden_.options().dtype(logits_dtype_));
   if (!two_sweeps) {
-    row_sweep(args, with_grad, weight_grad, at::Tensor(), buffer, pass);
+    row_sweep(args, with_grad, weight_grad, at::Tensor(), buffer, pass, revisit);
     return;
   }
   // Lean mode. Sweep 1: grad_hidden, and each row's statistics unless the op gave them.
   const bool given = args.stats_in.defined();
   const at::Tensor stats = given ? rows_of(args.stats_in, 0, m_) : at::empty({m_, RowStats<float>::kFields},
                                                                               acc_options());
-  if (mask_[0] || !given) row_sweep(args, mask_[0], false, given ? at::Tensor() : stats, buffer, pass);
+  if (mask_[0] || !given) row_sweep(args, mask_[0], false, given ? at::Tensor() : stats, buffer, pass, nullptr);
+  // Every row's statistics exist before the weight's gradient: the revisit's change reaches sweep 2's passes, and
+  // only grad_hidden's rows need replacing.
+  if (revisit != nullptr) revisit_rows(args, *revisit, mask_[0], false);
   // Sweep 2: the weight's and the bias's gradients, a block of vocabulary at a time over all the rows.
   RowPassArgs a = args;
   a.stats_in = stats;
@@ -281,7 +291,7 @@ void LinearSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass
 }
 
 void LinearSource::row_sweep(const RowPassArgs& args, bool with_grad, bool weight_grad, const at::Tensor& stats,
-                             const at::Tensor& buffer, const Pass& pass) {
+                             const at::Tensor& buffer, const Pass& pass, const RowRevisit* revisit) {
   const int64_t vocab = f_.vocab, hidden_size = hidden_.size(1);
   for (int64_t r0 = 0; r0 < m_; r0 += chunk_rows_) {
     const int64_t n = std::min(chunk_rows_, m_ - r0);
@@ -307,21 +317,14 @@ void LinearSource::row_sweep(const RowPassArgs& args, bool with_grad, bool weigh
     // Where the CUDA back-end ran the statistics as a pass of their own (split_stats_pass_on_cuda), those are
     // the statistics the epilogue saw.
     if (stats.defined() && a.stats_in.defined()) stats.narrow(0, r0, n).copy_(a.stats_in);
+    if (revisit != nullptr && n == m_) revisit_chunk(args, *revisit, with_grad, buffer, n_padded);
     if (!with_grad) continue;
     if (weight_grad && mask_[2]) grad_bias_acc_.add_(logits.sum({0}, false, grad_bias_acc_.scalar_type()));
     if (!mask_[0] && !(weight_grad && mask_[1])) continue;
     const at::Tensor g_padded = as_weight_dtype(padded), g = g_padded.narrow(0, 0, n);
     if (mask_[0]) {
       at::Tensor out = rows_.defined() ? at::empty({n, hidden_size}, hidden_.options()) : grad_hidden_.narrow(0, r0, n);
-      for_gemm_pieces(n, invariant_, [&](int64_t p0, int64_t pn, int64_t rows) {
-        const at::Tensor own = out.narrow(0, p0, pn);
-        if (rows == pn && (!invariant_ || aligned_16(own))) {
-          return backend_.gemm(own, g.narrow(0, p0, pn), weight_, false);
-        }
-        const at::Tensor o = at::empty({rows, hidden_size}, out.options());
-        backend_.gemm(o, g_padded.narrow(0, p0, rows), weight_, false);
-        own.copy_(o.narrow(0, 0, pn));
-      });
+      hidden_grad_of(out, g_padded, n);
       if (rows_.defined()) grad_hidden_.index_copy_(0, rows_.narrow(0, r0, n), out);
     }
     if (weight_grad && mask_[1]) {
@@ -330,6 +333,18 @@ void LinearSource::row_sweep(const RowPassArgs& args, bool with_grad, bool weigh
       weight_grad_written_ = true;
     }
   }
+  if (revisit != nullptr && chunk_rows_ < m_) revisit_rows(args, *revisit, with_grad, weight_grad);
+}
+
+void LinearSource::hidden_grad_of(const at::Tensor& out, const at::Tensor& g_padded, int64_t n) const {
+  const at::Tensor g = g_padded.narrow(0, 0, n);
+  for_gemm_pieces(n, invariant_, [&](int64_t p0, int64_t pn, int64_t rows) {
+    const at::Tensor own = out.narrow(0, p0, pn);
+    if (rows == pn && (!invariant_ || aligned_16(own))) return backend_.gemm(own, g.narrow(0, p0, pn), weight_, false);
+    const at::Tensor o = at::empty({rows, out.size(1)}, out.options());
+    backend_.gemm(o, g_padded.narrow(0, p0, rows), weight_, false);
+    own.copy_(o.narrow(0, 0, pn));
+  });
 }
 
 void LinearSource::vocab_sweep(const RowPassArgs& args, const at::Tensor& buffer, const Pass& pass) {
@@ -351,6 +366,84 @@ void LinearSource::vocab_sweep(const RowPassArgs& args, const at::Tensor& buffer
     }
   }
   weight_grad_written_ = true;
+}
+
+RowPassArgs LinearSource::sub_batch(const RowPassArgs& args, const at::Tensor& index, const at::Tensor& h,
+                                    at::Tensor& padded) const {
+  const int64_t bound = index.size(0);
+  // GEMM 1 over the sub-batch's rows, in whole pieces in the batch-invariant mode: its rows' logits then have the
+  // bits the sweep's had.
+  padded = at::empty({buffer_rows(bound, invariant_), f_.vocab}, hidden_.options().dtype(logits_dtype_));
+  logits_of(padded, h, 0, invariant_);
+  RowPassArgs a = args;
+  a.logits = padded.narrow(0, 0, bound);
+  a.target = f_.target1d.index_select(0, index);
+  a.row_offset = 0;
+  a.row_index = index;  // the epilogue reads and writes the per-row arrays at the batch's rows
+  a.stats_out = at::Tensor();
+  if (args.stats_in.defined()) a.stats_in = args.stats_in.index_select(0, index);
+  if (args.sampler_params.defined()) a.logit_floor = sampler_floor(op_, a, args.sampler_params);
+  return a;
+}
+
+void LinearSource::revisit_chunk(const RowPassArgs& args, const RowRevisit& revisit, bool with_grad,
+                                 const at::Tensor& buffer, int64_t n_padded) {
+  const auto [index, changed] = revisit.select();
+  at::Tensor padded;
+  RowPassArgs s = sub_batch(args, index, hidden_all_.index_select(0, index), padded);
+  if (with_grad) s.grad = s.logits;
+  revisit.pass(s, true);
+  if (!with_grad) return;
+  const int64_t vocab = f_.vocab;
+  // The chunk's row of each revisited row: its own where no row is skipped; else found through rows_, a skipped
+  // row (never changed) landing on the scratch row past the chunk's, so that no two changed rows share one.
+  at::Tensor local = index;
+  if (rows_.defined()) {
+    local = at::full({f_.n_rows}, n_padded, index.options());
+    local.index_copy_(0, rows_, at::arange(m_, index.options()));
+    local = local.index_select(0, index);
+  }
+  const at::Tensor chunk = buffer.narrow(0, 0, (n_padded + 1) * vocab).view({n_padded + 1, vocab});
+  chunk.index_copy_(0, local, at::where(changed.unsqueeze(1), s.grad, chunk.index_select(0, local)));
+}
+
+void LinearSource::revisit_rows(const RowPassArgs& args, const RowRevisit& revisit, bool with_grad,
+                                bool weight_delta) {
+  const auto [index, changed] = revisit.select();
+  const int64_t bound = index.size(0);
+  const at::Tensor h = hidden_all_.index_select(0, index);
+  at::Tensor padded, before;
+  RowPassArgs s = sub_batch(args, index, h, padded);
+  weight_delta = weight_delta && with_grad && (mask_[1] || mask_[2]);
+  if (weight_delta) {  // the gradient rows the sweep consumed, as the first pass wrote them
+    before = padded.narrow(0, 0, bound).clone();
+    RowPassArgs b = s;
+    b.logits = b.grad = before;
+    revisit.pass(b, false);
+  }
+  if (with_grad) s.grad = s.logits;
+  revisit.pass(s, true);  // last: the per-row outputs are the changed pass's
+  if (!with_grad) return;
+  const at::Tensor keep = changed.unsqueeze(1), after = s.grad;
+  const auto wdtype = weight_.scalar_type();
+  if (weight_delta && mask_[2]) {  // before any rounding, as the sweep's sums
+    const auto acc = grad_bias_acc_.scalar_type();
+    grad_bias_acc_.add_(at::where(keep, after.to(acc) - before.to(acc), 0).sum(0));
+  }
+  if (weight_delta && mask_[1]) {
+    // grad_weight (+)= Σ over changed rows of (after − before)ᵀ h, as one GEMM over both sets of rows (the
+    // second negated) into the fp32 sum: no partial sum rounded to the weight's dtype.
+    TORCH_INTERNAL_ASSERT(main_grad_.defined() || grad_weight_.scalar_type() == acc_dtype(wdtype),
+                          "rl_losses: a revisit's weight gradient needs an fp32 sum");
+    const at::Tensor d = at::cat({at::where(keep, after, 0), at::where(keep, -before, 0)}).to(wdtype);
+    backend_.gemm(main_grad_.defined() ? main_grad_ : grad_weight_, d.t(), at::cat({h, h}), true);
+    weight_grad_written_ = true;
+  }
+  if (mask_[0]) {  // a row's grad_hidden is its own gradient row's: replaced outright
+    const at::Tensor out = at::empty({bound, hidden_.size(1)}, hidden_.options());
+    hidden_grad_of(out, padded.to(wdtype), bound);
+    grad_hidden_.index_copy_(0, index, at::where(keep, out, grad_hidden_.index_select(0, index)));
+  }
 }
 
 std::vector<at::Tensor> LinearSource::grads() {

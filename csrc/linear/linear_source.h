@@ -26,6 +26,13 @@
 // row); their grad_hidden rows are scattered back, the others are zeros.
 // Statistics-only passes (GSPO's first pass, linear_token_log_probs' forward) are GEMM 1 and the pass, chunk
 // by chunk; GSPO thus costs 4 GEMMs when fast and 5 when lean.
+// A pass with a RowRevisit (grpo's clip_cov / kl_cov, docs/policy_losses.md) redoes a few rows once every row's
+// epilogue has run: their logits recomputed (GEMM 1 over their hidden rows), the op's pass over them as a
+// sub-batch (row_index: their global rows). Where one chunk holds every row, the changed rows' gradient replaces
+// the chunk's before GEMM 2 and GEMM 3; after several chunks, grad_hidden's changed rows are recomputed (GEMM 2) and
+// grad_weight's fp32 sum (the accumulator or weight_main_grad; never a rounded one) and grad_bias take the change
+// of those gradient rows (the sub-batch's pass without the change gives the rows the chunks consumed); in lean
+// mode the selection comes between the sweeps (sweep 1's statistics), so only grad_hidden's rows are recomputed.
 // Every GEMM sums in fp32 (fp64 for fp64 inputs), with no partial sum rounded to bf16/fp16.
 // The logits' dtype (head_dtype): "weight", GEMM 1 rounds them to the weight's dtype, as an unfused head does;
 // "float32", a bf16/fp16 weight's GEMM 1 writes its fp32 sums (the bias added in fp32), the passes read them, and
@@ -81,7 +88,10 @@ class LinearSource final : public RowSource {
   LinearSource(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
                const std::optional<at::Tensor>& bias, const at::Tensor& target, const LinearOptions& options,
                std::array<bool, 3> output_mask, const LinearBackend& backend);
-  void run(const RowPassArgs& args, bool with_grad, const Pass& pass) override;
+  // A RowRevisit (grpo's clip_cov / kl_cov) of at most `bound` rows: cheaper than the statistics pass it saves
+  // (the sub-batch runs up to two passes), and two sub-batches of logits within a chunk's budget.
+  bool revisits(int64_t bound) const override { return bound * 8 <= m_ && 2 * bound <= chunk_rows_; }
+  void run(const RowPassArgs& args, bool with_grad, const Pass& pass, const RowRevisit* revisit = nullptr) override;
   // grad_hidden (hidden's shape), grad_weight (V, H) and grad_bias (V,) in their inputs' dtypes, or empty
   // placeholders (grad_weight: also when it went into weight_main_grad). Frees the accumulators.
   std::vector<at::Tensor> grads() override;
@@ -95,11 +105,23 @@ class LinearSource final : public RowSource {
   // A pass's gradient (a buffer's first rows) as GEMM 2's and GEMM 3's operand: itself, or rounded in place to the
   // weight's dtype (fp32 logits).
   at::Tensor as_weight_dtype(const at::Tensor& grad) const;
+  // GEMM 2 over the first n rows of a gradient (n_padded, V) in the weight's dtype, into out (n, H).
+  void hidden_grad_of(const at::Tensor& out, const at::Tensor& g_padded, int64_t n) const;
   void row_sweep(const RowPassArgs& args, bool with_grad, bool weight_grad, const at::Tensor& stats,
-                 const at::Tensor& buffer, const Pass& pass);
+                 const at::Tensor& buffer, const Pass& pass, const RowRevisit* revisit);
+  // A revisit's sub-batch: its rows' logits (GEMM 1 into `padded`, (rows, V)) as a pass's.
+  RowPassArgs sub_batch(const RowPassArgs& args, const at::Tensor& index, const at::Tensor& h,
+                        at::Tensor& padded) const;
+  // Where a single chunk holds every row: its gradient rows replaced before GEMM 2 and GEMM 3 read them.
+  void revisit_chunk(const RowPassArgs& args, const RowRevisit& revisit, bool with_grad, const at::Tensor& buffer,
+                     int64_t n_padded);
+  // After the sweep over rows: grad_hidden's rows replaced; with `weight_delta`, grad_weight (an fp32 sum) and
+  // grad_bias take the changed rows' difference.
+  void revisit_rows(const RowPassArgs& args, const RowRevisit& revisit, bool with_grad, bool weight_delta);
   void vocab_sweep(const RowPassArgs& args, const at::Tensor& buffer, const Pass& pass);
 
   at::Tensor hidden_;  // (M, H) contiguous: the rows the passes see
+  at::Tensor hidden_all_;  // (N, H): every row, the skipped ones too (a revisit indexes rows globally)
   at::Tensor target_;  // (M,)
   at::Tensor rows_;    // (M,) their global rows where unlabelled rows are skipped, else undefined (M = N)
   at::Tensor weight_, bias_;
