@@ -77,6 +77,23 @@ C10_HOST_DEVICE inline T exp_nonpos(T x) {
 #endif
 }
 
+// a·x + b·y with both products rounded before the sum, so that swapping (a, x) with (b, y) gives the same bits.
+// nvcc would contract it into fma(a, x, b·y), rounding one product only: the reductions' butterflies combine the
+// same two states in both lanes in opposite orders, and every lane (and every CTA of a cluster, which writes the
+// row's outputs from its own lane's state) must get the same bits. The host compiles ISO C++ (no contraction).
+template <typename T>
+C10_HOST_DEVICE inline T sum_of_products(T a, T x, T b, T y) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (sizeof(T) == 4) {
+    return __fmul_rn(a, x) + __fmul_rn(b, y);
+  } else {
+    return __dmul_rn(a, x) + __dmul_rn(b, y);
+  }
+#else
+  return a * x + b * y;
+#endif
+}
+
 // log(1 + e) for e in [0, 1], a log-add-exp's correction term: the hardware log2 of 1 + e on the GPU in float
 // (1 + e in [1, 2]: an absolute error of about 2^-22, besides the rounding of 1 + e, both below the ulp of the
 // term it corrects unless that is < 1 in magnitude); libdevice's log1pf took ~25 instructions per element of
@@ -242,8 +259,8 @@ RL_LOSSES_UNROLL
   C10_HOST_DEVICE static RowStats combine(const RowStats& a, const RowStats& b) {
     const T m = a.max > b.max ? a.max : b.max;
     const T fa = a.max == m ? T(1) : exp_nonpos(a.max - m), fb = b.max == m ? T(1) : exp_nonpos(b.max - m);
-    return {m, a.sumexp * fa + b.sumexp * fb, a.sum_px * fa + b.sum_px * fb, a.sum_x + b.sum_x,
-            a.label + b.label};
+    return {m, sum_of_products(a.sumexp, fa, b.sumexp, fb), sum_of_products(a.sum_px, fa, b.sum_px, fb),
+            a.sum_x + b.sum_x, a.label + b.label};
   }
 
   C10_HOST_DEVICE T lse() const { return max + ::log(sumexp); }

@@ -91,12 +91,12 @@ struct DistillStats {
     const T fas = a.ms == ms ? T(1) : exp_nonpos(a.ms - ms), fbs = b.ms == ms ? T(1) : exp_nonpos(b.ms - ms);
     const T fat = a.mt == mt ? T(1) : exp_nonpos(a.mt - mt), fbt = b.mt == mt ? T(1) : exp_nonpos(b.mt - mt);
     return {ms,
-            a.ss * fas + b.ss * fbs,
+            sum_of_products(a.ss, fas, b.ss, fbs),
             mt,
-            a.st * fat + b.st * fbt,
-            a.wt * fat + b.wt * fbt,
-            a.ws * fas + b.ws * fbs,
-            a.hx * fat + b.hx * fbt};
+            sum_of_products(a.st, fat, b.st, fbt),
+            sum_of_products(a.wt, fat, b.wt, fbt),
+            sum_of_products(a.ws, fas, b.ws, fbs),
+            sum_of_products(a.hx, fat, b.hx, fbt)};
   }
 
   C10_HOST_DEVICE T lse_student() const { return ms + ::log(ss); }

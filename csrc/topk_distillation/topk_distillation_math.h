@@ -84,7 +84,7 @@ struct TopkPartial {
     const T m = u.m > v.m ? u.m : v.m;
     const T fu = u.m == neg_inf<T>() ? T(0) : exp_nonpos(u.m - m), fv = v.m == neg_inf<T>() ? T(0) : exp_nonpos(v.m - m);
     const T cu = fu > T(0) ? fu * (u.c + u.e * (u.m - m)) : T(0), cv = fv > T(0) ? fv * (v.c + v.e * (v.m - m)) : T(0);
-    return {m, u.e * fu + v.e * fv, cu + cv, u.p + v.p, u.a + v.a, u.b + v.b,
+    return {m, sum_of_products(u.e, fu, v.e, fv), cu + cv, u.p + v.p, u.a + v.a, u.b + v.b,
             u.lp_min < v.lp_min ? u.lp_min : v.lp_min};
   }
   C10_HOST_DEVICE void store(T* out) const {

@@ -51,8 +51,8 @@ __device__ inline RowStats<acc_t> shfl_xor(const RowStats<acc_t>& s, int mask) {
           __shfl_xor_sync(0xffffffffu, s.label, mask)};
 }
 
-// Every thread of the block gets the combined state (the same bits: combine is commutative, and each
-// butterfly step combines the same two values in both lanes). `scratch` holds one state per warp. The
+// Every thread of the block gets the combined state (the same bits: combine is commutative bit for bit, its
+// products rounded apart (sum_of_products), and each butterfly step combines the same two values in both lanes). `scratch` holds one state per warp. The
 // second round takes log2(warps) steps, lane l holding warp l mod warps: this reduction is on every row's
 // critical path, while the CTA has no memory traffic of its own.
 template <int kThreads, typename acc_t>
