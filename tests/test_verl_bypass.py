@@ -13,7 +13,7 @@ algorithm = pytest.importorskip("verl.trainer.config.algorithm")
 verl_config = pytest.importorskip("verl.workers.config")
 
 import rl_losses  # noqa: E402
-from rl_losses import reference  # noqa: E402
+from rl_losses import reference, reference_rejection  # noqa: E402
 from rl_losses.integrations import verl as rl_verl  # noqa: E402
 
 from helpers_verl import make_config  # noqa: E402
@@ -66,9 +66,10 @@ def assert_same(out, grad, loss, expected):
 @pytest.mark.parametrize("global_info", [None, GLOBAL], ids=["local", "global"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("rules", RULES)
-def test_grpo_bypass_matches_verl(rules, mode, global_info):
+def test_grpo_bypass_matches_verl(rules, mode, global_info, device):
     """ppo_clip on π/π_rollout over the tokens the rules keep, judged on the current log-probs; rollout_is (verl's
-    metrics only in ppo_clip) changes nothing."""
+    metrics only in ppo_clip) changes nothing. With the global counts grpo rejects after its one pass (the rejected
+    rows' factor 0 in the backward); without, after a statistics pass."""
     logits, target, mask, lp, rollout, adv, thresholds = bypass_batch(rules)
     rc = algorithm.RolloutCorrectionConfig(bypass_mode=True, loss_type="ppo_clip", rollout_is="token",
                                            rollout_is_threshold=1.5, rollout_rs=rules, rollout_rs_threshold=thresholds)
@@ -80,17 +81,19 @@ def test_grpo_bypass_matches_verl(rules, mode, global_info):
     options = rl_verl.fused_policy_options(rc, mode)
     assert options["bypass_mode"] and "rollout_correction" not in options
     options.update(divisor_of(mode, global_info, target.shape[-1]))
-    y = logits.clone().requires_grad_(True)
-    out = rl_losses.grpo_loss(y, target, adv, None, delta=3.0, rollout_log_probs=rollout, **options)
+    y = logits.to(device).requires_grad_(True)
+    out = rl_losses.grpo_loss(y, target.to(device), adv.to(device), None, delta=3.0,
+                              rollout_log_probs=rollout.to(device), **options)
     (grad,) = torch.autograd.grad(out.loss, y)
-    assert_same(out, grad, loss, expected)
+    out = out._replace(**{k: v.cpu() for k, v in out._asdict().items() if isinstance(v, torch.Tensor)})
+    assert_same(out, grad.cpu(), loss, expected)
     assert_metrics(out, logits, target, kept, rollout, None)
     assert torch.all(out.log_probs[kept == 0] == 0)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("rollout_is", [None, "token"])
-def test_grpo_bypass_reinforce_matches_verl(rollout_is, mode):
+def test_grpo_bypass_reinforce_matches_verl(rollout_is, mode, device):
     """loss_type "reinforce": −A·lp ("gpg"), or with token weights min(π/π_rollout, C) "cispo" with
     epsilon_high = C, over the kept tokens."""
     rules = "token_k2,seq_mean_k1"
@@ -100,9 +103,13 @@ def test_grpo_bypass_reinforce_matches_verl(rollout_is, mode):
     loss, expected, _ = verl_bypass(logits, target, mask, rollout, adv, mode, rc, None)
     options = rl_verl.fused_policy_options(rc, mode)
     assert options["loss_type"] == ("cispo" if rollout_is else "gpg")
-    y = logits.clone().requires_grad_(True)
-    out = rl_losses.grpo_loss(y, target, adv, None, rollout_log_probs=rollout, **options)
-    assert_same(out, torch.autograd.grad(out.loss, y)[0], loss, expected)
+    y = logits.to(device).requires_grad_(True)
+    out = rl_losses.grpo_loss(y, target.to(device), adv.to(device), None, rollout_log_probs=rollout.to(device),
+                              **options)
+    (grad,) = torch.autograd.grad(out.loss, y)
+    torch.testing.assert_close(out.loss.cpu(), loss, rtol=1e-9, atol=1e-10)
+    scale = expected.abs().max()
+    torch.testing.assert_close(grad.cpu() / scale, expected / scale, rtol=1e-9, atol=1e-10)
 
 
 def test_grpo_bypass_given_old_and_label_counts():
@@ -132,7 +139,7 @@ def test_grpo_bypass_given_old_and_label_counts():
 
 
 @pytest.mark.parametrize("rules", ["token_k1", "seq_mean_k3", "seq_max_k2,token_k3"])
-def test_gspo_bypass_matches_masked_labels(rules):
+def test_gspo_bypass_matches_masked_labels(rules, device):
     """gspo in bypass_mode equals gspo on the labels verl's mask of the current log-probs keeps (old = rollout),
     with and without label_counts (recounted) and a divisor."""
     logits, target, mask, lp, rollout, adv, thresholds = bypass_batch(rules)
@@ -140,7 +147,8 @@ def test_gspo_bypass_matches_masked_labels(rules):
                                                                       rollout_rs=rules,
                                                                       rollout_rs_threshold=thresholds)
     assert 0 < kept.sum() < mask.sum()
-    docs = torch.arange(target.shape[0]).unsqueeze(1).expand_as(target).contiguous()
+    logits, target, mask, rollout, adv, kept = (t.to(device) for t in (logits, target, mask, rollout, adv, kept))
+    docs = torch.arange(target.shape[0], device=device).unsqueeze(1).expand_as(target).contiguous()
     for counts, divisor in ((False, {}), (True, dict(divisor=7.0))):
         given = dict(label_counts=mask.sum(-1, keepdim=True).expand_as(mask)) if counts else {}
         kept_counts = dict(label_counts=kept.sum(-1, keepdim=True).expand_as(kept)) if counts else {}
@@ -182,7 +190,7 @@ def test_reference_bypass_matches_op(op):
 def test_linear_bypass_matches_logits(op):
     """The fused lm_head forms take bypass_mode (the shared list): loss, metrics and the gradients w.r.t. the hidden
     states and the weight equal those through the logits op on hidden @ weight.T; the lean strategy too."""
-    logits, target, mask, _, _, adv, _ = batch()
+    logits, target, mask, _, adv, _ = batch()
     hidden = torch.randn(*target.shape, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(logits.shape[-1], 16, dtype=torch.float64, requires_grad=True)
     z = (hidden @ weight.T).detach()
@@ -204,6 +212,40 @@ def test_linear_bypass_matches_logits(op):
             torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=1e-12, atol=1e-14, msg=name)
         for a, b in zip(grads, expected):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grpo_bypass_paths_agree(dtype, device):
+    """In the logits' dtype (fp16: the pass's pre-scaled rows, their factors then zeroed where rejected): grpo in
+    bypass_mode with a divisor (rejection after the pass) equals grpo on the labels the rules keep on the op's own
+    log-probs, with old = rollout; so does inplace_backward, and the loss without a gradient."""
+    rules, divisor = "token_k3,seq_mean_k1", 300.0
+    logits, target, mask, _, adv, _ = batch()
+    logits, target, adv = logits.to(device, dtype), target.to(device), adv.to(device)
+    lp = rl_losses.grpo_loss(logits, target, adv, None).log_probs
+    rollout = lp + 0.15 * torch.randn_like(lp)
+    thresholds = ",".join(threshold_of(m, lp.double().cpu(), rollout.double().cpu(), mask) for m in rules.split(","))
+    rows = torch.arange(target.shape[0], device=device).unsqueeze(1).expand_as(target)
+    kept = reference_rejection.rejected_labels(target, lp, rollout, rows, rules, thresholds)
+    assert 0 < (kept >= 0).sum() < (target >= 0).sum()
+    options = dict(rollout_log_probs=rollout, bypass_mode=True, rollout_rs=rules, rollout_rs_threshold=thresholds,
+                   divisor=divisor)
+    for upstream in (1.0, 3.0):  # (3: the backward's factor times an upstream gradient other than 1)
+        x, y = (logits.clone().requires_grad_(True) for _ in range(2))
+        ours = rl_losses.grpo_loss(x, target, adv, None, **options)
+        (grad,) = torch.autograd.grad(ours.loss * upstream, x)
+        theirs = rl_losses.grpo_loss(y, kept, adv, rollout, divisor=divisor)
+        (expected,) = torch.autograd.grad(theirs.loss * upstream, y)
+        for name in ("loss", "new_logprobs", "ratio_mean", "kl_old", "clipped_fraction_high", "log_probs"):
+            torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+    leaf = logits.clone().requires_grad_(True)
+    inplace = rl_losses.grpo_loss(leaf.clone(), target, adv, None, inplace_backward=True, **options)
+    (inplace.loss * 3).backward()
+    torch.testing.assert_close(leaf.grad, expected, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(rl_losses.grpo_loss(logits, target, adv, None, **options).loss, theirs.loss,
+                                   rtol=0, atol=0)
 
 
 def test_fused_policy_options_bypass():
