@@ -16,6 +16,7 @@ import rl_losses  # noqa: E402
 from rl_losses import reference, reference_rejection  # noqa: E402
 from rl_losses.integrations import verl as rl_verl  # noqa: E402
 
+from helpers import forward_options  # noqa: E402
 from helpers_verl import make_config  # noqa: E402
 from test_verl_menu_ops import MODES, batch  # noqa: E402
 from test_verl_rejection import assert_metrics, threshold_of  # noqa: E402
@@ -275,3 +276,18 @@ def test_bypass_refusals():
     with pytest.raises(RuntimeError, match="not the fused head's"):
         rl_losses.fused_head_loss(logits, target, grpo_weight=1.0, advantages=adv, old_log_probs=rollout,
                                   rollout_log_probs=rollout, bypass_mode=True)
+
+
+@pytest.mark.parametrize("divisor", [None, 40.0])
+def test_opcheck(divisor, device):
+    """The op and its _forward (whose grad_row_unscale holds a factor per row in bypass_mode with rollout_rs,
+    whatever the dtype) agree with their fake kernels, on both of grpo's paths."""
+    logits, target, mask, lp, rollout, adv, thresholds = bypass_batch("token_k1")
+    logits, target, adv, rollout = (t[:2, :24].to(device) for t in (logits, target, adv, rollout))
+    options = dict(rollout_log_probs=rollout, bypass_mode=True, rollout_rs="token_k1", rollout_rs_threshold="0.9_1.1",
+                   divisor=divisor)
+    ops = torch.ops.rl_losses
+    torch.library.opcheck(ops.grpo, (logits.float().requires_grad_(), target, adv, None), options)
+    for dtype in (torch.float32, torch.float16):
+        torch.library.opcheck(ops._grpo_forward, (logits.to(dtype), target, adv, None),
+                              forward_options("grpo", compute_grad=True, **options))
