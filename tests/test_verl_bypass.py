@@ -213,6 +213,13 @@ def test_linear_bypass_matches_logits(op):
             torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=1e-12, atol=1e-14, msg=name)
         for a, b in zip(grads, expected):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # Without a gradient, with a divisor, grpo rejects after its pass: the same loss.
+    with torch.no_grad():
+        options["divisor"] = 50.0
+        theirs = getattr(rl_losses, f"{op}_loss")(hidden @ weight.T, target, adv, None, *docs, **options)
+        ours = getattr(rl_losses, f"linear_{op}_loss")(hidden, weight, target, adv, None, *docs, chunk_size=13,
+                                                      **options)
+        torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -110,8 +110,8 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, c
   TORCH_CHECK(!f.bypass_mode || has_rollout, op, ": bypass_mode needs rollout_log_probs (the old side of the ratio "
               "and what rollout_rs judges the current log-probs against)");
   TORCH_CHECK(!f.bypass_mode || !a.rollout_correction, op, ": bypass_mode takes no rollout_correction (old is the "
-              "rollout, so its weight would be 1; verl's reinforce with rollout_is='token' is loss_type 'cispo'), got '",
-              a.rollout_correction.value_or(""), "'");
+              "rollout, so its weight would be 1; verl's reinforce with rollout_is='token' is loss_type 'cispo'), "
+              "got '", a.rollout_correction.value_or(""), "'");
   if (a.rollout_correction) {
     const std::string& m = *a.rollout_correction;
     TORCH_CHECK(m == "token_truncate" || m == "token_mask" || m == "sequence_truncate" || m == "sequence_mask", op,
