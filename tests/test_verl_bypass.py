@@ -122,21 +122,24 @@ def test_grpo_bypass_given_old_and_label_counts():
                                                                       rollout_rs=rules,
                                                                       rollout_rs_threshold=thresholds)
     counts = mask.sum(-1, keepdim=True).expand_as(mask)
-    options = dict(rollout_log_probs=rollout, bypass_mode=True, rollout_rs=rules, rollout_rs_threshold=thresholds)
-    results = []
-    for old in (None, rollout):
+    for divisor in ({}, dict(divisor=9.0)):  # (the two paths of grpo: a statistics pass first, or after the pass)
+        options = dict(rollout_log_probs=rollout, bypass_mode=True, rollout_rs=rules, rollout_rs_threshold=thresholds,
+                       **divisor)
+        results = []
+        for old in (None, rollout):
+            x = logits.clone().requires_grad_(True)
+            out = rl_losses.grpo_loss(x, target, adv, old, label_counts=counts, **options)
+            results.append((out, torch.autograd.grad(out.loss, x)[0]))
         x = logits.clone().requires_grad_(True)
-        out = rl_losses.grpo_loss(x, target, adv, old, label_counts=counts, **options)
-        results.append((out, torch.autograd.grad(out.loss, x)[0]))
-    x = logits.clone().requires_grad_(True)
-    composed = rl_losses.grpo_loss(x, target.masked_fill(kept == 0, -100), adv, rollout,
-                                   label_counts=kept.sum(-1, keepdim=True).expand_as(kept))
-    results.append((composed, torch.autograd.grad(composed.loss, x)[0]))
-    (theirs, expected) = results[-1]
-    for out, grad in results[:-1]:
-        for name in ("loss", "new_logprobs", "ratio_mean", "kl_old", "clipped_fraction_low", "clipped_fraction_high"):
-            torch.testing.assert_close(getattr(out, name), getattr(theirs, name), rtol=1e-12, atol=1e-14, msg=name)
-        torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
+        composed = rl_losses.grpo_loss(x, target.masked_fill(kept == 0, -100), adv, rollout,
+                                       label_counts=kept.sum(-1, keepdim=True).expand_as(kept), **divisor)
+        (theirs, expected) = composed, torch.autograd.grad(composed.loss, x)[0]
+        for out, grad in results:
+            for name in ("loss", "new_logprobs", "ratio_mean", "kl_old", "clipped_fraction_low",
+                         "clipped_fraction_high"):
+                torch.testing.assert_close(getattr(out, name), getattr(theirs, name), rtol=1e-12, atol=1e-14,
+                                           msg=name)
+            torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("rules", ["token_k1", "seq_mean_k3", "seq_max_k2,token_k3"])
