@@ -13,7 +13,7 @@ algorithm = pytest.importorskip("verl.trainer.config.algorithm")
 verl_config = pytest.importorskip("verl.workers.config")
 
 import rl_losses  # noqa: E402
-from rl_losses import reference, reference_rejection  # noqa: E402
+from rl_losses import _schema, reference, reference_rejection  # noqa: E402
 from rl_losses.integrations import verl as rl_verl  # noqa: E402
 
 from helpers import forward_options  # noqa: E402
@@ -225,12 +225,15 @@ def test_linear_bypass_matches_logits(op):
         torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("rules,aggregation", [("token_k3,seq_mean_k1", None),
+                                               ("seq_mean_k3", "sequence_mean_token_mean")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_grpo_bypass_paths_agree(dtype, device):
+def test_grpo_bypass_paths_agree(dtype, rules, aggregation, device):
     """In the logits' dtype (fp16: the pass's pre-scaled rows, their factors then zeroed where rejected): grpo in
     bypass_mode with a divisor (rejection after the pass) equals grpo on the labels the rules keep on the op's own
-    log-probs, with old = rollout; so does inplace_backward, and the loss without a gradient."""
-    rules, divisor = "token_k3,seq_mean_k1", 300.0
+    log-probs, with old = rollout; so does inplace_backward, and the loss without a gradient. (With
+    sequence_mean_token_mean the sequence modes alone reject after the pass: a sequence is kept or rejected whole.)"""
+    divisor = 300.0
     logits, target, mask, _, adv, _ = batch()
     logits, target, adv = logits.to(device, dtype), target.to(device), adv.to(device)
     lp = rl_losses.grpo_loss(logits, target, adv, None).log_probs
@@ -240,12 +243,12 @@ def test_grpo_bypass_paths_agree(dtype, device):
     kept = reference_rejection.rejected_labels(target, lp, rollout, rows, rules, thresholds)
     assert 0 < (kept >= 0).sum() < (target >= 0).sum()
     options = dict(rollout_log_probs=rollout, bypass_mode=True, rollout_rs=rules, rollout_rs_threshold=thresholds,
-                   divisor=divisor)
+                   divisor=divisor, aggregation=aggregation)
     for upstream in (1.0, 3.0):  # (3: the backward's factor times an upstream gradient other than 1)
         x, y = (logits.clone().requires_grad_(True) for _ in range(2))
         ours = rl_losses.grpo_loss(x, target, adv, None, **options)
         (grad,) = torch.autograd.grad(ours.loss * upstream, x)
-        theirs = rl_losses.grpo_loss(y, kept, adv, rollout, divisor=divisor)
+        theirs = rl_losses.grpo_loss(y, kept, adv, rollout, divisor=divisor, aggregation=aggregation)
         (expected,) = torch.autograd.grad(theirs.loss * upstream, y)
         for name in ("loss", "new_logprobs", "ratio_mean", "kl_old", "clipped_fraction_high", "log_probs"):
             torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=0, atol=0, msg=name)
@@ -301,3 +304,30 @@ def test_opcheck(divisor, device):
     for dtype in (torch.float32, torch.float16):
         torch.library.opcheck(ops._grpo_forward, (logits.to(dtype), target, adv, None),
                               forward_options("grpo", compute_grad=True, **options))
+
+
+@pytest.mark.parametrize("rules,aggregation,after", [("token_k2", None, True), ("token_k2", "token_mean", True),
+                                                     ("seq_sum_k2", "sequence_mean_token_mean", True),
+                                                     ("token_k2", "sequence_mean_token_mean", False)])
+def test_grpo_bypass_path(rules, aggregation, after, device):
+    """Which of grpo's paths runs, seen in _grpo_forward's per-row factors: with a divisor the rejection comes after
+    the pass (the rejected rows' factor 0, their gradient still written), without one or where a token rule
+    changes sequence_mean_token_mean's counts after a statistics pass (factors 1, the rejected rows' gradient 0)."""
+    logits, target, mask, lp, rollout, adv, thresholds = bypass_batch(rules)
+    logits, target, adv, rollout = (t.to(device, torch.float32 if t.is_floating_point() else t.dtype)
+                                    for t in (logits, target, adv, rollout))
+    rows = torch.arange(target.shape[0], device=device).unsqueeze(1).expand_as(target)
+    options = dict(rollout_log_probs=rollout, bypass_mode=True, rollout_rs=rules, rollout_rs_threshold=thresholds,
+                   aggregation=aggregation)
+    for divisor in (None, 30.0):
+        results = torch.ops.rl_losses._grpo_forward(logits, target, adv, None,
+                                                    **forward_options("grpo", compute_grad=True, divisor=divisor,
+                                                                      **options))
+        r = dict(zip(_schema.results("_grpo_forward"), results))
+        grad, factors = r["grad"], r["grad_row_unscale"]
+        rejected = (r["log_probs"] == 0) & (target >= 0)  # (a rejected token's log-prob output is 0)
+        assert rejected.any()
+        rejected_after = after and divisor is not None
+        assert torch.all(factors.view_as(target)[~rejected] == 1)
+        assert torch.all(factors.view_as(target)[rejected] == (0 if rejected_after else 1))
+        assert bool((grad[rejected] != 0).any()) == rejected_after  # (a clipped token's row is 0 either way)

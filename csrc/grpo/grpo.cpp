@@ -125,12 +125,16 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   // counts and the metrics. The row pass still sees the source's labels (the fused lm_head gathers its rows
   // before); their weight 0 leaves them out of the loss and the gradient, and their outputs are cleared. It judges
   // the inputs old_log_probs, or in bypass_mode the current log-probs (docs/policy_losses.md, "verl's
-  // bypass_mode"). Those come from the loss pass itself where a rejected token's weight is that of the pass times
-  // 0 (a given divisor, weights without a per-sequence count) and its gradient row can be zeroed after the pass
-  // (a factor of the backward's), or there is no gradient: the rejection then runs after the pass. Otherwise
-  // the statistics come first (one more read of the logits).
+  // bypass_mode"). Those come from the loss pass itself where the kept tokens' weights are the pass's (a given
+  // divisor; sequence_mean_token_mean's per-sequence count changes only where a token rule rejects part of a
+  // sequence) and a rejected row's gradient can be zeroed after the pass (a factor of the backward's), or there is
+  // no gradient: the rejection then runs after the pass. Otherwise the statistics come first (one more read of the
+  // logits: less than rescaling every kept row in the backward, a read and a write of the gradient).
   const bool bypass_rules = bypass && !rules.empty();
-  const bool reject_after = bypass_rules && a.divisor && a.aggregation.value_or("") != "sequence_mean_token_mean" &&
+  const bool token_rule = std::any_of(rules.begin(), rules.end(),
+                                      [](const RejectionRule& r) { return r.level == RejectionRule::kToken; });
+  const bool reject_after = bypass_rules && a.divisor &&
+                            (a.aggregation.value_or("") != "sequence_mean_token_mean" || !token_rule) &&
                             !cov_loss_type(opt.loss_type) && (!src.wants_grad() || src.grad_scaled_by_rows());
   at::Tensor judged = rows.old_log_probs;
   if (bypass_rules && !reject_after) {
@@ -235,10 +239,11 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
     rows.out.masked_fill_(rejected.unsqueeze(1), 0);
     rows.log_probs.masked_fill_(rejected, 0);
     // bypass_mode's rows rejected after the pass: factor 0 in the backward (the other rows' factors stay as the
-    // pass left them, ones or fp16's 2^-k; given on either path, so that the outputs do not depend on it).
+    // pass left them, ones or fp16's 2^-k, so that the backward skips them: the unlabelled rows too, whose gradient
+    // is 0 already; the factors are given on either path, so that the outputs do not depend on it).
     if (bypass_rules && src.wants_grad() && src.grad_scaled_by_rows()) {
       at::Tensor& factors = src.grad_row_factors();
-      if (reject_after) factors.masked_fill_(rejected, 0);
+      if (reject_after) factors.masked_fill_(rejected & f.target1d.ge(0), 0);
     }
   }
 
