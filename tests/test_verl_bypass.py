@@ -74,11 +74,13 @@ def test_grpo_bypass_matches_verl(rules, mode, global_info, device):
     logits, target, mask, lp, rollout, adv, thresholds = bypass_batch(rules)
     rc = algorithm.RolloutCorrectionConfig(bypass_mode=True, loss_type="ppo_clip", rollout_is="token",
                                            rollout_is_threshold=1.5, rollout_rs=rules, rollout_rs_threshold=thresholds)
-    loss, expected, _ = verl_bypass(logits, target, mask, rollout, adv, mode, rc, global_info)
+    loss, expected, metrics = verl_bypass(logits, target, mask, rollout, adv, mode, rc, global_info)
     _, kept, _ = helper.compute_rollout_correction_and_rejection_mask(lp, rollout, mask, rollout_is=None,
                                                                       rollout_rs=rules,
                                                                       rollout_rs_threshold=thresholds)
     assert 0 < kept.sum() < mask.sum()
+    assert float(metrics["rollout_corr/rollout_rs_masked_fraction"]) == pytest.approx(1 - float(kept.sum() /
+                                                                                             mask.sum()))
     options = rl_verl.fused_policy_options(rc, mode)
     assert options["bypass_mode"] and "rollout_correction" not in options
     options.update(divisor_of(mode, global_info, target.shape[-1]))
@@ -90,6 +92,11 @@ def test_grpo_bypass_matches_verl(rules, mode, global_info, device):
     assert_same(out, grad.cpu(), loss, expected)
     assert_metrics(out, logits, target, kept, rollout, None)
     assert torch.all(out.log_probs[kept == 0] == 0)
+    # verl's own metrics over the kept tokens: the mean of old − lp, and the fraction the clip binds.
+    assert float(metrics["actor/ppo_kl"]) == pytest.approx(float(rollout[kept > 0].mean() - out.new_logprobs),
+                                                           rel=1e-9, abs=1e-12)
+    assert float(metrics["actor/pg_clipfrac"]) == pytest.approx(
+        float(out.clipped_fraction_low + out.clipped_fraction_high), rel=1e-9, abs=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
