@@ -33,7 +33,7 @@ from timing import Timer, git_commit, summary  # noqa: E402
 
 # The options that read the logits twice (every GSPO row does).
 # (clip_cov and kl_cov read them once from logits: their selected rows are read again, a few rows.)
-TWO_PASSES = {"vespo", "vespo_token_truncate", "on_policy_sequence_truncate"}
+TWO_PASSES = {"vespo", "vespo_token_truncate", "on_policy_sequence_truncate", "bypass_token_k3_no_divisor"}
 
 
 def options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref):
@@ -45,6 +45,12 @@ def options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref):
     # rejects about a fifth of the tokens and the sequence rule about half the sequences.
     rs = lambda mode, threshold: dict(rollout_log_probs=rollout, rollout_rs=mode,  # noqa: E731
                                       rollout_rs_threshold=threshold)
+    # verl's bypass_mode: old = the rollout's, the rules judging the current log-probs (δ = lp − rollout ~
+    # N(0, 2·0.05²): k3 ≈ δ²/2 has mean 2.5e-3; the token rule at 0.004 rejects about a fifth of the tokens, the
+    # sequence rule at 0.0025 about half the sequences); verl's actor passes its global token count (divisor),
+    # which keeps grpo at one pass; without it grpo reads the logits twice.
+    bypass = lambda mode, threshold, **kw: dict(on_policy=True, bypass_mode=True, **rs(mode, threshold),  # noqa
+                                                **kw)
     return {
         "plain": ("grpo", dict(), dict()),
         "cispo": ("grpo", dict(loss_type="cispo", epsilon_high=4.0), dict(loss_type="cispo", eps_high=4.0)),
@@ -68,6 +74,9 @@ def options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref):
         "on_policy_sequence_truncate": ("grpo", dict(on_policy=True, **rc("sequence_truncate")), None),
         "rejection_token_k3": ("grpo", rs("token_k3", "0.002"), None),
         "rejection_seq_mean_k3": ("grpo", rs("seq_mean_k3", "0.00125"), None),
+        "bypass_token_k3": ("grpo", bypass("token_k3", "0.004", divisor=float(rollout.numel())), None),
+        "bypass_seq_mean_k3": ("grpo", bypass("seq_mean_k3", "0.0025", divisor=float(rollout.numel())), None),
+        "bypass_token_k3_no_divisor": ("grpo", bypass("token_k3", "0.004"), None),
         "k1": ("grpo", kl(kl_estimator="k1"), None),
         "k2": ("grpo", kl(kl_estimator="k2"), None),
         "k3": ("grpo", kl(kl_estimator="k3"), dict(beta=0.04)),
@@ -87,6 +96,8 @@ def options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref):
                                         vllm_is_ratio=rollout_seq_ratio("truncate"))),
         "gspo_rejection_token_k3": ("gspo", rs("token_k3", "0.002"), None),
         "gspo_rejection_seq_mean_k3": ("gspo", rs("seq_mean_k3", "0.00125"), None),
+        "gspo_bypass_token_k3": ("gspo", bypass("token_k3", "0.004"), None),
+        "gspo_bypass_seq_mean_k3": ("gspo", bypass("seq_mean_k3", "0.0025"), None),
     }
 
 

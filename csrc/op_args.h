@@ -117,9 +117,12 @@
 // rollout_rs, rollout_rs_threshold: verl's rollout rejection (its algorithm.rollout_correction names and threshold
 // specification, e.g. "token_k1" with "0.8_1.25", "token_k3,seq_mean_k2" with "0.02,0.03"): the tokens it rejects
 // count as unlabelled (common/policy_rejection.cpp). grpo's, gspo's and the fused head's policy terms'.
-#define RL_LOSSES_ROLLOUT_REJECTION(X) \
-  X(OptString, rollout_rs, None)       \
-  X(OptString, rollout_rs_threshold, None)
+// bypass_mode: verl's (algorithm.rollout_correction.bypass_mode): old_log_probs default to rollout_log_probs and
+// rollout_rs judges the current log-probs against rollout_log_probs (grpo's and gspo's; the fused head refuses it).
+#define RL_LOSSES_ROLLOUT_REJECTION(X)   \
+  X(OptString, rollout_rs, None)           \
+  X(OptString, rollout_rs_threshold, None) \
+  X(bool, bypass_mode, False)
 // The options that need the logits or whole sequences: the fused ops' alone (not policy_token_loss's).
 #define RL_LOSSES_FUSED_POLICY_OPTIONS(X)   \
   X(double, entropy_coefficient, 0.0)       \

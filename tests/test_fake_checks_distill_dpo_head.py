@@ -150,6 +150,8 @@ def _bad_inputs():
         ("head_grpo_inputs", lambda d: _head(d, grpo_weight=2.0),
          "grpo_weight = 2 > 0 needs advantages and old_log_probs"),
         ("head_epsilon", lambda d: _grpo_head(d, epsilon_low=1.0), r"epsilon_low must be in \[0, 1\)"),
+        ("head_bypass", lambda d: _grpo_head(d, bypass_mode=True), "bypass_mode .* is grpo_loss's and gspo_loss's, "
+         "not the fused head's"),
         ("head_delta", lambda d: _grpo_head(d, delta=-1.0),
          r"delta must be > 0 \(it caps the ratio .* delta > 1 \+ epsilon_high = 1.2\), got -1"),
         ("head_beta", lambda d: _grpo_head(d, beta=0.1), "beta = 0.1 > 0 needs ref_log_probs"),

@@ -194,7 +194,8 @@ def test_linear_rejection_matches_logits(op):
 
 def test_fused_policy_options_from_verl_config():
     """rl_losses.integrations.verl.fused_policy_options maps verl's algorithm.rollout_correction (and loss_agg_mode)
-    to the ops' options; bypass_mode, batch normalisation and an unknown loss_agg_mode are refused."""
+    to the ops' options; batch normalisation and an unknown loss_agg_mode are refused (bypass_mode:
+    tests/test_verl_bypass.py)."""
     algorithm = pytest.importorskip("verl.trainer.config.algorithm")
     rc = algorithm.RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="token_k1",
                                            rollout_rs_threshold="0.8_1.25")
@@ -209,8 +210,6 @@ def test_fused_policy_options_from_verl_config():
     numeric = algorithm.RolloutCorrectionConfig(rollout_is=None, rollout_rs="seq_max_k2", rollout_rs_threshold=2.5)
     assert rl_verl.fused_policy_options(numeric, "token-sum") == dict(rollout_rs="seq_max_k2",
                                                                       rollout_rs_threshold="2.5", divisor=1.0)
-    with pytest.raises(ValueError, match="bypass_mode judges the current log-probs"):
-        rl_verl.fused_policy_options(algorithm.RolloutCorrectionConfig(bypass_mode=True))
     with pytest.raises(ValueError, match="rollout_is_batch_normalize"):
         rl_verl.fused_policy_options(algorithm.RolloutCorrectionConfig(rollout_is="token",
                                                                        rollout_is_batch_normalize=True))

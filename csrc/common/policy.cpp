@@ -105,6 +105,13 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, c
   o.rollout_cap = a.rollout_cap;
   o.rollout_lo = 0;
   o.rollout_hi = std::numeric_limits<double>::infinity();
+  // verl's bypass_mode: the rollout log-probs are the old side of the ratio, so a correction by old / rollout would
+  // weigh 1 (verl's own weights of the current log-probs: loss_type 'cispo' is its reinforce with rollout_is="token").
+  TORCH_CHECK(!f.bypass_mode || has_rollout, op, ": bypass_mode needs rollout_log_probs (the old side of the ratio "
+              "and what rollout_rs judges the current log-probs against)");
+  TORCH_CHECK(!f.bypass_mode || !a.rollout_correction, op, ": bypass_mode takes no rollout_correction (old is the "
+              "rollout, so its weight would be 1; verl's reinforce with rollout_is='token' is loss_type 'cispo'), "
+              "got '", a.rollout_correction.value_or(""), "'");
   if (a.rollout_correction) {
     const std::string& m = *a.rollout_correction;
     TORCH_CHECK(m == "token_truncate" || m == "token_mask" || m == "sequence_truncate" || m == "sequence_mask", op,
@@ -132,9 +139,10 @@ PolicyOptions<double> make_policy_options(const char* op, const PolicyArgs& a, c
       o.rollout_hi = a.rollout_cap;
     }
   } else {
-    // (rollout_rs alone reads them too: rollout_rejection_rules)
-    TORCH_CHECK(!has_rollout || f.rollout_rs, op, ": rollout_log_probs given without rollout_correction (one of ",
-                "'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask') or rollout_rs");
+    // (rollout_rs and bypass_mode alone read them too: rollout_rejection_rules)
+    TORCH_CHECK(!has_rollout || f.rollout_rs || f.bypass_mode, op, ": rollout_log_probs given without "
+                "rollout_correction (one of 'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'), "
+                "rollout_rs or bypass_mode");
     TORCH_CHECK(!a.rollout_mask_bounds, op, ": rollout_mask_bounds given without a '*_mask' rollout_correction");
   }
   TORCH_CHECK(std::isfinite(f.entropy_coefficient), op, ": entropy_coefficient must be finite, got ",

@@ -124,14 +124,14 @@ SequenceIds sequence_ids(const char* op, const std::optional<at::Tensor>& docume
 // lo = 1/hi), k2's and k3's an upper bound.
 struct RejectionRule {
   enum Level : int { kToken, kSeqSum, kSeqMean, kSeqMax } level;
-  int estimator;  // 1, 2 or 3: k1 = −δ, k2 = δ²/2, k3 = e^δ − 1 − δ of δ = clamp(old − rollout, ±20)
+  int estimator;  // 1, 2 or 3: k1 = −δ, k2 = δ²/2, k3 = e^δ − 1 − δ of δ = clamp(old − rollout, ±20) (bypass: lp)
   double lo, hi;
 };
-// The rules of rollout_rs and rollout_rs_threshold (none without rollout_rs); checks that the old and rollout
-// log-probs are given.
+// The rules of rollout_rs and rollout_rs_threshold (none without rollout_rs); checks that the old (unless
+// bypass_mode: then the rules judge the current log-probs) and rollout log-probs are given.
 std::vector<RejectionRule> rollout_rejection_rules(const char* op, const OptString& rollout_rs,
                                                    const OptString& rollout_rs_threshold, bool has_old,
-                                                   bool has_rollout);
+                                                   bool has_rollout, bool bypass_mode);
 inline bool has_sequence_rule(const std::vector<RejectionRule>& rules) {
   for (const RejectionRule& r : rules) {
     if (r.level != RejectionRule::kToken) return true;

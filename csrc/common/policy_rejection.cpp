@@ -1,7 +1,8 @@
 // verl's rollout rejection inside the fused policy ops (docs/policy_losses.md, verl's
 // compute_rollout_rejection_mask): the options parsed as verl parses them, and the pre-pass that turns the rejected
 // tokens into unlabelled ones. The pre-pass reads the (N,) inputs only (old and rollout log-probs, labels,
-// sequences): a few O(N + S) ATen launches before the row pass, none over the logits.
+// sequences): a few O(N + S) ATen launches before the row pass, none over the logits. In bypass_mode the same steps
+// judge the current log-probs instead, once the op has them (grpo.cpp, gspo.cpp).
 #include <ATen/ops/arange.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
@@ -61,7 +62,7 @@ constexpr const char* kModes[] = {"token_k1",    "token_k2",    "token_k3",    "
 
 std::vector<RejectionRule> rollout_rejection_rules(const char* op, const OptString& rollout_rs,
                                                    const OptString& rollout_rs_threshold, bool has_old,
-                                                   bool has_rollout) {
+                                                   bool has_rollout, bool bypass_mode) {
   std::vector<RejectionRule> rules;
   if (!rollout_rs) {
     TORCH_CHECK(!rollout_rs_threshold, op, ": rollout_rs_threshold = '", *rollout_rs_threshold,
@@ -80,10 +81,10 @@ std::vector<RejectionRule> rollout_rejection_rules(const char* op, const OptStri
   TORCH_CHECK(rollout_rs_threshold, op, ": rollout_rs = '", given, "' needs rollout_rs_threshold (verl's "
               "specification: one per mode or one for all, 'lo_hi' or 'hi' for the k1 modes)");
   TORCH_CHECK(has_rollout, op, ": rollout_rs = '", given, "' needs rollout_log_probs");
-  // Without old_log_probs the rules would judge the current log-probs (verl's bypass_mode): not fused.
-  TORCH_CHECK(has_old, op, ": rollout_rs = '", given, "' needs old_log_probs (it judges old against rollout; "
-              "verl's bypass_mode, which judges the current log-probs, is rl_losses_bypass_mode in "
-              "rl_losses.integrations.verl)");
+  // Without old_log_probs (on-policy) the old side would be the current log-probs: that is bypass_mode's, asked for
+  // by name, whose old side is the rollout.
+  TORCH_CHECK(has_old || bypass_mode, op, ": rollout_rs = '", given, "' needs old_log_probs (it judges old against "
+              "rollout), or bypass_mode = True (verl's: it judges the current log-probs against rollout)");
   std::vector<std::string> specs = parts(*rollout_rs_threshold);
   TORCH_CHECK(specs.size() == 1 || specs.size() == modes.size(), op, ": rollout_rs_threshold = '",
               *rollout_rs_threshold, "' must hold one threshold for all modes or one per mode (", modes.size(),

@@ -3,6 +3,7 @@
 #include "common/sampler.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -38,6 +39,7 @@ LogitsSource::LogitsSource(const char* op, const at::Tensor& logits, const at::T
   const bool prescaled = scaled_later && (compute_grad || inplace) && logits.scalar_type() == at::kHalf;
   grad_row_unscale_ = new_empty({prescaled ? f_.n_rows : 0}, logits.options().dtype(at::kFloat));
   rows_revisitable_ = !inplace;
+  grad_scaled_by_rows_ = scaled_later && (compute_grad || inplace);
   if (inplace) {
     TORCH_CHECK(f_.is_view, op, ": inplace_backward needs logits whose batch dimensions flatten to one row ",
                 "stride (got shape ", logits.sizes(), ", strides ", logits.strides(), ")");
@@ -57,6 +59,16 @@ LogitsSource::LogitsSource(const char* op, const at::Tensor& logits, const at::T
   } else {
     grad_ = new_empty({0}, logits.options());
   }
+}
+
+at::Tensor& RowSource::grad_row_factors() {
+  TORCH_INTERNAL_ASSERT(false, op_, ": this source's gradient is not scaled by rows in the backward");
+}
+
+at::Tensor& LogitsSource::grad_row_factors() {
+  TORCH_INTERNAL_ASSERT(grad_scaled_by_rows_, op_, ": a gradient without per-row factors in the backward");
+  if (grad_row_unscale_.numel() == 0) grad_row_unscale_ = at::ones({f_.n_rows}, grad_row_unscale_.options());
+  return grad_row_unscale_;
 }
 
 void LogitsSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass, const RowRevisit* revisit) {

@@ -53,6 +53,13 @@ class RowSource {
   // Whether one pass sees every row at once and leaves the logits as they were (the logits as given, the gradient
   // not written over them): an op may then run rows again after that pass (grpo's clip_cov / kl_cov fix-up).
   bool rows_revisitable() const { return rows_revisitable_; }
+  // Whether the gradient the passes write is scaled row by row by `_scale_grad_` in the backward (the logits ops'
+  // autograd: LogitsSource with scaled_later): an op may then change rows' factors after its pass.
+  bool grad_scaled_by_rows() const { return grad_scaled_by_rows_; }
+  // The backward's factor of each row, (N,) fp32: the pass's 2^-k where it pre-scales fp16 rows, else ones,
+  // allocated on the first call (after the passes: the passes treat a defined one as the fp16 pre-scaling's).
+  // Needs grad_scaled_by_rows().
+  virtual at::Tensor& grad_row_factors();
   // A per-row output of the accumulation dtype that the op's epilogue fills: zeros where the source skips
   // rows, uninitialised otherwise.
   at::Tensor row_outputs(at::IntArrayRef sizes) const {
@@ -76,6 +83,7 @@ class RowSource {
   bool wants_grad_;
   bool skips_unlabelled_ = false;
   bool rows_revisitable_ = false;
+  bool grad_scaled_by_rows_ = false;
 };
 
 class LogitsSource final : public RowSource {
@@ -88,8 +96,9 @@ class LogitsSource final : public RowSource {
                int64_t vocab_size, bool compute_grad, bool inplace, bool scaled_later = false);
   void run(const RowPassArgs& args, bool with_grad, const Pass& pass, const RowRevisit* revisit = nullptr) override;
   std::vector<at::Tensor> grads() override { return {grad_}; }
-  // (N,) fp32 2^-k per row for fp16 gradients computed with scaled_later; an empty fp32 tensor otherwise
-  // (`_scale_grad_`'s row_unscale).
+  at::Tensor& grad_row_factors() override;
+  // (N,) fp32 2^-k per row for fp16 gradients computed with scaled_later, or the factors grad_row_factors() gave;
+  // an empty fp32 tensor otherwise (`_scale_grad_`'s row_unscale).
   const at::Tensor& grad_row_unscale() const { return grad_row_unscale_; }
 
  private:

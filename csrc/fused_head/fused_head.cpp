@@ -22,6 +22,9 @@ PolicyOptions<double> head_policy_options(const char* op, const FusedHeadArgs& a
   // rollout_log_probs feed the correction or, without one, the rejection, which make_policy_options (here without
   // the fused ops' arguments) does not see: it refuses them only where neither reads them.
   const bool read = a.rollout_log_probs.has_value() && (a.policy.rollout_correction || !a.rollout_rs);
+  // bypass_mode's rejection judges the current log-probs, known only after the head's statistics: grpo's and gspo's.
+  TORCH_CHECK(!a.bypass_mode, op, ": bypass_mode (verl's: rollout_rs judging the current log-probs) is grpo_loss's "
+              "and gspo_loss's, not the fused head's: use those ops");
   const PolicyOptions<double> o = make_policy_options(op, a.policy, nullptr, &a.clip, a.beta, read);
   TORCH_CHECK(o.loss_type != kVespo, op, ": loss_type 'vespo' weighs a sequence with vespo_k_* and vespo_lambda_*, "
               "options of grpo_loss and gspo_loss, not of the fused head: use those ops");
@@ -43,8 +46,9 @@ GspoState gspo_term_state(const char* op, const FlatLogits& f, const at::Tensor&
   g.opt = head_policy_options(op, a);
   check_sequence_ratio_loss_type(op, g.opt, a.policy);
   check_geo_mean(op, g.opt, /*token_advantages=*/false, a.policy);
-  const std::vector<RejectionRule> rules = rollout_rejection_rules(
-      op, a.rollout_rs, a.rollout_rs_threshold, a.old_log_probs.has_value(), a.rollout_log_probs.has_value());
+  const std::vector<RejectionRule> rules = rollout_rejection_rules(op, a.rollout_rs, a.rollout_rs_threshold,
+                                                                   a.old_log_probs.has_value(),
+                                                                   a.rollout_log_probs.has_value(), false);
   TORCH_CHECK(a.advantages && a.document_index, op, ": gspo_weight = ", a.gspo_weight,
               " > 0 needs advantages and document_index");
   g.target = f.target1d;
@@ -55,7 +59,8 @@ GspoState gspo_term_state(const char* op, const FlatLogits& f, const at::Tensor&
   if (a.label_counts) g.label_counts = check_label_counts(op, *a.label_counts, target, acc);
   // The number of documents: given, or max(document_index) + 1 (which synchronises with the device).
   g.num_documents = document_count(op, g.document, a.num_documents);
-  reject_rollout_documents(op, g, rules, f.target1d, target, a.rollout_log_probs, acc, g.num_documents);
+  reject_rollout_documents(op, g, rules, f.target1d, target, a.rollout_log_probs, acc, g.num_documents,
+                           g.old_log_probs);
   g.divisor = a.gspo_divisor;
   g.token_weighting = a.weighting == "token";
   return g;
@@ -130,7 +135,8 @@ FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, co
     }
     if (a.loss_weights) rows.loss_weights = check_per_token(op, "loss_weights", *a.loss_weights, target, acc);
     const std::vector<RejectionRule> rules = rollout_rejection_rules(op, a.rollout_rs, a.rollout_rs_threshold,
-                                                                     /*has_old=*/true, a.rollout_log_probs.has_value());
+                                                                     /*has_old=*/true, a.rollout_log_probs.has_value(),
+                                                                     /*bypass_mode=*/false);
     if (!rules.empty()) {
       // grpo_forward's pre-pass: a rejected token weighs 0 in the GRPO term and leaves its default divisor.
       const at::Tensor rollout = rows.rollout_log_probs.defined()

@@ -55,8 +55,10 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   check_token_ratio_loss_type(op, opt, a.policy);
   const bool sequence_rollout = sequence_level_rollout(a.policy);
   const bool vespo = opt.loss_type == kVespo;
-  const std::vector<RejectionRule> rules = rollout_rejection_rules(
-      op, a.fused.rollout_rs, a.fused.rollout_rs_threshold, a.old_log_probs.has_value(), a.rollout_log_probs.has_value());
+  const bool bypass = a.fused.bypass_mode;
+  const std::vector<RejectionRule> rules =
+      rollout_rejection_rules(op, a.fused.rollout_rs, a.fused.rollout_rs_threshold, a.old_log_probs.has_value(),
+                              a.rollout_log_probs.has_value(), bypass);
   TORCH_CHECK(rules.empty() || !vespo, op, ": rollout_rs does not apply to loss_type 'vespo' (its sequence weight "
               "would count the rejected tokens), got rollout_rs = '", a.fused.rollout_rs.value_or(""), "'");
   if (a.aggregation) {
@@ -90,6 +92,7 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   if (a.loss_weights) rows.loss_weights = check_per_token(op, "loss_weights", *a.loss_weights, target, acc);
   at::Tensor rollout;
   if (a.rollout_log_probs) rollout = check_per_token(op, "rollout_log_probs", *a.rollout_log_probs, target, acc);
+  if (bypass && !rows.old_log_probs.defined()) rows.old_log_probs = rollout;  // verl's old_log_prob := rollout's
   at::Tensor counts;
   if (a.label_counts) counts = check_label_counts(op, *a.label_counts, target, acc);
   SequenceIds seq;
@@ -100,15 +103,6 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
                        : !rules.empty()   ? "rollout_rs (its sequence modes, or label_counts recounted)"
                                           : "a sequence aggregation");
   }
-  // The rollout rejection's pre-pass (inputs only): the tokens it rejects are unlabelled from here on, for the loss
-  // weights, the counts and the metrics. The row pass still sees the source's labels (the fused lm_head gathers
-  // its rows before); their weight 0 leaves them out of the loss and the gradient, and their outputs are cleared.
-  const at::Tensor kept = reject_rollout_tokens(rules, f.target1d, rows.old_log_probs, rollout, seq);
-  at::Tensor kept_mask_once;  // kept >= 0, computed once where a step below needs it
-  const auto kept_mask = [&]() -> const at::Tensor& {
-    if (!kept_mask_once.defined()) kept_mask_once = kept.ge(0);
-    return kept_mask_once;
-  };
   rows.out = src.row_outputs({f.n_rows, kGrpoFields});
   rows.log_probs = src.row_outputs({f.n_rows});
   // The statistics hold Σp·x when the entropy is a metric or, with its gradient, a term of the loss.
@@ -126,6 +120,33 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
     if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.stats(a, stats); });
     args.stats_in = stats;
     args.entropy = false;
+  };
+  // The rollout rejection's pre-pass: the tokens it rejects are unlabelled from here on, for the loss weights, the
+  // counts and the metrics. The row pass still sees the source's labels (the fused lm_head gathers its rows
+  // before); their weight 0 leaves them out of the loss and the gradient, and their outputs are cleared. It judges
+  // the inputs old_log_probs, or in bypass_mode the current log-probs (docs/policy_losses.md, "verl's
+  // bypass_mode"). Those come from the loss pass itself where the kept tokens' weights are the pass's (a given
+  // divisor; sequence_mean_token_mean's per-sequence count changes only where a token rule rejects part of a
+  // sequence) and a rejected row's gradient can be zeroed after the pass (a factor of the backward's), or there is
+  // no gradient: the rejection then runs after the pass. Otherwise the statistics come first (one more read of the
+  // logits: less than rescaling every kept row in the backward, a read and a write of the gradient).
+  const bool bypass_rules = bypass && !rules.empty();
+  const bool token_rule = std::any_of(rules.begin(), rules.end(),
+                                      [](const RejectionRule& r) { return r.level == RejectionRule::kToken; });
+  const bool reject_after = bypass_rules && a.divisor &&
+                            (a.aggregation.value_or("") != "sequence_mean_token_mean" || !token_rule) &&
+                            !cov_loss_type(opt.loss_type) && (!src.wants_grad() || src.grad_scaled_by_rows());
+  at::Tensor judged = rows.old_log_probs;
+  if (bypass_rules && !reject_after) {
+    statistics_first();
+    judged = new_empty({f.n_rows}, opts);
+    backend.log_probs(args.stats_in, f.target1d, judged);
+  }
+  at::Tensor kept = reject_after ? f.target1d : reject_rollout_tokens(rules, f.target1d, judged, rollout, seq);
+  at::Tensor kept_mask_once;  // kept >= 0, computed once where a step below needs it
+  const auto kept_mask = [&]() -> const at::Tensor& {
+    if (!kept_mask_once.defined()) kept_mask_once = kept.ge(0);
+    return kept_mask_once;
   };
   if (sequence_rollout || vespo) {
     // The sequences' sums (docs/policy_losses.md), before the loss pass. Where they need every token's
@@ -179,11 +200,11 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   if (!sequence_rollout && opt.rollout_mode != kRolloutNone) rows.rollout_log_probs = rollout;
   // A rejected token weighs 0.
   const bool rejecting = !rules.empty();
-  if (rejecting && !a.aggregation) {
+  if (rejecting && !reject_after && !a.aggregation) {
     const at::Tensor m = kept_mask().to(acc);
     rows.loss_weights = rows.loss_weights.defined() ? rows.loss_weights * m : m;
   }
-  if (recount) counts = recount_labels(counts, f.target1d, kept, seq);
+  if (recount && !reject_after) counts = recount_labels(counts, f.target1d, kept, seq);
   if (a.aggregation) {
     std::tie(rows.loss_weights, rows.divisor) = aggregate(*a.aggregation, kept_mask(), rows.loss_weights, a.divisor,
                                                           seq, opts);
@@ -215,10 +236,23 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
         },
         cov_revisit ? &revisit : nullptr);
   }
+  if (reject_after) {
+    kept = reject_rollout_tokens(rules, f.target1d, rows.log_probs, rollout, seq);
+    kept_mask_once = at::Tensor();
+    n_labelled = labelled_count(kept, acc);
+    if (recount) counts = recount_labels(counts, f.target1d, kept, seq);
+  }
   if (rejecting) {
     const at::Tensor rejected = kept_mask().logical_not();
     rows.out.masked_fill_(rejected.unsqueeze(1), 0);
     rows.log_probs.masked_fill_(rejected, 0);
+    // bypass_mode's rows rejected after the pass: factor 0 in the backward (the other rows' factors stay as the
+    // pass left them, ones or fp16's 2^-k, so that the backward skips them: the unlabelled rows too, whose gradient
+    // is 0 already; the factors are given on either path, so that the outputs do not depend on it).
+    if (bypass_rules && src.wants_grad() && src.grad_scaled_by_rows()) {
+      at::Tensor& factors = src.grad_row_factors();
+      if (reject_after) factors.masked_fill_(rejected & f.target1d.ge(0), 0);
+    }
   }
 
   // Metrics (docs/math.md) in one reduction over the per-token outputs: no extra pass over the vocabulary, and

@@ -71,17 +71,18 @@ at::Tensor gspo_document_sums(const DocumentSumsArgs& a, const GspoBackend& back
   return g.local_sums;
 }
 
-// The rollout rejection's pre-pass over the documents (inputs only): the tokens it rejects are unlabelled from here
-// on, in the document sums, counts, coefficients and metrics; a document it empties no longer counts.
+// The rollout rejection's pre-pass over the documents (O(N + S), no read of the logits): the tokens it rejects are
+// unlabelled from here on, in the document sums, counts, coefficients and metrics; a document it empties no longer
+// counts.
 void reject_rollout_documents(const char* op, GspoState& g, const std::vector<RejectionRule>& rules,
                               const at::Tensor& target1d, const at::Tensor& target, const OptTensor& rollout_log_probs,
-                              at::ScalarType acc, int64_t num_documents) {
+                              at::ScalarType acc, int64_t num_documents, const at::Tensor& judged) {
   if (rules.empty()) return;
   const at::Tensor rollout = g.rollout_log_probs.defined()  // checked already where a correction reads them too
                                  ? g.rollout_log_probs
                                  : check_per_token(op, "rollout_log_probs", *rollout_log_probs, target, acc);
   const SequenceIds documents{g.document, 0, num_documents};
-  g.target = reject_rollout_tokens(rules, target1d, g.old_log_probs, rollout, documents);
+  g.target = reject_rollout_tokens(rules, target1d, judged, rollout, documents);
   if (g.label_counts.defined()) g.label_counts = recount_labels(g.label_counts, target1d, g.target, documents);
 }
 
@@ -100,13 +101,18 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
   g.opt = make_policy_options(op, a.policy, &a.fused, &a.clip, a.beta, a.rollout_log_probs.has_value());
   check_sequence_ratio_loss_type(op, g.opt, a.policy);
   check_geo_mean(op, g.opt, a.token_advantages, a.policy);
-  const std::vector<RejectionRule> rules = rollout_rejection_rules(
-      op, a.fused.rollout_rs, a.fused.rollout_rs_threshold, a.old_log_probs.has_value(), a.rollout_log_probs.has_value());
+  const bool bypass = a.fused.bypass_mode;
+  const std::vector<RejectionRule> rules =
+      rollout_rejection_rules(op, a.fused.rollout_rs, a.fused.rollout_rs_threshold, a.old_log_probs.has_value(),
+                              a.rollout_log_probs.has_value(), bypass);
   TORCH_CHECK(rules.empty() || !document_sums, op, ": rollout_rs with document_sums (sequences split over ranks) is "
               "not fused: each rank's sums would need the whole sequence's rejection");
   g.target = f.target1d;
   g.document = check_per_token_int(op, "document_index", a.document_index, target);
   if (a.old_log_probs) g.old_log_probs = check_per_token(op, "old_log_probs", *a.old_log_probs, target, acc);
+  if (bypass && !g.old_log_probs.defined()) {  // verl's old_log_prob := rollout's (make_policy_options: given)
+    g.old_log_probs = check_per_token(op, "rollout_log_probs", *a.rollout_log_probs, target, acc);
+  }
   if (a.label_counts) g.label_counts = check_label_counts(op, *a.label_counts, target, acc);
   g.divisor = a.divisor;
   g.token_advantages = a.token_advantages;
@@ -125,7 +131,9 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
     adv = adv.index_select(0, at::where(g.document >= 0, g.document, at::zeros_like(g.document))).view(target.sizes());
   }
   g.advantages = check_per_token(op, "advantages", adv, target, acc);
-  reject_rollout_documents(op, g, rules, f.target1d, target, a.rollout_log_probs, acc, n_docs);
+  // bypass_mode's rules judge the current log-probs: after the statistics pass (below), free of another read.
+  if (!bypass) reject_rollout_documents(op, g, rules, f.target1d, target, a.rollout_log_probs, acc, n_docs,
+                                        g.old_log_probs);
   if (document_sums) {
     // (S, 3), the sums without the policy family's columns, is accepted where those are unused.
     const bool basic = !g.rollout_log_probs.defined() && g.opt.loss_type != kVespo && !g.kl_share;
@@ -169,6 +177,11 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
   g.log_probs = new_empty({f.n_rows}, opts);
   if (a.compute_entropy || g.opt.entropy_coefficient != 0) g.entropy = new_empty({f.n_rows}, opts);
   sum_document_terms(g, backend);
+  if (bypass && !rules.empty()) {
+    // The terms' log-probs judged, then the terms again over the kept tokens (O(N + S)).
+    reject_rollout_documents(op, g, rules, f.target1d, target, a.rollout_log_probs, acc, n_docs, g.log_probs);
+    sum_document_terms(g, backend);
+  }
   g.ratios = new_empty({n_docs}, opts);
   backend.documents(g);
   if (g.opt.entropy_coefficient != 0) g.entropy_h = new_empty({f.n_rows}, opts);

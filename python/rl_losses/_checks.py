@@ -288,6 +288,11 @@ def policy_options(op, a, *, fused: bool, clip: bool, sequence_ratio: bool = Fal
            "'")
     has_rollout = a["rollout_log_probs"] is not None
     mode, cap, bounds = a["rollout_correction"], a["rollout_cap"], a["rollout_mask_bounds"]
+    bypass = fused and a["bypass_mode"]
+    _check(not bypass or has_rollout, op, "bypass_mode needs rollout_log_probs (the old side of the ratio and what "
+           "rollout_rs judges the current log-probs against)")
+    _check(not bypass or mode is None, op, "bypass_mode takes no rollout_correction (old is the rollout, so its weight "
+           "would be 1; verl's reinforce with rollout_is='token' is loss_type 'cispo'), got '", mode or "", "'")
     if mode is not None:
         _check(mode in ROLLOUT_MODES, op, "rollout_correction must be None, 'token_truncate', 'token_mask', "
                "'sequence_truncate' or 'sequence_mask', got '", mode, "'")
@@ -304,9 +309,9 @@ def policy_options(op, a, *, fused: bool, clip: bool, sequence_ratio: bool = Fal
         else:
             _check(math.isfinite(cap) and cap > 0, op, "rollout_cap must be a finite value > 0, got ", _num(cap))
     else:
-        _check(not has_rollout or a.get("rollout_rs") is not None, op, "rollout_log_probs given without "
-               "rollout_correction (one of 'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask') or "
-               "rollout_rs")
+        _check(not has_rollout or a.get("rollout_rs") is not None or bypass, op, "rollout_log_probs given without "
+               "rollout_correction (one of 'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'), "
+               "rollout_rs or bypass_mode")
         _check(bounds is None, op, "rollout_mask_bounds given without a '*_mask' rollout_correction")
     if fused:
         e = a["entropy_coefficient"]
@@ -407,9 +412,9 @@ def gspo(op, a, x):
     check_weighting(op, a["weighting"])
     policy_options(op, a, fused=True, clip=True, sequence_ratio=True)
     _geo_mean(op, a)
-    _check(not _checks_rejection.rollout_rejection_modes(op, a) or a.get("document_sums") is None, op, "rollout_rs "
-           "with document_sums (sequences split over ranks) is not fused: each rank's sums would need the whole "
-           "sequence's rejection")
+    _check(not _checks_rejection.rollout_rejection_modes(op, a, a["bypass_mode"]) or a.get("document_sums") is None,
+           op, "rollout_rs with document_sums (sequences split over ranks) is not fused: each rank's sums would need "
+           "the whole sequence's rejection")
     document_index = a["document_index"]
     check_per_token_int(op, "document_index", document_index, target)
     if a["old_log_probs"] is not None:

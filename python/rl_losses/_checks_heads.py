@@ -202,6 +202,8 @@ def fused_head(a):
 
 def _head_policy_options(op, a):
     """fused_head.cpp: head_policy_options."""
+    _check(not a["bypass_mode"], op, "bypass_mode (verl's: rollout_rs judging the current log-probs) is grpo_loss's "
+           "and gspo_loss's, not the fused head's: use those ops")
     policy_options(op, a, fused=False, clip=True)
     _check(a["loss_type"] != "vespo", op, "loss_type 'vespo' weighs a sequence with vespo_k_* and vespo_lambda_*, "
            "options of grpo_loss and gspo_loss, not of the fused head: use those ops")

@@ -31,8 +31,9 @@ def _number(op, text, spec, mode):
     return v
 
 
-def rollout_rejection_modes(op, a) -> list[str]:
-    """rollout_rejection_rules: the distinct modes of rollout_rs ([] without it), their thresholds checked."""
+def rollout_rejection_modes(op, a, bypass_mode: bool = False) -> list[str]:
+    """rollout_rejection_rules: the distinct modes of rollout_rs ([] without it), their thresholds checked
+    (`bypass_mode`: the rules judge the current log-probs, no old_log_probs needed)."""
     given, threshold = a["rollout_rs"], a["rollout_rs_threshold"]
     if given is None:
         _check(threshold is None, op, "rollout_rs_threshold = '", threshold, "' given without rollout_rs")
@@ -47,9 +48,9 @@ def rollout_rejection_modes(op, a) -> list[str]:
     _check(threshold is not None, op, "rollout_rs = '", given, "' needs rollout_rs_threshold (verl's specification: "
            "one per mode or one for all, 'lo_hi' or 'hi' for the k1 modes)")
     _check(a["rollout_log_probs"] is not None, op, "rollout_rs = '", given, "' needs rollout_log_probs")
-    _check(a["old_log_probs"] is not None, op, "rollout_rs = '", given, "' needs old_log_probs (it judges old against "
-           "rollout; verl's bypass_mode, which judges the current log-probs, is rl_losses_bypass_mode in "
-           "rl_losses.integrations.verl)")
+    _check(a["old_log_probs"] is not None or bypass_mode, op, "rollout_rs = '", given, "' needs old_log_probs (it "
+           "judges old against rollout), or bypass_mode = True (verl's: it judges the current log-probs against "
+           "rollout)")
     specs = _parts(threshold)
     _check(len(specs) in (1, len(modes)), op, "rollout_rs_threshold = '", threshold, "' must hold one threshold for "
            "all modes or one per mode (", len(modes), " in rollout_rs = '", given, "')")
@@ -74,7 +75,7 @@ def rollout_rejection_modes(op, a) -> list[str]:
 def grpo_sequence_options(op, a, sequence_rollout: bool, vespo: bool) -> bool:
     """grpo_forward's checks of rollout_rs, aggregation and document_index; returns whether the call needs the
     sequences (sequence_ids)."""
-    modes = rollout_rejection_modes(op, a)
+    modes = rollout_rejection_modes(op, a, a["bypass_mode"])
     _check(not modes or not vespo, op, "rollout_rs does not apply to loss_type 'vespo' (its sequence weight would "
            "count the rejected tokens), got rollout_rs = '", a["rollout_rs"] or "", "'")
     aggregation = a["aggregation"]

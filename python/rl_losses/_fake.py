@@ -32,10 +32,12 @@ def _grad(x, compute_grad):
     return torch.empty_like(x, memory_format=torch.contiguous_format) if compute_grad else _empty(x, [0], x.dtype)
 
 
-def _row_unscale(x, target, with_grad):
+def _row_unscale(x, target, with_grad, row_factors=False):
     """grad_row_unscale: a factor per row where fp16 gradient rows are stored pre-scaled (csrc/common/row_pass.h,
-    GradRowPrescaled), else empty."""
-    return _empty(x, [target.numel() if with_grad and x.dtype == torch.float16 else 0], torch.float32)
+    GradRowPrescaled) or the op sets rows' factors after its pass (`row_factors`: grpo's bypass_mode rejection),
+    else empty."""
+    rows = with_grad and (x.dtype == torch.float16 or row_factors)
+    return _empty(x, [target.numel() if rows else 0], torch.float32)
 
 
 def _linear_grads(a):
@@ -59,10 +61,10 @@ def _register(op: str, fake) -> None:
     register_fake(f"rl_losses::{op}")(kernel)
 
 
-def _register_loss(name: str, check, results, *, linear: bool = False) -> None:
+def _register_loss(name: str, check, results, *, linear: bool = False, row_factors=lambda a: False) -> None:
     """A loss over the row pass's ops (registration.cpp: def_loss, and def_linear with `linear`): its row source's
     checks, then `check(op, a, x)` (x: the logits or the hidden states), whose return `results(a, x, checked)` may
-    use."""
+    use; `row_factors(a)`: whether the forward returns a factor per gradient row whatever the dtype."""
     def run(op, a, inplace=False):
         x = _checks.source(op, a, inplace)
         return results(a, x, check(op, a, x))
@@ -70,13 +72,14 @@ def _register_loss(name: str, check, results, *, linear: bool = False) -> None:
     def forward(a):
         logits, compute_grad = a["logits"], a["compute_grad"]
         return {**run(name, a), "grad": _grad(logits, compute_grad),
-                "grad_row_unscale": _row_unscale(logits, a["target"], compute_grad)}
+                "grad_row_unscale": _row_unscale(logits, a["target"], compute_grad, row_factors(a))}
 
     # Without autograd (the only way to the public op's fake) inplace_backward writes nothing: no inplace checks.
     _register(name, lambda a: run(name, a))
     _register(f"_{name}_forward", forward)
     _register(f"_{name}_forward_inplace", lambda a: {**run(name, a, inplace=True),
-                                                     "grad_row_unscale": _row_unscale(a["logits"], a["target"], True)})
+                                                     "grad_row_unscale": _row_unscale(a["logits"], a["target"], True,
+                                                                                       row_factors(a))})
     if linear:
         op = f"linear_{name}"
         _register(op, lambda a: run(op, a))
@@ -123,7 +126,9 @@ def _policy_results(op):
     return results
 
 
-_register_loss("grpo", _checks.grpo, _policy_results("grpo"), linear=True)
+# grpo's bypass_mode rejection sets the rejected rows' factors after its pass (csrc/grpo/grpo.cpp).
+_register_loss("grpo", _checks.grpo, _policy_results("grpo"), linear=True,
+               row_factors=lambda a: a["bypass_mode"] and a["rollout_rs"] is not None)
 _register_loss("gspo", _checks.gspo, _policy_results("gspo"), linear=True)
 
 

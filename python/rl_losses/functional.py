@@ -149,8 +149,11 @@ _POLICY_DOC = """
             comma-separated (all must pass); thresholds "lo_hi" or "hi" (k1: ratio bounds, lo = 1/hi by default),
             "hi" (k2, k3), one for all modes or one per mode. Judges k1 = −δ, k2 = δ²/2, k3 = e^δ − 1 − δ of
             δ = clamp(old − rollout, ±20) per token, or their sum / mean / max per sequence (document_index, else the
-            rows); needs old_log_probs and rollout_log_probs. A rejected token counts as unlabelled everywhere
-            (weights, counts, divisor, metrics, label_counts); computed from the inputs before the pass.
+            rows); needs old_log_probs (or bypass_mode) and rollout_log_probs. A rejected token counts as
+            unlabelled everywhere (weights, counts, divisor, metrics, label_counts); computed from the inputs
+            before the pass.
+        bypass_mode: verl's (grpo, gspo and their linear forms): old_log_probs default to rollout_log_probs and
+            rollout_rs judges the current log-probs, δ = clamp(sg(lp) − rollout, ±20); no rollout_correction.
         kl_estimator: "k1" (lp − q), "k2" (½(lp − q)²) or "k3" (default) towards ref_log_probs, times beta;
             kl_importance_weighted: r·KL, differentiated through r too (TRL's and Liger's
             use_bias_correction_kl; GSPO: R_s·KL, differentiated through R_s).
