@@ -28,7 +28,7 @@
 
 namespace rl_losses {
 
-enum FusedHeadTerm : int { kHeadLabel = 0, kHeadZLoss, kHeadGrpo, kHeadGspo, kHeadTerms };
+enum FusedHeadTerm : int { kHeadLabel = 0, kHeadZLoss, kHeadGrpo, kHeadGspo, kHeadDistill, kHeadTerms };
 
 // A row that no term uses (no label and no z-loss) is skipped unread, as GRPO alone skips it. The z-loss also
 // covers unlabelled tokens (its own mask): the row pass gets a stand-in label 0 on those rows, so that they
@@ -44,7 +44,7 @@ struct FusedHeadEpilogue {
   CrossEntropyOptions<acc_t> ce;  // λ = 1, ε, ζ = 0, V
   PolicyOptions<acc_t> grpo;  // the GRPO term's (make_policy_options)
   acc_t weight[kHeadTerms];
-  const acc_t* divisor[kHeadTerms];  // 0-dim each; null for GSPO (its shares are divided already)
+  const acc_t* divisor[kHeadTerms];  // 0-dim each; null for GSPO (its shares are divided already) and distillation
   const int64_t* labels;             // (N,) the true labels (the row pass's may be a stand-in, see above)
   const acc_t* z_mask;               // (N,) 0/1: the z-loss's tokens; null: every token
   const acc_t* advantages;           // null unless the GRPO term is on
@@ -54,7 +54,7 @@ struct FusedHeadEpilogue {
   const acc_t* loss_weights;   // null: the label mask
   const acc_t* gspo_out;       // (N, kGspoTokenFields) GspoTokenStep's outputs; null unless the GSPO term is on
   const acc_t* gspo_coef;      // (N,) its gradient coefficients
-  acc_t* out;                  // (N, kHeadTerms): each term's share, unweighted
+  acc_t* out;                  // (N, kHeadTerms): each term's share, unweighted (distillation's: its step's)
   acc_t* log_probs;            // (N,)
 
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t /*row pass's label*/,
@@ -168,13 +168,24 @@ FusedHeadEpilogue<acc_t> make_fused_head_epilogue(const FusedHeadRows& r) {
   return e;
 }
 
+// The distillation term (fused_head_distill.h).
+struct DistillBackend;
+struct FusedHeadDistillRows;
+template <typename acc_t>
+struct FusedHeadDistillStep;
+template <typename acc_t>
+FusedHeadDistillStep<acc_t> make_fused_head_distill_step(const FusedHeadRows& r, const FusedHeadDistillRows& d);
+
 struct FusedHeadBackend {
   void (*rows)(const RowPassArgs&, const FusedHeadRows&);
   void (*totals)(const FusedHeadRows&);
   const GspoBackend& (*gspo)();  // the GSPO term: GSPO's statistics pass and its steps between the passes
+  // The distillation term: distillation's passes, and the step between them (FusedHeadDistillStep).
+  const DistillBackend& (*distill)();
+  void (*distill_step)(const FusedHeadRows&, const FusedHeadDistillRows&);
 };
 
-template <typename Runner, const GspoBackend& (*kGspo)()>
+template <typename Runner, const GspoBackend& (*kGspo)(), const DistillBackend& (*kDistill)()>
 struct FusedHeadBackendImpl {
   static void rows(const RowPassArgs& args, const FusedHeadRows& r) {
     Runner::row_pass(args, "fused_head", [&](auto* tag) {
@@ -190,12 +201,17 @@ struct FusedHeadBackendImpl {
       Runner::sum_then(r.out.size(0), t);
     });
   }
-  static constexpr FusedHeadBackend backend() { return {&rows, &totals, kGspo}; }
+  static void distill_step(const FusedHeadRows& r, const FusedHeadDistillRows& d) {
+    AT_DISPATCH_FLOATING_TYPES(r.out.scalar_type(), "fused_head", [&] {
+      Runner::for_each(r.out.size(0), make_fused_head_distill_step<scalar_t>(r, d));
+    });
+  }
+  static constexpr FusedHeadBackend backend() { return {&rows, &totals, kGspo, kDistill, &distill_step}; }
 };
 
 // fused_head's arguments but the logits and the hooks (op_args.h).
 #define RL_LOSSES_FUSED_HEAD_ARGS(X)                                                                 \
-  RL_LOSSES_FUSED_HEAD_OPTIONS(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_KL_WEIGHT(X) RL_LOSSES_GSPO_WEIGHTING(X) \
+  RL_LOSSES_FUSED_HEAD_OPTIONS(X) RL_LOSSES_FUSED_HEAD_DISTILL(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_KL_WEIGHT(X) RL_LOSSES_GSPO_WEIGHTING(X) \
   RL_LOSSES_ROLLOUT_REJECTION(X) RL_LOSSES_SCALE(X)
 RL_LOSSES_ARG_GROUP(FusedHeadOwnArgs, RL_LOSSES_FUSED_HEAD_ARGS)
 struct FusedHeadArgs : FusedHeadOwnArgs {
@@ -209,8 +225,8 @@ struct FusedHeadArgs : FusedHeadOwnArgs {
 };
 RL_LOSSES_RESULT_GROUP(FusedHeadResults, RL_LOSSES_FUSED_HEAD_RESULTS)
 
-// The results: loss (the weighted total), label_loss, z_loss, grpo_loss, gspo_loss (unweighted, detached) and
-// log_probs. Tensor parallelism: `row_stats` are the statistics all-reduced over the vocabulary shards (with Σx
+// The results: loss (the weighted total), label_loss, z_loss, grpo_loss, gspo_loss, distillation_loss (unweighted,
+// detached) and log_probs. Tensor parallelism: `row_stats` are the statistics all-reduced over the vocabulary shards (with Σx
 // where the label term smooths), and the source's vocab_start / vocab_size place the shard; the op then reads its
 // shard once, for the loss and the gradient.
 FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, const FusedHeadArgs& a,

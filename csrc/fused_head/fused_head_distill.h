@@ -1,0 +1,94 @@
+// The fused head's distillation term (docs/distillation_dpo.md): distillation_weight · the distillation op's loss
+// against `teacher_logits`, beside the label CE, the z-loss and the GRPO term. The head then runs on
+// distillation's passes, which read the student's row and the teacher's together: the statistics of both
+// softmaxes (the student's lse is the other terms' too), JSD's sums, one step per row (FusedHeadDistillStep: every
+// term's share and its gradient coefficients, the other terms by FusedHeadEpilogue itself), and distillation's
+// gradient pass, which adds the other terms' a·Q_j + c + b·[j = label] (distill_head_grad): one gradient, written
+// once. The label's logit is gathered before the passes (one value a row) and, with label smoothing, Σx summed
+// (one more read of the logits: the distillation statistics have no Σx).
+//
+// Not with the GSPO term (its per-document steps need their own statistics pass between) nor under tensor
+// parallelism (the statistics of two softmaxes and the head's would need one all-reduce of both): refused.
+#pragma once
+
+#include "common/row_source.h"
+#include "distillation/distillation.h"
+#include "fused_head/fused_head.h"
+
+namespace rl_losses {
+
+template <typename acc_t>
+struct FusedHeadDistillStep {
+  FusedHeadEpilogue<acc_t> head;
+  DistillOptions<acc_t> opt;
+  acc_t weight;              // distillation_weight (> 0)
+  const acc_t* stats;        // (N, 7) DistillStats
+  const acc_t* jsd_sums;     // (N, 2), or null unless the kind is JSD
+  const acc_t* mask;         // (N,) 0/1 distillation_mask, or null: every row
+  const acc_t* divisor;      // 0-dim D of the distillation term
+  const acc_t* label_logit;  // (N,) s·z at the label (any finite value where unlabelled)
+  const acc_t* sum_x;        // (N,) Σ s·z, or null: no label smoothing
+  acc_t* table;              // (N, kDistGradFields): the gradient pass's, its weight times distillation_weight
+  acc_t* coef;               // (N, kDistHeadFields): the other terms' (a, b, c)
+
+  C10_HOST_DEVICE void operator()(int64_t i) const {
+    const DistillStats<acc_t> ds = DistillStats<acc_t>::load(stats + i * DistillStats<acc_t>::kFields);
+    const RowStats<acc_t> st{ds.ms, ds.ss, acc_t(0), sum_x != nullptr ? sum_x[i] : acc_t(0), label_logit[i]};
+    const GradCoef<acc_t> g = head(i, head.labels[i], st);  // writes the other terms' shares and log_probs[i]
+    acc_t* h = coef + i * kDistHeadFields;
+    h[kHeadCoefA] = g.a;
+    h[kHeadCoefB] = g.b;
+    h[kHeadCoefC] = g.c;
+    acc_t* t = table + i * kDistGradFields;
+    acc_t* o = head.out + i * kHeadTerms;
+    const acc_t m = mask != nullptr ? mask[i] : acc_t(1);
+    if (m == acc_t(0)) {  // the teacher's statistics are not read; the other terms still read Q (lse)
+      o[kHeadDistill] = acc_t(0);
+      t[kDistLseS] = ds.lse_student();
+      t[kDistLseT] = t[kDistWeight] = t[kDistConst] = acc_t(0);
+      return;
+    }
+    const bool jsd = opt.kind == DistillKind::kJsd;
+    const DistillRowResult<acc_t> r = distill_row(opt, ds, jsd ? jsd_sums[2 * i] : acc_t(0),
+                                                  jsd ? jsd_sums[2 * i + 1] : acc_t(0), m / *divisor);
+    o[kHeadDistill] = r.table[kDistWeight] * r.divergence;  // the term's share, unweighted (as the op's row_loss)
+    for (int k = 0; k < kDistGradFields; ++k) t[k] = r.table[k];
+    t[kDistWeight] *= weight;
+  }
+};
+
+// The host side: the distillation term's state (its passes' buffers) and the step's other inputs.
+struct FusedHeadDistillRows {
+  DistillState state;
+  double weight = 0;
+  at::Tensor label_logit, sum_x;  // (N,) each; sum_x undefined without label smoothing
+};
+
+template <typename acc_t>
+FusedHeadDistillStep<acc_t> make_fused_head_distill_step(const FusedHeadRows& r, const FusedHeadDistillRows& d) {
+  auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<acc_t>() : nullptr; };
+  const DistillState& s = d.state;
+  FusedHeadDistillStep<acc_t> f;
+  f.head = make_fused_head_epilogue<acc_t>(r);
+  f.opt = distill_options_as<acc_t>(s.opt);
+  f.weight = acc_t(d.weight);
+  f.stats = ptr(s.stats);
+  f.jsd_sums = ptr(s.jsd_sums);
+  f.mask = ptr(s.mask);
+  f.divisor = ptr(s.divisor);
+  f.label_logit = ptr(d.label_logit);
+  f.sum_x = ptr(d.sum_x);
+  f.table = s.grad_rows.data_ptr<acc_t>();
+  f.coef = s.head_coef.data_ptr<acc_t>();
+  return f;
+}
+
+// The term's checks (after those of fused_head_forward) and its buffers.
+FusedHeadDistillRows fused_head_distill_state(const char* op, const FlatLogits& f, const at::Tensor& target,
+                                              const FusedHeadArgs& a);
+// The head's passes with the distillation term, given `rows` as the row pass would take them: fills rows.out and
+// rows.log_probs, and the gradient where the source asks for it. `smoothing`: the label term smooths (Σx).
+void fused_head_distill_rows(RowSource& src, FusedHeadRows& rows, FusedHeadDistillRows& d, double scale,
+                             bool smoothing, const FusedHeadBackend& backend);
+
+}  // namespace rl_losses
