@@ -53,7 +53,7 @@ def _gspo_head(d, **kw):
 
 def _distill_head(d, teacher=None, **kw):
     teacher = torch.randn(4, 7, device=d) if teacher is None else teacher
-    return _head(d, distillation_weight=1.0, teacher_logits=teacher, **kw)
+    return _head(d, **{"distillation_weight": 1.0, "teacher_logits": teacher, **kw})
 
 
 def _bad_inputs():
@@ -189,7 +189,8 @@ def _bad_inputs():
          "fused_head: distillation_weight must be finite and >= 0, got nan"),
         ("head_distill_no_teacher", lambda d: _head(d, distillation_weight=1.0),
          "fused_head: distillation_weight = 1 > 0 needs teacher_logits"),
-        ("head_distill_gspo", lambda d: _gspo_head(d, distillation_weight=1.0, teacher_logits=torch.randn(4, 7, device=d)),
+        ("head_distill_gspo", lambda d: _gspo_head(d, distillation_weight=1.0,
+                                                   teacher_logits=torch.randn(4, 7, device=d)),
          "fused_head: distillation_weight = 1 and gspo_weight = 1 are both > 0"),
         ("head_distill_tp", lambda d: _distill_head(d, row_stats=torch.zeros(4, 5, device=d)),
          r"fused_head: distillation_weight = 1 > 0 runs without tensor parallelism \(row_stats given\)"),
@@ -197,7 +198,8 @@ def _bad_inputs():
          "fused_head: divisor must be finite and > 0, got 0"),
         ("head_distill_teacher_shape", lambda d: _distill_head(d, teacher=torch.randn(4, 8, device=d)),
          r"fused_head: teacher_logits has shape \[4, 8\] but logits has shape \[4, 7\] \(the vocabularies differ\)"),
-        ("head_distill_teacher_dtype", lambda d: _distill_head(d, teacher=torch.zeros(4, 7, dtype=torch.long, device=d)),
+        ("head_distill_teacher_dtype",
+         lambda d: _distill_head(d, teacher=torch.zeros(4, 7, dtype=torch.long, device=d)),
          "fused_head: teacher_logits must be a floating-point tensor"),
         ("head_distill_beta", lambda d: _distill_head(d, kind="jsd", distillation_beta=-0.5),
          r"fused_head: distillation_beta must be in \[0, 1\], got -0.5"),

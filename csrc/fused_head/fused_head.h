@@ -59,13 +59,17 @@ struct FusedHeadEpilogue {
 
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t /*row pass's label*/,
                                              const RowStats<acc_t>& st) const {
-    acc_t* o = out + row * kHeadTerms;
+    return terms(row, st, out + row * kHeadTerms, log_probs + row);
+  }
+
+  // The row's terms into o[kHeadTerms] and *lp (the distillation cluster kernel's CTAs but one: local ones).
+  C10_HOST_DEVICE GradCoef<acc_t> terms(int64_t row, const RowStats<acc_t>& st, acc_t* o, acc_t* lp) const {
     for (int k = 0; k < kHeadTerms; ++k) o[k] = acc_t(0);
     GradCoef<acc_t> g{acc_t(0), acc_t(0), acc_t(0)};
     const int64_t label = labels[row];
     const bool z_on = weight[kHeadZLoss] != acc_t(0) && (z_mask == nullptr || z_mask[row] != acc_t(0));
     if (label < 0 && !z_on) {
-      log_probs[row] = acc_t(0);
+      *lp = acc_t(0);
       return g;
     }
     const acc_t lse = st.lse();
@@ -75,14 +79,14 @@ struct FusedHeadEpilogue {
       g.a += acc_t(2) * lse * weight[kHeadZLoss] * inv_d;
     }
     if (label < 0) {
-      log_probs[row] = acc_t(0);
+      *lp = acc_t(0);
       return g;
     }
-    const acc_t lp = st.log_prob(st.label);
-    log_probs[row] = lp;
+    const acc_t label_lp = st.log_prob(st.label);
+    *lp = label_lp;
     if (weight[kHeadLabel] != acc_t(0)) {
       const acc_t inv_d = acc_t(1) / *divisor[kHeadLabel];
-      o[kHeadLabel] = cross_entropy_loss(ce, lse, lp, st.sum_x) * inv_d;
+      o[kHeadLabel] = cross_entropy_loss(ce, lse, label_lp, st.sum_x) * inv_d;
       const GradCoef<acc_t> t = cross_entropy_grad(ce, lse, weight[kHeadLabel] * inv_d);
       g = {g.a + t.a, g.b + t.b, g.c + t.c};
     }
@@ -91,7 +95,7 @@ struct FusedHeadEpilogue {
       const acc_t old = old_log_probs[row];
       const acc_t rw = rollout_log_probs != nullptr ? rollout_weight(grpo, old - rollout_log_probs[row]) : acc_t(1);
       const PolicyToken<acc_t> t =
-          policy_token(grpo, lp, old, advantages[row], ref_log_probs != nullptr,
+          policy_token(grpo, label_lp, old, advantages[row], ref_log_probs != nullptr,
                        ref_log_probs != nullptr ? ref_log_probs[row] : acc_t(0), rw).t;
       const acc_t w = (loss_weights != nullptr ? loss_weights[row] : acc_t(1)) / *divisor[kHeadGrpo];
       o[kHeadGrpo] = zero_or_product(w, t.loss);  // a zero weight masks the token, even at an overflowed ratio
@@ -180,12 +184,15 @@ struct FusedHeadBackend {
   void (*rows)(const RowPassArgs&, const FusedHeadRows&);
   void (*totals)(const FusedHeadRows&);
   const GspoBackend& (*gspo)();  // the GSPO term: GSPO's statistics pass and its steps between the passes
-  // The distillation term: distillation's passes, and the step between them (FusedHeadDistillStep).
+  // The distillation term: distillation's passes, and the step between them (FusedHeadDistillStep); or all of them
+  // and the gradient in one pass where `distill_fused` (null: none) applies and returns true.
   const DistillBackend& (*distill)();
   void (*distill_step)(const FusedHeadRows&, const FusedHeadDistillRows&);
+  bool (*distill_fused)(const FusedHeadRows&, const FusedHeadDistillRows&);
 };
 
-template <typename Runner, const GspoBackend& (*kGspo)(), const DistillBackend& (*kDistill)()>
+template <typename Runner, const GspoBackend& (*kGspo)(), const DistillBackend& (*kDistill)(),
+          bool (*kDistillFused)(const FusedHeadRows&, const FusedHeadDistillRows&) = nullptr>
 struct FusedHeadBackendImpl {
   static void rows(const RowPassArgs& args, const FusedHeadRows& r) {
     Runner::row_pass(args, "fused_head", [&](auto* tag) {
@@ -206,7 +213,9 @@ struct FusedHeadBackendImpl {
       Runner::for_each(r.out.size(0), make_fused_head_distill_step<scalar_t>(r, d));
     });
   }
-  static constexpr FusedHeadBackend backend() { return {&rows, &totals, kGspo, kDistill, &distill_step}; }
+  static constexpr FusedHeadBackend backend() {
+    return {&rows, &totals, kGspo, kDistill, &distill_step, kDistillFused};
+  }
 };
 
 // fused_head's arguments but the logits and the hooks (op_args.h).

@@ -34,6 +34,13 @@ void fused_head_distill_rows(RowSource& src, FusedHeadRows& rows, FusedHeadDisti
     // Read before the passes: with inplace_backward the gradient pass writes over the logits.
     d.label_logit = pa.logits.gather(1, f.target1d.clamp_min(0).unsqueeze(1)).squeeze(1).to(acc).mul(scale);
     if (smoothing) d.sum_x = at::sum(pa.logits, {1}, false, acc).mul(scale);
+    if (pa.grad.defined()) {
+      // The passes write each row's gradient unscaled (no fp16 row pre-scaling): a factor of 1 for every row.
+      if (pa.grad_row_unscale.defined()) pa.grad_row_unscale.fill_(1.0);
+      s.grad = pa.grad;
+      // One pass where the back-end has it (CUDA's cluster kernel): both rows read once, every term on chip.
+      if (backend.distill_fused != nullptr && backend.distill_fused(rows, d)) return;
+    }
     // Every row's statistics: a row the distillation mask leaves out still has the other terms' (its teacher's
     // fields are read by no one).
     DistillState every_row = s;
@@ -41,11 +48,7 @@ void fused_head_distill_rows(RowSource& src, FusedHeadRows& rows, FusedHeadDisti
     distill.stats(every_row);
     if (s.opt.kind == DistillKind::kJsd) distill.jsd_sums(s);
     backend.distill_step(rows, d);
-    if (!pa.grad.defined()) return;
-    // The passes write each row's gradient unscaled (no fp16 row pre-scaling): a factor of 1 for every row.
-    if (pa.grad_row_unscale.defined()) pa.grad_row_unscale.fill_(1.0);
-    s.grad = pa.grad;
-    distill.grad(s);
+    if (s.grad.defined()) distill.grad(s);
   });
 }
 

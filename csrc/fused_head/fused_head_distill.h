@@ -19,6 +19,7 @@ namespace rl_losses {
 
 template <typename acc_t>
 struct FusedHeadDistillStep {
+  static constexpr bool kOn = true;  // a head of distillation's cluster kernel (distillation_cluster.cuh)
   FusedHeadEpilogue<acc_t> head;
   DistillOptions<acc_t> opt;
   acc_t weight;              // distillation_weight (> 0)
@@ -32,15 +33,22 @@ struct FusedHeadDistillStep {
   acc_t* coef;               // (N, kDistHeadFields): the other terms' (a, b, c)
 
   C10_HOST_DEVICE void operator()(int64_t i) const {
-    const DistillStats<acc_t> ds = DistillStats<acc_t>::load(stats + i * DistillStats<acc_t>::kFields);
+    const bool jsd = opt.kind == DistillKind::kJsd;
+    row(i, DistillStats<acc_t>::load(stats + i * DistillStats<acc_t>::kFields), jsd ? jsd_sums[2 * i] : acc_t(0),
+        jsd ? jsd_sums[2 * i + 1] : acc_t(0), head.out + i * kHeadTerms, head.log_probs + i,
+        table + i * kDistGradFields, coef + i * kDistHeadFields);
+  }
+
+  // Row i from its statistics (and JSD's sums): every term's share into o[kHeadTerms] and *lp, the distillation
+  // gradient table into t and the other terms' coefficients into h. The CUDA cluster kernel calls it with the
+  // statistics it holds on chip (o and lp local in every CTA of the cluster but the one writing the outputs).
+  C10_HOST_DEVICE void row(int64_t i, const DistillStats<acc_t>& ds, acc_t jsd_loss, acc_t jsd_s, acc_t* o,
+                           acc_t* lp, acc_t* t, acc_t* h) const {
     const RowStats<acc_t> st{ds.ms, ds.ss, acc_t(0), sum_x != nullptr ? sum_x[i] : acc_t(0), label_logit[i]};
-    const GradCoef<acc_t> g = head(i, head.labels[i], st);  // writes the other terms' shares and log_probs[i]
-    acc_t* h = coef + i * kDistHeadFields;
+    const GradCoef<acc_t> g = head.terms(i, st, o, lp);
     h[kHeadCoefA] = g.a;
     h[kHeadCoefB] = g.b;
     h[kHeadCoefC] = g.c;
-    acc_t* t = table + i * kDistGradFields;
-    acc_t* o = head.out + i * kHeadTerms;
     const acc_t m = mask != nullptr ? mask[i] : acc_t(1);
     if (m == acc_t(0)) {  // the teacher's statistics are not read; the other terms still read Q (lse)
       o[kHeadDistill] = acc_t(0);
@@ -48,13 +56,19 @@ struct FusedHeadDistillStep {
       t[kDistLseT] = t[kDistWeight] = t[kDistConst] = acc_t(0);
       return;
     }
-    const bool jsd = opt.kind == DistillKind::kJsd;
-    const DistillRowResult<acc_t> r = distill_row(opt, ds, jsd ? jsd_sums[2 * i] : acc_t(0),
-                                                  jsd ? jsd_sums[2 * i + 1] : acc_t(0), m / *divisor);
+    const DistillRowResult<acc_t> r = distill_row(opt, ds, jsd_loss, jsd_s, m / *divisor);
     o[kHeadDistill] = r.table[kDistWeight] * r.divergence;  // the term's share, unweighted (as the op's row_loss)
     for (int k = 0; k < kDistGradFields; ++k) t[k] = r.table[k];
     t[kDistWeight] *= weight;
   }
+
+  // The cluster kernel's calls: `row` in every CTA, the outputs written by one.
+  C10_HOST_DEVICE void cluster_row(int64_t i, const DistillStats<acc_t>& ds, acc_t jsd_loss, acc_t jsd_s, bool write,
+                                   acc_t* t, acc_t* h) const {
+    acc_t o[kHeadTerms], lp;
+    row(i, ds, jsd_loss, jsd_s, write ? head.out + i * kHeadTerms : o, write ? head.log_probs + i : &lp, t, h);
+  }
+  C10_HOST_DEVICE int64_t label(int64_t i) const { return head.labels[i]; }
 };
 
 // The host side: the distillation term's state (its passes' buffers) and the step's other inputs.
