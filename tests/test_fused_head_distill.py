@@ -101,11 +101,14 @@ def test_distillation_term_equals_the_op(kind, beta, teacher_dtype, device):
     assert out.label_loss == 0 and out.z_loss == 0 and out.grpo_loss == 0 and out.gspo_loss == 0
 
 
+# On CUDA, V = 264 runs the cluster kernel with the head (bf16/fp32, teacher of the student's dtype), V = 97 the
+# separate passes.
+@pytest.mark.parametrize("vocab", [97, 264])
 @pytest.mark.parametrize("kind,beta", [("forward_kl", 0.5), ("jsd", 0.3)], ids=lambda v: str(v))
-def test_masked_rows_read_no_teacher(kind, beta, device):
+def test_masked_rows_read_no_teacher(kind, beta, vocab, device):
     """A row the distillation mask leaves out: its teacher's values (NaN here) change nothing, and the other terms
     still see the row (its label CE and gradient)."""
-    inputs = make_inputs((4, 6), 97, torch.float32, device)
+    inputs = make_inputs((4, 6), vocab, torch.float32, device)
     logits, target, teacher = inputs[:3]
     kwargs = head_kwargs(("label", "z_loss", "grpo"), inputs, kind, beta, {"distillation_mask": True})
     mask = kwargs["distillation_mask"]
@@ -121,8 +124,9 @@ def test_masked_rows_read_no_teacher(kind, beta, device):
     assert_grad_close(x.grad, z.grad, torch.float32, scale=2.0)
 
 
-def test_inplace_backward_matches(device):
-    inputs = make_inputs((4, 5), 97, torch.float32, device)
+@pytest.mark.parametrize("vocab", [97, 264])
+def test_inplace_backward_matches(vocab, device):
+    inputs = make_inputs((4, 5), vocab, torch.bfloat16, device)
     logits, target = inputs[:2]
     kwargs = head_kwargs(("label", "z_loss", "grpo"), inputs, "reverse_kl", 0.5, OPTIONS["options"])
     x = logits.clone().requires_grad_()
@@ -133,6 +137,16 @@ def test_inplace_backward_matches(device):
     out_inplace.loss.backward()
     torch.testing.assert_close(out_inplace.loss, out.loss)
     torch.testing.assert_close(y.grad, x.grad)
+
+
+@pytest.mark.parametrize("kind,beta", [("reverse_kl", 0.5), ("jsd", 0.3)], ids=lambda v: str(v))
+@pytest.mark.parametrize("shape,vocab", [((1100,), 1024), ((6,), 131080)], ids=["many_rows", "wide_rows"])
+def test_many_and_wide_rows(shape, vocab, kind, beta, device):
+    """More rows than the cluster kernel's resident clusters (its tail launch: the head indexes the rows of the
+    whole call) and rows split over several CTAs (the label's column in one slice of the row)."""
+    inputs = make_inputs(shape, vocab, torch.bfloat16, device)
+    kwargs = head_kwargs(("label", "z_loss", "grpo"), inputs, kind, beta, {"distillation_mask": True})
+    check_against_reference(inputs[0], inputs[1], kwargs, torch.bfloat16)
 
 
 @pytest.mark.parametrize("kind,beta", [("forward_kl", 0.5), ("jsd", 0.4)], ids=lambda v: str(v))

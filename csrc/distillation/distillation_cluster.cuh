@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
     // head's rows of weight 0 read the teacher's slice, unused).
     auto gradient = [&](auto distill) {
       constexpr bool kDistill = decltype(distill)::value;
-      const float sw = v.opt.scale * w;
+      [[maybe_unused]] const float sw = v.opt.scale * w;  // the distillation op's factor (no head)
       for (int p = 0; p < n_pieces; ++p) {
         const int end = std::min(n_groups, (p + 1) * v.piece_groups);
 #pragma unroll 2

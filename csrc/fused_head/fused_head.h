@@ -175,10 +175,6 @@ FusedHeadEpilogue<acc_t> make_fused_head_epilogue(const FusedHeadRows& r) {
 // The distillation term (fused_head_distill.h).
 struct DistillBackend;
 struct FusedHeadDistillRows;
-template <typename acc_t>
-struct FusedHeadDistillStep;
-template <typename acc_t>
-FusedHeadDistillStep<acc_t> make_fused_head_distill_step(const FusedHeadRows& r, const FusedHeadDistillRows& d);
 
 struct FusedHeadBackend {
   void (*rows)(const RowPassArgs&, const FusedHeadRows&);
@@ -190,33 +186,7 @@ struct FusedHeadBackend {
   void (*distill_step)(const FusedHeadRows&, const FusedHeadDistillRows&);
   bool (*distill_fused)(const FusedHeadRows&, const FusedHeadDistillRows&);
 };
-
-template <typename Runner, const GspoBackend& (*kGspo)(), const DistillBackend& (*kDistill)(),
-          bool (*kDistillFused)(const FusedHeadRows&, const FusedHeadDistillRows&) = nullptr>
-struct FusedHeadBackendImpl {
-  static void rows(const RowPassArgs& args, const FusedHeadRows& r) {
-    Runner::row_pass(args, "fused_head", [&](auto* tag) {
-      return make_fused_head_epilogue<std::remove_pointer_t<decltype(tag)>>(r);
-    });
-  }
-  static void totals(const FusedHeadRows& r) {
-    AT_DISPATCH_FLOATING_TYPES(r.out.scalar_type(), "fused_head", [&] {
-      FusedHeadTotals<scalar_t> t;
-      t.out = r.out.const_data_ptr<scalar_t>();
-      for (int k = 0; k < kHeadTerms; ++k) t.weight[k] = scalar_t(r.weight[k]);
-      for (int k = 0; k <= kHeadTerms; ++k) t.dst[k] = r.scalars[k].data_ptr<scalar_t>();
-      Runner::sum_then(r.out.size(0), t);
-    });
-  }
-  static void distill_step(const FusedHeadRows& r, const FusedHeadDistillRows& d) {
-    AT_DISPATCH_FLOATING_TYPES(r.out.scalar_type(), "fused_head", [&] {
-      Runner::for_each(r.out.size(0), make_fused_head_distill_step<scalar_t>(r, d));
-    });
-  }
-  static constexpr FusedHeadBackend backend() {
-    return {&rows, &totals, kGspo, kDistill, &distill_step, kDistillFused};
-  }
-};
+// A device's FusedHeadBackend: FusedHeadBackendImpl (fused_head_distill.h).
 
 // fused_head's arguments but the logits and the hooks (op_args.h).
 #define RL_LOSSES_FUSED_HEAD_ARGS(X)                                                                 \

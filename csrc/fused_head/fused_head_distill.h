@@ -1,14 +1,18 @@
 // The fused head's distillation term (docs/distillation_dpo.md): distillation_weight · the distillation op's loss
 // against `teacher_logits`, beside the label CE, the z-loss and the GRPO term. The head then runs on
-// distillation's passes, which read the student's row and the teacher's together: the statistics of both
-// softmaxes (the student's lse is the other terms' too), JSD's sums, one step per row (FusedHeadDistillStep: every
-// term's share and its gradient coefficients, the other terms by FusedHeadEpilogue itself), and distillation's
-// gradient pass, which adds the other terms' a·Q_j + c + b·[j = label] (distill_head_grad): one gradient, written
-// once. The label's logit is gathered before the passes (one value a row) and, with label smoothing, Σx summed
-// (one more read of the logits: the distillation statistics have no Σx).
+// distillation's passes, which read the student's row and the teacher's together, with one row step of every term
+// (FusedHeadDistillStep: the distillation row step, distill_row, and the other terms by FusedHeadEpilogue itself,
+// from the student's statistics): the gradient pass adds the other terms' a·Q_j + c + b·[j = label]
+// (distill_head_grad) to distillation's, one gradient written once.
+//   CUDA: distillation's cluster kernel with this step as its head (distillation_cluster.cuh), where it applies
+//     and the teacher has the student's dtype: each row of both tensors read once, as distillation alone reads
+//     them (the kernel then reads every row: the step applies the distillation mask);
+//   otherwise (and on the CPU): the statistics pass, JSD's sums, the step over all rows, the gradient pass.
+// The label's logit is gathered before the passes (one value a row) and, with label smoothing, Σx summed (one more
+// read of the logits: the distillation statistics have no Σx).
 //
-// Not with the GSPO term (its per-document steps need their own statistics pass between) nor under tensor
-// parallelism (the statistics of two softmaxes and the head's would need one all-reduce of both): refused.
+// Not with the GSPO term (its per-document steps need a statistics pass of their own between) nor under tensor
+// parallelism (the head's statistics and distillation's would need their all-reduce together): refused.
 #pragma once
 
 #include "common/row_source.h"
@@ -96,6 +100,33 @@ FusedHeadDistillStep<acc_t> make_fused_head_distill_step(const FusedHeadRows& r,
   f.coef = s.head_coef.data_ptr<acc_t>();
   return f;
 }
+
+template <typename Runner, const GspoBackend& (*kGspo)(), const DistillBackend& (*kDistill)(),
+          bool (*kDistillFused)(const FusedHeadRows&, const FusedHeadDistillRows&) = nullptr>
+struct FusedHeadBackendImpl {
+  static void rows(const RowPassArgs& args, const FusedHeadRows& r) {
+    Runner::row_pass(args, "fused_head", [&](auto* tag) {
+      return make_fused_head_epilogue<std::remove_pointer_t<decltype(tag)>>(r);
+    });
+  }
+  static void totals(const FusedHeadRows& r) {
+    AT_DISPATCH_FLOATING_TYPES(r.out.scalar_type(), "fused_head", [&] {
+      FusedHeadTotals<scalar_t> t;
+      t.out = r.out.const_data_ptr<scalar_t>();
+      for (int k = 0; k < kHeadTerms; ++k) t.weight[k] = scalar_t(r.weight[k]);
+      for (int k = 0; k <= kHeadTerms; ++k) t.dst[k] = r.scalars[k].data_ptr<scalar_t>();
+      Runner::sum_then(r.out.size(0), t);
+    });
+  }
+  static void distill_step(const FusedHeadRows& r, const FusedHeadDistillRows& d) {
+    AT_DISPATCH_FLOATING_TYPES(r.out.scalar_type(), "fused_head", [&] {
+      Runner::for_each(r.out.size(0), make_fused_head_distill_step<scalar_t>(r, d));
+    });
+  }
+  static constexpr FusedHeadBackend backend() {
+    return {&rows, &totals, kGspo, kDistill, &distill_step, kDistillFused};
+  }
+};
 
 // The term's checks (after those of fused_head_forward) and its buffers.
 FusedHeadDistillRows fused_head_distill_state(const char* op, const FlatLogits& f, const at::Tensor& target,
