@@ -66,11 +66,15 @@ struct FusedHeadDistillStep {
     t[kDistWeight] *= weight;
   }
 
-  // The cluster kernel's calls: `row` in every CTA, the outputs written by one.
+  // The cluster kernel's calls: `row` in every CTA, the outputs written by one. Into locals first: no global
+  // store between the row's loads (which may then be issued together: this is on the row's critical path).
   C10_HOST_DEVICE void cluster_row(int64_t i, const DistillStats<acc_t>& ds, acc_t jsd_loss, acc_t jsd_s, bool write,
                                    acc_t* t, acc_t* h) const {
     acc_t o[kHeadTerms], lp;
-    row(i, ds, jsd_loss, jsd_s, write ? head.out + i * kHeadTerms : o, write ? head.log_probs + i : &lp, t, h);
+    row(i, ds, jsd_loss, jsd_s, o, &lp, t, h);
+    if (!write) return;
+    for (int k = 0; k < kHeadTerms; ++k) head.out[i * kHeadTerms + k] = o[k];
+    head.log_probs[i] = lp;
   }
   C10_HOST_DEVICE int64_t label(int64_t i) const { return head.labels[i]; }
 };
