@@ -12,7 +12,8 @@ from rl_losses import reference
 from rl_losses.fused_head import fused_head_loss
 
 from conftest import assert_close
-from helpers import assert_grad_close, gradcheck_fresh, label_log_probs64, make_logits, make_target, param_id as _id
+from helpers import (assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh, label_log_probs64, make_logits,
+                     make_target, param_id as _id)
 from helpers_head import WEIGHTS, head_equals_separate_modules, other_term_kwargs
 
 _ops = torch.ops.rl_losses
@@ -162,6 +163,18 @@ def test_opcheck(device):
     logits, target = inputs[:2]
     kwargs = head_kwargs(("label", "z_loss", "grpo"), inputs, "jsd", 0.3, OPTIONS["options"])
     torch.library.opcheck(_ops.fused_head, (logits.clone().requires_grad_(), target), kwargs)
+
+
+def test_compile_fullgraph(device):
+    inputs = make_inputs((3, 4), 32, torch.float32, device)
+    logits, target = inputs[:2]
+    kwargs = head_kwargs(("label", "grpo"), inputs, "jsd", 0.3, {"distillation_mask": True})
+
+    def fn(x, t):
+        out = fused_head_loss(x, t, **kwargs)
+        return out.loss, out.distillation_loss, out.label_loss
+
+    assert_compiled_matches_eager(fn, logits, target, backend="aot_eager")
 
 
 def test_head_config_fuses_a_distillation_loss(device, monkeypatch):
