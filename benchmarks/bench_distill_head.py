@@ -76,6 +76,17 @@ def torch_forward_kl_topk(x, ids, log_p):
     return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
 
 
+def policy_inputs(x):
+    """Labels (20% unlabelled), advantages and old log-probs near the current ones, for the head's rows."""
+    n, v = x.shape
+    target = torch.randint(0, v, (n,), device="cuda")
+    target[torch.rand(n, device="cuda") < 0.2] = -100
+    adv = torch.randn(n, device="cuda")
+    with torch.no_grad():
+        old = torch.log_softmax(x.float(), -1).gather(-1, target.clamp_min(0)[:, None])[:, 0] + 0.1
+    return target, adv, old
+
+
 def head_distillation(x, teacher, target, adv, old, times, record, step, reps) -> None:
     """The fused head's distillation term: CE + KL (and CE + z + GRPO + KL) in one call against distillation
     alone on the same logits and teacher (the target: within +5% of it), and the separate ops summed."""
@@ -137,11 +148,7 @@ def main() -> None:
         return run
 
     if args.only == "head_distill":
-        target = torch.randint(0, v, (n,), device="cuda")
-        target[torch.rand(n, device="cuda") < 0.2] = -100
-        adv = torch.randn(n, device="cuda")
-        with torch.no_grad():
-            old = torch.log_softmax(x.float(), -1).gather(-1, target.clamp_min(0)[:, None])[:, 0] + 0.1
+        target, adv, old = policy_inputs(x)
         head_distillation(x, teacher, target, adv, old, {}, record, step, args.reps)
         write_out(args, results, rate, None)
         return
@@ -222,11 +229,7 @@ def main() -> None:
         del hs, ws, ht, wt
         torch.cuda.empty_cache()
 
-    target = torch.randint(0, v, (n,), device="cuda")
-    target[torch.rand(n, device="cuda") < 0.2] = -100
-    adv = torch.randn(n, device="cuda")
-    with torch.no_grad():
-        old = torch.log_softmax(x.float(), -1).gather(-1, target.clamp_min(0)[:, None])[:, 0] + 0.1
+    target, adv, old = policy_inputs(x)
     # The z-loss over the labelled tokens (Fast-LLM's loss_mask), as the separate ops below: then the head reads
     # the rows GRPO alone reads, and the target is within 5% of it.
     head = dict(label_weight=1.0, z_loss_weight=1e-4, z_loss_mask=target >= 0, grpo_weight=1.0, advantages=adv,
