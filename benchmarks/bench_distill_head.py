@@ -1,7 +1,7 @@
 """Times distillation and the fused head on a GPU, side by side with their peers, in one run.
 
     python benchmarks/bench_distill_head.py [--n 16384] [--v 128256] [--dtype bfloat16] [--reps 20] \
-        [--hidden 4096] [--out OUT.json]
+        [--hidden 4096] [--only all|head_distill] [--out OUT.json]
 
 Distillation (forward KL, reverse KL, JSD β=0.5; student and teacher logits of one dtype): rl_losses (and in
 its batch-invariant mode, "b-inv") against torch.compile of the reference formula and Liger-Kernel's JSD kernel (liger_kernel.ops.jsd through LigerJSD,
@@ -12,7 +12,9 @@ at most 1.1x) and torch.compile of verl's forward_kl_topk, with the floor (read 
 From hidden states (``--hidden`` > 0): rl_losses.linear_distillation_loss after the teacher's matmul against
 Liger's LigerFusedLinearJSD, which does both. The fused head: CE + z-loss + GRPO in one call against GRPO alone
 and the three separate ops; CE + z-loss + GSPO (64 packed documents) against GSPO alone (both read the logits
-twice: statistics, then the gradient) and the three separate ops. CUDA-event timing after warm-up (benchmarks/timing.py), median of `reps` runs. Prints one line per case;
+twice: statistics, then the gradient) and the three separate ops. The fused head's
+distillation term: CE + KL (and CE + z + GRPO + KL) against distillation alone (target: within +5%) and the
+separate ops (``--only head_distill``: these rows alone). CUDA-event timing after warm-up (benchmarks/timing.py), median of `reps` runs. Prints one line per case;
 ``--out`` writes the rows as JSON for ``benchmarks/report.py --add``.
 """
 from __future__ import annotations
@@ -74,6 +76,41 @@ def torch_forward_kl_topk(x, ids, log_p):
     return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
 
 
+def policy_inputs(x):
+    """Labels (20% unlabelled), advantages and old log-probs near the current ones, for the head's rows."""
+    n, v = x.shape
+    target = torch.randint(0, v, (n,), device="cuda")
+    target[torch.rand(n, device="cuda") < 0.2] = -100
+    adv = torch.randn(n, device="cuda")
+    with torch.no_grad():
+        old = torch.log_softmax(x.float(), -1).gather(-1, target.clamp_min(0)[:, None])[:, 0] + 0.1
+    return target, adv, old
+
+
+def head_distillation(x, teacher, target, adv, old, times, record, step, reps) -> None:
+    """The fused head's distillation term: CE + KL (and CE + z + GRPO + KL) in one call against distillation
+    alone on the same logits and teacher (the target: within +5% of it), and the separate ops summed."""
+    n, v = x.shape
+    for kind in ("forward_kl", "jsd"):
+        kd = dict(distillation_weight=1.0, teacher_logits=teacher, kind=kind, distillation_beta=0.5)
+        rows = {f"fused CE+{kind}": step(lambda: fused_head_loss(x, target, label_weight=1.0, **kd).loss),
+                f"fused CE+z+GRPO+{kind}": step(lambda: fused_head_loss(
+                    x, target, label_weight=1.0, z_loss_weight=1e-4, z_loss_mask=target >= 0, grpo_weight=1.0,
+                    advantages=adv, old_log_probs=old, **kd).loss),
+                f"distillation alone {kind}": step(lambda: rl_losses.distillation_loss(
+                    x, teacher, kind=kind, beta=0.5).loss),
+                f"CE + distillation {kind}": step(lambda: rl_losses.cross_entropy(x, target) + rl_losses.distillation_loss(
+                    x, teacher, kind=kind, beta=0.5).loss)}
+        for name, fn in rows.items():
+            times[name] = timed(fn, reps)
+            record("head_distill", name, times[name], n, v)
+            print(f"head {name:28s} {times[name]:8.3f} ms")
+        base = times[f"distillation alone {kind}"]
+        for name in (f"fused CE+{kind}", f"fused CE+z+GRPO+{kind}"):
+            print(f"head {name} over distillation alone: {100 * (times[name] / base - 1):+.1f}% (target: within +5%)")
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=16384)
@@ -83,6 +120,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096, help="hidden size of the linear cases (0: skip them)")
     ap.add_argument("--linear-n", type=int, default=4096, help="tokens of the linear cases")
     ap.add_argument("--out", help="write the rows as JSON (benchmarks/report.py --add)")
+    ap.add_argument("--only", choices=["all", "head_distill"], default="all",
+                    help="head_distill: the fused head's distillation rows alone")
     args = ap.parse_args()
     dtype, n, v = getattr(torch, args.dtype), args.n, args.v
     print(f"device {torch.cuda.get_device_name()}, N={n}, V={v}, {args.dtype}, torch {torch.__version__}")
@@ -91,14 +130,6 @@ def main() -> None:
     elem = x.element_size()
     rate = copy_ceiling("cuda", TIMER, 2 * n * v * elem, args.reps)["gbps"] * 1e6  # bytes per ms
     floor_ms = 3 * n * v * elem / rate
-    compiled = torch.compile(torch_distillation)
-    try:
-        from importlib.metadata import version
-
-        from liger_kernel.transformers import LigerFusedLinearJSD, LigerJSD
-        liger_version = version("liger-kernel")
-    except ImportError:
-        LigerJSD = LigerFusedLinearJSD = liger_version = None
     results = []
 
     def record(op, provider, ms, n_rows, vocab, floor=None):
@@ -115,6 +146,20 @@ def main() -> None:
                 t.grad = None
             loss_fn().backward()
         return run
+
+    if args.only == "head_distill":
+        target, adv, old = policy_inputs(x)
+        head_distillation(x, teacher, target, adv, old, {}, record, step, args.reps)
+        write_out(args, results, rate, None)
+        return
+    compiled = torch.compile(torch_distillation)
+    try:
+        from importlib.metadata import version
+
+        from liger_kernel.transformers import LigerFusedLinearJSD, LigerJSD
+        liger_version = version("liger-kernel")
+    except ImportError:
+        LigerJSD = LigerFusedLinearJSD = liger_version = None
 
     def invariant(kind):
         # The batch-invariant mode, whose rows run the separate passes (statistics, JSD's sums, gradient).
@@ -184,11 +229,7 @@ def main() -> None:
         del hs, ws, ht, wt
         torch.cuda.empty_cache()
 
-    target = torch.randint(0, v, (n,), device="cuda")
-    target[torch.rand(n, device="cuda") < 0.2] = -100
-    adv = torch.randn(n, device="cuda")
-    with torch.no_grad():
-        old = torch.log_softmax(x.float(), -1).gather(-1, target.clamp_min(0)[:, None])[:, 0] + 0.1
+    target, adv, old = policy_inputs(x)
     # The z-loss over the labelled tokens (Fast-LLM's loss_mask), as the separate ops below: then the head reads
     # the rows GRPO alone reads, and the target is within 5% of it.
     head = dict(label_weight=1.0, z_loss_weight=1e-4, z_loss_mask=target >= 0, grpo_weight=1.0, advantages=adv,
@@ -220,7 +261,12 @@ def main() -> None:
         print(f"head {name:18s} {times[name]:8.3f} ms")
     print(f"head fused CE+z+GSPO over GSPO alone: {100 * (times['fused CE+z+GSPO'] / times['GSPO alone'] - 1):+.1f}% "
           "(target: within +5%)")
+    head_distillation(x, teacher, target, adv, old, times, record, step, args.reps)
 
+    write_out(args, results, rate, liger_version)
+
+
+def write_out(args, results, rate, liger_version) -> None:
     if args.out:
         meta = {"script": "bench_distill_head.py", "device": torch.cuda.get_device_name(),
                 "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -223,12 +223,13 @@
   X(at::Tensor, logits, )          \
   X(at::Tensor, teacher_logits, )
 // The teacher's softmax is over teacher_logits / temperature, the student's over logits_scale_factor · logits.
-#define RL_LOSSES_DISTILL_SOFTMAX(X) \
-  X(double, temperature, 1.0)        \
-  X(double, logits_scale_factor, 1.0)
+#define RL_LOSSES_DISTILL_TEMPERATURE(X) X(double, temperature, 1.0)
+#define RL_LOSSES_DISTILL_SOFTMAX(X) RL_LOSSES_DISTILL_TEMPERATURE(X) RL_LOSSES_SCALE(X)
 // kind and beta: the divergence and JSD's β, shared with the top-K op (topk_distillation/).
 #define RL_LOSSES_DISTILL_KIND(X) X(std::string, kind, "forward_kl")
-#define RL_LOSSES_DISTILL_BETA(X) X(double, beta, 0.5)
+// JSD's β under a name of the op's: the fused head's `beta` is the policy terms' KL weight.
+#define RL_LOSSES_DISTILL_BETA_NAMED(X, NAME) X(double, NAME, 0.5)
+#define RL_LOSSES_DISTILL_BETA(X) RL_LOSSES_DISTILL_BETA_NAMED(X, beta)
 #define RL_LOSSES_DISTILL_OPTIONS(X) RL_LOSSES_DISTILL_KIND(X) X(OptTensor, loss_mask, None)
 // The tensor-parallel hooks: distillation_stats' and (JSD) distillation_jsd_sums' outputs all-reduced.
 #define RL_LOSSES_DISTILL_HOOKS(X) \
@@ -292,13 +293,22 @@
   X(OptInt, num_documents, None)          \
   X(OptTensor, label_counts, None)        \
   X(OptDouble, gspo_divisor, None)
+// The distillation term (distillation/'s kind and temperature; its β as distillation_beta, its loss_mask as
+// distillation_mask: every row without one, as the distillation op's).
+#define RL_LOSSES_FUSED_HEAD_DISTILL(X)                                                                 \
+  X(double, distillation_weight, 0.0)                                                                   \
+  X(OptTensor, teacher_logits, None)                                                                    \
+  RL_LOSSES_DISTILL_KIND(X) RL_LOSSES_DISTILL_BETA_NAMED(X, distillation_beta) RL_LOSSES_DISTILL_TEMPERATURE(X) \
+  X(OptTensor, distillation_mask, None)                                                                 \
+  X(OptDouble, distillation_divisor, None)
 #define RL_LOSSES_FUSED_HEAD_RESULTS(X) \
   X(at::Tensor, loss, )                 \
   X(at::Tensor, label_loss, )           \
   X(at::Tensor, z_loss, )               \
   X(at::Tensor, grpo_loss, )            \
   X(at::Tensor, log_probs, )            \
-  X(at::Tensor, gspo_loss, )
+  X(at::Tensor, gspo_loss, )            \
+  X(at::Tensor, distillation_loss, )
 
 namespace rl_losses {
 

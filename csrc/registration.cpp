@@ -214,13 +214,15 @@ TORCH_LIBRARY(rl_losses, m) {
            RL_LOSSES_ENTRIES(RL_LOSSES_DPO_RESULTS));
 
   // ---- several losses in one pass (fused_head/): label CE, z-loss and GRPO or GSPO with weights -------------------
-  // loss = label_weight·label_loss + z_loss_weight·z_loss + grpo_weight·grpo_loss + gspo_weight·gspo_loss, each
+  // loss = label_weight·label_loss + z_loss_weight·z_loss + grpo_weight·grpo_loss + gspo_weight·gspo_loss
+  // + distillation_weight·distillation_loss, each
   // term with its own divisor (default: the term's tokens: the labelled ones, z_loss_mask's for the z-loss; the
   // labelled documents for GSPO) and each reported (detached) beside the total; one summed gradient. The GSPO term
   // shares advantages, old_log_probs, the policy tensors, the clip, beta and the per-token policy options with GRPO
   // (at most one of the two is on).
   def_loss(m, "fused_head", logits,
-           cat({RL_LOSSES_ENTRIES(RL_LOSSES_FUSED_HEAD_OPTIONS), policy_tensors, clip, kl_weight, policy,
+           cat({RL_LOSSES_ENTRIES(RL_LOSSES_FUSED_HEAD_OPTIONS), RL_LOSSES_ENTRIES(RL_LOSSES_FUSED_HEAD_DISTILL),
+                policy_tensors, clip, kl_weight, policy,
                 RL_LOSSES_ENTRIES(RL_LOSSES_ROLLOUT_REJECTION), weighting, scale}),
            tp_hooks,
            RL_LOSSES_ENTRIES(RL_LOSSES_FUSED_HEAD_RESULTS));

@@ -51,6 +51,11 @@ def _gspo_head(d, **kw):
     return _head(d, gspo_weight=1.0, **t)
 
 
+def _distill_head(d, teacher=None, **kw):
+    teacher = torch.randn(4, 7, device=d) if teacher is None else teacher
+    return _head(d, **{"distillation_weight": 1.0, "teacher_logits": teacher, **kw})
+
+
 def _bad_inputs():
     """(name, call(device), expected message fragment)."""
     long = dict(dtype=torch.long)
@@ -181,6 +186,34 @@ def _bad_inputs():
         ("head_z_mask_shape", lambda d: _head(d, z_loss_weight=1.0, z_loss_mask=torch.ones(5, dtype=torch.bool,
                                                                                            device=d)),
          r"z_loss_mask must have the target's shape \[4\] and device cpu, got \[5\] on cpu"),
+        # the distillation term
+        ("head_distill_weight", lambda d: _distill_head(d, distillation_weight=float("nan")),
+         "fused_head: distillation_weight must be finite and >= 0, got nan"),
+        ("head_distill_no_teacher", lambda d: _head(d, distillation_weight=1.0),
+         "fused_head: distillation_weight = 1 > 0 needs teacher_logits"),
+        ("head_distill_gspo", lambda d: _gspo_head(d, distillation_weight=1.0,
+                                                   teacher_logits=torch.randn(4, 7, device=d)),
+         "fused_head: distillation_weight = 1 and gspo_weight = 1 are both > 0"),
+        ("head_distill_tp", lambda d: _distill_head(d, row_stats=torch.zeros(4, 5, device=d)),
+         r"fused_head: distillation_weight = 1 > 0 runs without tensor parallelism \(row_stats given\)"),
+        ("head_distill_divisor", lambda d: _distill_head(d, distillation_divisor=0.0),
+         "fused_head: divisor must be finite and > 0, got 0"),
+        ("head_distill_teacher_shape", lambda d: _distill_head(d, teacher=torch.randn(4, 8, device=d)),
+         r"fused_head: teacher_logits has shape \[4, 8\] but logits has shape \[4, 7\] \(the vocabularies differ\)"),
+        ("head_distill_teacher_dtype",
+         lambda d: _distill_head(d, teacher=torch.zeros(4, 7, dtype=torch.long, device=d)),
+         "fused_head: teacher_logits must be a floating-point tensor"),
+        ("head_distill_beta", lambda d: _distill_head(d, kind="jsd", distillation_beta=-0.5),
+         r"fused_head: distillation_beta must be in \[0, 1\], got -0.5"),
+        ("head_distill_temperature", lambda d: _distill_head(d, temperature=0.0),
+         "fused_head: temperature must be finite and > 0, got 0"),
+        ("head_distill_kind", lambda d: _distill_head(d, kind="tvd"),
+         "fused_head: kind must be 'forward_kl', 'reverse_kl', 'cross_entropy' or 'jsd', got 'tvd'"),
+        ("head_distill_mask_dtype", lambda d: _distill_head(d, distillation_mask=torch.ones(4, device=d)),
+         "fused_head: distillation_mask must be a bool or integer tensor"),
+        ("head_distill_mask_shape", lambda d: _distill_head(d, distillation_mask=torch.ones(5, dtype=torch.bool,
+                                                                                                device=d)),
+         r"fused_head: distillation_mask has shape \[5\] but logits has batch shape \[4\]"),
     ]
 
 
@@ -197,7 +230,9 @@ def test_fake_and_real_reject_alike(name, call, message):
     lambda d: _dpo(d, beta=0.5, divisor=2.0),
     lambda d: _grpo_head(d, label_weight=1.0, z_loss_weight=0.5, z_loss_mask=torch.ones(4, dtype=torch.long,
                                                                                         device=d)),
-], ids=["distillation", "dpo", "head"])
+    lambda d: _distill_head(d, label_weight=1.0, kind="jsd", distillation_beta=0.3,
+                            distillation_mask=torch.ones(4, dtype=torch.bool, device=d)),
+], ids=["distillation", "dpo", "head", "head_distillation"])
 def test_fake_accepts_what_the_real_op_accepts(call):
     real = call("cpu")
     fake = call("meta")

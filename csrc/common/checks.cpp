@@ -116,12 +116,12 @@ at::Tensor check_per_token_int(const char* op, const char* name, const at::Tenso
 }
 
 at::Tensor check_loss_mask(const char* op, const at::Tensor& mask, const at::Tensor& like, const char* like_name,
-                           c10::IntArrayRef sizes, const char* shape_name) {
-  TORCH_CHECK(mask.scalar_type() == at::kBool || at::isIntegralType(mask.scalar_type(), false), op,
-              ": loss_mask must be a bool or integer tensor, got ", mask.scalar_type());
-  TORCH_CHECK(mask.device() == like.device(), op, ": loss_mask is on ", mask.device(), " but ", like_name, " is on ",
-              like.device());
-  TORCH_CHECK(mask.sizes() == sizes, op, ": loss_mask has shape ", mask.sizes(), " but ", like_name, " has ",
+                           c10::IntArrayRef sizes, const char* shape_name, const char* mask_name) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool || at::isIntegralType(mask.scalar_type(), false), op, ": ", mask_name,
+              " must be a bool or integer tensor, got ", mask.scalar_type());
+  TORCH_CHECK(mask.device() == like.device(), op, ": ", mask_name, " is on ", mask.device(), " but ", like_name,
+              " is on ", like.device());
+  TORCH_CHECK(mask.sizes() == sizes, op, ": ", mask_name, " has shape ", mask.sizes(), " but ", like_name, " has ",
               shape_name, " ", sizes);
   return mask.reshape({-1}).ne(0).contiguous();
 }

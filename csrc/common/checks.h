@@ -46,7 +46,7 @@ at::Tensor check_per_token_int(const char* op, const char* name, const at::Tenso
 // A loss mask (bool or integer, nonzero where a position counts) of `sizes` on `like`'s device; `like_name` and
 // `shape_name` word the messages ("... but logits has batch shape ..."). Returned flattened, contiguous, bool.
 at::Tensor check_loss_mask(const char* op, const at::Tensor& mask, const at::Tensor& like, const char* like_name,
-                           c10::IntArrayRef sizes, const char* shape_name);
+                           c10::IntArrayRef sizes, const char* shape_name, const char* mask_name = "loss_mask");
 
 // label_counts (integer or float): the target's shape and device; returned flattened, contiguous, in `dtype`.
 at::Tensor check_label_counts(const char* op, const at::Tensor& t, const at::Tensor& target, at::ScalarType dtype);

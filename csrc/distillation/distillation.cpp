@@ -16,13 +16,13 @@ namespace {
 constexpr const char* kDistill = "distillation";
 
 // (N, V) with a unit column stride: a view where the batch dims merge into one row stride, else a copy.
-at::Tensor rows_of(const char* name, const at::Tensor& t, bool* is_view = nullptr) {
-  TORCH_CHECK(t.defined() && at::isFloatingType(t.scalar_type()), kDistill, ": ", name,
+at::Tensor rows_of(const char* name, const at::Tensor& t, bool* is_view = nullptr, const char* op = kDistill) {
+  TORCH_CHECK(t.defined() && at::isFloatingType(t.scalar_type()), op, ": ", name,
               " must be a floating-point tensor (float32, float64, bfloat16 or float16), got ",
               t.defined() ? c10::toString(t.scalar_type()) : "undefined");
-  TORCH_CHECK(t.dim() >= 1, kDistill, ": ", name, " must have at least 1 dimension (…, vocab), got a 0-dim tensor");
-  TORCH_CHECK(t.size(-1) >= 1, kDistill, ": ", name, " has an empty vocabulary dimension (shape ", t.sizes(), ")");
-  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, kDistill, ": ", name,
+  TORCH_CHECK(t.dim() >= 1, op, ": ", name, " must have at least 1 dimension (…, vocab), got a 0-dim tensor");
+  TORCH_CHECK(t.size(-1) >= 1, op, ": ", name, " has an empty vocabulary dimension (shape ", t.sizes(), ")");
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, op, ": ", name,
               " must have a unit stride in the vocabulary (last) dimension, got stride ", t.stride(-1));
   const int64_t v = t.size(-1), n = t.numel() / v;
   const int64_t shape[2] = {n, v};
@@ -32,21 +32,21 @@ at::Tensor rows_of(const char* name, const at::Tensor& t, bool* is_view = nullpt
   return t.as_strided({n, v}, {(*strides)[0], 1});
 }
 
-void check_pair(const at::Tensor& logits, const at::Tensor& teacher) {
-  TORCH_CHECK(teacher.defined(), kDistill, ": teacher_logits is undefined");
-  TORCH_CHECK(teacher.device() == logits.device(), kDistill, ": teacher_logits is on ", teacher.device(),
+void check_pair(const at::Tensor& logits, const at::Tensor& teacher, const char* op = kDistill) {
+  TORCH_CHECK(teacher.defined(), op, ": teacher_logits is undefined");
+  TORCH_CHECK(teacher.device() == logits.device(), op, ": teacher_logits is on ", teacher.device(),
               " but logits is on ", logits.device());
-  TORCH_CHECK(teacher.sizes() == logits.sizes(), kDistill, ": teacher_logits has shape ", teacher.sizes(),
+  TORCH_CHECK(teacher.sizes() == logits.sizes(), op, ": teacher_logits has shape ", teacher.sizes(),
               " but logits has shape ", logits.sizes(),
               (teacher.dim() == logits.dim() && teacher.dim() > 0 && teacher.size(-1) != logits.size(-1)
                    ? " (the vocabularies differ)"
                    : ""));
 }
 
-void check_softmax(double temperature, double scale) {
-  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, kDistill, ": temperature must be finite and > 0, got ",
+void check_softmax(double temperature, double scale, const char* op = kDistill) {
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, op, ": temperature must be finite and > 0, got ",
               temperature);
-  check_scale(kDistill, scale);
+  check_scale(op, scale);
 }
 
 void check_acc_input(const char* name, const at::Tensor& t, int64_t n, int64_t cols, const at::Tensor& logits) {
@@ -61,8 +61,8 @@ void check_acc_input(const char* name, const at::Tensor& t, int64_t n, int64_t c
 
 }  // namespace
 
-void check_distill_beta(const char* op, double beta) {
-  TORCH_CHECK(std::isfinite(beta) && beta >= 0 && beta <= 1, op, ": beta must be in [0, 1], got ", beta);
+void check_distill_beta(const char* op, double beta, const char* name) {
+  TORCH_CHECK(std::isfinite(beta) && beta >= 0 && beta <= 1, op, ": ", name, " must be in [0, 1], got ", beta);
 }
 
 DistillOptions<double> make_distill_options(DistillKind kind, double beta, double temperature, double scale) {
@@ -89,28 +89,25 @@ DistillKind parse_distill_kind(const char* op, const std::string& kind, double b
   TORCH_CHECK(false, op, ": kind must be 'forward_kl', 'reverse_kl', 'cross_entropy' or 'jsd', got '", kind, "'");
 }
 
-std::pair<DistillResults, at::Tensor> distillation_forward(const DistillationArgs& a, bool compute_grad, bool inplace,
-                                                           const DistillBackend& backend) {
+DistillState distill_term_state(const char* op, const DistillTermArgs& a, bool* is_view) {
   const at::Tensor& logits = a.logits;
-  const OptTensor &loss_mask = a.loss_mask, &row_stats = a.row_stats, &jsd_sums = a.jsd_sums;
-  bool is_view = false;
-  at::Tensor x = rows_of("logits", logits, &is_view);
-  check_pair(logits, a.teacher_logits);
-  at::Tensor y = rows_of("teacher_logits", a.teacher_logits);
-  check_distill_beta(kDistill, a.beta);
-  check_softmax(a.temperature, a.logits_scale_factor);
-  check_divisor(kDistill, a.divisor);
-  const DistillKind k = parse_distill_kind(kDistill, a.kind, a.beta);
+  at::Tensor x = rows_of("logits", logits, is_view, op);
+  check_pair(logits, a.teacher, op);
+  at::Tensor y = rows_of("teacher_logits", a.teacher, nullptr, op);
+  check_distill_beta(op, a.beta, a.beta_name);
+  check_softmax(a.temperature, a.scale, op);
+  check_divisor(op, a.divisor);
+  const DistillKind k = parse_distill_kind(op, a.kind, a.beta);
   const int64_t n = x.size(0);
   const auto acc = acc_dtype(logits.scalar_type());
   const auto opts = logits.options().dtype(acc);
   const auto batch = logits.sizes().slice(0, logits.dim() - 1);
 
   DistillState s;
-  s.opt = make_distill_options(k, a.beta, a.temperature, a.logits_scale_factor);
+  s.opt = make_distill_options(k, a.beta, a.temperature, a.scale);
   s.logits = x;
   s.teacher = y;
-  if (loss_mask) s.mask = check_loss_mask(kDistill, *loss_mask, logits, "logits", batch, "batch shape").to(acc);
+  if (a.mask) s.mask = check_loss_mask(op, *a.mask, logits, "logits", batch, "batch shape", a.mask_name).to(acc);
   // D: given, or the number of rows the mask keeps (all rows without one), at least 1; no host synchronisation.
   if (a.divisor) {
     s.divisor = at::full({}, *a.divisor, opts);
@@ -119,20 +116,37 @@ std::pair<DistillResults, at::Tensor> distillation_forward(const DistillationArg
   } else {
     s.divisor = at::full({}, static_cast<double>(std::max<int64_t>(n, 1)), opts);
   }
+  s.stats = at::empty({n, DistillStats<double>::kFields}, opts);
+  if (k == DistillKind::kJsd) s.jsd_sums = at::empty({n, 2}, opts);
+  s.row_loss = at::empty({n}, opts);
+  s.divergence = at::empty({n}, opts);
+  s.grad_rows = at::empty({n, kDistGradFields}, opts);
+  return s;
+}
+
+std::pair<DistillResults, at::Tensor> distillation_forward(const DistillationArgs& a, bool compute_grad, bool inplace,
+                                                           const DistillBackend& backend) {
+  const at::Tensor& logits = a.logits;
+  const OptTensor &row_stats = a.row_stats, &jsd_sums = a.jsd_sums;
+  bool is_view = false;
+  DistillState s = distill_term_state(kDistill, {a.logits, a.teacher_logits, a.kind, a.beta, a.temperature,
+                                                 a.logits_scale_factor, a.loss_mask, a.divisor, "beta", "loss_mask"},
+                                      &is_view);
+  const at::Tensor& x = s.logits;
+  const int64_t n = x.size(0);
+  const auto batch = logits.sizes().slice(0, logits.dim() - 1);
   if (row_stats) {
     check_acc_input("row_stats", *row_stats, n, DistillStats<double>::kFields, logits);
     s.stats = row_stats->reshape({n, DistillStats<double>::kFields}).contiguous();
     s.stats_given = true;
   }
-  if (k == DistillKind::kJsd && jsd_sums) {
+  if (s.opt.kind == DistillKind::kJsd && jsd_sums) {
     TORCH_CHECK(row_stats.has_value(), kDistill, ": jsd_sums needs row_stats (both come from the tensor-parallel ",
                 "all-reduce)");
     check_acc_input("jsd_sums", *jsd_sums, n, 2, logits);
     s.jsd_sums = jsd_sums->reshape({n, 2}).contiguous();
     s.jsd_given = true;
   }
-  s.row_loss = at::empty({n}, opts);
-  s.divergence = at::empty({n}, opts);
   at::Tensor grad_out;
   if (inplace) {
     TORCH_CHECK(is_view, kDistill, ": inplace_backward needs logits whose batch dimensions flatten to one row ",
@@ -144,13 +158,7 @@ std::pair<DistillResults, at::Tensor> distillation_forward(const DistillationArg
   } else {
     grad_out = at::empty({0}, logits.options());
   }
-  if (n > 0 && !(backend.fused_rows != nullptr && backend.fused_rows(s))) {
-    // The separate passes' buffers, only where they run.
-    if (!s.stats_given) s.stats = at::empty({n, DistillStats<double>::kFields}, opts);
-    if (k == DistillKind::kJsd && !s.jsd_given) s.jsd_sums = at::empty({n, 2}, opts);
-    s.grad_rows = at::empty({n, kDistGradFields}, opts);
-    backend.rows(s);
-  }
+  if (n > 0) backend.rows(s);
   return {DistillResults{sum_1d(s.row_loss), s.divergence.view(batch)}, grad_out};
 }
 
@@ -177,7 +185,7 @@ at::Tensor distillation_jsd_sums_op(const DistillJsdArgs& a, const DistillBacken
   s.logits = rows_of("logits", logits);
   check_pair(logits, a.teacher_logits);
   s.teacher = rows_of("teacher_logits", a.teacher_logits);
-  check_distill_beta(kDistill, a.beta);
+  check_distill_beta(kDistill, a.beta, "beta");
   check_softmax(a.temperature, a.logits_scale_factor);
   TORCH_CHECK(a.beta > 0 && a.beta < 1, kDistill, ": the JSD sums need 0 < beta < 1, got ", a.beta);
   s.opt = make_distill_options(DistillKind::kJsd, a.beta, a.temperature, a.logits_scale_factor);

@@ -33,22 +33,40 @@ struct DistillState {
   at::Tensor row_loss, divergence;  // (N,)
   at::Tensor grad_rows;             // (N, kDistGradFields)
   at::Tensor grad;                  // (N, V) in the logits dtype, or undefined: no gradient
+  // The fused head's other terms on these rows (fused_head/), or undefined: (N, kDistHeadFields) coefficients that
+  // the gradient pass adds (distill_head_grad), and the labels (N,) int64 that their b·[j = label] reads.
+  at::Tensor head_coef, head_labels;
 };
 
 // The back-end of one device. `stats` fills state.stats for every row, `jsd_sums` fills state.jsd_sums (given
-// the statistics); `rows` runs whatever of the passes is not given, the row step, and the gradient if asked.
-// `fused_rows` (null where the device has none) runs every output and the gradient in one pass where it applies
-// and returns whether it did: it reads no stats, jsd_sums or grad_rows, which are then never allocated.
+// the statistics); `rows` runs whatever of the passes is not given, the row step, and the gradient if asked;
+// `grad` the gradient pass alone, from grad_rows (and head_coef), which the caller filled.
 struct DistillBackend {
   void (*stats)(const DistillState&);
   void (*jsd_sums)(const DistillState&);
   void (*rows)(const DistillState&);
-  bool (*fused_rows)(const DistillState&);
+  void (*grad)(const DistillState&);
 };
+const DistillBackend& distill_backend_cpu();
 
 DistillKind parse_distill_kind(const char* op, const std::string& kind, double beta);
-// β in [0, 1] (distillation's and the top-K op's).
-void check_distill_beta(const char* op, double beta);
+// β in [0, 1] (distillation's and the top-K op's; `name`: the op's name for it).
+void check_distill_beta(const char* op, double beta, const char* name = "beta");
+// The term's checks and state of the distillation op and of the fused head's distillation term (`op` and the
+// names of its β and its mask in the messages): the rows of both logits, the options, the mask and the divisor D
+// (given, or the mask's rows, at least 1); the statistics, row outputs and gradient table allocated, not filled.
+// `is_view`: the logits' rows are a view of them (inplace_backward needs it).
+struct DistillTermArgs {
+  const at::Tensor& logits;
+  const at::Tensor& teacher;
+  const std::string& kind;
+  double beta, temperature, scale;
+  const OptTensor& mask;
+  std::optional<double> divisor;
+  const char* beta_name;
+  const char* mask_name;
+};
+DistillState distill_term_state(const char* op, const DistillTermArgs& a, bool* is_view = nullptr);
 // The kernels' options of a kind and β (log β and log(1−β) for JSD, where 0 < β < 1), temperature and scale.
 DistillOptions<double> make_distill_options(DistillKind kind, double beta, double temperature, double scale);
 

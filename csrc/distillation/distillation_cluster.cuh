@@ -59,7 +59,16 @@ namespace distill_cuda {
 // A slice arrives in at most this many pieces (each of kClusterThreads groups or a multiple: >= 6 KB).
 constexpr int kDistillMaxPieces = 12;
 
-template <typename student_t, typename teacher_t>
+// The row step of the distillation op: no other terms. A head (the fused head's, fused_head_distill.h) has kOn and
+//   cluster_row(row, stats, jsd_loss, jsd_s, write, table, coef): the row's outputs (written where `write`: one
+//       CTA of the cluster), its gradient table and the other terms' coefficients (distill_head_grad), and
+//   label(row): the label those read;
+// it reads its own mask (the kernel then reads every row), and indexes its arrays by the row of the whole call.
+struct DistillNoHead {
+  static constexpr bool kOn = false;
+};
+
+template <typename student_t, typename teacher_t, typename Head = DistillNoHead>
 struct DistillClusterView {
   const student_t* z;
   const teacher_t* zt;
@@ -74,11 +83,13 @@ struct DistillClusterView {
   int slice_cols;      // columns per CTA (a multiple of 8)
   int teacher_offset;  // bytes from the student's slice to the teacher's in shared memory
   int piece_groups;    // groups of 16 student bytes per piece (a multiple of kClusterThreads)
+  Head head;
+  int64_t row0;  // the call's index of row 0 (the tail launch's rows follow the main launch's)
 };
 
-template <DistillKind kKind, typename student_t, typename teacher_t>
+template <DistillKind kKind, typename student_t, typename teacher_t, typename Head>
 __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
-    distill_cluster_kernel(DistillClusterView<student_t, teacher_t> v, bool tail) {
+    distill_cluster_kernel(DistillClusterView<student_t, teacher_t, Head> v, bool tail) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   CUDA_KERNEL_ASSERT(false && "rl_losses: thread-block clusters need sm_90");  // not launched there
 #else
@@ -111,6 +122,7 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
   __shared__ Stats jsd_stats;           // JSD: the row's statistics between steps 1 and 3
   __shared__ float lse_shared[2];       // JSD: the log-normalisers for step 2
   __shared__ float table[kDistGradFields];
+  __shared__ float head_coef[kDistHeadFields];  // a head's (a, b, c)
 
   const int64_t begin = static_cast<int64_t>(rank) * v.slice_cols;
   const int n_cols = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(v.vocab - begin, v.slice_cols)));
@@ -167,6 +179,10 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
   };
   // Lane 0 of warp 0: the row step from the combined statistics (and sums); rank 0 writes the outputs.
   auto finish_row = [&](int64_t row, const Stats& all, float jsd_loss, float jsd_s) {
+    if constexpr (Head::kOn) {
+      v.head.cluster_row(row + v.row0, all, jsd_loss, jsd_s, rank == 0, table, head_coef);
+      return;
+    }
     const float m = v.mask != nullptr ? v.mask[row] : 1.0f;
     const DistillRowResult<float> r = distill_row(v.opt, all, jsd_loss, jsd_s, m / *v.divisor);
 #pragma unroll
@@ -272,29 +288,48 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
     }
     ++it;
 
-    const float sw = v.opt.scale * table[kDistWeight], lse_s = table[kDistLseS], lse_t = table[kDistLseT],
-                c = table[kDistConst];
+    const float w = table[kDistWeight], lse_s = table[kDistLseS], lse_t = table[kDistLseT], c = table[kDistConst];
+    // The head's label as a column of this slice (outside it: no column matches).
+    int64_t label = -1;
+    if constexpr (Head::kOn) label = v.head.label(row + v.row0) - begin;
     // The gradient piece by piece; once every thread is done with a piece, the next row's copy of it is issued, so
-    // that the copy overlaps the rest of this row's gradient.
-    for (int p = 0; p < n_pieces; ++p) {
-      const int end = std::min(n_groups, (p + 1) * v.piece_groups);
+    // that the copy overlaps the rest of this row's gradient. kDistill: the row's distillation weight is not 0 (a
+    // head's rows of weight 0 read the teacher's slice, unused).
+    auto gradient = [&](auto distill) {
+      constexpr bool kDistill = decltype(distill)::value;
+      [[maybe_unused]] const float sw = v.opt.scale * w;  // the distillation op's factor (no head)
+      for (int p = 0; p < n_pieces; ++p) {
+        const int end = std::min(n_groups, (p + 1) * v.piece_groups);
 #pragma unroll 2
-      for (int i = p * v.piece_groups + threadIdx.x; i < end; i += kThreads) {
-        float x[kVec], y[kVec];
-        load_group(i, x, y);
-        float gf[kVec];
+        for (int i = p * v.piece_groups + threadIdx.x; i < end; i += kThreads) {
+          float x[kVec], y[kVec];
+          load_group(i, x, y);
+          float gf[kVec];
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) gf[k] = sw * distill_grad<kGrad>(v.opt, x[k], y[k], lse_s, lse_t, c);
-        student_t out[kVec];
-        round_to(gf, out);
-        uint4 raw;
-        memcpy(&raw, out, sizeof(raw));
-        *reinterpret_cast<uint4*>(g + i * kVec) = raw;
+          for (int k = 0; k < kVec; ++k) {
+            if constexpr (Head::kOn) {
+              gf[k] = v.opt.scale * distill_head_grad<kGrad, kDistill>(v.opt, x[k], y[k], lse_s, lse_t, c, w,
+                                                                       head_coef, i * kVec + k == label);
+            } else {
+              gf[k] = sw * distill_grad<kGrad>(v.opt, x[k], y[k], lse_s, lse_t, c);
+            }
+          }
+          student_t out[kVec];
+          round_to(gf, out);
+          uint4 raw;
+          memcpy(&raw, out, sizeof(raw));
+          *reinterpret_cast<uint4*>(g + i * kVec) = raw;
+        }
+        if (next < v.n_rows) {
+          __syncthreads();  // piece p is read (statistics, sums, gradient) by every thread
+          fetch_piece(next, p);
+        }
       }
-      if (next < v.n_rows) {
-        __syncthreads();  // piece p is read (statistics, sums, gradient) by every thread
-        fetch_piece(next, p);
-      }
+    };
+    if (!Head::kOn || w != 0.0f) {
+      gradient(std::true_type{});
+    } else {
+      gradient(std::false_type{});
     }
     read_row = next;
   }
@@ -348,8 +383,9 @@ inline bool rows_aligned_16(const at::Tensor& t) {
 // Runs the whole of DistillState's rows (outputs and gradient) in the cluster kernel where it applies (the
 // file's header); false otherwise, having launched nothing. Persistent grid and tail launch as
 // launch_row_cluster's (cluster_kernel.cuh).
-template <DistillKind kKind, typename student_t, typename teacher_t>
-bool launch_distill_cluster(const DistillState& s) {
+// With a head (DistillNoHead says what it provides), s.mask must be undefined: the head reads its own.
+template <DistillKind kKind, typename student_t, typename teacher_t, typename Head = DistillNoHead>
+bool launch_distill_cluster(const DistillState& s, const Head& row_head = {}) {
   if constexpr (std::is_same_v<student_t, double> || std::is_same_v<teacher_t, double>) {
     return false;  // fp64 (reference-grade tests) keeps the separate passes
   } else {
@@ -362,13 +398,14 @@ bool launch_distill_cluster(const DistillState& s) {
     DistillClusterShape shape;
     for (int c = 1; c <= cuda::kMaxClusterSize && shape.ctas == 0; ++c) shape = distill_cluster_shape(vocab, ss, st, c);
     if (shape.ctas == 0 || shape.ctas > kDistillClusterMaxCtas<kKind>) return false;
-    auto* kernel = &distill_cluster_kernel<kKind, student_t, teacher_t>;
+    auto* kernel = &distill_cluster_kernel<kKind, student_t, teacher_t, Head>;
     using Launch = cuda::ClusterLaunch<std::remove_pointer_t<decltype(kernel)>>;
     const Launch main_launch(kernel, shape.ctas, shape.smem);
     const int clusters = main_launch.resident_clusters();
     if (clusters == 0) return false;
 
-    DistillClusterView<student_t, teacher_t> v;
+    using View = DistillClusterView<student_t, teacher_t, Head>;
+    View v;
     v.z = s.logits.const_data_ptr<student_t>();
     v.zt = s.teacher.const_data_ptr<teacher_t>();
     v.grad = s.grad.data_ptr<student_t>();
@@ -382,7 +419,9 @@ bool launch_distill_cluster(const DistillState& s) {
     v.row_loss = s.row_loss.data_ptr<float>();
     v.divergence = s.divergence.data_ptr<float>();
     v.opt = distill_options_as<float>(s.opt);
-    auto with_shape = [](DistillClusterView<student_t, teacher_t> w, const DistillClusterShape& sh) {
+    v.head = row_head;
+    v.row0 = 0;
+    auto with_shape = [](View w, const DistillClusterShape& sh) {
       w.slice_cols = sh.slice_cols;
       w.teacher_offset = sh.teacher_offset;
       w.piece_groups = sh.piece_groups;
@@ -404,6 +443,7 @@ bool launch_distill_cluster(const DistillState& s) {
         if (v.mask != nullptr) rest.mask += head.n_rows;
         rest.row_loss += head.n_rows;
         rest.divergence += head.n_rows;
+        rest.row0 = head.n_rows;
         main_launch.launch(clusters, head, false);
         tail_launch.launch(tail_rows, rest, true);
         return true;

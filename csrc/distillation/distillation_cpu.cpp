@@ -68,21 +68,43 @@ void row_jsd_sums(const student_t* z, const teacher_t* zt, int64_t n, const Dist
   out[1] = q_sum;
 }
 
+// The gradient of a row from its table (and the head's coefficients, where `head` is not null). A row of weight 0
+// (zt null where the mask skips it) reads only the student, for the head's terms, or is zero-filled without them.
 template <DistillKind kKind, typename student_t, typename teacher_t, typename acc_t>
 void row_grad(const student_t* z, const teacher_t* zt, student_t* g, int64_t n, const DistillOptions<acc_t>& o,
-              const acc_t* table) {
+              const acc_t* table, const acc_t* head, int64_t label) {
   const acc_t w = table[kDistWeight];
-  if (w == acc_t(0)) {
+  if (w == acc_t(0) && (head == nullptr || (head[kHeadCoefA] == acc_t(0) && head[kHeadCoefB] == acc_t(0) &&
+                                            head[kHeadCoefC] == acc_t(0)))) {
     std::fill(g, g + n, student_t(0));
     return;
   }
-  const acc_t s = o.scale, it = o.inv_temperature, sw = o.scale * w;
+  const acc_t s = o.scale, it = o.inv_temperature;
   const acc_t lse_s = table[kDistLseS], lse_t = table[kDistLseT], c = table[kDistConst];
   const DistillOptions<acc_t> opt = o;  // a local: loads through a reference would block vectorisation
-  RL_LOSSES_SIMD
-  for (int64_t j = 0; j < n; ++j) {
-    const acc_t x = static_cast<acc_t>(z[j]) * s, y = static_cast<acc_t>(zt[j]) * it;
-    g[j] = static_cast<student_t>(sw * distill_grad<kKind>(opt, x, y, lse_s, lse_t, c));
+  if (head == nullptr) {
+    const acc_t sw = s * w;
+    RL_LOSSES_SIMD
+    for (int64_t j = 0; j < n; ++j) {
+      const acc_t x = static_cast<acc_t>(z[j]) * s, y = static_cast<acc_t>(zt[j]) * it;
+      g[j] = static_cast<student_t>(sw * distill_grad<kKind>(opt, x, y, lse_s, lse_t, c));
+    }
+    return;
+  }
+  // The head's step writes the student's lse on every row, also one of weight 0: its terms read Q there too.
+  auto sweep = [&](auto distill) {
+    constexpr bool kDistill = decltype(distill)::value;
+    RL_LOSSES_SIMD
+    for (int64_t j = 0; j < n; ++j) {
+      const acc_t x = static_cast<acc_t>(z[j]) * s, y = kDistill ? static_cast<acc_t>(zt[j]) * it : acc_t(0);
+      g[j] = static_cast<student_t>(s * distill_head_grad<kKind, kDistill>(opt, x, y, lse_s, lse_t, c, w, head,
+                                                                            j == label));
+    }
+  };
+  if (w != acc_t(0)) {
+    sweep(std::true_type{});
+  } else {
+    sweep(std::false_type{});
   }
 }
 
@@ -199,30 +221,63 @@ void rows_cpu_kind(const DistillState& s) {
         }
       }
       step(i);
-      if (grad != nullptr) row_grad<kKind>(zi, zti, grad + i * rg, v, o, step.grad_rows + i * kDistGradFields);
+      if (grad != nullptr) {
+        row_grad<kKind>(zi, zti, grad + i * rg, v, o, step.grad_rows + i * kDistGradFields,
+                        static_cast<const acc_t*>(nullptr), -1);
+      }
     });
   });
 }
 
-void rows_cpu(const DistillState& s) {
-  switch (s.opt.kind) {
+template <typename F>
+void for_distill_kind(DistillKind kind, const F& f) {
+  switch (kind) {
     case DistillKind::kForwardKl:
-      return rows_cpu_kind<DistillKind::kForwardKl>(s);
+      return f(std::integral_constant<DistillKind, DistillKind::kForwardKl>{});
     case DistillKind::kReverseKl:
-      return rows_cpu_kind<DistillKind::kReverseKl>(s);
+      return f(std::integral_constant<DistillKind, DistillKind::kReverseKl>{});
     case DistillKind::kCrossEntropy:
-      return rows_cpu_kind<DistillKind::kCrossEntropy>(s);
+      return f(std::integral_constant<DistillKind, DistillKind::kCrossEntropy>{});
     default:
-      return rows_cpu_kind<DistillKind::kJsd>(s);
+      return f(std::integral_constant<DistillKind, DistillKind::kJsd>{});
   }
 }
 
-const DistillBackend& distill_backend_cpu() {
-  static constexpr DistillBackend backend{&stats_cpu, &jsd_sums_cpu, &rows_cpu, nullptr};
-  return backend;
+void rows_cpu(const DistillState& s) {
+  for_distill_kind(s.opt.kind, [&](auto kind) { rows_cpu_kind<decltype(kind)::value>(s); });
+}
+
+// The gradient pass alone (the fused head's: distill_head_grad with its coefficients). The teacher's row is read
+// where the row's distillation weight is not 0.
+template <DistillKind kKind>
+void grad_cpu_kind(const DistillState& s) {
+  RL_LOSSES_DISPATCH_DISTILL_CPU(s.logits.scalar_type(), s.teacher.scalar_type(), [&] {
+    const auto o = distill_options_as<acc_t>(s.opt);
+    const student_t* z = s.logits.const_data_ptr<student_t>();
+    student_t* grad = s.grad.data_ptr<student_t>();
+    const int64_t v = s.logits.size(1), rs = s.logits.stride(0), rg = s.grad.stride(0);
+    const acc_t* table = s.grad_rows.const_data_ptr<acc_t>();
+    const acc_t* head = s.head_coef.defined() ? s.head_coef.const_data_ptr<acc_t>() : nullptr;
+    const int64_t* labels = s.head_labels.defined() ? s.head_labels.const_data_ptr<int64_t>() : nullptr;
+    const at::Tensor weight = s.grad_rows.select(1, kDistWeight).contiguous();
+    for_rows<teacher_t>(s, weight.const_data_ptr<acc_t>(), [&](int64_t i, const teacher_t* zti) {
+      row_grad<kKind>(z + i * rs, zti, grad + i * rg, v, o, table + i * kDistGradFields,
+                      head != nullptr ? head + i * kDistHeadFields : nullptr, labels != nullptr ? labels[i] : -1);
+    });
+  });
+}
+
+void grad_cpu(const DistillState& s) {
+  if (s.logits.size(0) == 0) return;
+  for_distill_kind(s.opt.kind, [&](auto kind) { grad_cpu_kind<decltype(kind)::value>(s); });
 }
 
 }  // namespace
+
+const DistillBackend& distill_backend_cpu() {
+  static constexpr DistillBackend backend{&stats_cpu, &jsd_sums_cpu, &rows_cpu, &grad_cpu};
+  return backend;
+}
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   using K = DistillKernels<distill_backend_cpu>;

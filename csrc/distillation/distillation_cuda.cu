@@ -37,6 +37,8 @@ struct DistillView {
   acc_t* stats;            // (N, 7)
   acc_t* sums;             // (N, 2) or null
   const acc_t* grad_rows;  // (N, kDistGradFields)
+  const acc_t* head;       // (N, kDistHeadFields): the fused head's other terms (kHead only)
+  const int64_t* labels;   // (N,) their labels (kHead only)
   DistillOptions<acc_t> opt;
   bool vec;  // the 16-byte vector path applies (both rows aligned, V a multiple of the vector)
 };
@@ -70,8 +72,9 @@ __device__ inline void for_row(const DistillView<student_t, teacher_t, acc_t>& v
   }
 }
 
-template <int kThreads, int kVec, DistillPass kPass, DistillKind kKind, typename student_t, typename teacher_t,
-          typename acc_t>
+// kHead: the gradient pass adds the fused head's terms (distill_head_grad); compiled only for its calls.
+template <int kThreads, int kVec, DistillPass kPass, DistillKind kKind, bool kHead, typename student_t,
+          typename teacher_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads) distill_kernel(DistillView<student_t, teacher_t, acc_t> v) {
   __shared__ DistillStats<acc_t> scratch[kThreads / 32];
   __shared__ acc_t sum_scratch[kThreads / 32];
@@ -113,18 +116,17 @@ __global__ void __launch_bounds__(kThreads) distill_kernel(DistillView<student_t
       const acc_t* table = v.grad_rows + row * kDistGradFields;
       const acc_t w = table[kDistWeight];
       student_t* g = v.grad + row * v.rg;
-      if (w == acc_t(0)) {  // a masked row: exact zeros, its logits not read
+      const acc_t* head = kHead ? v.head + row * kDistHeadFields : nullptr;
+      const bool head_on = kHead && (head[kHeadCoefA] != acc_t(0) || head[kHeadCoefB] != acc_t(0) ||
+                                     head[kHeadCoefC] != acc_t(0));
+      if (w == acc_t(0) && !head_on) {  // a masked row: exact zeros, its logits not read
         for (int64_t j = threadIdx.x; j < v.vocab; j += kThreads) g[j] = student_t(0);
         continue;
       }
-      const acc_t sw = v.opt.scale * w, lse_s = table[kDistLseS], lse_t = table[kDistLseT], c = table[kDistConst];
-      for_row<kThreads, kVec>(v, z, zt, [&](int64_t j0, const auto& x, const auto& y) {
-        constexpr int n = std::extent_v<std::remove_reference_t<decltype(x)>>;
-        student_t out[n];
-#pragma unroll
-        for (int k = 0; k < n; ++k) {
-          out[k] = static_cast<student_t>(sw * distill_grad<kKind>(v.opt, x[k], y[k], lse_s, lse_t, c));
-        }
+      const acc_t s = v.opt.scale, lse_s = table[kDistLseS], lse_t = table[kDistLseT], c = table[kDistConst];
+      const int64_t label = kHead ? v.labels[row] : -1;
+      auto store = [&](int64_t j0, const auto& out) {
+        constexpr int n = std::extent_v<std::remove_reference_t<decltype(out)>>;
         if constexpr (n == 1) {
           g[j0] = out[0];
         } else {
@@ -133,7 +135,39 @@ __global__ void __launch_bounds__(kThreads) distill_kernel(DistillView<student_t
           memcpy(&raw, out, sizeof(raw));
           *reinterpret_cast<uint4*>(g + j0) = raw;
         }
-      });
+      };
+      if constexpr (!kHead) {
+        const acc_t sw = s * w;
+        for_row<kThreads, kVec>(v, z, zt, [&](int64_t j0, const auto& x, const auto& y) {
+          constexpr int n = std::extent_v<std::remove_reference_t<decltype(x)>>;
+          student_t out[n];
+#pragma unroll
+          for (int k = 0; k < n; ++k) {
+            out[k] = static_cast<student_t>(sw * distill_grad<kKind>(v.opt, x[k], y[k], lse_s, lse_t, c));
+          }
+          store(j0, out);
+        });
+      } else {
+        // A row of distillation weight 0 still reads the teacher's (any values: unused) for the shared loop.
+        const auto sweep = [&](auto distill) {
+          constexpr bool kDistill = decltype(distill)::value;
+          for_row<kThreads, kVec>(v, z, zt, [&](int64_t j0, const auto& x, const auto& y) {
+            constexpr int n = std::extent_v<std::remove_reference_t<decltype(x)>>;
+            student_t out[n];
+#pragma unroll
+            for (int k = 0; k < n; ++k) {
+              out[k] = static_cast<student_t>(
+                  s * distill_head_grad<kKind, kDistill>(v.opt, x[k], y[k], lse_s, lse_t, c, w, head, j0 + k == label));
+            }
+            store(j0, out);
+          });
+        };
+        if (w != acc_t(0)) {
+          sweep(std::true_type{});
+        } else {
+          sweep(std::false_type{});
+        }
+      }
     }
     __syncthreads();  // the shared scratch is reused by the next row
   }
@@ -143,7 +177,7 @@ bool aligned(const void* p, int64_t stride_bytes, int64_t to) {
   return reinterpret_cast<uintptr_t>(p) % to == 0 && stride_bytes % to == 0;
 }
 
-template <DistillPass kPass, DistillKind kKind>
+template <DistillPass kPass, DistillKind kKind, bool kHead = false>
 void launch(const DistillState& s) {
   const int64_t n = s.logits.size(0);
   if (n == 0) return;
@@ -165,12 +199,14 @@ void launch(const DistillState& s) {
     v.stats = ptr(s.stats);
     v.sums = ptr(s.jsd_sums);
     v.grad_rows = ptr(s.grad_rows);
+    v.head = kHead ? s.head_coef.const_data_ptr<acc_t>() : nullptr;
+    v.labels = kHead ? s.head_labels.const_data_ptr<int64_t>() : nullptr;
     v.opt = distill_options_as<acc_t>(s.opt);
     const int64_t teacher_bytes = std::min<int64_t>(16, kVec * sizeof(teacher_t));
     v.vec = v.vocab % kVec == 0 && aligned(v.z, v.rs * sizeof(student_t), 16) &&
             aligned(v.zt, v.rt * sizeof(teacher_t), teacher_bytes) &&
             (!grad || aligned(v.grad, v.rg * sizeof(student_t), 16));
-    const auto kernel = distill_kernel<kThreads, kVec, kPass, kKind, student_t, teacher_t, acc_t>;
+    const auto kernel = distill_kernel<kThreads, kVec, kPass, kKind, kHead, student_t, teacher_t, acc_t>;
     // A persistent grid of as many blocks as can be resident (asked once per kernel): rows are dealt out
     // statically, so a block of a second wave would start its rows late.
     static const int per_sm = [&] {
@@ -210,28 +246,39 @@ bool cluster_rows_cuda(const DistillState& s) {
   return done;
 }
 
+template <bool kHead>
+void grad_cuda_kind(const DistillState& s) {
+  switch (s.opt.kind) {
+    case DistillKind::kForwardKl:
+    case DistillKind::kCrossEntropy:  // the same gradient as the forward KL
+      return launch<DistillPass::kGrad, DistillKind::kForwardKl, kHead>(s);
+    case DistillKind::kReverseKl:
+      return launch<DistillPass::kGrad, DistillKind::kReverseKl, kHead>(s);
+    default:
+      return launch<DistillPass::kGrad, DistillKind::kJsd, kHead>(s);
+  }
+}
+
 void rows_cuda(const DistillState& s) {
+  if (cluster_rows_cuda(s)) return;
   if (!s.stats_given) stats_cuda(s);
   if (s.opt.kind == DistillKind::kJsd && !s.jsd_given) jsd_sums_cuda(s);
   AT_DISPATCH_FLOATING_TYPES(s.row_loss.scalar_type(), "distillation", [&] {
     CudaRunner::for_each(s.logits.size(0), make_distill_row_step<scalar_t>(s));
   });
-  if (!s.grad.defined()) return;
-  switch (s.opt.kind) {
-    case DistillKind::kForwardKl:
-    case DistillKind::kCrossEntropy:  // the same gradient as the forward KL
-      return launch<DistillPass::kGrad, DistillKind::kForwardKl>(s);
-    case DistillKind::kReverseKl:
-      return launch<DistillPass::kGrad, DistillKind::kReverseKl>(s);
-    default:
-      return launch<DistillPass::kGrad, DistillKind::kJsd>(s);
-  }
+  if (s.grad.defined()) grad_cuda_kind<false>(s);
+}
+
+// The gradient pass alone, with the fused head's terms (DistillBackend::grad).
+void grad_cuda(const DistillState& s) {
+  TORCH_INTERNAL_ASSERT(s.head_coef.defined() && s.head_labels.defined(), "distillation: grad without head terms");
+  grad_cuda_kind<true>(s);
 }
 
 }  // namespace
 
 const DistillBackend& distill_backend_cuda() {
-  static constexpr DistillBackend backend{&stats_cuda, &jsd_sums_cuda, &rows_cuda, &cluster_rows_cuda};
+  static constexpr DistillBackend backend{&stats_cuda, &jsd_sums_cuda, &rows_cuda, &grad_cuda};
   return backend;
 }
 

@@ -236,4 +236,21 @@ C10_HOST_DEVICE inline T distill_grad(const DistillOptions<T>& o, T x, T y, T ls
   }
 }
 
+// Other terms of the same student row (the fused head's label CE, z-loss and GRPO: fused_head/), given as the row
+// pass's gradient coefficients (common/math.h): they add a·Q_j + c + b·[j = label] to dL/dx_j.
+enum DistillHeadField : int { kHeadCoefA = 0, kHeadCoefB, kHeadCoefC, kDistHeadFields };
+
+// dL/dx_j of a row with the distillation table (weight w = table[kDistWeight], 0: the teacher row is not read)
+// and, where `head` is not null, the other terms' coefficients; the caller multiplies by s. kDistill: w != 0.
+template <DistillKind kKind, bool kDistill, typename T>
+C10_HOST_DEVICE inline T distill_head_grad(const DistillOptions<T>& o, T x, T y, T lse_s, T lse_t, T c, T w,
+                                           const T* head, bool is_label) {
+  T g = kDistill ? w * distill_grad<kKind>(o, x, y, lse_s, lse_t, c) : T(0);
+  if (head != nullptr) {
+    g += head[kHeadCoefA] * exp_nonpos(x - lse_s) + head[kHeadCoefC];
+    if (is_label) g += head[kHeadCoefB];
+  }
+  return g;
+}
+
 }  // namespace rl_losses

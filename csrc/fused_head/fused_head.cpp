@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "common/checks.h"
+#include "fused_head/fused_head_distill.h"
 
 namespace rl_losses {
 
@@ -93,18 +94,29 @@ FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, co
   const FlatLogits& f = src.flat();
   const double label_weight = a.label_weight, label_smoothing = a.label_smoothing, z_loss_weight = a.z_loss_weight;
   const double grpo_weight = a.grpo_weight, gspo_weight = a.gspo_weight, logits_scale_factor = a.logits_scale_factor;
+  const double distillation_weight = a.distillation_weight;
   check_scale(op, logits_scale_factor);
-  const double weights[kHeadTerms] = {label_weight, z_loss_weight, grpo_weight, gspo_weight};
-  const char* names[kHeadTerms] = {"label_weight", "z_loss_weight", "grpo_weight", "gspo_weight"};
+  const double weights[kHeadTerms] = {label_weight, z_loss_weight, grpo_weight, gspo_weight, distillation_weight};
+  const char* names[kHeadTerms] = {"label_weight", "z_loss_weight", "grpo_weight", "gspo_weight",
+                                   "distillation_weight"};
   for (int k = 0; k < kHeadTerms; ++k) {
     TORCH_CHECK(std::isfinite(weights[k]) && weights[k] >= 0, op, ": ", names[k], " must be finite and >= 0, got ",
                 weights[k]);
   }
   TORCH_CHECK(grpo_weight == 0 || gspo_weight == 0, op, ": grpo_weight = ", grpo_weight, " and gspo_weight = ",
               gspo_weight, " are both > 0; the head fuses one policy term, GRPO or GSPO");
+  // The distillation term runs the head on distillation's passes (fused_head_distill.h), which take neither GSPO's
+  // statistics pass nor the all-reduced statistics of tensor parallelism.
+  TORCH_CHECK(distillation_weight == 0 || gspo_weight == 0, op, ": distillation_weight = ", distillation_weight,
+              " and gspo_weight = ", gspo_weight, " are both > 0; the head fuses distillation with CE, z-loss and "
+              "GRPO, not GSPO: use gspo_loss beside it");
+  TORCH_CHECK(distillation_weight == 0 || !row_stats, op, ": distillation_weight = ", distillation_weight,
+              " > 0 runs without tensor parallelism (row_stats given): use distillation_loss beside the head");
   TORCH_CHECK(std::isfinite(label_smoothing) && label_smoothing >= 0 && label_smoothing < 1, op,
               ": label_smoothing must be in [0, 1), got ", label_smoothing);
-  for (const auto& d : {a.label_divisor, a.z_loss_divisor, a.grpo_divisor, a.gspo_divisor}) check_divisor(op, d);
+  for (const auto& d : {a.label_divisor, a.z_loss_divisor, a.grpo_divisor, a.gspo_divisor, a.distillation_divisor}) {
+    check_divisor(op, d);
+  }
   check_row_stats(op, row_stats, f);
   const auto opts = src.acc_options();
   const auto acc = opts.dtype().toScalarType();
@@ -153,6 +165,8 @@ FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, co
   }
   GspoState g;
   if (gspo_weight != 0) g = gspo_term_state(op, f, target, a, acc);
+  FusedHeadDistillRows distill;
+  if (distillation_weight != 0) distill = fused_head_distill_state(op, f, target, a);
   if (z_loss_weight != 0 && a.z_loss_mask) {
     const at::Tensor& m = *a.z_loss_mask;
     TORCH_CHECK(m.scalar_type() == at::kBool || at::isIntegralType(m.scalar_type(), false), op,
@@ -166,8 +180,8 @@ FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, co
   // ones for CE and GRPO (GRPO's: those rollout_rs keeps), those of z_loss_mask (every token without one) for the z-loss. GSPO divides its shares
   // itself (GspoTokenStep: by gspo_divisor, default the labelled documents).
   at::Tensor n_labelled;
-  const std::optional<double> divisors[kHeadTerms - 1] = {a.label_divisor, a.z_loss_divisor, a.grpo_divisor};
-  for (int k = 0; k < kHeadTerms - 1; ++k) {
+  const std::optional<double> divisors[kHeadGspo] = {a.label_divisor, a.z_loss_divisor, a.grpo_divisor};
+  for (int k = 0; k < kHeadGspo; ++k) {
     if (divisors[k]) {
       rows.divisor[k] = at::full({}, *divisors[k], opts);
     } else if (k == kHeadZLoss) {
@@ -202,7 +216,9 @@ FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, co
     }
   }
   args.smoothing = label_smoothing != 0 && label_weight != 0;
-  if (f.n_rows > 0 && gspo_weight != 0) {
+  if (f.n_rows > 0 && distillation_weight != 0) {
+    fused_head_distill_rows(src, rows, distill, logits_scale_factor, args.smoothing, backend);
+  } else if (f.n_rows > 0 && gspo_weight != 0) {
     // GSPO's statistics pass (unless given: every rank then computes the same document sums from the all-reduced
     // statistics), its per-document steps, then one head pass with the statistics given. The statistics pass
     // reads the rows the head pass reads (args.target holds the z-loss's stand-in labels).
@@ -231,6 +247,7 @@ FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, co
   r.z_loss = rows.scalars[kHeadZLoss + 1];
   r.grpo_loss = rows.scalars[kHeadGrpo + 1];
   r.gspo_loss = rows.scalars[kHeadGspo + 1];
+  r.distillation_loss = rows.scalars[kHeadDistill + 1];
   r.log_probs = rows.log_probs.view(target.sizes());
   return r;
 }

@@ -28,7 +28,7 @@
 
 namespace rl_losses {
 
-enum FusedHeadTerm : int { kHeadLabel = 0, kHeadZLoss, kHeadGrpo, kHeadGspo, kHeadTerms };
+enum FusedHeadTerm : int { kHeadLabel = 0, kHeadZLoss, kHeadGrpo, kHeadGspo, kHeadDistill, kHeadTerms };
 
 // A row that no term uses (no label and no z-loss) is skipped unread, as GRPO alone skips it. The z-loss also
 // covers unlabelled tokens (its own mask): the row pass gets a stand-in label 0 on those rows, so that they
@@ -44,7 +44,7 @@ struct FusedHeadEpilogue {
   CrossEntropyOptions<acc_t> ce;  // λ = 1, ε, ζ = 0, V
   PolicyOptions<acc_t> grpo;  // the GRPO term's (make_policy_options)
   acc_t weight[kHeadTerms];
-  const acc_t* divisor[kHeadTerms];  // 0-dim each; null for GSPO (its shares are divided already)
+  const acc_t* divisor[kHeadTerms];  // 0-dim each; null for GSPO (its shares are divided already) and distillation
   const int64_t* labels;             // (N,) the true labels (the row pass's may be a stand-in, see above)
   const acc_t* z_mask;               // (N,) 0/1: the z-loss's tokens; null: every token
   const acc_t* advantages;           // null unless the GRPO term is on
@@ -54,18 +54,22 @@ struct FusedHeadEpilogue {
   const acc_t* loss_weights;   // null: the label mask
   const acc_t* gspo_out;       // (N, kGspoTokenFields) GspoTokenStep's outputs; null unless the GSPO term is on
   const acc_t* gspo_coef;      // (N,) its gradient coefficients
-  acc_t* out;                  // (N, kHeadTerms): each term's share, unweighted
+  acc_t* out;                  // (N, kHeadTerms): each term's share, unweighted (distillation's: its step's)
   acc_t* log_probs;            // (N,)
 
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t /*row pass's label*/,
                                              const RowStats<acc_t>& st) const {
-    acc_t* o = out + row * kHeadTerms;
+    return terms(row, st, out + row * kHeadTerms, log_probs + row);
+  }
+
+  // The row's terms into o[kHeadTerms] and *lp (the distillation cluster kernel's CTAs but one: local ones).
+  C10_HOST_DEVICE GradCoef<acc_t> terms(int64_t row, const RowStats<acc_t>& st, acc_t* o, acc_t* lp) const {
     for (int k = 0; k < kHeadTerms; ++k) o[k] = acc_t(0);
     GradCoef<acc_t> g{acc_t(0), acc_t(0), acc_t(0)};
     const int64_t label = labels[row];
     const bool z_on = weight[kHeadZLoss] != acc_t(0) && (z_mask == nullptr || z_mask[row] != acc_t(0));
     if (label < 0 && !z_on) {
-      log_probs[row] = acc_t(0);
+      *lp = acc_t(0);
       return g;
     }
     const acc_t lse = st.lse();
@@ -75,14 +79,14 @@ struct FusedHeadEpilogue {
       g.a += acc_t(2) * lse * weight[kHeadZLoss] * inv_d;
     }
     if (label < 0) {
-      log_probs[row] = acc_t(0);
+      *lp = acc_t(0);
       return g;
     }
-    const acc_t lp = st.log_prob(st.label);
-    log_probs[row] = lp;
+    const acc_t label_lp = st.log_prob(st.label);
+    *lp = label_lp;
     if (weight[kHeadLabel] != acc_t(0)) {
       const acc_t inv_d = acc_t(1) / *divisor[kHeadLabel];
-      o[kHeadLabel] = cross_entropy_loss(ce, lse, lp, st.sum_x) * inv_d;
+      o[kHeadLabel] = cross_entropy_loss(ce, lse, label_lp, st.sum_x) * inv_d;
       const GradCoef<acc_t> t = cross_entropy_grad(ce, lse, weight[kHeadLabel] * inv_d);
       g = {g.a + t.a, g.b + t.b, g.c + t.c};
     }
@@ -91,7 +95,7 @@ struct FusedHeadEpilogue {
       const acc_t old = old_log_probs[row];
       const acc_t rw = rollout_log_probs != nullptr ? rollout_weight(grpo, old - rollout_log_probs[row]) : acc_t(1);
       const PolicyToken<acc_t> t =
-          policy_token(grpo, lp, old, advantages[row], ref_log_probs != nullptr,
+          policy_token(grpo, label_lp, old, advantages[row], ref_log_probs != nullptr,
                        ref_log_probs != nullptr ? ref_log_probs[row] : acc_t(0), rw).t;
       const acc_t w = (loss_weights != nullptr ? loss_weights[row] : acc_t(1)) / *divisor[kHeadGrpo];
       o[kHeadGrpo] = zero_or_product(w, t.loss);  // a zero weight masks the token, even at an overflowed ratio
@@ -168,34 +172,25 @@ FusedHeadEpilogue<acc_t> make_fused_head_epilogue(const FusedHeadRows& r) {
   return e;
 }
 
+// The distillation term (fused_head_distill.h).
+struct DistillBackend;
+struct FusedHeadDistillRows;
+
 struct FusedHeadBackend {
   void (*rows)(const RowPassArgs&, const FusedHeadRows&);
   void (*totals)(const FusedHeadRows&);
   const GspoBackend& (*gspo)();  // the GSPO term: GSPO's statistics pass and its steps between the passes
+  // The distillation term: distillation's passes, and the step between them (FusedHeadDistillStep); or all of them
+  // and the gradient in one pass where `distill_fused` (null: none) applies and returns true.
+  const DistillBackend& (*distill)();
+  void (*distill_step)(const FusedHeadRows&, const FusedHeadDistillRows&);
+  bool (*distill_fused)(const FusedHeadRows&, const FusedHeadDistillRows&);
 };
-
-template <typename Runner, const GspoBackend& (*kGspo)()>
-struct FusedHeadBackendImpl {
-  static void rows(const RowPassArgs& args, const FusedHeadRows& r) {
-    Runner::row_pass(args, "fused_head", [&](auto* tag) {
-      return make_fused_head_epilogue<std::remove_pointer_t<decltype(tag)>>(r);
-    });
-  }
-  static void totals(const FusedHeadRows& r) {
-    AT_DISPATCH_FLOATING_TYPES(r.out.scalar_type(), "fused_head", [&] {
-      FusedHeadTotals<scalar_t> t;
-      t.out = r.out.const_data_ptr<scalar_t>();
-      for (int k = 0; k < kHeadTerms; ++k) t.weight[k] = scalar_t(r.weight[k]);
-      for (int k = 0; k <= kHeadTerms; ++k) t.dst[k] = r.scalars[k].data_ptr<scalar_t>();
-      Runner::sum_then(r.out.size(0), t);
-    });
-  }
-  static constexpr FusedHeadBackend backend() { return {&rows, &totals, kGspo}; }
-};
+// A device's FusedHeadBackend: FusedHeadBackendImpl (fused_head_distill.h).
 
 // fused_head's arguments but the logits and the hooks (op_args.h).
 #define RL_LOSSES_FUSED_HEAD_ARGS(X)                                                                 \
-  RL_LOSSES_FUSED_HEAD_OPTIONS(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_KL_WEIGHT(X) RL_LOSSES_GSPO_WEIGHTING(X) \
+  RL_LOSSES_FUSED_HEAD_OPTIONS(X) RL_LOSSES_FUSED_HEAD_DISTILL(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_KL_WEIGHT(X) RL_LOSSES_GSPO_WEIGHTING(X) \
   RL_LOSSES_ROLLOUT_REJECTION(X) RL_LOSSES_SCALE(X)
 RL_LOSSES_ARG_GROUP(FusedHeadOwnArgs, RL_LOSSES_FUSED_HEAD_ARGS)
 struct FusedHeadArgs : FusedHeadOwnArgs {
@@ -209,8 +204,8 @@ struct FusedHeadArgs : FusedHeadOwnArgs {
 };
 RL_LOSSES_RESULT_GROUP(FusedHeadResults, RL_LOSSES_FUSED_HEAD_RESULTS)
 
-// The results: loss (the weighted total), label_loss, z_loss, grpo_loss, gspo_loss (unweighted, detached) and
-// log_probs. Tensor parallelism: `row_stats` are the statistics all-reduced over the vocabulary shards (with Σx
+// The results: loss (the weighted total), label_loss, z_loss, grpo_loss, gspo_loss, distillation_loss (unweighted,
+// detached) and log_probs. Tensor parallelism: `row_stats` are the statistics all-reduced over the vocabulary shards (with Σx
 // where the label term smooths), and the source's vocab_start / vocab_size place the shard; the op then reads its
 // shard once, for the loss and the gradient.
 FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, const FusedHeadArgs& a,

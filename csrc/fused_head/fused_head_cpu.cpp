@@ -3,15 +3,17 @@
 
 #include "common/loss_kernels.h"
 #include "common/row_pass_cpu.h"
-#include "fused_head/fused_head.h"
+#include "fused_head/fused_head_distill.h"
 
 namespace rl_losses {
 namespace {
 
 // The GSPO term runs the statistics pass and the steps between the passes of GSPO's CPU back-end (gspo_cpu.cpp,
-// compiled there); its gradient is the head's own pass, and GSPO's metrics are not the head's.
+// compiled there); its gradient is the head's own pass, and GSPO's metrics are not the head's. The distillation
+// term runs on distillation's CPU passes (distillation_cpu.cpp).
 const FusedHeadBackend& fused_head_backend_cpu() {
-  static constexpr FusedHeadBackend backend = FusedHeadBackendImpl<CpuRunner, gspo_backend_cpu>::backend();
+  static constexpr FusedHeadBackend backend =
+      FusedHeadBackendImpl<CpuRunner, gspo_backend_cpu, distill_backend_cpu>::backend();
   return backend;
 }
 

@@ -82,11 +82,12 @@ def check_per_token_int(op, name, t, target):
            _shape(target.shape))
 
 
-def check_loss_mask(op, mask, like, like_name, sizes, shape_name):
-    _check(mask.dtype == torch.bool or _integral(mask.dtype), op, "loss_mask must be a bool or integer tensor, got ",
+def check_loss_mask(op, mask, like, like_name, sizes, shape_name, mask_name="loss_mask"):
+    _check(mask.dtype == torch.bool or _integral(mask.dtype), op, mask_name, " must be a bool or integer tensor, got ",
            _dt(mask.dtype))
-    _check(mask.device == like.device, op, "loss_mask is on ", mask.device, " but ", like_name, " is on ", like.device)
-    _check(list(mask.shape) == list(sizes), op, "loss_mask has shape ", _shape(mask.shape), " but ", like_name,
+    _check(mask.device == like.device, op, mask_name, " is on ", mask.device, " but ", like_name, " is on ",
+           like.device)
+    _check(list(mask.shape) == list(sizes), op, mask_name, " has shape ", _shape(mask.shape), " but ", like_name,
            " has ", shape_name, " ", _shape(sizes))
 
 

@@ -21,9 +21,8 @@ from rl_losses._schema import DISTILL_STATS
 DISTILL_KINDS = ("forward_kl", "reverse_kl", "cross_entropy", "jsd")
 
 
-def _distill_rows(name, t):
+def _distill_rows(name, t, op="distillation"):
     """rows_of: returns whether the (N, V) rows are a view (else the op copies them)."""
-    op = "distillation"
     _check(t.dtype.is_floating_point, op, name,
            " must be a floating-point tensor (float32, float64, bfloat16 or float16), got ", _dt(t.dtype))
     _check(t.dim() >= 1, op, name, " must have at least 1 dimension (…, vocab), got a 0-dim tensor")
@@ -41,8 +40,7 @@ def _distill_rows(name, t):
         return False
 
 
-def _distill_pair(logits, teacher):
-    op = "distillation"
+def _distill_pair(logits, teacher, op="distillation"):
     _check(teacher.device == logits.device, op, "teacher_logits is on ", teacher.device, " but logits is on ",
            logits.device)
     vocab_differs = teacher.dim() == logits.dim() and teacher.dim() > 0 and teacher.shape[-1] != logits.shape[-1]
@@ -50,14 +48,14 @@ def _distill_pair(logits, teacher):
            " but logits has shape ", _shape(logits.shape), " (the vocabularies differ)" if vocab_differs else "")
 
 
-def _distill_beta(beta, op="distillation"):
-    _check(math.isfinite(beta) and 0 <= beta <= 1, op, "beta must be in [0, 1], got ", _num(beta))
+def _distill_beta(beta, op="distillation", name="beta"):
+    _check(math.isfinite(beta) and 0 <= beta <= 1, op, name, " must be in [0, 1], got ", _num(beta))
 
 
-def _distill_softmax(temperature, s):
-    _check(math.isfinite(temperature) and temperature > 0, "distillation", "temperature must be finite and > 0, got ",
+def _distill_softmax(temperature, s, op="distillation"):
+    _check(math.isfinite(temperature) and temperature > 0, op, "temperature must be finite and > 0, got ",
            _num(temperature))
-    check_scale("distillation", s)
+    check_scale(op, s)
 
 
 def _distill_acc_input(name, t, n, cols, logits):
@@ -75,18 +73,9 @@ def distillation(a, inplace=False):
     op = "distillation"
     logits, teacher_logits, kind, beta = a["logits"], a["teacher_logits"], a["kind"], a["beta"]
     loss_mask, row_stats, jsd_sums = a["loss_mask"], a["row_stats"], a["jsd_sums"]
-    is_view = _distill_rows("logits", logits)
-    _distill_pair(logits, teacher_logits)
-    _distill_rows("teacher_logits", teacher_logits)
-    _distill_beta(beta)
-    _distill_softmax(a["temperature"], a["logits_scale_factor"])
-    check_divisor(op, a["divisor"])
-    _check(kind in DISTILL_KINDS, op, "kind must be 'forward_kl', 'reverse_kl', 'cross_entropy' or 'jsd', got '",
-           kind, "'")
+    is_view = _distill_term(op, logits, teacher_logits, kind, beta, a["temperature"], a["logits_scale_factor"],
+                            loss_mask, a["divisor"], "beta", "loss_mask")
     n = logits.numel() // logits.shape[-1]
-    batch = list(logits.shape[:-1])
-    if loss_mask is not None:
-        check_loss_mask(op, loss_mask, logits, "logits", batch, "batch shape")
     if row_stats is not None:
         _distill_acc_input("row_stats", row_stats, n, len(DISTILL_STATS), logits)
     if kind == "jsd" and 0 < beta < 1 and jsd_sums is not None:  # β = 0 or 1 is a KL, which reads no sums
@@ -95,6 +84,21 @@ def distillation(a, inplace=False):
     if inplace:
         _check(is_view, op, "inplace_backward needs logits whose batch dimensions flatten to one row stride (got "
                "shape ", _shape(logits.shape), ", strides ", _shape(logits.stride()), ")")
+
+
+def _distill_term(op, logits, teacher_logits, kind, beta, temperature, s, mask, divisor, beta_name, mask_name):
+    """distillation.cpp: distill_term_state, in its order; returns whether the logits' rows are a view."""
+    is_view = _distill_rows("logits", logits, op)
+    _distill_pair(logits, teacher_logits, op)
+    _distill_rows("teacher_logits", teacher_logits, op)
+    _distill_beta(beta, op, beta_name)
+    _distill_softmax(temperature, s, op)
+    check_divisor(op, divisor)
+    _check(kind in DISTILL_KINDS, op, "kind must be 'forward_kl', 'reverse_kl', 'cross_entropy' or 'jsd', got '",
+           kind, "'")
+    if mask is not None:
+        check_loss_mask(op, mask, logits, "logits", list(logits.shape[:-1]), "batch shape", mask_name)
+    return is_view
 
 
 def _distill_inputs(a):
@@ -156,13 +160,20 @@ def fused_head(a):
     logits, target = a["logits"], a["target"]
     grpo_weight, gspo_weight = a["grpo_weight"], a["gspo_weight"]
     check_scale(op, a["logits_scale_factor"])
-    for name in ("label_weight", "z_loss_weight", "grpo_weight", "gspo_weight"):
+    distillation_weight = a["distillation_weight"]
+    for name in ("label_weight", "z_loss_weight", "grpo_weight", "gspo_weight", "distillation_weight"):
         _check(math.isfinite(a[name]) and a[name] >= 0, op, name, " must be finite and >= 0, got ", _num(a[name]))
     _check(grpo_weight == 0 or gspo_weight == 0, op, "grpo_weight = ", _num(grpo_weight), " and gspo_weight = ",
            _num(gspo_weight), " are both > 0; the head fuses one policy term, GRPO or GSPO")
+    _check(distillation_weight == 0 or gspo_weight == 0, op, "distillation_weight = ", _num(distillation_weight),
+           " and gspo_weight = ", _num(gspo_weight), " are both > 0; the head fuses distillation with CE, z-loss "
+           "and GRPO, not GSPO: use gspo_loss beside it")
+    _check(distillation_weight == 0 or a["row_stats"] is None, op, "distillation_weight = ",
+           _num(distillation_weight), " > 0 runs without tensor parallelism (row_stats given): use "
+           "distillation_loss beside the head")
     eps = a["label_smoothing"]
     _check(math.isfinite(eps) and 0 <= eps < 1, op, "label_smoothing must be in [0, 1), got ", _num(eps))
-    for name in ("label_divisor", "z_loss_divisor", "grpo_divisor", "gspo_divisor"):
+    for name in ("label_divisor", "z_loss_divisor", "grpo_divisor", "gspo_divisor", "distillation_divisor"):
         check_divisor(op, a[name])
     check_row_stats(op, a["row_stats"], logits, target.numel())
     if grpo_weight != 0:
@@ -191,6 +202,12 @@ def fused_head(a):
             sequence_ids(op, a["document_index"], a["num_documents"], target, "rollout_rs (its sequence modes)")
     if gspo_weight != 0:
         _fused_head_gspo(op, a)
+    if distillation_weight != 0:  # fused_head_distill.cpp: fused_head_distill_state
+        _check(a["teacher_logits"] is not None, op, "distillation_weight = ", _num(distillation_weight),
+               " > 0 needs teacher_logits")
+        _distill_term(op, logits, a["teacher_logits"], a["kind"], a["distillation_beta"], a["temperature"],
+                      a["logits_scale_factor"], a["distillation_mask"], a["distillation_divisor"],
+                      "distillation_beta", "distillation_mask")
     if a["z_loss_weight"] != 0 and a["z_loss_mask"] is not None:
         m = a["z_loss_mask"]
         _check(m.dtype == torch.bool or _integral(m.dtype), op, "z_loss_mask must be a bool or integer tensor, got ",

@@ -463,10 +463,10 @@ class LanguageModelDPOLossConfig(LanguageModelLossConfig):
 class LanguageModelFusedHeadLossConfig(LanguageModelLossConfig):
     """Several losses of one head (type ``fused_head``; Fast-LLM's monolithic loss): ``losses`` maps each loss's name to
     its config (or a dict with a ``type`` key). The module returns Σ weight·loss and every loss's metrics.
-    Label cross-entropy (without its own z_loss_factor), z-loss and one policy term, token-normalised GRPO or plain
-    GSPO (ppo_clip, k3 KL, per-token advantages; both with metrics "none"), sharing one logits_scale_factor run as
-    one pass over the logits (rl_losses.fused_head_loss) when they use the extension; any other loss runs on its
-    own and its gradient is added.
+    Label cross-entropy (without its own z_loss_factor), z-loss, one policy term, token-normalised GRPO or plain
+    GSPO (ppo_clip, k3 KL, per-token advantages; both with metrics "none"), and one distillation loss (not beside
+    GSPO nor with a tp_group), sharing one logits_scale_factor run as one pass over the logits
+    (rl_losses.fused_head_loss) when they use the extension; any other loss runs on its own, its gradient added.
     """
 
     type_name: ClassVar[str] = "fused_head"

@@ -9,7 +9,7 @@ import torch
 
 from rl_losses import _schema, distributed
 from rl_losses._inputs import _check_document_ids, _direct, _options
-from rl_losses.losses import Batch, LanguageModelLoss, LanguageModelLossKwargs, _require
+from rl_losses.losses import Batch, LanguageModelLoss, LanguageModelLossKwargs, _reference_logits, _require
 from rl_losses.outputs import FusedHeadOutput
 
 if typing.TYPE_CHECKING:  # the configs import this module (configs depend on losses, not both ways)
@@ -20,9 +20,11 @@ _ops = torch.ops.rl_losses
 
 def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None, vocab_start: int | None = None,
                     vocab_size: int | None = None, **options) -> FusedHeadOutput:
-    """Label cross-entropy, z-loss and GRPO or GSPO in one pass over the logits, with one summed gradient.
+    """Label cross-entropy, z-loss, GRPO or GSPO, and distillation in one pass over the logits, with one summed
+    gradient.
 
-    ``loss = label_weight·CE + z_loss_weight·Z + grpo_weight·GRPO + gspo_weight·GSPO``, each term as the separate
+    ``loss = label_weight·CE + z_loss_weight·Z + grpo_weight·GRPO + gspo_weight·GSPO + distillation_weight·KD``,
+    each term as the separate
     op computes it (rl_losses.cross_entropy with ``label_smoothing``; rl_losses.z_loss over ``z_loss_mask``, every
     token without one; rl_losses.grpo_loss and rl_losses.gspo_loss with their options) and divided by its own
     divisor (default: the term's tokens; GSPO's: the documents holding a labelled token). A term of weight 0 is
@@ -48,12 +50,18 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None
             size, default max + 1, which synchronises with the host), optional ``label_counts``, ``gspo_divisor``;
             ``advantages`` per token (averaged per document), ``old_log_probs`` None for on-policy. ``delta`` and
             ``loss_weights`` are the GRPO term's and are refused with GSPO.
+        distillation_weight: the distillation term's weight, rl_losses.distillation_loss against ``teacher_logits``
+            (the logits' shape) with its options ``kind``, ``temperature``, its β as ``distillation_beta`` (``beta``
+            is the policy terms' KL weight), its ``loss_mask`` as ``distillation_mask`` (every token without one)
+            and ``distillation_divisor``. The head then runs on distillation's passes, which read the student's
+            and the teacher's rows together, the other terms' gradients added to its own (docs/distillation_dpo.md);
+            refused with the GSPO term and with tp_group (use rl_losses.distillation_loss beside the head there).
         tp_group: vocabulary-parallel process group: ``logits`` hold this rank's columns, labels are global ids;
             the row statistics are all-reduced over the group first, then the op reads its shard once, for the
             terms and the gradient. Every output is identical on every rank; the gradient is this rank's column
             block. vocab_start, vocab_size: this shard's first global column and the global V, for uneven shards.
-    Returns: FusedHeadOutput(loss, label_loss, z_loss, grpo_loss, log_probs, gspo_loss): the differentiable
-        weighted total, and each term unweighted and detached.
+    Returns: FusedHeadOutput(loss, label_loss, z_loss, grpo_loss, log_probs, gspo_loss, distillation_loss): the
+        differentiable weighted total, and each term unweighted and detached.
     """
     options = _options("fused_head_loss", options, _KEYWORDS)
 
@@ -76,8 +84,8 @@ _KEYWORDS = distributed._shard_signature(fused_head_loss, "fused_head", extra={"
 
 class LanguageModelFusedHeadLoss(LanguageModelLoss):
     """Several losses over the same logits: the fusable ones (label CE without its own z-loss, z-loss, one policy
-    term: GRPO with token normalisation or plain GSPO, each with metrics="none"; one logits_scale_factor) in one
-    pass, the others one by one."""
+    term: GRPO with token normalisation or plain GSPO, each with metrics="none"; one distillation term, not beside
+    GSPO nor under tensor parallelism; one logits_scale_factor) in one pass, the others one by one."""
 
     config: LanguageModelFusedHeadLossConfig
 
@@ -96,6 +104,8 @@ class LanguageModelFusedHeadLoss(LanguageModelLoss):
             return True
         if cfg.type_name == "grpo":
             return cfg.loss_normalization == "token" and cfg.metrics == "none" and _head_takes(cfg)
+        if cfg.type_name == "distillation":  # not under tensor parallelism (fused_head_loss refuses it)
+            return self.tp_group is None
         if cfg.type_name == "gspo":  # the form the head fuses (rl_losses.fused_head_loss), per-token advantages
             advantages = batch.get(LanguageModelLossKwargs.advantages)
             labels = batch.get(LanguageModelLossKwargs.labels)
@@ -105,9 +115,12 @@ class LanguageModelFusedHeadLoss(LanguageModelLoss):
 
     def _forward(self, logits, batch, bound):
         fused = [k for k in self.losses if self._fusable(k, logits, batch)]
-        # One policy term per pass (GRPO or GSPO): any other runs on its own.
+        # One policy term per pass (GRPO or GSPO) and one teacher, not beside GSPO: any other runs on its own.
         policy = [k for k in fused if self.config.losses[k].type_name in ("grpo", "gspo")]
         fused = [k for k in fused if k not in policy[1:]]
+        teachers = [k for k in fused if self.config.losses[k].type_name == "distillation"]
+        gspo = any(self.config.losses[k].type_name == "gspo" for k in fused)
+        fused = [k for k in fused if k not in (teachers if gspo else teachers[1:])]
         scales = {self.config.losses[k].logits_scale_factor for k in fused}
         if len(fused) < 2 or len(scales) != 1:
             fused = []  # nothing to share: every loss on its own
@@ -131,6 +144,12 @@ class LanguageModelFusedHeadLoss(LanguageModelLoss):
                 kwargs.update(label_weight=cfg.weight, label_smoothing=cfg.label_smoothing, label_divisor=divisor)
             elif cfg.type_name == "z_loss":
                 kwargs.update(z_loss_weight=cfg.weight, z_loss_mask=batch.get(LanguageModelLossKwargs.loss_mask))
+            elif cfg.type_name == "distillation":  # as LanguageModelDistillationLoss passes it
+                kwargs.update(distillation_weight=cfg.weight, kind=cfg.loss_type, distillation_beta=cfg.beta,
+                              temperature=cfg.temperature,
+                              teacher_logits=_reference_logits(batch, cfg.reference_model, name),
+                              distillation_mask=batch.get(LanguageModelLossKwargs.loss_mask),
+                              distillation_divisor=divisor)
             elif cfg.type_name == "gspo":  # as LanguageModelGSPOLoss passes it to rl_losses.gspo_loss
                 kwargs.update(_policy_options(cfg, batch, name))
                 kwargs.update(gspo_weight=cfg.weight,
@@ -150,7 +169,7 @@ class LanguageModelFusedHeadLoss(LanguageModelLoss):
         for name in names:
             cfg = self.config.losses[name]
             term = {"label": out.label_loss, "z_loss": out.z_loss, "grpo": out.grpo_loss,
-                    "gspo": out.gspo_loss}[cfg.type_name]
+                    "gspo": out.gspo_loss, "distillation": out.distillation_loss}[cfg.type_name]
             metrics[name] = term
             if cfg.type_name == "gspo":
                 metrics[f"{name}_new_logprobs"] = _gspo_new_logprobs(out.log_probs, labels, kwargs)

@@ -111,7 +111,7 @@ class DpoOutput(NamedTuple):
 class FusedHeadOutput(NamedTuple):
     """What the fused head returns: ``loss`` = Σ weight·term (differentiable) and each term unweighted
     (detached): ``label_loss``, ``z_loss``, ``grpo_loss``; per token ``log_probs`` (0 where unlabelled); then
-    ``gspo_loss`` (last, so that the fields before it keep their positions)."""
+    ``gspo_loss`` and ``distillation_loss`` (last, so that the fields before them keep their positions)."""
 
     loss: torch.Tensor
     label_loss: torch.Tensor
@@ -119,3 +119,4 @@ class FusedHeadOutput(NamedTuple):
     grpo_loss: torch.Tensor
     log_probs: torch.Tensor
     gspo_loss: torch.Tensor
+    distillation_loss: torch.Tensor

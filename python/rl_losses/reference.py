@@ -461,10 +461,13 @@ def fused_head_loss(logits, target, *, label_weight=0.0, label_smoothing=0.0, la
                     ref_log_probs=None, loss_weights=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
                     grpo_divisor=None, gspo_weight=0.0, document_index=None, num_documents=None, label_counts=None,
                     weighting="document", gspo_divisor=None, logits_scale_factor=1.0, rollout_log_probs=None,
-                    **policy) -> FusedHeadOutput:
+                    distillation_weight=0.0, teacher_logits=None, kind="forward_kl", distillation_beta=0.5,
+                    temperature=1.0, distillation_mask=None, distillation_divisor=None, **policy) -> FusedHeadOutput:
     """The weighted sum of the separate losses: CE and GRPO over the labelled tokens, the z-loss over
     ``z_loss_mask`` (every token without one), GSPO over the documents of ``document_index``; both policy terms
-    with ``rollout_log_probs`` and the options of Policy (``policy``) as grpo_loss and gspo_loss take them."""
+    with ``rollout_log_probs`` and the options of Policy (``policy``) as grpo_loss and gspo_loss take them; the
+    distillation term distillation_loss over ``distillation_mask`` (every token without one), its β
+    ``distillation_beta``."""
     s = logits_scale_factor
     zero = logits.new_zeros((), dtype=_work_dtype(logits))
     label = cross_entropy(logits, target, logits_scale_factor=s, label_smoothing=label_smoothing,
@@ -481,9 +484,14 @@ def fused_head_loss(logits, target, *, label_weight=0.0, label_smoothing=0.0, la
                      label_counts=label_counts, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                      weighting=weighting, divisor=gspo_divisor, logits_scale_factor=s, ref_log_probs=ref_log_probs,
                      beta=beta, rollout_log_probs=rollout_log_probs, **policy).loss if gspo_weight else zero
+    distill = distillation_loss(logits, teacher_logits, kind=kind, beta=distillation_beta, temperature=temperature,
+                                logits_scale_factor=s, loss_mask=distillation_mask,
+                                divisor=distillation_divisor).loss if distillation_weight else zero
     lp = _label_logprob(torch.log_softmax(_scaled(logits, s), dim=-1), target)
-    total = label_weight * label + z_loss_weight * z + grpo_weight * grpo + gspo_weight * gspo
-    return FusedHeadOutput(total, label.detach(), z.detach(), grpo.detach(), lp.detach(), gspo.detach())
+    total = (label_weight * label + z_loss_weight * z + grpo_weight * grpo + gspo_weight * gspo
+             + distillation_weight * distill)
+    return FusedHeadOutput(total, label.detach(), z.detach(), grpo.detach(), lp.detach(), gspo.detach(),
+                           distill.detach())
 
 
 def token_log_probs(logits, target, *, logits_scale_factor=1.0, compute_entropy=False, top_k=None, top_p=None,

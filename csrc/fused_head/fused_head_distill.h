@@ -1,0 +1,143 @@
+// The fused head's distillation term (docs/distillation_dpo.md): distillation_weight · the distillation op's loss
+// against `teacher_logits`, beside the label CE, the z-loss and the GRPO term. The head then runs on
+// distillation's passes, which read the student's row and the teacher's together, with one row step of every term
+// (FusedHeadDistillStep: the distillation row step, distill_row, and the other terms by FusedHeadEpilogue itself,
+// from the student's statistics): the gradient pass adds the other terms' a·Q_j + c + b·[j = label]
+// (distill_head_grad) to distillation's, one gradient written once.
+//   CUDA: distillation's cluster kernel with this step as its head (distillation_cluster.cuh), where it applies
+//     and the teacher has the student's dtype: each row of both tensors read once, as distillation alone reads
+//     them (the kernel then reads every row: the step applies the distillation mask);
+//   otherwise (and on the CPU): the statistics pass, JSD's sums, the step over all rows, the gradient pass.
+// The label's logit is gathered before the passes (one value a row) and, with label smoothing, Σx summed (one more
+// read of the logits: the distillation statistics have no Σx).
+//
+// Not with the GSPO term (its per-document steps need a statistics pass of their own between) nor under tensor
+// parallelism (the head's statistics and distillation's would need their all-reduce together): refused.
+#pragma once
+
+#include "common/row_source.h"
+#include "distillation/distillation.h"
+#include "fused_head/fused_head.h"
+
+namespace rl_losses {
+
+template <typename acc_t>
+struct FusedHeadDistillStep {
+  static constexpr bool kOn = true;  // a head of distillation's cluster kernel (distillation_cluster.cuh)
+  FusedHeadEpilogue<acc_t> head;
+  DistillOptions<acc_t> opt;
+  acc_t weight;              // distillation_weight (> 0)
+  const acc_t* stats;        // (N, 7) DistillStats
+  const acc_t* jsd_sums;     // (N, 2), or null unless the kind is JSD
+  const acc_t* mask;         // (N,) 0/1 distillation_mask, or null: every row
+  const acc_t* divisor;      // 0-dim D of the distillation term
+  const acc_t* label_logit;  // (N,) s·z at the label (any finite value where unlabelled)
+  const acc_t* sum_x;        // (N,) Σ s·z, or null: no label smoothing
+  acc_t* table;              // (N, kDistGradFields): the gradient pass's, its weight times distillation_weight
+  acc_t* coef;               // (N, kDistHeadFields): the other terms' (a, b, c)
+
+  C10_HOST_DEVICE void operator()(int64_t i) const {
+    const bool jsd = opt.kind == DistillKind::kJsd;
+    row(i, DistillStats<acc_t>::load(stats + i * DistillStats<acc_t>::kFields), jsd ? jsd_sums[2 * i] : acc_t(0),
+        jsd ? jsd_sums[2 * i + 1] : acc_t(0), head.out + i * kHeadTerms, head.log_probs + i,
+        table + i * kDistGradFields, coef + i * kDistHeadFields);
+  }
+
+  // Row i from its statistics (and JSD's sums): every term's share into o[kHeadTerms] and *lp, the distillation
+  // gradient table into t and the other terms' coefficients into h. The CUDA cluster kernel calls it with the
+  // statistics it holds on chip (o and lp local in every CTA of the cluster but the one writing the outputs).
+  C10_HOST_DEVICE void row(int64_t i, const DistillStats<acc_t>& ds, acc_t jsd_loss, acc_t jsd_s, acc_t* o,
+                           acc_t* lp, acc_t* t, acc_t* h) const {
+    const RowStats<acc_t> st{ds.ms, ds.ss, acc_t(0), sum_x != nullptr ? sum_x[i] : acc_t(0), label_logit[i]};
+    const GradCoef<acc_t> g = head.terms(i, st, o, lp);
+    h[kHeadCoefA] = g.a;
+    h[kHeadCoefB] = g.b;
+    h[kHeadCoefC] = g.c;
+    const acc_t m = mask != nullptr ? mask[i] : acc_t(1);
+    if (m == acc_t(0)) {  // the teacher's statistics are not read; the other terms still read Q (lse)
+      o[kHeadDistill] = acc_t(0);
+      t[kDistLseS] = ds.lse_student();
+      t[kDistLseT] = t[kDistWeight] = t[kDistConst] = acc_t(0);
+      return;
+    }
+    const DistillRowResult<acc_t> r = distill_row(opt, ds, jsd_loss, jsd_s, m / *divisor);
+    o[kHeadDistill] = r.table[kDistWeight] * r.divergence;  // the term's share, unweighted (as the op's row_loss)
+    for (int k = 0; k < kDistGradFields; ++k) t[k] = r.table[k];
+    t[kDistWeight] *= weight;
+  }
+
+  // The cluster kernel's calls: `row` in every CTA, the outputs written by one. Into locals first: no global
+  // store between the row's loads (which may then be issued together: this is on the row's critical path).
+  C10_HOST_DEVICE void cluster_row(int64_t i, const DistillStats<acc_t>& ds, acc_t jsd_loss, acc_t jsd_s, bool write,
+                                   acc_t* t, acc_t* h) const {
+    acc_t o[kHeadTerms], lp;
+    row(i, ds, jsd_loss, jsd_s, o, &lp, t, h);
+    if (!write) return;
+    for (int k = 0; k < kHeadTerms; ++k) head.out[i * kHeadTerms + k] = o[k];
+    head.log_probs[i] = lp;
+  }
+  C10_HOST_DEVICE int64_t label(int64_t i) const { return head.labels[i]; }
+};
+
+// The host side: the distillation term's state (its passes' buffers) and the step's other inputs.
+struct FusedHeadDistillRows {
+  DistillState state;
+  double weight = 0;
+  at::Tensor label_logit, sum_x;  // (N,) each; sum_x undefined without label smoothing
+};
+
+template <typename acc_t>
+FusedHeadDistillStep<acc_t> make_fused_head_distill_step(const FusedHeadRows& r, const FusedHeadDistillRows& d) {
+  auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<acc_t>() : nullptr; };
+  const DistillState& s = d.state;
+  FusedHeadDistillStep<acc_t> f;
+  f.head = make_fused_head_epilogue<acc_t>(r);
+  f.opt = distill_options_as<acc_t>(s.opt);
+  f.weight = acc_t(d.weight);
+  f.stats = ptr(s.stats);
+  f.jsd_sums = ptr(s.jsd_sums);
+  f.mask = ptr(s.mask);
+  f.divisor = ptr(s.divisor);
+  f.label_logit = ptr(d.label_logit);
+  f.sum_x = ptr(d.sum_x);
+  f.table = s.grad_rows.data_ptr<acc_t>();
+  f.coef = s.head_coef.data_ptr<acc_t>();
+  return f;
+}
+
+template <typename Runner, const GspoBackend& (*kGspo)(), const DistillBackend& (*kDistill)(),
+          bool (*kDistillFused)(const FusedHeadRows&, const FusedHeadDistillRows&) = nullptr>
+struct FusedHeadBackendImpl {
+  static void rows(const RowPassArgs& args, const FusedHeadRows& r) {
+    Runner::row_pass(args, "fused_head", [&](auto* tag) {
+      return make_fused_head_epilogue<std::remove_pointer_t<decltype(tag)>>(r);
+    });
+  }
+  static void totals(const FusedHeadRows& r) {
+    AT_DISPATCH_FLOATING_TYPES(r.out.scalar_type(), "fused_head", [&] {
+      FusedHeadTotals<scalar_t> t;
+      t.out = r.out.const_data_ptr<scalar_t>();
+      for (int k = 0; k < kHeadTerms; ++k) t.weight[k] = scalar_t(r.weight[k]);
+      for (int k = 0; k <= kHeadTerms; ++k) t.dst[k] = r.scalars[k].data_ptr<scalar_t>();
+      Runner::sum_then(r.out.size(0), t);
+    });
+  }
+  static void distill_step(const FusedHeadRows& r, const FusedHeadDistillRows& d) {
+    AT_DISPATCH_FLOATING_TYPES(r.out.scalar_type(), "fused_head", [&] {
+      Runner::for_each(r.out.size(0), make_fused_head_distill_step<scalar_t>(r, d));
+    });
+  }
+  static constexpr FusedHeadBackend backend() {
+    return {&rows, &totals, kGspo, kDistill, &distill_step, kDistillFused};
+  }
+};
+
+// The term's checks (after those of fused_head_forward) and its buffers.
+FusedHeadDistillRows fused_head_distill_state(const char* op, const FlatLogits& f, const at::Tensor& target,
+                                              const FusedHeadArgs& a);
+// The head's passes with the distillation term, given `rows` as the row pass would take them: fills rows.out and
+// rows.log_probs, and the gradient where the source asks for it. `smoothing`: the label term smooths (Σx).
+void fused_head_distill_rows(RowSource& src, FusedHeadRows& rows, FusedHeadDistillRows& d, double scale,
+                             bool smoothing, const FusedHeadBackend& backend);
+
+}  // namespace rl_losses
