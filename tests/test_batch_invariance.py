@@ -160,6 +160,20 @@ def test_runs_repeat_bit_for_bit(case):
         assert same_bits(a, b)
 
 
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_fused_pass_repeats_bit_for_bit(case):
+    """GRPO's one pass, three runs: every CTA of a row's cluster writes the row's outputs from its own combined
+    state, so the states must have the same bits in every CTA (a combine whose products were fused asymmetrically
+    left ~1% of the rows' log-probs an ulp apart from run to run at V = 128256)."""
+    device, n, vocab = case
+    logits = make_logits((n,), vocab, torch.bfloat16, device)
+    r = row_inputs(n, vocab, device)
+    runs = [grpo_rows(logits, r) for _ in range(3)]
+    for other in runs[1:]:
+        for name in ("log_probs", "grad"):
+            assert same_bits(runs[0][name], other[name]), f"{name} differs between runs"
+
+
 @pytest.mark.parametrize("op", ["cross_entropy", "grpo", "gspo"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_mode_is_correct(op, device):
