@@ -38,7 +38,8 @@ void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out) {
 // grad[r, :] *= g[r·g_stride]·unscale[r] (unscale null: 1; scaled_grad_value), with g read on the device:
 // when one g (g_stride 0) is 1 (plain loss.backward()) and no row is pre-scaled every block returns at once, so
 // the common case costs one tiny launch instead of a full read and write of the gradient; rows whose factor
-// is 1 are skipped.
+// is 1 are skipped, and rows whose factor is 0 (grpo's bypass_mode rejection after its pass) are written as zeros
+// without being read (the gradient of finite logits is finite, so that its product with 0 is 0).
 template <typename scalar_t, bool kPrescaled, typename g_t>
 __global__ void scale_rows_kernel(scalar_t* grad, int64_t n_rows, int64_t cols, int64_t row_stride,
                                   const g_t* g, int64_t g_stride, const float* unscale) {
@@ -50,6 +51,10 @@ __global__ void scale_rows_kernel(scalar_t* grad, int64_t n_rows, int64_t cols, 
     if constexpr (kPrescaled) f *= static_cast<acc_t>(unscale[row]);
     if (f == acc_t(1)) continue;
     scalar_t* r = grad + row * row_stride;
+    if (f == acc_t(0)) {
+      for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) r[j] = scalar_t(0);
+      continue;
+    }
     for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
       r[j] = scaled_grad_value<scalar_t, acc_t, kPrescaled>(r[j], f);
     }
