@@ -46,9 +46,11 @@ def options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref):
     rs = lambda mode, threshold: dict(rollout_log_probs=rollout, rollout_rs=mode,  # noqa: E731
                                       rollout_rs_threshold=threshold)
     # verl's bypass_mode: old = the rollout's, the rules judging the current log-probs (δ = lp − rollout ~
-    # N(0, 2·0.05²): k3 ≈ δ²/2 has mean 2.5e-3; the token rule at 0.004 rejects about a fifth of the tokens, the
-    # sequence rule at 0.0025 about half the sequences); verl's actor passes its global token count (divisor),
-    # which keeps grpo at one pass; without it grpo reads the logits twice.
+    # N(0, 2·0.05²): k3 ≈ δ²/2 has mean 2.5e-3; the token rule at 0.004 rejects about a fifth of the tokens, at
+    # 0.0135 about 2%; the sequence rule at 0.0025 about half the sequences, at 0.0027 about one in sixteen, its
+    # mean over 1024 tokens having a standard deviation near 1.2e-4); verl's actor passes its global token count (divisor),
+    # which keeps grpo at one pass, the rejected rows zeroed in the backward (a cost in proportion to their share);
+    # without it grpo reads the logits twice.
     bypass = lambda mode, threshold, **kw: dict(on_policy=True, bypass_mode=True, **rs(mode, threshold),  # noqa
                                                 **kw)
     return {
@@ -77,6 +79,8 @@ def options(rollout, rollout_seq_ratio, rollout_tok_ratio, ref):
         "bypass_token_k3": ("grpo", bypass("token_k3", "0.004", divisor=float(rollout.numel())), None),
         "bypass_seq_mean_k3": ("grpo", bypass("seq_mean_k3", "0.0025", divisor=float(rollout.numel())), None),
         "bypass_token_k3_no_divisor": ("grpo", bypass("token_k3", "0.004"), None),
+        "bypass_token_k3_2pct": ("grpo", bypass("token_k3", "0.0135", divisor=float(rollout.numel())), None),
+        "bypass_seq_mean_k3_few": ("grpo", bypass("seq_mean_k3", "0.0027", divisor=float(rollout.numel())), None),
         "k1": ("grpo", kl(kl_estimator="k1"), None),
         "k2": ("grpo", kl(kl_estimator="k2"), None),
         "k3": ("grpo", kl(kl_estimator="k3"), dict(beta=0.04)),

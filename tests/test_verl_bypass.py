@@ -338,3 +338,23 @@ def test_grpo_bypass_path(rules, aggregation, after, device):
         assert torch.all(factors.view_as(target)[~rejected] == 1)
         assert torch.all(factors.view_as(target)[rejected] == (0 if rejected_after else 1))
         assert bool((grad[rejected] != 0).any()) == rejected_after  # (a clipped token's row is 0 either way)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_scale_grad_rows_of_factor_zero(dtype, device):
+    """The backward of grpo's rejection after its pass touches the rejected rows alone: _scale_grad_ leaves a row
+    of factor 1 as it is (NaN stays NaN: not rewritten) and writes zeros over a row of factor 0 without reading it
+    (NaN becomes 0), the other rows scaled; rows that start off a 16-byte boundary and odd lengths included."""
+    rows, cols = 6, 37
+    buffer = torch.randn(rows, cols + 3, device=device).to(dtype)
+    grad = buffer[:, 1:-2]  # rows 1 element past the buffer's alignment, 37 long
+    grad[0] = float("nan")
+    grad[1] = float("nan")
+    before, edges = grad.clone(), buffer[:, [0, -2, -1]].clone()
+    factors = torch.tensor([1.0, 0.0, 0.0, 0.5, 1.0, 0.0], device=device)
+    torch.ops.rl_losses._scale_grad_(grad, torch.tensor(1.0, device=device, dtype=torch.float64), factors)
+    assert torch.isnan(grad[0]).all()
+    assert torch.all(grad[[1, 2, 5]] == 0)
+    torch.testing.assert_close(grad[3], (before[3].double() * 0.5).to(dtype), rtol=0, atol=0)
+    assert torch.equal(grad[4], before[4])
+    assert torch.equal(buffer[:, [0, -2, -1]], edges)  # nothing written outside the rows

@@ -24,7 +24,7 @@ void stats_cpu(const RowPassArgs& args, const at::Tensor& out) {
 // the product of the upstream gradient and the stored gradient is rounded once to the logits dtype. ATen's mul_
 // would round a scalar g to fp16/bf16 first (2^16, GradScaler's default, is inf in fp16; 1/3 is 0.2% off in
 // bf16), and with a per-row g it would allocate a float copy of the whole gradient. Rows whose factor is 1 are
-// not touched.
+// not touched; rows whose factor is 0 are zeroed.
 template <typename scalar_t, bool kPrescaled, typename g_t>
 void scale_rows_cpu(const at::Tensor& grad2d, const g_t* g, int64_t g_stride, const float* unscale) {
   using acc_t = typename acc_type<scalar_t>::type;
@@ -36,6 +36,10 @@ void scale_rows_cpu(const at::Tensor& grad2d, const g_t* g, int64_t g_stride, co
       const acc_t f = static_cast<acc_t>(g[row * g_stride]) * (unscale ? static_cast<acc_t>(unscale[row]) : acc_t(1));
       if (f == acc_t(1)) continue;
       scalar_t* r = base + row * row_stride;
+      if (f == acc_t(0)) {  // written, not read (as scale_rows_kernel: a finite gradient times 0)
+        std::fill(r, r + cols, scalar_t(0));
+        continue;
+      }
       for (int64_t j = 0; j < cols; ++j) r[j] = scaled_grad_value<scalar_t, acc_t, kPrescaled>(r[j], f);
     }
   });

@@ -379,8 +379,7 @@ void set_policy_inputs(const char* op, GspoState& g, const OptTensor& ref_log_pr
                        const PolicyArgs& policy, const at::Tensor& target, at::ScalarType acc);
 // geo_mean (verl's, one advantage per sequence): GSPO's sequence ratio, clip inside; other options refused.
 void check_geo_mean(const char* op, const PolicyOptions<double>& o, bool token_advantages, const PolicyArgs& policy);
-// The rollout rejection's pre-pass over g's documents (gspo.cpp): g.target less the tokens rejected on `judged`
-// (the old log-probs, or bypass_mode's current ones), counts redone.
+// The rollout rejection's pre-pass over g's documents (gspo.cpp): g.target less the tokens `judged` rejects.
 void reject_rollout_documents(const char* op, GspoState& g, const std::vector<RejectionRule>& rules,
                               const at::Tensor& target1d, const at::Tensor& target, const OptTensor& rollout_log_probs,
                               at::ScalarType acc, int64_t num_documents, const at::Tensor& judged);

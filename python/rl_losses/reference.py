@@ -135,15 +135,6 @@ def _rows_as_sequences(target):
     return rows.reshape(target.shape[:-1]).unsqueeze(-1).expand(target.shape)
 
 
-def _bypass(p, old_log_probs, rollout_log_probs, logp, target):
-    """(old, judged): verl's bypass_mode takes the rollout's log-probs as the old ones (where none are given) and
-    judges the current log-probs (detached) with rollout_rs; otherwise the rules judge old_log_probs."""
-    if not p.bypass_mode:
-        return old_log_probs, old_log_probs
-    old = rollout_log_probs if old_log_probs is None else old_log_probs
-    return old, _label_logprob(logp, target).detach()
-
-
 def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2, epsilon_high=0.2, delta=None,
               ref_log_probs=None, beta=0.0, loss_weights=None, divisor=None, logits_scale_factor=1.0,
               label_counts=None, compute_entropy=False, rollout_log_probs=None, document_index=None,
@@ -162,7 +153,8 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
     sequence = document_index if document_index is not None else (
         _rows_as_sequences(target) if target.dim() >= 2 else None)
     labelled = target >= 0  # before rejection: the sums of a sequence-level rollout correction (verl's rollout_is)
-    old_log_probs, judged = _bypass(p, old_log_probs, rollout_log_probs, logp, target)
+    old_log_probs, judged = reference_rejection.bypass_inputs(p.bypass_mode, old_log_probs, rollout_log_probs,
+                                                              _label_logprob(logp, target))
     given_target, target = target, reference_rejection.rejected_labels(
         target, judged, rollout_log_probs, sequence, p.rollout_rs, p.rollout_rs_threshold)
     mask = target >= 0
@@ -304,7 +296,8 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
     of the document's summed log-ratios; the importance-weighted KL differentiated through R_s)."""
     p = Policy(**policy)
     logp = _log_softmax(logits, logits_scale_factor, target, top_k, top_p, min_p)
-    old_log_probs, judged = _bypass(p, old_log_probs, rollout_log_probs, logp, target)
+    old_log_probs, judged = reference_rejection.bypass_inputs(p.bypass_mode, old_log_probs, rollout_log_probs,
+                                                              _label_logprob(logp, target))
     given_target, target = target, reference_rejection.rejected_labels(
         target, judged, rollout_log_probs, document_index, p.rollout_rs, p.rollout_rs_threshold)
     if label_counts is not None and p.rollout_rs is not None:

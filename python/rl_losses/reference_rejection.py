@@ -23,6 +23,14 @@ def _rules(rollout_rs: str, rollout_rs_threshold: str):
             yield level, estimator, -math.inf, float(spec)
 
 
+def bypass_inputs(bypass_mode, old_log_probs, rollout_log_probs, log_probs):
+    """(old, judged): verl's bypass_mode takes the rollout's log-probs as the old ones (where none are given) and
+    judges the current ``log_probs`` (detached) with rollout_rs; otherwise the rules judge old_log_probs."""
+    if not bypass_mode:
+        return old_log_probs, old_log_probs
+    return rollout_log_probs if old_log_probs is None else old_log_probs, log_probs.detach()
+
+
 def rejected_labels(target, old, rollout, sequence, rollout_rs, rollout_rs_threshold):
     """``target`` with −100 where verl's rules reject the token: δ = clamp(old − rollout, ±20), k1 = −δ, k2 = δ²/2,
     k3 = e^δ − 1 − δ, judged per token or by the Σ / mean / max over the labelled tokens of its ``sequence`` (ids,
