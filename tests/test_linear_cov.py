@@ -39,7 +39,7 @@ def make_case(device, dtype, masked=0.25):
 
 
 def check(device, dtype, name, mode="fast", chunk=None, skip=True, head_dtype="weight", requires=(True, True),
-          masked=0.25):
+          masked=0.25, **extra):
     """One linear_grpo call against reference.grpo_loss on the same logits (rounded to the weight's dtype unless
     head_dtype is float32), both drawing clip_cov's keys from the same state of the device's generator."""
     x = make_case(device, dtype, masked)
@@ -51,7 +51,7 @@ def check(device, dtype, name, mode="fast", chunk=None, skip=True, head_dtype="w
     buffer = 1e-3 * torch.randn(V, H, device=device, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
     start = buffer.clone()
     options = dict(CASES[name], ref_log_probs=x["ref"], beta=0.05, compute_entropy=True, entropy_coefficient=0.01,
-                   loss_weights=x["weights"])
+                   loss_weights=x["weights"], **extra)
     seed = int(torch.randint(0, 2**31 - 1, ()))
     torch.manual_seed(seed)
     with torch.set_grad_enabled(any(requires)):
@@ -130,6 +130,13 @@ def test_either_gradient_or_none(device, name, mode, chunk, requires):
 def test_labelled_share(device, name, mode, masked):
     """Few labelled rows: the bound (from all N rows) past an eighth of them keeps the statistics pass first."""
     check(device, torch.float64, name, mode, CHUNKS["chunks"], masked=masked)
+
+
+@pytest.mark.parametrize("chunk", ["one_chunk", "chunks"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_sampler_floors(device, name, chunk):
+    """top_k: the sub-batch's floors computed from its recomputed logits, at the batch's rows."""
+    check(device, torch.float64, name, "fast", CHUNKS[chunk], top_k=20)
 
 
 def gemm_flops(step):
