@@ -1,13 +1,9 @@
-"""Distributed losses on gloo (docs/distributed.md): vocabulary-parallel (tp_group) cross-entropy, z-loss, GRPO
-and GSPO, sequence-data-parallel (sdp_group) GSPO, and both together.
-
-Each world size (2, 3 and 4 processes on this machine, CPU tensors, gloo over the loopback interface with a
-FileStore rendezvous: no port, no other address) is spawned once and runs every case of that size; each
-rank saves its loss, gradient and metrics, and the tests compare them here with the single-process op on
-the concatenated input — TP: every rank's loss and metrics equal the single-process ones and its gradient is
-its column block; SDP: the rank losses sum to the single-process loss, each equals its tokens' share, the
-metrics are the group's, and each rank's gradient is its row block. A failing rank surfaces as a test
-failure with its traceback (the others are terminated), and every wait has a timeout.
+"""Distributed losses on gloo (docs/distributed.md): vocabulary-parallel (tp_group) cross-entropy, z-loss, GRPO and GSPO,
+sequence-data-parallel (sdp_group) GSPO, and both together. Each world size (2, 3 and 4 processes, CPU tensors, gloo
+over loopback, a FileStore rendezvous) is spawned once and runs every case of that size; the tests compare each rank's
+loss, gradient and metrics with the single-process op on the concatenated input (TP: the same loss and metrics, the
+gradient's column block; SDP: rank losses summing to it, the group's metrics, the gradient's row block). A failing
+rank surfaces as a test failure with its traceback, and every wait has a timeout.
 """
 from __future__ import annotations
 

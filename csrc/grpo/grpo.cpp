@@ -124,7 +124,7 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   // The rollout rejection's pre-pass: the tokens it rejects are unlabelled from here on, for the loss weights, the
   // counts and the metrics. The row pass still sees the source's labels (the fused lm_head gathers its rows
   // before); their weight 0 leaves them out of the loss and the gradient, and their outputs are cleared. It judges
-  // the inputs old_log_probs, or in bypass_mode the current log-probs (docs/policy_losses.md, "verl's
+  // the inputs old_log_probs, or in bypass_mode the current log-probs (docs/verl_menu.md, "verl's
   // bypass_mode"). Those come from the loss pass itself where the kept tokens' weights are the pass's (a given
   // divisor; sequence_mean_token_mean's per-sequence count changes only where a token rule rejects part of a
   // sequence) and a rejected row's gradient can be zeroed after the pass (a factor of the backward's), or there is

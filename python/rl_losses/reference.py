@@ -163,7 +163,7 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
     adv = _per_sequence(advantages, target).to(logp.dtype)
     old = lp.detach() if old_log_probs is None else old_log_probs.to(logp.dtype)
     ratio = torch.exp(lp - old)
-    selected = _cov_selection(p, old, lp.detach(), adv, mask, epsilon_low, epsilon_high)  # one draw for both uses
+    selected = reference_verl.cov_selection(p, old, lp.detach(), adv, mask, epsilon_low, epsilon_high)  # one draw for both uses
     log_rho = None if p.rollout_correction is None else old.detach() - rollout_log_probs.to(logp.dtype)
     phi = share = None
     if p.loss_type == "vespo":
@@ -229,28 +229,10 @@ def _verl_options(p: Policy, epsilon_low, epsilon_high):
     return {}
 
 
-def _cov_selection(p: Policy, old, lp, adv, mask, epsilon_low, epsilon_high):
-    # clip_cov's / kl_cov's subset of the labelled tokens, else None. kl_cov's is reference_verl's; clip_cov's draw
-    # is the op's (docs/policy_losses.md): of reference_verl's candidates, the k = max(⌊ρ·Σm⌋, 1) of smallest key,
-    # the keys torch.rand over every token in float64 on the tensors' device (ties: index order).
-    if p.loss_type == "kl_cov":
-        return reference_verl.kl_cov_selection(lp, adv, mask, kl_cov_ratio=p.kl_cov_ratio)
-    if p.loss_type == "clip_cov":
-        candidate = reference_verl.clip_cov_candidates(old, lp, adv, mask, clip_low=epsilon_low, clip_high=epsilon_high,
-                                                       clip_cov_lb=p.clip_cov_lb, clip_cov_ub=p.clip_cov_ub)
-        keys = torch.rand(mask.numel(), dtype=torch.float64, device=mask.device)
-        k = max(int(p.clip_cov_ratio * int(mask.sum())), 1)
-        first = torch.argsort(torch.where(candidate.reshape(-1), keys, 2.0), stable=True)[:k]
-        selected = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
-        selected[first] = True
-        return selected.reshape(mask.shape) & candidate
-    return None
-
-
 def _surrogate(p: Policy, ratio, adv, lp, epsilon_low, epsilon_high, delta=None, old=None, selected=None):
     """The per-token objective of each loss type at ratio r (docs/policy_losses.md; vespo's: _vespo_weights; the
     per-token loss types of verl's menu read the old log-probs ``old`` too, clip_cov and kl_cov their subset
-    ``selected`` of _cov_selection)."""
+    ``selected`` of reference_verl.cov_selection)."""
     if p.loss_type == "kl_cov":
         return -adv * ratio + torch.where(selected, p.ppo_kl_coef * (lp - old).abs(), 0.0)
     if p.loss_type in TOKEN_LOG_PROB_LOSS_TYPES:

@@ -4,7 +4,7 @@ log-probs ℓ_old, advantages A and the response mask m, all (B, T).
 
 Each loss returns its per-token loss matrix L (B, T) (geo_mean: its per-sequence losses (B,)) and verl's metrics
 under verl's names; ``aggregate`` is verl's agg_loss over L, after the rollout importance weights w multiply L.
-Written again from verl's formulas (docs/policy_losses.md, "verl's menu"), sharing no code with verl or with the
+Written again from verl's formulas (docs/verl_menu.md), sharing no code with verl or with the
 ops; the tests call them on float64 inputs against verl's own functions.
 
 Notation: δ = ℓ − ℓ_old, r = exp(δ), ε_l / ε_h the clip ratios, mean_m(x) = Σ m·x / Σ m over the batch.
@@ -295,3 +295,22 @@ def rejection_mask(log_ratio, mask, rules):
     metrics["rollout_rs_masked_fraction"] = _masked_mean(rejected.to(lam.dtype), mask)
     metrics["rollout_rs_seq_masked_fraction"] = rejected.any(-1).to(lam.dtype).mean()
     return mask * keep.to(mask.dtype), metrics
+
+
+def cov_selection(p, old, lp, adv, mask, epsilon_low, epsilon_high):
+    # The ops' clip_cov / kl_cov subset of the labelled tokens for the options p (reference.Policy), else None.
+    # kl_cov's is kl_cov_selection; clip_cov's draw is the op's (docs/policy_losses.md): of clip_cov_candidates,
+    # the k = max(⌊ρ·Σm⌋, 1) of smallest key, the keys torch.rand over every token in float64 on the tensors'
+    # device (ties: index order).
+    if p.loss_type == "kl_cov":
+        return kl_cov_selection(lp, adv, mask, kl_cov_ratio=p.kl_cov_ratio)
+    if p.loss_type == "clip_cov":
+        candidate = clip_cov_candidates(old, lp, adv, mask, clip_low=epsilon_low, clip_high=epsilon_high,
+                                        clip_cov_lb=p.clip_cov_lb, clip_cov_ub=p.clip_cov_ub)
+        keys = torch.rand(mask.numel(), dtype=torch.float64, device=mask.device)
+        k = max(int(p.clip_cov_ratio * int(mask.sum())), 1)
+        first = torch.argsort(torch.where(candidate.reshape(-1), keys, 2.0), stable=True)[:k]
+        selected = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+        selected[first] = True
+        return selected.reshape(mask.shape) & candidate
+    return None
