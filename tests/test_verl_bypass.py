@@ -13,13 +13,13 @@ algorithm = pytest.importorskip("verl.trainer.config.algorithm")
 verl_config = pytest.importorskip("verl.workers.config")
 
 import rl_losses  # noqa: E402
-from rl_losses import _schema, reference, reference_rejection  # noqa: E402
+from rl_losses import _schema, reference_rejection  # noqa: E402
 from rl_losses.integrations import verl as rl_verl  # noqa: E402
 
 from helpers import forward_options  # noqa: E402
 from helpers_verl import make_config  # noqa: E402
 from test_verl_menu_ops import MODES, batch  # noqa: E402
-from test_verl_rejection import assert_metrics, threshold_of  # noqa: E402
+from test_verl_rejection import assert_metrics, assert_op_equals_reference, threshold_of  # noqa: E402
 
 RULES = ["token_k1", "token_k3", "seq_mean_k2", "seq_sum_k1", "seq_max_k3,token_k1"]
 # verl's data-parallel counts (dp_size 1): the global token count (token-mean) and sequence count (the seq modes).
@@ -182,19 +182,9 @@ def test_reference_bypass_matches_op(op):
     logits, target, mask, lp, rollout, adv, thresholds = bypass_batch(rules)
     options = dict(rollout_log_probs=rollout, bypass_mode=True, rollout_rs=rules, rollout_rs_threshold=thresholds,
                    label_counts=mask.sum(-1, keepdim=True).expand_as(mask))
-    docs = (torch.arange(target.shape[0]).unsqueeze(1).expand_as(target).contiguous(),) if op == "gspo" else ()
     if op == "grpo":
         options.update(aggregation="sequence_mean_token_mean", divisor=11.0)
-    results = []
-    for fn in (getattr(rl_losses, f"{op}_loss"), getattr(reference, f"{op}_loss")):
-        x = logits.clone().requires_grad_(True)
-        out = fn(x, target, adv, None, *docs, **options)
-        results.append((out, torch.autograd.grad(out.loss, x)[0]))
-    (ours, grad), (theirs, expected) = results
-    for name in ("loss", "new_logprobs", "ratio_mean", "kl_old", "clipped_fraction_low", "clipped_fraction_high"):
-        torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=1e-10, atol=1e-12, msg=name)
-    torch.testing.assert_close(grad, expected, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(ours.log_probs, theirs.log_probs.reshape(ours.log_probs.shape), rtol=1e-12, atol=0)
+    assert_op_equals_reference(op, (logits, target, adv, None), options, "clipped_fraction_high")
 
 
 @pytest.mark.parametrize("op", ["grpo", "gspo"])

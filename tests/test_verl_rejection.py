@@ -221,8 +221,6 @@ def test_fused_policy_options_from_verl_config():
 def test_reference_rejection_matches_op(op):
     """rl_losses.reference (the configs' path without the extension) takes the same options: loss, gradient and
     metrics equal the op's, with label_counts recounted and a sequence-level rollout correction."""
-    from rl_losses import reference
-
     logits, target, mask, old, adv, _ = batch()
     rollout = old + 0.15 * torch.randn_like(old)
     rules = "seq_sum_k3,token_k1"
@@ -230,16 +228,25 @@ def test_reference_rejection_matches_op(op):
     counts = mask.sum(-1, keepdim=True).expand_as(mask)
     options = dict(rollout_log_probs=rollout, rollout_rs=rules, rollout_rs_threshold=thresholds,
                    rollout_correction="sequence_truncate", label_counts=counts)
-    docs = (torch.arange(target.shape[0]).unsqueeze(1).expand_as(target).contiguous(),) if op == "gspo" else ()
     if op == "grpo":
         options["aggregation"] = "sequence_mean_token_mean"
+    assert_op_equals_reference(op, (logits, target, adv, old), options, "rollout_weight_mean")
+
+
+def assert_op_equals_reference(op, inputs, options, metric):
+    """`op` (grpo or gspo: one document per row) and rl_losses.reference's: loss, log-probs, gradient and the
+    metrics (`metric` beside the common ones) equal."""
+    from rl_losses import reference
+
+    logits, target, adv, old = inputs
+    docs = (torch.arange(target.shape[0]).unsqueeze(1).expand_as(target).contiguous(),) if op == "gspo" else ()
     results = []
     for fn in (getattr(rl_losses, f"{op}_loss"), getattr(reference, f"{op}_loss")):
         x = logits.clone().requires_grad_(True)
         out = fn(x, target, adv, old, *docs, **options)
         results.append((out, torch.autograd.grad(out.loss, x)[0]))
     (ours, grad), (theirs, expected) = results
-    for name in ("loss", "new_logprobs", "ratio_mean", "kl_old", "clipped_fraction_low", "rollout_weight_mean"):
+    for name in ("loss", "new_logprobs", "ratio_mean", "kl_old", "clipped_fraction_low", metric):
         torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=1e-10, atol=1e-12, msg=name)
     torch.testing.assert_close(grad, expected, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(ours.log_probs, theirs.log_probs.reshape(ours.log_probs.shape), rtol=1e-12, atol=0)
