@@ -63,6 +63,7 @@ constexpr int kDistillMaxPieces = 12;
 //   cluster_row(row, stats, jsd_loss, jsd_s, write, table, coef): the row's outputs (written where `write`: one
 //       CTA of the cluster), its gradient table and the other terms' coefficients (distill_head_grad), and
 //   label(row): the label those read;
+//   prefetch(row): a hint at the row's start (its per-row inputs, read by cluster_row once the statistics are in);
 // it reads its own mask (the kernel then reads every row), and indexes its arrays by the row of the whole call.
 struct DistillNoHead {
   static constexpr bool kOn = false;
@@ -219,6 +220,9 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
       continue;
     }
     const int64_t next = next_read(row + row_step);  // its mask loads overlap this row's work
+    if constexpr (Head::kOn) {
+      if (threadIdx.x == 32) v.head.prefetch(row + v.row0);  // warp 1: thread 0 issues the copies
+    }
     const unsigned phase = static_cast<unsigned>(it & 1);
     // A thread waits for the pieces in order, through the one of its group i, before it reads group i.
     int next_piece = 0, piece_end = 0;
