@@ -63,6 +63,7 @@ constexpr int kDistillMaxPieces = 12;
 //   cluster_row(row, stats, jsd_loss, jsd_s, write, table, coef): the row's outputs (written where `write`: one
 //       CTA of the cluster), its gradient table and the other terms' coefficients (distill_head_grad), and
 //   label(row): the label those read;
+//   prefetch(row): a hint at the row's start (its per-row inputs, read by cluster_row once the statistics are in);
 // it reads its own mask (the kernel then reads every row), and indexes its arrays by the row of the whole call.
 struct DistillNoHead {
   static constexpr bool kOn = false;
@@ -219,6 +220,9 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
       continue;
     }
     const int64_t next = next_read(row + row_step);  // its mask loads overlap this row's work
+    if constexpr (Head::kOn) {
+      if (threadIdx.x == 32) v.head.prefetch(row + v.row0);  // warp 1: thread 0 issues the copies
+    }
     const unsigned phase = static_cast<unsigned>(it & 1);
     // A thread waits for the pieces in order, through the one of its group i, before it reads group i.
     int next_piece = 0, piece_end = 0;
@@ -289,9 +293,14 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
     ++it;
 
     const float w = table[kDistWeight], lse_s = table[kDistLseS], lse_t = table[kDistLseT], c = table[kDistConst];
-    // The head's label as a column of this slice (outside it: no column matches).
-    int64_t label = -1;
-    if constexpr (Head::kOn) label = v.head.label(row + v.row0) - begin;
+    // The head's coefficients in registers, its label as a column of this slice (-1 outside it: 32-bit compares).
+    DistillHeadCoef<float> h{0.0f, 0.0f, 0.0f};
+    int label = -1;
+    if constexpr (Head::kOn) {
+      h = DistillHeadCoef<float>::load(head_coef);
+      const int64_t col = v.head.label(row + v.row0) - begin;
+      if (col >= 0 && col < n_cols) label = static_cast<int>(col);
+    }
     // The gradient piece by piece; once every thread is done with a piece, the next row's copy of it is issued, so
     // that the copy overlaps the rest of this row's gradient. kDistill: the row's distillation weight is not 0 (a
     // head's rows of weight 0 read the teacher's slice, unused).
@@ -308,8 +317,8 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
 #pragma unroll
           for (int k = 0; k < kVec; ++k) {
             if constexpr (Head::kOn) {
-              gf[k] = v.opt.scale * distill_head_grad<kGrad, kDistill>(v.opt, x[k], y[k], lse_s, lse_t, c, w,
-                                                                       head_coef, i * kVec + k == label);
+              gf[k] = v.opt.scale * distill_head_grad<kGrad, kDistill>(v.opt, x[k], y[k], lse_s, lse_t, c, w, h,
+                                                                       i * kVec + k == label);
             } else {
               gf[k] = sw * distill_grad<kGrad>(v.opt, x[k], y[k], lse_s, lse_t, c);
             }

@@ -74,8 +74,7 @@ template <DistillKind kKind, typename student_t, typename teacher_t, typename ac
 void row_grad(const student_t* z, const teacher_t* zt, student_t* g, int64_t n, const DistillOptions<acc_t>& o,
               const acc_t* table, const acc_t* head, int64_t label) {
   const acc_t w = table[kDistWeight];
-  if (w == acc_t(0) && (head == nullptr || (head[kHeadCoefA] == acc_t(0) && head[kHeadCoefB] == acc_t(0) &&
-                                            head[kHeadCoefC] == acc_t(0)))) {
+  if (w == acc_t(0) && (head == nullptr || DistillHeadCoef<acc_t>::load(head).zero())) {
     std::fill(g, g + n, student_t(0));
     return;
   }
@@ -92,12 +91,13 @@ void row_grad(const student_t* z, const teacher_t* zt, student_t* g, int64_t n, 
     return;
   }
   // The head's step writes the student's lse on every row, also one of weight 0: its terms read Q there too.
+  const DistillHeadCoef<acc_t> h = DistillHeadCoef<acc_t>::load(head);
   auto sweep = [&](auto distill) {
     constexpr bool kDistill = decltype(distill)::value;
     RL_LOSSES_SIMD
     for (int64_t j = 0; j < n; ++j) {
       const acc_t x = static_cast<acc_t>(z[j]) * s, y = kDistill ? static_cast<acc_t>(zt[j]) * it : acc_t(0);
-      g[j] = static_cast<student_t>(s * distill_head_grad<kKind, kDistill>(opt, x, y, lse_s, lse_t, c, w, head,
+      g[j] = static_cast<student_t>(s * distill_head_grad<kKind, kDistill>(opt, x, y, lse_s, lse_t, c, w, h,
                                                                             j == label));
     }
   };

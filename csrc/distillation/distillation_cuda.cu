@@ -116,9 +116,9 @@ __global__ void __launch_bounds__(kThreads) distill_kernel(DistillView<student_t
       const acc_t* table = v.grad_rows + row * kDistGradFields;
       const acc_t w = table[kDistWeight];
       student_t* g = v.grad + row * v.rg;
-      const acc_t* head = kHead ? v.head + row * kDistHeadFields : nullptr;
-      const bool head_on = kHead && (head[kHeadCoefA] != acc_t(0) || head[kHeadCoefB] != acc_t(0) ||
-                                     head[kHeadCoefC] != acc_t(0));
+      DistillHeadCoef<acc_t> h{acc_t(0), acc_t(0), acc_t(0)};
+      if constexpr (kHead) h = DistillHeadCoef<acc_t>::load(v.head + row * kDistHeadFields);
+      const bool head_on = kHead && !h.zero();
       if (w == acc_t(0) && !head_on) {  // a masked row: exact zeros, its logits not read
         for (int64_t j = threadIdx.x; j < v.vocab; j += kThreads) g[j] = student_t(0);
         continue;
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kThreads) distill_kernel(DistillView<student_t
 #pragma unroll
             for (int k = 0; k < n; ++k) {
               out[k] = static_cast<student_t>(
-                  s * distill_head_grad<kKind, kDistill>(v.opt, x[k], y[k], lse_s, lse_t, c, w, head, j0 + k == label));
+                  s * distill_head_grad<kKind, kDistill>(v.opt, x[k], y[k], lse_s, lse_t, c, w, h, j0 + k == label));
             }
             store(j0, out);
           });

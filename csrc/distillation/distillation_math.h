@@ -219,38 +219,61 @@ struct DistillRowStep {
   }
 };
 
-// dℓ/dx_j for one element, given the row's gradient table entry (before the factor s·w):
+// dℓ/dx_j for one element, given the row's gradient table entry (before the factor s·w), and the student's Q_j it
+// computes on the way (the fused head's other terms reuse it: an exponential per element is these loops' cost):
 //   forward_kl, cross_entropy: Q − P;   reverse_kl: Q·((x − y) − c);   jsd: (1−β)·Q·((log Q − log M) − S).
+template <typename T>
+struct DistillGradQ {
+  T grad;
+  T q;
+};
+
 template <DistillKind kKind, typename T>
-C10_HOST_DEVICE inline T distill_grad(const DistillOptions<T>& o, T x, T y, T lse_s, T lse_t, T c) {
+C10_HOST_DEVICE inline DistillGradQ<T> distill_grad_q(const DistillOptions<T>& o, T x, T y, T lse_s, T lse_t, T c) {
   if constexpr (kKind == DistillKind::kJsd) {
     const JsdTerms<T> j = jsd_terms(o, x - lse_s, y - lse_t);
-    return (T(1) - o.beta) * j.q * (j.q_log_ratio - c);
+    return {(T(1) - o.beta) * j.q * (j.q_log_ratio - c), j.q};
   } else {
     const T q = exp_nonpos(x - lse_s);
     if constexpr (kKind == DistillKind::kReverseKl) {
-      return q > T(0) ? q * ((x - y) - c) : T(0);
+      return {q > T(0) ? q * ((x - y) - c) : T(0), q};
     } else {
-      return q - exp_nonpos(y - lse_t);
+      return {q - exp_nonpos(y - lse_t), q};
     }
   }
+}
+
+template <DistillKind kKind, typename T>
+C10_HOST_DEVICE inline T distill_grad(const DistillOptions<T>& o, T x, T y, T lse_s, T lse_t, T c) {
+  return distill_grad_q<kKind>(o, x, y, lse_s, lse_t, c).grad;
 }
 
 // Other terms of the same student row (the fused head's label CE, z-loss and GRPO: fused_head/), given as the row
 // pass's gradient coefficients (common/math.h): they add a·Q_j + c + b·[j = label] to dL/dx_j.
 enum DistillHeadField : int { kHeadCoefA = 0, kHeadCoefB, kHeadCoefC, kDistHeadFields };
+template <typename T>
+struct DistillHeadCoef {
+  T a, b, c;
+  C10_HOST_DEVICE static DistillHeadCoef load(const T* p) { return {p[kHeadCoefA], p[kHeadCoefB], p[kHeadCoefC]}; }
+  C10_HOST_DEVICE bool zero() const { return a == T(0) && b == T(0) && c == T(0); }
+};
 
-// dL/dx_j of a row with the distillation table (weight w = table[kDistWeight], 0: the teacher row is not read)
-// and, where `head` is not null, the other terms' coefficients; the caller multiplies by s. kDistill: w != 0.
+// dL/dx_j of a row with the distillation table (weight w = table[kDistWeight]; kDistill: w != 0, else the teacher's
+// y is not read) and the other terms' coefficients h; the caller multiplies by s. Q_j is computed once for both.
 template <DistillKind kKind, bool kDistill, typename T>
 C10_HOST_DEVICE inline T distill_head_grad(const DistillOptions<T>& o, T x, T y, T lse_s, T lse_t, T c, T w,
-                                           const T* head, bool is_label) {
-  T g = kDistill ? w * distill_grad<kKind>(o, x, y, lse_s, lse_t, c) : T(0);
-  if (head != nullptr) {
-    g += head[kHeadCoefA] * exp_nonpos(x - lse_s) + head[kHeadCoefC];
-    if (is_label) g += head[kHeadCoefB];
+                                           const DistillHeadCoef<T>& h, bool is_label) {
+  T g, q;
+  if constexpr (kDistill) {
+    const DistillGradQ<T> d = distill_grad_q<kKind>(o, x, y, lse_s, lse_t, c);
+    g = w * d.grad;
+    q = d.q;
+  } else {
+    g = T(0);
+    q = exp_nonpos(x - lse_s);
   }
-  return g;
+  g += h.a * q + h.c;
+  return is_label ? g + h.b : g;
 }
 
 }  // namespace rl_losses

@@ -77,6 +77,24 @@ struct FusedHeadDistillStep {
     head.log_probs[i] = lp;
   }
   C10_HOST_DEVICE int64_t label(int64_t i) const { return head.labels[i]; }
+
+#if defined(__CUDACC__)
+  // The cluster kernel's hint at a row's start: its per-row inputs towards L1, so that cluster_row, which every
+  // CTA's row waits for, finds them there. Pointers that are null (a term off) are skipped.
+  __device__ void prefetch(int64_t i) const {
+    const void* rows[] = {head.labels + i, label_logit + i, sum_x != nullptr ? sum_x + i : nullptr,
+                          mask != nullptr ? mask + i : nullptr,
+                          head.z_mask != nullptr ? head.z_mask + i : nullptr,
+                          head.advantages != nullptr ? head.advantages + i : nullptr,
+                          head.old_log_probs != nullptr ? head.old_log_probs + i : nullptr,
+                          head.ref_log_probs != nullptr ? head.ref_log_probs + i : nullptr,
+                          head.rollout_log_probs != nullptr ? head.rollout_log_probs + i : nullptr,
+                          head.loss_weights != nullptr ? head.loss_weights + i : nullptr};
+    for (const void* p : rows) {
+      if (p != nullptr) asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+    }
+  }
+#endif
 };
 
 // The host side: the distillation term's state (its passes' buffers) and the step's other inputs.
