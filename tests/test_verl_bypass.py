@@ -19,7 +19,8 @@ from rl_losses.integrations import verl as rl_verl  # noqa: E402
 from helpers import forward_options  # noqa: E402
 from helpers_verl import make_config  # noqa: E402
 from test_verl_menu_ops import MODES, batch  # noqa: E402
-from test_verl_rejection import assert_metrics, assert_op_equals_reference, threshold_of  # noqa: E402
+from test_verl_rejection import (assert_linear_equals_logits, assert_metrics, assert_op_equals_reference,  # noqa: E402
+                                 threshold_of)
 
 RULES = ["token_k1", "token_k3", "seq_mean_k2", "seq_sum_k1", "seq_max_k3,token_k1"]
 # verl's data-parallel counts (dp_size 1): the global token count (token-mean) and sequence count (the seq modes).
@@ -200,20 +201,11 @@ def test_linear_bypass_matches_logits(op):
     rules = "token_k1,seq_sum_k2"
     thresholds = ",".join(threshold_of(m, lp, rollout, mask) for m in rules.split(","))
     options = dict(rollout_log_probs=rollout, bypass_mode=True, rollout_rs=rules, rollout_rs_threshold=thresholds)
-    docs = (torch.arange(target.shape[0]).unsqueeze(1).expand_as(target).contiguous(),) if op == "gspo" else ()
     if op == "grpo":
         options["aggregation"] = "token_mean"
-    theirs = getattr(rl_losses, f"{op}_loss")(hidden @ weight.T, target, adv, None, *docs, **options)
-    expected = torch.autograd.grad(theirs.loss, (hidden, weight))
-    for strategy in ("fast", "lean"):
-        ours = getattr(rl_losses, f"linear_{op}_loss")(hidden, weight, target, adv, None, *docs, strategy=strategy,
-                                                      chunk_size=13, **options)
-        grads = torch.autograd.grad(ours.loss, (hidden, weight))
-        for name in ("loss", "new_logprobs", "ratio_mean", "clipped_fraction_high", "kl_old"):
-            torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=1e-12, atol=1e-14, msg=name)
-        for a, b in zip(grads, expected):
-            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert_linear_equals_logits(op, (hidden, weight, target, adv, None), options, "kl_old")
     # Without a gradient, with a divisor, grpo rejects after its pass: the same loss.
+    docs = (torch.arange(target.shape[0]).unsqueeze(1).expand_as(target).contiguous(),) if op == "gspo" else ()
     with torch.no_grad():
         options["divisor"] = 50.0
         theirs = getattr(rl_losses, f"{op}_loss")(hidden @ weight.T, target, adv, None, *docs, **options)

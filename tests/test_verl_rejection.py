@@ -177,17 +177,24 @@ def test_linear_rejection_matches_logits(op):
     weight = torch.randn(logits.shape[-1], 16, dtype=torch.float64, requires_grad=True)
     options = dict(rollout_log_probs=rollout, rollout_rs=rules, rollout_rs_threshold=thresholds,
                    rollout_correction="token_truncate")
-    docs = (torch.arange(target.shape[0]).unsqueeze(1).expand_as(target).contiguous(),) if op == "gspo" else ()
     if op == "grpo":
         options["aggregation"] = "sequence_mean_token_mean"
+    assert_linear_equals_logits(op, (hidden, weight, target, adv, old), options, "rollout_weight_mean")
+
+
+def assert_linear_equals_logits(op, inputs, options, metric):
+    """linear_<op>_loss (fast and lean, chunks of 13 rows) and <op>_loss on hidden @ weight.T (gspo: one document
+    per row): loss, the metrics (`metric` beside the common ones) and both gradients equal."""
+    hidden, weight, target, adv, old = inputs
+    docs = (torch.arange(target.shape[0]).unsqueeze(1).expand_as(target).contiguous(),) if op == "gspo" else ()
     theirs = getattr(rl_losses, f"{op}_loss")(hidden @ weight.T, target, adv, old, *docs, **options)
     expected = torch.autograd.grad(theirs.loss, (hidden, weight))
     for strategy in ("fast", "lean"):
         ours = getattr(rl_losses, f"linear_{op}_loss")(hidden, weight, target, adv, old, *docs, strategy=strategy,
                                                       chunk_size=13, **options)
         grads = torch.autograd.grad(ours.loss, (hidden, weight))
-        for name in ("loss", "new_logprobs", "ratio_mean", "clipped_fraction_high", "rollout_weight_mean"):
-            torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=1e-12, atol=1e-14)
+        for name in ("loss", "new_logprobs", "ratio_mean", "clipped_fraction_high", metric):
+            torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=1e-12, atol=1e-14, msg=name)
         for a, b in zip(grads, expected):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
