@@ -295,31 +295,47 @@ def test_opcheck(divisor, device):
                               forward_options("grpo", compute_grad=True, **options))
 
 
-@pytest.mark.parametrize("rules,aggregation,after", [("token_k2", None, True), ("token_k2", "token_mean", True),
-                                                     ("seq_sum_k2", "sequence_mean_token_mean", True),
-                                                     ("token_k2", "sequence_mean_token_mean", False)])
-def test_grpo_bypass_path(rules, aggregation, after, device):
-    """Which of grpo's paths runs, seen in _grpo_forward's per-row factors: with a divisor the rejection comes after
-    the pass (the rejected rows' factor 0, their gradient still written), without one or where a token rule
-    changes sequence_mean_token_mean's counts after a statistics pass (factors 1, the rejected rows' gradient 0)."""
+@pytest.mark.parametrize("rules,aggregation,with_divisor", [
+    ("token_k2", None, "in_pass"), ("token_k3", "token_mean", "in_pass"),
+    ("seq_sum_k2", "sequence_mean_token_mean", "after"), ("token_k1,seq_mean_k3", None, "both"),
+    ("token_k2", "sequence_mean_token_mean", "first")])
+def test_grpo_bypass_path(rules, aggregation, with_divisor, device):
+    """Which of grpo's paths runs, seen in _grpo_forward's per-row factors and gradient rows. With a divisor the
+    token rules are judged in the pass (the rejected rows' factor 1, their gradient 0) and the sequence rules after
+    it (factor 0, their gradient still written); without one, or where a token rule changes
+    sequence_mean_token_mean's counts, after a statistics pass (factors 1, the rejected rows' gradient 0)."""
     logits, target, mask, lp, rollout, adv, thresholds = bypass_batch(rules)
     logits, target, adv, rollout = (t.to(device, torch.float32 if t.is_floating_point() else t.dtype)
                                     for t in (logits, target, adv, rollout))
-    rows = torch.arange(target.shape[0], device=device).unsqueeze(1).expand_as(target)
     options = dict(rollout_log_probs=rollout, bypass_mode=True, rollout_rs=rules, rollout_rs_threshold=thresholds,
                    aggregation=aggregation)
+    # The tokens the sequence rules reject, judged here in float64.
+    token_rules = ",".join(m for m in rules.split(",") if m.startswith("token_"))
+    sequence_rules = ",".join(m for m in rules.split(",") if not m.startswith("token_"))
     for divisor in (None, 30.0):
         results = torch.ops.rl_losses._grpo_forward(logits, target, adv, None,
                                                     **forward_options("grpo", compute_grad=True, divisor=divisor,
                                                                       **options))
         r = dict(zip(_schema.results("_grpo_forward"), results))
-        grad, factors = r["grad"], r["grad_row_unscale"]
+        grad, factors = r["grad"], r["grad_row_unscale"].view_as(target)
         rejected = (r["log_probs"] == 0) & (target >= 0)  # (a rejected token's log-prob output is 0)
-        assert rejected.any()
-        rejected_after = after and divisor is not None
-        assert torch.all(factors.view_as(target)[~rejected] == 1)
-        assert torch.all(factors.view_as(target)[rejected] == (0 if rejected_after else 1))
-        assert bool((grad[rejected] != 0).any()) == rejected_after  # (a clipped token's row is 0 either way)
+        assert rejected.any() and not rejected.all()
+        current = torch.log_softmax(logits.double(), -1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        by_sequence = torch.zeros_like(rejected)
+        if sequence_rules:
+            spec = dict(zip(rules.split(","), thresholds.split(",")))
+            rows = torch.arange(target.shape[0], device=device).unsqueeze(1).expand_as(target)
+            kept = reference_rejection.rejected_labels(target, current, rollout.double(), rows, sequence_rules,
+                                                       ",".join(spec[m] for m in sequence_rules.split(",")))
+            by_sequence = (target >= 0) & (kept < 0)
+        zeroed_after = with_divisor in ("after", "both") and divisor is not None
+        assert torch.equal(factors == 0, by_sequence if zeroed_after else torch.zeros_like(rejected))
+        assert torch.all(factors[~(by_sequence & zeroed_after)] == 1)
+        written = rejected & (by_sequence if zeroed_after else torch.zeros_like(rejected))
+        assert torch.all(grad[rejected & ~written] == 0)
+        assert bool((grad[written] != 0).any()) == bool(written.any())  # (a clipped token's row is 0 either way)
+        if token_rules and divisor is not None and with_divisor != "first":
+            assert (rejected & ~by_sequence).any()  # the token rules rejected rows in the pass
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

@@ -138,6 +138,14 @@ inline bool has_sequence_rule(const std::vector<RejectionRule>& rules) {
   }
   return false;
 }
+// The token rules of `rules`, as the row pass takes them (token_kept): none `on` without one.
+TokenRejection<double> token_rejection(const std::vector<RejectionRule>& rules);
+template <typename T>
+TokenRejection<T> token_rejection_as(const TokenRejection<double>& r) {
+  return {{r.on[0], r.on[1], r.on[2]}, {T(r.lo[0]), T(r.lo[1]), T(r.lo[2])}, {T(r.hi[0]), T(r.hi[1]), T(r.hi[2])}};
+}
+// The rules that judge a sequence (all but the token rules).
+std::vector<RejectionRule> sequence_rules(const std::vector<RejectionRule>& rules);
 // The op's pre-pass: the labels with every token a rule rejects set to −100 (O(N) ATen steps on the (N,) inputs, no
 // read of the logits). `seq`: the sequences of the sequence rules (labelled tokens with a negative id belong to none:
 // only the token rules judge them).

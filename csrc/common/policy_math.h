@@ -203,7 +203,7 @@ C10_HOST_DEVICE inline PolicyToken<T> cov_surrogate(const PolicyOptions<T>& o, b
   if (!selected) return {loss, -loss, ratio};
   const T delta = log_prob - old_log_prob;
   const T sign = delta > T(0) ? T(1) : (delta < T(0) ? T(-1) : T(0));
-  return {loss + o.ppo_kl_coef * ::fabs(delta), -loss - o.ppo_kl_coef * sign, ratio};
+  return {loss + o.ppo_kl_coef * (delta < T(0) ? -delta : delta), -loss - o.ppo_kl_coef * sign, ratio};  // |δ| in T
 }
 
 // Clipped-fraction flags per loss type: ppo_clip's low/high bounds; cispo's cap (r > ε_h and A > 0, counted as
@@ -259,6 +259,25 @@ C10_HOST_DEVICE inline T vespo_rollout_term(const PolicyOptions<T>& o, T log_rho
     log_w = rho >= o.rollout_lo && rho <= o.rollout_hi ? log_rho : T(kVespoLogWeightFloor);
   }
   return clamp_keep_nan(log_w, T(kVespoLogWeightFloor), T(kVespoLogRatioBound));
+}
+
+// verl's token-level rollout rejection (rollout_rs token_k1 / token_k2 / token_k3) of one token, taken inside
+// the row pass where bypass_mode's rules judge the current log-prob (grpo.cpp): estimator e's statistic of
+// δ = clamp(lp − rollout, ±20) (k1 = −δ, k2 = δ²/2, k3 = e^δ − 1 − δ, verl's forms) must lie in [lo, hi] where
+// `on`; a NaN fails. policy_rejection.cpp takes the same tests over (N,) tensors for the pre-pass.
+template <typename T>
+struct TokenRejection {
+  bool on[3];
+  T lo[3], hi[3];
+};
+template <typename T>
+C10_HOST_DEVICE inline bool token_kept(const TokenRejection<T>& r, T log_prob, T rollout_log_prob) {
+  const T d = clamp_keep_nan(log_prob - rollout_log_prob, T(-20), T(20));  // verl's SAFETY_BOUND
+  const T e = ::exp(d);  // rounded to T first, as verl's torch.exp
+  const T k[3] = {-d, T(0.5) * d * d, e - T(1) - d};
+  bool keep = true;
+  for (int e = 0; e < 3; ++e) keep = keep && (!r.on[e] || (k[e] >= r.lo[e] && k[e] <= r.hi[e]));
+  return keep;
 }
 
 // One token of the policy loss, before its weight w_t/D: the surrogate times the rollout weight, plus β·KL

@@ -14,6 +14,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -120,6 +121,24 @@ std::vector<RejectionRule> rollout_rejection_rules(const char* op, const OptStri
     rules.push_back(r);
   }
   return rules;
+}
+
+TokenRejection<double> token_rejection(const std::vector<RejectionRule>& rules) {
+  TokenRejection<double> t{};
+  for (const RejectionRule& r : rules) {
+    if (r.level != RejectionRule::kToken) continue;
+    t.on[r.estimator - 1] = true;
+    t.lo[r.estimator - 1] = r.lo;
+    t.hi[r.estimator - 1] = r.hi;
+  }
+  return t;
+}
+
+std::vector<RejectionRule> sequence_rules(const std::vector<RejectionRule>& rules) {
+  std::vector<RejectionRule> out;
+  std::copy_if(rules.begin(), rules.end(), std::back_inserter(out),
+               [](const RejectionRule& r) { return r.level != RejectionRule::kToken; });
+  return out;
 }
 
 std::pair<at::Tensor, at::Tensor> sequence_of_tokens(const SequenceIds& seq, int64_t n, const at::Device& device) {

@@ -127,15 +127,21 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
   // the inputs old_log_probs, or in bypass_mode the current log-probs (docs/verl_menu.md, "verl's
   // bypass_mode"). Those come from the loss pass itself where the kept tokens' weights are the pass's (a given
   // divisor; sequence_mean_token_mean's per-sequence count changes only where a token rule rejects part of a
-  // sequence) and a rejected row's gradient can be zeroed after the pass (a factor of the backward's), or there is
-  // no gradient: the rejection then runs after the pass. Otherwise the statistics come first (one more read of the
-  // logits: less than rescaling every kept row in the backward, a read and a write of the gradient).
+  // sequence): the token rules are judged in the pass (GrpoEpilogue: a rejected row writes no gradient), the
+  // sequence rules, which need every token of a sequence, after it, where a rejected row's gradient can be zeroed
+  // then (a factor of the backward's) or there is no gradient. Otherwise the statistics come first (one more read
+  // of the logits: less than rescaling every kept row in the backward, a read and a write of the gradient).
   const bool bypass_rules = bypass && !rules.empty();
   const bool token_rule = std::any_of(rules.begin(), rules.end(),
                                       [](const RejectionRule& r) { return r.level == RejectionRule::kToken; });
   const bool reject_after = bypass_rules && a.divisor &&
                             (a.aggregation.value_or("") != "sequence_mean_token_mean" || !token_rule) &&
-                            !cov_loss_type(opt.loss_type) && (!src.wants_grad() || src.grad_scaled_by_rows());
+                            !cov_loss_type(opt.loss_type) &&
+                            (!has_sequence_rule(rules) || !src.wants_grad() || src.grad_scaled_by_rows());
+  if (reject_after && token_rule) {
+    rows.judged_rollout_log_probs = rollout;
+    rows.rejection = token_rejection(rules);
+  }
   at::Tensor judged = rows.old_log_probs;
   if (bypass_rules && !reject_after) {
     statistics_first();
@@ -236,8 +242,10 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
         },
         cov_revisit ? &revisit : nullptr);
   }
+  at::Tensor sequence_kept;  // bypass_mode's sequence rules' verdict, after the pass
   if (reject_after) {
-    kept = reject_rollout_tokens(rules, f.target1d, rows.log_probs, rollout, seq);
+    sequence_kept = reject_rollout_tokens(sequence_rules(rules), f.target1d, rows.log_probs, rollout, seq);
+    kept = token_rule ? sequence_kept.masked_fill(rows.out.select(1, kGrpoRolloutWeight).eq(0), -100) : sequence_kept;
     kept_mask_once = at::Tensor();
     n_labelled = labelled_count(kept, acc);
     if (recount) counts = recount_labels(counts, f.target1d, kept, seq);
@@ -246,12 +254,13 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
     const at::Tensor rejected = kept_mask().logical_not();
     rows.out.masked_fill_(rejected.unsqueeze(1), 0);
     rows.log_probs.masked_fill_(rejected, 0);
-    // bypass_mode's rows rejected after the pass: factor 0 in the backward (the other rows' factors stay as the
-    // pass left them, ones or fp16's 2^-k, so that the backward skips them: the unlabelled rows too, whose gradient
-    // is 0 already; the factors are given on either path, so that the outputs do not depend on it).
+    // bypass_mode's rows the sequence rules rejected after the pass: factor 0 in the backward (the other rows'
+    // factors stay as the pass left them, ones or fp16's 2^-k, so that the backward skips them: the unlabelled rows
+    // and those the token rules rejected in the pass too, whose gradient is 0 already; the factors are given on
+    // either path, so that the outputs do not depend on it).
     if (bypass_rules && src.wants_grad() && src.grad_scaled_by_rows()) {
       at::Tensor& factors = src.grad_row_factors();
-      if (reject_after) factors.masked_fill_(rejected & f.target1d.ge(0), 0);
+      if (reject_after && has_sequence_rule(rules)) factors.masked_fill_(sequence_kept.lt(0) & f.target1d.ge(0), 0);
     }
   }
 

@@ -50,6 +50,12 @@ struct GrpoEpilogue {
   acc_t* out;                      // (N, kGrpoFields)
   acc_t* log_probs;                // (N,)
   bool entropy;                    // the statistics hold Σp·x (entropy metric or bonus)
+  // bypass_mode's token rules, judged here on the current log-prob against these rollout log-probs (null: none).
+  // A token they reject is left as an unlabelled one (outputs 0, no gradient) but for its log-prob, which the
+  // sequence rules read after the pass; its rollout weight column 0 (1 on every kept token: bypass_mode takes no
+  // rollout correction) tells the op which they were.
+  const acc_t* judged_rollout_log_probs;
+  TokenRejection<acc_t> rejection;
 
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t label, const RowStats<acc_t>& st) const {
     acc_t* o = out + row * kGrpoFields;
@@ -59,6 +65,11 @@ struct GrpoEpilogue {
       return {acc_t(0), acc_t(0), acc_t(0), acc_t(0)};
     }
     const acc_t lp = st.log_prob(st.label);
+    if (judged_rollout_log_probs != nullptr && !token_kept(rejection, lp, judged_rollout_log_probs[row])) {
+      for (int k = 0; k < kGrpoFields; ++k) o[k] = acc_t(0);
+      log_probs[row] = lp;
+      return {acc_t(0), acc_t(0), acc_t(0), acc_t(0)};
+    }
     const acc_t adv = advantages[row];
     const acc_t old = old_log_probs != nullptr ? old_log_probs[row] : lp;
     const acc_t log_rho = sequence_log_rho != nullptr    ? sequence_log_rho[row]
@@ -246,6 +257,8 @@ struct GrpoRows {
   at::Tensor out;        // (N, kGrpoFields)
   at::Tensor log_probs;  // (N,)
   bool entropy;
+  at::Tensor judged_rollout_log_probs;  // (N,): bypass_mode's token rules judged in the pass (GrpoEpilogue)
+  TokenRejection<double> rejection{};
 };
 
 // The per-row inputs a clip_cov / kl_cov sub-batch gathers (GrpoCovGather's order), of a GrpoRows or a const one.
@@ -274,7 +287,8 @@ GrpoEpilogue<acc_t, kEntropyBonus> make_grpo_epilogue(const GrpoRows& r) {
           ptr(r.rollout_log_probs), ptr(r.sequence_log_rho), ptr(r.vespo_phi),
           r.cov_selected.defined() ? r.cov_selected.const_data_ptr<bool>() : nullptr, ptr(r.loss_weights),
           r.divisor.const_data_ptr<acc_t>(),
-          r.out.data_ptr<acc_t>(), r.log_probs.data_ptr<acc_t>(), r.entropy};
+          r.out.data_ptr<acc_t>(), r.log_probs.data_ptr<acc_t>(), r.entropy, ptr(r.judged_rollout_log_probs),
+          token_rejection_as<acc_t>(r.rejection)};
 }
 
 // The back-end: the row pass and the metrics reduction, on one device.
