@@ -1,5 +1,5 @@
-// The batch-invariant mode's statistics-only pass where the fused pass runs the cluster kernel
-// (docs/consistency.md, "Batch invariance"): each row reduced in the cluster kernel's order, so that the
+// The statistics-only pass where the fused pass runs the cluster kernel, in either mode (docs/consistency.md,
+// "Batch invariance"; faster than row_pass_kernel's too): each row reduced in the cluster kernel's order, so that the
 // no-gradient pass (token_log_probs, any op under torch.no_grad(), a split pass's statistics) gives the fused
 // pass's bits while that pass keeps its one read of the logits. One block per row (persistent, as row_pass_kernel)
 // of the cluster's kClusterThreads threads walks the row's C slices in rank order; in each it folds the vectors
