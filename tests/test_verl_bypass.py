@@ -212,9 +212,13 @@ def test_linear_bypass_matches_logits(op):
         ours = getattr(rl_losses, f"linear_{op}_loss")(hidden, weight, target, adv, None, *docs, chunk_size=13,
                                                       **options)
         torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-12, atol=1e-14)
+    if op == "grpo":  # token rules alone, a divisor and a gradient: judged inside each chunk's pass
+        options = dict(rollout_log_probs=rollout, bypass_mode=True, rollout_rs="token_k2", divisor=50.0,
+                       rollout_rs_threshold=threshold_of("token_k2", lp, rollout, mask))
+        assert_linear_equals_logits(op, (hidden, weight, target, adv, None), options, "kl_old")
 
 
-@pytest.mark.parametrize("rules,aggregation", [("token_k3,seq_mean_k1", None),
+@pytest.mark.parametrize("rules,aggregation", [("token_k2", None), ("token_k3,seq_mean_k1", None),
                                                ("seq_mean_k3", "sequence_mean_token_mean")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_grpo_bypass_paths_agree(dtype, rules, aggregation, device):
