@@ -188,6 +188,22 @@ def test_reference_bypass_matches_op(op):
     assert_op_equals_reference(op, (logits, target, adv, None), options, "clipped_fraction_high")
 
 
+def test_grpo_bypass_nan_rollout_rejected_in_the_pass():
+    """A NaN rollout log-prob fails every token rule (as verl's comparisons): with a divisor grpo rejects that token
+    inside its pass, its gradient row exactly 0, and loss, gradient and metrics equal the reference's."""
+    logits, target, mask, lp, rollout, adv, thresholds = bypass_batch("token_k2")
+    rollout = rollout.clone()
+    labelled = (target >= 0).nonzero()
+    nan_at = tuple(labelled[:: max(1, len(labelled) // 5)].T)
+    rollout[nan_at] = float("nan")
+    options = dict(rollout_log_probs=rollout, bypass_mode=True, rollout_rs="token_k2", rollout_rs_threshold=thresholds,
+                   divisor=40.0)
+    assert_op_equals_reference("grpo", (logits, target, adv, None), options, "clipped_fraction_high")
+    x = logits.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(rl_losses.grpo_loss(x, target, adv, None, **options).loss, x)
+    assert torch.all(grad[nan_at] == 0)
+
+
 @pytest.mark.parametrize("op", ["grpo", "gspo"])
 def test_linear_bypass_matches_logits(op):
     """The fused lm_head forms take bypass_mode (the shared list): loss, metrics and the gradients w.r.t. the hidden
