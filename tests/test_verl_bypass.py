@@ -329,9 +329,17 @@ def test_grpo_bypass_path(rules, aggregation, with_divisor, device):
                                     for t in (logits, target, adv, rollout))
     options = dict(rollout_log_probs=rollout, bypass_mode=True, rollout_rs=rules, rollout_rs_threshold=thresholds,
                    aggregation=aggregation)
-    # The tokens the sequence rules reject, judged here in float64.
     token_rules = ",".join(m for m in rules.split(",") if m.startswith("token_"))
     sequence_rules = ",".join(m for m in rules.split(",") if not m.startswith("token_"))
+    # The tokens the sequence rules reject, judged here in float64.
+    by_sequence = torch.zeros_like(target, dtype=torch.bool)
+    if sequence_rules:
+        current = torch.log_softmax(logits.double(), -1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        spec = dict(zip(rules.split(","), thresholds.split(",")))
+        rows = torch.arange(target.shape[0], device=device).unsqueeze(1).expand_as(target)
+        kept = reference_rejection.rejected_labels(target, current, rollout.double(), rows, sequence_rules,
+                                                   ",".join(spec[m] for m in sequence_rules.split(",")))
+        by_sequence = (target >= 0) & (kept < 0)
     for divisor in (None, 30.0):
         results = torch.ops.rl_losses._grpo_forward(logits, target, adv, None,
                                                     **forward_options("grpo", compute_grad=True, divisor=divisor,
@@ -340,14 +348,6 @@ def test_grpo_bypass_path(rules, aggregation, with_divisor, device):
         grad, factors = r["grad"], r["grad_row_unscale"].view_as(target)
         rejected = (r["log_probs"] == 0) & (target >= 0)  # (a rejected token's log-prob output is 0)
         assert rejected.any() and not rejected.all()
-        current = torch.log_softmax(logits.double(), -1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-        by_sequence = torch.zeros_like(rejected)
-        if sequence_rules:
-            spec = dict(zip(rules.split(","), thresholds.split(",")))
-            rows = torch.arange(target.shape[0], device=device).unsqueeze(1).expand_as(target)
-            kept = reference_rejection.rejected_labels(target, current, rollout.double(), rows, sequence_rules,
-                                                       ",".join(spec[m] for m in sequence_rules.split(",")))
-            by_sequence = (target >= 0) & (kept < 0)
         zeroed_after = with_divisor in ("after", "both") and divisor is not None
         assert torch.equal(factors == 0, by_sequence if zeroed_after else torch.zeros_like(rejected))
         assert torch.all(factors[~(by_sequence & zeroed_after)] == 1)

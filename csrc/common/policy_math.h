@@ -273,8 +273,8 @@ struct TokenRejection {
 template <typename T>
 C10_HOST_DEVICE inline bool token_kept(const TokenRejection<T>& r, T log_prob, T rollout_log_prob) {
   const T d = clamp_keep_nan(log_prob - rollout_log_prob, T(-20), T(20));  // verl's SAFETY_BOUND
-  const T e = ::exp(d);  // rounded to T first, as verl's torch.exp (whose CPU float exp may differ by an ulp)
-  const T k[3] = {-d, T(0.5) * d * d, e - T(1) - d};
+  const T exp_d = ::exp(d);  // rounded to T first, as verl's torch.exp (whose CPU float exp may differ by an ulp)
+  const T k[3] = {-d, T(0.5) * d * d, exp_d - T(1) - d};
   bool keep = true;
   for (int e = 0; e < 3; ++e) keep = keep && (!r.on[e] || (k[e] >= r.lo[e] && k[e] <= r.hi[e]));
   return keep;

@@ -35,31 +35,18 @@ void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out) {
   });
 }
 
-// Zeros over one row of `cols` values, by the block: 16-byte stores from the row's first 16-byte boundary (a
-// tensor's elements are aligned to their size, which divides 16), single values before and after. Stores alone
-// do not wait on memory, where the element-wise load, multiply and store of each value does: rows rewritten that
-// way (grpo's bypass_mode rows at d545817) cost about 1.5 ms for a fifth of a 16384 × 128256 bf16 gradient on an
-// H200, near a quarter of its bandwidth (benchmarks/results/h200-2026-11-27-policy-bypass.txt).
-template <typename scalar_t>
-__device__ void zero_row(scalar_t* r, int64_t cols) {
-  const int64_t misaligned = static_cast<int64_t>((16 - reinterpret_cast<uintptr_t>(r) % 16) % 16 / sizeof(scalar_t));
-  const int64_t head = misaligned < cols ? misaligned : cols;
-  const int64_t vecs = (cols - head) * static_cast<int64_t>(sizeof(scalar_t)) / 16;
-  const int64_t tail = head + vecs * 16 / static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) r[j] = scalar_t(0);
-  uint4* v = reinterpret_cast<uint4*>(r + head);
-  for (int64_t j = threadIdx.x; j < vecs; j += blockDim.x) v[j] = make_uint4(0, 0, 0, 0);
-  for (int64_t j = tail + threadIdx.x; j < cols; j += blockDim.x) r[j] = scalar_t(0);
-}
-
 // grad[r, :] *= g[r·g_stride]·unscale[r] (unscale null: 1; scaled_grad_value), with g read on the device:
 // when one g (g_stride 0) is 1 (plain loss.backward()) and no row is pre-scaled every block returns at once, so
 // the common case costs one tiny launch instead of a full read and write of the gradient; rows whose factor
 // is 1 are skipped, and rows whose factor is 0 (grpo's bypass_mode rejection after its pass) are written as zeros
-// without being read (zero_row; the gradient of finite logits is finite, so that its product with 0 is 0).
-template <typename scalar_t, bool kPrescaled, typename g_t>
-__global__ void scale_rows_kernel(scalar_t* grad, int64_t n_rows, int64_t cols, int64_t row_stride,
-                                  const g_t* g, int64_t g_stride, const float* unscale) {
+// without being read (block_zero_fill; the gradient of finite logits is finite, so that its product with 0 is 0).
+// Stores alone do not wait on memory, where the element-wise load, multiply and store of each value does: rows
+// rewritten that way (grpo's bypass_mode rows at d545817) cost about 1.5 ms for a fifth of a 16384 × 128256 bf16
+// gradient on an H200, near a quarter of its bandwidth (benchmarks/results/h200-2026-11-27-policy-bypass.txt).
+template <int kThreads, typename scalar_t, bool kPrescaled, typename g_t>
+__global__ void __launch_bounds__(kThreads) scale_rows_kernel(scalar_t* grad, int64_t n_rows, int64_t cols,
+                                                              int64_t row_stride, const g_t* g, int64_t g_stride,
+                                                              const float* unscale) {
   cuda::wait_previous_grid();
   using acc_t = typename acc_type<scalar_t>::type;  // fp64 gradients are scaled in fp64
   if (!kPrescaled && g_stride == 0 && static_cast<acc_t>(*g) == acc_t(1)) return;
@@ -69,10 +56,10 @@ __global__ void scale_rows_kernel(scalar_t* grad, int64_t n_rows, int64_t cols, 
     if (f == acc_t(1)) continue;
     scalar_t* r = grad + row * row_stride;
     if (f == acc_t(0)) {
-      zero_row(r, cols);
+      cuda::block_zero_fill<kThreads>(r, cols);
       continue;
     }
-    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    for (int64_t j = threadIdx.x; j < cols; j += kThreads) {
       r[j] = scaled_grad_value<scalar_t, acc_t, kPrescaled>(r[j], f);
     }
   }
@@ -86,27 +73,34 @@ void scale_grad_cuda_rows(const at::Tensor& grad, const at::Tensor& grad_output,
   const int64_t g_stride = g.numel() == 1 && grad_output.dim() == 0 ? 0 : 1;
   at::Tensor g2 = grad.view({-1, cols});
   const int64_t n_rows = g2.size(0);
-  const int threads = cols >= 1024 ? 1024 : 128;
-  // Blocks that fill each SM once (2048 threads) for the loop over rows; more would only lengthen the launch
-  // that plain loss.backward() (g == 1) makes, where every block returns at once.
-  const int64_t blocks = std::min<int64_t>(
-      n_rows, static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * (2048 / threads));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "_scale_grad_", [&] {
-    using scalar = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "_scale_grad_", [&] {
-      const dim3 grid(static_cast<unsigned>(blocks));
-      if (unscale != nullptr) {
-        cuda::DependentLaunch(grid, threads, 0)(scale_rows_kernel<scalar, true, scalar_t>, g2.data_ptr<scalar>(),
-                                                n_rows, cols, g2.stride(0), g.const_data_ptr<scalar_t>(), g_stride,
-                                                unscale);
-      } else {
-        cuda::DependentLaunch(grid, threads, 0)(scale_rows_kernel<scalar, false, scalar_t>, g2.data_ptr<scalar>(),
-                                                n_rows, cols, g2.stride(0), g.const_data_ptr<scalar_t>(), g_stride,
-                                                unscale);
-      }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto launch = [&](auto threads) {
+    constexpr int kThreads = decltype(threads)::value;
+    // Blocks that fill each SM once (2048 threads) for the loop over rows; more would only lengthen the launch
+    // that plain loss.backward() (g == 1) makes, where every block returns at once.
+    const int64_t blocks = std::min<int64_t>(
+        n_rows, static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * (2048 / kThreads));
+    const dim3 grid(static_cast<unsigned>(blocks));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "_scale_grad_", [&] {
+      using scalar = scalar_t;
+      AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "_scale_grad_", [&] {
+        if (unscale != nullptr) {
+          cuda::DependentLaunch(grid, kThreads, 0)(scale_rows_kernel<kThreads, scalar, true, scalar_t>,
+                                                   g2.data_ptr<scalar>(), n_rows, cols, g2.stride(0),
+                                                   g.const_data_ptr<scalar_t>(), g_stride, unscale);
+        } else {
+          cuda::DependentLaunch(grid, kThreads, 0)(scale_rows_kernel<kThreads, scalar, false, scalar_t>,
+                                                   g2.data_ptr<scalar>(), n_rows, cols, g2.stride(0),
+                                                   g.const_data_ptr<scalar_t>(), g_stride, unscale);
+        }
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     });
-  });
+  };
+  if (cols >= 1024) {
+    launch(std::integral_constant<int, 1024>{});
+  } else {
+    launch(std::integral_constant<int, 128>{});
+  }
 }
 
 }  // namespace rl_losses

@@ -59,16 +59,16 @@ struct GrpoEpilogue {
 
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t label, const RowStats<acc_t>& st) const {
     acc_t* o = out + row * kGrpoFields;
-    if (label < 0) {
+    // An unlabelled row, or one the token rules reject (its log-prob kept): zero outputs, no gradient.
+    const auto outside = [&](acc_t log_prob) -> GradCoef<acc_t> {
       for (int k = 0; k < kGrpoFields; ++k) o[k] = acc_t(0);
-      log_probs[row] = acc_t(0);
+      log_probs[row] = log_prob;
       return {acc_t(0), acc_t(0), acc_t(0), acc_t(0)};
-    }
+    };
+    if (label < 0) return outside(acc_t(0));
     const acc_t lp = st.log_prob(st.label);
     if (judged_rollout_log_probs != nullptr && !token_kept(rejection, lp, judged_rollout_log_probs[row])) {
-      for (int k = 0; k < kGrpoFields; ++k) o[k] = acc_t(0);
-      log_probs[row] = lp;
-      return {acc_t(0), acc_t(0), acc_t(0), acc_t(0)};
+      return outside(lp);
     }
     const acc_t adv = advantages[row];
     const acc_t old = old_log_probs != nullptr ? old_log_probs[row] : lp;
