@@ -126,23 +126,27 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
 // split. Here: the statistics computed with the entropy sums wherever the epilogue may use them, else with the
 // smoothing sums, since either sets the kernels' online-softmax chunk (so a row reduces in one order with or
 // without its entropy, in the no-gradient pass as in the gradient's; the sums' other uses are off where the op's
-// options leave them unused), and logits whose rows do not all start on 16-byte boundaries read from an aligned
+// options leave them unused), but for a statistics-only pass on cluster_order_stats_kernel, which takes that
+// chunk without the sums; and logits whose rows do not all start on 16-byte boundaries read from an aligned
 // copy (row_pass_kernel reads a row's unaligned head element by element, so the order would follow the row's
 // address). The gradient is written where `args` says: it is element-wise, the same from either copy.
 template <typename Epi>
 RowPassArgs batch_invariant_pass(const RowPassArgs& args) {
   RowPassArgs a = args;
   if (!a.compute_stats()) return a;
-  if constexpr (Epi::kMayUseEntropy) {
-    a.entropy = true;
-  } else if constexpr (Epi::kMayUseSmoothing) {
-    a.smoothing = true;
-  }
   const int64_t elem = a.logits.element_size(), vocab = a.logits.size(1);
   if (reinterpret_cast<uintptr_t>(a.logits.const_data_ptr()) % 16 != 0 || a.logits.stride(0) * elem % 16 != 0) {
     const int64_t per_vec = 16 / elem, cols = (vocab + per_vec - 1) / per_vec * per_vec;
     at::Tensor aligned = at::empty({a.logits.size(0), cols}, a.logits.options()).narrow(1, 0, vocab);
     a.logits = aligned.copy_(a.logits);
+  }
+  // A statistics-only pass on cluster_order_stats_kernel takes the sums' chunk from the epilogue in this mode
+  // (launch_cluster_order_stats) and computes only the sums the call asks for.
+  if (!a.write_grad() && cluster_order_shape(a).ctas != 0) return a;
+  if constexpr (Epi::kMayUseEntropy) {
+    a.entropy = true;
+  } else if constexpr (Epi::kMayUseSmoothing) {
+    a.smoothing = true;
   }
   return a;
 }
