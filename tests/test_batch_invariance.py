@@ -145,6 +145,21 @@ def test_gspo_documents_do_not_depend_on_the_batch(case, dtype):
                 assert same_bits(a, b), f"{what}: document {d}'s {name} differs"
 
 
+@pytest.mark.skipif("cuda" not in DEVICES, reason="the CUDA runner's two ordered sums")
+def test_gspo_document_sums_scanned_or_sorted():
+    """CUDA's ordered per-document sums scan the index where tokens x documents are few (2^24) and sort the tokens
+    where they are many (csrc/common/row_pass_cuda.cuh): ~2000 documents of ~9000 tokens take the sort, half of them
+    the scan, and every document's results keep their bits."""
+    docs, adv = gspo_documents(2000, 256, torch.float32, torch.device("cuda"))
+    s = len(docs)
+    assert sum(len(d["target"]) for d in docs) * s > 1 << 24 > sum(len(d["target"]) for d in docs[: s // 2]) * (s // 2)
+    whole = gspo_rows(docs, adv, torch.arange(s, device="cuda"))
+    part = gspo_rows(docs, adv, torch.arange(s // 2, device="cuda"))
+    for d, got in part.items():
+        for name, a, b in zip(("log_probs", "grad", "ratio"), got, whole[d]):
+            assert same_bits(a, b), f"document {d}'s {name} differs"
+
+
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_runs_repeat_bit_for_bit(case):
     device, n, vocab = case

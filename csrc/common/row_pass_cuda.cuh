@@ -126,23 +126,27 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
 // split. Here: the statistics computed with the entropy sums wherever the epilogue may use them, else with the
 // smoothing sums, since either sets the kernels' online-softmax chunk (so a row reduces in one order with or
 // without its entropy, in the no-gradient pass as in the gradient's; the sums' other uses are off where the op's
-// options leave them unused), and logits whose rows do not all start on 16-byte boundaries read from an aligned
+// options leave them unused), but for a statistics-only pass on cluster_order_stats_kernel, which takes that
+// chunk without the sums; and logits whose rows do not all start on 16-byte boundaries read from an aligned
 // copy (row_pass_kernel reads a row's unaligned head element by element, so the order would follow the row's
 // address). The gradient is written where `args` says: it is element-wise, the same from either copy.
 template <typename Epi>
 RowPassArgs batch_invariant_pass(const RowPassArgs& args) {
   RowPassArgs a = args;
   if (!a.compute_stats()) return a;
-  if constexpr (Epi::kMayUseEntropy) {
-    a.entropy = true;
-  } else if constexpr (Epi::kMayUseSmoothing) {
-    a.smoothing = true;
-  }
   const int64_t elem = a.logits.element_size(), vocab = a.logits.size(1);
   if (reinterpret_cast<uintptr_t>(a.logits.const_data_ptr()) % 16 != 0 || a.logits.stride(0) * elem % 16 != 0) {
     const int64_t per_vec = 16 / elem, cols = (vocab + per_vec - 1) / per_vec * per_vec;
     at::Tensor aligned = at::empty({a.logits.size(0), cols}, a.logits.options()).narrow(1, 0, vocab);
     a.logits = aligned.copy_(a.logits);
+  }
+  // A statistics-only pass on cluster_order_stats_kernel takes the sums' chunk from the epilogue in this mode
+  // (launch_cluster_order_stats) and computes only the sums the call asks for.
+  if (!a.write_grad() && cluster_order_shape(a).ctas != 0) return a;
+  if constexpr (Epi::kMayUseEntropy) {
+    a.entropy = true;
+  } else if constexpr (Epi::kMayUseSmoothing) {
+    a.smoothing = true;
   }
   return a;
 }
@@ -345,6 +349,44 @@ __global__ void sum_segments_in_order_kernel(int64_t n_segments, const acc_t* va
   }
 }
 
+// sum_segments_in_order_kernel's sums without the sort: a warp per segment scans the whole index in chunks of 32
+// rows, and the chunk's k-th row of the segment goes to the lane its rank in the segment falls to (rank mod 32), so
+// that each lane adds the same rows in the same order as there: the same bits. One launch instead of a sort, an
+// arange and a search, for N·S index reads (sum_rows_by_index_in_order picks it while those stay few).
+template <int K, typename acc_t>
+__global__ void sum_segments_by_scan_kernel(int64_t n, int64_t n_segments, const acc_t* values, const int64_t* index,
+                                            acc_t* out) {
+  wait_previous_grid();
+  const unsigned lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t s = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; s < n_segments; s += warps) {
+    acc_t sum[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) sum[k] = acc_t(0);
+    unsigned rank = 0;  // the segment's rows in the chunks before (mod 32 is what counts)
+    for (int64_t base = 0; base < n; base += 32) {  // warp-uniform bound: every lane reaches the votes
+      const int64_t i = base + lane;
+      const bool match = i < n && index[i] == s;
+      const unsigned mask = __ballot_sync(0xffffffffu, match);
+      if (mask == 0) continue;
+      const unsigned m = __popc(mask);
+      const unsigned k = (lane - rank) & 31u;  // this lane takes the chunk's k-th row of the segment, if k < m
+      const int src = k < m ? static_cast<int>(__fns(mask, 0, static_cast<int>(k) + 1)) : static_cast<int>(lane);
+#pragma unroll
+      for (int c = 0; c < K; ++c) {
+        const acc_t v = __shfl_sync(0xffffffffu, match ? values[i * K + c] : acc_t(0), src);
+        if (k < m) sum[c] += v;
+      }
+      rank += m;
+    }
+#pragma unroll
+    for (int c = 0; c < K; ++c) {
+      for (int m = 16; m > 0; m >>= 1) sum[c] += __shfl_xor_sync(0xffffffffu, sum[c], m);
+      if (lane == 0) out[s * K + c] = sum[c];
+    }
+  }
+}
+
 }  // namespace cuda
 
 // The CUDA runner: what an op's back-end-independent code needs from a device (see gspo.h).
@@ -379,16 +421,27 @@ struct CudaRunner {
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  // sum_rows_by_index with a fixed order of additions (the atomics' varies from run to run): a stable sort of the
-  // rows by index, each segment's end in it (searchsorted: no host synchronisation), and a warp per segment.
+  // sum_rows_by_index with a fixed order of additions (the atomics' varies from run to run): a warp per segment
+  // scanning the index where N·S stays within kScanReads, else a stable sort of the rows by index, each segment's end
+  // in it (searchsorted: no host synchronisation) and a warp per segment; the same bits either way.
+  static constexpr int64_t kScanReads = int64_t(1) << 24;
   template <int K>
   static void sum_rows_by_index_in_order(const at::Tensor& values, const at::Tensor& index, const at::Tensor& out) {
     const int64_t segments = out.size(0);
+    constexpr int kThreads = 256;
+    const int64_t blocks = std::min<int64_t>((segments * 32 + kThreads - 1) / kThreads, 65535);
+    if (values.size(0) * segments <= kScanReads) {
+      AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "sum_rows_by_index", [&] {
+        cuda::DependentLaunch(dim3(static_cast<unsigned>(blocks)), kThreads, 0)(
+            cuda::sum_segments_by_scan_kernel<K, scalar_t>, values.size(0), segments, values.const_data_ptr<scalar_t>(),
+            index.const_data_ptr<int64_t>(), out.data_ptr<scalar_t>());
+      });
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
     const auto [sorted, order] = index.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
     const at::Tensor ends = at::searchsorted(sorted, at::arange(segments, index.options()), /*out_int32=*/false,
                                              /*right=*/true);
-    constexpr int kThreads = 256;
-    const int64_t blocks = std::min<int64_t>((segments * 32 + kThreads - 1) / kThreads, 65535);
     AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "sum_rows_by_index", [&] {
       cuda::DependentLaunch(dim3(static_cast<unsigned>(blocks)), kThreads, 0)(
           cuda::sum_segments_in_order_kernel<K, scalar_t>, segments, values.const_data_ptr<scalar_t>(),

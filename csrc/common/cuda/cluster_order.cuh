@@ -18,13 +18,13 @@
 namespace rl_losses {
 namespace cuda {
 
-// kFloor: the sampler's floor of each row in v.floor (the cluster kernel's kMinP floor is the same value).
+// kFloor: the sampler's floor of each row in v.floor (the cluster kernel's kMinP floor is the same value). kChunk:
+// the online-softmax chunk of the fused pass whose order this pass follows (launch_cluster_order_stats).
 template <typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing, typename Epilogue,
-          bool kFloor>
+          bool kFloor, int kChunk>
 __global__ void __launch_bounds__(kClusterThreads)
     cluster_order_stats_kernel(RowPassView<scalar_t, label_t, acc_t> v, Epilogue epi, int n_ctas, int slice_vecs) {
   constexpr int kThreads = kClusterThreads, kVec = 16 / sizeof(scalar_t);
-  constexpr int kChunk = kClusterChunkVecs<kEntropy, kSmoothing>;
   using VecT = Pack<scalar_t, kVec>;
   __shared__ RowStats<acc_t> scratch[32];
   __shared__ RowStats<acc_t> slices[kMaxClusterSize];
@@ -119,14 +119,30 @@ bool launch_cluster_order_stats(const RowPassArgs& args, const Epilogue& epi) {
     DependentLaunch(grid, kClusterThreads, 0)(kernel, v, epi, shape.ctas, shape.slice_vecs);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+  // The chunk: the fused pass's own (that of this pass's sums) in the default mode; in the batch-invariant mode
+  // that of the sums its fused passes always compute (the entropy's, else the smoothing's, wherever the epilogue
+  // may use them: batch_invariant_pass), so that a row folds in one order while this pass computes only the sums
+  // the call asks for (the entropy's cost the order kernel 27% at V = 128256 bf16: h200-2026-11-27-order-stats.txt).
+  constexpr int kOwnChunk = kClusterChunkVecs<kEntropy, kSmoothing>;
+  constexpr int kModeChunk = kClusterChunkVecs<Epilogue::kMayUseEntropy, Epilogue::kMayUseSmoothing>;
+  auto run_chunk = [&](auto floor) {
+    constexpr bool kF = decltype(floor)::value;
+    if constexpr (kModeChunk != kOwnChunk) {
+      if (args.batch_invariant) {
+        return run(&cluster_order_stats_kernel<scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue, kF,
+                                               kModeChunk>);
+      }
+    }
+    run(&cluster_order_stats_kernel<scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue, kF, kOwnChunk>);
+  };
   if constexpr (MaySample<Epilogue>::value) {
     if (args.logit_floor.defined()) {
-      run(&cluster_order_stats_kernel<scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue, true>);
+      run_chunk(std::true_type{});
       return true;
     }
   }
   TORCH_CHECK(!args.logit_floor.defined(), "rl_losses: internal error: a sampler floor this pass cannot read");
-  run(&cluster_order_stats_kernel<scalar_t, label_t, acc_t, kEntropy, kSmoothing, Epilogue, false>);
+  run_chunk(std::false_type{});
   return true;
 }
 
