@@ -303,10 +303,13 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
     }
     // The gradient piece by piece; once every thread is done with a piece, the next row's copy of it is issued, so
     // that the copy overlaps the rest of this row's gradient. kDistill: the row's distillation weight is not 0 (a
-    // head's rows of weight 0 read the teacher's slice, unused).
+    // head's rows of weight 0 read the teacher's slice, unused). The head's coefficients come scaled, and its label
+    // term is added to the one vector holding the label, not tested at every element.
+    const float sw = v.opt.scale * w;
+    [[maybe_unused]] const DistillHeadCoef<float> sh = h.scaled(v.opt.scale);
+    const int label_group = label >= 0 ? label / kVec : -1, label_k = label >= 0 ? label % kVec : 0;
     auto gradient = [&](auto distill) {
       constexpr bool kDistill = decltype(distill)::value;
-      [[maybe_unused]] const float sw = v.opt.scale * w;  // the distillation op's factor (no head)
       for (int p = 0; p < n_pieces; ++p) {
         const int end = std::min(n_groups, (p + 1) * v.piece_groups);
 #pragma unroll 2
@@ -317,10 +320,17 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
 #pragma unroll
           for (int k = 0; k < kVec; ++k) {
             if constexpr (Head::kOn) {
-              gf[k] = v.opt.scale * distill_head_grad<kGrad, kDistill>(v.opt, x[k], y[k], lse_s, lse_t, c, w, h,
-                                                                       i * kVec + k == label);
+              gf[k] = distill_head_grad<kGrad, kDistill>(v.opt, x[k], y[k], lse_s, lse_t, c, sw, sh, false);
             } else {
               gf[k] = sw * distill_grad<kGrad>(v.opt, x[k], y[k], lse_s, lse_t, c);
+            }
+          }
+          if constexpr (Head::kOn) {
+            if (i == label_group) {
+#pragma unroll
+              for (int k = 0; k < kVec; ++k) {
+                if (k == label_k) gf[k] += sh.b;
+              }
             }
           }
           student_t out[kVec];

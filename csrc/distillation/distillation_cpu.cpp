@@ -91,14 +91,15 @@ void row_grad(const student_t* z, const teacher_t* zt, student_t* g, int64_t n, 
     return;
   }
   // The head's step writes the student's lse on every row, also one of weight 0: its terms read Q there too.
-  const DistillHeadCoef<acc_t> h = DistillHeadCoef<acc_t>::load(head);
+  const DistillHeadCoef<acc_t> sh = DistillHeadCoef<acc_t>::load(head).scaled(s);
+  const acc_t sw = s * w;
   auto sweep = [&](auto distill) {
     constexpr bool kDistill = decltype(distill)::value;
     RL_LOSSES_SIMD
     for (int64_t j = 0; j < n; ++j) {
       const acc_t x = static_cast<acc_t>(z[j]) * s, y = kDistill ? static_cast<acc_t>(zt[j]) * it : acc_t(0);
-      g[j] = static_cast<student_t>(s * distill_head_grad<kKind, kDistill>(opt, x, y, lse_s, lse_t, c, w, h,
-                                                                            j == label));
+      g[j] = static_cast<student_t>(distill_head_grad<kKind, kDistill>(opt, x, y, lse_s, lse_t, c, sw, sh,
+                                                                        j == label));
     }
   };
   if (w != acc_t(0)) {

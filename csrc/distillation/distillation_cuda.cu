@@ -149,6 +149,8 @@ __global__ void __launch_bounds__(kThreads) distill_kernel(DistillView<student_t
         });
       } else {
         // A row of distillation weight 0 still reads the teacher's (any values: unused) for the shared loop.
+        const DistillHeadCoef<acc_t> sh = h.scaled(s);
+        const acc_t sw = s * w;
         const auto sweep = [&](auto distill) {
           constexpr bool kDistill = decltype(distill)::value;
           for_row<kThreads, kVec>(v, z, zt, [&](int64_t j0, const auto& x, const auto& y) {
@@ -157,7 +159,7 @@ __global__ void __launch_bounds__(kThreads) distill_kernel(DistillView<student_t
 #pragma unroll
             for (int k = 0; k < n; ++k) {
               out[k] = static_cast<student_t>(
-                  s * distill_head_grad<kKind, kDistill>(v.opt, x[k], y[k], lse_s, lse_t, c, w, h, j0 + k == label));
+                  distill_head_grad<kKind, kDistill>(v.opt, x[k], y[k], lse_s, lse_t, c, sw, sh, j0 + k == label));
             }
             store(j0, out);
           });

@@ -256,24 +256,25 @@ struct DistillHeadCoef {
   T a, b, c;
   C10_HOST_DEVICE static DistillHeadCoef load(const T* p) { return {p[kHeadCoefA], p[kHeadCoefB], p[kHeadCoefC]}; }
   C10_HOST_DEVICE bool zero() const { return a == T(0) && b == T(0) && c == T(0); }
+  // The coefficients times the gradient's factor s, so that an element's sum takes no further product.
+  C10_HOST_DEVICE DistillHeadCoef scaled(T s) const { return {s * a, s * b, s * c}; }
 };
 
-// dL/dx_j of a row with the distillation table (weight w = table[kDistWeight]; kDistill: w != 0, else the teacher's
-// y is not read) and the other terms' coefficients h; the caller multiplies by s. Q_j is computed once for both.
+// s·dL/dx_j of a row with the distillation table (weight w = table[kDistWeight]; kDistill: w != 0, else the
+// teacher's y is not read) and the other terms' coefficients h, given sw = s·w and sh = h.scaled(s): two
+// multiply-adds past distillation's own term per element, Q_j computed once for both (the per-element work is what
+// bounds the CUDA kernels). `is_label`: add s·b (the CUDA cluster kernel adds it itself, once per row).
 template <DistillKind kKind, bool kDistill, typename T>
-C10_HOST_DEVICE inline T distill_head_grad(const DistillOptions<T>& o, T x, T y, T lse_s, T lse_t, T c, T w,
-                                           const DistillHeadCoef<T>& h, bool is_label) {
-  T g, q;
+C10_HOST_DEVICE inline T distill_head_grad(const DistillOptions<T>& o, T x, T y, T lse_s, T lse_t, T c, T sw,
+                                           const DistillHeadCoef<T>& sh, bool is_label) {
+  T g;
   if constexpr (kDistill) {
     const DistillGradQ<T> d = distill_grad_q<kKind>(o, x, y, lse_s, lse_t, c);
-    g = w * d.grad;
-    q = d.q;
+    g = sw * d.grad + (sh.a * d.q + sh.c);
   } else {
-    g = T(0);
-    q = exp_nonpos(x - lse_s);
+    g = sh.a * exp_nonpos(x - lse_s) + sh.c;
   }
-  g += h.a * q + h.c;
-  return is_label ? g + h.b : g;
+  return is_label ? g + sh.b : g;
 }
 
 }  // namespace rl_losses
