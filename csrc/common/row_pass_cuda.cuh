@@ -34,7 +34,7 @@
 #include <type_traits>
 
 #include "common/batch_invariant.h"
-#include "common/cuda/cluster_kernel.cuh"
+#include "common/cuda/cluster_launch.cuh"
 #include "common/cuda/cluster_order.cuh"
 #include "common/cuda/row_kernel.cuh"
 #include "common/dependent_launch.cuh"
@@ -126,8 +126,8 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
 // split. Here: the statistics computed with the entropy sums wherever the epilogue may use them, else with the
 // smoothing sums, since either sets the kernels' online-softmax chunk (so a row reduces in one order with or
 // without its entropy, in the no-gradient pass as in the gradient's; the sums' other uses are off where the op's
-// options leave them unused), but for a statistics-only pass on cluster_order_stats_kernel, which takes that
-// chunk without the sums; and logits whose rows do not all start on 16-byte boundaries read from an aligned
+// options leave them unused), but for the passes on the cluster kernels, which take that chunk without the sums;
+// and logits whose rows do not all start on 16-byte boundaries read from an aligned
 // copy (row_pass_kernel reads a row's unaligned head element by element, so the order would follow the row's
 // address). The gradient is written where `args` says: it is element-wise, the same from either copy.
 template <typename Epi>
@@ -140,9 +140,10 @@ RowPassArgs batch_invariant_pass(const RowPassArgs& args) {
     at::Tensor aligned = at::empty({a.logits.size(0), cols}, a.logits.options()).narrow(1, 0, vocab);
     a.logits = aligned.copy_(a.logits);
   }
-  // A statistics-only pass on cluster_order_stats_kernel takes the sums' chunk from the epilogue in this mode
-  // (launch_cluster_order_stats) and computes only the sums the call asks for.
-  if (!a.write_grad() && cluster_order_shape(a).ctas != 0) return a;
+  // The cluster kernel (a fused pass) and cluster_order_stats_kernel (a statistics-only pass) take the sums' chunk
+  // from the epilogue in this mode (launch_row_cluster, launch_cluster_order_stats) and compute only the sums the
+  // call asks for.
+  if ((a.write_grad() ? row_cluster_shape(a) : cluster_order_shape(a)).ctas != 0) return a;
   if constexpr (Epi::kMayUseEntropy) {
     a.entropy = true;
   } else if constexpr (Epi::kMayUseSmoothing) {

@@ -49,7 +49,7 @@
 #include <type_traits>
 
 #include "common/batch_invariant.h"
-#include "common/cuda/cluster_kernel.cuh"
+#include "common/cuda/cluster_launch.cuh"
 #include "distillation/distillation.h"
 #include "distillation/distillation_block.cuh"
 
@@ -401,7 +401,7 @@ inline bool rows_aligned_16(const at::Tensor& t) {
 
 // Runs the whole of DistillState's rows (outputs and gradient) in the cluster kernel where it applies (the
 // file's header); false otherwise, having launched nothing. Persistent grid and tail launch as
-// launch_row_cluster's (cluster_kernel.cuh).
+// launch_row_cluster's (cluster_launch.cuh).
 // With a head (DistillNoHead says what it provides), s.mask must be undefined: the head reads its own.
 template <DistillKind kKind, typename student_t, typename teacher_t, typename Head = DistillNoHead>
 bool launch_distill_cluster(const DistillState& s, const Head& row_head = {}) {

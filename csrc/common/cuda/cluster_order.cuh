@@ -11,7 +11,7 @@
 
 #include <ATen/cuda/CUDAContext.h>
 
-#include "common/cuda/cluster_kernel.cuh"
+#include "common/cuda/cluster_launch.cuh"
 #include "common/cuda/vectors.cuh"
 #include "common/dependent_launch.cuh"
 
