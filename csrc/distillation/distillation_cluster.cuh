@@ -60,15 +60,13 @@ namespace distill_cuda {
 constexpr int kDistillMaxPieces = 12;
 
 // The row step of the distillation op: no other terms. A head (the fused head's, fused_head_distill.h) has kOn and
-//   cluster_row(part, row, stats, jsd_loss, jsd_s, write, table, coef): part (0 to kClusterParts - 1, a lane each,
-//       side by side) of the row's outputs (written where `write`: one CTA of the cluster), its gradient table and
-//       the other terms' coefficients (distill_head_grad), and
+//   cluster_row(row, stats, jsd_loss, jsd_s, write, table, coef): the row's outputs (written where `write`: one
+//       CTA of the cluster), its gradient table and the other terms' coefficients (distill_head_grad), and
 //   label(row): the label those read;
 //   prefetch(row): a hint at the row's start (its per-row inputs, read by cluster_row once the statistics are in);
 // it reads its own mask (the kernel then reads every row), and indexes its arrays by the row of the whole call.
 struct DistillNoHead {
   static constexpr bool kOn = false;
-  static constexpr int kClusterParts = 1;
 };
 
 template <typename student_t, typename teacher_t, typename Head = DistillNoHead>
@@ -126,7 +124,6 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
   __shared__ float lse_shared[2];       // JSD: the log-normalisers for step 2
   __shared__ float table[kDistGradFields];
   __shared__ float head_coef[kDistHeadFields];  // a head's (a, b, c)
-  constexpr int kFinishLanes = Head::kClusterParts;
 
   const int64_t begin = static_cast<int64_t>(rank) * v.slice_cols;
   const int n_cols = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(v.vocab - begin, v.slice_cols)));
@@ -181,11 +178,10 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
     Pack<teacher_t, kVec> b;
     load_raw(i, a, b, x, y);
   };
-  // Lanes [0, kFinishLanes) of warp 0 (each holding the same combined statistics and sums): the row step; rank 0
-  // writes the outputs. A head splits its step over two lanes.
-  auto finish_row = [&](int lane, int64_t row, const Stats& all, float jsd_loss, float jsd_s) {
+  // Lane 0 of warp 0: the row step from the combined statistics (and sums); rank 0 writes the outputs.
+  auto finish_row = [&](int64_t row, const Stats& all, float jsd_loss, float jsd_s) {
     if constexpr (Head::kOn) {
-      v.head.cluster_row(lane, row + v.row0, all, jsd_loss, jsd_s, rank == 0, table, head_coef);
+      v.head.cluster_row(row + v.row0, all, jsd_loss, jsd_s, rank == 0, table, head_coef);
       return;
     }
     const float m = v.mask != nullptr ? v.mask[row] : 1.0f;
@@ -250,14 +246,14 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
       mbarrier_wait(&gathered_full[q], slot_phase);
       Stats all = lane < n_ctas ? gathered[q][lane] : Stats::empty();
       for (int m = ctas_pow2 / 2; m > 0; m >>= 1) all = Stats::combine(all, shfl_xor(all, m));
-      if constexpr (kKind == DistillKind::kJsd) {
-        if (lane == 0) {
+      if (lane == 0) {
+        if constexpr (kKind == DistillKind::kJsd) {
           jsd_stats = all;
           lse_shared[0] = all.lse_student();
           lse_shared[1] = all.lse_teacher();
+        } else {
+          finish_row(row, all, 0.0f, 0.0f);
         }
-      } else if (lane < kFinishLanes) {
-        finish_row(lane, row, all, 0.0f, 0.0f);
       }
     }
     __syncthreads();
@@ -290,7 +286,7 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
           all.x += __shfl_xor_sync(0xffffffffu, all.x, m);
           all.y += __shfl_xor_sync(0xffffffffu, all.y, m);
         }
-        if (lane < kFinishLanes) finish_row(lane, row, jsd_stats, all.x, all.y);
+        if (lane == 0) finish_row(row, jsd_stats, all.x, all.y);
       }
       __syncthreads();
     }

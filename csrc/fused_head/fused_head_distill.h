@@ -44,53 +44,37 @@ struct FusedHeadDistillStep {
   }
 
   // Row i from its statistics (and JSD's sums): every term's share into o[kHeadTerms] and *lp, the distillation
-  // gradient table into t and the other terms' coefficients into h.
+  // gradient table into t and the other terms' coefficients into h. The CUDA cluster kernel calls it with the
+  // statistics it holds on chip (o and lp local in every CTA of the cluster but the one writing the outputs).
   C10_HOST_DEVICE void row(int64_t i, const DistillStats<acc_t>& ds, acc_t jsd_loss, acc_t jsd_s, acc_t* o,
                            acc_t* lp, acc_t* t, acc_t* h) const {
-    other_terms(i, ds, o, lp, h);
-    o[kHeadDistill] = distill_terms(i, ds, jsd_loss, jsd_s, t);
-  }
-  // The terms but distillation: their shares into o (o[kHeadDistill] left 0), *lp, and their coefficients into h.
-  C10_HOST_DEVICE void other_terms(int64_t i, const DistillStats<acc_t>& ds, acc_t* o, acc_t* lp, acc_t* h) const {
     const RowStats<acc_t> st{ds.ms, ds.ss, acc_t(0), sum_x != nullptr ? sum_x[i] : acc_t(0), label_logit[i]};
     const GradCoef<acc_t> g = head.terms(i, st, o, lp);
     h[kHeadCoefA] = g.a;
     h[kHeadCoefB] = g.b;
     h[kHeadCoefC] = g.c;
-  }
-  // Distillation's term: its gradient table into t; returns its share.
-  C10_HOST_DEVICE acc_t distill_terms(int64_t i, const DistillStats<acc_t>& ds, acc_t jsd_loss, acc_t jsd_s,
-                                      acc_t* t) const {
     const acc_t m = mask != nullptr ? mask[i] : acc_t(1);
     if (m == acc_t(0)) {  // the teacher's statistics are not read; the other terms still read Q (lse)
+      o[kHeadDistill] = acc_t(0);
       t[kDistLseS] = ds.lse_student();
       t[kDistLseT] = t[kDistWeight] = t[kDistConst] = acc_t(0);
-      return acc_t(0);
+      return;
     }
     const DistillRowResult<acc_t> r = distill_row(opt, ds, jsd_loss, jsd_s, m / *divisor);
+    o[kHeadDistill] = r.table[kDistWeight] * r.divergence;  // the term's share, unweighted (as the op's row_loss)
     for (int k = 0; k < kDistGradFields; ++k) t[k] = r.table[k];
     t[kDistWeight] *= weight;
-    return r.table[kDistWeight] * r.divergence;  // the term's share, unweighted (as the op's row_loss)
   }
 
-  // The cluster kernel's calls, in every CTA (the outputs written by one), the row's two independent chains of math
-  // on two lanes side by side: part 0 the other terms, part 1 distillation's. Every CTA's row waits for them. Into
-  // locals first: no global store between the row's loads (which may then be issued together).
-  static constexpr int kClusterParts = 2;
-  C10_HOST_DEVICE void cluster_row(int part, int64_t i, const DistillStats<acc_t>& ds, acc_t jsd_loss, acc_t jsd_s,
-                                   bool write, acc_t* t, acc_t* h) const {
-    if (part == 0) {
-      acc_t o[kHeadTerms], lp;
-      other_terms(i, ds, o, &lp, h);
-      if (!write) return;
-      for (int k = 0; k < kHeadTerms; ++k) {
-        if (k != kHeadDistill) head.out[i * kHeadTerms + k] = o[k];
-      }
-      head.log_probs[i] = lp;
-    } else {
-      const acc_t share = distill_terms(i, ds, jsd_loss, jsd_s, t);
-      if (write) head.out[i * kHeadTerms + kHeadDistill] = share;
-    }
+  // The cluster kernel's calls: `row` in every CTA, the outputs written by one. Into locals first: no global
+  // store between the row's loads (which may then be issued together: this is on the row's critical path).
+  C10_HOST_DEVICE void cluster_row(int64_t i, const DistillStats<acc_t>& ds, acc_t jsd_loss, acc_t jsd_s, bool write,
+                                   acc_t* t, acc_t* h) const {
+    acc_t o[kHeadTerms], lp;
+    row(i, ds, jsd_loss, jsd_s, o, &lp, t, h);
+    if (!write) return;
+    for (int k = 0; k < kHeadTerms; ++k) head.out[i * kHeadTerms + k] = o[k];
+    head.log_probs[i] = lp;
   }
   C10_HOST_DEVICE int64_t label(int64_t i) const { return head.labels[i]; }
 
