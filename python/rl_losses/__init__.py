@@ -14,7 +14,8 @@ The ops live in ``torch.ops.rl_losses`` (C++/CUDA, loaded from ``rl_losses._C``)
   the loss modules of ``rl_losses.losses``;
 - ``pack_documents`` / ``Document``: variable-length rollouts packed into the batch the losses take;
 - ``rl_losses.reference`` (the pure-PyTorch float64 ground truth) and ``rl_losses.distributed`` (the
-  ``tp_group`` / ``sdp_group`` layer the wrappers route to).
+  ``tp_group`` / ``sdp_group`` layer the wrappers route to);
+- ``forward_backward``: a loss wrapper's result and the gradient of its logits in one call, without autograd.
 
 ``target`` is always the next-token labels (``target[t] = input_ids[t + 1]``), negative where there is no
 label. The documentation is in the repository's docs/ folder: math.md (every formula), conventions.md
@@ -43,6 +44,7 @@ from rl_losses.dpo import DpoOutput, dpo_loss
 from rl_losses.outputs import SampledKlOutput, TopkDistillationOutput
 from rl_losses.topk_distillation import (linear_sampled_kl_loss, linear_topk_distillation_loss, sampled_kl_loss,
                                          topk_distillation_loss)
+from rl_losses.forward_backward import forward_backward
 from rl_losses.fused_head import fused_head_loss
 from rl_losses.kept_set import kept_token_log_probs, linear_kept_token_log_probs
 from rl_losses.policy_token import PolicyTokenOutput, policy_token_loss
@@ -82,6 +84,8 @@ __all__ = [
     "PolicyTokenOutput",
     "fused_head",
     "cuda_kernels_available",
+    # the loss and its gradient in one call, without autograd
+    "forward_backward",
     # the batch-invariant mode (docs/consistency.md)
     "batch_invariant",
     "is_batch_invariant",

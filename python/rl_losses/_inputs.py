@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from typing import Callable
 
 import torch
@@ -16,13 +17,20 @@ from rl_losses.outputs import PolicyLossOutput
 _tracing = torch.compiler.is_dynamo_compiling
 
 
+# The rl_losses.forward_backward call in progress on this thread (`call`), or none.
+_CAPTURE = threading.local()
+
+
 def _direct(packet):
     """What the wrappers call for ``torch.ops.rl_losses.<op>``: the op's C++ function (``packet._op``), which the
     OpOverloadPacket calls after a Python frame of its own (the arguments repacked through *args / **kwargs and a
     torchbind test) that cost ~0.5-1 µs per fwd+bwd call on a CPU host
     (benchmarks/results/cpu-2026-11-27-python-layer.txt). torch.compile's tracing knows the packet, not the C++
-    function: while it traces, the packet."""
-    return packet if _tracing() else packet._op
+    function: while it traces, the packet. Inside rl_losses.forward_backward, its forward op's call."""
+    if _tracing():
+        return packet
+    call = getattr(_CAPTURE, "call", None)
+    return packet._op if call is None else call.stub(packet)
 
 # os.environ.get of an unset name raises and catches a KeyError inside (~2 µs a call); the dict behind os.environ,
 # which every write to os.environ updates, answers the same in a lookup.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from rl_losses import _schema
-from rl_losses._inputs import _divisor, _options
+from rl_losses._inputs import _direct, _divisor, _options
 from rl_losses.functional import _plain_lm_head, linear_token_log_probs, token_log_probs
 from rl_losses.outputs import SampledKlOutput, TopkDistillationOutput
 
@@ -43,7 +43,8 @@ _TOPK_DOC = """
 def topk_distillation_loss(logits: torch.Tensor, target: torch.Tensor, teacher_ids: torch.Tensor,
                            teacher_log_probs: torch.Tensor, **options) -> TopkDistillationOutput:
     options = _options("topk_distillation_loss", options, _TOPK)
-    return TopkDistillationOutput(*_ops.topk_distillation(logits, target, teacher_ids, teacher_log_probs, **options))
+    return TopkDistillationOutput(*_direct(_ops.topk_distillation)(logits, target, teacher_ids, teacher_log_probs,
+                                                                  **options))
 
 
 topk_distillation_loss.__doc__ = """Fused divergence from a teacher's top-K log-probs (logits (..., V)

@@ -1,0 +1,121 @@
+"""The loss and its gradient in one call, without autograd: Fast-LLM's ``*_forward_backward`` form.
+
+The loss ops compute the gradient of the logits in their forward pass (for an upstream gradient of 1) and autograd's
+backward only scales it. A trainer that runs its own backward (Fast-LLM's engine, a hand-written pipeline stage) can
+take that gradient from the call itself: ``forward_backward(rl_losses.grpo_loss, logits, target, ...)`` returns the
+wrapper's result and the gradient, with no autograd node, no ``loss.backward()`` and no scaling launch for an upstream
+gradient of 1. On CUDA this spares the host the autograd step, which costs a one-node graph ~110-150 µs more with CUDA
+tensors than with CPU ones (docs/host_time.md).
+
+Any functional wrapper over a loss op of the logits works (``cross_entropy``, ``z_loss``, ``grpo_loss``,
+``gspo_loss``, ``distillation_loss``, ``dpo_loss``, ``fused_head_loss``, ``topk_distillation_loss``), with every
+option it takes but ``tp_group`` (the distributed layer's autograd functions exchange gradients in their backward).
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+import torch
+
+from rl_losses import _schema
+from rl_losses._inputs import _CAPTURE
+
+_ops = torch.ops.rl_losses
+# The ops whose forward returns the gradient: the public op's arguments less inplace_backward, then compute_grad
+# (csrc/common/fused_loss_autograd.cpp).
+_LOSS_OPS = ("cross_entropy", "grpo", "gspo", "distillation", "dpo", "fused_head", "topk_distillation")
+
+
+def _forward_call(op: str) -> Callable:
+    """``call(capture, <the public op's arguments>)``: runs the op's forward with compute_grad, hands its gradient to
+    `capture` and returns the public op's results. Generated with the public op's parameters and defaults, so that
+    Python binds the call's arguments (a dict of ~50 defaults filled per call cost more than the op)."""
+    forward = getattr(_ops, f"_{op}_forward").default
+    public = _schema.schema(op).arguments
+    params, args = [], []
+    for i, a in enumerate(public):
+        if a.kwarg_only and "*" not in params:
+            params.append("*")
+        params.append(f"{a.name}=_d[{i}]" if a.has_default_value() else a.name)
+    args = [a.name for a in forward._schema.arguments][:-1]  # the public op's less inplace_backward; compute_grad last
+    n = len(_schema.results(op))
+    unscale = "out[-1]" if forward._schema.returns[-1].name == "grad_row_unscale" else "None"
+    source = (f"def call(capture, {', '.join(params)}):\n"
+              f"    if inplace_backward:\n"
+              f"        raise ValueError('rl_losses.forward_backward: inplace_backward is not supported; the gradient "
+              f"is returned')\n"
+              f"    out = _forward({', '.join(args)}, True)\n"
+              f"    capture.found({op!r}, out[{n}], out[0], {unscale})\n"
+              f"    return out[:{n}]\n")
+    scope = {"_forward": forward, "_d": [a.default_value if a.has_default_value() else None for a in public]}
+    exec(source, scope)
+    return scope["call"]
+
+
+_FORWARDS = {op: _forward_call(op) for op in _LOSS_OPS}
+
+
+class _Capture:
+    """A forward_backward call in progress: what the wrapper's op call gave."""
+
+    __slots__ = ("grad", "loss", "unscale", "ops")
+
+    def __init__(self):
+        self.grad = self.loss = self.unscale = None
+        self.ops = []
+
+    def found(self, op: str, grad: torch.Tensor, loss: torch.Tensor, unscale: torch.Tensor | None) -> None:
+        self.ops.append(op)
+        self.grad, self.loss, self.unscale = grad, loss, unscale
+
+    def stub(self, packet) -> Callable:
+        op = packet._qualified_op_name.partition("::")[2]
+        forward = _FORWARDS.get(op)
+        if forward is None:
+            raise TypeError(f"rl_losses.forward_backward: the op {op} does not compute its gradient in the forward "
+                            f"(the loss ops of the logits do: {', '.join(_LOSS_OPS)})")
+        return partial(forward, self)
+
+
+def forward_backward(loss_fn: Callable, *args: Any, grad_output: float | torch.Tensor | None = None,
+                     **options: Any) -> tuple[Any, torch.Tensor]:
+    """``loss_fn(*args, **options)`` and the gradient of its loss with respect to the logits (``args[0]``), in one
+    call without autograd.
+
+    Args:
+        loss_fn: a functional wrapper over a loss op of the logits (rl_losses.cross_entropy, z_loss, grpo_loss,
+            gspo_loss, distillation_loss, dpo_loss, fused_head_loss, topk_distillation_loss).
+        grad_output: the upstream gradient of the loss: None (1 for every loss value: the gradient as computed, no
+            launch), a number (for every loss value) or a tensor of one value per loss value (reduction "none": one
+            per token), scaled into the gradient in place.
+        options: the wrapper's options, but ``tp_group`` and ``inplace_backward`` (refused).
+    Returns: (the wrapper's result, the gradient): the gradient has the logits' shape and dtype; nothing records
+        an autograd graph (the result's tensors do not require grad).
+    """
+    if options.get("tp_group") is not None:
+        raise ValueError("rl_losses.forward_backward: tp_group is not supported (the distributed losses exchange "
+                         "their gradients in autograd's backward); call the wrapper and loss.backward()")
+    if getattr(_CAPTURE, "call", None) is not None:
+        raise RuntimeError("rl_losses.forward_backward: called inside another forward_backward's loss_fn")
+    c = _CAPTURE.call = _Capture()
+    grad_mode = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # torch.no_grad() without its context object's frames
+    try:
+        result = loss_fn(*args, **options)
+    finally:
+        torch._C._set_grad_enabled(grad_mode)
+        _CAPTURE.call = None
+    if len(c.ops) != 1:
+        raise TypeError(f"rl_losses.forward_backward: {getattr(loss_fn, '__name__', loss_fn)!r} called "
+                        f"{len(c.ops)} loss ops of the logits, not one (its loss has no single fused gradient)")
+    grad = c.grad
+    if grad_output is not None or (c.unscale is not None and c.unscale.numel() != 0):
+        upstream = 1.0 if grad_output is None else grad_output
+        if not isinstance(upstream, torch.Tensor):  # the same for every loss value
+            upstream = torch.full(c.loss.shape, float(upstream), dtype=c.loss.dtype, device=c.loss.device)
+        if upstream.numel() != c.loss.numel():
+            raise ValueError(f"rl_losses.forward_backward: grad_output must have one value per loss value "
+                             f"({c.loss.numel()}), got shape {tuple(upstream.shape)}")
+        _ops._scale_grad_(grad, upstream.reshape(c.loss.shape).to(c.loss.dtype), c.unscale)
+    return result, grad
