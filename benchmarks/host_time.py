@@ -4,8 +4,8 @@ At 8 × 64 logits the kernels take next to nothing, so the time of a forward + b
 dispatcher, the autograd node, the Python layer. The difference wrapper − raw op is what the Python layer adds
 (the goal: ≤ 10 µs). Every functional wrapper, the configs' loss modules (against the op call each makes, with
 its arguments) and verl's drop-in for its fused lm_head are timed; the TRL trainer's per-step calls are the linear
-wrappers timed here. The no-autograd form (rl_losses.forward_backward, rows "fwd_bwd <op>") is timed against the raw
-op's forward + backward through autograd. On CUDA the calls are timed on the host clock without a synchronisation (one every 64
+wrappers timed here. The no-autograd form (rl_losses.forward_backward, rows "fwd_bwd <op>") is timed against the
+raw op's forward + backward through autograd. On CUDA the calls are timed on the host clock without a synchronisation (one every 64
 calls, untimed), so the numbers stay host time while the GPU keeps up.
 
     python benchmarks/host_time.py                 # CPU
@@ -94,16 +94,17 @@ def cases(device: str, n: int = 8, v: int = 64, h: int = 32):
     ]
     # The loss and its gradient without autograd (rl_losses.forward_backward) against the raw op's forward + backward:
     # "added" is then what the no-autograd form saves (negative).
-    fb = rl_losses.forward_backward
+    fb, raw = rl_losses.forward_backward, {name: r for name, _, r in out}
     ids = torch.arange(4, device=device).expand(n, 4)
     top = torch.log_softmax(torch.randn(n, 4, generator=g), -1).to(device)
     out += [
-        ("fwd_bwd cross_entropy", lambda: fb(rl_losses.cross_entropy, x, t), out[0][2]),
-        ("fwd_bwd grpo_loss", lambda: fb(rl_losses.grpo_loss, x, t, adv, old), out[1][2]),
-        ("fwd_bwd gspo_loss", lambda: fb(rl_losses.gspo_loss, x, t, adv, old, doc, num_documents=2), out[2][2]),
-        ("fwd_bwd distillation_loss", lambda: fb(rl_losses.distillation_loss, x, teacher), out[8][2]),
-        ("fwd_bwd dpo_loss", lambda: fb(rl_losses.dpo_loss, x, t, doc, pairs, ref, ref), out[9][2]),
-        ("fwd_bwd fused_head_loss", lambda: fb(rl_losses.fused_head_loss, x, t, label_weight=1.0), out[10][2]),
+        ("fwd_bwd cross_entropy", lambda: fb(rl_losses.cross_entropy, x, t), raw["cross_entropy"]),
+        ("fwd_bwd grpo_loss", lambda: fb(rl_losses.grpo_loss, x, t, adv, old), raw["grpo_loss"]),
+        ("fwd_bwd gspo_loss", lambda: fb(rl_losses.gspo_loss, x, t, adv, old, doc, num_documents=2), raw["gspo_loss"]),
+        ("fwd_bwd distillation_loss", lambda: fb(rl_losses.distillation_loss, x, teacher), raw["distillation_loss"]),
+        ("fwd_bwd dpo_loss", lambda: fb(rl_losses.dpo_loss, x, t, doc, pairs, ref, ref), raw["dpo_loss"]),
+        ("fwd_bwd fused_head_loss", lambda: fb(rl_losses.fused_head_loss, x, t, label_weight=1.0),
+         raw["fused_head_loss"]),
         ("fwd_bwd topk_distillation", lambda: fb(rl_losses.topk_distillation_loss, x, t, ids, top),
          lambda: ops.topk_distillation(x, t, ids, top)[0].backward()),
     ]
