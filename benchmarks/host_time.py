@@ -1,12 +1,12 @@
 """Host time per call at a tiny shape: each functional wrapper against the raw op it calls.
 
 At 8 × 64 logits the kernels take next to nothing, so the time of a forward + backward call is the host's: the
-dispatcher, the autograd node, the Python layer. The difference wrapper − raw op is what the Python layer adds
-(the goal: ≤ 10 µs). Every functional wrapper, the configs' loss modules (against the op call each makes, with
-its arguments) and verl's drop-in for its fused lm_head are timed; the TRL trainer's per-step calls are the linear
-wrappers timed here. The no-autograd form (rl_losses.forward_backward, rows "fwd_bwd <op>") is timed against the
-raw op's forward + backward through autograd. On CUDA the calls are timed on the host clock without a synchronisation (one every 64
-calls, untimed), so the numbers stay host time while the GPU keeps up.
+dispatcher, the autograd node, the Python layer. The difference wrapper − raw op is what the Python layer adds (the
+goal: ≤ 10 µs). Every functional wrapper, the configs' loss modules (against the op call each makes, with its
+arguments) and verl's drop-in for its fused lm_head are timed; the TRL trainer's per-step calls are the linear
+wrappers timed here. The no-autograd form (rl_losses.forward_backward, rows "fwd_bwd <op>") is timed against the raw
+op's forward + backward through autograd. On CUDA the calls are timed on the host clock without a synchronisation
+(one every 64 calls, untimed), so the numbers stay host time while the GPU keeps up.
 
     python benchmarks/host_time.py                 # CPU
     python benchmarks/host_time.py --device cuda
