@@ -107,6 +107,10 @@ def cases(device: str, n: int = 8, v: int = 64, h: int = 32):
          raw["fused_head_loss"]),
         ("fwd_bwd topk_distillation", lambda: fb(rl_losses.topk_distillation_loss, x, t, ids, top),
          lambda: ops.topk_distillation(x, t, ids, top)[0].backward()),
+        ("fwd_bwd linear_cross_entropy", lambda: fb(rl_losses.linear_cross_entropy, hidden, weight, t),
+         raw["linear_cross_entropy"]),
+        ("fwd_bwd linear_grpo_loss", lambda: fb(rl_losses.linear_grpo_loss, hidden, weight, t, adv, old),
+         raw["linear_grpo_loss"]),
     ]
     # The configs' loss modules (metrics "none") and verl's drop-in for its fused lm_head, against the op call they
     # make.
@@ -151,11 +155,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     print(f"host time per call, forward + backward at 8 x 64 on {args.device} (µs, medians of {args.calls} alternate "
           f"calls, the round with the lowest wrapper time of {args.rounds})")
-    print(f"{'op':<24} {'wrapper':>9} {'raw op':>9} {'added':>8}")
+    print(f"{'op':<30} {'wrapper':>9} {'raw op':>9} {'added':>8}")
     for name, wrapper, raw in cases(args.device):
         paired_us(wrapper, raw, args.calls // 10, args.device)  # warm-up
         best = min(paired_us(wrapper, raw, args.calls, args.device) for _ in range(args.rounds))
-        print(f"{name:<24} {best[0]:9.1f} {best[1]:9.1f} {best[2]:8.1f}")
+        print(f"{name:<30} {best[0]:9.1f} {best[1]:9.1f} {best[2]:8.1f}")
     return 0
 
 

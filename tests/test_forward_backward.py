@@ -1,5 +1,5 @@
 """rl_losses.forward_backward (the loss and its gradient in one call, without autograd): for every loss op of the
-logits, the result and the gradient against the float64 reference (rl_losses.reference's loss, differentiated by
+logits and of the hidden states (the lm_head's, with a bias and weight_main_grad), the result and the gradient against the float64 reference (rl_losses.reference's loss, differentiated by
 autograd) and bit for bit against the op's own autograd path; the upstream gradient (a number, per token); meta
 tensors; and what it refuses (tp_group, inplace_backward, a wrapper without a fused gradient, one calling two loss
 ops, a grad_output of the wrong size, a nested call), on CPU and CUDA."""
@@ -113,9 +113,9 @@ def test_refused(device):
         fb(rl_losses.cross_entropy, logits, target, inplace_backward=True)
     with pytest.raises(TypeError, match="the op token_log_probs does not compute its gradient in the forward"):
         fb(rl_losses.token_log_probs, logits, target)
-    with pytest.raises(TypeError, match="called 2 loss ops of the logits, not one"):
+    with pytest.raises(TypeError, match="called 2 loss ops, not one"):
         fb(lambda x, t: rl_losses.cross_entropy(x, t) + rl_losses.z_loss(x), logits, target)
-    with pytest.raises(TypeError, match="called 0 loss ops of the logits, not one"):
+    with pytest.raises(TypeError, match="called 0 loss ops, not one"):
         fb(lambda x, t: x.sum(), logits, target)
     with pytest.raises(ValueError, match=r"grad_output must have one value per loss value \(1\), got shape \(2,\)"):
         fb(rl_losses.cross_entropy, logits, target, grad_output=torch.ones(2, device=device))
@@ -125,3 +125,58 @@ def test_refused(device):
     assert torch.is_grad_enabled()
     loss, grad = fb(rl_losses.cross_entropy, logits, target)
     assert torch.isfinite(loss) and grad.shape == logits.shape
+
+
+def _linear_inputs(device):
+    g = torch.Generator(device="cpu").manual_seed(7)
+    hidden = torch.randn(N, 16, generator=g).to(device)
+    weight = (torch.randn(V, 16, generator=g) / 4).to(device)
+    bias = torch.randn(V, generator=g).to(device)
+    return hidden, weight, bias
+
+
+@pytest.mark.parametrize("name", ["linear_cross_entropy", "linear_grpo_loss", "linear_gspo_loss",
+                                  "linear_topk_distillation_loss"])
+def test_lm_head_ops(device, name):
+    """The lm_head ops: (grad_hidden, grad_weight, grad_bias) against the float64 reference of the logits' loss
+    through hidden @ weight.T + bias, and bit for bit against the op's autograd path; a number as grad_output."""
+    hidden, weight, bias = _linear_inputs(device)
+    logits, cases = _cases(device)
+    index = {"linear_cross_entropy": 0, "linear_grpo_loss": 2, "linear_gspo_loss": 3,
+             "linear_topk_distillation_loss": 7}[name]
+    _, _, tensors, options, ref = cases[index]
+    fn = getattr(rl_losses, name)
+    for upstream in (None, 0.5):
+        result, grads = rl_losses.forward_backward(fn, hidden, weight, *tensors, bias=bias, grad_output=upstream,
+                                                   **options)
+        h64, w64, b64 = (t.detach().double().requires_grad_() for t in (hidden, weight, bias))
+        expected = ref(h64 @ w64.T + b64) * (1.0 if upstream is None else upstream)
+        expected.backward()
+        assert_close(_loss(result), expected.detach() / (1.0 if upstream is None else upstream), torch.float32)
+        for got, want in zip(grads, (h64.grad, w64.grad, b64.grad)):
+            assert_grad_close(got, want, torch.float32)
+        leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
+        loss = _loss(fn(leaves[0], leaves[1], *tensors, bias=leaves[2], **options))
+        loss.backward(None if upstream is None else torch.tensor(upstream, device=device, dtype=loss.dtype))
+        for got, leaf in zip(grads, leaves):
+            assert torch.equal(got, leaf.grad), name
+
+
+def test_lm_head_into_main_grad(device):
+    """weight_main_grad: the weight's gradient added to the caller's fp32 buffer (as the autograd path adds it),
+    none returned; a grad_output is refused then (what was added cannot be scaled)."""
+    hidden, weight, _ = _linear_inputs(device)
+    target = policy_inputs(make_logits((N,), V, torch.float32, device), 3)[0]
+    buffer, autograd_buffer = torch.ones(V, 16, device=device), torch.ones(V, 16, device=device)
+    result, (grad_hidden, grad_weight, grad_bias) = rl_losses.forward_backward(
+        rl_losses.linear_cross_entropy, hidden, weight, target, weight_main_grad=buffer)
+    assert grad_weight is None and grad_bias is None
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    rl_losses.linear_cross_entropy(h, w, target, weight_main_grad=autograd_buffer).backward()
+    assert torch.equal(buffer, autograd_buffer) and torch.equal(grad_hidden, h.grad) and w.grad is None
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    reference.cross_entropy(h64 @ w64.T, target).backward()
+    assert_grad_close(buffer - 1, w64.grad, torch.float32)
+    with pytest.raises(ValueError, match="with weight_main_grad the weight's gradient is added to the buffer"):
+        rl_losses.forward_backward(rl_losses.linear_cross_entropy, hidden, weight, target, weight_main_grad=buffer,
+                                   grad_output=2.0)

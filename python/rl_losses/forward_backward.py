@@ -25,73 +25,84 @@ _ops = torch.ops.rl_losses
 # The ops whose forward returns the gradient: the public op's arguments less inplace_backward, then compute_grad
 # (csrc/common/fused_loss_autograd.cpp).
 _LOSS_OPS = ("cross_entropy", "grpo", "gspo", "distillation", "dpo", "fused_head", "topk_distillation")
+# The lm_head's: the public op's arguments, then output_mask; the gradients of hidden, weight and bias after the results.
+_LINEAR_OPS = ("linear_cross_entropy", "linear_grpo", "linear_gspo", "linear_topk_distillation")
 
 
 def _forward_call(op: str) -> Callable:
-    """``call(capture, <the public op's arguments>)``: runs the op's forward with compute_grad, hands its gradient to
+    """``call(capture, <the public op's arguments>)``: runs the op's forward asked for the gradients, hands them to
     `capture` and returns the public op's results. Generated with the public op's parameters and defaults, so that
     Python binds the call's arguments (a dict of ~50 defaults filled per call cost more than the op)."""
     forward = getattr(_ops, f"_{op}_forward").default
     public = _schema.schema(op).arguments
-    params, args = [], []
+    params = []
     for i, a in enumerate(public):
         if a.kwarg_only and "*" not in params:
             params.append("*")
         params.append(f"{a.name}=_d[{i}]" if a.has_default_value() else a.name)
-    args = [a.name for a in forward._schema.arguments][:-1]  # the public op's less inplace_backward; compute_grad last
+    args = ", ".join(a.name for a in forward._schema.arguments[:-1])  # compute_grad / output_mask last
     n = len(_schema.results(op))
-    unscale = "out[-1]" if forward._schema.returns[-1].name == "grad_row_unscale" else "None"
-    source = (f"def call(capture, {', '.join(params)}):\n"
-              f"    if inplace_backward:\n"
-              f"        raise ValueError('rl_losses.forward_backward: inplace_backward is not supported; the gradient "
-              f"is returned')\n"
-              f"    out = _forward({', '.join(args)}, True)\n"
-              f"    capture.found({op!r}, out[{n}], out[0], {unscale})\n"
-              f"    return out[:{n}]\n")
+    if op in _LINEAR_OPS:  # weight_main_grad: the weight's gradient added to it in the forward, none returned
+        body = (f"    out = _forward({args}, [True, True, bias is not None])\n"
+                f"    grads = (out[{n}], None if weight_main_grad is not None else out[{n + 1}],\n"
+                f"             out[{n + 2}] if bias is not None else None)\n"
+                f"    capture.found({op!r}, grads, out[0], None, weight_main_grad is not None)\n")
+    else:
+        unscale = "out[-1]" if forward._schema.returns[-1].name == "grad_row_unscale" else "None"
+        body = (f"    if inplace_backward:\n"
+                f"        raise ValueError('rl_losses.forward_backward: inplace_backward is not supported; the "
+                f"gradient is returned')\n"
+                f"    out = _forward({args}, True)\n"
+                f"    capture.found({op!r}, out[{n}], out[0], {unscale}, False)\n")
+    source = f"def call(capture, {', '.join(params)}):\n{body}    return out[:{n}]\n"
     scope = {"_forward": forward, "_d": [a.default_value if a.has_default_value() else None for a in public]}
     exec(source, scope)
     return scope["call"]
 
 
-_FORWARDS = {op: _forward_call(op) for op in _LOSS_OPS}
+_FORWARDS = {op: _forward_call(op) for op in _LOSS_OPS + _LINEAR_OPS}
 
 
 class _Capture:
     """A forward_backward call in progress: what the wrapper's op call gave."""
 
-    __slots__ = ("grad", "loss", "unscale", "ops")
+    __slots__ = ("grad", "loss", "unscale", "into_main_grad", "ops")
 
     def __init__(self):
         self.grad = self.loss = self.unscale = None
+        self.into_main_grad = False
         self.ops = []
 
-    def found(self, op: str, grad: torch.Tensor, loss: torch.Tensor, unscale: torch.Tensor | None) -> None:
+    def found(self, op: str, grad, loss: torch.Tensor, unscale: torch.Tensor | None, into_main_grad: bool) -> None:
         self.ops.append(op)
-        self.grad, self.loss, self.unscale = grad, loss, unscale
+        self.grad, self.loss, self.unscale, self.into_main_grad = grad, loss, unscale, into_main_grad
 
     def stub(self, packet) -> Callable:
         op = packet._qualified_op_name.partition("::")[2]
         forward = _FORWARDS.get(op)
         if forward is None:
             raise TypeError(f"rl_losses.forward_backward: the op {op} does not compute its gradient in the forward "
-                            f"(the loss ops of the logits do: {', '.join(_LOSS_OPS)})")
+                            f"(the loss ops do: {', '.join(_LOSS_OPS + _LINEAR_OPS)})")
         return partial(forward, self)
 
 
 def forward_backward(loss_fn: Callable, *args: Any, grad_output: float | torch.Tensor | None = None,
                      **options: Any) -> tuple[Any, torch.Tensor]:
-    """``loss_fn(*args, **options)`` and the gradient of its loss with respect to the logits (``args[0]``), in one
-    call without autograd.
+    """``loss_fn(*args, **options)`` and the gradient of its loss with respect to the logits (``args[0]``), or to the
+    hidden states, the lm_head weight and bias, in one call without autograd.
 
     Args:
-        loss_fn: a functional wrapper over a loss op of the logits (rl_losses.cross_entropy, z_loss, grpo_loss,
-            gspo_loss, distillation_loss, dpo_loss, fused_head_loss, topk_distillation_loss).
+        loss_fn: a functional wrapper over one loss op: of the logits (rl_losses.cross_entropy, z_loss, grpo_loss,
+            gspo_loss, distillation_loss, dpo_loss, fused_head_loss, topk_distillation_loss) or of the hidden states
+            (linear_cross_entropy, linear_grpo_loss, linear_gspo_loss, linear_topk_distillation_loss).
         grad_output: the upstream gradient of the loss: None (1 for every loss value: the gradient as computed, no
             launch), a number (for every loss value) or a tensor of one value per loss value (reduction "none": one
             per token), scaled into the gradient in place.
         options: the wrapper's options, but ``tp_group`` and ``inplace_backward`` (refused).
-    Returns: (the wrapper's result, the gradient): the gradient has the logits' shape and dtype; nothing records
-        an autograd graph (the result's tensors do not require grad).
+    Returns: (the wrapper's result, the gradient): the logits' gradient (their shape and dtype), or for the lm_head
+        ops (grad_hidden, grad_weight, grad_bias), grad_weight None where weight_main_grad took it (which takes no
+        grad_output), grad_bias None without a bias. Nothing records an autograd graph (the result's tensors do not
+        require grad).
     """
     if options.get("tp_group") is not None:
         raise ValueError("rl_losses.forward_backward: tp_group is not supported (the distributed losses exchange "
@@ -108,14 +119,25 @@ def forward_backward(loss_fn: Callable, *args: Any, grad_output: float | torch.T
         _CAPTURE.call = None
     if len(c.ops) != 1:
         raise TypeError(f"rl_losses.forward_backward: {getattr(loss_fn, '__name__', loss_fn)!r} called "
-                        f"{len(c.ops)} loss ops of the logits, not one (its loss has no single fused gradient)")
+                        f"{len(c.ops)} loss ops, not one (its loss has no single fused gradient)")
     grad = c.grad
-    if grad_output is not None or (c.unscale is not None and c.unscale.numel() != 0):
-        upstream = 1.0 if grad_output is None else grad_output
-        if not isinstance(upstream, torch.Tensor):  # the same for every loss value
-            upstream = torch.full(c.loss.shape, float(upstream), dtype=c.loss.dtype, device=c.loss.device)
-        if upstream.numel() != c.loss.numel():
-            raise ValueError(f"rl_losses.forward_backward: grad_output must have one value per loss value "
-                             f"({c.loss.numel()}), got shape {tuple(upstream.shape)}")
-        _ops._scale_grad_(grad, upstream.reshape(c.loss.shape).to(c.loss.dtype), c.unscale)
+    linear = isinstance(grad, tuple)
+    if grad_output is None and (linear or c.unscale is None or c.unscale.numel() == 0):
+        return result, grad  # the gradient as computed: for an upstream gradient of 1
+    if not isinstance(grad_output, torch.Tensor):  # the same for every loss value
+        grad_output = torch.full(c.loss.shape, 1.0 if grad_output is None else float(grad_output),
+                                 dtype=c.loss.dtype, device=c.loss.device)
+    if grad_output.numel() != c.loss.numel():
+        raise ValueError(f"rl_losses.forward_backward: grad_output must have one value per loss value "
+                         f"({c.loss.numel()}), got shape {tuple(grad_output.shape)}")
+    upstream = grad_output.reshape(c.loss.shape).to(c.loss.dtype)
+    if not linear:
+        _ops._scale_grad_(grad, upstream, c.unscale)
+        return result, grad
+    if c.into_main_grad:
+        raise ValueError("rl_losses.forward_backward: with weight_main_grad the weight's gradient is added to the "
+                         "buffer for an upstream gradient of 1; give no grad_output (scale the loss through divisor)")
+    for g in grad:
+        if g is not None:
+            _ops._scale_grad_(g, upstream, None)
     return result, grad

@@ -60,8 +60,8 @@ def linear_topk_distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, ta
                                   **options) -> TopkDistillationOutput:
     options = _options("linear_topk_distillation_loss", options, _LINEAR_TOPK)
     weight = _plain_lm_head("linear_topk_distillation_loss", hidden, weight, options)
-    return TopkDistillationOutput(*_ops.linear_topk_distillation(hidden, weight, target, teacher_ids,
-                                                                 teacher_log_probs, **options))
+    op = _direct(_ops.linear_topk_distillation)
+    return TopkDistillationOutput(*op(hidden, weight, target, teacher_ids, teacher_log_probs, **options))
 
 
 linear_topk_distillation_loss.__doc__ = """topk_distillation_loss of ``hidden @ weight.T (+ bias)`` (the fused
