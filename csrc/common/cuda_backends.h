@@ -22,6 +22,8 @@ struct CovSelectArgs;
 void labelled_count_cuda(const at::Tensor& target1d, const at::Tensor& out);
 void sum_cuda(const at::Tensor& x, const at::Tensor& out);
 void cov_select_cuda(const CovSelectArgs& s);
+void rollout_statistic_cuda(int estimator, const at::Tensor& log_probs, const at::Tensor& rollout_log_probs,
+                            const at::Tensor& out);
 void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out);
 void sampler_floor_cuda(const RowPassArgs& args, const at::Tensor& params, const at::Tensor& out);
 void scale_grad_cuda_rows(const at::Tensor& grad, const at::Tensor& grad_output, const float* unscale);

@@ -261,10 +261,21 @@ C10_HOST_DEVICE inline T vespo_rollout_term(const PolicyOptions<T>& o, T log_rho
   return clamp_keep_nan(log_w, T(kVespoLogWeightFloor), T(kVespoLogRatioBound));
 }
 
-// verl's token-level rollout rejection (rollout_rs token_k1 / token_k2 / token_k3) of one token, taken inside
-// the row pass where bypass_mode's rules judge the current log-prob (grpo.cpp): estimator e's statistic of
-// δ = clamp(lp − rollout, ±20) (k1 = −δ, k2 = δ²/2, k3 = e^δ − 1 − δ, verl's forms) must lie in [lo, hi] where
-// `on`; a NaN fails. policy_rejection.cpp takes the same tests over (N,) tensors for the pre-pass.
+// verl's rollout rejection statistic (rollout_rs *_k1 / *_k2 / *_k3) of one token: estimator e's k of
+// δ = clamp(lp − rollout, ±20) (verl's SAFETY_BOUND): k1 = −δ, k2 = δ²/2, k3 = e^δ − 1 − δ (verl's forms; a NaN stays
+// NaN and fails every test). One formula for the row pass's token rules (token_kept) and the pre-pass's tokens
+// (policy_rejection.cpp through RolloutStatistic, common/rollout_statistic.h).
+template <typename T>
+C10_HOST_DEVICE inline T rollout_rs_statistic(int estimator, T log_prob, T rollout_log_prob) {
+  const T d = clamp_keep_nan(log_prob - rollout_log_prob, T(-20), T(20));
+  if (estimator == 1) return -d;
+  if (estimator == 2) return T(0.5) * d * d;
+  const T exp_d = ::exp(d);  // rounded to T first, as verl's torch.exp (whose CPU float exp may differ by an ulp)
+  return exp_d - T(1) - d;
+}
+
+// The token rules, taken inside the row pass where bypass_mode's rules judge the current log-prob (grpo.cpp):
+// estimator e's statistic must lie in [lo, hi] where `on`.
 template <typename T>
 struct TokenRejection {
   bool on[3];
@@ -272,11 +283,13 @@ struct TokenRejection {
 };
 template <typename T>
 C10_HOST_DEVICE inline bool token_kept(const TokenRejection<T>& r, T log_prob, T rollout_log_prob) {
-  const T d = clamp_keep_nan(log_prob - rollout_log_prob, T(-20), T(20));  // verl's SAFETY_BOUND
-  const T exp_d = ::exp(d);  // rounded to T first, as verl's torch.exp (whose CPU float exp may differ by an ulp)
-  const T k[3] = {-d, T(0.5) * d * d, exp_d - T(1) - d};
   bool keep = true;
-  for (int e = 0; e < 3; ++e) keep = keep && (!r.on[e] || (k[e] >= r.lo[e] && k[e] <= r.hi[e]));
+  for (int e = 0; e < 3; ++e) {
+    if (r.on[e]) {
+      const T k = rollout_rs_statistic(e + 1, log_prob, rollout_log_prob);
+      keep = keep && k >= r.lo[e] && k <= r.hi[e];
+    }
+  }
   return keep;
 }
 

@@ -4,6 +4,8 @@
 // sequences): a few O(N + S) ATen launches before the row pass, none over the logits. In bypass_mode the same steps
 // judge the current log-probs instead, once the op has them (grpo.cpp, gspo.cpp).
 #include <ATen/ops/arange.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/result_type.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/where.h>
@@ -19,7 +21,9 @@
 #include <string>
 #include <tuple>
 
+#include "common/cuda_backends.h"
 #include "common/policy.h"
+#include "common/rollout_statistic.h"
 
 namespace rl_losses {
 
@@ -155,11 +159,29 @@ at::Tensor recount_labels(const at::Tensor& counts, const at::Tensor& target1d, 
   return counts - at::zeros({seq.count}, counts.options()).index_add(0, ids, rejected).index_select(0, ids);
 }
 
+namespace {
+
+void rollout_statistic(int estimator, const at::Tensor& log_probs, const at::Tensor& rollout_log_probs,
+                       const at::Tensor& out) {
+#ifdef RL_LOSSES_WITH_CUDA
+  if (out.is_cuda()) return rollout_statistic_cuda(estimator, log_probs, rollout_log_probs, out);
+#endif
+  rollout_statistic_cpu(estimator, log_probs, rollout_log_probs, out);
+}
+
+}  // namespace
+
 at::Tensor reject_rollout_tokens(const std::vector<RejectionRule>& rules, const at::Tensor& target1d,
                                  const at::Tensor& old_log_probs, const at::Tensor& rollout_log_probs,
                                  const SequenceIds& seq) {
   if (rules.empty() || target1d.numel() == 0) return target1d;
-  const at::Tensor delta = (old_log_probs - rollout_log_probs).clamp(-20.0, 20.0);  // verl's SAFETY_BOUND
+  // The statistics in the log-probs' dtype (at least float32), as the row pass's token rules compute them.
+  at::ScalarType dtype = at::result_type(old_log_probs, rollout_log_probs);
+  if (dtype != at::kDouble) dtype = at::kFloat;
+  const at::Tensor lp = old_log_probs.reshape(-1).to(dtype).contiguous();
+  const at::Tensor rollout = rollout_log_probs.reshape(-1).to(dtype).contiguous();
+  TORCH_INTERNAL_ASSERT(lp.numel() == target1d.numel() && rollout.numel() == lp.numel(), "rl_losses: internal error: "
+                        "the rejection's log-probs are not one per token");
   at::Tensor ids, in_sequence, counted;  // counted: the labelled tokens of a sequence, which its statistic sums
   if (has_sequence_rule(rules)) {
     std::tie(ids, in_sequence) = sequence_of_tokens(seq, target1d.numel(), target1d.device());
@@ -167,19 +189,18 @@ at::Tensor reject_rollout_tokens(const std::vector<RejectionRule>& rules, const 
   }
   at::Tensor keep;  // every rule's test, and'ed
   for (const RejectionRule& r : rules) {
-    const at::Tensor k = r.estimator == 1   ? -delta
-                         : r.estimator == 2 ? 0.5 * delta * delta
-                                            : delta.exp() - 1.0 - delta;
+    const at::Tensor k = at::empty_like(lp);
+    rollout_statistic(r.estimator, lp, rollout, k);
     at::Tensor stat;
     if (r.level == RejectionRule::kToken) {
       stat = k;
     } else {
-      const at::Tensor zeros = at::zeros({seq.count}, delta.options());
+      const at::Tensor zeros = at::zeros({seq.count}, k.options());
       at::Tensor per_seq;
       if (r.level == RejectionRule::kSeqMax) {
         // verl's masked max: −inf outside the mask, 0 for a sequence without tokens.
         const double inf = std::numeric_limits<double>::infinity();
-        per_seq = at::full({seq.count}, -inf, delta.options())
+        per_seq = at::full({seq.count}, -inf, k.options())
                       .scatter_reduce(0, ids, at::where(counted, k, -inf), "amax", true);
         per_seq = at::where(per_seq == -inf, zeros, per_seq);
       } else {
@@ -188,7 +209,7 @@ at::Tensor reject_rollout_tokens(const std::vector<RejectionRule>& rules, const 
         per_seq = zeros.index_add(0, ids, at::where(counted, k, 0.0));
         // verl's masked_mean: Σ / (count + 1e-8).
         if (r.level == RejectionRule::kSeqMean) {
-          per_seq = per_seq / (zeros.index_add(0, ids, counted.to(delta.scalar_type())) + 1e-8);
+          per_seq = per_seq / (zeros.index_add(0, ids, counted.to(k.scalar_type())) + 1e-8);
         }
       }
       stat = at::where(in_sequence, per_seq.index_select(0, ids), r.hi);  // no sequence: kept

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "common/policy_cov.h"
+#include "common/rollout_statistic.h"
 #include "common/row_pass_cpu.h"
 #include "common/row_stats.h"
 
@@ -85,6 +86,11 @@ void labelled_count_and_constant_cpu(const at::Tensor& target1d, const at::Tenso
 }
 
 void cov_select_cpu(const CovSelectArgs& s) { cov_select<CpuRunner>(s); }
+
+void rollout_statistic_cpu(int estimator, const at::Tensor& log_probs, const at::Tensor& rollout_log_probs,
+                           const at::Tensor& out) {
+  rollout_statistic_on<CpuRunner>(estimator, log_probs, rollout_log_probs, out);
+}
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   m.impl("row_stats", torch::CppFunction::makeFromBoxedFunction<&row_stats_kernel<stats_cpu>>());

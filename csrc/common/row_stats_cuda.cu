@@ -4,6 +4,7 @@
 
 #include "common/cuda_backends.h"
 #include "common/policy_cov.h"
+#include "common/rollout_statistic.h"
 #include "common/row_pass_cuda.cuh"
 #include "common/row_stats.h"
 
@@ -21,6 +22,11 @@ void labelled_count_and_constant_cuda(const at::Tensor& target1d, const at::Tens
 }
 
 void cov_select_cuda(const CovSelectArgs& s) { cov_select<CudaRunner>(s); }
+
+void rollout_statistic_cuda(int estimator, const at::Tensor& log_probs, const at::Tensor& rollout_log_probs,
+                            const at::Tensor& out) {
+  rollout_statistic_on<CudaRunner>(estimator, log_probs, rollout_log_probs, out);
+}
 
 void sum_cuda(const at::Tensor& x, const at::Tensor& out) {
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "sum_1d", [&] {
