@@ -78,7 +78,7 @@ def test_upstream_gradient(device, dtype):
     target, adv, old, _ = policy_inputs(logits, 3)
     upstream = torch.rand(N, device=device) + 0.5
     for options, g in ((dict(), 3.0), (dict(reduction="none"), upstream), (dict(reduction="none"), None),
-                       (dict(reduction="none"), 2.0)):
+                       (dict(reduction="none"), 2.0), (dict(reduction="none"), torch.tensor(0.25))):
         loss, grad = rl_losses.forward_backward(rl_losses.cross_entropy, logits, target, grad_output=g, **options)
         up = torch.as_tensor(1.0 if g is None else g, device=device)
         x64 = logits.detach().double().requires_grad_()
@@ -107,8 +107,17 @@ def test_refused(device):
     logits = make_logits((N,), V, torch.float32, device)
     target, adv, old, _ = policy_inputs(logits, 3)
     fb = rl_losses.forward_backward
-    with pytest.raises(ValueError, match="tp_group is not supported"):
+    with pytest.raises(ValueError, match="tp_group and sdp_group are not supported"):
         fb(rl_losses.cross_entropy, logits, target, tp_group=object())
+    with pytest.raises(ValueError, match="tp_group and sdp_group are not supported"):
+        fb(rl_losses.gspo_loss, logits, target, adv, old, torch.zeros_like(target), sdp_group=object())
+    with pytest.raises(TypeError, match="takes a functional wrapper .* not a loss module"):
+        fb(rl_losses.LanguageModelLossConfig.from_dict({"type": "label"}).get_loss(), logits, {"labels": target})
+    with pytest.raises(TypeError, match="returned a loss other than its op's"):
+        fb(lambda x, t: 0.5 * rl_losses.cross_entropy(x, t), logits, target)
+    with pytest.raises(RuntimeError, match="not supported under torch.compile"):
+        torch.compile(lambda x, t: fb(rl_losses.cross_entropy, x, t)[1], backend="eager", fullgraph=True)(logits,
+                                                                                                            target)
     with pytest.raises(ValueError, match="inplace_backward is not supported"):
         fb(rl_losses.cross_entropy, logits, target, inplace_backward=True)
     with pytest.raises(TypeError, match="the op token_log_probs does not compute its gradient in the forward"):
@@ -117,8 +126,12 @@ def test_refused(device):
         fb(lambda x, t: rl_losses.cross_entropy(x, t) + rl_losses.z_loss(x), logits, target)
     with pytest.raises(TypeError, match="called 0 loss ops, not one"):
         fb(lambda x, t: x.sum(), logits, target)
-    with pytest.raises(ValueError, match=r"grad_output must have one value per loss value \(1\), got shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"grad_output must have the loss's shape \(\) \(or be a number\), got \(2,\)"):
         fb(rl_losses.cross_entropy, logits, target, grad_output=torch.ones(2, device=device))
+    grid = target.reshape(4, 6)
+    with pytest.raises(ValueError, match=r"grad_output must have the loss's shape \(4, 6\) \(or be a number\), got "
+                                         r"\(6, 4\)"):
+        fb(rl_losses.cross_entropy, logits.reshape(4, 6, V), grid, reduction="none", grad_output=torch.ones(6, 4))
     with pytest.raises(RuntimeError, match="called inside another forward_backward's loss_fn"):
         fb(lambda x, t: fb(rl_losses.cross_entropy, x, t)[0], logits, target)
     # A refusal leaves grad mode and the next call as they were.

@@ -1,15 +1,18 @@
 """The loss and its gradient in one call, without autograd: Fast-LLM's ``*_forward_backward`` form.
 
-The loss ops compute the gradient of the logits in their forward pass (for an upstream gradient of 1) and autograd's
+The loss ops compute the gradient of their inputs in their forward pass (for an upstream gradient of 1) and autograd's
 backward only scales it. A trainer that runs its own backward (Fast-LLM's engine, a hand-written pipeline stage) can
 take that gradient from the call itself: ``forward_backward(rl_losses.grpo_loss, logits, target, ...)`` returns the
-wrapper's result and the gradient, with no autograd node, no ``loss.backward()`` and no scaling launch for an upstream
-gradient of 1. On CUDA this spares the host the autograd step, which costs a one-node graph ~110-150 µs more with CUDA
-tensors than with CPU ones (docs/host_time.md).
+wrapper's result and the gradient, with no autograd node, no ``loss.backward()`` and, for an upstream gradient of 1,
+no scaling launch (but where fp16 gradient rows are stored pre-scaled). On CUDA this spares the host the autograd
+step, which costs a one-node graph ~110-150 µs more with CUDA tensors than with CPU ones (docs/host_time.md).
 
-Any functional wrapper over a loss op of the logits works (``cross_entropy``, ``z_loss``, ``grpo_loss``,
-``gspo_loss``, ``distillation_loss``, ``dpo_loss``, ``fused_head_loss``, ``topk_distillation_loss``), with every
-option it takes but ``tp_group`` (the distributed layer's autograd functions exchange gradients in their backward).
+Any functional wrapper over one loss op works: of the logits (``cross_entropy``, ``z_loss``, ``grpo_loss``,
+``gspo_loss``, ``distillation_loss``, ``dpo_loss``, ``fused_head_loss``, ``topk_distillation_loss``) or of the hidden
+states (``linear_cross_entropy``, ``linear_grpo_loss``, ``linear_gspo_loss``, ``linear_topk_distillation_loss``),
+with every option it takes but ``tp_group`` / ``sdp_group`` (the distributed layer's autograd functions exchange
+gradients in their backward) and ``inplace_backward``. Not a loss module (it weights its loss), not a function that
+scales or combines a wrapper's loss (the gradient is the op's loss's), not under torch.compile.
 """
 from __future__ import annotations
 
@@ -95,18 +98,25 @@ def forward_backward(loss_fn: Callable, *args: Any, grad_output: float | torch.T
         loss_fn: a functional wrapper over one loss op: of the logits (rl_losses.cross_entropy, z_loss, grpo_loss,
             gspo_loss, distillation_loss, dpo_loss, fused_head_loss, topk_distillation_loss) or of the hidden states
             (linear_cross_entropy, linear_grpo_loss, linear_gspo_loss, linear_topk_distillation_loss).
-        grad_output: the upstream gradient of the loss: None (1 for every loss value: the gradient as computed, no
-            launch), a number (for every loss value) or a tensor of one value per loss value (reduction "none": one
-            per token), scaled into the gradient in place.
-        options: the wrapper's options, but ``tp_group`` and ``inplace_backward`` (refused).
+        grad_output: the upstream gradient of the returned loss: None (1 for every loss value: the gradient as
+            computed, no launch but for fp16 gradient rows stored pre-scaled), a number or 0-dim tensor (for every
+            loss value) or a tensor of the loss's shape (reduction "none": one per token), scaled into the gradient
+            in place.
+        options: the wrapper's options, but ``tp_group``, ``sdp_group`` and ``inplace_backward`` (refused).
     Returns: (the wrapper's result, the gradient): the logits' gradient (their shape and dtype), or for the lm_head
         ops (grad_hidden, grad_weight, grad_bias), grad_weight None where weight_main_grad took it (which takes no
         grad_output), grad_bias None without a bias. Nothing records an autograd graph (the result's tensors do not
         require grad).
     """
-    if options.get("tp_group") is not None:
-        raise ValueError("rl_losses.forward_backward: tp_group is not supported (the distributed losses exchange "
-                         "their gradients in autograd's backward); call the wrapper and loss.backward()")
+    if options.get("tp_group") is not None or options.get("sdp_group") is not None:
+        raise ValueError("rl_losses.forward_backward: tp_group and sdp_group are not supported (the distributed "
+                         "losses exchange their gradients in autograd's backward); call the wrapper and loss.backward()")
+    if isinstance(loss_fn, torch.nn.Module):
+        raise TypeError("rl_losses.forward_backward takes a functional wrapper (rl_losses.grpo_loss, ...), not a loss "
+                        "module: a module weights its loss and may call its op directly")
+    if torch.compiler.is_compiling():
+        raise RuntimeError("rl_losses.forward_backward: not supported under torch.compile (it traces the ops, not "
+                           "their forward with its gradient); compile the wrapper and call loss.backward()")
     if getattr(_CAPTURE, "call", None) is not None:
         raise RuntimeError("rl_losses.forward_backward: called inside another forward_backward's loss_fn")
     c = _CAPTURE.call = _Capture()
@@ -117,19 +127,27 @@ def forward_backward(loss_fn: Callable, *args: Any, grad_output: float | torch.T
     finally:
         torch._C._set_grad_enabled(grad_mode)
         _CAPTURE.call = None
+    name = getattr(loss_fn, "__name__", loss_fn)
     if len(c.ops) != 1:
-        raise TypeError(f"rl_losses.forward_backward: {getattr(loss_fn, '__name__', loss_fn)!r} called "
-                        f"{len(c.ops)} loss ops, not one (its loss has no single fused gradient)")
+        raise TypeError(f"rl_losses.forward_backward: {name!r} called {len(c.ops)} loss ops, not one (its loss has no "
+                        f"single fused gradient)")
+    # The gradient is the op's loss's: the returned loss must be that loss (or a view of it), not a function of it.
+    loss = result if isinstance(result, torch.Tensor) else getattr(result, "loss", None)
+    if not isinstance(loss, torch.Tensor) or not (loss is c.loss or loss._base is c.loss):
+        raise TypeError(f"rl_losses.forward_backward: {name!r} returned a loss other than its op's (scaled or "
+                        f"combined), whose gradient the op did not compute; pass the wrapper itself")
     grad = c.grad
     linear = isinstance(grad, tuple)
     if grad_output is None and (linear or c.unscale is None or c.unscale.numel() == 0):
         return result, grad  # the gradient as computed: for an upstream gradient of 1
-    if not isinstance(grad_output, torch.Tensor):  # the same for every loss value
-        grad_output = torch.full(c.loss.shape, 1.0 if grad_output is None else float(grad_output),
-                                 dtype=c.loss.dtype, device=c.loss.device)
-    if grad_output.numel() != c.loss.numel():
-        raise ValueError(f"rl_losses.forward_backward: grad_output must have one value per loss value "
-                         f"({c.loss.numel()}), got shape {tuple(grad_output.shape)}")
+    if grad_output is None or not isinstance(grad_output, torch.Tensor):  # the same for every loss value
+        value = 1.0 if grad_output is None else float(grad_output)
+        grad_output = torch.full(loss.shape, value, dtype=c.loss.dtype, device=c.loss.device)
+    elif grad_output.dim() == 0:
+        grad_output = grad_output.to(device=c.loss.device, dtype=c.loss.dtype).expand(loss.shape)
+    if grad_output.shape != loss.shape:
+        raise ValueError(f"rl_losses.forward_backward: grad_output must have the loss's shape {tuple(loss.shape)} "
+                         f"(or be a number), got {tuple(grad_output.shape)}")
     upstream = grad_output.reshape(c.loss.shape).to(c.loss.dtype)
     if not linear:
         _ops._scale_grad_(grad, upstream, c.unscale)
