@@ -106,6 +106,21 @@ def test_no_gradient_log_probs_equal_the_gradient_path(case, dtype):
     assert on_policy.ratio_mean.item() == 1.0
 
 
+@pytest.mark.skipif("cuda" not in DEVICES, reason="the CUDA kernels' choice by the rows' size")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_sliced_from_padded_logits(dtype):
+    """Rows that start on 16-byte boundaries but whose size is not a multiple of 16 bytes (logits sliced from a
+    padded tensor): the statistics-only passes cannot follow the cluster kernel's order there, so the mode splits the
+    fused pass, and the no-gradient log-probs still equal the gradient path's."""
+    n, vocab = 300, 32001
+    logits = make_logits((n,), vocab + 15, dtype, "cuda")[:, :vocab]
+    r = row_inputs(n, vocab, "cuda")
+    with torch.no_grad():
+        plain, _ = rl_losses.token_log_probs(logits, r["target"])
+    assert same_bits(plain, grpo_rows(logits, r)["log_probs"])
+    assert same_bits(plain, grpo_rows(logits, r, compute_entropy=True)["log_probs"])
+
+
 def gspo_documents(n_docs, vocab, dtype, device):
     lengths = torch.randint(1, 9, (n_docs,)).tolist()
     docs = [{"logits": make_logits((k,), vocab, dtype, device), "target": make_target((k,), vocab, device, masked=0.2),

@@ -90,12 +90,16 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
   if constexpr (Epilogue::kMayWriteGrad) {
     if (stats && grad) {
       if (launch_row_cluster<scalar_t, label_t, acc_t, kEntropy, kSmoothing>(args, epi)) return;
-      if (args.min_p_in_pass) {
-        // min_p's floor was to be computed in the cluster kernel, which the device cannot make resident: the
-        // selection kernel's floor, and the pass split as split_stats_pass_on_cuda splits the others.
+      if (args.min_p_in_pass || args.batch_invariant) {
+        // The cluster kernel does not apply or the device cannot make it resident. min_p's floor was to be computed
+        // in it: the selection kernel's floor instead. The batch-invariant mode: the statistics in the order of its
+        // statistics-only passes (batch_invariant_pass). Either way the pass split, as split_stats_pass_on_cuda
+        // splits the others.
         RowPassArgs a = args;
-        a.min_p_in_pass = false;
-        a.logit_floor = sampler_floor("rl_losses", a, a.sampler_params);
+        if (a.min_p_in_pass) {
+          a.min_p_in_pass = false;
+          a.logit_floor = sampler_floor("rl_losses", a, a.sampler_params);
+        }
         floor_stats_pass_first(a);
         return launch_row_pass<kThreads, scalar_t, label_t, acc_t, kEntropy, kSmoothing>(a, epi);
       }
@@ -121,13 +125,13 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
 
 // The pass the batch-invariant mode runs for `args` (RowPassArgs::batch_invariant). A row's statistics are
 // reduced in one order whatever the pass: where the fused pass takes the cluster kernel (V·elem a multiple of 16
-// on sm_90), in its order, the statistics-only passes by cluster_order_stats_kernel (and the cluster kernel without
-// its tail launch); elsewhere by row_pass_kernel, one block per row with a block size set by V, the fused passes
-// split. Here: the statistics computed with the entropy sums wherever the epilogue may use them, else with the
-// smoothing sums, since either sets the kernels' online-softmax chunk (so a row reduces in one order with or
-// without its entropy, in the no-gradient pass as in the gradient's; the sums' other uses are off where the op's
-// options leave them unused), but for the passes on the cluster kernels, which take that chunk without the sums;
-// and logits whose rows do not all start on 16-byte boundaries read from an aligned
+// on sm_90: row_cluster_shape), in its order, the statistics-only passes by cluster_order_stats_kernel (and the
+// cluster kernel without its tail launch); elsewhere, and where the device cannot make the cluster resident, the
+// fused passes split (launch_row_pass), their statistics pass the statistics-only passes' kernel. Here: the
+// statistics computed with the entropy sums wherever the epilogue may use them, else with the smoothing sums, since
+// either sets the kernels' online-softmax chunk (so a row reduces in one order with or without its entropy, in the
+// no-gradient pass as in the gradient's; the sums' other uses are off where the op's options leave them unused),
+// but for the passes on the cluster kernels, which take that chunk without the sums; and logits whose rows do not all start on 16-byte boundaries read from an aligned
 // copy (row_pass_kernel reads a row's unaligned head element by element, so the order would follow the row's
 // address). The gradient is written where `args` says: it is element-wise, the same from either copy.
 template <typename Epi>

@@ -62,6 +62,9 @@ inline ClusterShape cluster_shape_of_rows(const RowPassArgs& args) {
 
 inline ClusterShape row_cluster_shape(const RowPassArgs& args) {
   if (!args.write_grad() || args.logit_floor.defined()) return {};
+  // The batch-invariant mode takes it only where its statistics-only passes can follow its order (cluster_order_shape:
+  // V·element size a multiple of 16 bytes); rows of other sizes (a slice of padded logits) split.
+  if (args.batch_invariant && args.logits.size(1) * args.logits.element_size() % 16 != 0) return {};
   return cluster_shape_of_rows(args);
 }
 

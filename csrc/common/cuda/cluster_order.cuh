@@ -120,9 +120,9 @@ bool launch_cluster_order_stats(const RowPassArgs& args, const Epilogue& epi) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   // The chunk: the fused pass's own (that of this pass's sums) in the default mode; in the batch-invariant mode
-  // that of the sums its fused passes always compute (the entropy's, else the smoothing's, wherever the epilogue
-  // may use them: batch_invariant_pass), so that a row folds in one order while this pass computes only the sums
-  // the call asks for (the entropy's cost the order kernel 27% at V = 128256 bf16: h200-2026-11-27-order-stats.txt).
+  // that of the sums the epilogue may use (the entropy's, else the smoothing's), which the mode's fused pass takes
+  // too (launch_row_cluster), so that a row folds in one order while this pass computes only the sums the call asks
+  // for (the entropy's cost the order kernel 27% at V = 128256 bf16: h200-2026-11-27-order-stats.txt).
   constexpr int kOwnChunk = kClusterChunkVecs<kEntropy, kSmoothing>;
   constexpr int kModeChunk = kClusterChunkVecs<Epilogue::kMayUseEntropy, Epilogue::kMayUseSmoothing>;
   auto run_chunk = [&](auto floor) {
