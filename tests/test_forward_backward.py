@@ -115,6 +115,10 @@ def test_refused(device):
         fb(rl_losses.LanguageModelLossConfig.from_dict({"type": "label"}).get_loss(), logits, {"labels": target})
     with pytest.raises(TypeError, match="returned a loss other than its op's"):
         fb(lambda x, t: 0.5 * rl_losses.cross_entropy(x, t), logits, target)
+    with pytest.raises(TypeError, match="returned a loss other than its op's"):  # scaled in place
+        fb(lambda x, t: rl_losses.cross_entropy(x, t).div_(4), logits, target)
+    with pytest.raises(TypeError, match="returned a loss other than its op's"):  # a view: another order of values
+        fb(lambda x, t: rl_losses.cross_entropy(x, t, reduction="none")[:3], logits, target)
     with pytest.raises(RuntimeError, match="not supported under torch.compile"):
         torch.compile(lambda x, t: fb(rl_losses.cross_entropy, x, t)[1], backend="eager", fullgraph=True)(logits,
                                                                                                             target)
@@ -193,3 +197,7 @@ def test_lm_head_into_main_grad(device):
     with pytest.raises(ValueError, match="with weight_main_grad the weight's gradient is added to the buffer"):
         rl_losses.forward_backward(rl_losses.linear_cross_entropy, hidden, weight, target, weight_main_grad=buffer,
                                    grad_output=2.0)
+    # An upstream gradient of 1, as autograd's backward accepts it: the same as none.
+    _, (again, _, _) = rl_losses.forward_backward(rl_losses.linear_cross_entropy, hidden, weight, target,
+                                                  weight_main_grad=buffer, grad_output=1.0)
+    assert torch.equal(again, grad_hidden)

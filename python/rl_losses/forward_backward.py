@@ -69,7 +69,7 @@ _FORWARDS = {op: _forward_call(op) for op in _LOSS_OPS + _LINEAR_OPS}
 class _Capture:
     """A forward_backward call in progress: what the wrapper's op call gave."""
 
-    __slots__ = ("grad", "loss", "unscale", "into_main_grad", "ops")
+    __slots__ = ("grad", "loss", "version", "unscale", "into_main_grad", "ops")
 
     def __init__(self):
         self.grad = self.loss = self.unscale = None
@@ -79,6 +79,7 @@ class _Capture:
     def found(self, op: str, grad, loss: torch.Tensor, unscale: torch.Tensor | None, into_main_grad: bool) -> None:
         self.ops.append(op)
         self.grad, self.loss, self.unscale, self.into_main_grad = grad, loss, unscale, into_main_grad
+        self.version = loss._version  # an in-place change of the loss (loss /= k) would leave the gradient behind
 
     def stub(self, packet) -> Callable:
         op = packet._qualified_op_name.partition("::")[2]
@@ -131,14 +132,15 @@ def forward_backward(loss_fn: Callable, *args: Any, grad_output: float | torch.T
     if len(c.ops) != 1:
         raise TypeError(f"rl_losses.forward_backward: {name!r} called {len(c.ops)} loss ops, not one (its loss has no "
                         f"single fused gradient)")
-    # The gradient is the op's loss's: the returned loss must be that loss (or a view of it), not a function of it.
+    # The gradient is the op's loss's: the returned loss must be that tensor, unchanged (every wrapper returns it).
     loss = result if isinstance(result, torch.Tensor) else getattr(result, "loss", None)
-    if not isinstance(loss, torch.Tensor) or not (loss is c.loss or loss._base is c.loss):
+    if loss is not c.loss or loss._version != c.version:
         raise TypeError(f"rl_losses.forward_backward: {name!r} returned a loss other than its op's (scaled or "
                         f"combined), whose gradient the op did not compute; pass the wrapper itself")
     grad = c.grad
     linear = isinstance(grad, tuple)
-    if grad_output is None and (linear or c.unscale is None or c.unscale.numel() == 0):
+    if (grad_output is None or (c.into_main_grad and not isinstance(grad_output, torch.Tensor) and grad_output == 1.0)
+            ) and (linear or c.unscale is None or c.unscale.numel() == 0):
         return result, grad  # the gradient as computed: for an upstream gradient of 1
     if grad_output is None or not isinstance(grad_output, torch.Tensor):  # the same for every loss value
         value = 1.0 if grad_output is None else float(grad_output)
@@ -154,7 +156,8 @@ def forward_backward(loss_fn: Callable, *args: Any, grad_output: float | torch.T
         return result, grad
     if c.into_main_grad:
         raise ValueError("rl_losses.forward_backward: with weight_main_grad the weight's gradient is added to the "
-                         "buffer for an upstream gradient of 1; give no grad_output (scale the loss through divisor)")
+                         "buffer for an upstream gradient of 1; give no grad_output or 1 (scale the loss through "
+                         "divisor)")
     for g in grad:
         if g is not None:
             _ops._scale_grad_(g, upstream, None)
