@@ -1,8 +1,9 @@
 """rl_losses.forward_backward (the loss and its gradient in one call, without autograd): for every loss op of the
-logits and of the hidden states (the lm_head's, with a bias and weight_main_grad), the result and the gradient against the float64 reference (rl_losses.reference's loss, differentiated by
-autograd) and bit for bit against the op's own autograd path; the upstream gradient (a number, per token); meta
-tensors; and what it refuses (tp_group, inplace_backward, a wrapper without a fused gradient, one calling two loss
-ops, a grad_output of the wrong size, a nested call), on CPU and CUDA."""
+logits and of the hidden states (the lm_head's, with a bias and weight_main_grad), the result and the gradient
+against the float64 reference (rl_losses.reference's loss, differentiated by autograd) and bit for bit against the
+op's own autograd path; the upstream gradient (a number, per token); meta tensors; and what it refuses (tp_group,
+inplace_backward, a wrapper without a fused gradient, one calling two loss ops, a loss other than the op's own, loss
+modules, torch.compile, a grad_output of the wrong shape, a nested call), on CPU and CUDA."""
 import pytest
 import torch
 

@@ -262,8 +262,8 @@ C10_HOST_DEVICE inline T vespo_rollout_term(const PolicyOptions<T>& o, T log_rho
 }
 
 // verl's rollout rejection statistic (rollout_rs *_k1 / *_k2 / *_k3) of one token: estimator e's k of
-// δ = clamp(lp − rollout, ±20) (verl's SAFETY_BOUND): k1 = −δ, k2 = δ²/2, k3 = e^δ − 1 − δ (verl's forms; a NaN stays
-// NaN and fails every test). One formula for the row pass's token rules (token_kept) and the pre-pass's tokens
+// δ = clamp(lp − rollout, ±20) (verl's SAFETY_BOUND): k1 = −δ, k2 = δ²/2, k3 = e^δ − 1 − δ (verl's forms; a NaN
+// stays NaN and fails every test). One formula for the row pass's token rules (token_kept) and the pre-pass's tokens
 // (policy_rejection.cpp through RolloutStatistic, common/rollout_statistic.h).
 template <typename T>
 C10_HOST_DEVICE inline T rollout_rs_statistic(int estimator, T log_prob, T rollout_log_prob) {

@@ -5,9 +5,9 @@
 // judge the current log-probs instead, once the op has them (grpo.cpp, gspo.cpp).
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/result_type.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/result_type.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/TensorOperators.h>

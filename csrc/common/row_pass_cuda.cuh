@@ -131,9 +131,10 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
 // statistics computed with the entropy sums wherever the epilogue may use them, else with the smoothing sums, since
 // either sets the kernels' online-softmax chunk (so a row reduces in one order with or without its entropy, in the
 // no-gradient pass as in the gradient's; the sums' other uses are off where the op's options leave them unused),
-// but for the passes on the cluster kernels, which take that chunk without the sums; and logits whose rows do not all start on 16-byte boundaries read from an aligned
-// copy (row_pass_kernel reads a row's unaligned head element by element, so the order would follow the row's
-// address). The gradient is written where `args` says: it is element-wise, the same from either copy.
+// but for the passes on the cluster kernels, which take that chunk without the sums; and logits whose rows do not
+// all start on 16-byte boundaries read from an aligned copy (row_pass_kernel reads a row's unaligned head element by
+// element, so the order would follow the row's address). The gradient is written where `args` says: it is
+// element-wise, the same from either copy.
 template <typename Epi>
 RowPassArgs batch_invariant_pass(const RowPassArgs& args) {
   RowPassArgs a = args;

@@ -28,7 +28,8 @@ _ops = torch.ops.rl_losses
 # The ops whose forward returns the gradient: the public op's arguments less inplace_backward, then compute_grad
 # (csrc/common/fused_loss_autograd.cpp).
 _LOSS_OPS = ("cross_entropy", "grpo", "gspo", "distillation", "dpo", "fused_head", "topk_distillation")
-# The lm_head's: the public op's arguments, then output_mask; the gradients of hidden, weight and bias after the results.
+# The lm_head's: the public op's arguments, then output_mask; the gradients of hidden, weight and bias after the
+# results.
 _LINEAR_OPS = ("linear_cross_entropy", "linear_grpo", "linear_gspo", "linear_topk_distillation")
 
 
@@ -100,7 +101,8 @@ def forward_backward(loss_fn: Callable, *args: Any, grad_output: float | torch.T
             gspo_loss, distillation_loss, dpo_loss, fused_head_loss, topk_distillation_loss) or of the hidden states
             (linear_cross_entropy, linear_grpo_loss, linear_gspo_loss, linear_topk_distillation_loss).
         grad_output: the upstream gradient of the returned loss: None (1 for every loss value: the gradient as
-            computed, no launch but for fp16 gradient rows stored pre-scaled), a number or 0-dim tensor (for every
+            computed, no launch but for fp16 gradient rows stored pre-scaled; the number 1 alike), a number or 0-dim
+            tensor (for every
             loss value) or a tensor of the loss's shape (reduction "none": one per token), scaled into the gradient
             in place.
         options: the wrapper's options, but ``tp_group``, ``sdp_group`` and ``inplace_backward`` (refused).
@@ -111,7 +113,8 @@ def forward_backward(loss_fn: Callable, *args: Any, grad_output: float | torch.T
     """
     if options.get("tp_group") is not None or options.get("sdp_group") is not None:
         raise ValueError("rl_losses.forward_backward: tp_group and sdp_group are not supported (the distributed "
-                         "losses exchange their gradients in autograd's backward); call the wrapper and loss.backward()")
+                         "losses exchange their gradients in autograd's backward); call the wrapper and "
+                         "loss.backward()")
     if isinstance(loss_fn, torch.nn.Module):
         raise TypeError("rl_losses.forward_backward takes a functional wrapper (rl_losses.grpo_loss, ...), not a loss "
                         "module: a module weights its loss and may call its op directly")
@@ -135,12 +138,13 @@ def forward_backward(loss_fn: Callable, *args: Any, grad_output: float | torch.T
     # The gradient is the op's loss's: the returned loss must be that tensor, unchanged (every wrapper returns it).
     loss = result if isinstance(result, torch.Tensor) else getattr(result, "loss", None)
     if loss is not c.loss or loss._version != c.version:
-        raise TypeError(f"rl_losses.forward_backward: {name!r} returned a loss other than its op's (scaled or "
-                        f"combined), whose gradient the op did not compute; pass the wrapper itself")
+        raise TypeError(f"rl_losses.forward_backward: {name!r} returned a loss other than its op's (scaled, "
+                        f"combined, sliced or changed in place), whose gradient the op did not compute; pass the "
+                        f"wrapper itself")
     grad = c.grad
     linear = isinstance(grad, tuple)
-    if (grad_output is None or (c.into_main_grad and not isinstance(grad_output, torch.Tensor) and grad_output == 1.0)
-            ) and (linear or c.unscale is None or c.unscale.numel() == 0):
+    unit = grad_output is None or (not isinstance(grad_output, torch.Tensor) and grad_output == 1.0)
+    if unit and (linear or c.unscale is None or c.unscale.numel() == 0):
         return result, grad  # the gradient as computed: for an upstream gradient of 1
     if grad_output is None or not isinstance(grad_output, torch.Tensor):  # the same for every loss value
         value = 1.0 if grad_output is None else float(grad_output)
