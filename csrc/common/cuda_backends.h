@@ -24,6 +24,9 @@ void sum_cuda(const at::Tensor& x, const at::Tensor& out);
 void cov_select_cuda(const CovSelectArgs& s);
 void rollout_statistic_cuda(int estimator, const at::Tensor& log_probs, const at::Tensor& rollout_log_probs,
                             const at::Tensor& out);
+at::Tensor sequence_rule_cuda(int estimator, bool mean, double lo, double hi, const at::Tensor& log_probs,
+                              const at::Tensor& rollout_log_probs, const at::Tensor& ids, const at::Tensor& in_sequence,
+                              const at::Tensor& counted, int64_t count);
 void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out);
 void sampler_floor_cuda(const RowPassArgs& args, const at::Tensor& params, const at::Tensor& out);
 void scale_grad_cuda_rows(const at::Tensor& grad, const at::Tensor& grad_output, const float* unscale);

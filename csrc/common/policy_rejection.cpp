@@ -169,6 +169,21 @@ void rollout_statistic(int estimator, const at::Tensor& log_probs, const at::Ten
   rollout_statistic_cpu(estimator, log_probs, rollout_log_probs, out);
 }
 
+// A seq_sum / seq_mean rule's verdict per token, on the tensors' device (rollout_statistic.h).
+at::Tensor sequence_rule(const RejectionRule& r, const at::Tensor& log_probs, const at::Tensor& rollout_log_probs,
+                         const at::Tensor& ids, const at::Tensor& in_sequence, const at::Tensor& counted,
+                         int64_t count) {
+  const bool mean = r.level == RejectionRule::kSeqMean;
+#ifdef RL_LOSSES_WITH_CUDA
+  if (log_probs.is_cuda()) {
+    return sequence_rule_cuda(r.estimator, mean, r.lo, r.hi, log_probs, rollout_log_probs, ids, in_sequence, counted,
+                              count);
+  }
+#endif
+  return sequence_rule_cpu(r.estimator, mean, r.lo, r.hi, log_probs, rollout_log_probs, ids, in_sequence, counted,
+                           count);
+}
+
 }  // namespace
 
 at::Tensor reject_rollout_tokens(const std::vector<RejectionRule>& rules, const at::Tensor& target1d,
@@ -189,30 +204,21 @@ at::Tensor reject_rollout_tokens(const std::vector<RejectionRule>& rules, const 
   }
   at::Tensor keep;  // every rule's test, and'ed
   for (const RejectionRule& r : rules) {
+    if (r.level == RejectionRule::kSeqSum || r.level == RejectionRule::kSeqMean) {
+      const at::Tensor passes = sequence_rule(r, lp, rollout, ids, in_sequence, counted, seq.count);
+      keep = keep.defined() ? keep & passes : passes;
+      continue;
+    }
     const at::Tensor k = at::empty_like(lp);
     rollout_statistic(r.estimator, lp, rollout, k);
-    at::Tensor stat;
-    if (r.level == RejectionRule::kToken) {
-      stat = k;
-    } else {
-      const at::Tensor zeros = at::zeros({seq.count}, k.options());
-      at::Tensor per_seq;
-      if (r.level == RejectionRule::kSeqMax) {
-        // verl's masked max: −inf outside the mask, 0 for a sequence without tokens.
-        const double inf = std::numeric_limits<double>::infinity();
-        per_seq = at::full({seq.count}, -inf, k.options())
-                      .scatter_reduce(0, ids, at::where(counted, k, -inf), "amax", true);
-        per_seq = at::where(per_seq == -inf, zeros, per_seq);
-      } else {
-        // where(), not k · mask: a NaN δ outside the mask (padding) must not reach its sequence's sum (verl's
-        // masked_sum is a where() too).
-        per_seq = zeros.index_add(0, ids, at::where(counted, k, 0.0));
-        // verl's masked_mean: Σ / (count + 1e-8).
-        if (r.level == RejectionRule::kSeqMean) {
-          per_seq = per_seq / (zeros.index_add(0, ids, counted.to(k.scalar_type())) + 1e-8);
-        }
-      }
-      stat = at::where(in_sequence, per_seq.index_select(0, ids), r.hi);  // no sequence: kept
+    at::Tensor stat = k;
+    if (r.level == RejectionRule::kSeqMax) {
+      // verl's masked max: −inf outside the mask, 0 for a sequence without tokens; no sequence: kept.
+      const double inf = std::numeric_limits<double>::infinity();
+      at::Tensor per_seq = at::full({seq.count}, -inf, k.options())
+                               .scatter_reduce(0, ids, at::where(counted, k, -inf), "amax", true);
+      per_seq = at::where(per_seq == -inf, at::zeros({seq.count}, k.options()), per_seq);
+      stat = at::where(in_sequence, per_seq.index_select(0, ids), r.hi);
     }
     // (a NaN statistic fails both tests, as verl's)
     const bool no_lower = r.lo == -std::numeric_limits<double>::infinity();

@@ -92,6 +92,13 @@ void rollout_statistic_cpu(int estimator, const at::Tensor& log_probs, const at:
   rollout_statistic_on<CpuRunner>(estimator, log_probs, rollout_log_probs, out);
 }
 
+at::Tensor sequence_rule_cpu(int estimator, bool mean, double lo, double hi, const at::Tensor& log_probs,
+                             const at::Tensor& rollout_log_probs, const at::Tensor& ids, const at::Tensor& in_sequence,
+                             const at::Tensor& counted, int64_t count) {
+  return sequence_rule_on<CpuRunner>(estimator, mean, lo, hi, log_probs, rollout_log_probs, ids, in_sequence, counted,
+                                     count);
+}
+
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   m.impl("row_stats", torch::CppFunction::makeFromBoxedFunction<&row_stats_kernel<stats_cpu>>());
   m.impl("_scale_grad_", &scale_grad_cpu);

@@ -28,6 +28,13 @@ void rollout_statistic_cuda(int estimator, const at::Tensor& log_probs, const at
   rollout_statistic_on<CudaRunner>(estimator, log_probs, rollout_log_probs, out);
 }
 
+at::Tensor sequence_rule_cuda(int estimator, bool mean, double lo, double hi, const at::Tensor& log_probs,
+                              const at::Tensor& rollout_log_probs, const at::Tensor& ids, const at::Tensor& in_sequence,
+                              const at::Tensor& counted, int64_t count) {
+  return sequence_rule_on<CudaRunner>(estimator, mean, lo, hi, log_probs, rollout_log_probs, ids, in_sequence, counted,
+                                      count);
+}
+
 void sum_cuda(const at::Tensor& x, const at::Tensor& out) {
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "sum_1d", [&] {
     CudaRunner::sum_then(x.numel(), SumOf<scalar_t>{x.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>()});
