@@ -86,7 +86,8 @@ def assert_metrics(out, logits, target, kept, old, weights):
 
 @pytest.mark.parametrize("rollout_is", [None, "token", "sequence"])
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("rules", RS_MODES + ["token_k3,seq_mean_k2", "seq_max_k2,token_k1,seq_sum_k3"])
+@pytest.mark.parametrize("rules", RS_MODES + ["token_k3,seq_mean_k2", "seq_max_k2,token_k1,seq_sum_k3",
+                                   "token_k3,seq_max_k3"])  # the last: one k3 statistic for two rules
 def test_grpo_rejection_matches_verl(rules, mode, rollout_is):
     logits, target, mask, old, adv, _ = batch()
     rollout = old + 0.15 * torch.randn_like(old)

@@ -203,14 +203,18 @@ at::Tensor reject_rollout_tokens(const std::vector<RejectionRule>& rules, const 
     counted = target1d.ge(0) & in_sequence;
   }
   at::Tensor keep;  // every rule's test, and'ed
+  at::Tensor per_token[3];  // each estimator's statistic of every token, computed once for the rules that read it
   for (const RejectionRule& r : rules) {
     if (r.level == RejectionRule::kSeqSum || r.level == RejectionRule::kSeqMean) {
       const at::Tensor passes = sequence_rule(r, lp, rollout, ids, in_sequence, counted, seq.count);
       keep = keep.defined() ? keep & passes : passes;
       continue;
     }
-    const at::Tensor k = at::empty_like(lp);
-    rollout_statistic(r.estimator, lp, rollout, k);
+    at::Tensor& k = per_token[r.estimator - 1];
+    if (!k.defined()) {
+      k = at::empty_like(lp);
+      rollout_statistic(r.estimator, lp, rollout, k);
+    }
     at::Tensor stat = k;
     if (r.level == RejectionRule::kSeqMax) {
       // verl's masked max: −inf outside the mask, 0 for a sequence without tokens; no sequence: kept.
