@@ -44,8 +44,13 @@ struct SequenceStatisticTerms {
   const T* log_probs;
   const T* rollout_log_probs;
   const bool* counted;
+  const int64_t* ids;  // checked on the host for CPU tensors (document_count), here on the device
+  int64_t count;
   T* terms;  // (N, 2)
   C10_HOST_DEVICE void operator()(int64_t i) const {
+#if defined(__CUDA_ARCH__)
+    CUDA_KERNEL_ASSERT(ids[i] < count && "rl_losses: a document index is >= the number of sequences");
+#endif
     const bool c = counted[i];
     terms[2 * i] = c ? rollout_rs_statistic(estimator, log_probs[i], rollout_log_probs[i]) : T(0);
     terms[2 * i + 1] = c ? T(1) : T(0);
@@ -82,7 +87,8 @@ at::Tensor sequence_rule_on(int estimator, bool mean, double lo, double hi, cons
   AT_DISPATCH_FLOATING_TYPES(log_probs.scalar_type(), "rollout_rs", [&] {
     Runner::for_each(n, SequenceStatisticTerms<scalar_t>{estimator, log_probs.const_data_ptr<scalar_t>(),
                                                          rollout_log_probs.const_data_ptr<scalar_t>(),
-                                                         counted.const_data_ptr<bool>(), terms.data_ptr<scalar_t>()});
+                                                         counted.const_data_ptr<bool>(), ids.const_data_ptr<int64_t>(),
+                                                         count, terms.data_ptr<scalar_t>()});
     Runner::template sum_rows_by_index<2>(terms, ids, sums);
     Runner::for_each(n, SequenceVerdict<scalar_t>{sums.const_data_ptr<scalar_t>(), ids.const_data_ptr<int64_t>(),
                                                   in_sequence.const_data_ptr<bool>(), mean,
