@@ -8,8 +8,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
-#include <limits>
-
 #include "common/policy_math.h"
 
 namespace rl_losses {
@@ -58,19 +56,20 @@ struct SequenceStatisticTerms {
 };
 
 // passes[i]: whether token i's sequence keeps within [lo, hi] its statistic's sum, or verl's masked mean
-// Σ / (count + 1e-8); a token outside every sequence passes; a NaN fails (as verl's comparisons do).
+// Σ / (count + 1e-8); a token outside every sequence passes; a NaN fails (as verl's comparisons do). No lower bound
+// is lo = −inf, which every other value passes.
 template <typename T>
 struct SequenceVerdict {
   const T* sums;  // (S, 2): the statistic's sum and the count of each sequence
   const int64_t* ids;
   const bool* in_sequence;
-  bool mean, no_lower;
+  bool mean;
   T lo, hi;
   bool* passes;
   C10_HOST_DEVICE void operator()(int64_t i) const {
     const T* s = sums + 2 * ids[i];
     const T stat = !in_sequence[i] ? hi : mean ? s[0] / (s[1] + T(1e-8)) : s[0];
-    passes[i] = (no_lower || stat >= lo) && stat <= hi;
+    passes[i] = stat >= lo && stat <= hi;
   }
 };
 
@@ -91,9 +90,8 @@ at::Tensor sequence_rule_on(int estimator, bool mean, double lo, double hi, cons
                                                          count, terms.data_ptr<scalar_t>()});
     Runner::template sum_rows_by_index<2>(terms, ids, sums);
     Runner::for_each(n, SequenceVerdict<scalar_t>{sums.const_data_ptr<scalar_t>(), ids.const_data_ptr<int64_t>(),
-                                                  in_sequence.const_data_ptr<bool>(), mean,
-                                                  lo == -std::numeric_limits<double>::infinity(),
-                                                  static_cast<scalar_t>(lo), static_cast<scalar_t>(hi),
+                                                  in_sequence.const_data_ptr<bool>(), mean, static_cast<scalar_t>(lo),
+                                                  static_cast<scalar_t>(hi),
                                                   passes.data_ptr<bool>()});
   });
   return passes;
