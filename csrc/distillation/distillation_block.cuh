@@ -35,26 +35,57 @@ __device__ inline void load_elems(const T* p, T (&out)[K]) {
   }
 }
 
-// K floats rounded to K student_t values for one 16-byte store: pairs of bf16 / fp16 by one cvt.rn.*x2.f32 each
-// (the element-wise conversion takes one per value).
-template <typename student_t, int K>
-__device__ inline void round_to(const float (&g)[K], student_t (&out)[K]) {
-  if constexpr (std::is_same_v<student_t, c10::BFloat16>) {
+// K elements of T from shared memory at the 32-bit shared address `addr` (aligned as load_elems'). The cluster
+// kernel's slices are read this way: through generic pointers ptxas recomputed the shared window's base for every
+// group (~14 instructions per 16 bytes: S2UR of the CTA id, the alignment's arithmetic, 64-bit address math), about
+// a tenth of the statistics loop's instructions (Nsight Compute's source view, H200, 2026-11-27).
+template <typename T, int K>
+__device__ inline void load_shared_elems(unsigned addr, T (&out)[K]) {
+  constexpr int kBytes = K * static_cast<int>(sizeof(T));
+  unsigned w[kBytes / 4];
+  if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < kBytes / 16; ++i) {
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(w[4 * i]), "=r"(w[4 * i + 1]), "=r"(w[4 * i + 2]), "=r"(w[4 * i + 3])
+                   : "r"(addr + 16 * i));
+    }
+  } else if constexpr (kBytes == 8) {
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"(addr));
+  } else {
+    static_assert(kBytes == 4, "4, 8 or a multiple of 16 bytes");
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(w[0]) : "r"(addr));
+  }
+  memcpy(out, w, kBytes);
+}
+
+// K values rounded to student_t and stored as one 16-byte vector at p (16-byte aligned, global memory): pairs of
+// bf16 / fp16 by one cvt.rn.*x2.f32 each (the element-wise conversion takes one per value). The store is written
+// out: a uint4 assembled by memcpy from the rounded array and stored through a uint4 pointer compiled to four
+// 4-byte stores (Nsight Compute: 75% of the kernel's L2 sectors excess, four store instructions for one).
+template <typename student_t, typename acc_t, int K>
+__device__ inline void store_rounded(student_t* p, const acc_t (&g)[K]) {
+  static_assert(K * sizeof(student_t) == 16, "one 16-byte vector");
+  unsigned w[4];
+  if constexpr (std::is_same_v<student_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
 #pragma unroll
     for (int k = 0; k < K; k += 2) {
       const __nv_bfloat162 two = __floats2bfloat162_rn(g[k], g[k + 1]);
-      memcpy(&out[k], &two, sizeof(two));
+      memcpy(&w[k / 2], &two, sizeof(two));
     }
-  } else if constexpr (std::is_same_v<student_t, c10::Half>) {
+  } else if constexpr (std::is_same_v<student_t, c10::Half> && std::is_same_v<acc_t, float>) {
 #pragma unroll
     for (int k = 0; k < K; k += 2) {
       const __half2 two = __floats2half2_rn(g[k], g[k + 1]);
-      memcpy(&out[k], &two, sizeof(two));
+      memcpy(&w[k / 2], &two, sizeof(two));
     }
   } else {
+    student_t out[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) out[k] = static_cast<student_t>(g[k]);
+    memcpy(w, out, sizeof(w));
   }
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]));
 }
 
 // n pairs (x, y) folded into the state, given their maxima: one rescale and one −inf test per group rather

@@ -112,8 +112,8 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* const base =
       smem_raw + (kSliceSmemAlign - smem_addr(smem_raw) % kSliceSmemAlign) % kSliceSmemAlign;
-  const student_t* const zs = reinterpret_cast<const student_t*>(base);
-  const teacher_t* const ts = reinterpret_cast<const teacher_t*>(base + v.teacher_offset);
+  // The slices' 32-bit shared addresses (load_shared_elems says why not pointers).
+  const unsigned zs = smem_addr(base), ts = zs + static_cast<unsigned>(v.teacher_offset);
   __shared__ Stats scratch[kWarps];
   __shared__ float sum_scratch[kWarps];
   __shared__ Stats gathered[2][kMaxClusterSize];
@@ -163,14 +163,19 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
   // (unpack: bf16 to fp32 at one instruction per value.) The raw vectors stay in a and b.
   auto load_raw = [&](int i, Pack<student_t, kVec>& a, Pack<teacher_t, kVec>& b, float (&x)[kVec],
                       float (&y)[kVec]) {
-    load_elems(zs + i * kVec, a.v);
-    load_elems(ts + i * kVec, b.v);
+    load_shared_elems(zs + static_cast<unsigned>(i * kVec * sizeof(student_t)), a.v);
+    load_shared_elems(ts + static_cast<unsigned>(i * kVec * sizeof(teacher_t)), b.v);
     unpack(a, x);
     unpack(b, y);
+    // A scale or temperature of 1 (the usual call) multiplies nothing: the statistics loop spends an instruction
+    // per element on each.
+    if (v.opt.scale != 1.0f) {
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      x[k] *= v.opt.scale;
-      y[k] *= v.opt.inv_temperature;
+      for (int k = 0; k < kVec; ++k) x[k] *= v.opt.scale;
+    }
+    if (v.opt.inv_temperature != 1.0f) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) y[k] *= v.opt.inv_temperature;
     }
   };
   auto load_group = [&](int i, float (&x)[kVec], float (&y)[kVec]) {
@@ -224,17 +229,20 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
       if (threadIdx.x == 32) v.head.prefetch(row + v.row0);  // warp 1: thread 0 issues the copies
     }
     const unsigned phase = static_cast<unsigned>(it & 1);
-    // A thread waits for the pieces in order, through the one of its group i, before it reads group i.
-    int next_piece = 0, piece_end = 0;
+    // A thread waits for each piece before it reads that piece's groups (a piece is a multiple of kThreads
+    // groups, so a thread's groups of a piece are those of its loop below, with no test per group).
     Stats st = Stats::empty();
-    for (int i = threadIdx.x; i < n_groups; i += kThreads) {
-      for (; i >= piece_end; piece_end += v.piece_groups) mbarrier_wait(&landed[next_piece++], phase);
-      Pack<student_t, kVec> a;
-      Pack<teacher_t, kVec> b;
-      float x[kVec], y[kVec];
-      load_raw(i, a, b, x, y);
-      add_group_at<distill_sums_of(kKind)>(st, x, y, scaled_max(a, x, v.opt.scale),
-                                           scaled_max(b, y, v.opt.inv_temperature));
+    for (int p = 0; p < n_pieces; ++p) {
+      mbarrier_wait(&landed[p], phase);
+      const int end = std::min(n_groups, (p + 1) * v.piece_groups);
+      for (int i = p * v.piece_groups + threadIdx.x; i < end; i += kThreads) {
+        Pack<student_t, kVec> a;
+        Pack<teacher_t, kVec> b;
+        float x[kVec], y[kVec];
+        load_raw(i, a, b, x, y);
+        add_group_at<distill_sums_of(kKind)>(st, x, y, scaled_max(a, x, v.opt.scale),
+                                             scaled_max(b, y, v.opt.inv_temperature));
+      }
     }
     st = block_combine<kThreads>(st, scratch);  // in warp 0
     const int q = it & 1;
@@ -333,11 +341,7 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
               }
             }
           }
-          student_t out[kVec];
-          round_to(gf, out);
-          uint4 raw;
-          memcpy(&raw, out, sizeof(raw));
-          *reinterpret_cast<uint4*>(g + i * kVec) = raw;
+          store_rounded(g + i * kVec, gf);
         }
         if (next < v.n_rows) {
           __syncthreads();  // piece p is read (statistics, sums, gradient) by every thread

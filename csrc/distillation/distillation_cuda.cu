@@ -23,6 +23,7 @@ using distill_cuda::add_group;
 using distill_cuda::block_combine;
 using distill_cuda::block_sum;
 using distill_cuda::load_elems;
+using distill_cuda::store_rounded;
 
 enum class DistillPass { kStats, kJsdSums, kGrad };
 
@@ -128,23 +129,18 @@ __global__ void __launch_bounds__(kThreads) distill_kernel(DistillView<student_t
       auto store = [&](int64_t j0, const auto& out) {
         constexpr int n = std::extent_v<std::remove_reference_t<decltype(out)>>;
         if constexpr (n == 1) {
-          g[j0] = out[0];
+          g[j0] = static_cast<student_t>(out[0]);
         } else {
-          static_assert(n * sizeof(student_t) == 16, "16-byte student vectors");
-          uint4 raw;
-          memcpy(&raw, out, sizeof(raw));
-          *reinterpret_cast<uint4*>(g + j0) = raw;
+          store_rounded(g + j0, out);
         }
       };
       if constexpr (!kHead) {
         const acc_t sw = s * w;
         for_row<kThreads, kVec>(v, z, zt, [&](int64_t j0, const auto& x, const auto& y) {
           constexpr int n = std::extent_v<std::remove_reference_t<decltype(x)>>;
-          student_t out[n];
+          acc_t out[n];
 #pragma unroll
-          for (int k = 0; k < n; ++k) {
-            out[k] = static_cast<student_t>(sw * distill_grad<kKind>(v.opt, x[k], y[k], lse_s, lse_t, c));
-          }
+          for (int k = 0; k < n; ++k) out[k] = sw * distill_grad<kKind>(v.opt, x[k], y[k], lse_s, lse_t, c);
           store(j0, out);
         });
       } else {
@@ -155,11 +151,10 @@ __global__ void __launch_bounds__(kThreads) distill_kernel(DistillView<student_t
           constexpr bool kDistill = decltype(distill)::value;
           for_row<kThreads, kVec>(v, z, zt, [&](int64_t j0, const auto& x, const auto& y) {
             constexpr int n = std::extent_v<std::remove_reference_t<decltype(x)>>;
-            student_t out[n];
+            acc_t out[n];
 #pragma unroll
             for (int k = 0; k < n; ++k) {
-              out[k] = static_cast<student_t>(
-                  distill_head_grad<kKind, kDistill>(v.opt, x[k], y[k], lse_s, lse_t, c, sw, sh, j0 + k == label));
+              out[k] = distill_head_grad<kKind, kDistill>(v.opt, x[k], y[k], lse_s, lse_t, c, sw, sh, j0 + k == label);
             }
             store(j0, out);
           });
