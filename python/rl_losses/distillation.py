@@ -100,6 +100,19 @@ def _distillation_tp(logits, teacher_logits, tp_group, options) -> DistillationO
                                                  **options))
 
 
+def _accumulate_grad_weight(grad_w: torch.Tensor, grad: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_w (fp32, or fp64) += gradᵀ @ h. On CUDA, 16-bit operands go to a 16-bit GEMM with an fp32 output
+    (ATen's addmm with out_dtype, CUDA only): converted to fp32 first they made an fp32 GEMM, which held linear JSD at
+    N = 4096, H = 4096, V = 128256 to 105 ms on an H200 (Liger's fused linear JSD: 79 ms)."""
+    if grad.is_cuda and grad_w.dtype == torch.float32 and grad.dtype in _HALF and h.dtype == grad.dtype:
+        torch.ops.aten.addmm.dtype_out(grad_w, grad.t(), h, torch.float32, out=grad_w)
+    else:
+        grad_w.addmm_(grad.t().to(grad_w.dtype), h.to(grad_w.dtype))
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
 class _LinearDistillation(torch.autograd.Function):
     """Distillation of ``hidden @ weight.T`` computed a chunk of rows at a time: each chunk's logits and their
     gradient exist only while the chunk is processed, and turn at once into grad_hidden and grad_weight (fp32
@@ -126,7 +139,7 @@ class _LinearDistillation(torch.autograd.Function):
             if need_h:
                 grad_h[rows] = grad @ weight
             if need_w:
-                grad_w.addmm_(grad.t().to(grad_w.dtype), h[rows].to(grad_w.dtype))
+                _accumulate_grad_weight(grad_w, grad, h[rows])
         ctx.save_for_backward(grad_h.view(hidden.shape) if need_h else None,
                               grad_w.to(weight.dtype) if need_w else None)
         return total if total is not None else h.new_zeros((), dtype=torch.float32)
