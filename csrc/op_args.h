@@ -44,7 +44,7 @@
 // The public loss ops' switch between a new gradient buffer and the logits' own storage (fused_loss_autograd.cpp).
 #define RL_LOSSES_INPLACE(X) X(bool, inplace_backward, False)
 // The `_forward` ops' switch: compute the gradient in the same pass or not.
-#define RL_LOSSES_COMPUTE_GRAD(X) X(bool, compute_grad, )
+#define RL_LOSSES_COMPUTE_GRAD(X) X(bool, compute_grad, False)
 // The `_linear_*_forward` ops' switch: which of grad_hidden, grad_weight, grad_bias to compute.
 #define RL_LOSSES_OUTPUT_MASK(X) X(OutputMask, output_mask, )
 #define RL_LOSSES_GRAD(X) X(at::Tensor, grad, )

@@ -5,7 +5,9 @@
 //
 // Conventions:
 //   * Public ops take the tensors positionally and every option by keyword, with its default; `_<op>_forward`
-//     ops take the same arguments (no defaults, no keywords) and the switches of their caller.
+//     ops take the same arguments (no keywords) and the switches of their caller, without defaults but for the
+//     losses' `_<op>_forward` (def_loss): rl_losses.forward_backward calls it with the arguments its wrapper gave,
+//     the others left to the schema (binding every argument from Python cost more than the op's own work).
 //   * A loss `<op>` (def_loss) comes with `_<op>_forward(<its arguments but inplace_backward>, compute_grad)`,
 //     which computes the loss, the per-row outputs and, when asked, the gradient in the same pass, returning the
 //     op's results then `grad`; and `_<op>_forward_inplace`, which writes the gradient into the logits' own storage
@@ -61,7 +63,7 @@ void def_loss(torch::Library& m, const std::string& name, const Entries& inputs,
   const Entries unscale = row_pass ? RL_LOSSES_ENTRIES(RL_LOSSES_GRAD_ROW_UNSCALE) : Entries{};
   def(m, OpSchema(name).args(inputs).kwargs().args(options).args(RL_LOSSES_ENTRIES(RL_LOSSES_INPLACE)).args(hooks)
              .results(results));
-  def(m, OpSchema("_" + name + "_forward").without_defaults().args(inputs).args(options).args(hooks)
+  def(m, OpSchema("_" + name + "_forward").args(inputs).args(options).args(hooks)
              .args(RL_LOSSES_ENTRIES(RL_LOSSES_COMPUTE_GRAD))
              .results(cat({results, RL_LOSSES_ENTRIES(RL_LOSSES_GRAD), unscale})));
   def(m, OpSchema("_" + name + "_forward_inplace").without_defaults().first_mutable().args(inputs).args(options)
