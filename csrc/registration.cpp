@@ -6,8 +6,9 @@
 // Conventions:
 //   * Public ops take the tensors positionally and every option by keyword, with its default; `_<op>_forward`
 //     ops take the same arguments (no keywords) and the switches of their caller, without defaults but for the
-//     losses' `_<op>_forward` (def_loss): rl_losses.forward_backward calls it with the arguments its wrapper gave,
-//     the others left to the schema (binding every argument from Python cost more than the op's own work).
+//     losses' `_<op>_forward` and `_linear_<op>_forward` (def_loss, def_linear): rl_losses.forward_backward calls
+//     them with the arguments its wrapper gave, the others left to the schema (binding every argument from Python
+//     cost more than the op's own work).
 //   * A loss `<op>` (def_loss) comes with `_<op>_forward(<its arguments but inplace_backward>, compute_grad)`,
 //     which computes the loss, the per-row outputs and, when asked, the gradient in the same pass, returning the
 //     op's results then `grad`; and `_<op>_forward_inplace`, which writes the gradient into the logits' own storage
@@ -76,8 +77,8 @@ void def_linear(torch::Library& m, const std::string& name, const Entries& input
                 const Entries& results) {
   const Entries head = RL_LOSSES_ENTRIES(RL_LOSSES_LINEAR_INPUT), linear = RL_LOSSES_ENTRIES(RL_LOSSES_LINEAR_OPTIONS);
   def(m, OpSchema("linear_" + name).args(head).args(inputs).kwargs().args(linear).args(options).results(results));
-  def(m, OpSchema("_linear_" + name + "_forward").without_defaults().args(head).args(inputs).args(linear)
-             .args(options).args(RL_LOSSES_ENTRIES(RL_LOSSES_OUTPUT_MASK))
+  def(m, OpSchema("_linear_" + name + "_forward").args(head).args(inputs).args(linear).args(options).kwargs()
+             .args(RL_LOSSES_ENTRIES(RL_LOSSES_OUTPUT_MASK))
              .results(cat({results, RL_LOSSES_ENTRIES(RL_LOSSES_LINEAR_GRADS)})));
 }
 

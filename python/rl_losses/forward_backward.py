@@ -35,40 +35,30 @@ _LINEAR_OPS = ("linear_cross_entropy", "linear_grpo", "linear_gspo", "linear_top
 
 def _forward_call(op: str) -> Callable:
     """``call(capture, <the public op's arguments>)``: runs the op's forward asked for the gradients, hands them to
-    `capture` and returns the public op's results. A loss's forward takes the public op's arguments with their
-    defaults (registration.cpp), so the call passes on what the wrapper gave: binding every one of GRPO's ~45
-    arguments from Python cost more than the op. The lm_head's forward (no defaults) gets a call generated with the
-    public op's parameters and defaults, so that Python binds them (a dict of ~50 defaults filled per call cost
-    more still)."""
+    `capture` and returns the public op's results. The forwards take the public op's arguments with its defaults
+    (registration.cpp), so the call passes on what the wrapper gave: binding every one of GRPO's ~48 arguments from
+    Python had cost more than the op."""
     forward = getattr(_ops, f"_{op}_forward").default
     n = len(_schema.results(op))
-    if op not in _LINEAR_OPS:
-        unscale = forward._schema.returns[-1].name == "grad_row_unscale"
-
-        def call(capture, *args, inplace_backward=False, **kwargs):
-            if inplace_backward:
-                raise ValueError("rl_losses.forward_backward: inplace_backward is not supported; the gradient is "
-                                 "returned")
-            out = forward(*args, compute_grad=True, **kwargs)
-            capture.found(op, out[n], out[0], out[-1] if unscale else None, False)
+    if op in _LINEAR_OPS:
+        def call(capture, *args, **kwargs):
+            # The public op's bias and weight_main_grad are keyword-only; with weight_main_grad the weight's
+            # gradient is added to it in the forward, none returned.
+            bias, main_grad = kwargs.get("bias"), kwargs.get("weight_main_grad")
+            out = forward(*args, output_mask=[True, True, bias is not None], **kwargs)
+            grads = (out[n], None if main_grad is not None else out[n + 1], out[n + 2] if bias is not None else None)
+            capture.found(op, grads, out[0], None, main_grad is not None)
             return out[:n]
         return call
-    public = _schema.schema(op).arguments
-    params = []
-    for i, a in enumerate(public):
-        if a.kwarg_only and "*" not in params:
-            params.append("*")
-        params.append(f"{a.name}=_d[{i}]" if a.has_default_value() else a.name)
-    args = ", ".join(a.name for a in forward._schema.arguments[:-1])  # output_mask last
-    # weight_main_grad: the weight's gradient added to it in the forward, none returned
-    body = (f"    out = _forward({args}, [True, True, bias is not None])\n"
-            f"    grads = (out[{n}], None if weight_main_grad is not None else out[{n + 1}],\n"
-            f"             out[{n + 2}] if bias is not None else None)\n"
-            f"    capture.found({op!r}, grads, out[0], None, weight_main_grad is not None)\n")
-    source = f"def call(capture, {', '.join(params)}):\n{body}    return out[:{n}]\n"
-    scope = {"_forward": forward, "_d": [a.default_value if a.has_default_value() else None for a in public]}
-    exec(source, scope)
-    return scope["call"]
+    unscale = forward._schema.returns[-1].name == "grad_row_unscale"
+
+    def call(capture, *args, inplace_backward=False, **kwargs):
+        if inplace_backward:
+            raise ValueError("rl_losses.forward_backward: inplace_backward is not supported; the gradient is returned")
+        out = forward(*args, compute_grad=True, **kwargs)
+        capture.found(op, out[n], out[0], out[-1] if unscale else None, False)
+        return out[:n]
+    return call
 
 
 _FORWARDS = {op: _forward_call(op) for op in _LOSS_OPS + _LINEAR_OPS}
