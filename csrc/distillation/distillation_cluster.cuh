@@ -167,15 +167,10 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
     load_shared_elems(ts + static_cast<unsigned>(i * kVec * sizeof(teacher_t)), b.v);
     unpack(a, x);
     unpack(b, y);
-    // A scale or temperature of 1 (the usual call) multiplies nothing: the statistics loop spends an instruction
-    // per element on each.
-    if (v.opt.scale != 1.0f) {
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) x[k] *= v.opt.scale;
-    }
-    if (v.opt.inv_temperature != 1.0f) {
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) y[k] *= v.opt.inv_temperature;
+    for (int k = 0; k < kVec; ++k) {
+      x[k] *= v.opt.scale;
+      y[k] *= v.opt.inv_temperature;
     }
   };
   auto load_group = [&](int i, float (&x)[kVec], float (&y)[kVec]) {

@@ -100,6 +100,9 @@ def _distillation_tp(logits, teacher_logits, tp_group, options) -> DistillationO
                                                  **options))
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
 def _accumulate_grad_weight(grad_w: torch.Tensor, grad: torch.Tensor, h: torch.Tensor) -> None:
     """grad_w (fp32, or fp64) += gradᵀ @ h. On CUDA, 16-bit operands go to a 16-bit GEMM with an fp32 output
     (ATen's addmm with out_dtype, CUDA only): converted to fp32 first they made an fp32 GEMM, which held linear JSD at
@@ -108,9 +111,6 @@ def _accumulate_grad_weight(grad_w: torch.Tensor, grad: torch.Tensor, h: torch.T
         torch.ops.aten.addmm.dtype_out(grad_w, grad.t(), h, torch.float32, out=grad_w)
     else:
         grad_w.addmm_(grad.t().to(grad_w.dtype), h.to(grad_w.dtype))
-
-
-_HALF = (torch.bfloat16, torch.float16)
 
 
 class _LinearDistillation(torch.autograd.Function):
