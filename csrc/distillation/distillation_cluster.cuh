@@ -14,8 +14,9 @@
 //   2. JSD only: with both log-normalisers known, the sums (Σ loss terms, S) over the slice from shared
 //      memory, block sums, the same exchange of the two values;
 //   3. warp 0 of every CTA combines the C states (and sums) in rank order by a fixed butterfly, so that every
-//      CTA has the same bits, and lane 0 runs distill_row (the row step's math); rank 0 writes row_loss and
-//      divergence (the op's outputs; the statistics, sums and gradient table stay on chip);
+//      CTA has the same bits, and lane 0 runs distill_row (the row step's math; a head's other terms run in warp
+//      1 at the same time); rank 0 writes row_loss and divergence (the op's outputs; the statistics, sums and
+//      gradient table stay on chip);
 //   4. every CTA writes the gradient of its slice from shared memory (distill_grad), one 16-byte store per
 //      group, a piece at a time: once every thread is done with a piece (a block barrier), thread 0 issues the
 //      copy of that piece of the cluster's next row read, so the next row's load overlaps this row's gradient
@@ -60,10 +61,12 @@ namespace distill_cuda {
 constexpr int kDistillMaxPieces = 12;
 
 // The row step of the distillation op: no other terms. A head (the fused head's, fused_head_distill.h) has kOn and
-//   cluster_row(row, stats, jsd_loss, jsd_s, write, table, coef): the row's outputs (written where `write`: one
-//       CTA of the cluster), its gradient table and the other terms' coefficients (distill_head_grad), and
+//   cluster_distill(row, stats, jsd_loss, jsd_s, write, table): the distillation term's output (written where
+//       `write`: one CTA of the cluster) and its gradient table;
+//   cluster_others(row, stats, write, coef): the other terms' outputs and coefficients (distill_head_grad), run by
+//       warp 1 beside warp 0's cluster_distill;
 //   label(row): the label those read;
-//   prefetch(row): a hint at the row's start (its per-row inputs, read by cluster_row once the statistics are in);
+//   prefetch(row): a hint at the row's start (its per-row inputs, read by cluster_others once the statistics are in);
 // it reads its own mask (the kernel then reads every row), and indexes its arrays by the row of the whole call.
 struct DistillNoHead {
   static constexpr bool kOn = false;
@@ -181,7 +184,7 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
   // Lane 0 of warp 0: the row step from the combined statistics (and sums); rank 0 writes the outputs.
   auto finish_row = [&](int64_t row, const Stats& all, float jsd_loss, float jsd_s) {
     if constexpr (Head::kOn) {
-      v.head.cluster_row(row + v.row0, all, jsd_loss, jsd_s, rank == 0, table, head_coef);
+      v.head.cluster_distill(row + v.row0, all, jsd_loss, jsd_s, rank == 0, table);
       return;
     }
     const float m = v.mask != nullptr ? v.mask[row] : 1.0f;
@@ -244,12 +247,17 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
     const unsigned slot_phase = static_cast<unsigned>((it >> 1) & 1);
     if (threadIdx.x == 0) mbarrier_arrive_expect(&gathered_full[q], n_ctas * static_cast<unsigned>(sizeof(Stats)));
     if (threadIdx.x < n_ctas) send_to_rank(&gathered[q][rank], st, &gathered_full[q], threadIdx.x);
-    if (threadIdx.x < 32) {
-      const int lane = threadIdx.x;
+    // Warp 0 combines the CTAs' statistics and runs the row step; with a head, warp 1 does the same and runs the
+    // head's other terms at the same time.
+    if (threadIdx.x < (Head::kOn ? 64 : 32)) {
+      const int lane = threadIdx.x % 32;
       mbarrier_wait(&gathered_full[q], slot_phase);
       Stats all = lane < n_ctas ? gathered[q][lane] : Stats::empty();
       for (int m = ctas_pow2 / 2; m > 0; m >>= 1) all = Stats::combine(all, shfl_xor(all, m));
-      if (lane == 0) {
+      if constexpr (Head::kOn) {
+        if (threadIdx.x == 32) v.head.cluster_others(row + v.row0, all, rank == 0, head_coef);
+      }
+      if (threadIdx.x == 0) {
         if constexpr (kKind == DistillKind::kJsd) {
           jsd_stats = all;
           lse_shared[0] = all.lse_student();

@@ -44,42 +44,56 @@ struct FusedHeadDistillStep {
   }
 
   // Row i from its statistics (and JSD's sums): every term's share into o[kHeadTerms] and *lp, the distillation
-  // gradient table into t and the other terms' coefficients into h. The CUDA cluster kernel calls it with the
-  // statistics it holds on chip (o and lp local in every CTA of the cluster but the one writing the outputs).
+  // gradient table into t and the other terms' coefficients into h.
   C10_HOST_DEVICE void row(int64_t i, const DistillStats<acc_t>& ds, acc_t jsd_loss, acc_t jsd_s, acc_t* o,
                            acc_t* lp, acc_t* t, acc_t* h) const {
+    others(i, ds, o, lp, h);  // sets every share, the distillation term's to 0: first
+    o[kHeadDistill] = distill(i, ds, jsd_loss, jsd_s, t);
+  }
+  // The terms but distillation: their shares into o (o[kHeadDistill] = 0) and *lp, their coefficients into h.
+  C10_HOST_DEVICE void others(int64_t i, const DistillStats<acc_t>& ds, acc_t* o, acc_t* lp, acc_t* h) const {
     const RowStats<acc_t> st{ds.ms, ds.ss, acc_t(0), sum_x != nullptr ? sum_x[i] : acc_t(0), label_logit[i]};
     const GradCoef<acc_t> g = head.terms(i, st, o, lp);
     h[kHeadCoefA] = g.a;
     h[kHeadCoefB] = g.b;
     h[kHeadCoefC] = g.c;
+  }
+  // The distillation term: its gradient table into t; returns its share.
+  C10_HOST_DEVICE acc_t distill(int64_t i, const DistillStats<acc_t>& ds, acc_t jsd_loss, acc_t jsd_s,
+                                acc_t* t) const {
     const acc_t m = mask != nullptr ? mask[i] : acc_t(1);
     if (m == acc_t(0)) {  // the teacher's statistics are not read; the other terms still read Q (lse)
-      o[kHeadDistill] = acc_t(0);
       t[kDistLseS] = ds.lse_student();
       t[kDistLseT] = t[kDistWeight] = t[kDistConst] = acc_t(0);
-      return;
+      return acc_t(0);
     }
     const DistillRowResult<acc_t> r = distill_row(opt, ds, jsd_loss, jsd_s, m / *divisor);
-    o[kHeadDistill] = r.table[kDistWeight] * r.divergence;  // the term's share, unweighted (as the op's row_loss)
     for (int k = 0; k < kDistGradFields; ++k) t[k] = r.table[k];
     t[kDistWeight] *= weight;
+    return r.table[kDistWeight] * r.divergence;  // the term's share, unweighted (as the op's row_loss)
   }
 
-  // The cluster kernel's calls: `row` in every CTA, the outputs written by one. Into locals first: no global
-  // store between the row's loads (which may then be issued together: this is on the row's critical path).
-  C10_HOST_DEVICE void cluster_row(int64_t i, const DistillStats<acc_t>& ds, acc_t jsd_loss, acc_t jsd_s, bool write,
-                                   acc_t* t, acc_t* h) const {
+  // The cluster kernel's calls, each in its own warp so that the row, which every CTA's warps wait for, takes the
+  // longer of the two rather than their sum. Outputs are written where `write` (one CTA of the cluster); into
+  // locals first: no global store between the row's loads (which may then be issued together).
+  C10_HOST_DEVICE void cluster_others(int64_t i, const DistillStats<acc_t>& ds, bool write, acc_t* h) const {
     acc_t o[kHeadTerms], lp;
-    row(i, ds, jsd_loss, jsd_s, o, &lp, t, h);
+    others(i, ds, o, &lp, h);
     if (!write) return;
-    for (int k = 0; k < kHeadTerms; ++k) head.out[i * kHeadTerms + k] = o[k];
+    for (int k = 0; k < kHeadTerms; ++k) {
+      if (k != kHeadDistill) head.out[i * kHeadTerms + k] = o[k];
+    }
     head.log_probs[i] = lp;
+  }
+  C10_HOST_DEVICE void cluster_distill(int64_t i, const DistillStats<acc_t>& ds, acc_t jsd_loss, acc_t jsd_s,
+                                       bool write, acc_t* t) const {
+    const acc_t d = distill(i, ds, jsd_loss, jsd_s, t);
+    if (write) head.out[i * kHeadTerms + kHeadDistill] = d;
   }
   C10_HOST_DEVICE int64_t label(int64_t i) const { return head.labels[i]; }
 
 #if defined(__CUDACC__)
-  // The cluster kernel's hint at a row's start: its per-row inputs towards L1, so that cluster_row, which every
+  // The cluster kernel's hint at a row's start: its per-row inputs towards L1, so that cluster_others, which every
   // CTA's row waits for, finds them there. Pointers that are null (a term off) are skipped.
   __device__ void prefetch(int64_t i) const {
     const void* rows[] = {head.labels + i, label_logit + i, sum_x != nullptr ? sum_x + i : nullptr,
