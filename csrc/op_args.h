@@ -133,23 +133,23 @@
   RL_LOSSES_ROLLOUT_REJECTION(X)
 // The metrics after the loss are detached: kl (mean KL estimate towards ref_log_probs), rollout_ratio_mean (mean ρ),
 // rollout_weight_mean (mean correction weight), rollout_corrected_fraction (tokens truncated or masked); GSPO adds
-// document_ratios; vespo_phi_seq_mean (the mean VESPO weight φ over the labelled sequences, 0 for the other loss
-// types) is last.
-#define RL_LOSSES_POLICY_RESULTS(X)            \
-  X(at::Tensor, loss, )                        \
-  X(at::Tensor, new_logprobs, )                \
-  X(at::Tensor, clipped_fraction_low, )        \
-  X(at::Tensor, clipped_fraction_high, )       \
-  X(at::Tensor, kl_old, )                      \
-  X(at::Tensor, entropy, )                     \
-  X(at::Tensor, log_probs, )                   \
-  X(at::Tensor, ratio_mean, )                  \
-  X(at::Tensor, kl, )                          \
-  X(at::Tensor, rollout_ratio_mean, )          \
-  X(at::Tensor, rollout_weight_mean, )         \
-  X(at::Tensor, rollout_corrected_fraction, )
+// document_ratios; vespo_phi_seq_mean (the mean VESPO weight φ over the labelled sequences) is last. The metrics of
+// an option are None where it is off (policy_metrics_on): entropy, kl, the rollout correction's, vespo's.
+#define RL_LOSSES_POLICY_RESULTS(X)          \
+  X(at::Tensor, loss, )                      \
+  X(at::Tensor, new_logprobs, )              \
+  X(at::Tensor, clipped_fraction_low, )      \
+  X(at::Tensor, clipped_fraction_high, )     \
+  X(at::Tensor, kl_old, )                    \
+  X(MaybeTensor, entropy, )                  \
+  X(at::Tensor, log_probs, )                 \
+  X(at::Tensor, ratio_mean, )                \
+  X(MaybeTensor, kl, )                       \
+  X(MaybeTensor, rollout_ratio_mean, )       \
+  X(MaybeTensor, rollout_weight_mean, )      \
+  X(MaybeTensor, rollout_corrected_fraction, )
 #define RL_LOSSES_GSPO_RESULTS(X) X(at::Tensor, document_ratios, )
-#define RL_LOSSES_VESPO_RESULTS(X) X(at::Tensor, vespo_phi_seq_mean, )
+#define RL_LOSSES_VESPO_RESULTS(X) X(MaybeTensor, vespo_phi_seq_mean, )
 
 // ---- GRPO ---------------------------------------------------------------------------------------------------------
 // document_index: the sequences of a sequence-level rollout_correction, of vespo, of a sequence rejection rule or of

@@ -19,13 +19,37 @@ inline c10::OperatorHandle find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
-// Calls an op with a boxed argument list; returns its (all tensor) outputs.
+// Calls an op with a boxed argument list; returns its outputs (undefined where a `Tensor?` result is None).
 inline std::vector<at::Tensor> call_boxed(const c10::OperatorHandle& op, std::vector<c10::IValue> args) {
   op.callBoxed(args);
   std::vector<at::Tensor> out;
   out.reserve(args.size());
-  for (auto& v : args) out.push_back(std::move(v).toTensor());
+  for (auto& v : args) out.push_back(v.isNone() ? at::Tensor() : std::move(v).toTensor());
   return out;
+}
+
+// A loss's autograd function's outputs: the loss, then the others marked non-differentiable. Autograd takes no
+// undefined output, so those a forward left out (a `Tensor?` result, None) leave the list; `present` says where
+// they were, for push_outputs.
+inline torch::autograd::variable_list non_differentiable_after_loss(torch::autograd::AutogradContext* ctx,
+                                                                    std::vector<at::Tensor> out,
+                                                                    std::vector<bool>* present) {
+  present->resize(out.size());
+  torch::autograd::variable_list kept;
+  kept.reserve(out.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    (*present)[i] = out[i].defined();
+    if (out[i].defined()) kept.push_back(std::move(out[i]));
+  }
+  ctx->mark_non_differentiable(torch::autograd::variable_list(kept.begin() + 1, kept.end()));
+  return kept;
+}
+
+// The autograd function's outputs onto the stack, with None where `present` says a result was left out.
+inline void push_outputs(torch::jit::Stack* stack, torch::autograd::variable_list outputs,
+                         const std::vector<bool>& present) {
+  auto it = outputs.begin();
+  for (const bool p : present) stack->emplace_back(p ? c10::IValue(std::move(*it++)) : c10::IValue());
 }
 
 // True when the forward must produce the gradient w.r.t. `t`: grad mode is on and `t` requires it.

@@ -60,6 +60,9 @@ struct LossOps {
   c10::OperatorHandle forward, forward_inplace;
   // Whether each ends its outputs with grad_row_unscale (after grad, which the in-place one does not return).
   bool row_unscale, inplace_row_unscale;
+  // The public op's `Tensor?` results, which the in-place forward (an op that writes an argument, whose results are
+  // plain tensors) returns empty where it leaves them out (common/schema.cpp).
+  std::vector<bool> optional_results;
 };
 
 bool returns_row_unscale(const c10::OperatorHandle& op) {
@@ -73,8 +76,10 @@ LossOps find_loss_ops(const char* name) {
   TORCH_INTERNAL_ASSERT(idx.has_value(), schema.name(), " has no inplace_backward argument");
   const auto forward = find_op(("rl_losses::_" + std::string(name) + "_forward").c_str());
   const auto inplace = find_op(("rl_losses::_" + std::string(name) + "_forward_inplace").c_str());
+  std::vector<bool> optional;
+  for (const auto& r : schema.returns()) optional.push_back(r.type()->kind() == c10::TypeKind::OptionalType);
   return {name, schema.arguments().size(), *idx, forward, inplace, returns_row_unscale(forward),
-          returns_row_unscale(inplace)};
+          returns_row_unscale(inplace), std::move(optional)};
 }
 
 // The public op's arguments moved off the stack as the forward ops take them: logits first, inplace_backward
@@ -113,6 +118,10 @@ ForwardOutputs call_forward(const LossOps& ops, std::vector<c10::IValue> args, b
   if (!inplace) {
     f.grad = f.out.back();
     f.out.pop_back();
+  } else {
+    for (size_t i = 0; i < f.out.size(); ++i) {
+      if (ops.optional_results[i] && f.out[i].dim() == 1 && f.out[i].numel() == 0) f.out[i] = at::Tensor();
+    }
   }
   return f;
 }
@@ -121,7 +130,8 @@ class FusedLossFunction : public torch::autograd::Function<FusedLossFunction> {
  public:
   // `args`: the forward op's arguments, `logits` among them (first), repeated for autograd.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, const LossOps& ops,
-                               std::vector<c10::IValue> args, bool need_grad, bool inplace) {
+                               std::vector<c10::IValue> args, bool need_grad, bool inplace,
+                               std::vector<bool>* present) {
     at::AutoDispatchBelowADInplaceOrView guard;
     ForwardOutputs f = call_forward(ops, std::move(args), need_grad, need_grad && inplace);
     std::vector<at::Tensor>& out = f.out;
@@ -131,14 +141,13 @@ class FusedLossFunction : public torch::autograd::Function<FusedLossFunction> {
     }
     if (need_grad) save_fused_grads(ctx, {f.grad}, f.row_unscale);
     ctx->saved_data["name"] = ops.name;
-    ctx->mark_non_differentiable(variable_list(out.begin() + 1, out.end()));
-    return out;
+    return non_differentiable_after_loss(ctx, std::move(out), present);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const std::string name = ctx->saved_data["name"].toStringRef();
     return {take_fused_grads(ctx, grad_outputs[0], name.c_str())[0], at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -178,8 +187,9 @@ void autograd_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit
   const at::Tensor logits_arg = args[0].toTensor();
   const bool need_grad = input_needs_grad(logits_arg);
   if (need_grad && inplace) check_inplace_target(logits_arg, ops.name.c_str());
-  for (auto& t : FusedLossFunction::apply(logits_arg, ops, std::move(args), need_grad, inplace))
-    stack->emplace_back(std::move(t));
+  std::vector<bool> present;
+  push_outputs(stack, FusedLossFunction::apply(logits_arg, ops, std::move(args), need_grad, inplace, &present),
+               present);
 }
 
 // Without autograd (inference mode, or called below the Autograd key): the forward alone, no gradient.
@@ -226,7 +236,8 @@ class LinearLossFunction : public torch::autograd::Function<LinearLossFunction> 
   // into_main_grad: the weight's gradient goes into the weight_main_grad argument.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, const LinearOps& ops,
-                               std::vector<c10::IValue> args, std::array<bool, 3> mask, bool into_main_grad) {
+                               std::vector<c10::IValue> args, std::array<bool, 3> mask, bool into_main_grad,
+                               std::vector<bool>* present) {
     at::AutoDispatchBelowADInplaceOrView guard;
     std::vector<at::Tensor> out = call_linear_forward(ops, std::move(args), mask);
     std::vector<at::Tensor> grads(out.end() - 3, out.end());
@@ -237,8 +248,7 @@ class LinearLossFunction : public torch::autograd::Function<LinearLossFunction> 
     save_fused_grads(ctx, grads);
     ctx->saved_data["name"] = ops.name;
     ctx->saved_data["into_main_grad"] = into_main_grad;
-    ctx->mark_non_differentiable(variable_list(out.begin() + 1, out.end()));
-    return out;
+    return non_differentiable_after_loss(ctx, std::move(out), present);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -250,7 +260,7 @@ class LinearLossFunction : public torch::autograd::Function<LinearLossFunction> 
                                "for an upstream gradient of 1, and the backward got another one; scale the loss "
                                "through divisor instead of scaling the returned loss");
     }
-    return {grads[0], grads[1], grads[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grads[0], grads[1], grads[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -282,8 +292,9 @@ void linear_autograd_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, tor
   const at::Tensor h = hidden, w = weight;
   std::vector<c10::IValue> args(std::make_move_iterator(first), std::make_move_iterator(stack->end()));
   torch::jit::drop(*stack, ops.n_args);
-  for (auto& t : LinearLossFunction::apply(h, w, bias, ops, std::move(args), mask, into_main_grad))
-    stack->emplace_back(std::move(t));
+  std::vector<bool> present;
+  push_outputs(stack, LinearLossFunction::apply(h, w, bias, ops, std::move(args), mask, into_main_grad, &present),
+               present);
 }
 
 template <size_t I>

@@ -46,7 +46,22 @@ PolicyOptions<T> policy_options_as(const PolicyOptions<double>& o) {
           .vespo_lambda_neg = T(o.vespo_lambda_neg)};
 }
 
-// The results of GRPO and GSPO by name: the scalars with the per-token log-probs (GSPO adds its document_ratios).
+// Which of GRPO's and GSPO's scalars a call returns: every one but the metrics of an option that is off: the
+// entropy's without compute_entropy or an entropy bonus, the KL's without ref_log_probs, the rollout correction's
+// without one, vespo's for the other loss types (rl_losses/_fake.py states the same rule for the fake kernels).
+inline std::array<bool, kPolicyScalars> policy_metrics_on(const PolicyOptions<double>& o, bool compute_entropy,
+                                                          bool has_ref_log_probs) {
+  std::array<bool, kPolicyScalars> on;
+  on.fill(true);
+  on[kPolicyEntropy] = compute_entropy || o.entropy_coefficient != 0;
+  on[kPolicyKl] = has_ref_log_probs;
+  on[kPolicyRolloutRatio] = on[kPolicyRolloutWeight] = on[kPolicyRolloutCorrected] = o.rollout_mode != kRolloutNone;
+  on[kPolicyVespoPhi] = o.loss_type == kVespo;
+  return on;
+}
+
+// The results of GRPO and GSPO by name: the scalars with the per-token log-probs (GSPO adds its document_ratios);
+// those not returned (policy_metrics_on) undefined: None.
 inline PolicyResults policy_results(const PolicyScalarOutputs& s, const at::Tensor& log_probs) {
   PolicyResults r;
   r.loss = s.t[kPolicyLoss];

@@ -18,6 +18,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -389,15 +390,27 @@ at::Tensor new_empty(at::IntArrayRef sizes, const at::TensorOptions& options);
 std::vector<at::Tensor> new_scratch(const at::TensorOptions& options,
                                     std::initializer_list<std::initializer_list<int64_t>> shapes);
 
+// Which scalars a call returns: each of those its own tensor, the others (the metrics of an option that is off,
+// policy_metrics_on) undefined, written into one buffer that the call drops (each output costs a CUDA host ~3.7 us
+// to allocate and wrap: docs/host_time.md).
 struct PolicyScalarOutputs {
   at::Tensor t[kPolicyScalars];
-  explicit PolicyScalarOutputs(const at::TensorOptions& options) {
-    for (auto& x : t) x = new_empty({}, options);
+  at::Tensor unused;  // the slots of the scalars not returned
+  PolicyScalarOutputs(const at::TensorOptions& options, const std::array<bool, kPolicyScalars>& returned) {
+    for (int k = 0; k < kPolicyScalars; ++k) {
+      if (returned[k]) {
+        t[k] = new_empty({}, options);
+      } else if (!unused.defined()) {
+        unused = new_empty({kPolicyScalars}, options);
+      }
+    }
   }
   template <typename acc_t>
   PolicyScalarPtrs<acc_t> ptrs() const {
     PolicyScalarPtrs<acc_t> out;
-    for (int k = 0; k < kPolicyScalars; ++k) out.p[k] = t[k].data_ptr<acc_t>();
+    for (int k = 0; k < kPolicyScalars; ++k) {
+      out.p[k] = t[k].defined() ? t[k].data_ptr<acc_t>() : unused.data_ptr<acc_t>() + k;
+    }
     return out;
   }
 };

@@ -1,5 +1,7 @@
 #include "common/schema.h"
 
+#include <ATen/ops/empty.h>
+
 #include <mutex>
 #include <unordered_map>
 
@@ -22,15 +24,24 @@ OpSchema& OpSchema::args(const Entries& entries) {
 }
 
 OpSchema& OpSchema::results(const Entries& entries) {
-  for (const Entry& e : entries) results_.push_back(std::string(e.type) + " " + e.name);
+  for (const Entry& e : entries) results_.push_back({e.type, e.name});
   return *this;
 }
 
 std::string OpSchema::str() const {
   std::string s = name_ + "(";
-  for (size_t i = 0; i < args_.size(); ++i) s += (i ? ", " : "") + args_[i];
+  bool writes = false;
+  for (size_t i = 0; i < args_.size(); ++i) {
+    s += (i ? ", " : "") + args_[i];
+    writes = writes || args_[i].find('!') != std::string::npos;
+  }
   s += ") -> (";
-  for (size_t i = 0; i < results_.size(); ++i) s += (i ? ", " : "") + results_[i];
+  for (size_t i = 0; i < results_.size(); ++i) {
+    // torch.compile functionalises an op that writes an argument only where its results are plain tensors: there a
+    // result the kernel may leave out is an empty tensor (Args::push_results).
+    const bool plain = writes && std::string(results_[i].first) == "Tensor?";
+    s += (i ? ", " : "") + std::string(plain ? "Tensor" : results_[i].first) + " " + results_[i].second;
+  }
   return s + ")";
 }
 
@@ -103,9 +114,16 @@ void Args::set_result(int position, at::Tensor t) {
 }
 
 void Args::push_results() {
+  // A result the kernel left out: None (results_' initial value) where the schema says `Tensor?`; an empty 1-D
+  // tensor of the first result's dtype and device in an op that writes an argument (OpSchema::str).
+  const bool plain = schema_.is_mutable() && !results_.empty() && results_[0].isTensor();
+  const at::TensorOptions first = plain ? results_[0].toTensor().options() : at::TensorOptions();
   for (size_t i = 0; i < results_.size(); ++i) {
-    TORCH_INTERNAL_ASSERT(results_[i].isTensor(), schema_.name(), ": the kernel set no result '",
-                          schema_.returns()[i].name(), "'");
+    if (plain && results_[i].isNone() && schema_.returns()[i].type()->kind() != c10::TypeKind::OptionalType) {
+      results_[i] = at::empty({0}, first);
+    }
+    TORCH_INTERNAL_ASSERT(results_[i].isTensor() || schema_.returns()[i].type()->kind() == c10::TypeKind::OptionalType,
+                          schema_.name(), ": the kernel set no result '", schema_.returns()[i].name(), "'");
     stack_->push_back(std::move(results_[i]));
   }
 }

@@ -21,6 +21,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace rl_losses {
@@ -37,6 +38,12 @@ struct OptTensorOut : OptTensor {
   using OptTensor::OptTensor;
   using OptTensor::operator=;
 };
+// A result the op may leave out (`Tensor?`: None in Python, an undefined tensor in C++), e.g. a metric whose option
+// is off: no allocation, and no tensor for the caller to wrap.
+struct MaybeTensor : at::Tensor {
+  MaybeTensor() = default;
+  MaybeTensor(at::Tensor t) : at::Tensor(std::move(t)) {}  // NOLINT: a tensor is one
+};
 
 namespace schema {
 
@@ -50,6 +57,7 @@ struct SchemaType;
 RL_LOSSES_SCHEMA_TYPE(at::Tensor, "Tensor")
 RL_LOSSES_SCHEMA_TYPE(OptTensor, "Tensor?")
 RL_LOSSES_SCHEMA_TYPE(OptTensorOut, "Tensor(a!)?")
+RL_LOSSES_SCHEMA_TYPE(MaybeTensor, "Tensor?")
 RL_LOSSES_SCHEMA_TYPE(double, "float")
 RL_LOSSES_SCHEMA_TYPE(OptDouble, "float?")
 RL_LOSSES_SCHEMA_TYPE(int64_t, "int")
@@ -93,7 +101,8 @@ class OpSchema {
 
  private:
   std::string name_;
-  std::vector<std::string> args_, results_;
+  std::vector<std::string> args_;
+  std::vector<std::pair<const char*, const char*>> results_;  // type, name
   bool keyword_ = false, defaults_ = true, first_mutable_ = false, star_written_ = false;
 };
 

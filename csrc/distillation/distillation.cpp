@@ -1,7 +1,6 @@
 #include "distillation/distillation.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
 #include <ATen/TensorUtils.h>
 
 #include <cmath>
@@ -110,17 +109,21 @@ DistillState distill_term_state(const char* op, const DistillTermArgs& a, bool* 
   if (a.mask) s.mask = check_loss_mask(op, *a.mask, logits, "logits", batch, "batch shape", a.mask_name).to(acc);
   // D: given, or the number of rows the mask keeps (all rows without one), at least 1; no host synchronisation.
   if (a.divisor) {
-    s.divisor = at::full({}, *a.divisor, opts);
+    s.divisor_value = *a.divisor;
   } else if (s.mask.defined()) {
     s.divisor = sum_1d(s.mask).clamp_min(1);
   } else {
-    s.divisor = at::full({}, static_cast<double>(std::max<int64_t>(n, 1)), opts);
+    s.divisor_value = static_cast<double>(std::max<int64_t>(n, 1));
   }
-  s.stats = at::empty({n, DistillStats<double>::kFields}, opts);
-  if (k == DistillKind::kJsd) s.jsd_sums = at::empty({n, 2}, opts);
-  s.row_loss = at::empty({n}, opts);
-  s.divergence = at::empty({n}, opts);
-  s.grad_rows = at::empty({n, kDistGradFields}, opts);
+  // The buffers between the passes in one allocation; the divergence, a result, its own.
+  const bool jsd = k == DistillKind::kJsd;
+  const std::vector<at::Tensor> scratch =
+      new_scratch(opts, {{n, DistillStats<double>::kFields}, {jsd ? n : 0, 2}, {n}, {n, kDistGradFields}});
+  s.stats = scratch[0];
+  if (jsd) s.jsd_sums = scratch[1];
+  s.row_loss = scratch[2];
+  s.grad_rows = scratch[3];
+  s.divergence = new_empty({n}, opts);
   return s;
 }
 

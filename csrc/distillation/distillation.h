@@ -26,7 +26,8 @@ struct DistillState {
   DistillOptions<double> opt;
   at::Tensor logits, teacher;  // (N, V), unit column stride (any float dtype each)
   at::Tensor mask;             // (N,) 0/1, or undefined
-  at::Tensor divisor;          // 0-dim D
+  at::Tensor divisor;          // 0-dim D where the device counts it (the mask's rows), or undefined: divisor_value
+  double divisor_value = 1.0;  // D known on the host (given, or N): no launch to fill a tensor with it
   at::Tensor stats;            // (N, 7): computed here, or given (then `stats_given`)
   at::Tensor jsd_sums;         // (N, 2) for JSD: computed here, or given (then `jsd_given`)
   bool stats_given = false, jsd_given = false;
@@ -132,7 +133,7 @@ template <typename acc_t>
 DistillRowStep<acc_t> make_distill_row_step(const DistillState& s) {
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<acc_t>() : nullptr; };
   return {distill_options_as<acc_t>(s.opt), ptr(s.stats), ptr(s.jsd_sums), ptr(s.mask),
-          ptr(s.divisor), ptr(s.row_loss), ptr(s.divergence), ptr(s.grad_rows)};
+          ptr(s.divisor), acc_t(s.divisor_value), ptr(s.row_loss), ptr(s.divergence), ptr(s.grad_rows)};
 }
 
 // Dispatch over the student's and the teacher's dtypes (fp32/bf16/fp16/fp64 each).

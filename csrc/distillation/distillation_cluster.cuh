@@ -80,7 +80,8 @@ struct DistillClusterView {
   int64_t rs, rt, rg;  // row strides (elements)
   int64_t n_rows, vocab;
   const float* mask;     // (N,) or null
-  const float* divisor;  // 0-dim D
+  const float* divisor;  // 0-dim D, or null: divisor_value
+  float divisor_value;
   float* row_loss;       // (N,)
   float* divergence;     // (N,)
   DistillOptions<float> opt;
@@ -188,7 +189,8 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
       return;
     }
     const float m = v.mask != nullptr ? v.mask[row] : 1.0f;
-    const DistillRowResult<float> r = distill_row(v.opt, all, jsd_loss, jsd_s, m / *v.divisor);
+    const float d = v.divisor != nullptr ? *v.divisor : v.divisor_value;
+    const DistillRowResult<float> r = distill_row(v.opt, all, jsd_loss, jsd_s, m / d);
 #pragma unroll
     for (int k = 0; k < kDistGradFields; ++k) table[k] = r.table[k];
     if (rank == 0) {
@@ -441,7 +443,8 @@ bool launch_distill_cluster(const DistillState& s, const Head& row_head = {}) {
     v.n_rows = n;
     v.vocab = vocab;
     v.mask = s.mask.defined() ? s.mask.const_data_ptr<float>() : nullptr;
-    v.divisor = s.divisor.const_data_ptr<float>();
+    v.divisor = s.divisor.defined() ? s.divisor.const_data_ptr<float>() : nullptr;
+    v.divisor_value = static_cast<float>(s.divisor_value);
     v.row_loss = s.row_loss.data_ptr<float>();
     v.divergence = s.divergence.data_ptr<float>();
     v.opt = distill_options_as<float>(s.opt);

@@ -195,7 +195,8 @@ struct DistillRowStep {
   const T* stats;     // (N, 7)
   const T* jsd_sums;  // (N, 2): Σ loss terms, S; or null unless kind is JSD
   const T* mask;      // (N,) 0/1, or null: every row counts
-  const T* divisor;   // 0-dim D
+  const T* divisor;   // 0-dim D, or null: divisor_value
+  T divisor_value;
   T* row_loss;        // (N,) w_t·ℓ_t / D
   T* divergence;      // (N,) ℓ_t (0 for a masked row)
   T* grad_rows;       // (N, kDistGradFields)
@@ -212,7 +213,7 @@ struct DistillRowStep {
     const bool jsd = opt.kind == DistillKind::kJsd;
     const DistillRowResult<T> r = distill_row(opt, DistillStats<T>::load(stats + i * DistillStats<T>::kFields),
                                               jsd ? jsd_sums[2 * i] : T(0), jsd ? jsd_sums[2 * i + 1] : T(0),
-                                              m / *divisor);
+                                              m / (divisor != nullptr ? *divisor : divisor_value));
     row_loss[i] = r.table[kDistWeight] * r.divergence;
     divergence[i] = r.divergence;
     for (int k = 0; k < kDistGradFields; ++k) g[k] = r.table[k];

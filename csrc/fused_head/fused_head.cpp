@@ -194,9 +194,9 @@ FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, co
       rows.divisor[k] = n_labelled;
     }
   }
-  rows.out = at::empty({f.n_rows, kHeadTerms}, opts);
-  rows.log_probs = at::empty({f.n_rows}, opts);
-  for (auto& t : rows.scalars) t = at::empty({}, opts);
+  rows.out = new_empty({f.n_rows, kHeadTerms}, opts);
+  rows.log_probs = new_empty({f.n_rows}, opts);
+  for (auto& t : rows.scalars) t = new_empty({}, opts);
 
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
   rows.labels = f.target1d;

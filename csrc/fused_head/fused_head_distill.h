@@ -30,7 +30,8 @@ struct FusedHeadDistillStep {
   const acc_t* stats;        // (N, 7) DistillStats
   const acc_t* jsd_sums;     // (N, 2), or null unless the kind is JSD
   const acc_t* mask;         // (N,) 0/1 distillation_mask, or null: every row
-  const acc_t* divisor;      // 0-dim D of the distillation term
+  const acc_t* divisor;      // 0-dim D of the distillation term, or null: divisor_value
+  acc_t divisor_value;
   const acc_t* label_logit;  // (N,) s·z at the label (any finite value where unlabelled)
   const acc_t* sum_x;        // (N,) Σ s·z, or null: no label smoothing
   acc_t* table;              // (N, kDistGradFields): the gradient pass's, its weight times distillation_weight
@@ -67,7 +68,8 @@ struct FusedHeadDistillStep {
       t[kDistLseT] = t[kDistWeight] = t[kDistConst] = acc_t(0);
       return acc_t(0);
     }
-    const DistillRowResult<acc_t> r = distill_row(opt, ds, jsd_loss, jsd_s, m / *divisor);
+    const DistillRowResult<acc_t> r =
+        distill_row(opt, ds, jsd_loss, jsd_s, m / (divisor != nullptr ? *divisor : divisor_value));
     for (int k = 0; k < kDistGradFields; ++k) t[k] = r.table[k];
     t[kDistWeight] *= weight;
     return r.table[kDistWeight] * r.divergence;  // the term's share, unweighted (as the op's row_loss)
@@ -130,6 +132,7 @@ FusedHeadDistillStep<acc_t> make_fused_head_distill_step(const FusedHeadRows& r,
   f.jsd_sums = ptr(s.jsd_sums);
   f.mask = ptr(s.mask);
   f.divisor = ptr(s.divisor);
+  f.divisor_value = acc_t(s.divisor_value);
   f.label_logit = ptr(d.label_logit);
   f.sum_x = ptr(d.sum_x);
   f.table = s.grad_rows.data_ptr<acc_t>();

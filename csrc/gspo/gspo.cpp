@@ -194,7 +194,7 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
   }
 
   // Metrics (docs/math.md), one reduction over the tokens.
-  const PolicyScalarOutputs scalars(opts);
+  const PolicyScalarOutputs scalars(opts, policy_metrics_on(g.opt, a.compute_entropy, a.ref_log_probs.has_value()));
   backend.metrics(g, scalars);
   PolicyResults results = policy_results(scalars, g.log_probs.view(target.sizes()));
   results.document_ratios = g.ratios;

@@ -54,9 +54,16 @@ def _linear_grads(a):
 
 def _register(op: str, fake) -> None:
     """Registers `fake(arguments by name) -> results by name` as the fake kernel of `op`."""
+    names = _schema.results(op)
+    # An op that writes an argument returns plain tensors: a result left out (None) is an empty one there
+    # (csrc/common/schema.cpp).
+    writes = getattr(torch.ops.rl_losses, op).default._schema.is_mutable
+
     def kernel(*args, **kwargs):
         values = fake(_schema.bind(op, args, kwargs))
-        names = _schema.results(op)
+        if writes and None in values.values():
+            first = values[names[0]]
+            values = {n: first.new_empty([0]) if v is None else v for n, v in values.items()}
         return values[names[0]] if len(names) == 1 else tuple(values[n] for n in names)
     register_fake(f"rl_losses::{op}")(kernel)
 
@@ -116,12 +123,24 @@ def _num_documents(n):
     return n if n is not None else torch.library.get_ctx().new_dynamic_size()
 
 
+# The metrics of each option, returned only where it is on (csrc/common/policy.h, policy_metrics_on: the same rule).
+_POLICY_METRICS = (("entropy", lambda a: a["compute_entropy"] or a["entropy_coefficient"] != 0),
+                   ("kl", lambda a: a["ref_log_probs"] is not None),
+                   ("rollout_ratio_mean", lambda a: a["rollout_correction"] is not None),
+                   ("rollout_weight_mean", lambda a: a["rollout_correction"] is not None),
+                   ("rollout_corrected_fraction", lambda a: a["rollout_correction"] is not None),
+                   ("vespo_phi_seq_mean", lambda a: a["loss_type"] == "vespo"))
+
+
 def _policy_results(op):
     def results(a, x, num_documents):
         out = {name: _scalar(x) for name in _schema.results(op)}
         out["log_probs"] = _like_target(x, a["target"])
         if "document_ratios" in out:
             out["document_ratios"] = _empty(x, [_num_documents(num_documents)])
+        for name, on in _POLICY_METRICS:
+            if not on(a):
+                out[name] = None
         return out
     return results
 
