@@ -182,6 +182,7 @@ FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, co
   at::Tensor n_labelled;
   const std::optional<double> divisors[kHeadGspo] = {a.label_divisor, a.z_loss_divisor, a.grpo_divisor};
   for (int k = 0; k < kHeadGspo; ++k) {
+    if (rows.weight[k] == 0) continue;  // an off term reads no divisor (FusedHeadEpilogue): no count, no fill launch
     if (divisors[k]) {
       rows.divisor[k] = at::full({}, *divisors[k], opts);
     } else if (k == kHeadZLoss) {
