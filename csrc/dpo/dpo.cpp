@@ -1,7 +1,5 @@
 #include "dpo/dpo.h"
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
 
 #include <cmath>
 #include <vector>
@@ -86,25 +84,28 @@ DpoResults dpo_forward(RowSource& src, const at::Tensor& target, const DpoArgs& 
     TORCH_CHECK(high < g.num_documents, kDpo, ": document_index holds ", high, " but ", g.num_pairs,
                 " pairs cover the documents 0 .. ", g.num_documents - 1, " (a span without a chosen/rejected pair)");
   }
-  g.divisor = at::full({}, a.divisor.value_or(static_cast<double>(g.num_pairs)), opts);
+  g.divisor = a.divisor.value_or(static_cast<double>(g.num_pairs));
   g.pairs_checked = pairs.is_cpu();
 
   RowPassArgs args = make_row_pass_args(f, a.logits_scale_factor);
+  // The buffers between the steps that no result returns, in one allocation; the results each their own.
+  const std::vector<at::Tensor> scratch = new_scratch(
+      opts, {{row_stats ? 0 : f.n_rows, 5}, {g.num_pairs, kDpoPairFields}, {g.num_documents}, {f.n_rows}});
+  g.pair_out = scratch[1];
+  g.document_coef = scratch[2];
+  g.coef = scratch[3];
   if (row_stats) {
     g.stats = *row_stats;
   } else {
-    g.stats = at::empty({f.n_rows, 5}, opts);
+    g.stats = scratch[0];
     if (f.n_rows > 0) src.run(args, false, [&](RowPassArgs& a) { backend.stats(a, g.stats); });
   }
-  g.log_probs = at::empty({f.n_rows}, opts);
-  g.safe_document = at::empty({f.n_rows}, g.document.options());
-  g.document_sums = at::empty({g.num_documents}, opts);
-  g.pair_out = at::empty({g.num_pairs, kDpoPairFields}, opts);
+  g.log_probs = new_empty({f.n_rows}, opts);
+  g.safe_document = new_empty({f.n_rows}, g.document.options());
+  g.document_sums = new_empty({g.num_documents}, opts);
   // Unchecked pairs: NaN marks the documents no pair has claimed yet (DpoPairCoverage).
-  g.document_coef = g.pairs_checked ? at::empty({g.num_documents}, opts)
-                                    : at::full({g.num_documents}, std::nan(""), opts);
-  g.coef = at::empty({f.n_rows}, opts);
-  for (auto& t : g.scalars) t = at::empty({}, opts);
+  if (!g.pairs_checked) g.document_coef.fill_(std::nan(""));
+  for (auto& t : g.scalars) t = new_empty({}, opts);
   backend.steps(g);
   if (src.wants_grad() && f.n_rows > 0) {
     args.stats_in = g.stats;

@@ -64,7 +64,7 @@ struct DpoPairStep {
   const acc_t* ref_chosen;
   const acc_t* ref_rejected;
   const acc_t* document_sums;  // (S,) π_s
-  const acc_t* divisor;        // 0-dim D
+  acc_t divisor;               // D (given, or the number of pairs: known on the host)
   acc_t* out;                  // (P, kDpoPairFields)
   acc_t* document_coef;        // (S,)
   int64_t num_documents;       // 2P
@@ -77,7 +77,7 @@ struct DpoPairStep {
     const acc_t reward_c = beta * (document_sums[c] - ref_chosen[k]);
     const acc_t reward_r = beta * (document_sums[r] - ref_rejected[k]);
     const acc_t h = reward_c - reward_r;
-    const acc_t inv_d = acc_t(1) / *divisor;
+    const acc_t inv_d = acc_t(1) / divisor;
     acc_t* o = out + k * kDpoPairFields;
     o[kDpoLoss] = -log_sigmoid(h) * inv_d;
     o[kDpoRewardChosen] = reward_c;
@@ -144,7 +144,8 @@ struct DpoState {
   double beta;
   int64_t num_pairs, num_documents;
   bool pairs_checked;  // on the host; otherwise by the pair steps on the device
-  at::Tensor stats, target, document, pairs, ref_chosen, ref_rejected, divisor;
+  double divisor;  // D
+  at::Tensor stats, target, document, pairs, ref_chosen, ref_rejected;
   at::Tensor log_probs, safe_document, document_sums, pair_out, document_coef, coef;
   at::Tensor scalars[5];  // 0-dim: loss, rewards_chosen, rewards_rejected, accuracy, margin
 };
@@ -203,7 +204,7 @@ struct DpoBackendImpl {
                                             g.document_sums.view({g.num_documents, 1}));
       Runner::for_each(g.num_pairs, DpoPairStep<T>{static_cast<T>(g.beta), g.pairs.const_data_ptr<int64_t>(),
                                                    g.ref_chosen.const_data_ptr<T>(), g.ref_rejected.const_data_ptr<T>(),
-                                                   g.document_sums.const_data_ptr<T>(), g.divisor.const_data_ptr<T>(),
+                                                   g.document_sums.const_data_ptr<T>(), static_cast<T>(g.divisor),
                                                    g.pair_out.data_ptr<T>(), g.document_coef.data_ptr<T>(),
                                                    g.num_documents});
       if (!g.pairs_checked) Runner::for_each(g.num_documents, DpoPairCoverage<T>{g.document_coef.const_data_ptr<T>()});

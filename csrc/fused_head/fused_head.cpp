@@ -1,7 +1,6 @@
 #include "fused_head/fused_head.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/TensorOperators.h>
@@ -184,10 +183,11 @@ FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, co
   for (int k = 0; k < kHeadGspo; ++k) {
     if (rows.weight[k] == 0) continue;  // an off term reads no divisor (FusedHeadEpilogue): no count, no fill launch
     if (divisors[k]) {
-      rows.divisor[k] = at::full({}, *divisors[k], opts);
+      rows.divisor_value[k] = *divisors[k];
+    } else if (k == kHeadZLoss && !rows.z_mask.defined()) {
+      rows.divisor_value[k] = static_cast<double>(std::max<int64_t>(f.n_rows, 1));
     } else if (k == kHeadZLoss) {
-      rows.divisor[k] = rows.z_mask.defined() ? sum_1d(rows.z_mask).clamp_min(1)
-                                              : at::full({}, static_cast<double>(std::max<int64_t>(f.n_rows, 1)), opts);
+      rows.divisor[k] = sum_1d(rows.z_mask).clamp_min(1);
     } else if (k == kHeadGrpo && grpo_kept.defined()) {
       rows.divisor[k] = labelled_count(grpo_kept, acc);
     } else {

@@ -44,7 +44,10 @@ struct FusedHeadEpilogue {
   CrossEntropyOptions<acc_t> ce;  // λ = 1, ε, ζ = 0, V
   PolicyOptions<acc_t> grpo;  // the GRPO term's (make_policy_options)
   acc_t weight[kHeadTerms];
-  const acc_t* divisor[kHeadTerms];  // 0-dim each; null for GSPO (its shares are divided already) and distillation
+  // Each term's D: 0-dim on the device where it counts tokens, else null and the value known on the host (given);
+  // neither for GSPO (its shares are divided already), distillation, or a term whose weight is 0.
+  const acc_t* divisor[kHeadTerms];
+  acc_t divisor_value[kHeadTerms];
   const int64_t* labels;             // (N,) the true labels (the row pass's may be a stand-in, see above)
   const acc_t* z_mask;               // (N,) 0/1: the z-loss's tokens; null: every token
   const acc_t* advantages;           // null unless the GRPO term is on
@@ -62,6 +65,8 @@ struct FusedHeadEpilogue {
     return terms(row, st, out + row * kHeadTerms, log_probs + row);
   }
 
+  C10_HOST_DEVICE acc_t d(int k) const { return divisor[k] != nullptr ? *divisor[k] : divisor_value[k]; }
+
   // The row's terms into o[kHeadTerms] and *lp (the distillation cluster kernel's CTAs but one: local ones).
   C10_HOST_DEVICE GradCoef<acc_t> terms(int64_t row, const RowStats<acc_t>& st, acc_t* o, acc_t* lp) const {
     for (int k = 0; k < kHeadTerms; ++k) o[k] = acc_t(0);
@@ -74,7 +79,7 @@ struct FusedHeadEpilogue {
     }
     const acc_t lse = st.lse();
     if (z_on) {
-      const acc_t inv_d = acc_t(1) / *divisor[kHeadZLoss];
+      const acc_t inv_d = acc_t(1) / d(kHeadZLoss);
       o[kHeadZLoss] = lse * lse * inv_d;
       g.a += acc_t(2) * lse * weight[kHeadZLoss] * inv_d;
     }
@@ -85,7 +90,7 @@ struct FusedHeadEpilogue {
     const acc_t label_lp = st.log_prob(st.label);
     *lp = label_lp;
     if (weight[kHeadLabel] != acc_t(0)) {
-      const acc_t inv_d = acc_t(1) / *divisor[kHeadLabel];
+      const acc_t inv_d = acc_t(1) / d(kHeadLabel);
       o[kHeadLabel] = cross_entropy_loss(ce, lse, label_lp, st.sum_x) * inv_d;
       const GradCoef<acc_t> t = cross_entropy_grad(ce, lse, weight[kHeadLabel] * inv_d);
       g = {g.a + t.a, g.b + t.b, g.c + t.c};
@@ -97,7 +102,7 @@ struct FusedHeadEpilogue {
       const PolicyToken<acc_t> t =
           policy_token(grpo, label_lp, old, advantages[row], ref_log_probs != nullptr,
                        ref_log_probs != nullptr ? ref_log_probs[row] : acc_t(0), rw).t;
-      const acc_t w = (loss_weights != nullptr ? loss_weights[row] : acc_t(1)) / *divisor[kHeadGrpo];
+      const acc_t w = (loss_weights != nullptr ? loss_weights[row] : acc_t(1)) / d(kHeadGrpo);
       o[kHeadGrpo] = zero_or_product(w, t.loss);  // a zero weight masks the token, even at an overflowed ratio
       const acc_t coef = zero_or_product(weight[kHeadGrpo] * w, t.coef);
       g.a += coef;
@@ -139,7 +144,8 @@ struct FusedHeadRows {
   CrossEntropyOptions<double> ce;
   PolicyOptions<double> grpo{};  // (read only with the GRPO term on)
   double weight[kHeadTerms];
-  at::Tensor divisor[kHeadTerms];
+  at::Tensor divisor[kHeadTerms];     // undefined: divisor_value
+  double divisor_value[kHeadTerms] = {};
   at::Tensor labels;  // (N,) int64, the true labels
   at::Tensor z_mask;  // (N,) or undefined
   at::Tensor advantages, old_log_probs, ref_log_probs, rollout_log_probs, loss_weights;
@@ -158,6 +164,7 @@ FusedHeadEpilogue<acc_t> make_fused_head_epilogue(const FusedHeadRows& r) {
   for (int k = 0; k < kHeadTerms; ++k) {
     e.weight[k] = acc_t(r.weight[k]);
     e.divisor[k] = ptr(r.divisor[k]);
+    e.divisor_value[k] = acc_t(r.divisor_value[k]);
   }
   e.z_mask = ptr(r.z_mask);
   e.advantages = ptr(r.advantages);
