@@ -269,7 +269,12 @@ template <DistillKind kKind, bool kDistill, typename T>
 C10_HOST_DEVICE inline T distill_head_grad(const DistillOptions<T>& o, T x, T y, T lse_s, T lse_t, T c, T sw,
                                            const DistillHeadCoef<T>& sh, bool is_label) {
   T g;
-  if constexpr (kDistill) {
+  if constexpr (kDistill && (kKind == DistillKind::kForwardKl || kKind == DistillKind::kCrossEntropy)) {
+    // sw·(Q − P) + a·Q + c as (sw + a)·Q + (c − sw·P): two multiply-adds where the other form takes a subtraction
+    // more (sw + a is the same for the whole row: hoisted out of the loop).
+    const T q = exp_nonpos(x - lse_s), p = exp_nonpos(y - lse_t);
+    g = (sw + sh.a) * q + (sh.c - sw * p);
+  } else if constexpr (kDistill) {
     const DistillGradQ<T> d = distill_grad_q<kKind>(o, x, y, lse_s, lse_t, c);
     g = sw * d.grad + (sh.a * d.q + sh.c);
   } else {
