@@ -77,6 +77,13 @@ C10_HOST_DEVICE inline T exp_nonpos(T x) {
 #endif
 }
 
+// A loss's divisor D: the 0-dim tensor's value where the device counts it (`on_device`), else the number the host
+// knew (given, or a row count: passed by value, with no launch to fill a tensor with it).
+template <typename T>
+C10_HOST_DEVICE inline T divisor_of(const T* on_device, T value) {
+  return on_device != nullptr ? *on_device : value;
+}
+
 // a·x + b·y with both products rounded before the sum, so that swapping (a, x) with (b, y) gives the same bits.
 // nvcc would contract it into fma(a, x, b·y), rounding one product only: the reductions' butterflies combine the
 // same two states in both lanes in opposite orders, and every lane (and every CTA of a cluster, which writes the

@@ -36,7 +36,7 @@ struct CrossEntropyEpilogue {
       row_loss[row] = acc_t(0);
       return {acc_t(0), acc_t(0), acc_t(0)};
     }
-    const acc_t inv_d = acc_t(1) / (divisor != nullptr ? *divisor : divisor_value);
+    const acc_t inv_d = acc_t(1) / divisor_of(divisor, divisor_value);
     row_loss[row] = cross_entropy_loss(opt, l, st.log_prob(st.label), st.sum_x) * inv_d;
     return cross_entropy_grad(opt, l, inv_d);
   }

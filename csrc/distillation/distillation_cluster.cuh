@@ -189,8 +189,8 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
       return;
     }
     const float m = v.mask != nullptr ? v.mask[row] : 1.0f;
-    const float d = v.divisor != nullptr ? *v.divisor : v.divisor_value;
-    const DistillRowResult<float> r = distill_row(v.opt, all, jsd_loss, jsd_s, m / d);
+    const DistillRowResult<float> r =
+        distill_row(v.opt, all, jsd_loss, jsd_s, m / divisor_of(v.divisor, v.divisor_value));
 #pragma unroll
     for (int k = 0; k < kDistGradFields; ++k) table[k] = r.table[k];
     if (rank == 0) {

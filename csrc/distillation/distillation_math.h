@@ -213,7 +213,7 @@ struct DistillRowStep {
     const bool jsd = opt.kind == DistillKind::kJsd;
     const DistillRowResult<T> r = distill_row(opt, DistillStats<T>::load(stats + i * DistillStats<T>::kFields),
                                               jsd ? jsd_sums[2 * i] : T(0), jsd ? jsd_sums[2 * i + 1] : T(0),
-                                              m / (divisor != nullptr ? *divisor : divisor_value));
+                                              m / divisor_of(divisor, divisor_value));
     row_loss[i] = r.table[kDistWeight] * r.divergence;
     divergence[i] = r.divergence;
     for (int k = 0; k < kDistGradFields; ++k) g[k] = r.table[k];

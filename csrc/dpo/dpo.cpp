@@ -1,6 +1,5 @@
 #include "dpo/dpo.h"
 
-
 #include <cmath>
 #include <vector>
 

@@ -44,8 +44,9 @@ struct FusedHeadEpilogue {
   CrossEntropyOptions<acc_t> ce;  // λ = 1, ε, ζ = 0, V
   PolicyOptions<acc_t> grpo;  // the GRPO term's (make_policy_options)
   acc_t weight[kHeadTerms];
-  // Each term's D: 0-dim on the device where it counts tokens, else null and the value known on the host (given);
-  // neither for GSPO (its shares are divided already), distillation, or a term whose weight is 0.
+  // Each term's D (divisor_of): 0-dim on the device where it counts tokens, else null and the value the host knew
+  // (given, or the z-loss's N); neither for GSPO (its shares are divided already), distillation, or a term whose
+  // weight is 0.
   const acc_t* divisor[kHeadTerms];
   acc_t divisor_value[kHeadTerms];
   const int64_t* labels;             // (N,) the true labels (the row pass's may be a stand-in, see above)
@@ -65,8 +66,6 @@ struct FusedHeadEpilogue {
     return terms(row, st, out + row * kHeadTerms, log_probs + row);
   }
 
-  C10_HOST_DEVICE acc_t d(int k) const { return divisor[k] != nullptr ? *divisor[k] : divisor_value[k]; }
-
   // The row's terms into o[kHeadTerms] and *lp (the distillation cluster kernel's CTAs but one: local ones).
   C10_HOST_DEVICE GradCoef<acc_t> terms(int64_t row, const RowStats<acc_t>& st, acc_t* o, acc_t* lp) const {
     for (int k = 0; k < kHeadTerms; ++k) o[k] = acc_t(0);
@@ -79,7 +78,7 @@ struct FusedHeadEpilogue {
     }
     const acc_t lse = st.lse();
     if (z_on) {
-      const acc_t inv_d = acc_t(1) / d(kHeadZLoss);
+      const acc_t inv_d = acc_t(1) / divisor_of(divisor[kHeadZLoss], divisor_value[kHeadZLoss]);
       o[kHeadZLoss] = lse * lse * inv_d;
       g.a += acc_t(2) * lse * weight[kHeadZLoss] * inv_d;
     }
@@ -90,7 +89,7 @@ struct FusedHeadEpilogue {
     const acc_t label_lp = st.log_prob(st.label);
     *lp = label_lp;
     if (weight[kHeadLabel] != acc_t(0)) {
-      const acc_t inv_d = acc_t(1) / d(kHeadLabel);
+      const acc_t inv_d = acc_t(1) / divisor_of(divisor[kHeadLabel], divisor_value[kHeadLabel]);
       o[kHeadLabel] = cross_entropy_loss(ce, lse, label_lp, st.sum_x) * inv_d;
       const GradCoef<acc_t> t = cross_entropy_grad(ce, lse, weight[kHeadLabel] * inv_d);
       g = {g.a + t.a, g.b + t.b, g.c + t.c};
@@ -102,7 +101,8 @@ struct FusedHeadEpilogue {
       const PolicyToken<acc_t> t =
           policy_token(grpo, label_lp, old, advantages[row], ref_log_probs != nullptr,
                        ref_log_probs != nullptr ? ref_log_probs[row] : acc_t(0), rw).t;
-      const acc_t w = (loss_weights != nullptr ? loss_weights[row] : acc_t(1)) / d(kHeadGrpo);
+      const acc_t w = (loss_weights != nullptr ? loss_weights[row] : acc_t(1)) /
+                      divisor_of(divisor[kHeadGrpo], divisor_value[kHeadGrpo]);
       o[kHeadGrpo] = zero_or_product(w, t.loss);  // a zero weight masks the token, even at an overflowed ratio
       const acc_t coef = zero_or_product(weight[kHeadGrpo] * w, t.coef);
       g.a += coef;

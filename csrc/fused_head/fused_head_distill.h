@@ -68,8 +68,7 @@ struct FusedHeadDistillStep {
       t[kDistLseT] = t[kDistWeight] = t[kDistConst] = acc_t(0);
       return acc_t(0);
     }
-    const DistillRowResult<acc_t> r =
-        distill_row(opt, ds, jsd_loss, jsd_s, m / (divisor != nullptr ? *divisor : divisor_value));
+    const DistillRowResult<acc_t> r = distill_row(opt, ds, jsd_loss, jsd_s, m / divisor_of(divisor, divisor_value));
     for (int k = 0; k < kDistGradFields; ++k) t[k] = r.table[k];
     t[kDistWeight] *= weight;
     return r.table[kDistWeight] * r.divergence;  // the term's share, unweighted (as the op's row_loss)

@@ -50,7 +50,7 @@ struct TopkEpilogue {
     }
     const acc_t* pr = prep + row * kTopkPrepFields;
     const TopkRowResult<acc_t> r = topk_row(opt, tail, pr, st.lse(), g);
-    const acc_t w = acc_t(1) / (divisor != nullptr ? *divisor : divisor_value);
+    const acc_t w = acc_t(1) / divisor_of(divisor, divisor_value);
     g[kTopkW] = w;
     row_loss[row] = w * r.loss;
     divergence[row] = r.loss;
