@@ -8,6 +8,7 @@ import torch
 from torch.library import register_fake
 
 from rl_losses import _checks, _checks_heads, _schema
+from rl_losses._inputs import _OPTIONAL, _metrics_on
 from rl_losses._schema import DISTILL_STATS, GSPO_SUMS, ROW_STATS
 
 
@@ -123,24 +124,17 @@ def _num_documents(n):
     return n if n is not None else torch.library.get_ctx().new_dynamic_size()
 
 
-# The metrics of each option, returned only where it is on (csrc/common/policy.h, policy_metrics_on: the same rule).
-_POLICY_METRICS = (("entropy", lambda a: a["compute_entropy"] or a["entropy_coefficient"] != 0),
-                   ("kl", lambda a: a["ref_log_probs"] is not None),
-                   ("rollout_ratio_mean", lambda a: a["rollout_correction"] is not None),
-                   ("rollout_weight_mean", lambda a: a["rollout_correction"] is not None),
-                   ("rollout_corrected_fraction", lambda a: a["rollout_correction"] is not None),
-                   ("vespo_phi_seq_mean", lambda a: a["loss_type"] == "vespo"))
-
-
 def _policy_results(op):
     def results(a, x, num_documents):
         out = {name: _scalar(x) for name in _schema.results(op)}
         out["log_probs"] = _like_target(x, a["target"])
         if "document_ratios" in out:
             out["document_ratios"] = _empty(x, [_num_documents(num_documents)])
-        for name, on in _POLICY_METRICS:
-            if not on(a):
-                out[name] = None
+        # The metrics of an option that is off are not returned (csrc/common/policy.h, policy_metrics_on: the rule
+        # the wrappers read too).
+        for names, on in zip(_OPTIONAL, _metrics_on(op, a)):
+            if not on:
+                out.update(dict.fromkeys(names))
         return out
     return results
 

@@ -111,7 +111,8 @@ _CONVERTED = _DIVISORS | {"rollout_mask_bounds", *_SAMPLER}
 _FIELDS = PolicyLossOutput._fields
 _LAYOUTS = {op: tuple(_schema.results(op).index(f) if f in _schema.results(op) else None for f in _FIELDS[:-1])
             for op in ("grpo", "gspo", "linear_grpo", "linear_gspo")}
-# The metrics of each option, None where it is off: the entropy, the KL, the rollout correction, vespo.
+# The metrics of each option, None where it is off: the entropy, the KL, the rollout correction, vespo (the ops'
+# own rule, csrc/common/policy.h: policy_metrics_on; the fake kernels read these too).
 _OPTIONAL = (("entropy",), ("kl",), ("rollout_ratio_mean", "rollout_weight_mean", "rollout_corrected_fraction"),
              ("vespo_phi_seq_mean",))
 
