@@ -171,3 +171,60 @@ def test_device_mismatch():
     logits, target, advantages, old, _ = make_inputs((4,), 7, torch.float32, "cuda", masked=0.0)
     with pytest.raises((RuntimeError, ValueError), match="advantages is on cpu"):
         rl_losses.grpo_loss(logits, target, advantages.cpu(), old)
+
+
+# ---- the metrics of an option that is off are not made ---------------------------------------------------------
+_OPTION_METRICS = ("entropy", "kl", "rollout_ratio_mean", "rollout_weight_mean", "rollout_corrected_fraction",
+                   "vespo_phi_seq_mean")
+
+
+def _metric_calls(op, device, meta):
+    """`call(logits, **options)` of the raw op `op` and the options that turn every option metric but vespo's on
+    (on meta tensors: the fake kernel)."""
+    logits, target, advantages, old, ref = make_inputs((8,), 20, torch.float32, device, masked=0.2)
+    doc = torch.arange(8, device=device) // 4
+    move = (lambda t: t.to("meta")) if meta else (lambda t: t)
+    logits, target, advantages, old, ref, doc = map(move, (logits, target, advantages, old, ref, doc))
+    tail = (doc,) if op == "gspo" else ()
+    known = dict(num_documents=2) if op == "gspo" else {}  # (meta tensors: no data-dependent document count)
+    on = dict(compute_entropy=True, ref_log_probs=ref, beta=0.05, rollout_correction="token_truncate",
+              rollout_log_probs=old - 0.1)
+    return logits, (lambda x, **o: getattr(_ops, op)(x, target, advantages, old, *tail, **known, **o)), on
+
+
+@pytest.mark.parametrize("op", ["grpo", "gspo"])
+@pytest.mark.parametrize("path", ["no_grad", "autograd", "inplace", "meta"])
+def test_option_metrics_are_none_where_the_option_is_off(op, path, device):
+    logits, call, on = _metric_calls(op, device, path == "meta")
+    names = rl_losses._schema.results(op)
+
+    def run(**options):
+        if path in ("no_grad", "meta"):
+            return call(logits, **options)
+        x = logits.clone().requires_grad_()
+        if path == "inplace":
+            return call(x * 1, inplace_backward=True, **options)
+        return call(x, **options)
+
+    off, all_on = dict(zip(names, run())), dict(zip(names, run(**on)))
+    for name in names:
+        if name in _OPTION_METRICS:
+            assert off[name] is None, (name, off[name])
+            assert (all_on[name] is None) == (name == "vespo_phi_seq_mean"), (name, all_on[name])
+        else:
+            assert isinstance(off[name], torch.Tensor) and isinstance(all_on[name], torch.Tensor), name
+    for name in _OPTION_METRICS[:-1]:
+        assert all_on[name].dim() == 0 and (path == "meta" or torch.isfinite(all_on[name]))
+
+
+def test_lm_head_ops_return_empty_tensors_for_off_metrics(device):
+    # linear_grpo may write weight_main_grad: its results stay plain tensors (torch.compile's functionalisation),
+    # and the wrapper still says None.
+    _, target, advantages, old, _ = make_inputs((8,), 20, torch.float32, device, masked=0.2)
+    hidden = torch.randn(8, 16, device=device, requires_grad=True)
+    weight = torch.randn(20, 16, device=device, requires_grad=True)
+    out = dict(zip(rl_losses._schema.results("linear_grpo"), _ops.linear_grpo(hidden, weight, target, advantages, old)))
+    for name in _OPTION_METRICS:
+        assert out[name].shape == (0,), (name, out[name])
+    wrapped = rl_losses.linear_grpo_loss(hidden, weight, target, advantages, old)
+    assert all(getattr(wrapped, name) is None for name in _OPTION_METRICS)
