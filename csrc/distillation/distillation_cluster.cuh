@@ -63,13 +63,14 @@ constexpr int kDistillMaxPieces = 12;
 // The row step of the distillation op: no other terms. A head (the fused head's, fused_head_distill.h) has kOn and
 //   cluster_distill(row, stats, jsd_loss, jsd_s, write, table): the distillation term's output (written where
 //       `write`: one CTA of the cluster) and its gradient table;
-//   cluster_others(row, stats, write, coef): the other terms' outputs and coefficients (distill_head_grad), run by
-//       warp 1 beside warp 0's cluster_distill;
+//   cluster_others(row, stats, write, coef, part): the other terms' outputs and coefficients (distill_head_grad) in
+//       kParts parts, part p run by warp 1 + p beside warp 0's cluster_distill, the parts' coefficients then added;
 //   label(row): the label those read;
 //   prefetch(row): a hint at the row's start (its per-row inputs, read by cluster_others once the statistics are in);
 // it reads its own mask (the kernel then reads every row), and indexes its arrays by the row of the whole call.
 struct DistillNoHead {
   static constexpr bool kOn = false;
+  static constexpr int kParts = 0;
 };
 
 template <typename student_t, typename teacher_t, typename Head = DistillNoHead>
@@ -127,7 +128,7 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
   __shared__ Stats jsd_stats;           // JSD: the row's statistics between steps 1 and 3
   __shared__ float lse_shared[2];       // JSD: the log-normalisers for step 2
   __shared__ float table[kDistGradFields];
-  __shared__ float head_coef[kDistHeadFields];  // a head's (a, b, c)
+  __shared__ float head_coef[Head::kParts > 0 ? Head::kParts : 1][kDistHeadFields];  // a head's parts' (a, b, c)
 
   const int64_t begin = static_cast<int64_t>(rank) * v.slice_cols;
   const int n_cols = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(v.vocab - begin, v.slice_cols)));
@@ -249,15 +250,15 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
     const unsigned slot_phase = static_cast<unsigned>((it >> 1) & 1);
     if (threadIdx.x == 0) mbarrier_arrive_expect(&gathered_full[q], n_ctas * static_cast<unsigned>(sizeof(Stats)));
     if (threadIdx.x < n_ctas) send_to_rank(&gathered[q][rank], st, &gathered_full[q], threadIdx.x);
-    // Warp 0 combines the CTAs' statistics and runs the row step; with a head, warp 1 does the same and runs the
-    // head's other terms at the same time.
-    if (threadIdx.x < (Head::kOn ? 64 : 32)) {
-      const int lane = threadIdx.x % 32;
+    // Warp 0 combines the CTAs' statistics and runs the row step; with a head, warps 1 to kParts do the same and
+    // run the parts of the head's other terms at the same time.
+    if (threadIdx.x < 32 * (1 + Head::kParts)) {
+      const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
       mbarrier_wait(&gathered_full[q], slot_phase);
       Stats all = lane < n_ctas ? gathered[q][lane] : Stats::empty();
       for (int m = ctas_pow2 / 2; m > 0; m >>= 1) all = Stats::combine(all, shfl_xor(all, m));
       if constexpr (Head::kOn) {
-        if (threadIdx.x == 32) v.head.cluster_others(row + v.row0, all, rank == 0, head_coef);
+        if (lane == 0 && warp > 0) v.head.cluster_others(row + v.row0, all, rank == 0, head_coef[warp - 1], warp - 1);
       }
       if (threadIdx.x == 0) {
         if constexpr (kKind == DistillKind::kJsd) {
@@ -310,7 +311,9 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
     DistillHeadCoef<float> h{0.0f, 0.0f, 0.0f};
     int label = -1;
     if constexpr (Head::kOn) {
-      h = DistillHeadCoef<float>::load(head_coef);
+      h = DistillHeadCoef<float>::load(head_coef[0]);
+#pragma unroll
+      for (int p = 1; p < Head::kParts; ++p) h = h.plus(DistillHeadCoef<float>::load(head_coef[p]));
       const int64_t col = v.head.label(row + v.row0) - begin;
       if (col >= 0 && col < n_cols) label = static_cast<int>(col);
     }

@@ -257,6 +257,7 @@ struct DistillHeadCoef {
   T a, b, c;
   C10_HOST_DEVICE static DistillHeadCoef load(const T* p) { return {p[kHeadCoefA], p[kHeadCoefB], p[kHeadCoefC]}; }
   C10_HOST_DEVICE bool zero() const { return a == T(0) && b == T(0) && c == T(0); }
+  C10_HOST_DEVICE DistillHeadCoef plus(const DistillHeadCoef& o) const { return {a + o.a, b + o.b, c + o.c}; }
   // The coefficients times the gradient's factor s, so that an element's sum takes no further product.
   C10_HOST_DEVICE DistillHeadCoef scaled(T s) const { return {s * a, s * b, s * c}; }
 };

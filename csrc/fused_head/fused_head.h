@@ -29,6 +29,8 @@
 namespace rl_losses {
 
 enum FusedHeadTerm : int { kHeadLabel = 0, kHeadZLoss, kHeadGrpo, kHeadGspo, kHeadDistill, kHeadTerms };
+// FusedHeadEpilogue::part's parts: the terms but distillation in two dependent chains.
+enum FusedHeadPart : int { kHeadLabelPart = 0, kHeadPolicyPart, kHeadParts };
 
 // A row that no term uses (no label and no z-loss) is skipped unread, as GRPO alone skips it. The z-loss also
 // covers unlabelled tokens (its own mask): the row pass gets a stand-in label 0 on those rows, so that they
@@ -66,56 +68,68 @@ struct FusedHeadEpilogue {
     return terms(row, st, out + row * kHeadTerms, log_probs + row);
   }
 
-  // The row's terms into o[kHeadTerms] and *lp (the distillation cluster kernel's CTAs but one: local ones).
+  // The row's terms into o[kHeadTerms] and *lp (the distillation cluster kernel's CTAs but one: local ones): the
+  // label part's, then the policy part's coefficients added (the same bits as adding the policy term's to the label
+  // part's sum in place: GRPO and GSPO are exclusive, so the policy part holds one term).
   C10_HOST_DEVICE GradCoef<acc_t> terms(int64_t row, const RowStats<acc_t>& st, acc_t* o, acc_t* lp) const {
-    for (int k = 0; k < kHeadTerms; ++k) o[k] = acc_t(0);
+    o[kHeadDistill] = acc_t(0);
+    const GradCoef<acc_t> g = part<kHeadLabelPart>(row, st, o, lp);
+    const GradCoef<acc_t> p = part<kHeadPolicyPart>(row, st, o, lp);
+    return {g.a + p.a, g.b + p.b, g.c + p.c};
+  }
+
+  // The terms in two parts, each a dependent chain of its own from the row's statistics: the label CE and the z-loss
+  // (kHeadLabelPart: o[kHeadLabel], o[kHeadZLoss] and *lp), the policy term (kHeadPolicyPart: o[kHeadGrpo],
+  // o[kHeadGspo]). The distillation cluster kernel runs each in a warp of its own, so that the row, which every
+  // warp of the cluster waits for, takes the longest chain rather than their sum.
+  template <int kPart>
+  C10_HOST_DEVICE GradCoef<acc_t> part(int64_t row, const RowStats<acc_t>& st, acc_t* o, acc_t* lp) const {
     GradCoef<acc_t> g{acc_t(0), acc_t(0), acc_t(0)};
     const int64_t label = labels[row];
-    const bool z_on = weight[kHeadZLoss] != acc_t(0) && (z_mask == nullptr || z_mask[row] != acc_t(0));
-    if (label < 0 && !z_on) {
-      *lp = acc_t(0);
+    if constexpr (kPart == kHeadLabelPart) {
+      o[kHeadLabel] = o[kHeadZLoss] = *lp = acc_t(0);
+      const bool z_on = weight[kHeadZLoss] != acc_t(0) && (z_mask == nullptr || z_mask[row] != acc_t(0));
+      if (label < 0 && !z_on) return g;
+      const acc_t lse = st.lse();
+      if (z_on) {
+        const acc_t inv_d = acc_t(1) / divisor_of(divisor[kHeadZLoss], divisor_value[kHeadZLoss]);
+        o[kHeadZLoss] = lse * lse * inv_d;
+        g.a += acc_t(2) * lse * weight[kHeadZLoss] * inv_d;
+      }
+      if (label < 0) return g;
+      const acc_t label_lp = st.log_prob(st.label);
+      *lp = label_lp;
+      if (weight[kHeadLabel] != acc_t(0)) {
+        const acc_t inv_d = acc_t(1) / divisor_of(divisor[kHeadLabel], divisor_value[kHeadLabel]);
+        o[kHeadLabel] = cross_entropy_loss(ce, lse, label_lp, st.sum_x) * inv_d;
+        const GradCoef<acc_t> t = cross_entropy_grad(ce, lse, weight[kHeadLabel] * inv_d);
+        g = {g.a + t.a, g.b + t.b, g.c + t.c};
+      }
+      return g;
+    } else {
+      o[kHeadGrpo] = o[kHeadGspo] = acc_t(0);
+      if (label < 0) return g;
+      if (weight[kHeadGrpo] != acc_t(0)) {
+        // The rollout weight of log ρ = old − rollout, as GrpoEpilogue's (1 without a correction).
+        const acc_t old = old_log_probs[row];
+        const acc_t rw = rollout_log_probs != nullptr ? rollout_weight(grpo, old - rollout_log_probs[row]) : acc_t(1);
+        const PolicyToken<acc_t> t =
+            policy_token(grpo, st.log_prob(st.label), old, advantages[row], ref_log_probs != nullptr,
+                         ref_log_probs != nullptr ? ref_log_probs[row] : acc_t(0), rw).t;
+        const acc_t w = (loss_weights != nullptr ? loss_weights[row] : acc_t(1)) /
+                        divisor_of(divisor[kHeadGrpo], divisor_value[kHeadGrpo]);
+        o[kHeadGrpo] = zero_or_product(w, t.loss);  // a zero weight masks the token, even at an overflowed ratio
+        const acc_t coef = zero_or_product(weight[kHeadGrpo] * w, t.coef);
+        g = {coef, -coef, acc_t(0)};
+      }
+      if (weight[kHeadGspo] != acc_t(0)) {
+        // The token's share κ_t·f(R_s, A)/D and its coefficient, as the GSPO op computes them (0 off the documents).
+        o[kHeadGspo] = gspo_out[row * kGspoTokenFields + kGspoTokenLoss];
+        const acc_t coef = weight[kHeadGspo] * gspo_coef[row];
+        g = {coef, -coef, acc_t(0)};
+      }
       return g;
     }
-    const acc_t lse = st.lse();
-    if (z_on) {
-      const acc_t inv_d = acc_t(1) / divisor_of(divisor[kHeadZLoss], divisor_value[kHeadZLoss]);
-      o[kHeadZLoss] = lse * lse * inv_d;
-      g.a += acc_t(2) * lse * weight[kHeadZLoss] * inv_d;
-    }
-    if (label < 0) {
-      *lp = acc_t(0);
-      return g;
-    }
-    const acc_t label_lp = st.log_prob(st.label);
-    *lp = label_lp;
-    if (weight[kHeadLabel] != acc_t(0)) {
-      const acc_t inv_d = acc_t(1) / divisor_of(divisor[kHeadLabel], divisor_value[kHeadLabel]);
-      o[kHeadLabel] = cross_entropy_loss(ce, lse, label_lp, st.sum_x) * inv_d;
-      const GradCoef<acc_t> t = cross_entropy_grad(ce, lse, weight[kHeadLabel] * inv_d);
-      g = {g.a + t.a, g.b + t.b, g.c + t.c};
-    }
-    if (weight[kHeadGrpo] != acc_t(0)) {
-      // The rollout weight of log ρ = old − rollout, as GrpoEpilogue's (1 without a correction).
-      const acc_t old = old_log_probs[row];
-      const acc_t rw = rollout_log_probs != nullptr ? rollout_weight(grpo, old - rollout_log_probs[row]) : acc_t(1);
-      const PolicyToken<acc_t> t =
-          policy_token(grpo, label_lp, old, advantages[row], ref_log_probs != nullptr,
-                       ref_log_probs != nullptr ? ref_log_probs[row] : acc_t(0), rw).t;
-      const acc_t w = (loss_weights != nullptr ? loss_weights[row] : acc_t(1)) /
-                      divisor_of(divisor[kHeadGrpo], divisor_value[kHeadGrpo]);
-      o[kHeadGrpo] = zero_or_product(w, t.loss);  // a zero weight masks the token, even at an overflowed ratio
-      const acc_t coef = zero_or_product(weight[kHeadGrpo] * w, t.coef);
-      g.a += coef;
-      g.b -= coef;
-    }
-    if (weight[kHeadGspo] != acc_t(0)) {
-      // The token's share κ_t·f(R_s, A)/D and its coefficient, as the GSPO op computes them (0 off the documents).
-      o[kHeadGspo] = gspo_out[row * kGspoTokenFields + kGspoTokenLoss];
-      const acc_t coef = weight[kHeadGspo] * gspo_coef[row];
-      g.a += coef;
-      g.b -= coef;
-    }
-    return g;
   }
 };
 

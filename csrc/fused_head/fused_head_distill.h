@@ -53,11 +53,13 @@ struct FusedHeadDistillStep {
   }
   // The terms but distillation: their shares into o (o[kHeadDistill] = 0) and *lp, their coefficients into h.
   C10_HOST_DEVICE void others(int64_t i, const DistillStats<acc_t>& ds, acc_t* o, acc_t* lp, acc_t* h) const {
-    const RowStats<acc_t> st{ds.ms, ds.ss, acc_t(0), sum_x != nullptr ? sum_x[i] : acc_t(0), label_logit[i]};
-    const GradCoef<acc_t> g = head.terms(i, st, o, lp);
+    const GradCoef<acc_t> g = head.terms(i, row_stats(i, ds), o, lp);
     h[kHeadCoefA] = g.a;
     h[kHeadCoefB] = g.b;
     h[kHeadCoefC] = g.c;
+  }
+  C10_HOST_DEVICE RowStats<acc_t> row_stats(int64_t i, const DistillStats<acc_t>& ds) const {
+    return {ds.ms, ds.ss, acc_t(0), sum_x != nullptr ? sum_x[i] : acc_t(0), label_logit[i]};
   }
   // The distillation term: its gradient table into t; returns its share.
   C10_HOST_DEVICE acc_t distill(int64_t i, const DistillStats<acc_t>& ds, acc_t jsd_loss, acc_t jsd_s,
@@ -74,17 +76,27 @@ struct FusedHeadDistillStep {
     return r.table[kDistWeight] * r.divergence;  // the term's share, unweighted (as the op's row_loss)
   }
 
-  // The cluster kernel's calls, each in its own warp so that the row, which every CTA's warps wait for, takes the
-  // longer of the two rather than their sum. Outputs are written where `write` (one CTA of the cluster); into
-  // locals first: no global store between the row's loads (which may then be issued together).
-  C10_HOST_DEVICE void cluster_others(int64_t i, const DistillStats<acc_t>& ds, bool write, acc_t* h) const {
+  // The cluster kernel's calls, each in its own warp (cluster_others: one per part of the other terms) so that the
+  // row, which every CTA's warps wait for, takes the longest of the chains rather than their sum. Outputs are
+  // written where `write` (one CTA of the cluster); into locals first: no global store between the row's loads
+  // (which may then be issued together). The kernel adds the parts' coefficients in order, as terms() does.
+  static constexpr int kParts = kHeadParts;
+  C10_HOST_DEVICE void cluster_others(int64_t i, const DistillStats<acc_t>& ds, bool write, acc_t* h, int part) const {
     acc_t o[kHeadTerms], lp;
-    others(i, ds, o, &lp, h);
+    const GradCoef<acc_t> g = part == kHeadLabelPart ? head.template part<kHeadLabelPart>(i, row_stats(i, ds), o, &lp)
+                                                     : head.template part<kHeadPolicyPart>(i, row_stats(i, ds), o, &lp);
+    h[kHeadCoefA] = g.a;
+    h[kHeadCoefB] = g.b;
+    h[kHeadCoefC] = g.c;
     if (!write) return;
-    for (int k = 0; k < kHeadTerms; ++k) {
-      if (k != kHeadDistill) head.out[i * kHeadTerms + k] = o[k];
+    if (part == kHeadLabelPart) {
+      head.out[i * kHeadTerms + kHeadLabel] = o[kHeadLabel];
+      head.out[i * kHeadTerms + kHeadZLoss] = o[kHeadZLoss];
+      head.log_probs[i] = lp;
+    } else {
+      head.out[i * kHeadTerms + kHeadGrpo] = o[kHeadGrpo];
+      head.out[i * kHeadTerms + kHeadGspo] = o[kHeadGspo];
     }
-    head.log_probs[i] = lp;
   }
   C10_HOST_DEVICE void cluster_distill(int64_t i, const DistillStats<acc_t>& ds, acc_t jsd_loss, acc_t jsd_s,
                                        bool write, acc_t* t) const {
