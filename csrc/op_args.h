@@ -301,14 +301,15 @@
   RL_LOSSES_DISTILL_KIND(X) RL_LOSSES_DISTILL_BETA_NAMED(X, distillation_beta) RL_LOSSES_DISTILL_TEMPERATURE(X) \
   X(OptTensor, distillation_mask, None)                                                                 \
   X(OptDouble, distillation_divisor, None)
+// A term's loss is None where its weight is 0 (the term is not computed).
 #define RL_LOSSES_FUSED_HEAD_RESULTS(X) \
   X(at::Tensor, loss, )                 \
-  X(at::Tensor, label_loss, )           \
-  X(at::Tensor, z_loss, )               \
-  X(at::Tensor, grpo_loss, )            \
+  X(MaybeTensor, label_loss, )          \
+  X(MaybeTensor, z_loss, )              \
+  X(MaybeTensor, grpo_loss, )           \
   X(at::Tensor, log_probs, )            \
-  X(at::Tensor, gspo_loss, )            \
-  X(at::Tensor, distillation_loss, )
+  X(MaybeTensor, gspo_loss, )           \
+  X(MaybeTensor, distillation_loss, )
 
 namespace rl_losses {
 

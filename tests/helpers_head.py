@@ -11,6 +11,16 @@ from helpers import assert_grad_close
 WEIGHTS = {"label": 0.7, "z_loss": 0.3, "grpo": 1.4, "gspo": 1.4}
 
 
+def assert_terms_close(out, ref, names, dtype, msg_prefix="", **kwargs):
+    """Each of the FusedHeadOutput fields `names` of the head against the reference's: None in both (a term of weight
+    0 is not computed) or close."""
+    for name in names:
+        a, b = getattr(out, name), getattr(ref, name)
+        assert (a is None) == (b is None), f"{msg_prefix}{name}: {a} against the reference's {b}"
+        if a is not None:
+            assert_close(a.detach(), b.detach(), dtype, msg=msg_prefix + name, **kwargs)
+
+
 def other_term_kwargs(terms, target, options):
     """fused_head_loss's keyword arguments of the label and z-loss terms among `terms` (and the scale)."""
     kwargs = dict(logits_scale_factor=options.get("logits_scale_factor", 1.0))

@@ -15,7 +15,8 @@ from rl_losses.fused_head import fused_head_loss
 from conftest import assert_close
 from helpers import (assert_compiled_matches_eager, assert_grad_close, gradcheck_fresh, label_log_probs64,
                      make_logits, make_target, param_id as _id)
-from helpers_head import WEIGHTS, head_equals_separate_modules, head_equals_separate_ops, other_term_kwargs
+from helpers_head import (WEIGHTS, assert_terms_close, head_equals_separate_modules, head_equals_separate_ops,
+                          other_term_kwargs)
 
 _ops = torch.ops.rl_losses
 TERMS = ("label", "z_loss", "grpo")
@@ -70,8 +71,7 @@ def test_equals_the_sum_of_the_separate_ops(terms, vocab, dtype, option, device)
         z_rows = kwargs["z_loss_mask"] if kwargs["z_loss_mask"] is not None else torch.ones_like(target, dtype=bool)
         assert torch.count_nonzero(grad[(target < 0) & ~z_rows]) == 0
     (ref.loss * 1.3).backward()
-    for name in ("loss", "label_loss", "z_loss", "grpo_loss", "log_probs"):
-        assert_close(getattr(out, name).detach(), getattr(ref, name).detach(), dtype, msg=name)
+    assert_terms_close(out, ref, ("loss", "label_loss", "z_loss", "grpo_loss", "log_probs"), dtype)
     assert_grad_close(grad, z.grad, dtype)
     if "z_loss" not in terms:
         assert torch.count_nonzero(grad[target < 0]) == 0
@@ -97,8 +97,7 @@ def test_reads_only_the_rows_its_terms_use(z_mask, vocab, device):
     ref = reference.fused_head_loss(z, target, **{k: v.double() if isinstance(v, torch.Tensor) and
                                                    v.is_floating_point() else v for k, v in kwargs.items()})
     (ref.loss * 0.9).backward()
-    for name in ("loss", "label_loss", "z_loss", "grpo_loss", "log_probs"):
-        assert_close(getattr(out, name).detach(), getattr(ref, name).detach(), torch.float32, msg=name)
+    assert_terms_close(out, ref, ("loss", "label_loss", "z_loss", "grpo_loss", "log_probs"), torch.float32)
     assert_grad_close(x.grad, z.grad, torch.float32)
     assert torch.count_nonzero(x.grad[unused]) == 0
     assert torch.count_nonzero(x.grad[(target < 0) & z_rows]) == ((target < 0) & z_rows).sum() * vocab
@@ -116,6 +115,36 @@ def test_inplace_backward_matches(device):
     out_inplace.loss.backward()
     torch.testing.assert_close(out_inplace.loss, out.loss)
     torch.testing.assert_close(y.grad, x.grad)
+
+
+@pytest.mark.parametrize("path", ["autograd", "no_grad", "inplace", "meta", "forward_backward"])
+@pytest.mark.parametrize("terms", [("label",), ("z_loss",), ("label", "grpo"), TERMS], ids="+".join)
+def test_terms_of_weight_0_are_none(terms, path, device):
+    """A term whose weight is 0 is not computed and its loss is None on every path (the op makes no output for it);
+    the others are 0-dim tensors equal to the float64 reference's."""
+    inputs = make_inputs((3, 4), 30, torch.float32, device)
+    logits, target = inputs[:2]
+    kwargs = head_kwargs(terms, inputs, {})
+    x = logits.clone().requires_grad_()
+    if path == "no_grad":
+        out = fused_head_loss(logits, target, **kwargs)
+    elif path == "inplace":
+        out = fused_head_loss(x * 1.0, target, inplace_backward=True, **kwargs)
+    elif path == "meta":
+        out = fused_head_loss(logits.to("meta"), target.to("meta"),
+                              **{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    elif path == "forward_backward":
+        out, _ = rl_losses.forward_backward(fused_head_loss, logits, target, **kwargs)
+    else:
+        out = fused_head_loss(x, target, **kwargs)
+    on = {"label_loss": "label" in terms, "z_loss": "z_loss" in terms, "grpo_loss": "grpo" in terms,
+          "gspo_loss": False, "distillation_loss": False}
+    for name, is_on in on.items():
+        assert (getattr(out, name) is not None) == is_on, (name, getattr(out, name))
+    if path != "meta":
+        ref = reference.fused_head_loss(logits.double(), target, **{
+            k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kwargs.items()})
+        assert_terms_close(out, ref, ("loss", *on), torch.float32)
 
 
 def test_gradcheck(device):

@@ -11,11 +11,13 @@ import rl_losses
 import rl_losses.fused_head
 from rl_losses import reference
 from rl_losses.fused_head import fused_head_loss
+from rl_losses.outputs import FusedHeadOutput
 
 from conftest import assert_close
 from helpers import (assert_compiled_matches_eager, assert_fake_rejects_like_real, assert_grad_close, gradcheck_fresh,
                      label_log_probs64, make_logits, make_target, param_id as _id, to64)
-from helpers_head import WEIGHTS, head_equals_separate_modules, head_equals_separate_ops, other_term_kwargs
+from helpers_head import (WEIGHTS, assert_terms_close, head_equals_separate_modules, head_equals_separate_ops,
+                          other_term_kwargs)
 
 _ops = torch.ops.rl_losses
 OTHERS = ("label", "z_loss")
@@ -82,10 +84,9 @@ def test_equals_the_sum_of_the_separate_ops(terms, vocab, dtype, option, device)
     out, grad = head_equals_separate_ops(logits, target, kwargs, dtype, len(terms))
     z, ref = reference_of(logits, target, kwargs)
     (ref.loss * 1.3).backward()
-    for name in TERM_NAMES:
-        assert_close(getattr(out, name).detach(), getattr(ref, name).detach(), dtype, msg=name)
+    assert_terms_close(out, ref, TERM_NAMES, dtype)
     assert_grad_close(grad, z.grad, dtype)
-    assert out.gspo_loss != 0 and out.grpo_loss == 0
+    assert out.gspo_loss != 0 and out.grpo_loss is None  # weight 0: not computed
     if "z_loss" not in terms:  # unlabelled rows get no gradient (padding rows with a label get CE's only)
         assert torch.count_nonzero(grad[target < 0]) == 0
 
@@ -107,8 +108,7 @@ def test_reads_only_the_rows_its_terms_use(z_mask, device):
     (out.loss * 0.9).backward()
     z, ref = reference_of(logits, target, kwargs)
     (ref.loss * 0.9).backward()
-    for name in TERM_NAMES:
-        assert_close(getattr(out, name).detach(), getattr(ref, name).detach(), torch.float32, msg=name)
+    assert_terms_close(out, ref, TERM_NAMES, torch.float32)
     assert_grad_close(x.grad, z.grad, torch.float32)
     assert torch.count_nonzero(x.grad[unused]) == 0
     assert torch.count_nonzero(x.grad[(target < 0) & z_rows]) == ((target < 0) & z_rows).sum() * 97
@@ -129,8 +129,7 @@ def test_given_statistics_and_a_shard(device):
         x = logits[..., cols].clone().requires_grad_()
         out = _ops.fused_head(x, target, row_stats=stats, vocab_start=cols.start, vocab_size=40, **kwargs)
         out[0].backward()
-        for k, name in enumerate(("loss", "label_loss", "z_loss", "grpo_loss", "log_probs", "gspo_loss")):
-            assert_close(out[k].detach(), getattr(ref, name).detach(), torch.float32, msg=f"{name} {cols}")
+        assert_terms_close(FusedHeadOutput._make(out), ref, TERM_NAMES, torch.float32, msg_prefix=f"{cols} ")
         assert_grad_close(x.grad, z.grad[..., cols], torch.float32, natural_scale=1 / target.numel())
 
 
@@ -238,8 +237,9 @@ def test_fake_outputs_match():
     fake = _ops.fused_head(logits.to("meta"), target.to("meta"), gspo_weight=1.0, label_weight=1.0,
                                 **{k: v.to("meta") for k, v in t.items()})
     assert len(real) == len(fake) == 7
+    assert [r is None for r in real] == [f is None for f in fake] == [False, False, True, True, False, False, True]
     for r, f in zip(real, fake):
-        assert f.shape == r.shape and f.dtype == r.dtype, (f, r)
+        assert r is None or (f.shape == r.shape and f.dtype == r.dtype), (f, r)
 
 
 def _config_batch(device, extras):

@@ -197,7 +197,12 @@ FusedHeadResults fused_head_forward(RowSource& src, const at::Tensor& target, co
   }
   rows.out = new_empty({f.n_rows, kHeadTerms}, opts);
   rows.log_probs = new_empty({f.n_rows}, opts);
-  for (auto& t : rows.scalars) t = new_empty({}, opts);
+  // The total, and each term's loss where its weight is not 0: an output costs a CUDA host its allocation and its
+  // Python object, read or not (docs/host_time.md); an off term's is None.
+  rows.scalars[0] = new_empty({}, opts);
+  for (int k = 0; k < kHeadTerms; ++k) {
+    if (rows.weight[k] != 0) rows.scalars[k + 1] = new_empty({}, opts);
+  }
 
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
   rows.labels = f.target1d;

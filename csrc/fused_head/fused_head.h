@@ -133,7 +133,7 @@ struct FusedHeadEpilogue {
   }
 };
 
-// Over the tokens: each term's loss and the weighted total, 0-dim each.
+// Over the tokens: each term's loss and the weighted total, 0-dim each (a term whose weight is 0 has no output: null).
 template <typename T>
 struct FusedHeadTotals {
   using acc_t = T;
@@ -147,7 +147,7 @@ struct FusedHeadTotals {
   C10_HOST_DEVICE void finish(const acc_t* s) const {
     acc_t total = acc_t(0);
     for (int k = 0; k < kTerms; ++k) {
-      *dst[k + 1] = s[k];
+      if (dst[k + 1] != nullptr) *dst[k + 1] = s[k];
       total += weight[k] * s[k];
     }
     *dst[0] = total;

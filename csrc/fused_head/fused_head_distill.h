@@ -164,7 +164,9 @@ struct FusedHeadBackendImpl {
       FusedHeadTotals<scalar_t> t;
       t.out = r.out.const_data_ptr<scalar_t>();
       for (int k = 0; k < kHeadTerms; ++k) t.weight[k] = scalar_t(r.weight[k]);
-      for (int k = 0; k <= kHeadTerms; ++k) t.dst[k] = r.scalars[k].data_ptr<scalar_t>();
+      for (int k = 0; k <= kHeadTerms; ++k) {
+        t.dst[k] = r.scalars[k].defined() ? r.scalars[k].data_ptr<scalar_t>() : nullptr;
+      }
       Runner::sum_then(r.out.size(0), t);
     });
   }

@@ -265,7 +265,14 @@ def _dpo_results(a, x, n_pairs):
 def _fused_head_results(a, x, _):
     out = {name: _scalar(x) for name in _schema.results("fused_head")}
     out["log_probs"] = _like_target(x, a["target"])
+    for result, weight in _FUSED_HEAD_TERMS.items():  # a term of weight 0 has no output (csrc/fused_head/fused_head.cpp)
+        if a[weight] == 0:
+            out[result] = None
     return out
+
+
+_FUSED_HEAD_TERMS = {"label_loss": "label_weight", "z_loss": "z_loss_weight", "grpo_loss": "grpo_weight",
+                     "gspo_loss": "gspo_weight", "distillation_loss": "distillation_weight"}
 
 
 _register_loss("dpo", lambda op, a, x: _checks_heads.dpo(a), _dpo_results)

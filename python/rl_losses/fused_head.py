@@ -61,7 +61,7 @@ def fused_head_loss(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None
             terms and the gradient. Every output is identical on every rank; the gradient is this rank's column
             block. vocab_start, vocab_size: this shard's first global column and the global V, for uneven shards.
     Returns: FusedHeadOutput(loss, label_loss, z_loss, grpo_loss, log_probs, gspo_loss, distillation_loss): the
-        differentiable weighted total, and each term unweighted and detached.
+        differentiable weighted total, and each term unweighted and detached (None for a term of weight 0).
     """
     options = _options("fused_head_loss", options, _KEYWORDS)
 
@@ -170,7 +170,7 @@ class LanguageModelFusedHeadLoss(LanguageModelLoss):
             cfg = self.config.losses[name]
             term = {"label": out.label_loss, "z_loss": out.z_loss, "grpo": out.grpo_loss,
                     "gspo": out.gspo_loss, "distillation": out.distillation_loss}[cfg.type_name]
-            metrics[name] = term
+            metrics[name] = term if term is not None else out.loss.detach().new_zeros(())  # a term of weight 0
             if cfg.type_name == "gspo":
                 metrics[f"{name}_new_logprobs"] = _gspo_new_logprobs(out.log_probs, labels, kwargs)
             if cfg.type_name == "grpo":  # GRPO's own metric at metrics="none"

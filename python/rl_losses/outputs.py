@@ -111,7 +111,8 @@ class DpoOutput(NamedTuple):
 class FusedHeadOutput(NamedTuple):
     """What the fused head returns: ``loss`` = Σ weight·term (differentiable) and each term unweighted
     (detached): ``label_loss``, ``z_loss``, ``grpo_loss``; per token ``log_probs`` (0 where unlabelled); then
-    ``gspo_loss`` and ``distillation_loss`` (last, so that the fields before them keep their positions)."""
+    ``gspo_loss`` and ``distillation_loss`` (last, so that the fields before them keep their positions). A term whose
+    weight is 0 is not computed: its field is None."""
 
     loss: torch.Tensor
     label_loss: torch.Tensor

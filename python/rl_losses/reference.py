@@ -442,7 +442,7 @@ def fused_head_loss(logits, target, *, label_weight=0.0, label_smoothing=0.0, la
     ``z_loss_mask`` (every token without one), GSPO over the documents of ``document_index``; both policy terms
     with ``rollout_log_probs`` and the options of Policy (``policy``) as grpo_loss and gspo_loss take them; the
     distillation term distillation_loss over ``distillation_mask`` (every token without one), its β
-    ``distillation_beta``."""
+    ``distillation_beta``. A term of weight 0 is None."""
     s = logits_scale_factor
     zero = logits.new_zeros((), dtype=_work_dtype(logits))
     label = cross_entropy(logits, target, logits_scale_factor=s, label_smoothing=label_smoothing,
@@ -465,8 +465,9 @@ def fused_head_loss(logits, target, *, label_weight=0.0, label_smoothing=0.0, la
     lp = _label_logprob(torch.log_softmax(_scaled(logits, s), dim=-1), target)
     total = (label_weight * label + z_loss_weight * z + grpo_weight * grpo + gspo_weight * gspo
              + distillation_weight * distill)
-    return FusedHeadOutput(total, label.detach(), z.detach(), grpo.detach(), lp.detach(), gspo.detach(),
-                           distill.detach())
+    weights = (label_weight, z_loss_weight, grpo_weight, gspo_weight, distillation_weight)
+    label, z, grpo, gspo, distill = (t.detach() if w else None for t, w in zip((label, z, grpo, gspo, distill), weights))
+    return FusedHeadOutput(total, label, z, grpo, lp.detach(), gspo, distill)  # a term of weight 0: None
 
 
 def token_log_probs(logits, target, *, logits_scale_factor=1.0, compute_entropy=False, top_k=None, top_p=None,
