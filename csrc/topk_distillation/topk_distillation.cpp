@@ -1,6 +1,5 @@
 #include "topk_distillation/topk_distillation.h"
 
-#include <ATen/ops/empty.h>
 #include <ATen/ops/isnan.h>
 #include <ATen/ops/logsumexp.h>
 #include <ATen/ops/stack.h>
@@ -120,13 +119,15 @@ TopkDistillationResults topk_distillation_forward(RowSource& src, const at::Tens
   check_teacher_shapes(op, a.teacher_ids, a.teacher_log_probs, target, f);
   const int64_t n = f.n_rows, k = a.teacher_ids.size(-1);
   const auto opts = src.acc_options();
+  // The buffers between the passes: one allocation (new_scratch).
+  const std::vector<at::Tensor> scratch = new_scratch(opts, {{n, k}, {n, kTopkPrepFields}, {n, kTopkGradFields}});
   TopkRows rows{.opt = opt,
                 .tail = tail,
                 .ids = a.teacher_ids.reshape({n, k}).contiguous(),
                 .log_probs = a.teacher_log_probs.reshape({n, k}).to(opts.dtype().toScalarType()).contiguous(),
-                .x = at::empty({n, k}, opts),
-                .prep = at::empty({n, kTopkPrepFields}, opts),
-                .grad_rows = at::empty({n, kTopkGradFields}, opts),
+                .x = scratch[0],
+                .prep = scratch[1],
+                .grad_rows = scratch[2],
                 .divisor = a.divisor ? at::Tensor() : labelled_count(f.target1d, opts.dtype().toScalarType()),
                 .divisor_value = a.divisor.value_or(1.0),
                 .row_loss = src.row_outputs({n}),
