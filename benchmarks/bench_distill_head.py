@@ -14,8 +14,9 @@ Liger's LigerFusedLinearJSD, which does both. The fused head: CE + z-loss + GRPO
 and the three separate ops; CE + z-loss + GSPO (64 packed documents) against GSPO alone (both read the logits
 twice: statistics, then the gradient) and the three separate ops. The fused head's
 distillation term: CE + KL (and CE + z + GRPO + KL) against distillation alone (target: within +5%) and the
-separate ops (``--only head_distill``: these rows alone). CUDA-event timing after warm-up (benchmarks/timing.py), median of `reps` runs. Prints one line per case;
-``--out`` writes the rows as JSON for ``benchmarks/report.py --add``.
+separate ops (``--only head_distill``: these rows alone; ``--only distill``: those and rl_losses' distillation
+rows, no peers). CUDA-event timing after warm-up (benchmarks/timing.py), median of `reps` runs. Prints one line per
+case; ``--out`` writes the rows as JSON for ``benchmarks/report.py --add``.
 """
 from __future__ import annotations
 
@@ -120,8 +121,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096, help="hidden size of the linear cases (0: skip them)")
     ap.add_argument("--linear-n", type=int, default=4096, help="tokens of the linear cases")
     ap.add_argument("--out", help="write the rows as JSON (benchmarks/report.py --add)")
-    ap.add_argument("--only", choices=["all", "head_distill"], default="all",
-                    help="head_distill: the fused head's distillation rows alone")
+    ap.add_argument("--only", choices=["all", "head_distill", "distill"], default="all",
+                    help="head_distill: the fused head's distillation rows alone; distill: those and rl_losses' "
+                         "distillation rows (no peers)")
     args = ap.parse_args()
     dtype, n, v = getattr(torch, args.dtype), args.n, args.v
     print(f"device {torch.cuda.get_device_name()}, N={n}, V={v}, {args.dtype}, torch {torch.__version__}")
@@ -147,7 +149,13 @@ def main() -> None:
             loss_fn().backward()
         return run
 
-    if args.only == "head_distill":
+    if args.only == "distill":
+        for kind in ("forward_kl", "reverse_kl", "jsd"):
+            ms = timed(step(lambda: rl_losses.distillation_loss(x, teacher, kind=kind, beta=0.5).loss), args.reps)
+            record(f"distill_{kind}", "rl_losses", ms, n, v, floor_ms)
+            print(f"distillation {kind:11s} rl_losses      {ms:8.3f} ms   floor {floor_ms:.3f} ms "
+                  f"({100 * floor_ms / ms:5.1f}% of it)")
+    if args.only in ("head_distill", "distill"):
         target, adv, old = policy_inputs(x)
         head_distillation(x, teacher, target, adv, old, {}, record, step, args.reps)
         write_out(args, results, rate, None)
