@@ -20,16 +20,18 @@ __device__ inline void mbarrier_arrive_expect(uint64_t* bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
                : "memory");
 }
-__device__ inline void mbarrier_wait(uint64_t* bar, unsigned phase) {
+// The barrier at the shared address `bar` (a loop may carry it; see the distillation cluster kernel).
+__device__ inline void mbarrier_wait_at(unsigned bar, unsigned phase) {
   unsigned done = 0;
   while (!done) {
     asm volatile(
         "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(phase)
+        : "r"(bar), "r"(phase)
         : "memory");
   }
 }
+__device__ inline void mbarrier_wait(uint64_t* bar, unsigned phase) { mbarrier_wait_at(smem_addr(bar), phase); }
 // `bytes` (a multiple of 16, both addresses 16-byte aligned) from global `src` to this CTA's `dst`.
 __device__ inline void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(

@@ -88,18 +88,22 @@ __device__ inline void store_rounded(student_t* p, const acc_t (&g)[K]) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]));
 }
 
-// n pairs (x, y) folded into the state, given their maxima: one rescale and one −inf test per group rather
-// than per element (kSums: DistillStats::add_at_max's). The cluster kernel's; add_group below, the separate
+// n pairs (x, y) folded into the state, given their maxima: one branch per group rather than tests per element
+// (kSums: DistillStats::add_at_max's). The common case, both maxima no larger than the state's and the state's
+// maxima finite, takes the element-wise code without −inf tests; a new maximum (a rescale) or a side still
+// all −inf takes the general code. (Two rescale tests and a separate −inf test cost 13 instructions a group:
+// two branches of a convergence region each; this one 7.) The cluster kernel's; add_group below, the separate
 // statistics pass's, takes the maxima itself and tests per element (the group's code twice, as here, made its
 // fp64 instantiations spill).
 template <int kSums = kAllSums, int n, typename acc_t>
 __device__ inline void add_group_at(DistillStats<acc_t>& st, const acc_t (&x)[n], const acc_t (&y)[n], acc_t mx,
                                     acc_t my) {
-  st.rescale(mx, my);
-  if (st.ms != neg_inf<acc_t>() && st.mt != neg_inf<acc_t>()) {
+  // Not `mx > st.ms`: a NaN maximum (a group of NaNs) takes the fast path, as rescale would not move to it.
+  if (!(mx > st.ms) && !(my > st.mt) && st.ms != neg_inf<acc_t>() && st.mt != neg_inf<acc_t>()) {
 #pragma unroll
     for (int k = 0; k < n; ++k) st.template add_at_max<kSums, true>(x[k], y[k]);
   } else {
+    st.rescale(mx, my);
 #pragma unroll
     for (int k = 0; k < n; ++k) st.template add_at_max<kSums>(x[k], y[k]);
   }
@@ -120,13 +124,18 @@ __device__ inline void add_group(DistillStats<acc_t>& st, const acc_t (&x)[n], c
 
 // max_k x_k of x_k = z_k·scale (scale > 0, so that the rounded products keep the order of z): over packed bf16
 // pairs (one instruction per pair; __hmax2, like fmax, returns the other input where one is NaN), else fmax.
+// The last pair's two halves are compared packed as well, against the pair with its halves swapped, and the high
+// half read as fp32 by a mask: 2 instructions where converting both halves and an fmaxf took 4 to 5.
 template <typename T, int K>
 __device__ inline float scaled_max(const cuda::Pack<T, K>& z, const float (&x)[K], float scale) {
   if constexpr (std::is_same_v<T, c10::BFloat16> && K % 2 == 0) {
     __nv_bfloat162 pairs[K / 2];
     memcpy(pairs, &z, sizeof(pairs));
     const __nv_bfloat162 m2 = tree_reduce(pairs, [](__nv_bfloat162 a, __nv_bfloat162 b) { return __hmax2(a, b); });
-    return ::fmaxf(__low2float(m2), __high2float(m2)) * scale;
+    const __nv_bfloat162 both = __hmax2(m2, __lowhigh2highlow(m2));
+    unsigned w;
+    memcpy(&w, &both, sizeof(w));
+    return __uint_as_float(w & 0xffff0000u) * scale;
   } else {
     float m = x[0];
 #pragma unroll
@@ -135,26 +144,30 @@ __device__ inline float scaled_max(const cuda::Pack<T, K>& z, const float (&x)[K
   }
 }
 
-template <typename acc_t>
+// kSums: the weighted sums to exchange (DistillStats::combine's; the others are 0, and not shuffled).
+template <int kSums = kAllSums, typename acc_t>
 __device__ inline DistillStats<acc_t> shfl_xor(const DistillStats<acc_t>& s, int m) {
+  auto shfl = [&](acc_t x, int bit) { return (kSums & bit) != 0 ? __shfl_xor_sync(0xffffffffu, x, m) : acc_t(0); };
   return {__shfl_xor_sync(0xffffffffu, s.ms, m), __shfl_xor_sync(0xffffffffu, s.ss, m),
           __shfl_xor_sync(0xffffffffu, s.mt, m), __shfl_xor_sync(0xffffffffu, s.st, m),
-          __shfl_xor_sync(0xffffffffu, s.wt, m), __shfl_xor_sync(0xffffffffu, s.ws, m),
-          __shfl_xor_sync(0xffffffffu, s.hx, m)};
+          shfl(s.wt, kSumWt), shfl(s.ws, kSumWs), shfl(s.hx, kSumHx)};
 }
 
 // The block's combined state, in every lane of warp 0 (the same bits: combine is commutative, and each
 // butterfly step combines the same two values in both lanes): warps by shuffles, then warp 0 over the warps'.
-template <int kThreads, typename acc_t>
+// kSums: the weighted sums the states hold (the cluster kernel's kind's: a step of the forward KL's takes 2 shuffles
+// and 6 instructions of products fewer than one of all of them).
+template <int kThreads, int kSums = kAllSums, typename acc_t>
 __device__ inline DistillStats<acc_t> block_combine(DistillStats<acc_t> s, DistillStats<acc_t>* scratch) {
+  using Stats = DistillStats<acc_t>;
   constexpr int kWarps = kThreads / 32;
-  for (int m = 16; m > 0; m >>= 1) s = DistillStats<acc_t>::combine(s, shfl_xor(s, m));
+  for (int m = 16; m > 0; m >>= 1) s = Stats::template combine<kSums>(s, shfl_xor<kSums>(s, m));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) scratch[warp] = s;
   __syncthreads();
   if (warp == 0) {
-    s = lane < kWarps ? scratch[lane] : DistillStats<acc_t>::empty();
-    for (int m = 16; m > 0; m >>= 1) s = DistillStats<acc_t>::combine(s, shfl_xor(s, m));
+    s = lane < kWarps ? scratch[lane] : Stats::empty();
+    for (int m = 16; m > 0; m >>= 1) s = Stats::template combine<kSums>(s, shfl_xor<kSums>(s, m));
   }
   return s;
 }

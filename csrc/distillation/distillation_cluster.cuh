@@ -166,10 +166,13 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
   };
   // Group i of the slice from shared memory, as x = s·z and y = z_teacher / T.
   // (unpack: bf16 to fp32 at one instruction per value.) The raw vectors stay in a and b.
-  auto load_raw = [&](int i, Pack<student_t, kVec>& a, Pack<teacher_t, kVec>& b, float (&x)[kVec],
-                      float (&y)[kVec]) {
-    load_shared_elems(zs + static_cast<unsigned>(i * kVec * sizeof(student_t)), a.v);
-    load_shared_elems(ts + static_cast<unsigned>(i * kVec * sizeof(teacher_t)), b.v);
+  // load_raw_at takes the group's shared addresses, za = zs + i·16 and ta = ts + i·kVec·sizeof(teacher_t), which the
+  // loops carry: ptxas recomputes zs and ts (the CTA's shared window, from its rank in the cluster) where a loop
+  // starts, or at every group (8 uniform instructions) in a loop that waits for its pieces inside.
+  auto load_raw_at = [&](unsigned za, unsigned ta, Pack<student_t, kVec>& a, Pack<teacher_t, kVec>& b,
+                         float (&x)[kVec], float (&y)[kVec]) {
+    load_shared_elems(za, a.v);
+    load_shared_elems(ta, b.v);
     unpack(a, x);
     unpack(b, y);
 #pragma unroll
@@ -177,6 +180,11 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
       x[k] *= v.opt.scale;
       y[k] *= v.opt.inv_temperature;
     }
+  };
+  auto load_raw = [&](int i, Pack<student_t, kVec>& a, Pack<teacher_t, kVec>& b, float (&x)[kVec],
+                      float (&y)[kVec]) {
+    load_raw_at(zs + static_cast<unsigned>(i * kVec * sizeof(student_t)),
+                ts + static_cast<unsigned>(i * kVec * sizeof(teacher_t)), a, b, x, y);
   };
   auto load_group = [&](int i, float (&x)[kVec], float (&y)[kVec]) {
     Pack<student_t, kVec> a;
@@ -231,21 +239,28 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
     }
     const unsigned phase = static_cast<unsigned>(it & 1);
     // A thread waits for each piece before it reads that piece's groups (a piece is a multiple of kThreads
-    // groups, so a thread's groups of a piece are those of its loop below, with no test per group).
+    // groups, so a thread's groups of a piece are those of its loop below, with no test per group). The loops carry
+    // the shared addresses of the group and of the piece's barrier, and the piece's end: recomputed at every piece,
+    // they took ~30 instructions a piece, as many as 4 columns' statistics where a thread has 2 groups in a piece
+    // (bf16 + bf16, V = 128256 on 8 CTAs: 4 pieces of 512 groups).
     Stats st = Stats::empty();
-    for (int p = 0; p < n_pieces; ++p) {
-      mbarrier_wait(&landed[p], phase);
-      const int end = std::min(n_groups, (p + 1) * v.piece_groups);
-      for (int i = p * v.piece_groups + threadIdx.x; i < end; i += kThreads) {
+    constexpr unsigned kStepS = kThreads * kVec * sizeof(student_t), kStepT = kThreads * kVec * sizeof(teacher_t);
+    unsigned za = zs + threadIdx.x * (kStepS / kThreads), ta = ts + threadIdx.x * (kStepT / kThreads);
+    unsigned bar = smem_addr(&landed[0]);
+    for (int i = threadIdx.x, end = 0; i < n_groups; bar += sizeof(uint64_t)) {
+      mbarrier_wait_at(bar, phase);
+      end = std::min(n_groups, end + v.piece_groups);
+      for (; i < end; i += kThreads, za += kStepS, ta += kStepT) {
         Pack<student_t, kVec> a;
         Pack<teacher_t, kVec> b;
         float x[kVec], y[kVec];
-        load_raw(i, a, b, x, y);
+        load_raw_at(za, ta, a, b, x, y);
         add_group_at<distill_sums_of(kKind)>(st, x, y, scaled_max(a, x, v.opt.scale),
                                              scaled_max(b, y, v.opt.inv_temperature));
       }
     }
-    st = block_combine<kThreads>(st, scratch);  // in warp 0
+    constexpr int kSums = distill_sums_of(kKind);
+    st = block_combine<kThreads, kSums>(st, scratch);  // in warp 0
     const int q = it & 1;
     const unsigned slot_phase = static_cast<unsigned>((it >> 1) & 1);
     if (threadIdx.x == 0) mbarrier_arrive_expect(&gathered_full[q], n_ctas * static_cast<unsigned>(sizeof(Stats)));
@@ -256,7 +271,7 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
       const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
       mbarrier_wait(&gathered_full[q], slot_phase);
       Stats all = lane < n_ctas ? gathered[q][lane] : Stats::empty();
-      for (int m = ctas_pow2 / 2; m > 0; m >>= 1) all = Stats::combine(all, shfl_xor(all, m));
+      for (int m = ctas_pow2 / 2; m > 0; m >>= 1) all = Stats::template combine<kSums>(all, shfl_xor<kSums>(all, m));
       if constexpr (Head::kOn) {
         if (lane == 0 && warp > 0) v.head.cluster_others(row + v.row0, all, rank == 0, head_coef[warp - 1], warp - 1);
       }
@@ -326,12 +341,19 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
     const int label_group = label >= 0 ? label / kVec : -1, label_k = label >= 0 ? label % kVec : 0;
     auto gradient = [&](auto distill) {
       constexpr bool kDistill = decltype(distill)::value;
-      for (int p = 0; p < n_pieces; ++p) {
-        const int end = std::min(n_groups, (p + 1) * v.piece_groups);
+      // The group's shared and global addresses carried across the pieces, as in the statistics loop.
+      unsigned za = zs + threadIdx.x * (kStepS / kThreads), ta = ts + threadIdx.x * (kStepT / kThreads);
+      student_t* gi = g + threadIdx.x * kVec;
+      for (int p = 0, i = threadIdx.x, end = 0; p < n_pieces; ++p) {
+        end = std::min(n_groups, end + v.piece_groups);
 #pragma unroll 2
-        for (int i = p * v.piece_groups + threadIdx.x; i < end; i += kThreads) {
+        for (; i < end; i += kThreads, za += kStepS, ta += kStepT, gi += kThreads * kVec) {
           float x[kVec], y[kVec];
-          load_group(i, x, y);
+          {
+            Pack<student_t, kVec> a;
+            Pack<teacher_t, kVec> b;
+            load_raw_at(za, ta, a, b, x, y);
+          }
           float gf[kVec];
 #pragma unroll
           for (int k = 0; k < kVec; ++k) {
@@ -349,7 +371,7 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
               }
             }
           }
-          store_rounded(g + i * kVec, gf);
+          store_rounded(gi, gf);
         }
         if (next < v.n_rows) {
           __syncthreads();  // piece p is read (statistics, sums, gradient) by every thread

@@ -86,6 +86,9 @@ struct DistillStats {
     }
   }
 
+  // kSums: the weighted sums to combine (the others are 0 in both states, as add_at_max<kSums> leaves them, and
+  // stay 0 without their products: the CUDA reductions' butterflies run this per step on every row's path).
+  template <int kSums = kAllSums>
   C10_HOST_DEVICE static DistillStats combine(const DistillStats& a, const DistillStats& b) {
     const T ms = a.ms > b.ms ? a.ms : b.ms, mt = a.mt > b.mt ? a.mt : b.mt;
     const T fas = a.ms == ms ? T(1) : exp_nonpos(a.ms - ms), fbs = b.ms == ms ? T(1) : exp_nonpos(b.ms - ms);
@@ -94,9 +97,9 @@ struct DistillStats {
             sum_of_products(a.ss, fas, b.ss, fbs),
             mt,
             sum_of_products(a.st, fat, b.st, fbt),
-            sum_of_products(a.wt, fat, b.wt, fbt),
-            sum_of_products(a.ws, fas, b.ws, fbs),
-            sum_of_products(a.hx, fat, b.hx, fbt)};
+            (kSums & kSumWt) != 0 ? sum_of_products(a.wt, fat, b.wt, fbt) : T(0),
+            (kSums & kSumWs) != 0 ? sum_of_products(a.ws, fas, b.ws, fbs) : T(0),
+            (kSums & kSumHx) != 0 ? sum_of_products(a.hx, fat, b.hx, fbt) : T(0)};
   }
 
   C10_HOST_DEVICE T lse_student() const { return ms + ::log(ss); }
