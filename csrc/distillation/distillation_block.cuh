@@ -88,22 +88,21 @@ __device__ inline void store_rounded(student_t* p, const acc_t (&g)[K]) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]));
 }
 
-// n pairs (x, y) folded into the state, given their maxima: one branch per group rather than tests per element
-// (kSums: DistillStats::add_at_max's). The common case, both maxima no larger than the state's and the state's
-// maxima finite, takes the element-wise code without −inf tests; a new maximum (a rescale) or a side still
-// all −inf takes the general code. (Two rescale tests and a separate −inf test cost 13 instructions a group:
-// two branches of a convergence region each; this one 7.) The cluster kernel's; add_group below, the separate
-// statistics pass's, takes the maxima itself and tests per element (the group's code twice, as here, made its
-// fp64 instantiations spill).
+// n pairs (x, y) folded into the state, given their maxima: one rescale and one −inf test per group rather
+// than per element (kSums: DistillStats::add_at_max's). The rescale's tests are predicated and the −inf test is
+// uniform across a warp after a row's first group; a branch on "no new maximum" instead (7 instructions a group
+// where these take 13) diverges in most of a warp's groups (a new maximum is frequent somewhere among 32 lanes)
+// and ran both paths: the KLs' cluster kernel 20% slower on an H200. The cluster kernel's; add_group below, the
+// separate statistics pass's, takes the maxima itself and tests per element (the group's code twice, as here, made
+// its fp64 instantiations spill).
 template <int kSums = kAllSums, int n, typename acc_t>
 __device__ inline void add_group_at(DistillStats<acc_t>& st, const acc_t (&x)[n], const acc_t (&y)[n], acc_t mx,
                                     acc_t my) {
-  // Not `mx > st.ms`: a NaN maximum (a group of NaNs) takes the fast path, as rescale would not move to it.
-  if (!(mx > st.ms) && !(my > st.mt) && st.ms != neg_inf<acc_t>() && st.mt != neg_inf<acc_t>()) {
+  st.rescale(mx, my);
+  if (st.ms != neg_inf<acc_t>() && st.mt != neg_inf<acc_t>()) {
 #pragma unroll
     for (int k = 0; k < n; ++k) st.template add_at_max<kSums, true>(x[k], y[k]);
   } else {
-    st.rescale(mx, my);
 #pragma unroll
     for (int k = 0; k < n; ++k) st.template add_at_max<kSums>(x[k], y[k]);
   }
