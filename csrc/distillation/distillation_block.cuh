@@ -90,11 +90,11 @@ __device__ inline void store_rounded(student_t* p, const acc_t (&g)[K]) {
 
 // n pairs (x, y) folded into the state, given their maxima: one rescale and one −inf test per group rather
 // than per element (kSums: DistillStats::add_at_max's). The rescale's tests are predicated and the −inf test is
-// uniform across a warp after a row's first group; a branch on "no new maximum" instead (7 instructions a group
-// where these take 13) diverges in most of a warp's groups (a new maximum is frequent somewhere among 32 lanes)
-// and ran both paths: the KLs' cluster kernel 20% slower on an H200. The cluster kernel's; add_group below, the
-// separate statistics pass's, takes the maxima itself and tests per element (the group's code twice, as here, made
-// its fp64 instantiations spill).
+// uniform across a warp after a row's first group. A branch on "no new maximum" instead (7 instructions a group
+// where these take 13) made the KLs' cluster kernel 26% slower on an H200 (docs/distillation_dpo.md): a new
+// maximum is frequent somewhere among a warp's 32 lanes, so the warp runs both paths. The cluster kernel's;
+// add_group below, the separate statistics pass's, takes the maxima itself and tests per element (the group's code
+// twice, as here, made its fp64 instantiations spill).
 template <int kSums = kAllSums, int n, typename acc_t>
 __device__ inline void add_group_at(DistillStats<acc_t>& st, const acc_t (&x)[n], const acc_t (&y)[n], acc_t mx,
                                     acc_t my) {
