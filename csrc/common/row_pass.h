@@ -374,9 +374,13 @@ struct SumOf {
 enum PolicyScalar : int { kPolicyLoss = 0, kPolicyNewLogProbs, kPolicyClipLow, kPolicyClipHigh, kPolicyKlOld,
                           kPolicyEntropy, kPolicyRatioMean, kPolicyKl, kPolicyRolloutRatio, kPolicyRolloutWeight,
                           kPolicyRolloutCorrected, kPolicyVespoPhi, kPolicyScalars };
+// Null where the call does not return the scalar (PolicyScalarOutputs): set() skips it.
 template <typename acc_t>
 struct PolicyScalarPtrs {
   acc_t* p[kPolicyScalars];
+  C10_HOST_DEVICE void set(int k, acc_t value) const {
+    if (p[k] != nullptr) *p[k] = value;
+  }
 };
 
 // at::empty(sizes, options) without the trip through the dispatcher (at::detail::empty_cpu / empty_cuda; the
@@ -391,26 +395,19 @@ std::vector<at::Tensor> new_scratch(const at::TensorOptions& options,
                                     std::initializer_list<std::initializer_list<int64_t>> shapes);
 
 // Which scalars a call returns: each of those its own tensor, the others (the metrics of an option that is off,
-// policy_metrics_on) undefined, written into one buffer that the call drops (each output costs a CUDA host ~3.7 us
-// to allocate and wrap: docs/host_time.md).
+// policy_metrics_on) undefined and not written (a null pointer: each output costs a CUDA host ~3.7 us to allocate
+// and wrap, and a buffer for those not returned one allocation more: docs/host_time.md).
 struct PolicyScalarOutputs {
   at::Tensor t[kPolicyScalars];
-  at::Tensor unused;  // the slots of the scalars not returned
   PolicyScalarOutputs(const at::TensorOptions& options, const std::array<bool, kPolicyScalars>& returned) {
     for (int k = 0; k < kPolicyScalars; ++k) {
-      if (returned[k]) {
-        t[k] = new_empty({}, options);
-      } else if (!unused.defined()) {
-        unused = new_empty({kPolicyScalars}, options);
-      }
+      if (returned[k]) t[k] = new_empty({}, options);
     }
   }
   template <typename acc_t>
   PolicyScalarPtrs<acc_t> ptrs() const {
     PolicyScalarPtrs<acc_t> out;
-    for (int k = 0; k < kPolicyScalars; ++k) {
-      out.p[k] = t[k].defined() ? t[k].data_ptr<acc_t>() : unused.data_ptr<acc_t>() + k;
-    }
+    for (int k = 0; k < kPolicyScalars; ++k) out.p[k] = t[k].defined() ? t[k].data_ptr<acc_t>() : nullptr;
     return out;
   }
 };

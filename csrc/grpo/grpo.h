@@ -131,20 +131,20 @@ struct GrpoMetrics {
   }
   C10_HOST_DEVICE void finish(const acc_t* s) const {
     const acc_t n = *n_labelled;
-    *dst.p[kPolicyLoss] = s[kGrpoLoss];
-    *dst.p[kPolicyNewLogProbs] =
-        counts != nullptr ? s[kDocLogProb] / (s[kDocWeight] > acc_t(1e-30) ? s[kDocWeight] : acc_t(1e-30))
-                          : s[kLogProb] / n;
-    *dst.p[kPolicyClipLow] = s[kGrpoLow] / n;
-    *dst.p[kPolicyClipHigh] = s[kGrpoHigh] / n;
-    *dst.p[kPolicyKlOld] = s[kGrpoKlOld] / n;
-    *dst.p[kPolicyEntropy] = s[kGrpoEntropy] / n;
-    *dst.p[kPolicyRatioMean] = s[kGrpoRatio] / n;
-    *dst.p[kPolicyKl] = s[kGrpoKl] / n;
-    *dst.p[kPolicyRolloutRatio] = s[kGrpoRolloutRatio] / n;
-    *dst.p[kPolicyRolloutWeight] = s[kGrpoRolloutWeight] / n;
-    *dst.p[kPolicyRolloutCorrected] = s[kGrpoRolloutCorrected] / n;
-    *dst.p[kPolicyVespoPhi] = s[kPhiShare] / at_least_one(s[kSequenceShare]);
+    dst.set(kPolicyLoss, s[kGrpoLoss]);
+    dst.set(kPolicyNewLogProbs, counts != nullptr
+                                    ? s[kDocLogProb] / (s[kDocWeight] > acc_t(1e-30) ? s[kDocWeight] : acc_t(1e-30))
+                                    : s[kLogProb] / n);
+    dst.set(kPolicyClipLow, s[kGrpoLow] / n);
+    dst.set(kPolicyClipHigh, s[kGrpoHigh] / n);
+    dst.set(kPolicyKlOld, s[kGrpoKlOld] / n);
+    dst.set(kPolicyEntropy, s[kGrpoEntropy] / n);
+    dst.set(kPolicyRatioMean, s[kGrpoRatio] / n);
+    dst.set(kPolicyKl, s[kGrpoKl] / n);
+    dst.set(kPolicyRolloutRatio, s[kGrpoRolloutRatio] / n);
+    dst.set(kPolicyRolloutWeight, s[kGrpoRolloutWeight] / n);
+    dst.set(kPolicyRolloutCorrected, s[kGrpoRolloutCorrected] / n);
+    dst.set(kPolicyVespoPhi, s[kPhiShare] / at_least_one(s[kSequenceShare]));
   }
 };
 

@@ -312,19 +312,19 @@ struct GspoMetrics {
   C10_HOST_DEVICE void finish(const acc_t* s) const {
     const acc_t n = totals[kGspoLabelledDocs];
     const acc_t labelled = at_least_one(s[kGspoTokenLabelled]);
-    *dst.p[kPolicyLoss] = s[kGspoTokenLoss];
-    *dst.p[kPolicyNewLogProbs] = s[kGspoTokenLogProb] / n;
+    dst.set(kPolicyLoss, s[kGspoTokenLoss]);
+    dst.set(kPolicyNewLogProbs, s[kGspoTokenLogProb] / n);
     // Per document, or (geo_mean, as verl) per token: the other is 0.
-    *dst.p[kPolicyClipLow] = totals[kGspoLow] / n + s[kGspoTokenClipLow] / labelled;
-    *dst.p[kPolicyClipHigh] = totals[kGspoHigh] / n + s[kGspoTokenClipHigh] / labelled;
-    *dst.p[kPolicyKlOld] = totals[kGspoKlOld] / n;
-    *dst.p[kPolicyEntropy] = entropy ? s[kGspoTokenEntropy] / labelled : acc_t(0);
-    *dst.p[kPolicyRatioMean] = totals[kGspoLabelledRatio] / n;
-    *dst.p[kPolicyKl] = s[kGspoTokenKl] / labelled;
-    *dst.p[kPolicyRolloutRatio] = s[kGspoTokenRolloutRatio] / labelled;
-    *dst.p[kPolicyRolloutWeight] = s[kGspoTokenRolloutWeight] / labelled;
-    *dst.p[kPolicyRolloutCorrected] = s[kGspoTokenRolloutCorrected] / labelled;
-    *dst.p[kPolicyVespoPhi] = s[kGspoTokenVespoPhi] / n;
+    dst.set(kPolicyClipLow, totals[kGspoLow] / n + s[kGspoTokenClipLow] / labelled);
+    dst.set(kPolicyClipHigh, totals[kGspoHigh] / n + s[kGspoTokenClipHigh] / labelled);
+    dst.set(kPolicyKlOld, totals[kGspoKlOld] / n);
+    dst.set(kPolicyEntropy, entropy ? s[kGspoTokenEntropy] / labelled : acc_t(0));
+    dst.set(kPolicyRatioMean, totals[kGspoLabelledRatio] / n);
+    dst.set(kPolicyKl, s[kGspoTokenKl] / labelled);
+    dst.set(kPolicyRolloutRatio, s[kGspoTokenRolloutRatio] / labelled);
+    dst.set(kPolicyRolloutWeight, s[kGspoTokenRolloutWeight] / labelled);
+    dst.set(kPolicyRolloutCorrected, s[kGspoTokenRolloutCorrected] / labelled);
+    dst.set(kPolicyVespoPhi, s[kGspoTokenVespoPhi] / n);
   }
 };
 
