@@ -145,21 +145,47 @@ def paired_us(wrapper, raw, calls: int, device: str) -> tuple[float, float, floa
     return statistics.median(w) * 1e6, statistics.median(r) * 1e6, sum(added) / 2 * 1e6
 
 
+def launches(fn, calls: int = 20) -> str:
+    """The CUDA runtime calls of one call of fn, counted by torch.profiler over `calls` calls: kernel launches,
+    memsets and copies, and synchronisations (a copy to the host waits for the device)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    counts = {"launch": 0, "memset/copy": 0, "sync": 0}
+    for e in prof.key_averages():
+        if e.key.startswith("cudaLaunch"):
+            counts["launch"] += e.count
+        elif e.key.startswith(("cudaMemset", "cudaMemcpy")):
+            counts["memset/copy"] += e.count
+        elif e.key.startswith("cudaStreamSynchronize"):
+            counts["sync"] += e.count
+    return " ".join(f"{v / calls:g}" for v in counts.values())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=3, help="rounds; the one with the lowest wrapper median is kept")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: least noise)")
+    ap.add_argument("--only", default="", help="the rows whose name contains this text (default: every row)")
     args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
     torch.set_num_threads(args.threads)
     print(f"host time per call, forward + backward at 8 x 64 on {args.device} (µs, medians of {args.calls} alternate "
           f"calls, the round with the lowest wrapper time of {args.rounds})")
-    print(f"{'op':<30} {'wrapper':>9} {'raw op':>9} {'added':>8}")
+    print(f"{'op':<30} {'wrapper':>9} {'raw op':>9} {'added':>8}"
+          + ("  wrapper's launches, memsets/copies, synchronisations per call" if cuda else ""))
     for name, wrapper, raw in cases(args.device):
+        if args.only not in name:
+            continue
         paired_us(wrapper, raw, args.calls // 10, args.device)  # warm-up
         best = min(paired_us(wrapper, raw, args.calls, args.device) for _ in range(args.rounds))
-        print(f"{name:<30} {best[0]:9.1f} {best[1]:9.1f} {best[2]:8.1f}")
+        print(f"{name:<30} {best[0]:9.1f} {best[1]:9.1f} {best[2]:8.1f}" + (f"  {launches(wrapper)}" if cuda else ""))
     return 0
 
 
