@@ -95,7 +95,7 @@ def cases(device: str, n: int = 8, v: int = 64, h: int = 32):
     # The loss and its gradient without autograd (rl_losses.forward_backward) against the raw op's forward + backward:
     # "added" is then what the no-autograd form saves (negative).
     fb, raw = rl_losses.forward_backward, {name: r for name, _, r in out}
-    ids = torch.arange(4, device=device).expand(n, 4)
+    ids = torch.arange(4, device=device).expand(n, 4).contiguous()  # as an engine returns them
     top = torch.log_softmax(torch.randn(n, 4, generator=g), -1).to(device)
     out += [
         ("fwd_bwd cross_entropy", lambda: fb(rl_losses.cross_entropy, x, t), raw["cross_entropy"]),

@@ -9,6 +9,7 @@
 #include <ATen/ops/empty.h>
 
 #include "common/policy_math.h"
+#include "common/row_pass.h"
 
 namespace rl_losses {
 
@@ -84,15 +85,16 @@ at::Tensor sequence_rule_on(int estimator, bool mean, double lo, double hi, cons
   const at::Tensor sums = at::empty({count, 2}, log_probs.options());
   const at::Tensor passes = at::empty({n}, log_probs.options().dtype(at::kBool));
   AT_DISPATCH_FLOATING_TYPES(log_probs.scalar_type(), "rollout_rs", [&] {
-    Runner::for_each(n, SequenceStatisticTerms<scalar_t>{estimator, log_probs.const_data_ptr<scalar_t>(),
-                                                         rollout_log_probs.const_data_ptr<scalar_t>(),
-                                                         counted.const_data_ptr<bool>(), ids.const_data_ptr<int64_t>(),
-                                                         count, terms.data_ptr<scalar_t>()});
-    Runner::template sum_rows_by_index<2>(terms, ids, sums);
-    Runner::for_each(n, SequenceVerdict<scalar_t>{sums.const_data_ptr<scalar_t>(), ids.const_data_ptr<int64_t>(),
-                                                  in_sequence.const_data_ptr<bool>(), mean, static_cast<scalar_t>(lo),
-                                                  static_cast<scalar_t>(hi),
-                                                  passes.data_ptr<bool>()});
+    Runner::chain(
+        for_each_step(n, SequenceStatisticTerms<scalar_t>{estimator, log_probs.const_data_ptr<scalar_t>(),
+                                                          rollout_log_probs.const_data_ptr<scalar_t>(),
+                                                          counted.const_data_ptr<bool>(), ids.const_data_ptr<int64_t>(),
+                                                          count, terms.data_ptr<scalar_t>()}),
+        SumByIndexStep<2, scalar_t>{terms, ids, sums},
+        for_each_step(n, SequenceVerdict<scalar_t>{sums.const_data_ptr<scalar_t>(), ids.const_data_ptr<int64_t>(),
+                                                   in_sequence.const_data_ptr<bool>(), mean,
+                                                   static_cast<scalar_t>(lo), static_cast<scalar_t>(hi),
+                                                   passes.data_ptr<bool>()}));
   });
   return passes;
 }

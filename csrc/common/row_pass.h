@@ -24,6 +24,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -410,6 +411,46 @@ struct PolicyScalarOutputs {
     for (int k = 0; k < kPolicyScalars; ++k) out.p[k] = t[k].defined() ? t[k].data_ptr<acc_t>() : nullptr;
     return out;
   }
+};
+
+// The O(N + S) steps between and after an op's row passes, as a runner's chain(steps...) takes them: each step sees
+// what the steps before it wrote. A runner runs them one by one (its for_each, sum_rows_by_index and sum_then); the
+// CUDA runner runs a short chain as one single-block launch instead (cuda/block_steps.cuh): at small shapes a call's
+// host time is mostly its launches (docs/host_time.md).
+template <typename F>
+struct ForEachStep {  // f(i) for i in [0, n)
+  int64_t n;
+  F f;
+};
+template <int K, typename T>
+struct SumByIndexStep {  // out[index[i], :] = Σ values[i, :] over the i with that index ((S, K) and (N, K) of T)
+  at::Tensor values, index, out;
+};
+template <typename R>
+struct SumThenStep {  // r.finish(Σ_{i < n} r.terms(i))
+  int64_t n;
+  R r;
+};
+template <typename F>
+ForEachStep<F> for_each_step(int64_t n, F f) {
+  return {n, f};
+}
+template <typename R>
+SumThenStep<R> sum_then_step(int64_t n, R r) {
+  return {n, r};
+}
+// Runner::chain over a tuple of steps (an op composes its chain from the options that are on).
+template <typename Runner, typename... Steps>
+void run_chain(const std::tuple<Steps...>& steps) {
+  std::apply([](const auto&... s) { Runner::chain(s...); }, steps);
+}
+
+// out[i] = value for i < n: a fill as a step of a chain (no launch of its own).
+template <typename T>
+struct FillWith {
+  T* out;
+  T value;
+  C10_HOST_DEVICE void operator()(int64_t i) const { out[i] = value; }
 };
 
 // out[index[i], :] = Σ values[i, :] over the i with that index, by ATen: the CPU runner's sum_rows_by_index

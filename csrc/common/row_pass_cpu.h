@@ -204,6 +204,23 @@ struct CpuRunner {
     for (int k = 0; k < R::kTerms; ++k) out[k] = static_cast<acc_t>(s[k]);
     r.finish(out);
   }
+  // The steps in order (row_pass.h).
+  template <typename... S>
+  static void chain(const S&... steps) {
+    (step(steps), ...);
+  }
+  template <typename F>
+  static void step(const ForEachStep<F>& s) {
+    for_each(s.n, s.f);
+  }
+  template <int K, typename T>
+  static void step(const SumByIndexStep<K, T>& s) {
+    sum_rows_by_index<K>(s.values, s.index, s.out);
+  }
+  template <typename R>
+  static void step(const SumThenStep<R>& s) {
+    sum_then(s.n, s.r);
+  }
 };
 
 }  // namespace rl_losses

@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "common/batch_invariant.h"
+#include "common/cuda/block_steps.cuh"
 #include "common/cuda/cluster_launch.cuh"
 #include "common/cuda/cluster_order.cuh"
 #include "common/cuda/row_kernel.cuh"
@@ -195,42 +196,11 @@ __global__ void for_each_kernel(int64_t n, F f) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) f(i);
 }
 
-// One block: each thread sums the terms of its indices i ≡ threadIdx.x (mod kThreads) in order, a fixed tree
-// combines the threads, thread 0 finishes. Deterministic, and one launch where a column sum and the
-// divisions after it took one each.
+// sum_then in one block (block_sum_then): one launch where a column sum and the divisions after it took one each.
 template <int kThreads, typename R>
 __global__ void __launch_bounds__(kThreads) sum_then_kernel(int64_t n, R r) {
   wait_previous_grid();
-  using acc_t = typename R::acc_t;
-  constexpr int K = R::kTerms;
-  acc_t s[K];
-#pragma unroll
-  for (int k = 0; k < K; ++k) s[k] = acc_t(0);
-  // Unrolled so that a thread's loads of several indices are in flight together: at small N this kernel is
-  // a few dependent L2 round trips per thread, on the critical path right after the row pass.
-#pragma unroll 4
-  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
-    acc_t v[K];
-    r.terms(i, v);
-#pragma unroll
-    for (int k = 0; k < K; ++k) s[k] += v[k];
-  }
-  auto warp_sum = [](acc_t x) {
-    for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
-    return x;
-  };
-  __shared__ acc_t partial[kThreads / 32][K];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    s[k] = warp_sum(s[k]);
-    if (lane == 0) partial[warp][k] = s[k];
-  }
-  __syncthreads();
-  if (warp != 0) return;
-#pragma unroll
-  for (int k = 0; k < K; ++k) s[k] = warp_sum(lane < kThreads / 32 ? partial[lane][k] : acc_t(0));
-  if (lane == 0) r.finish(s);
+  block_sum_then<kThreads>(n, r);
 }
 
 // (bk, bi) becomes the lesser of itself and (k, i) in the order of keys, then indices.
@@ -296,35 +266,14 @@ __global__ void __launch_bounds__(kThreads) select_first_kernel(int64_t n, int64
   }
 }
 
-// out[index[i], :] += values[i, :] for i < n (K columns, out zeroed before). A warp whose 32 rows share one
-// index (the common case: packed documents are runs of tokens) adds their sum with one atomic per column;
-// any other warp adds row by row. It replaces ATen's fill and index_add_ (a slow generic kernel: 9 us at
-// N = 4096, 23 us at N = 16384 on an H100, contended by the few documents of a long-document batch). Atomic
-// like index_add_, so the order of the additions varies between runs; in the batch-invariant mode (which
-// torch.use_deterministic_algorithms turns on) the runner calls sum_segments_in_order_kernel instead.
+// out[index[i], :] += values[i, :] for i < n (K columns, out zeroed before): add_rows_by_index over the grid. It
+// replaces ATen's fill and index_add_ (a slow generic kernel: 9 us at N = 4096, 23 us at N = 16384 on an H100,
+// contended by the few documents of a long-document batch).
 template <int K, typename acc_t>
 __global__ void sum_rows_by_index_kernel(int64_t n, const acc_t* values, const int64_t* index, acc_t* out) {
   wait_previous_grid();
-  const int lane = threadIdx.x % 32;
-  // The loop bound is warp-uniform (base is a multiple of 32), so every lane reaches the warp votes.
-  for (int64_t base = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32 * 32; base < n;
-       base += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t i = base + lane;
-    const bool in = i < n;
-    const int64_t s = in ? index[i] : -1;
-    const int64_t s0 = __shfl_sync(0xffffffffu, s, 0);
-    if (__all_sync(0xffffffffu, in && s == s0)) {
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        acc_t v = values[i * K + k];
-        for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-        if (lane == 0) atomicAdd(out + s0 * K + k, v);
-      }
-    } else if (in) {
-#pragma unroll
-      for (int k = 0; k < K; ++k) atomicAdd(out + s * K + k, values[i * K + k]);
-    }
-  }
+  add_rows_by_index<K>((blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32 * 32, int64_t(gridDim.x) * blockDim.x, n,
+                       values, index, out);
 }
 
 // The batch-invariant mode's sum_rows_by_index: out[s, :] = Σ values[order[j], :] over j in [ends[s - 1], ends[s])
@@ -469,6 +418,45 @@ struct CudaRunner {
   static void sum_then(int64_t n, const R& r) {
     cuda::DependentLaunch(1, 1024, 0)(cuda::sum_then_kernel<1024, R>, n, r);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  // The steps in order (row_pass.h): one single-block launch (cuda::chain_kernel) where each step has at most
+  // kChainItems items, else a launch (or two) per step. The same bits either way, but for the atomics' order of a
+  // sum by index, which the batch-invariant mode fixes by the step's own kernels.
+  static constexpr int64_t kChainItems = 8192;
+  template <typename... S>
+  static void chain(const S&... steps) {
+    if ((batch_invariant() && (is_sum_by_index(steps) || ...)) || std::max({items(steps)...}) > kChainItems) {
+      (step(steps), ...);
+      return;
+    }
+    cuda::DependentLaunch(1, 1024, 0)(cuda::chain_kernel<1024, std::decay_t<decltype(on_device(steps))>...>,
+                                      on_device(steps)...);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+ private:
+  template <typename F>
+  static int64_t items(const ForEachStep<F>& s) { return s.n; }
+  template <int K, typename T>
+  static int64_t items(const SumByIndexStep<K, T>& s) { return std::max(s.values.size(0), s.out.size(0)); }
+  template <typename R>
+  static int64_t items(const SumThenStep<R>& s) { return s.n; }
+  template <typename S>
+  static constexpr bool is_sum_by_index(const S&) { return false; }
+  template <int K, typename T>
+  static constexpr bool is_sum_by_index(const SumByIndexStep<K, T>&) { return true; }
+  template <typename F>
+  static void step(const ForEachStep<F>& s) { for_each(s.n, s.f); }
+  template <int K, typename T>
+  static void step(const SumByIndexStep<K, T>& s) { sum_rows_by_index<K>(s.values, s.index, s.out); }
+  template <typename R>
+  static void step(const SumThenStep<R>& s) { sum_then(s.n, s.r); }
+  template <typename S>
+  static const S& on_device(const S& s) { return s; }
+  template <int K, typename T>
+  static cuda::SumByIndexArgs<K, T> on_device(const SumByIndexStep<K, T>& s) {
+    return {s.values.size(0), s.values.template const_data_ptr<T>(), s.index.template const_data_ptr<int64_t>(),
+            s.out.template data_ptr<T>(), s.out.size(0)};
   }
 };
 

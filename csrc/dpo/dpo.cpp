@@ -102,8 +102,6 @@ DpoResults dpo_forward(RowSource& src, const at::Tensor& target, const DpoArgs& 
   g.log_probs = new_empty({f.n_rows}, opts);
   g.safe_document = new_empty({f.n_rows}, g.document.options());
   g.document_sums = new_empty({g.num_documents}, opts);
-  // Unchecked pairs: NaN marks the documents no pair has claimed yet (DpoPairCoverage).
-  if (!g.pairs_checked) g.document_coef.fill_(std::nan(""));
   for (auto& t : g.scalars) t = new_empty({}, opts);
   backend.steps(g);
   if (src.wants_grad() && f.n_rows > 0) {

@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -193,26 +194,35 @@ struct DpoBackendImpl {
       return PolicyCoefEpilogue<acc_t>{coef.const_data_ptr<acc_t>()};
     });
   }
+  // One chain (a runner's chain()): unchecked pairs first mark every document unclaimed (NaN, DpoPairCoverage).
   static void steps(DpoState& g) {
     AT_DISPATCH_FLOATING_TYPES(g.stats.scalar_type(), "dpo", [&] {
       using T = scalar_t;
       const int64_t n = g.target.numel();
-      Runner::for_each(n, DpoTokenLogProbs<T>{g.stats.const_data_ptr<T>(), g.target.const_data_ptr<int64_t>(),
-                                              g.document.const_data_ptr<int64_t>(), g.num_documents,
-                                              g.log_probs.data_ptr<T>(), g.safe_document.data_ptr<int64_t>()});
-      Runner::template sum_rows_by_index<1>(g.log_probs.view({n, 1}), g.safe_document,
-                                            g.document_sums.view({g.num_documents, 1}));
-      Runner::for_each(g.num_pairs, DpoPairStep<T>{static_cast<T>(g.beta), g.pairs.const_data_ptr<int64_t>(),
-                                                   g.ref_chosen.const_data_ptr<T>(), g.ref_rejected.const_data_ptr<T>(),
-                                                   g.document_sums.const_data_ptr<T>(), static_cast<T>(g.divisor),
-                                                   g.pair_out.data_ptr<T>(), g.document_coef.data_ptr<T>(),
-                                                   g.num_documents});
-      if (!g.pairs_checked) Runner::for_each(g.num_documents, DpoPairCoverage<T>{g.document_coef.const_data_ptr<T>()});
-      Runner::for_each(n, DpoTokenCoef<T>{g.target.const_data_ptr<int64_t>(), g.document.const_data_ptr<int64_t>(),
-                                          g.document_coef.const_data_ptr<T>(), g.coef.data_ptr<T>()});
+      const auto sums = std::make_tuple(
+          for_each_step(n, DpoTokenLogProbs<T>{g.stats.const_data_ptr<T>(), g.target.const_data_ptr<int64_t>(),
+                                               g.document.const_data_ptr<int64_t>(), g.num_documents,
+                                               g.log_probs.data_ptr<T>(), g.safe_document.data_ptr<int64_t>()}),
+          SumByIndexStep<1, T>{g.log_probs.view({n, 1}), g.safe_document, g.document_sums.view({g.num_documents, 1})},
+          for_each_step(g.num_pairs, DpoPairStep<T>{static_cast<T>(g.beta), g.pairs.const_data_ptr<int64_t>(),
+                                                    g.ref_chosen.const_data_ptr<T>(), g.ref_rejected.const_data_ptr<T>(),
+                                                    g.document_sums.const_data_ptr<T>(), static_cast<T>(g.divisor),
+                                                    g.pair_out.data_ptr<T>(), g.document_coef.data_ptr<T>(),
+                                                    g.num_documents}));
       DpoMetrics<T> metrics{g.pair_out.const_data_ptr<T>(), g.num_pairs, {}};
       for (int k = 0; k < 5; ++k) metrics.dst[k] = g.scalars[k].data_ptr<T>();
-      Runner::sum_then(g.num_pairs, metrics);
+      const auto coef = std::make_tuple(
+          for_each_step(n, DpoTokenCoef<T>{g.target.const_data_ptr<int64_t>(), g.document.const_data_ptr<int64_t>(),
+                                           g.document_coef.const_data_ptr<T>(), g.coef.data_ptr<T>()}),
+          sum_then_step(g.num_pairs, metrics));
+      if (g.pairs_checked) {
+        run_chain<Runner>(std::tuple_cat(sums, coef));
+      } else {
+        T* doc_coef = g.document_coef.data_ptr<T>();
+        run_chain<Runner>(std::tuple_cat(
+            std::make_tuple(for_each_step(g.num_documents, FillWith<T>{doc_coef, std::numeric_limits<T>::quiet_NaN()})),
+            sums, std::make_tuple(for_each_step(g.num_documents, DpoPairCoverage<T>{doc_coef})), coef));
+      }
     });
   }
   static constexpr DpoBackend backend() { return {&stats, &grad, &steps}; }

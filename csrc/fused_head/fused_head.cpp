@@ -74,15 +74,13 @@ void gspo_term_steps(GspoState& g, const GspoBackend& backend, const at::TensorO
   g.safe_document = at::empty({n}, g.document.options());
   g.terms = at::empty({n, kGspoSums}, opts);
   g.local_sums = at::empty({g.num_documents, kGspoSums}, opts);
-  backend.token_terms(g);
   g.sums = at::empty({g.num_documents, kGspoSums}, opts);
   g.fields = at::empty({g.num_documents, kGspoDocFields}, opts);
   g.ratios = at::empty({g.num_documents}, opts);
   g.totals = at::empty({kGspoTotals}, opts);
-  backend.documents(g);
   g.token_out = at::empty({n, kGspoTokenFields}, opts);
   g.coef = at::empty({n}, opts);
-  backend.tokens(g);
+  backend.steps(g, nullptr, true);
 }
 
 }  // namespace

@@ -345,16 +345,17 @@ struct GrpoBackendImpl {
       auto in = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<T>() : nullptr; };
       auto out = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; };
       const PolicyOptions<T> opt = policy_options_as<T>(q.opt);
-      Runner::for_each(n, GrpoSequenceTerms<T>{opt, q.target.const_data_ptr<int64_t>(),
-                                               q.ids.defined() ? q.ids.const_data_ptr<int64_t>() : nullptr,
-                                               q.row_length, q.count, in(q.stats), in(q.old_log_probs),
-                                               in(q.rollout_log_probs), q.sequence_rollout,
-                                               q.safe_sequence.data_ptr<int64_t>(), q.terms.data_ptr<T>()});
-      Runner::template sum_rows_by_index<kSeqSums>(q.terms, q.safe_sequence, q.sums);
-      Runner::for_each(n, GrpoSequenceStep<T>{opt, q.safe_sequence.const_data_ptr<int64_t>(),
-                                              q.terms.const_data_ptr<T>(), q.sums.const_data_ptr<T>(),
-                                              in(q.advantages), q.sequence_rollout, out(r.sequence_log_rho),
-                                              out(r.vespo_phi), out(r.sequence_share)});
+      Runner::chain(
+          for_each_step(n, GrpoSequenceTerms<T>{opt, q.target.const_data_ptr<int64_t>(),
+                                                q.ids.defined() ? q.ids.const_data_ptr<int64_t>() : nullptr,
+                                                q.row_length, q.count, in(q.stats), in(q.old_log_probs),
+                                                in(q.rollout_log_probs), q.sequence_rollout,
+                                                q.safe_sequence.data_ptr<int64_t>(), q.terms.data_ptr<T>()}),
+          SumByIndexStep<kSeqSums, T>{q.terms, q.safe_sequence, q.sums},
+          for_each_step(n, GrpoSequenceStep<T>{opt, q.safe_sequence.const_data_ptr<int64_t>(),
+                                               q.terms.const_data_ptr<T>(), q.sums.const_data_ptr<T>(),
+                                               in(q.advantages), q.sequence_rollout, out(r.sequence_log_rho),
+                                               out(r.vespo_phi), out(r.sequence_share)}));
     });
   }
   static void log_probs(const at::Tensor& stats, const at::Tensor& target1d, const at::Tensor& out) {

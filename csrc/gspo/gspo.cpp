@@ -14,17 +14,6 @@
 
 namespace rl_losses {
 
-namespace {
-
-// GspoTokenTerms over every token, then their sums per document (this rank's): into g.terms and g.local_sums,
-// allocated by the caller.
-void sum_document_terms(GspoState& g, const GspoBackend& backend) {
-  g.safe_document = new_empty({g.target.numel()}, g.document.options());
-  backend.token_terms(g);
-}
-
-}  // namespace
-
 void set_policy_inputs(const char* op, GspoState& g, const OptTensor& ref_log_probs, const OptTensor& rollout_log_probs,
                        const PolicyArgs& policy, const at::Tensor& target, at::ScalarType acc) {
   // (rollout_rs alone reads them in the pre-pass, not as a correction)
@@ -67,7 +56,8 @@ at::Tensor gspo_document_sums(const DocumentSumsArgs& a, const GspoBackend& back
   set_policy_inputs(op, g, a.ref_log_probs, a.rollout_log_probs, a.policy, target, acc);
   g.terms = new_empty({target.numel(), kGspoSums}, g.advantages.options());
   g.local_sums = new_empty({g.num_documents, kGspoSums}, g.advantages.options());
-  sum_document_terms(g, backend);
+  g.safe_document = new_empty({target.numel()}, g.document.options());
+  backend.token_terms(g);
   return g.local_sums;
 }
 
@@ -160,9 +150,9 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
     args.entropy = false;
   }
 
-  // Between the passes, a fixed few launches of O(N + S) work (on a GPU each costs 2-3 us, which small
-  // shapes feel): the per-token log-probs and document terms, their sums per document, each document's ratio
-  // and metrics and their totals (with D), then each token's loss share and gradient coefficient.
+  // Between the passes, a chain of O(N + S) steps (one launch on a GPU at small shapes, where each launch costs the
+  // host ~5 us): the per-token log-probs and document terms, their sums per document, each document's ratio and
+  // metrics and their totals (with D), each token's loss share and gradient coefficient, then the metrics.
   // The steps' buffers that no result returns, in one allocation.
   const std::vector<at::Tensor> scratch =
       new_scratch(opts, {{f.n_rows, kGspoSums}, {n_docs, kGspoSums}, {n_docs, kGspoSums}, {n_docs, kGspoDocFields},
@@ -176,26 +166,23 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
   g.coef = scratch[6];
   g.log_probs = new_empty({f.n_rows}, opts);
   if (a.compute_entropy || g.opt.entropy_coefficient != 0) g.entropy = new_empty({f.n_rows}, opts);
-  sum_document_terms(g, backend);
-  if (bypass && !rules.empty()) {
-    // The terms' log-probs judged, then the terms again over the kept tokens (O(N + S)).
-    reject_rollout_documents(op, g, rules, f.target1d, target, a.rollout_log_probs, acc, n_docs, g.log_probs);
-    sum_document_terms(g, backend);
-  }
+  g.safe_document = new_empty({f.n_rows}, g.document.options());
   g.ratios = new_empty({n_docs}, opts);
-  backend.documents(g);
   if (g.opt.entropy_coefficient != 0) g.entropy_h = new_empty({f.n_rows}, opts);
-  backend.tokens(g);
+  // The metrics (docs/math.md), one reduction over the tokens in the steps' chain.
+  const PolicyScalarOutputs scalars(opts, policy_metrics_on(g.opt, a.compute_entropy, a.ref_log_probs.has_value()));
+  if (bypass && !rules.empty()) {
+    // The terms' log-probs judged; the steps then sum the terms again over the kept tokens (O(N + S)).
+    backend.token_terms(g);
+    reject_rollout_documents(op, g, rules, f.target1d, target, a.rollout_log_probs, acc, n_docs, g.log_probs);
+  }
+  backend.steps(g, &scalars, true);
 
   // Pass 2: the gradient.
   if (src.wants_grad() && f.n_rows > 0) {
     args.stats_in = g.stats;
     src.run(args, true, [&](RowPassArgs& a) { backend.grad(a, g); });
   }
-
-  // Metrics (docs/math.md), one reduction over the tokens.
-  const PolicyScalarOutputs scalars(opts, policy_metrics_on(g.opt, a.compute_entropy, a.ref_log_probs.has_value()));
-  backend.metrics(g, scalars);
   PolicyResults results = policy_results(scalars, g.log_probs.view(target.sizes()));
   results.document_ratios = g.ratios;
   return results;

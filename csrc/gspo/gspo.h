@@ -332,10 +332,9 @@ struct GspoMetrics {
 struct GspoBackend {
   void (*stats)(const RowPassArgs&, const at::Tensor& out);
   void (*grad)(const RowPassArgs&, const GspoState&);         // PolicyCoefEpilogue
-  void (*token_terms)(const GspoState&);                      // GspoTokenTerms
-  void (*documents)(const GspoState&);                        // GspoDocumentStep, GspoDocumentTotals
-  void (*tokens)(const GspoState&);                           // GspoTokenStep
-  void (*metrics)(const GspoState&, const PolicyScalarOutputs&);  // GspoMetrics
+  void (*token_terms)(const GspoState&);                      // GspoTokenTerms and their sums per document
+  // [token_terms,] GspoDocumentStep, GspoDocumentTotals, GspoTokenStep [and GspoMetrics]: one chain of steps
+  void (*steps)(const GspoState&, const PolicyScalarOutputs* metrics, bool with_terms);
 };
 
 // gspo's and linear_gspo's arguments but the source's and the hooks (op_args.h).
@@ -441,59 +440,72 @@ struct GspoBackendImpl {
       });
     }
   }
+  // The steps between and after the passes (row_pass.h), each built once here.
+  template <typename T>
+  static auto terms_steps(const GspoState& g) {
+    return std::make_tuple(
+        for_each_step(g.target.numel(),
+                      GspoTokenTerms<T>{policy_options_as<T>(g.opt), ptr<T>(g.stats), ptr<int64_t>(g.target),
+                                        ptr<int64_t>(g.document), ptr<T>(g.advantages), ptr<T>(g.old_log_probs),
+                                        ptr<T>(g.label_counts), ptr<T>(g.rollout_log_probs), ptr<T>(g.ref_log_probs),
+                                        g.sequence_rollout, g.kl_share, g.token_weighting, g.num_documents,
+                                        ptr<T>(g.log_probs), ptr<T>(g.entropy), ptr<int64_t>(g.safe_document),
+                                        ptr<T>(g.terms)}),
+        SumByIndexStep<kGspoSums, T>{g.terms, g.safe_document, g.local_sums});
+  }
+  template <typename T>
+  static auto document_steps(const GspoState& g) {
+    const bool counted = !g.label_counts.defined();
+    return std::make_tuple(
+        for_each_step(g.num_documents,
+                      GspoDocumentStep<T>{policy_options_as<T>(g.opt), ptr<T>(g.local_sums), ptr<T>(g.given_sums),
+                                          counted, counted && !g.token_weighting,
+                                          counted && !g.token_weighting && !g.sequence_rollout &&
+                                              g.rollout_log_probs.defined(),
+                                          ptr<T>(g.sums), ptr<T>(g.fields), ptr<T>(g.ratios)}),
+        sum_then_step(g.num_documents, GspoDocumentTotals<T>{ptr<T>(g.fields), g.divisor.has_value(),
+                                                             static_cast<T>(g.divisor.value_or(1.0)), ptr<T>(g.totals)}));
+  }
+  template <typename T>
+  static auto token_step(const GspoState& g) {
+    return for_each_step(g.target.numel(),
+                         GspoTokenStep<T>{policy_options_as<T>(g.opt), ptr<T>(g.sums), ptr<T>(g.local_sums),
+                                          ptr<int64_t>(g.target), ptr<int64_t>(g.document), ptr<T>(g.label_counts),
+                                          ptr<T>(g.advantages), ptr<T>(g.log_probs), ptr<T>(g.entropy),
+                                          ptr<T>(g.old_log_probs), ptr<T>(g.ref_log_probs), ptr<T>(g.rollout_log_probs),
+                                          ptr<T>(g.totals), g.token_advantages, g.token_weighting, g.sequence_rollout,
+                                          g.kl_share, ptr<T>(g.token_out), ptr<T>(g.coef), ptr<T>(g.entropy_h)});
+  }
+  template <typename T>
+  static auto metrics_step(const GspoState& g, const PolicyScalarOutputs& dst) {
+    return sum_then_step(g.target.numel(), GspoMetrics<T>{ptr<T>(g.token_out), ptr<T>(g.totals), g.entropy.defined(),
+                                                          dst.ptrs<T>()});
+  }
   static void token_terms(const GspoState& g) {
-    RL_LOSSES_DISPATCH_ACC(g.terms, [&] {
-      Runner::for_each(g.target.numel(),
-                       GspoTokenTerms<scalar_t>{policy_options_as<scalar_t>(g.opt), ptr<scalar_t>(g.stats),
-                                                ptr<int64_t>(g.target), ptr<int64_t>(g.document),
-                                                ptr<scalar_t>(g.advantages), ptr<scalar_t>(g.old_log_probs),
-                                                ptr<scalar_t>(g.label_counts), ptr<scalar_t>(g.rollout_log_probs),
-                                                ptr<scalar_t>(g.ref_log_probs), g.sequence_rollout, g.kl_share,
-                                                g.token_weighting, g.num_documents, ptr<scalar_t>(g.log_probs),
-                                                ptr<scalar_t>(g.entropy), ptr<int64_t>(g.safe_document),
-                                                ptr<scalar_t>(g.terms)});
-    });
-    Runner::template sum_rows_by_index<kGspoSums>(g.terms, g.safe_document, g.local_sums);
+    RL_LOSSES_DISPATCH_ACC(g.terms, [&] { run_chain<Runner>(terms_steps<scalar_t>(g)); });
   }
-  static void documents(const GspoState& g) {
+  // The per-document step and the token step, with the token terms before them (`with_terms`) and the metrics
+  // after them (`dst`, unless null), which read nothing the gradient pass writes: one chain.
+  static void steps(const GspoState& g, const PolicyScalarOutputs* dst, bool with_terms) {
     RL_LOSSES_DISPATCH_ACC(g.sums, [&] {
-      Runner::for_each(g.num_documents,
-                       GspoDocumentStep<scalar_t>{policy_options_as<scalar_t>(g.opt), ptr<scalar_t>(g.local_sums),
-                                                  ptr<scalar_t>(g.given_sums), !g.label_counts.defined(),
-                                                  !g.label_counts.defined() && !g.token_weighting,
-                                                  !g.label_counts.defined() && !g.token_weighting &&
-                                                      !g.sequence_rollout && g.rollout_log_probs.defined(),
-                                                  ptr<scalar_t>(g.sums), ptr<scalar_t>(g.fields),
-                                                  ptr<scalar_t>(g.ratios)});
-      Runner::sum_then(g.num_documents,
-                       GspoDocumentTotals<scalar_t>{ptr<scalar_t>(g.fields), g.divisor.has_value(),
-                                                    static_cast<scalar_t>(g.divisor.value_or(1.0)),
-                                                    ptr<scalar_t>(g.totals)});
-    });
-  }
-  static void tokens(const GspoState& g) {
-    RL_LOSSES_DISPATCH_ACC(g.sums, [&] {
-      Runner::for_each(g.target.numel(),
-                       GspoTokenStep<scalar_t>{policy_options_as<scalar_t>(g.opt), ptr<scalar_t>(g.sums),
-                                               ptr<scalar_t>(g.local_sums), ptr<int64_t>(g.target),
-                                               ptr<int64_t>(g.document), ptr<scalar_t>(g.label_counts),
-                                               ptr<scalar_t>(g.advantages), ptr<scalar_t>(g.log_probs),
-                                               ptr<scalar_t>(g.entropy), ptr<scalar_t>(g.old_log_probs),
-                                               ptr<scalar_t>(g.ref_log_probs), ptr<scalar_t>(g.rollout_log_probs),
-                                               ptr<scalar_t>(g.totals), g.token_advantages, g.token_weighting,
-                                               g.sequence_rollout, g.kl_share, ptr<scalar_t>(g.token_out),
-                                               ptr<scalar_t>(g.coef), ptr<scalar_t>(g.entropy_h)});
-    });
-  }
-  static void metrics(const GspoState& g, const PolicyScalarOutputs& dst) {
-    RL_LOSSES_DISPATCH_ACC(g.token_out, [&] {
-      Runner::sum_then(g.target.numel(), GspoMetrics<scalar_t>{ptr<scalar_t>(g.token_out), ptr<scalar_t>(g.totals),
-                                                               g.entropy.defined(), dst.ptrs<scalar_t>()});
+      const auto middle = std::tuple_cat(document_steps<scalar_t>(g), std::make_tuple(token_step<scalar_t>(g)));
+      const auto run = [&](const auto& rest) {
+        if (with_terms) {
+          run_chain<Runner>(std::tuple_cat(terms_steps<scalar_t>(g), rest));
+        } else {
+          run_chain<Runner>(rest);
+        }
+      };
+      if (dst != nullptr) {
+        run(std::tuple_cat(middle, std::make_tuple(metrics_step<scalar_t>(g, *dst))));
+      } else {
+        run(middle);
+      }
     });
   }
 #undef RL_LOSSES_DISPATCH_ACC
 
-  static constexpr GspoBackend backend() { return {&stats, &grad, &token_terms, &documents, &tokens, &metrics}; }
+  static constexpr GspoBackend backend() { return {&stats, &grad, &token_terms, &steps}; }
 };
 
 }  // namespace rl_losses
