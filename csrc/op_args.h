@@ -21,15 +21,17 @@
 // once (default: from the strategy's budget); strategy, "fast" (rows outer, a fp32 weight-gradient accumulator
 // across chunks) or "lean" (no accumulator, at most 256 MiB beyond the gradients, one more GEMM); weight_main_grad,
 // a (V, H) fp32 buffer that grad_weight is added into instead of being returned (the losses add it in the forward,
-// for an upstream gradient of 1); skip_unlabelled, rows with a negative label take no GEMM work (their count is
-// read on the host: one synchronisation); head_dtype, the logits' dtype (vLLM's name): "weight" (rounded to the
-// weight's dtype, as an unfused head) or "float32" (GEMM 1's fp32 sums kept, vLLM's and SGLang's fp32 lm_head).
+// for an upstream gradient of 1); skip_unlabelled, whether rows with a negative label take no GEMM work (their count
+// is read on the host: one synchronisation): True, False, or None, where it pays (linear_source.h: on the CPU; on a
+// GPU where N·V·H reaches kCountLabelledMinMacs, outside a graph capture); head_dtype, the logits' dtype (vLLM's
+// name): "weight" (rounded to the weight's dtype, as an unfused head) or "float32" (GEMM 1's fp32 sums kept, vLLM's
+// and SGLang's fp32 lm_head).
 #define RL_LOSSES_LINEAR_OPTIONS(X)          \
   X(OptTensor, bias, None)                   \
   X(OptInt, chunk_size, None)                \
   X(std::string, strategy, "fast")           \
   X(OptTensorOut, weight_main_grad, None)    \
-  X(bool, skip_unlabelled, True)             \
+  X(OptBool, skip_unlabelled, None)          \
   X(std::string, head_dtype, "weight")
 // Every softmax is over logits_scale_factor · logits.
 #define RL_LOSSES_SCALE(X) X(double, logits_scale_factor, 1.0)

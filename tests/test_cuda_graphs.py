@@ -162,6 +162,16 @@ CASES = [
                                                     num_documents=DOCS, divisor=float(DOCS),
                                                     **_linear_options("fast")).loss,
          lambda h, w, d: _gspo(reference, _linear_ref(h, w, d), d), hidden=True, dtype=torch.float32),
+    # The default skip_unlabelled (None) counts no rows at N·V·H = 256 · 4096 · 128 = 2^27, below
+    # kCountLabelledMinMacs (csrc/linear/linear_source.h), nor under a capture: one chunk of every row.
+    Case("linear_ce_default", lambda h, w, d: rl_losses.linear_cross_entropy(h, w, d["target"], divisor=150.0),
+         lambda h, w, d: reference.cross_entropy(_linear_ref(h, w, d), d["target"], divisor=150.0),
+         hidden=True, dtype=torch.float32),
+    Case("linear_grpo_default",
+         lambda h, w, d: rl_losses.linear_grpo_loss(h, w, d["target"], d["adv"], d["old"], divisor=150.0).loss,
+         lambda h, w, d: reference.grpo_loss(_linear_ref(h, w, d), d["target"], d["adv"], d["old"],
+                                             divisor=150.0).loss,
+         hidden=True, dtype=torch.float32),
 ]
 N, V = 256, 4096  # one round of the cluster kernel (bf16 rows of 8 KB: one CTA each); 3 chunks for linear_*
 

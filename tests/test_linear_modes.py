@@ -105,7 +105,7 @@ def check_mode(device, dtype, op, mode, chunk_size, skip, masked=0.3):
         if dtype == torch.bfloat16 and key.startswith("clipped"):
             continue
         expected = expected.detach()
-        if key == "lse" and skip:  # a skipped row's outputs are zeros
+        if key == "lse" and skip is not False:  # an unlabelled row's outputs are zeros unless every row is asked for
             expected = torch.where(unlabelled, 0.0, expected)
         assert_close(outputs[key], expected, dtype, scale=scale, msg=key)
     loss.backward()
@@ -164,14 +164,15 @@ def test_gemm_pieces_beyond_4096_rows(device):
 @pytest.mark.parametrize("mode,chunk_size", [("fast", None), ("lean", 10)])
 def test_unlabelled_rows_take_no_gemm_work(mode, chunk_size):
     """With half the 48 rows unlabelled, the GEMMs of a fwd+bwd see the 24 labelled rows, never 48 (fast: one
-    chunk of every row; lean: the vocabulary blocks take every row at once)."""
+    chunk of every row; lean: the vocabulary blocks take every row at once); on the CPU the default (None) counts
+    them as True does."""
     n, m = 48, 24
     hidden, weight, _ = make_linear((n,), 10, 37, torch.float32, "cpu")
     target = torch.randint(0, 37, (n,))
     target[torch.randperm(n)[:n - m]] = -100
     adv, old = torch.randn(n), torch.randn(n) - 3
     rows = {}
-    for skip in (True, False):
+    for skip in (True, False, None):
         (h, w), _ = leaves(hidden, weight)
         with torch.profiler.profile(record_shapes=True) as prof:
             rl_losses.linear_grpo_loss(h, w, target, adv, old, strategy=mode, chunk_size=chunk_size,
@@ -181,3 +182,4 @@ def test_unlabelled_rows_take_no_gemm_work(mode, chunk_size):
         rows[skip] = dims
     assert n not in rows[True] and m in rows[True], rows[True]
     assert n in rows[False], rows[False]
+    assert rows[None] == rows[True], rows[None]

@@ -167,10 +167,52 @@ def test_main_grad_token_log_probs_takes_the_upstream_gradients():
 
 @requires_cuda
 def test_graph_capture_needs_skip_unlabelled_false():
-    """Counting the labelled rows needs the host: under a CUDA graph capture the op says so."""
+    """Counting the labelled rows needs the host: under a CUDA graph capture skip_unlabelled=True says so."""
     h, w, b, t, a, o, d = _inputs("cuda", requires_grad=False)
-    rl_losses.linear_cross_entropy(h, w, t)  # warm-up outside the capture
+    rl_losses.linear_cross_entropy(h, w, t, skip_unlabelled=True)  # warm-up outside the capture
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="skip_unlabelled=True counts the labelled rows on the host"):
         with torch.cuda.graph(graph):
-            rl_losses.linear_cross_entropy(h, w, t)
+            rl_losses.linear_cross_entropy(h, w, t, skip_unlabelled=True)
+
+
+def _large_inputs(device):
+    """_inputs' layout at N·V·H = 1024 · 32768 · 128 = 2^32 (kCountLabelledMinMacs), where a default call on a GPU
+    counts the labelled rows; half of them unlabelled."""
+    n, v = 1024, 32768
+    hidden, weight, bias = make_linear((n,), 128, v, torch.float32, device, bias=True)
+    target = make_target((n,), v, device, masked=0.5)
+    return (hidden, weight, bias, target, torch.randn(n, device=device), torch.randn(n, device=device) - 3,
+            torch.arange(n, device=device) * 4 // n)
+
+
+def _default_call(op, h, w, b, t, a, o, d):
+    """`op`'s results with every fused lm_head option at its default."""
+    if op == "linear_cross_entropy":
+        return _ops.linear_cross_entropy(h, w, t, bias=b)
+    if op == "linear_grpo":
+        return _ops.linear_grpo(h, w, t, a, o, bias=b)
+    if op == "linear_gspo":
+        return _ops.linear_gspo(h, w, t, a, o, d, bias=b, num_documents=4)
+    return _ops.linear_token_log_probs(h, w, t, bias=b)
+
+
+@requires_cuda
+@pytest.mark.parametrize("op", OPS)
+def test_graph_capture_with_the_default_runs_every_row(op):
+    """The default (skip_unlabelled=None) counts no rows under a capture: it runs every row, and the replay gives
+    what an eager call gives (which counts them at the large shape), unlabelled rows' outputs included."""
+    for x in _inputs("cuda", requires_grad=False), _large_inputs("cuda"):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture, as torch.cuda.graphs asks
+            _default_call(op, *x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = _default_call(op, *x)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(captured, _default_call(op, *x)):
+            if want is not None:
+                assert_close(got, want, torch.float32)

@@ -10,7 +10,9 @@
 // epilogue indexes its per-token arrays globally through args.row_offset or args.row_index (row_pass.h).
 // A source may leave the unlabelled rows out of its passes altogether (LinearSource's skip_unlabelled): their
 // epilogue never runs, so an op allocates the per-row outputs its epilogue writes with row_outputs(), zeros
-// there, and reads no statistics of an unlabelled row.
+// there, and reads no statistics of an unlabelled row. Where a source may leave them out but runs them
+// (unlabelled_outputs_zero() without skips_unlabelled()), the epilogues write those zeros themselves, so that a
+// call's outputs do not depend on whether the rows were left out.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -50,6 +52,9 @@ class RowSource {
   bool wants_grad() const { return wants_grad_; }
   // Whether the passes leave the unlabelled rows out (see above).
   bool skips_unlabelled() const { return skips_unlabelled_; }
+  // Whether an unlabelled row's per-row outputs are zeros, left out or not (LinearSource unless skip_unlabelled is
+  // False): an output an epilogue writes on every row (cross_entropy's lse) is then 0 there too.
+  bool unlabelled_outputs_zero() const { return unlabelled_outputs_zero_; }
   // Whether one pass sees every row at once and leaves the logits as they were (the logits as given, the gradient
   // not written over them): an op may then run rows again after that pass (grpo's clip_cov / kl_cov fix-up).
   bool rows_revisitable() const { return rows_revisitable_; }
@@ -82,6 +87,7 @@ class RowSource {
   FlatLogits f_;
   bool wants_grad_;
   bool skips_unlabelled_ = false;
+  bool unlabelled_outputs_zero_ = false;
   bool rows_revisitable_ = false;
   bool grad_scaled_by_rows_ = false;
 };

@@ -30,6 +30,7 @@ namespace rl_losses {
 using OptTensor = std::optional<at::Tensor>;
 using OptDouble = std::optional<double>;
 using OptInt = std::optional<int64_t>;
+using OptBool = std::optional<bool>;
 using OptString = std::optional<std::string>;
 using OptDoubles = std::optional<std::vector<double>>;
 using OutputMask = std::array<bool, 3>;  // which of grad_hidden, grad_weight, grad_bias to compute
@@ -63,6 +64,7 @@ RL_LOSSES_SCHEMA_TYPE(OptDouble, "float?")
 RL_LOSSES_SCHEMA_TYPE(int64_t, "int")
 RL_LOSSES_SCHEMA_TYPE(OptInt, "int?")
 RL_LOSSES_SCHEMA_TYPE(bool, "bool")
+RL_LOSSES_SCHEMA_TYPE(OptBool, "bool?")
 RL_LOSSES_SCHEMA_TYPE(std::string, "str")
 RL_LOSSES_SCHEMA_TYPE(OptString, "str?")
 RL_LOSSES_SCHEMA_TYPE(OptDoubles, "float[]?")
@@ -190,6 +192,7 @@ inline void take(c10::IValue& v, OptDouble& out) { out = v.isNone() ? OptDouble(
 inline void take(c10::IValue& v, int64_t& out) { out = v.toInt(); }
 inline void take(c10::IValue& v, OptInt& out) { out = v.isNone() ? OptInt() : OptInt(v.toInt()); }
 inline void take(c10::IValue& v, bool& out) { out = v.toBool(); }
+inline void take(c10::IValue& v, OptBool& out) { out = v.isNone() ? OptBool() : OptBool(v.toBool()); }
 inline void take(c10::IValue& v, std::string& out) { out = v.toStringRef(); }
 inline void take(c10::IValue& v, OptString& out) { out = v.isNone() ? OptString() : OptString(v.toStringRef()); }
 inline void take(c10::IValue& v, OptDoubles& out) {

@@ -47,7 +47,8 @@ CrossEntropyResults cross_entropy_forward(RowSource& src, const at::Tensor& targ
                         .divisor = d,
                         .divisor_value = d_value,
                         .row_loss = src.row_outputs({f.n_rows}),
-                        .lse = src.row_outputs({f.n_rows})};
+                        .lse = src.row_outputs({f.n_rows}),
+                        .lse_of_labelled_only = src.unlabelled_outputs_zero()};
   RowPassArgs args = make_row_pass_args(f, logits_scale_factor);
   if (row_stats) args.stats_in = *row_stats;
   args.smoothing = label_smoothing != 0 && label_weight != 0;

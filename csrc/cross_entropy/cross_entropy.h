@@ -20,7 +20,7 @@ struct CrossEntropyEpilogue {
   static constexpr bool kMayUseEntropy = false, kMayUseSmoothing = true;
   static constexpr bool kMayUseEntropyGrad = false;
   static constexpr bool kMayReadStats = true, kMayWriteGrad = true;
-  static constexpr bool kSkipsUnlabelled = false;  // lse is an output of every row, labelled or not
+  static constexpr bool kSkipsUnlabelled = false;  // lse is an output of every row (unless lse_of_labelled_only)
   CrossEntropyOptions<acc_t> opt;
   // D: counted on the device (0-dim, the labelled tokens) or, when that is null, known on the host (a given
   // divisor, 1 for reduction "sum" or "none"): a host value needs no fill kernel before the row pass.
@@ -28,10 +28,13 @@ struct CrossEntropyEpilogue {
   acc_t divisor_value;
   acc_t* row_loss;       // (N,) m_t·ℓ_t / D
   acc_t* lse;            // (N,)
+  // lse 0 on an unlabelled row, as where the source leaves such rows out (RowSource::unlabelled_outputs_zero): the
+  // result then does not depend on whether it did, and no kernel clears those rows afterwards.
+  bool lse_of_labelled_only;
 
   C10_HOST_DEVICE GradCoef<acc_t> operator()(int64_t row, int64_t label, const RowStats<acc_t>& st) const {
     const acc_t l = st.lse();
-    lse[row] = l;
+    lse[row] = label < 0 && lse_of_labelled_only ? acc_t(0) : l;
     if (label < 0) {  // no label: no loss, zero gradient
       row_loss[row] = acc_t(0);
       return {acc_t(0), acc_t(0), acc_t(0)};
@@ -49,6 +52,7 @@ struct CrossEntropyRows {
   double divisor_value = 1.0;
   at::Tensor row_loss;
   at::Tensor lse;
+  bool lse_of_labelled_only = false;  // CrossEntropyEpilogue's
 };
 
 using CrossEntropyBackend = void (*)(const RowPassArgs&, const CrossEntropyRows&);
@@ -87,7 +91,8 @@ CrossEntropyEpilogue<acc_t> make_cross_entropy_epilogue(const CrossEntropyRows& 
           .divisor = rows.divisor.defined() ? rows.divisor.const_data_ptr<acc_t>() : nullptr,
           .divisor_value = acc_t(rows.divisor_value),
           .row_loss = rows.row_loss.data_ptr<acc_t>(),
-          .lse = rows.lse.data_ptr<acc_t>()};
+          .lse = rows.lse.data_ptr<acc_t>(),
+          .lse_of_labelled_only = rows.lse_of_labelled_only};
 }
 
 }  // namespace rl_losses

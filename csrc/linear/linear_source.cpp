@@ -154,6 +154,21 @@ void check_linear_options(const char* op, const LinearOptions& o, const at::Tens
   TORCH_CHECK(g.is_contiguous(), op, ": weight_main_grad must be contiguous, got strides ", g.strides());
 }
 
+// Whether the labelled rows are counted (and the others left out): skip_unlabelled True or False as given; None
+// where it pays: on the CPU (no synchronisation there), on a GPU where the GEMMs are large enough for the count's
+// synchronisation to be small against them (kCountLabelledMinMacs), and never under a graph capture, which no host
+// synchronisation may enter (every row then runs). True under a capture is refused.
+bool counts_labelled(const char* op, const std::optional<bool>& skip, const at::Tensor& hidden, int64_t n,
+                     int64_t vocab, const LinearBackend& backend) {
+  if (n == 0 || !skip.value_or(true)) return false;
+  if (skip) {
+    TORCH_CHECK(!backend.capturing(hidden), op, ": skip_unlabelled=True counts the labelled rows on the host, which "
+                "a CUDA graph capture does not allow; pass skip_unlabelled=False or None");
+    return true;
+  }
+  return hidden.is_cpu() || (n * vocab * hidden.size(-1) >= kCountLabelledMinMacs && !backend.capturing(hidden));
+}
+
 }  // namespace
 
 const LinearBackend& linear_backend_cpu() {
@@ -187,9 +202,8 @@ LinearSource::LinearSource(const char* op, const at::Tensor& hidden, const at::T
   hidden_all_ = hidden_;
   target_ = f_.target1d;
   m_ = n;
-  if (options.skip_unlabelled && n > 0) {
-    TORCH_CHECK(!backend.capturing(hidden), op, ": skip_unlabelled=True counts the labelled rows on the host, which "
-                "a CUDA graph capture does not allow; pass skip_unlabelled=False");
+  unlabelled_outputs_zero_ = options.skip_unlabelled.value_or(true);
+  if (counts_labelled(op, options.skip_unlabelled, hidden, n, vocab, backend)) {
     at::Tensor labelled = at::nonzero(target_ >= 0).view({-1});  // the one host synchronisation on a GPU
     if (labelled.size(0) < n) {
       rows_ = std::move(labelled);

@@ -21,9 +21,10 @@
 //   4 GEMMs instead of 3; where every row fits one chunk of the budget, sweep 1 alone, as in fast.
 // A caller's fp32 buffer (weight_main_grad, Megatron's main_grad) takes GEMM 3 with either strategy, added with
 // beta = 1 from the first chunk or block: no weight gradient or accumulator of ours.
-// The unlabelled rows (label < 0) take no GEMM work with skip_unlabelled: the labelled rows are counted once
-// on the host (one synchronisation), gathered, and the passes see only them (row_index gives each its global
-// row); their grad_hidden rows are scattered back, the others are zeros.
+// The unlabelled rows (label < 0) take no GEMM work where they are counted (skip_unlabelled True, or None where it
+// pays: counts_labelled): the labelled rows are counted once on the host (one synchronisation), gathered, and the
+// passes see only them (row_index gives each its global row); their grad_hidden rows are scattered back, the others
+// are zeros. Where they are not counted, the passes see every row and the unlabelled ones' outputs are the same.
 // Statistics-only passes (GSPO's first pass, linear_token_log_probs' forward) are GEMM 1 and the pass, chunk
 // by chunk; GSPO thus costs 4 GEMMs when fast and 5 when lean.
 // A pass with a RowRevisit (grpo's clip_cov / kl_cov, docs/policy_losses.md) redoes a few rows once every row's
@@ -74,6 +75,10 @@ const LinearBackend& linear_backend_cuda();
 constexpr int64_t kFastLogitsBytes = int64_t(5) << 29;  // 2.5 GiB
 constexpr int64_t kLeanBytes = int64_t(256) << 20;
 constexpr int64_t kGemmPieceRows = 4096;
+// skip_unlabelled=None counts the labelled rows on a GPU where each of the three GEMMs over every row takes at least
+// this many multiply-adds (N·V·H; the three, about 40 us on an H100 in bf16): below it, the count's launches and
+// host synchronisation cost more than the unlabelled rows' GEMM work they save.
+constexpr int64_t kCountLabelledMinMacs = int64_t(1) << 32;
 // In the batch-invariant mode every GEMM over rows takes exactly this many rows (the chunk's last piece padded
 // with zero rows): a GEMM library picks its kernel, and with it the order of each row's sums (split-K or not, the
 // tiles), by the shape, so that a row's logits and grad_hidden would otherwise depend on how many rows share its
@@ -83,8 +88,9 @@ constexpr int64_t kInvariantGemmRows = 1024;
 class LinearSource final : public RowSource {
  public:
   // hidden (..., H), weight (V, H), bias (V,) or none, target (...) labels. output_mask: which of
-  // grad_hidden, grad_weight, grad_bias to compute. skip_unlabelled only where the op's outputs and gradient
-  // of an unlabelled row do not depend on its logits (the op's adapter decides).
+  // grad_hidden, grad_weight, grad_bias to compute. skip_unlabelled other than False only where the op's outputs
+  // and gradient of an unlabelled row do not depend on its logits (the op's adapter decides); the source then
+  // tells the op that those outputs are zeros (unlabelled_outputs_zero), counted or not.
   LinearSource(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
                const std::optional<at::Tensor>& bias, const at::Tensor& target, const LinearOptions& options,
                std::array<bool, 3> output_mask, const LinearBackend& backend);

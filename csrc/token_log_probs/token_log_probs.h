@@ -147,16 +147,16 @@ struct TokenLogProbsKernels {
     GradResult{src.grads()[0]}.write(args);
     args.push_results();
   }
-  // Rows without a label are left out (skip_unlabelled) only where nothing of theirs is asked for: their log-prob
-  // is 0, but their entropy, when computed (forward) or differentiated (backward), needs their logits. The forward
-  // computes no gradient: weight_main_grad is only checked there (the backward adds into it).
+  // Rows without a label may be left out (skip_unlabelled) only where nothing of theirs is asked for: their log-prob
+  // is 0, but their entropy, when computed (forward) or differentiated (backward), needs their logits (False then).
+  // The forward computes no gradient: weight_main_grad is only checked there (the backward adds into it).
   template <const LinearBackend& (*kLinear)()>
   static void linear_forward(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
     schema::Args args(op, stack);
     const auto in = args.read<LinearInput>();
     const auto a = args.read<TokenLogProbsArgs>();
     auto linear = args.read<LinearOptions>();
-    linear.skip_unlabelled = linear.skip_unlabelled && !a.compute_entropy;
+    if (a.compute_entropy) linear.skip_unlabelled = false;
     LinearSource src("linear_token_log_probs", in.hidden, in.weight, linear.bias, in.target, linear,
                      {false, false, false}, kLinear());
     token_log_probs_forward(src, in.target, a, std::nullopt, kBackend()).write(args);
@@ -168,7 +168,7 @@ struct TokenLogProbsKernels {
     const auto in = args.read<LinearInput>();
     const auto upstream = args.read<TokenLogProbsUpstream>();
     auto linear = args.read<LinearOptions>();
-    linear.skip_unlabelled = linear.skip_unlabelled && !upstream.grad_entropy;
+    if (upstream.grad_entropy) linear.skip_unlabelled = false;
     LinearSource src("linear_token_log_probs", in.hidden, in.weight, linear.bias, in.target, linear,
                      args.read<OutputMaskArg>().output_mask, kLinear());
     if (src.wants_grad()) {

@@ -97,7 +97,7 @@ class LinearTokenLogProbsFunction : public torch::autograd::Function<LinearToken
     ctx->saved_data["chunk_size"] = linear.chunk_size ? c10::IValue(*linear.chunk_size) : c10::IValue();
     ctx->saved_data["has_bias"] = bias.has_value();
     ctx->saved_data["strategy"] = linear.strategy;
-    ctx->saved_data["skip_unlabelled"] = linear.skip_unlabelled;
+    ctx->saved_data["skip_unlabelled"] = linear.skip_unlabelled ? c10::IValue(*linear.skip_unlabelled) : c10::IValue();
     ctx->saved_data["head_dtype"] = linear.head_dtype;
     save_sampler(ctx, a.sampler);
     // Not saved for backward: other calls' backwards add into the same buffer before this one's runs, and a

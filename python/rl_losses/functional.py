@@ -311,9 +311,14 @@ _LINEAR_ARGS_DOC = """
             autograd gets none for the weight (``weight.grad`` is left as it was). The losses add it during the
             forward, for an upstream gradient of 1: call ``loss.backward()`` on the returned loss (scale it
             through ``divisor``); any other upstream gradient is refused.
-        skip_unlabelled: rows with a negative label take no GEMM work (True, default): their count is read on
-            the host, one synchronisation per call (per forward and backward for linear_token_log_probs); their
-            per-row outputs are 0. False runs every row and never synchronises (CUDA graphs).
+        skip_unlabelled: whether rows with a negative label take no GEMM work. Leaving them out needs their
+            count on the host: on a GPU a few launches and one synchronisation per call (per forward and backward
+            for linear_token_log_probs), which costs a small call more than the GEMM work it saves. None
+            (default): they are left out where that pays: on the CPU always; on a GPU where
+            N·V·H >= 2**32 (N rows, V the vocabulary, H the hidden size; about 40 us of GEMMs on an H100),
+            never inside a CUDA graph capture. True: always (refused under a capture). False: never; every row is
+            computed and nothing synchronises. With None or True an unlabelled row's per-row outputs are 0 (lse
+            too), whether it was left out or not; with False its lse is its logits' own.
         head_dtype: the logits' precision. "weight" (default): rounded to the weight's dtype, as an unfused bf16
             head and vLLM's default head. "float32": GEMM 1's fp32 sums kept (bias added in fp32), as vLLM's
             ``head_dtype="float32"`` (``hf_overrides``) and SGLang's ``--enable-fp32-lm-head``; the gradient is
