@@ -318,15 +318,16 @@ def test_default_arguments_replay_matches_reference(op, dtype, n, v):
 #   ce (default token mean): + the labelled count                                                = 5
 #   grpo (divisor given or not): + the labelled count (with the given divisor written by the same
 #     launch), the metrics reduction                                                             = 5
-#   gspo (num_documents and divisor given): the statistics pass, the per-token terms, a memset and the sums
-#     per document, the document step, the totals, the token step, the gradient pass, the metrics = 9 + 2 = 11
+#   gspo (num_documents and divisor given): the statistics pass, the gradient pass and between them one chain
+#     of steps (the per-token terms, their sums per document, the document step, the totals, the token step,
+#     the metrics: one single-block launch at this N, CudaRunner::chain)                            = 3 + 2 = 5
 # A row count that leaves the cluster kernel's last round part-empty adds its tail launch (one more).
 KERNELS = {
     "ce": (4, lambda x, d: rl_losses.cross_entropy(x, d["target"], divisor=150.0)),
     "ce_default": (5, lambda x, d: rl_losses.cross_entropy(x, d["target"])),
     "grpo": (5, lambda x, d: rl_losses.grpo_loss(x, d["target"], d["adv"], d["old"], divisor=150.0).loss),
     "grpo_default": (5, lambda x, d: rl_losses.grpo_loss(x, d["target"], d["adv"], d["old"]).loss),
-    "gspo": (11, lambda x, d: _gspo(rl_losses, x, d)),
+    "gspo": (5, lambda x, d: _gspo(rl_losses, x, d)),
 }
 
 
