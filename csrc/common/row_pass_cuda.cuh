@@ -422,7 +422,7 @@ struct CudaRunner {
   // The steps in order (row_pass.h): one single-block launch (cuda::chain_kernel) where each step has at most
   // kChainItems items, else a launch (or two) per step. The same bits either way, but for the atomics' order of a
   // sum by index, which the batch-invariant mode fixes by the step's own kernels.
-  static constexpr int64_t kChainItems = 8192;
+  static constexpr int64_t kChainItems = 1024;
   template <typename... S>
   static void chain(const S&... steps) {
     if ((batch_invariant() && (is_sum_by_index(steps) || ...)) || std::max({items(steps)...}) > kChainItems) {
