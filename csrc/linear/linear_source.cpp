@@ -38,6 +38,12 @@ void gemm_cpu(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, b
 
 bool never_capturing(const at::Tensor&) { return false; }
 
+// t.narrow(0, start, length), or t itself where that is all of it: at small shapes every ATen call costs a GPU's
+// host a few us, and a call of one chunk made a dozen narrows of whole tensors.
+at::Tensor part(const at::Tensor& t, int64_t start, int64_t length) {
+  return start == 0 && length == t.size(0) ? t : t.narrow(0, start, length);
+}
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The size of each of the fewest parts of at most `max_size` that cover n, as equal as a multiple of
@@ -75,12 +81,12 @@ at::Tensor round_in_place(const at::Tensor& g, at::ScalarType dtype) {
   const int64_t rows = g.size(0), piece = ceil_div(rows, 16);
   const at::Tensor out = g.view(-1).view(dtype).narrow(0, 0, g.numel()).view(g.sizes());
   if (rows == 0) return out;
-  const at::Tensor first = g.narrow(0, 0, piece).to(dtype);
+  const at::Tensor first = part(g, 0, piece).to(dtype);
   for (int64_t r0 = piece; r0 < rows; r0 += piece) {
     const int64_t n = std::min(piece, rows - r0);
-    out.narrow(0, r0, n).copy_(g.narrow(0, r0, n));
+    part(out, r0, n).copy_(part(g, r0, n));
   }
-  out.narrow(0, 0, piece).copy_(first);
+  part(out, 0, piece).copy_(first);
   return out;
 }
 
@@ -89,10 +95,10 @@ bool aligned_16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.cons
 // The rows [p0, p0 + pn) of h as a GEMM operand of `rows` rows: h's own, or (`fixed`: where they are fewer or do
 // not start on a 16-byte boundary, which cuBLAS also picks its kernel by) a copy padded with zero rows.
 at::Tensor gemm_rows(const at::Tensor& h, int64_t p0, int64_t pn, int64_t rows, bool fixed) {
-  const at::Tensor own = h.narrow(0, p0, pn);
+  const at::Tensor own = part(h, p0, pn);
   if (!fixed || (pn == rows && aligned_16(own))) return own;
   at::Tensor out = at::zeros({rows, h.size(1)}, h.options());
-  out.narrow(0, 0, pn).copy_(own);
+  part(out, 0, pn).copy_(own);
   return out;
 }
 
@@ -250,20 +256,20 @@ at::Tensor LinearSource::as_weight_dtype(const at::Tensor& grad) const {
 }
 
 at::Tensor LinearSource::rows_of(const at::Tensor& t, int64_t r0, int64_t n) const {
-  return rows_.defined() ? t.index_select(0, rows_.narrow(0, r0, n)) : t.narrow(0, r0, n);
+  return rows_.defined() ? t.index_select(0, part(rows_, r0, n)) : part(t, r0, n);
 }
 
 void LinearSource::logits_of(const at::Tensor& out, const at::Tensor& h, int64_t v0, bool fixed) const {
   const int64_t nv = out.size(1);
-  const at::Tensor w = weight_.narrow(0, v0, nv).t();
+  const at::Tensor w = part(weight_, v0, nv).t();
   for_gemm_pieces(h.size(0), fixed, [&](int64_t p0, int64_t pn, int64_t rows) {
-    at::Tensor o = out.narrow(0, p0, rows);
+    at::Tensor o = part(out, p0, rows);
     const at::Tensor hp = gemm_rows(h, p0, pn, rows, fixed);
     if (out.scalar_type() != weight_.scalar_type()) {  // fp32 logits of 16-bit operands: the sums kept, bias added
-      if (bias_.defined()) o.copy_(bias_.narrow(0, v0, nv));
+      if (bias_.defined()) o.copy_(part(bias_, v0, nv));
       backend_.gemm(o, hp, w, bias_.defined());
     } else if (bias_.defined()) {
-      at::addmm_out(o, bias_.narrow(0, v0, nv), hp, w);
+      at::addmm_out(o, part(bias_, v0, nv), hp, w);
     } else {
       at::mm_out(o, hp, w);
     }
@@ -309,37 +315,37 @@ void LinearSource::row_sweep(const RowPassArgs& args, bool with_grad, bool weigh
   const int64_t vocab = f_.vocab, hidden_size = hidden_.size(1);
   for (int64_t r0 = 0; r0 < m_; r0 += chunk_rows_) {
     const int64_t n = std::min(chunk_rows_, m_ - r0);
-    const at::Tensor h = hidden_.narrow(0, r0, n);
+    const at::Tensor h = part(hidden_, r0, n);
     // Where the GEMMs take padded pieces (batch-invariant), `padded` holds their rows beyond the chunk's n.
     const int64_t n_padded = buffer_rows(n, invariant_);
-    const at::Tensor padded = buffer.narrow(0, 0, n_padded * vocab).view({n_padded, vocab});
-    const at::Tensor logits = padded.narrow(0, 0, n);
+    const at::Tensor padded = part(buffer, 0, n_padded * vocab).view({n_padded, vocab});
+    const at::Tensor logits = part(padded, 0, n);
     logits_of(padded, h, 0, invariant_);
     RowPassArgs a = args;
     a.logits = logits;
-    a.target = target_.narrow(0, r0, n);
+    a.target = part(target_, r0, n);
     if (rows_.defined()) {
-      a.row_index = rows_.narrow(0, r0, n);
+      a.row_index = part(rows_, r0, n);
     } else {
       a.row_offset = r0;
     }
     if (args.stats_in.defined()) a.stats_in = rows_of(args.stats_in, r0, n);
     if (args.sampler_params.defined()) a.logit_floor = sampler_floor(op_, a, args.sampler_params);
-    if (stats.defined()) a.stats_out = stats.narrow(0, r0, n);
+    if (stats.defined()) a.stats_out = part(stats, r0, n);
     if (with_grad) a.grad = logits;  // the chunk's gradient overwrites its logits
     pass(a);
     // Where the CUDA back-end ran the statistics as a pass of their own (split_stats_pass_on_cuda), those are
     // the statistics the epilogue saw.
-    if (stats.defined() && a.stats_in.defined()) stats.narrow(0, r0, n).copy_(a.stats_in);
+    if (stats.defined() && a.stats_in.defined()) part(stats, r0, n).copy_(a.stats_in);
     if (revisit != nullptr && n == m_) revisit_chunk(args, *revisit, with_grad, buffer, n_padded);
     if (!with_grad) continue;
     if (weight_grad && mask_[2]) grad_bias_acc_.add_(logits.sum({0}, false, grad_bias_acc_.scalar_type()));
     if (!mask_[0] && !(weight_grad && mask_[1])) continue;
-    const at::Tensor g_padded = as_weight_dtype(padded), g = g_padded.narrow(0, 0, n);
+    const at::Tensor g_padded = as_weight_dtype(padded), g = part(g_padded, 0, n);
     if (mask_[0]) {
-      at::Tensor out = rows_.defined() ? at::empty({n, hidden_size}, hidden_.options()) : grad_hidden_.narrow(0, r0, n);
+      at::Tensor out = rows_.defined() ? at::empty({n, hidden_size}, hidden_.options()) : part(grad_hidden_, r0, n);
       hidden_grad_of(out, g_padded, n);
-      if (rows_.defined()) grad_hidden_.index_copy_(0, rows_.narrow(0, r0, n), out);
+      if (rows_.defined()) grad_hidden_.index_copy_(0, part(rows_, r0, n), out);
     }
     if (weight_grad && mask_[1]) {
       const bool into_main_grad = main_grad_.defined();
@@ -351,13 +357,13 @@ void LinearSource::row_sweep(const RowPassArgs& args, bool with_grad, bool weigh
 }
 
 void LinearSource::hidden_grad_of(const at::Tensor& out, const at::Tensor& g_padded, int64_t n) const {
-  const at::Tensor g = g_padded.narrow(0, 0, n);
+  const at::Tensor g = part(g_padded, 0, n);
   for_gemm_pieces(n, invariant_, [&](int64_t p0, int64_t pn, int64_t rows) {
-    const at::Tensor own = out.narrow(0, p0, pn);
-    if (rows == pn && (!invariant_ || aligned_16(own))) return backend_.gemm(own, g.narrow(0, p0, pn), weight_, false);
+    const at::Tensor own = part(out, p0, pn);
+    if (rows == pn && (!invariant_ || aligned_16(own))) return backend_.gemm(own, part(g, p0, pn), weight_, false);
     const at::Tensor o = at::empty({rows, out.size(1)}, out.options());
-    backend_.gemm(o, g_padded.narrow(0, p0, rows), weight_, false);
-    own.copy_(o.narrow(0, 0, pn));
+    backend_.gemm(o, part(g_padded, p0, rows), weight_, false);
+    own.copy_(part(o, 0, pn));
   });
 }
 
@@ -365,17 +371,17 @@ void LinearSource::vocab_sweep(const RowPassArgs& args, const at::Tensor& buffer
   const int64_t vocab = f_.vocab;
   for (int64_t v0 = 0; v0 < vocab; v0 += block_cols_) {
     const int64_t nv = std::min(block_cols_, vocab - v0);
-    const at::Tensor logits = buffer.narrow(0, 0, m_ * nv).view({m_, nv});
+    const at::Tensor logits = part(buffer, 0, m_ * nv).view({m_, nv});
     logits_of(logits, hidden_, v0, false);  // these logits feed grad_weight alone, a sum over rows
     RowPassArgs a = args;
     a.logits = logits;
     a.grad = logits;
     a.vocab_start = args.vocab_start + v0;
     pass(a);
-    if (mask_[2]) grad_bias_acc_.narrow(0, v0, nv).add_(logits.sum({0}, false, grad_bias_acc_.scalar_type()));
+    if (mask_[2]) part(grad_bias_acc_, v0, nv).add_(logits.sum({0}, false, grad_bias_acc_.scalar_type()));
     if (mask_[1]) {
       const bool into_main_grad = main_grad_.defined();
-      backend_.gemm((into_main_grad ? main_grad_ : grad_weight_).narrow(0, v0, nv), as_weight_dtype(logits).t(),
+      backend_.gemm(part(into_main_grad ? main_grad_ : grad_weight_, v0, nv), as_weight_dtype(logits).t(),
                     hidden_, into_main_grad);
     }
   }
@@ -390,7 +396,7 @@ RowPassArgs LinearSource::sub_batch(const RowPassArgs& args, const at::Tensor& i
   padded = at::empty({buffer_rows(bound, invariant_), f_.vocab}, hidden_.options().dtype(logits_dtype_));
   logits_of(padded, h, 0, invariant_);
   RowPassArgs a = args;
-  a.logits = padded.narrow(0, 0, bound);
+  a.logits = part(padded, 0, bound);
   a.target = f_.target1d.index_select(0, index);
   a.row_offset = 0;
   a.row_index = index;  // the epilogue reads and writes the per-row arrays at the batch's rows
@@ -417,7 +423,7 @@ void LinearSource::revisit_chunk(const RowPassArgs& args, const RowRevisit& revi
     local.index_copy_(0, rows_, at::arange(m_, index.options()));
     local = local.index_select(0, index);
   }
-  const at::Tensor chunk = buffer.narrow(0, 0, (n_padded + 1) * vocab).view({n_padded + 1, vocab});
+  const at::Tensor chunk = part(buffer, 0, (n_padded + 1) * vocab).view({n_padded + 1, vocab});
   chunk.index_copy_(0, local, at::where(changed.unsqueeze(1), s.grad, chunk.index_select(0, local)));
 }
 
@@ -430,7 +436,7 @@ void LinearSource::revisit_rows(const RowPassArgs& args, const RowRevisit& revis
   RowPassArgs s = sub_batch(args, index, h, padded);
   weight_delta = weight_delta && with_grad && (mask_[1] || mask_[2]);
   if (weight_delta) {  // the gradient rows the sweep consumed, as the first pass wrote them
-    before = padded.narrow(0, 0, bound).clone();
+    before = part(padded, 0, bound).clone();
     RowPassArgs b = s;
     b.logits = b.grad = before;
     revisit.pass(b, false);
