@@ -425,6 +425,7 @@ struct CudaRunner {
   static constexpr int64_t kChainItems = 1024;
   template <typename... S>
   static void chain(const S&... steps) {
+    static_assert((sizeof(decltype(on_device(steps))) + ...) <= 4096, "a chain's steps exceed a kernel's parameters");
     if ((batch_invariant() && (is_sum_by_index(steps) || ...)) || std::max({items(steps)...}) > kChainItems) {
       (step(steps), ...);
       return;

@@ -203,12 +203,13 @@ struct DpoBackendImpl {
           for_each_step(n, DpoTokenLogProbs<T>{g.stats.const_data_ptr<T>(), g.target.const_data_ptr<int64_t>(),
                                                g.document.const_data_ptr<int64_t>(), g.num_documents,
                                                g.log_probs.data_ptr<T>(), g.safe_document.data_ptr<int64_t>()}),
-          SumByIndexStep<1, T>{g.log_probs.view({n, 1}), g.safe_document, g.document_sums.view({g.num_documents, 1})},
-          for_each_step(g.num_pairs, DpoPairStep<T>{static_cast<T>(g.beta), g.pairs.const_data_ptr<int64_t>(),
-                                                    g.ref_chosen.const_data_ptr<T>(), g.ref_rejected.const_data_ptr<T>(),
-                                                    g.document_sums.const_data_ptr<T>(), static_cast<T>(g.divisor),
-                                                    g.pair_out.data_ptr<T>(), g.document_coef.data_ptr<T>(),
-                                                    g.num_documents}));
+          SumByIndexStep<1, T>{g.log_probs.view({n, 1}), g.safe_document,
+                               g.document_sums.view({g.num_documents, 1})},
+          for_each_step(g.num_pairs,
+                        DpoPairStep<T>{static_cast<T>(g.beta), g.pairs.const_data_ptr<int64_t>(),
+                                       g.ref_chosen.const_data_ptr<T>(), g.ref_rejected.const_data_ptr<T>(),
+                                       g.document_sums.const_data_ptr<T>(), static_cast<T>(g.divisor),
+                                       g.pair_out.data_ptr<T>(), g.document_coef.data_ptr<T>(), g.num_documents}));
       DpoMetrics<T> metrics{g.pair_out.const_data_ptr<T>(), g.num_pairs, {}};
       for (int k = 0; k < 5; ++k) metrics.dst[k] = g.scalars[k].data_ptr<T>();
       const auto coef = std::make_tuple(

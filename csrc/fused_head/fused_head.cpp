@@ -80,7 +80,7 @@ void gspo_term_steps(GspoState& g, const GspoBackend& backend, const at::TensorO
   g.totals = at::empty({kGspoTotals}, opts);
   g.token_out = at::empty({n, kGspoTokenFields}, opts);
   g.coef = at::empty({n}, opts);
-  backend.steps(g, nullptr, true);
+  backend.steps(g, nullptr);
 }
 
 }  // namespace

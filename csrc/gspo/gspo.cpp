@@ -176,7 +176,7 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
     backend.token_terms(g);
     reject_rollout_documents(op, g, rules, f.target1d, target, a.rollout_log_probs, acc, n_docs, g.log_probs);
   }
-  backend.steps(g, &scalars, true);
+  backend.steps(g, &scalars);
 
   // Pass 2: the gradient.
   if (src.wants_grad() && f.n_rows > 0) {

@@ -333,8 +333,8 @@ struct GspoBackend {
   void (*stats)(const RowPassArgs&, const at::Tensor& out);
   void (*grad)(const RowPassArgs&, const GspoState&);         // PolicyCoefEpilogue
   void (*token_terms)(const GspoState&);                      // GspoTokenTerms and their sums per document
-  // [token_terms,] GspoDocumentStep, GspoDocumentTotals, GspoTokenStep [and GspoMetrics]: one chain of steps
-  void (*steps)(const GspoState&, const PolicyScalarOutputs* metrics, bool with_terms);
+  // token_terms, GspoDocumentStep, GspoDocumentTotals, GspoTokenStep [and GspoMetrics]: one chain of steps
+  void (*steps)(const GspoState&, const PolicyScalarOutputs* metrics);
 };
 
 // gspo's and linear_gspo's arguments but the source's and the hooks (op_args.h).
@@ -414,9 +414,7 @@ struct GspoLoss {
 template <typename Runner>
 struct GspoBackendImpl {
   template <typename T>
-  static T* ptr(const at::Tensor& t) {
-    return t.defined() ? t.data_ptr<T>() : nullptr;
-  }
+  static T* ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; }
 #define RL_LOSSES_DISPATCH_ACC(T, ...) AT_DISPATCH_FLOATING_TYPES(T.scalar_type(), "gspo", __VA_ARGS__)
 
   // GspoTokenTerms uses no statistics of an unlabelled token, so such rows are not read.
@@ -440,7 +438,7 @@ struct GspoBackendImpl {
       });
     }
   }
-  // The steps between and after the passes (row_pass.h), each built once here.
+  // The steps between and after the passes (row_pass.h), each built once.
   template <typename T>
   static auto terms_steps(const GspoState& g) {
     return std::make_tuple(
@@ -463,8 +461,9 @@ struct GspoBackendImpl {
                                           counted && !g.token_weighting && !g.sequence_rollout &&
                                               g.rollout_log_probs.defined(),
                                           ptr<T>(g.sums), ptr<T>(g.fields), ptr<T>(g.ratios)}),
-        sum_then_step(g.num_documents, GspoDocumentTotals<T>{ptr<T>(g.fields), g.divisor.has_value(),
-                                                             static_cast<T>(g.divisor.value_or(1.0)), ptr<T>(g.totals)}));
+        sum_then_step(g.num_documents,
+                      GspoDocumentTotals<T>{ptr<T>(g.fields), g.divisor.has_value(),
+                                            static_cast<T>(g.divisor.value_or(1.0)), ptr<T>(g.totals)}));
   }
   template <typename T>
   static auto token_step(const GspoState& g) {
@@ -484,27 +483,16 @@ struct GspoBackendImpl {
   static void token_terms(const GspoState& g) {
     RL_LOSSES_DISPATCH_ACC(g.terms, [&] { run_chain<Runner>(terms_steps<scalar_t>(g)); });
   }
-  // The per-document step and the token step, with the token terms before them (`with_terms`) and the metrics
-  // after them (`dst`, unless null), which read nothing the gradient pass writes: one chain.
-  static void steps(const GspoState& g, const PolicyScalarOutputs* dst, bool with_terms) {
+  // One chain: the token terms, document and token steps, and the metrics (dst; nothing they read is the grad pass's).
+  static void steps(const GspoState& g, const PolicyScalarOutputs* dst) {
     RL_LOSSES_DISPATCH_ACC(g.sums, [&] {
-      const auto middle = std::tuple_cat(document_steps<scalar_t>(g), std::make_tuple(token_step<scalar_t>(g)));
-      const auto run = [&](const auto& rest) {
-        if (with_terms) {
-          run_chain<Runner>(std::tuple_cat(terms_steps<scalar_t>(g), rest));
-        } else {
-          run_chain<Runner>(rest);
-        }
-      };
-      if (dst != nullptr) {
-        run(std::tuple_cat(middle, std::make_tuple(metrics_step<scalar_t>(g, *dst))));
-      } else {
-        run(middle);
-      }
+      using T = scalar_t;
+      const auto head = std::tuple_cat(terms_steps<T>(g), document_steps<T>(g), std::make_tuple(token_step<T>(g)));
+      if (dst == nullptr) return run_chain<Runner>(head);
+      run_chain<Runner>(std::tuple_cat(head, std::make_tuple(metrics_step<T>(g, *dst))));
     });
   }
 #undef RL_LOSSES_DISPATCH_ACC
-
   static constexpr GspoBackend backend() { return {&stats, &grad, &token_terms, &steps}; }
 };
 
