@@ -25,7 +25,8 @@ at::Tensor check_pairs(const at::Tensor& pairs, const c10::Device& logits_device
               pairs.sizes());
   TORCH_CHECK(pairs.device() == logits_device || pairs.is_cpu(), kDpo, ": pairs is on ", pairs.device(),
               " but logits is on ", logits_device, " (pairs may be on the logits' device or on the CPU)");
-  const at::Tensor p = pairs.to(at::kLong).contiguous();
+  // (each ATen call, a no-op `to` too, costs a GPU's host a few us: made only where it changes something)
+  const at::Tensor p = (pairs.scalar_type() == at::kLong ? pairs : pairs.to(at::kLong)).contiguous();
   if (!p.is_cpu()) return p;
   const int64_t n_pairs = p.size(0), n_docs = 2 * n_pairs;
   const int64_t* id = p.const_data_ptr<int64_t>();
@@ -38,7 +39,7 @@ at::Tensor check_pairs(const at::Tensor& pairs, const c10::Device& logits_device
                 i / 2, "]; every document must be in exactly one pair");
     seen[id[i]] = i;
   }
-  return p.to(logits_device, /*non_blocking=*/true);
+  return logits_device.is_cpu() ? p : p.to(logits_device, /*non_blocking=*/true);
 }
 
 at::Tensor check_per_pair(const char* name, const at::Tensor& t, int64_t n_pairs, const c10::Device& logits_device,
@@ -49,7 +50,7 @@ at::Tensor check_per_pair(const char* name, const at::Tensor& t, int64_t n_pairs
               ",) (one value per pair), got ", t.sizes());
   TORCH_CHECK(t.device() == logits_device, kDpo, ": ", name, " is on ", t.device(), " but logits is on ",
               logits_device);
-  return t.to(acc).contiguous();
+  return flat_contiguous(t, acc);
 }
 
 }  // namespace

@@ -102,6 +102,13 @@ void check_teacher_values(const char* op, const at::Tensor& ids, const at::Tenso
   }
 }
 
+// t as a contiguous (n, k) tensor of `dtype`, with no ATen call where it is one already (each, a no-op too, costs a
+// GPU's host a few us).
+at::Tensor rows_of_k(const at::Tensor& t, int64_t n, int64_t k, at::ScalarType dtype) {
+  const at::Tensor r = t.dim() == 2 ? t : t.reshape({n, k});
+  return (r.scalar_type() == dtype ? r : r.to(dtype)).contiguous();
+}
+
 }  // namespace
 
 TopkDistillationResults topk_distillation_forward(RowSource& src, const at::Tensor& target,
@@ -123,8 +130,8 @@ TopkDistillationResults topk_distillation_forward(RowSource& src, const at::Tens
   const std::vector<at::Tensor> scratch = new_scratch(opts, {{n, k}, {n, kTopkPrepFields}, {n, kTopkGradFields}});
   TopkRows rows{.opt = opt,
                 .tail = tail,
-                .ids = a.teacher_ids.reshape({n, k}).contiguous(),
-                .log_probs = a.teacher_log_probs.reshape({n, k}).to(opts.dtype().toScalarType()).contiguous(),
+                .ids = rows_of_k(a.teacher_ids, n, k, a.teacher_ids.scalar_type()),
+                .log_probs = rows_of_k(a.teacher_log_probs, n, k, opts.dtype().toScalarType()),
                 .x = scratch[0],
                 .prep = scratch[1],
                 .grad_rows = scratch[2],
