@@ -30,6 +30,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
 #include <type_traits>
 
@@ -423,9 +424,13 @@ struct CudaRunner {
   // kChainItems items, else a launch (or two) per step. The same bits either way, but for the atomics' order of a
   // sum by index, which the batch-invariant mode fixes by the step's own kernels.
   static constexpr int64_t kChainItems = 8192;
+  static int64_t chain_items() {  // probe: RL_LOSSES_CHAIN_ITEMS overrides kChainItems, read per call
+    const char* v = std::getenv("RL_LOSSES_CHAIN_ITEMS");
+    return v != nullptr ? std::atoll(v) : kChainItems;
+  }
   template <typename... S>
   static void chain(const S&... steps) {
-    if ((batch_invariant() && (is_sum_by_index(steps) || ...)) || std::max({items(steps)...}) > kChainItems) {
+    if ((batch_invariant() && (is_sum_by_index(steps) || ...)) || std::max({items(steps)...}) > chain_items()) {
       (step(steps), ...);
       return;
     }
