@@ -439,6 +439,20 @@ template <typename R>
 SumThenStep<R> sum_then_step(int64_t n, R r) {
   return {n, r};
 }
+// One step by a runner's own functions (its for_each, sum_rows_by_index, sum_then): CpuRunner's chain, and
+// CudaRunner's where the chain is not one launch.
+template <typename Runner, typename F>
+void run_step(const ForEachStep<F>& s) {
+  Runner::for_each(s.n, s.f);
+}
+template <typename Runner, int K, typename T>
+void run_step(const SumByIndexStep<K, T>& s) {
+  Runner::template sum_rows_by_index<K>(s.values, s.index, s.out);
+}
+template <typename Runner, typename R>
+void run_step(const SumThenStep<R>& s) {
+  Runner::sum_then(s.n, s.r);
+}
 // Runner::chain over a tuple of steps (an op composes its chain from the options that are on).
 template <typename Runner, typename... Steps>
 void run_chain(const std::tuple<Steps...>& steps) {

@@ -207,19 +207,7 @@ struct CpuRunner {
   // The steps in order (row_pass.h).
   template <typename... S>
   static void chain(const S&... steps) {
-    (step(steps), ...);
-  }
-  template <typename F>
-  static void step(const ForEachStep<F>& s) {
-    for_each(s.n, s.f);
-  }
-  template <int K, typename T>
-  static void step(const SumByIndexStep<K, T>& s) {
-    sum_rows_by_index<K>(s.values, s.index, s.out);
-  }
-  template <typename R>
-  static void step(const SumThenStep<R>& s) {
-    sum_then(s.n, s.r);
+    (run_step<CpuRunner>(steps), ...);
   }
 };
 

@@ -427,7 +427,7 @@ struct CudaRunner {
   static void chain(const S&... steps) {
     static_assert((sizeof(decltype(on_device(steps))) + ...) <= 4096, "a chain's steps exceed a kernel's parameters");
     if ((batch_invariant() && (is_sum_by_index(steps) || ...)) || std::max({items(steps)...}) > kChainItems) {
-      (step(steps), ...);
+      (run_step<CudaRunner>(steps), ...);
       return;
     }
     cuda::DependentLaunch(1, 1024, 0)(cuda::chain_kernel<1024, std::decay_t<decltype(on_device(steps))>...>,
@@ -446,12 +446,6 @@ struct CudaRunner {
   static constexpr bool is_sum_by_index(const S&) { return false; }
   template <int K, typename T>
   static constexpr bool is_sum_by_index(const SumByIndexStep<K, T>&) { return true; }
-  template <typename F>
-  static void step(const ForEachStep<F>& s) { for_each(s.n, s.f); }
-  template <int K, typename T>
-  static void step(const SumByIndexStep<K, T>& s) { sum_rows_by_index<K>(s.values, s.index, s.out); }
-  template <typename R>
-  static void step(const SumThenStep<R>& s) { sum_then(s.n, s.r); }
   template <typename S>
   static const S& on_device(const S& s) { return s; }
   template <int K, typename T>

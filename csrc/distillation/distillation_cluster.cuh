@@ -181,15 +181,14 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
       y[k] *= v.opt.inv_temperature;
     }
   };
-  auto load_raw = [&](int i, Pack<student_t, kVec>& a, Pack<teacher_t, kVec>& b, float (&x)[kVec],
-                      float (&y)[kVec]) {
-    load_raw_at(zs + static_cast<unsigned>(i * kVec * sizeof(student_t)),
-                ts + static_cast<unsigned>(i * kVec * sizeof(teacher_t)), a, b, x, y);
-  };
-  auto load_group = [&](int i, float (&x)[kVec], float (&y)[kVec]) {
+  auto load_group_at = [&](unsigned za, unsigned ta, float (&x)[kVec], float (&y)[kVec]) {
     Pack<student_t, kVec> a;
     Pack<teacher_t, kVec> b;
-    load_raw(i, a, b, x, y);
+    load_raw_at(za, ta, a, b, x, y);
+  };
+  auto load_group = [&](int i, float (&x)[kVec], float (&y)[kVec]) {
+    load_group_at(zs + static_cast<unsigned>(i * kVec * sizeof(student_t)),
+                  ts + static_cast<unsigned>(i * kVec * sizeof(teacher_t)), x, y);
   };
   // Lane 0 of warp 0: the row step from the combined statistics (and sums); rank 0 writes the outputs.
   auto finish_row = [&](int64_t row, const Stats& all, float jsd_loss, float jsd_s) {
@@ -349,11 +348,7 @@ __global__ void __launch_bounds__(cuda::kClusterThreads, 3)
 #pragma unroll 2
         for (; i < end; i += kThreads, za += kStepS, ta += kStepT, gi += kThreads * kVec) {
           float x[kVec], y[kVec];
-          {
-            Pack<student_t, kVec> a;
-            Pack<teacher_t, kVec> b;
-            load_raw_at(za, ta, a, b, x, y);
-          }
+          load_group_at(za, ta, x, y);
           float gf[kVec];
 #pragma unroll
           for (int k = 0; k < kVec; ++k) {
