@@ -101,6 +101,12 @@ def cases(device: str, n: int = 8, v: int = 64, h: int = 32):
         ("fwd_bwd cross_entropy", lambda: fb(rl_losses.cross_entropy, x, t), raw["cross_entropy"]),
         ("fwd_bwd grpo_loss", lambda: fb(rl_losses.grpo_loss, x, t, adv, old), raw["grpo_loss"]),
         ("fwd_bwd gspo_loss", lambda: fb(rl_losses.gspo_loss, x, t, adv, old, doc, num_documents=2), raw["gspo_loss"]),
+        # compute_metrics=False: the loss, new_logprobs and log_probs alone (4 outputs fewer to make).
+        ("fwd_bwd grpo_loss no metrics", lambda: fb(rl_losses.grpo_loss, x, t, adv, old, compute_metrics=False),
+         raw["grpo_loss"]),
+        ("fwd_bwd gspo_loss no metrics",
+         lambda: fb(rl_losses.gspo_loss, x, t, adv, old, doc, num_documents=2, compute_metrics=False),
+         raw["gspo_loss"]),
         ("fwd_bwd distillation_loss", lambda: fb(rl_losses.distillation_loss, x, teacher), raw["distillation_loss"]),
         ("fwd_bwd dpo_loss", lambda: fb(rl_losses.dpo_loss, x, t, doc, pairs, ref, ref), raw["dpo_loss"]),
         ("fwd_bwd fused_head_loss", lambda: fb(rl_losses.fused_head_loss, x, t, label_weight=1.0),

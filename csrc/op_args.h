@@ -38,6 +38,9 @@
 // D of a mean: None is the op's own count.
 #define RL_LOSSES_DIVISOR(X) X(OptDouble, divisor, None)
 #define RL_LOSSES_ENTROPY(X) X(bool, compute_entropy, False)
+// GRPO's and GSPO's metrics beside the loss, new_logprobs and log_probs: False leaves every one out (None), unless
+// compute_entropy asks for the entropy; each output costs a CUDA host its allocation and object (docs/host_time.md).
+#define RL_LOSSES_POLICY_METRICS(X) X(bool, compute_metrics, True)
 // The hooks of vocabulary (tensor) parallelism: statistics all-reduced over the group, and this rank's shard.
 #define RL_LOSSES_ROW_STATS(X) X(OptTensor, row_stats, None)
 #define RL_LOSSES_VOCAB_SHARD(X) \
@@ -51,8 +54,9 @@
 #define RL_LOSSES_OUTPUT_MASK(X) X(OutputMask, output_mask, )
 #define RL_LOSSES_GRAD(X) X(at::Tensor, grad, )
 // The last result of the `_forward` ops over the row pass: for fp16 logits, 2^-k per row of a gradient stored times
-// 2^k (common/row_pass.h, GradRowPrescaled), which `_scale_grad_` folds into its factor; empty otherwise.
-#define RL_LOSSES_GRAD_ROW_UNSCALE(X) X(at::Tensor, grad_row_unscale, )
+// 2^k (common/row_pass.h, GradRowPrescaled), which `_scale_grad_` folds into its factor; None otherwise (an output
+// costs a CUDA host its object even when empty), an empty tensor from the `_forward_inplace` ops (schema.cpp).
+#define RL_LOSSES_GRAD_ROW_UNSCALE(X) X(MaybeTensor, grad_row_unscale, )
 // Row statistics: row_stats' (N..., 5), token_log_probs' for its backward, distillation_stats' (N..., 7).
 #define RL_LOSSES_STATS_RESULT(X) X(at::Tensor, stats, )
 #define RL_LOSSES_LINEAR_GRADS(X) \
@@ -136,16 +140,17 @@
 // The metrics after the loss are detached: kl (mean KL estimate towards ref_log_probs), rollout_ratio_mean (mean ρ),
 // rollout_weight_mean (mean correction weight), rollout_corrected_fraction (tokens truncated or masked); GSPO adds
 // document_ratios; vespo_phi_seq_mean (the mean VESPO weight φ over the labelled sequences) is last. The metrics of
-// an option are None where it is off (policy_metrics_on): entropy, kl, the rollout correction's, vespo's.
+// an option are None where it is off (policy_metrics_on): entropy, kl, the rollout correction's, vespo's; every
+// metric but new_logprobs (and the entropy asked for) without compute_metrics.
 #define RL_LOSSES_POLICY_RESULTS(X)          \
   X(at::Tensor, loss, )                      \
   X(at::Tensor, new_logprobs, )              \
-  X(at::Tensor, clipped_fraction_low, )      \
-  X(at::Tensor, clipped_fraction_high, )     \
-  X(at::Tensor, kl_old, )                    \
+  X(MaybeTensor, clipped_fraction_low, )     \
+  X(MaybeTensor, clipped_fraction_high, )    \
+  X(MaybeTensor, kl_old, )                   \
   X(MaybeTensor, entropy, )                  \
   X(at::Tensor, log_probs, )                 \
-  X(at::Tensor, ratio_mean, )                \
+  X(MaybeTensor, ratio_mean, )               \
   X(MaybeTensor, kl, )                       \
   X(MaybeTensor, rollout_ratio_mean, )       \
   X(MaybeTensor, rollout_weight_mean, )      \

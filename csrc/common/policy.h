@@ -48,15 +48,18 @@ PolicyOptions<T> policy_options_as(const PolicyOptions<double>& o) {
 
 // Which of GRPO's and GSPO's scalars a call returns: every one but the metrics of an option that is off: the
 // entropy's without compute_entropy or an entropy bonus, the KL's without ref_log_probs, the rollout correction's
-// without one, vespo's for the other loss types (rl_losses/_fake.py states the same rule for the fake kernels).
+// without one, vespo's for the other loss types; without compute_metrics, the loss, new_logprobs and the entropy
+// asked for alone (rl_losses/_inputs.py states the same rule for the wrappers and the fake kernels).
 inline std::array<bool, kPolicyScalars> policy_metrics_on(const PolicyOptions<double>& o, bool compute_entropy,
-                                                          bool has_ref_log_probs) {
+                                                          bool compute_metrics, bool has_ref_log_probs) {
   std::array<bool, kPolicyScalars> on;
-  on.fill(true);
-  on[kPolicyEntropy] = compute_entropy || o.entropy_coefficient != 0;
-  on[kPolicyKl] = has_ref_log_probs;
-  on[kPolicyRolloutRatio] = on[kPolicyRolloutWeight] = on[kPolicyRolloutCorrected] = o.rollout_mode != kRolloutNone;
-  on[kPolicyVespoPhi] = o.loss_type == kVespo;
+  on.fill(compute_metrics);
+  on[kPolicyLoss] = on[kPolicyNewLogProbs] = true;
+  on[kPolicyEntropy] = compute_entropy || (compute_metrics && o.entropy_coefficient != 0);
+  on[kPolicyKl] = compute_metrics && has_ref_log_probs;
+  on[kPolicyRolloutRatio] = on[kPolicyRolloutWeight] = on[kPolicyRolloutCorrected] =
+      compute_metrics && o.rollout_mode != kRolloutNone;
+  on[kPolicyVespoPhi] = compute_metrics && o.loss_type == kVespo;
   return on;
 }
 

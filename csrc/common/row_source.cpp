@@ -37,7 +37,7 @@ LogitsSource::LogitsSource(const char* op, const at::Tensor& logits, const at::T
                            int64_t vocab_size, bool compute_grad, bool inplace, bool scaled_later)
     : RowSource(op, check_and_flatten(op, logits, target, vocab_start, vocab_size), compute_grad || inplace) {
   const bool prescaled = scaled_later && (compute_grad || inplace) && logits.scalar_type() == at::kHalf;
-  grad_row_unscale_ = new_empty({prescaled ? f_.n_rows : 0}, logits.options().dtype(at::kFloat));
+  if (prescaled) grad_row_unscale_ = new_empty({f_.n_rows}, logits.options().dtype(at::kFloat));
   rows_revisitable_ = !inplace;
   grad_scaled_by_rows_ = scaled_later && (compute_grad || inplace);
   if (inplace) {
@@ -67,7 +67,9 @@ at::Tensor& RowSource::grad_row_factors() {
 
 at::Tensor& LogitsSource::grad_row_factors() {
   TORCH_INTERNAL_ASSERT(grad_scaled_by_rows_, op_, ": a gradient without per-row factors in the backward");
-  if (grad_row_unscale_.numel() == 0) grad_row_unscale_ = at::ones({f_.n_rows}, grad_row_unscale_.options());
+  if (!grad_row_unscale_.defined()) {
+    grad_row_unscale_ = at::ones({f_.n_rows}, f_.logits2d.options().dtype(at::kFloat));
+  }
   return grad_row_unscale_;
 }
 
@@ -78,7 +80,7 @@ void LogitsSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass
   a.logits = f_.logits2d;
   if (with_grad) {
     a.grad = grad2d_;
-    if (grad_row_unscale_.numel() > 0) a.grad_row_unscale = grad_row_unscale_;
+    a.grad_row_unscale = grad_row_unscale_;
   }
   // A floor the pass computes itself (min_p alone, CUDA) is not kept: a later pass computes its own.
   if (a.sampler_params.defined() && (floor_.defined() || !sampler_floor_in_pass(op_, a))) {

@@ -266,7 +266,8 @@ PolicyResults grpo_forward(RowSource& src, const at::Tensor& target, const GrpoA
 
   // Metrics (docs/math.md) in one reduction over the per-token outputs: no extra pass over the vocabulary, and
   // one launch where a column sum and a division per metric took one each (2-3 us apiece on a GPU).
-  const PolicyScalarOutputs scalars(opts, policy_metrics_on(opt, a.compute_entropy, a.ref_log_probs.has_value()));
+  const PolicyScalarOutputs scalars(opts, policy_metrics_on(opt, a.compute_entropy, a.compute_metrics,
+                                                           a.ref_log_probs.has_value()));
   backend.metrics(rows, kept, counts, n_labelled, scalars);
   return policy_results(scalars, rows.log_probs.view(target.sizes()));
 }

@@ -170,7 +170,8 @@ PolicyResults gspo_forward(RowSource& src, const at::Tensor& target, const GspoA
   g.ratios = new_empty({n_docs}, opts);
   if (g.opt.entropy_coefficient != 0) g.entropy_h = new_empty({f.n_rows}, opts);
   // The metrics (docs/math.md), one reduction over the tokens in the steps' chain.
-  const PolicyScalarOutputs scalars(opts, policy_metrics_on(g.opt, a.compute_entropy, a.ref_log_probs.has_value()));
+  const PolicyScalarOutputs scalars(opts, policy_metrics_on(g.opt, a.compute_entropy, a.compute_metrics,
+                                                             a.ref_log_probs.has_value()));
   if (bypass && !rules.empty()) {
     // The terms' log-probs judged; the steps then sum the terms again over the kept tokens (O(N + S)).
     backend.token_terms(g);

@@ -36,9 +36,9 @@ def _grad(x, compute_grad):
 def _row_unscale(x, target, with_grad, row_factors=False):
     """grad_row_unscale: a factor per row where fp16 gradient rows are stored pre-scaled (csrc/common/row_pass.h,
     GradRowPrescaled) or the op sets rows' factors after its pass (`row_factors`: grpo's bypass_mode rejection),
-    else empty."""
+    else None."""
     rows = with_grad and (x.dtype == torch.float16 or row_factors)
-    return _empty(x, [target.numel() if rows else 0], torch.float32)
+    return _empty(x, [target.numel()], torch.float32) if rows else None
 
 
 def _linear_grads(a):

@@ -111,10 +111,10 @@ _CONVERTED = _DIVISORS | {"rollout_mask_bounds", *_SAMPLER}
 _FIELDS = PolicyLossOutput._fields
 _LAYOUTS = {op: tuple(_schema.results(op).index(f) if f in _schema.results(op) else None for f in _FIELDS[:-1])
             for op in ("grpo", "gspo", "linear_grpo", "linear_gspo")}
-# The metrics of each option, None where it is off: the entropy, the KL, the rollout correction, vespo (the ops'
-# own rule, csrc/common/policy.h: policy_metrics_on; the fake kernels read these too).
-_OPTIONAL = (("entropy",), ("kl",), ("rollout_ratio_mean", "rollout_weight_mean", "rollout_corrected_fraction"),
-             ("vespo_phi_seq_mean",))
+# The metrics of each option, None where it is off: compute_metrics', the entropy, the KL, the rollout correction,
+# vespo (the ops' own rule, csrc/common/policy.h: policy_metrics_on; the fake kernels read these too).
+_OPTIONAL = (("clipped_fraction_low", "clipped_fraction_high", "kl_old", "ratio_mean"), ("entropy",), ("kl",),
+             ("rollout_ratio_mean", "rollout_weight_mean", "rollout_corrected_fraction"), ("vespo_phi_seq_mean",))
 
 
 def _picker(op: str, on: tuple[bool, ...]) -> Callable[[tuple, str], PolicyLossOutput]:
@@ -137,16 +137,18 @@ def _metrics_on(op: str, options: dict) -> tuple[bool, ...]:
     """Whether the metrics of each option of _OPTIONAL are on in a call of `op` with `options`."""
     defaults = _schema.defaults(op)
     get = options.get
-    return (bool(get("compute_entropy", defaults["compute_entropy"])
-                 or get("entropy_coefficient", defaults["entropy_coefficient"]) != 0),
-            get("ref_log_probs") is not None,
-            get("rollout_correction", defaults["rollout_correction"]) is not None,
-            get("loss_type", defaults["loss_type"]) == "vespo")
+    metrics = bool(get("compute_metrics", defaults["compute_metrics"]))
+    return (metrics,
+            bool(get("compute_entropy", defaults["compute_entropy"])
+                 or metrics and get("entropy_coefficient", defaults["entropy_coefficient"]) != 0),
+            metrics and get("ref_log_probs") is not None,
+            metrics and get("rollout_correction", defaults["rollout_correction"]) is not None,
+            metrics and get("loss_type", defaults["loss_type"]) == "vespo")
 
 
-# The options that turn metrics on; a call without any of them takes its op's picker of the defaults.
-_METRIC_OPTIONS = frozenset(("compute_entropy", "entropy_coefficient", "ref_log_probs", "rollout_correction",
-                             "loss_type"))
+# The options that turn metrics on or off; a call without any of them takes its op's picker of the defaults.
+_METRIC_OPTIONS = frozenset(("compute_metrics", "compute_entropy", "entropy_coefficient", "ref_log_probs",
+                             "rollout_correction", "loss_type"))
 _AT_DEFAULTS = {op: (_PICKERS[op, _metrics_on(op, {})], _schema.default(op, "loss_type")) for op in _LAYOUTS}
 
 

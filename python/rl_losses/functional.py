@@ -188,6 +188,9 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         label_counts: (...) the labelled-token count of each token's document; used only by the
             ``new_logprobs`` metric (mean over documents of each document's mean log-prob).
         compute_entropy: also compute the mean entropy over labelled tokens (fused into the same pass).
+        compute_metrics: False leaves out every metric but new_logprobs and the entropy asked for (None): the
+            clipped fractions, kl_old, ratio_mean and the options' metrics, each an output fewer for the host to
+            make (the loss and its gradient are the same).
         inplace_backward: write the gradient into ``logits``' own storage during the forward (zero extra
             memory); ``logits`` then holds the gradient, so nothing else may use it afterwards. Refused for a leaf
             that requires grad (or a view of one) and for logits whose rows overlap in memory.
@@ -208,7 +211,7 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     Returns: PolicyLossOutput: ``loss`` (differentiable scalar), then the detached metrics new_logprobs,
         clipped_fraction_low/high, kl_old, entropy (None unless ``compute_entropy`` or an entropy bonus), log_probs (per
         token), ratio_mean, then kl, rollout ratio/weight/corrected fraction, vespo_phi_seq_mean where those
-        options are on; ``trl_metrics()`` gives them under TRL's logged names.
+        options are on (without ``compute_metrics`` only loss, new_logprobs, log_probs and the entropy asked for); ``trl_metrics()`` gives them under TRL's logged names.
     """
     options = _options("grpo_loss", options, _GRPO)
     if tp_group is not None:
@@ -252,6 +255,8 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
         logits_scale_factor: s > 0; every softmax is over s·logits (a sampling temperature T is s = 1/T); the
             gradient carries the factor s.
         compute_entropy: also compute the mean entropy over labelled tokens (fused into the first pass).
+        compute_metrics: False leaves out every metric but new_logprobs and the entropy asked for (None), as
+            grpo_loss's.
         inplace_backward: write the gradient into ``logits``' own storage during the forward (zero extra
             memory); ``logits`` then holds the gradient, so nothing else may use it afterwards. Refused for a leaf
             that requires grad (or a view of one) and for logits whose rows overlap in memory.

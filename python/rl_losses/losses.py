@@ -231,11 +231,13 @@ class LanguageModelPolicyGradientLoss(LanguageModelLoss):
     config: LanguageModelPolicyGradientLossConfig
 
     def _fixed_options(self):
-        # The config's options of the op (the clip, beta, the policy family's: docs/policy_losses.md), and the entropy
-        # where the metrics want it.
+        # The config's options of the op (the clip, beta, the policy family's: docs/policy_losses.md), the entropy
+        # where the metrics want it, and none of the op's metrics but new_logprobs at "none".
         options = dict(self._config_options(self.config.type_name))
         if self.config.metrics == "with_entropy":
             options["compute_entropy"] = True
+        if self.config.metrics == "none":
+            options["compute_metrics"] = False
         return options
 
     def _required(self):

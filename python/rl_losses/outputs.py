@@ -18,17 +18,18 @@ class PolicyLossOutput(NamedTuple):
         (0 where unlabelled). ratio_mean: mean ratio over labelled tokens / documents. document_ratios: R_s
         per document (GSPO), else None. Then the policy family's, None where their option is off: kl (mean KL
         estimate towards the reference), rollout_ratio_mean / rollout_weight_mean / rollout_corrected_fraction,
-        vespo_phi_seq_mean (loss_type "vespo": the mean of φ over the labelled sequences).
+        vespo_phi_seq_mean (loss_type "vespo": the mean of φ over the labelled sequences). With
+        ``compute_metrics=False`` every metric but new_logprobs and the entropy asked for is None.
     """
 
     loss: torch.Tensor
     new_logprobs: torch.Tensor
-    clipped_fraction_low: torch.Tensor
-    clipped_fraction_high: torch.Tensor
-    kl_old: torch.Tensor
+    clipped_fraction_low: torch.Tensor | None
+    clipped_fraction_high: torch.Tensor | None
+    kl_old: torch.Tensor | None
     entropy: torch.Tensor | None
     log_probs: torch.Tensor
-    ratio_mean: torch.Tensor
+    ratio_mean: torch.Tensor | None
     document_ratios: torch.Tensor | None = None
     kl: torch.Tensor | None = None
     rollout_ratio_mean: torch.Tensor | None = None
@@ -47,12 +48,13 @@ class PolicyLossOutput(NamedTuple):
         labelled tokens (GRPO) or documents (GSPO's clip fractions) of this call; TRL averages over its whole batch.
         """
         out: dict[str, torch.Tensor] = {}
-        if self.loss_type == "ppo_clip":
+        clipped = self.clipped_fraction_low is not None  # None: compute_metrics=False
+        if clipped and self.loss_type == "ppo_clip":
             out["clip_ratio/low_mean"] = self.clipped_fraction_low
             out["clip_ratio/high_mean"] = self.clipped_fraction_high
             # The two events exclude each other (A < 0 vs A > 0), so the region fraction is their sum.
             out["clip_ratio/region_mean"] = self.clipped_fraction_low + self.clipped_fraction_high
-        elif self.loss_type == "cispo":
+        elif clipped and self.loss_type == "cispo":
             out["cispo_clip_ratio"] = self.clipped_fraction_high
         if self.entropy is not None:
             out["entropy"] = self.entropy

@@ -137,8 +137,8 @@ def _rows_as_sequences(target):
 
 def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2, epsilon_high=0.2, delta=None,
               ref_log_probs=None, beta=0.0, loss_weights=None, divisor=None, logits_scale_factor=1.0,
-              label_counts=None, compute_entropy=False, rollout_log_probs=None, document_index=None,
-              num_documents=None, aggregation=None, top_k=None, top_p=None, min_p=None,
+              label_counts=None, compute_entropy=False, compute_metrics=True, rollout_log_probs=None,
+              document_index=None, num_documents=None, aggregation=None, top_k=None, top_p=None, min_p=None,
               **policy) -> PolicyLossOutput:
     """GRPO per token with the policy family of docs/policy_losses.md (``policy``: the options of Policy); see
     PolicyLossOutput. ``num_documents`` only bounds ``document_index``'s ids (the sums per sequence do not depend
@@ -213,8 +213,18 @@ def grpo_loss(logits, target, advantages, old_log_probs=None, *, epsilon_low=0.2
             mean(rho), mean(weight), mean((weight != rho).to(logp.dtype)))
         phi_mean = None if phi is None else (torch.where(mask, phi * share, 0.0).sum()
                                              / torch.where(mask, share, 0.0).sum().clamp_min(1))
-    return PolicyLossOutput(loss, new_logprobs.detach(), low, high, kl_old, entropy, lp.detach(), ratio_mean, None,
-                            kl_mean, *rollout, phi_mean, loss_type=p.loss_type)
+    return _metrics_kept(PolicyLossOutput(loss, new_logprobs.detach(), low, high, kl_old, entropy, lp.detach(),
+                                          ratio_mean, None, kl_mean, *rollout, phi_mean, loss_type=p.loss_type),
+                         compute_metrics, compute_entropy)
+
+
+def _metrics_kept(out: PolicyLossOutput, compute_metrics: bool, compute_entropy: bool) -> PolicyLossOutput:
+    """Without compute_metrics: every metric None but new_logprobs and the entropy asked for."""
+    if compute_metrics:
+        return out
+    gone = ("clipped_fraction_low", "clipped_fraction_high", "kl_old", "ratio_mean", "kl", "rollout_ratio_mean",
+            "rollout_weight_mean", "rollout_corrected_fraction", "vespo_phi_seq_mean")
+    return out._replace(**dict.fromkeys(gone), entropy=out.entropy if compute_entropy else None)
 
 
 # The loss types over each token's own log-probs (verl's gpg, dro, dppo_tv, dppo_kl): reference_verl's formulas.
@@ -271,8 +281,8 @@ def _clip_flags(p: Policy, ratio, adv, epsilon_low, epsilon_high, delta=None, ol
 def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_documents=None,
               label_counts=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, weighting="document",
               token_advantages=False, divisor=None, logits_scale_factor=1.0, compute_entropy=False,
-              ref_log_probs=None, beta=0.0, rollout_log_probs=None, top_k=None, top_p=None, min_p=None,
-              **policy) -> PolicyLossOutput:
+              compute_metrics=True, ref_log_probs=None, beta=0.0, rollout_log_probs=None, top_k=None, top_p=None,
+              min_p=None, **policy) -> PolicyLossOutput:
     """GSPO: sequence-level geometric-mean ratio over packed documents (vectorised with index_add), with
     the policy family of docs/policy_losses.md at the sequence ratio (``policy``: the options of Policy; vespo: φ
     of the document's summed log-ratios; the importance-weighted KL differentiated through R_s)."""
@@ -370,9 +380,10 @@ def gspo_loss(logits, target, advantages, old_log_probs, document_index, *, num_
         rollout = (None, None, None) if rho is None else (
             mean(rho), mean(weight), mean((weight != rho).to(dt)))
         phi_mean = None if phi is None else torch.where(mask, phi * u, 0.0).sum() / n_docs
-    return PolicyLossOutput(loss, new_logprobs, low, high, kl_old, entropy,
-                            torch.where(mask, lp, 0.0).detach().reshape(target.shape), ratio_mean, ratio.detach(),
-                            kl_mean, *rollout, phi_mean, loss_type=p.loss_type)
+    return _metrics_kept(PolicyLossOutput(loss, new_logprobs, low, high, kl_old, entropy,
+                                          torch.where(mask, lp, 0.0).detach().reshape(target.shape), ratio_mean,
+                                          ratio.detach(), kl_mean, *rollout, phi_mean, loss_type=p.loss_type),
+                         compute_metrics, compute_entropy)
 
 
 def distillation_loss(logits, teacher_logits, *, kind="forward_kl", beta=0.5, temperature=1.0,
