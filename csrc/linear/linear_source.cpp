@@ -7,7 +7,6 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/where.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/nonzero.h>
 #include <ATen/ops/zeros.h>
@@ -241,12 +240,12 @@ LinearSource::LinearSource(const char* op, const at::Tensor& hidden, const at::T
   const auto acc = hidden.options().dtype(acc_dtype(hidden.scalar_type()));
   if (mask_[0]) {
     grad_hidden_ = rows_.defined() ? at::zeros({n, hidden_size}, hidden.options())
-                                   : at::empty({n, hidden_size}, hidden.options());
+                                   : new_empty({n, hidden_size}, hidden.options());
   }
   // Each element of grad_weight is written once (in the weight's dtype, its sum in fp32 inside one GEMM) where
   // one chunk holds every row or lean mode's blocks write it; across fast mode's chunks it is a fp32 sum.
   if (mask_[1] && !main_grad_.defined()) {
-    grad_weight_ = at::empty(weight.sizes(), lean_ || chunk_rows_ >= m_ ? weight.options() : acc);
+    grad_weight_ = new_empty(weight.sizes(), lean_ || chunk_rows_ >= m_ ? weight.options() : acc);
   }
   if (mask_[2]) grad_bias_acc_ = at::zeros({vocab}, acc);
 }
@@ -286,7 +285,7 @@ void LinearSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass
   const int64_t rows = buffer_rows(std::min(chunk_rows_, m_), invariant_);
   // A revisit's one more row: where the rows the passes skip land (revisit_chunk).
   const int64_t extra = revisit != nullptr ? vocab : 0;
-  at::Tensor buffer = at::empty({std::max(rows * vocab + extra, two_sweeps ? m_ * block_cols_ : 0)},
+  at::Tensor buffer = new_empty({std::max(rows * vocab + extra, two_sweeps ? m_ * block_cols_ : 0)},
                                 hidden_.options().dtype(logits_dtype_));
   if (!two_sweeps) {
     row_sweep(args, with_grad, weight_grad, at::Tensor(), buffer, pass, revisit);
@@ -294,7 +293,7 @@ void LinearSource::run(const RowPassArgs& args, bool with_grad, const Pass& pass
   }
   // Lean mode. Sweep 1: grad_hidden, and each row's statistics unless the op gave them.
   const bool given = args.stats_in.defined();
-  const at::Tensor stats = given ? rows_of(args.stats_in, 0, m_) : at::empty({m_, RowStats<float>::kFields},
+  const at::Tensor stats = given ? rows_of(args.stats_in, 0, m_) : new_empty({m_, RowStats<float>::kFields},
                                                                               acc_options());
   if (mask_[0] || !given) row_sweep(args, mask_[0], false, given ? at::Tensor() : stats, buffer, pass, nullptr);
   // Every row's statistics exist before the weight's gradient: the revisit's change reaches sweep 2's passes, and
@@ -343,7 +342,7 @@ void LinearSource::row_sweep(const RowPassArgs& args, bool with_grad, bool weigh
     if (!mask_[0] && !(weight_grad && mask_[1])) continue;
     const at::Tensor g_padded = as_weight_dtype(padded), g = part(g_padded, 0, n);
     if (mask_[0]) {
-      at::Tensor out = rows_.defined() ? at::empty({n, hidden_size}, hidden_.options()) : part(grad_hidden_, r0, n);
+      at::Tensor out = rows_.defined() ? new_empty({n, hidden_size}, hidden_.options()) : part(grad_hidden_, r0, n);
       hidden_grad_of(out, g_padded, n);
       if (rows_.defined()) grad_hidden_.index_copy_(0, part(rows_, r0, n), out);
     }
@@ -361,7 +360,7 @@ void LinearSource::hidden_grad_of(const at::Tensor& out, const at::Tensor& g_pad
   for_gemm_pieces(n, invariant_, [&](int64_t p0, int64_t pn, int64_t rows) {
     const at::Tensor own = part(out, p0, pn);
     if (rows == pn && (!invariant_ || aligned_16(own))) return backend_.gemm(own, part(g, p0, pn), weight_, false);
-    const at::Tensor o = at::empty({rows, out.size(1)}, out.options());
+    const at::Tensor o = new_empty({rows, out.size(1)}, out.options());
     backend_.gemm(o, part(g_padded, p0, rows), weight_, false);
     own.copy_(part(o, 0, pn));
   });
@@ -393,7 +392,7 @@ RowPassArgs LinearSource::sub_batch(const RowPassArgs& args, const at::Tensor& i
   const int64_t bound = index.size(0);
   // GEMM 1 over the sub-batch's rows, in whole pieces in the batch-invariant mode: its rows' logits then have the
   // bits the sweep's had.
-  padded = at::empty({buffer_rows(bound, invariant_), f_.vocab}, hidden_.options().dtype(logits_dtype_));
+  padded = new_empty({buffer_rows(bound, invariant_), f_.vocab}, hidden_.options().dtype(logits_dtype_));
   logits_of(padded, h, 0, invariant_);
   RowPassArgs a = args;
   a.logits = part(padded, 0, bound);
@@ -460,14 +459,14 @@ void LinearSource::revisit_rows(const RowPassArgs& args, const RowRevisit& revis
     weight_grad_written_ = true;
   }
   if (mask_[0]) {  // a row's grad_hidden is its own gradient row's: replaced outright
-    const at::Tensor out = at::empty({bound, hidden_.size(1)}, hidden_.options());
+    const at::Tensor out = new_empty({bound, hidden_.size(1)}, hidden_.options());
     hidden_grad_of(out, padded.to(wdtype), bound);
     grad_hidden_.index_copy_(0, index, at::where(keep, out, grad_hidden_.index_select(0, index)));
   }
 }
 
 std::vector<at::Tensor> LinearSource::grads() {
-  const auto none = at::empty({0}, hidden_.options());
+  const auto none = new_empty({0}, hidden_.options());
   const bool weight = mask_[1] && !main_grad_.defined();
   if (weight && !weight_grad_written_) grad_weight_.zero_();  // no rows
   // The buffer was written below autograd: its version moves, as an in-place op's would.
