@@ -211,7 +211,8 @@ def grpo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
     Returns: PolicyLossOutput: ``loss`` (differentiable scalar), then the detached metrics new_logprobs,
         clipped_fraction_low/high, kl_old, entropy (None unless ``compute_entropy`` or an entropy bonus), log_probs (per
         token), ratio_mean, then kl, rollout ratio/weight/corrected fraction, vespo_phi_seq_mean where those
-        options are on (without ``compute_metrics`` only loss, new_logprobs, log_probs and the entropy asked for); ``trl_metrics()`` gives them under TRL's logged names.
+        options are on (without ``compute_metrics`` only loss, new_logprobs, log_probs and the entropy asked for);
+        ``trl_metrics()`` gives them under TRL's logged names.
     """
     options = _options("grpo_loss", options, _GRPO)
     if tp_group is not None:
