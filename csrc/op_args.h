@@ -169,6 +169,12 @@
   X(OptTensor, document_index, None)     \
   X(OptInt, num_documents, None)         \
   X(OptString, aggregation, None)
+// grpo's and linear_grpo's keyword options read with its inputs (grpo.h: GrpoOwnArgs), in schema order; the schema
+// adds those read as groups of their own: the clip, the policy options, the fused ones, the sampler's
+// (registration.cpp). An option of GRPO alone goes here, once.
+#define RL_LOSSES_GRPO_KEYWORDS(X)                                                                          \
+  RL_LOSSES_GRPO_OPTIONS(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_KL_WEIGHT(X) RL_LOSSES_SCALE(X)         \
+  RL_LOSSES_DIVISOR(X) RL_LOSSES_ENTROPY(X) RL_LOSSES_POLICY_METRICS(X)
 
 // ---- GSPO ---------------------------------------------------------------------------------------------------------
 #define RL_LOSSES_GSPO_DOCUMENTS(X) X(at::Tensor, document_index, )
@@ -179,6 +185,11 @@
 // ratio takes (GSPO-token).
 #define RL_LOSSES_GSPO_WEIGHTING(X) X(std::string, weighting, "document")
 #define RL_LOSSES_GSPO_TOKEN_ADVANTAGES(X) X(bool, token_advantages, False)
+// gspo's and linear_gspo's keyword options read with its inputs (gspo.h: GspoOwnArgs), as RL_LOSSES_GRPO_KEYWORDS.
+#define RL_LOSSES_GSPO_KEYWORDS(X)                                                                             \
+  RL_LOSSES_GSPO_OPTIONS(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_KL_WEIGHT(X) RL_LOSSES_GSPO_WEIGHTING(X)   \
+  RL_LOSSES_GSPO_TOKEN_ADVANTAGES(X) RL_LOSSES_SCALE(X) RL_LOSSES_DIVISOR(X) RL_LOSSES_ENTROPY(X)            \
+  RL_LOSSES_POLICY_METRICS(X)
 // The sequence-data-parallel hook: the per-document sums all-reduced over the group (gspo/gspo.h: GspoSum).
 #define RL_LOSSES_GSPO_SUMS(X) X(OptTensor, document_sums, None)
 // gspo_document_sums: one rank's per-document sums, from its per-token log-probs.

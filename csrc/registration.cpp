@@ -121,10 +121,8 @@ TORCH_LIBRARY(rl_losses, m) {
   const Entries policy = RL_LOSSES_ENTRIES(RL_LOSSES_POLICY_OPTIONS);
   const Entries fused_policy = RL_LOSSES_ENTRIES(RL_LOSSES_FUSED_POLICY_OPTIONS);
   const Entries policy_results = RL_LOSSES_ENTRIES(RL_LOSSES_POLICY_RESULTS);
-  const Entries metrics = RL_LOSSES_ENTRIES(RL_LOSSES_POLICY_METRICS);
   const Entries vespo_results = RL_LOSSES_ENTRIES(RL_LOSSES_VESPO_RESULTS);
-  const Entries grpo_options = cat({RL_LOSSES_ENTRIES(RL_LOSSES_GRPO_OPTIONS), policy_tensors, clip, kl_weight, scale,
-                                    divisor, entropy, metrics, policy, fused_policy, sampler});
+  const Entries grpo_options = cat({RL_LOSSES_ENTRIES(RL_LOSSES_GRPO_KEYWORDS), clip, policy, fused_policy, sampler});
   const Entries grpo_results = cat({policy_results, vespo_results});
   def_loss(m, "grpo", cat({logits, policy_inputs}), grpo_options, tp_hooks, grpo_results);
   def_linear(m, "grpo", policy_inputs, grpo_options, grpo_results);
@@ -135,9 +133,7 @@ TORCH_LIBRARY(rl_losses, m) {
   const Entries gspo_inputs = cat({policy_inputs, RL_LOSSES_ENTRIES(RL_LOSSES_GSPO_DOCUMENTS)});
   const Entries weighting = RL_LOSSES_ENTRIES(RL_LOSSES_GSPO_WEIGHTING);
   const Entries token_advantages = RL_LOSSES_ENTRIES(RL_LOSSES_GSPO_TOKEN_ADVANTAGES);
-  const Entries gspo_options = cat({RL_LOSSES_ENTRIES(RL_LOSSES_GSPO_OPTIONS), policy_tensors, clip, kl_weight,
-                                    weighting, token_advantages, scale, divisor, entropy, metrics, policy,
-                                    fused_policy, sampler});
+  const Entries gspo_options = cat({RL_LOSSES_ENTRIES(RL_LOSSES_GSPO_KEYWORDS), clip, policy, fused_policy, sampler});
   const Entries gspo_results = cat({policy_results, RL_LOSSES_ENTRIES(RL_LOSSES_GSPO_RESULTS), vespo_results});
   def_loss(m, "gspo", cat({logits, gspo_inputs}), gspo_options,
            cat({RL_LOSSES_ENTRIES(RL_LOSSES_ROW_STATS), RL_LOSSES_ENTRIES(RL_LOSSES_GSPO_SUMS),

@@ -422,9 +422,7 @@ RowRevisit grpo_cov_revisit(GrpoRows& rows, const PolicyArgs& policy, const at::
                             const GrpoBackend& backend);
 
 // grpo's and linear_grpo's arguments but the source's (op_args.h).
-#define RL_LOSSES_GRPO_ARGS(X)                                                                            \
-  RL_LOSSES_POLICY_INPUTS(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_GRPO_OPTIONS(X) RL_LOSSES_KL_WEIGHT(X) \
-  RL_LOSSES_SCALE(X) RL_LOSSES_DIVISOR(X) RL_LOSSES_ENTROPY(X) RL_LOSSES_POLICY_METRICS(X)
+#define RL_LOSSES_GRPO_ARGS(X) RL_LOSSES_POLICY_INPUTS(X) RL_LOSSES_GRPO_KEYWORDS(X)
 RL_LOSSES_ARG_GROUP(GrpoOwnArgs, RL_LOSSES_GRPO_ARGS)
 struct GrpoArgs : GrpoOwnArgs {
   ClipArgs clip;

@@ -338,10 +338,7 @@ struct GspoBackend {
 };
 
 // gspo's and linear_gspo's arguments but the source's and the hooks (op_args.h).
-#define RL_LOSSES_GSPO_ARGS(X)                                                                               \
-  RL_LOSSES_POLICY_INPUTS(X) RL_LOSSES_GSPO_DOCUMENTS(X) RL_LOSSES_GSPO_OPTIONS(X) RL_LOSSES_POLICY_TENSORS(X) \
-  RL_LOSSES_KL_WEIGHT(X) RL_LOSSES_GSPO_WEIGHTING(X) RL_LOSSES_GSPO_TOKEN_ADVANTAGES(X) RL_LOSSES_SCALE(X)     \
-  RL_LOSSES_DIVISOR(X) RL_LOSSES_ENTROPY(X) RL_LOSSES_POLICY_METRICS(X)
+#define RL_LOSSES_GSPO_ARGS(X) RL_LOSSES_POLICY_INPUTS(X) RL_LOSSES_GSPO_DOCUMENTS(X) RL_LOSSES_GSPO_KEYWORDS(X)
 RL_LOSSES_ARG_GROUP(GspoOwnArgs, RL_LOSSES_GSPO_ARGS)
 struct GspoArgs : GspoOwnArgs {
   ClipArgs clip;
