@@ -83,6 +83,10 @@
   X(double, z_loss_factor, 0.0)      \
   X(double, label_weight, 1.0)       \
   X(std::string, reduction, "mean")
+// An op's keyword options (`<OP>_KEYWORDS`), in schema order: both its schema's (registration.cpp, which adds the
+// groups an op reads apart) and what its own argument group reads (the op's header). An option goes in once, here.
+#define RL_LOSSES_CROSS_ENTROPY_KEYWORDS(X) RL_LOSSES_SCALE(X) RL_LOSSES_CE_OPTIONS(X) RL_LOSSES_DIVISOR(X)
+#define RL_LOSSES_TOKEN_LOG_PROBS_KEYWORDS(X) RL_LOSSES_SCALE(X) RL_LOSSES_ENTROPY(X)
 #define RL_LOSSES_CE_RESULTS(X) \
   X(at::Tensor, loss, )         \
   X(at::Tensor, lse, )
@@ -169,9 +173,7 @@
   X(OptTensor, document_index, None)     \
   X(OptInt, num_documents, None)         \
   X(OptString, aggregation, None)
-// grpo's and linear_grpo's keyword options read with its inputs (grpo.h: GrpoOwnArgs), in schema order; the schema
-// adds those read as groups of their own: the clip, the policy options, the fused ones, the sampler's
-// (registration.cpp). An option of GRPO alone goes here, once.
+// grpo's and linear_grpo's (beside the clip, the policy options, the fused ones and the sampler's, read apart).
 #define RL_LOSSES_GRPO_KEYWORDS(X)                                                                          \
   RL_LOSSES_GRPO_OPTIONS(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_KL_WEIGHT(X) RL_LOSSES_SCALE(X)         \
   RL_LOSSES_DIVISOR(X) RL_LOSSES_ENTROPY(X) RL_LOSSES_POLICY_METRICS(X)
@@ -185,7 +187,7 @@
 // ratio takes (GSPO-token).
 #define RL_LOSSES_GSPO_WEIGHTING(X) X(std::string, weighting, "document")
 #define RL_LOSSES_GSPO_TOKEN_ADVANTAGES(X) X(bool, token_advantages, False)
-// gspo's and linear_gspo's keyword options read with its inputs (gspo.h: GspoOwnArgs), as RL_LOSSES_GRPO_KEYWORDS.
+// gspo's and linear_gspo's (as grpo's).
 #define RL_LOSSES_GSPO_KEYWORDS(X)                                                                             \
   RL_LOSSES_GSPO_OPTIONS(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_KL_WEIGHT(X) RL_LOSSES_GSPO_WEIGHTING(X)   \
   RL_LOSSES_GSPO_TOKEN_ADVANTAGES(X) RL_LOSSES_SCALE(X) RL_LOSSES_DIVISOR(X) RL_LOSSES_ENTROPY(X)            \
@@ -253,6 +255,8 @@
 #define RL_LOSSES_DISTILL_HOOKS(X) \
   X(OptTensor, row_stats, None)    \
   X(OptTensor, jsd_sums, None)
+#define RL_LOSSES_DISTILLATION_KEYWORDS(X) \
+  RL_LOSSES_DISTILL_OPTIONS(X) RL_LOSSES_DISTILL_BETA(X) RL_LOSSES_DISTILL_SOFTMAX(X) RL_LOSSES_DIVISOR(X)
 #define RL_LOSSES_DISTILL_STATS_INPUT(X) X(at::Tensor, row_stats, )
 #define RL_LOSSES_DISTILL_RESULTS(X) \
   X(at::Tensor, loss, )              \
@@ -267,6 +271,7 @@
 // over the K ids) or "tail" (one more bucket); kind ("forward_kl", "reverse_kl" or "jsd") and beta: the divergence
 // over those buckets, as distillation's.
 #define RL_LOSSES_TOPK_OPTIONS(X) X(std::string, tail, "none") RL_LOSSES_DISTILL_KIND(X) RL_LOSSES_DISTILL_BETA(X)
+#define RL_LOSSES_TOPK_DISTILLATION_KEYWORDS(X) RL_LOSSES_TOPK_OPTIONS(X) RL_LOSSES_SCALE(X) RL_LOSSES_DIVISOR(X)
 // divergence: the per-token divergence of `kind` (0 where unlabelled); student_mass Q and teacher_mass P: the K ids' probabilities.
 #define RL_LOSSES_TOPK_RESULTS(X)  \
   X(at::Tensor, loss, )            \
@@ -281,6 +286,7 @@
   X(at::Tensor, reference_chosen_log_probs, )       \
   X(at::Tensor, reference_rejected_log_probs, )
 #define RL_LOSSES_DPO_BETA(X) X(double, beta, 1.0)
+#define RL_LOSSES_DPO_KEYWORDS(X) RL_LOSSES_DPO_BETA(X) RL_LOSSES_SCALE(X) RL_LOSSES_DIVISOR(X)
 #define RL_LOSSES_DPO_RESULTS(X)         \
   X(at::Tensor, loss, )                  \
   X(at::Tensor, rewards_chosen, )        \
@@ -319,6 +325,10 @@
   RL_LOSSES_DISTILL_KIND(X) RL_LOSSES_DISTILL_BETA_NAMED(X, distillation_beta) RL_LOSSES_DISTILL_TEMPERATURE(X) \
   X(OptTensor, distillation_mask, None)                                                                 \
   X(OptDouble, distillation_divisor, None)
+// fused_head's (beside the clip and the policy options, read apart).
+#define RL_LOSSES_FUSED_HEAD_KEYWORDS(X)                                                                      \
+  RL_LOSSES_FUSED_HEAD_OPTIONS(X) RL_LOSSES_FUSED_HEAD_DISTILL(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_KL_WEIGHT(X) \
+  RL_LOSSES_GSPO_WEIGHTING(X) RL_LOSSES_ROLLOUT_REJECTION(X) RL_LOSSES_SCALE(X)
 // A term's loss is None where its weight is 0 (the term is not computed).
 #define RL_LOSSES_FUSED_HEAD_RESULTS(X) \
   X(at::Tensor, loss, )                 \

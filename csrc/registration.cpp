@@ -107,7 +107,7 @@ TORCH_LIBRARY(rl_losses, m) {
   m.def("_cpu_isas_compiled() -> str[]", [] { return cpu_isas_compiled(); });
 
   // ---- cross-entropy (docs/math.md) --------------------------------------------------------------------------
-  const Entries ce_options = cat({scale, RL_LOSSES_ENTRIES(RL_LOSSES_CE_OPTIONS), divisor});
+  const Entries ce_options = RL_LOSSES_ENTRIES(RL_LOSSES_CROSS_ENTROPY_KEYWORDS);
   const Entries ce_results = RL_LOSSES_ENTRIES(RL_LOSSES_CE_RESULTS);
   def_loss(m, "cross_entropy", logits, ce_options, tp_hooks, ce_results);
   def_linear(m, "cross_entropy", {}, ce_options, ce_results);
@@ -166,7 +166,7 @@ TORCH_LIBRARY(rl_losses, m) {
   // given: those are saved instead), which `_token_log_probs_backward` reads in place of a second statistics
   // pass. `entropy` is an empty tensor unless compute_entropy. The fused-linear form recomputes each chunk's
   // logits in its backward, which is where weight_main_grad is added into (the forward only checks it).
-  const Entries tlp_options = cat({scale, entropy, sampler}), tlp_results = RL_LOSSES_ENTRIES(RL_LOSSES_TOKEN_LOG_PROBS_RESULTS);
+  const Entries tlp_options = cat({RL_LOSSES_ENTRIES(RL_LOSSES_TOKEN_LOG_PROBS_KEYWORDS), sampler}), tlp_results = RL_LOSSES_ENTRIES(RL_LOSSES_TOKEN_LOG_PROBS_RESULTS);
   const Entries upstream = RL_LOSSES_ENTRIES(RL_LOSSES_TOKEN_LOG_PROBS_UPSTREAM);
   def(m, OpSchema("token_log_probs").args(logits).kwargs().args(tlp_options).args(tp_hooks).results(tlp_results));
   def(m, OpSchema("_token_log_probs_forward").without_defaults().args(logits).args(tlp_options).args(tp_hooks)
@@ -189,7 +189,7 @@ TORCH_LIBRARY(rl_losses, m) {
   const Entries distill = RL_LOSSES_ENTRIES(RL_LOSSES_DISTILL_INPUT), softmax = RL_LOSSES_ENTRIES(RL_LOSSES_DISTILL_SOFTMAX);
   const Entries distill_beta = RL_LOSSES_ENTRIES(RL_LOSSES_DISTILL_BETA);
   def_loss(m, "distillation", distill,
-           cat({RL_LOSSES_ENTRIES(RL_LOSSES_DISTILL_OPTIONS), distill_beta, softmax, divisor}),
+           RL_LOSSES_ENTRIES(RL_LOSSES_DISTILLATION_KEYWORDS),
            RL_LOSSES_ENTRIES(RL_LOSSES_DISTILL_HOOKS), RL_LOSSES_ENTRIES(RL_LOSSES_DISTILL_RESULTS),
            /*row_pass=*/false);
   def(m, OpSchema("distillation_stats").args(distill).kwargs().args(softmax).results(stats));
@@ -200,7 +200,7 @@ TORCH_LIBRARY(rl_losses, m) {
   // The forward KL over the teacher's K ids per token; target marks the tokens that count (negative: ignored, not
   // read). A vocabulary shard is refused (the K-wide sums would need their own all-reduce).
   const Entries topk_input = RL_LOSSES_ENTRIES(RL_LOSSES_TOPK_INPUT);
-  const Entries topk_options = cat({RL_LOSSES_ENTRIES(RL_LOSSES_TOPK_OPTIONS), scale, divisor});
+  const Entries topk_options = RL_LOSSES_ENTRIES(RL_LOSSES_TOPK_DISTILLATION_KEYWORDS);
   const Entries topk_results = RL_LOSSES_ENTRIES(RL_LOSSES_TOPK_RESULTS);
   def_loss(m, "topk_distillation", cat({logits, topk_input}), topk_options, RL_LOSSES_ENTRIES(RL_LOSSES_VOCAB_SHARD),
            topk_results);
@@ -210,7 +210,7 @@ TORCH_LIBRARY(rl_losses, m) {
   // pairs (P, 2): (chosen, rejected) document ids, every document 0 .. 2P−1 in exactly one pair; reference
   // log-probs per pair. The results after the loss are detached metrics; document_log_probs (2P,) are the π_s.
   def_loss(m, "dpo", cat({logits, RL_LOSSES_ENTRIES(RL_LOSSES_DPO_INPUT)}),
-           cat({RL_LOSSES_ENTRIES(RL_LOSSES_DPO_BETA), scale, divisor}), tp_hooks,
+           RL_LOSSES_ENTRIES(RL_LOSSES_DPO_KEYWORDS), tp_hooks,
            RL_LOSSES_ENTRIES(RL_LOSSES_DPO_RESULTS));
 
   // ---- several losses in one pass (fused_head/): label CE, z-loss and GRPO or GSPO with weights -------------------
@@ -221,9 +221,7 @@ TORCH_LIBRARY(rl_losses, m) {
   // shares advantages, old_log_probs, the policy tensors, the clip, beta and the per-token policy options with GRPO
   // (at most one of the two is on).
   def_loss(m, "fused_head", logits,
-           cat({RL_LOSSES_ENTRIES(RL_LOSSES_FUSED_HEAD_OPTIONS), RL_LOSSES_ENTRIES(RL_LOSSES_FUSED_HEAD_DISTILL),
-                policy_tensors, clip, kl_weight, policy,
-                RL_LOSSES_ENTRIES(RL_LOSSES_ROLLOUT_REJECTION), weighting, scale}),
+           cat({RL_LOSSES_ENTRIES(RL_LOSSES_FUSED_HEAD_KEYWORDS), clip, policy}),
            tp_hooks,
            RL_LOSSES_ENTRIES(RL_LOSSES_FUSED_HEAD_RESULTS));
 }

@@ -58,8 +58,7 @@ struct CrossEntropyRows {
 using CrossEntropyBackend = void (*)(const RowPassArgs&, const CrossEntropyRows&);
 
 // cross_entropy's and linear_cross_entropy's options (op_args.h).
-#define RL_LOSSES_CROSS_ENTROPY_ARGS(X) RL_LOSSES_SCALE(X) RL_LOSSES_CE_OPTIONS(X) RL_LOSSES_DIVISOR(X)
-RL_LOSSES_ARG_GROUP(CrossEntropyArgs, RL_LOSSES_CROSS_ENTROPY_ARGS)
+RL_LOSSES_ARG_GROUP(CrossEntropyArgs, RL_LOSSES_CROSS_ENTROPY_KEYWORDS)
 RL_LOSSES_RESULT_GROUP(CrossEntropyResults, RL_LOSSES_CE_RESULTS)
 
 // Shared forward over any row source: validation, divisor, back-end call, reduction. The gradient, when the source

@@ -72,9 +72,8 @@ DistillState distill_term_state(const char* op, const DistillTermArgs& a, bool* 
 DistillOptions<double> make_distill_options(DistillKind kind, double beta, double temperature, double scale);
 
 // distillation's arguments (op_args.h), and those of its tensor-parallel statistics ops.
-#define RL_LOSSES_DISTILLATION_ARGS(X)                                                                          \
-  RL_LOSSES_DISTILL_INPUT(X) RL_LOSSES_DISTILL_OPTIONS(X) RL_LOSSES_DISTILL_BETA(X) RL_LOSSES_DISTILL_SOFTMAX(X) \
-  RL_LOSSES_DIVISOR(X) RL_LOSSES_DISTILL_HOOKS(X)
+#define RL_LOSSES_DISTILLATION_ARGS(X) \
+  RL_LOSSES_DISTILL_INPUT(X) RL_LOSSES_DISTILLATION_KEYWORDS(X) RL_LOSSES_DISTILL_HOOKS(X)
 RL_LOSSES_ARG_GROUP(DistillationArgs, RL_LOSSES_DISTILLATION_ARGS)
 #define RL_LOSSES_DISTILL_STATS_ARGS(X) RL_LOSSES_DISTILL_INPUT(X) RL_LOSSES_DISTILL_SOFTMAX(X)
 RL_LOSSES_ARG_GROUP(DistillStatsArgs, RL_LOSSES_DISTILL_STATS_ARGS)

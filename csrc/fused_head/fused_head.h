@@ -210,10 +210,7 @@ struct FusedHeadBackend {
 // A device's FusedHeadBackend: FusedHeadBackendImpl (fused_head_distill.h).
 
 // fused_head's arguments but the logits and the hooks (op_args.h).
-#define RL_LOSSES_FUSED_HEAD_ARGS(X)                                                                 \
-  RL_LOSSES_FUSED_HEAD_OPTIONS(X) RL_LOSSES_FUSED_HEAD_DISTILL(X) RL_LOSSES_POLICY_TENSORS(X) RL_LOSSES_KL_WEIGHT(X) RL_LOSSES_GSPO_WEIGHTING(X) \
-  RL_LOSSES_ROLLOUT_REJECTION(X) RL_LOSSES_SCALE(X)
-RL_LOSSES_ARG_GROUP(FusedHeadOwnArgs, RL_LOSSES_FUSED_HEAD_ARGS)
+RL_LOSSES_ARG_GROUP(FusedHeadOwnArgs, RL_LOSSES_FUSED_HEAD_KEYWORDS)
 struct FusedHeadArgs : FusedHeadOwnArgs {
   ClipArgs clip;
   PolicyArgs policy;

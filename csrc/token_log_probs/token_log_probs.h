@@ -97,8 +97,7 @@ struct TokenLogProbsBackendImpl {
 };
 
 // token_log_probs' options and the results of its forward ops (op_args.h).
-#define RL_LOSSES_TOKEN_LOG_PROBS_ARGS(X) RL_LOSSES_SCALE(X) RL_LOSSES_ENTROPY(X)
-RL_LOSSES_ARG_GROUP(TokenLogProbsOwnArgs, RL_LOSSES_TOKEN_LOG_PROBS_ARGS)
+RL_LOSSES_ARG_GROUP(TokenLogProbsOwnArgs, RL_LOSSES_TOKEN_LOG_PROBS_KEYWORDS)
 struct TokenLogProbsArgs : TokenLogProbsOwnArgs {
   SamplerArgs sampler;
   void read(schema::Args& args) {

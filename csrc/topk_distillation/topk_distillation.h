@@ -87,8 +87,7 @@ using TopkBackend = void (*)(const RowPassArgs&, const TopkRows&, bool gather);
 // Whether the epilogue needs the K-wide sums of step 1b, which need the row statistics first.
 inline bool topk_needs_jsd_step(const DistillOptions<double>& o) { return o.kind == DistillKind::kJsd; }
 
-#define RL_LOSSES_TOPK_DISTILLATION_ARGS(X) RL_LOSSES_TOPK_INPUT(X) RL_LOSSES_TOPK_OPTIONS(X) \
-  RL_LOSSES_SCALE(X) RL_LOSSES_DIVISOR(X)
+#define RL_LOSSES_TOPK_DISTILLATION_ARGS(X) RL_LOSSES_TOPK_INPUT(X) RL_LOSSES_TOPK_DISTILLATION_KEYWORDS(X)
 RL_LOSSES_ARG_GROUP(TopkDistillationArgs, RL_LOSSES_TOPK_DISTILLATION_ARGS)
 RL_LOSSES_RESULT_GROUP(TopkDistillationResults, RL_LOSSES_TOPK_RESULTS)
 
