@@ -89,8 +89,7 @@ TORCH_LIBRARY(rl_losses, m) {
   using namespace rl_losses;
   const Entries logits = RL_LOSSES_ENTRIES(RL_LOSSES_LOGITS_INPUT);
   const Entries tp_hooks = cat({RL_LOSSES_ENTRIES(RL_LOSSES_ROW_STATS), RL_LOSSES_ENTRIES(RL_LOSSES_VOCAB_SHARD)});
-  const Entries scale = RL_LOSSES_ENTRIES(RL_LOSSES_SCALE), divisor = RL_LOSSES_ENTRIES(RL_LOSSES_DIVISOR);
-  const Entries entropy = RL_LOSSES_ENTRIES(RL_LOSSES_ENTROPY), stats = RL_LOSSES_ENTRIES(RL_LOSSES_STATS_RESULT);
+  const Entries scale = RL_LOSSES_ENTRIES(RL_LOSSES_SCALE), stats = RL_LOSSES_ENTRIES(RL_LOSSES_STATS_RESULT);
   const Entries sampler = RL_LOSSES_ENTRIES(RL_LOSSES_SAMPLER);
 
   // ---- shared ---------------------------------------------------------------------------------------------
@@ -166,7 +165,8 @@ TORCH_LIBRARY(rl_losses, m) {
   // given: those are saved instead), which `_token_log_probs_backward` reads in place of a second statistics
   // pass. `entropy` is an empty tensor unless compute_entropy. The fused-linear form recomputes each chunk's
   // logits in its backward, which is where weight_main_grad is added into (the forward only checks it).
-  const Entries tlp_options = cat({RL_LOSSES_ENTRIES(RL_LOSSES_TOKEN_LOG_PROBS_KEYWORDS), sampler}), tlp_results = RL_LOSSES_ENTRIES(RL_LOSSES_TOKEN_LOG_PROBS_RESULTS);
+  const Entries tlp_options = cat({RL_LOSSES_ENTRIES(RL_LOSSES_TOKEN_LOG_PROBS_KEYWORDS), sampler});
+  const Entries tlp_results = RL_LOSSES_ENTRIES(RL_LOSSES_TOKEN_LOG_PROBS_RESULTS);
   const Entries upstream = RL_LOSSES_ENTRIES(RL_LOSSES_TOKEN_LOG_PROBS_UPSTREAM);
   def(m, OpSchema("token_log_probs").args(logits).kwargs().args(tlp_options).args(tp_hooks).results(tlp_results));
   def(m, OpSchema("_token_log_probs_forward").without_defaults().args(logits).args(tlp_options).args(tp_hooks)

@@ -392,10 +392,11 @@ def gspo_loss(logits: torch.Tensor, target: torch.Tensor, advantages: torch.Tens
                     vocab_start=start, vocab_size=total, **options)
     # The op's new_logprobs and entropy cover this rank's tokens only: the group's come from the all-reduce.
     new_logprobs = docs[:, n_sums].sum() / (count > 0).sum().clamp_min(1)
-    group_entropy = payload[num_documents, 0] / payload[num_documents, 1].clamp_min(1) if entropy else None
     result = policy_output("gspo", out, options)
-    # (The entropy bonus needs the sums; the metric is None where the op left it out: compute_metrics=False.)
-    result = result._replace(new_logprobs=new_logprobs, entropy=None if result.entropy is None else group_entropy)
+    # The entropy bonus needs the sums; the metric is None where the op left it out (compute_metrics=False).
+    group_entropy = (None if result.entropy is None
+                     else payload[num_documents, 0] / payload[num_documents, 1].clamp_min(1))
+    result = result._replace(new_logprobs=new_logprobs, entropy=group_entropy)
     geo_mean = option("loss_type") == "geo_mean"  # its clipped fractions are of tokens, not documents
     if (result.kl is not None or result.rollout_ratio_mean is not None or result.vespo_phi_seq_mean is not None
             or geo_mean):
