@@ -62,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--doc-len", type=int, default=1024, help="GSPO document length in the timing")
+    p.add_argument("--invariant", action="store_true",
+                   help="time in the batch-invariant mode (its collectives are all-gathers, outside the probe)")
     p.add_argument("--dry-run", action="store_true", help="CPU + gloo, tiny shapes")
     p.add_argument("--timeout", type=int, default=170, help="seconds for the whole run")
     args = p.parse_args(argv)
@@ -362,7 +364,8 @@ def gather_max(row: dict, keys) -> dict:
 # ------------------------------------------------------------------------------------------------ report
 def tables(result: dict) -> str:
     lines = [f"## TP={result['world']} losses over {result['backend']} — {result['device']}, "
-             f"{result['date']}", "", f"Command: `{result['command']}`", "",
+             f"{result['date']}" + (" (batch-invariant mode)" if result.get("batch_invariant") else ""), "",
+             f"Command: `{result['command']}`", "",
              "### Correctness against one device (fp32; worst relative error over loss, gradient block, "
              "metrics)", "", "| case | layout | N x V | worst rel err | ok |", "|---|---|---|---|---|"]
     for c in result["checks"]:
@@ -417,7 +420,8 @@ def worker(rank: int, args, workdir: str) -> None:
         timing = []
         keys = ["step_ms", "comm_in_situ_ms", "comm_alone_ms", "stats_pass_ms", "single_gpu_ms"]
         for op in args.ops.split(","):
-            t = gather_max(time_op(op, rank, args.world, device, timer, args), keys)
+            with rl_losses.batch_invariant(args.invariant):
+                t = gather_max(time_op(op, rank, args.world, device, timer, args), keys)
             t["kernel_ms"] = t["step_ms"] - t["comm_in_situ_ms"]
             t["comm_share_in_situ"] = t["comm_in_situ_ms"] / t["kernel_ms"]
             t["comm_share_alone"] = t["comm_alone_ms"] / (t["step_ms"] - t["comm_alone_ms"])
@@ -428,7 +432,7 @@ def worker(rank: int, args, workdir: str) -> None:
             "command": "python3 " + " ".join(sys.argv), "world": args.world,
             "backend": "NCCL" if cuda else "gloo (dry run)",
             "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
-            "torch": torch.__version__, "reps": args.reps, "checks": checks,
+            "torch": torch.__version__, "reps": args.reps, "checks": checks, "batch_invariant": args.invariant,
             "capture": {"compile_fullgraph_aot_eager": "not run yet", "cuda_graph_capture": "not run yet"},
             "timing": timing, "checks_s": round(t_checks, 1),
         }

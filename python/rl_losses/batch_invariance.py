@@ -11,6 +11,7 @@ when it runs. The switch is process-wide, like ``torch.use_deterministic_algorit
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -47,20 +48,55 @@ class batch_invariant(contextlib.ContextDecorator):
         return False
 
 
+def mode_on() -> bool:
+    """The mode as the Python side reads it (traceable by torch.compile): the switch batch_invariant() sets, or
+    deterministic algorithms."""
+    return _entered or torch.are_deterministic_algorithms_enabled()
+
+
+def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
 def group_sum(tensor: torch.Tensor, group) -> torch.Tensor:
     """SUM of ``tensor`` over the process group, in place. In the mode the ranks' tensors are gathered and added in
     rank order: an all-reduce's ring adds a value's contributions starting at a rank chosen by the value's place in
-    the message, so a row's sum would depend on the rows beside it. (max needs no order.) The mode is read on the
-    Python side (traceable by torch.compile): the switch batch_invariant() sets, or deterministic algorithms."""
-    if not (_entered or torch.are_deterministic_algorithms_enabled()):
+    the message, so a row's sum would depend on the rows beside it. (max needs no order.)"""
+    if not mode_on():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
+    parts = _gather(tensor, group)
     total = parts[0]
     for part in parts[1:]:
         total = total + part
     return tensor.copy_(total)
+
+
+# Across tensor-parallel degrees (docs/consistency.md, "Tensor parallelism"): a rank's sum over its shard is rounded
+# before the shards are added, so 1, 2 and 4 ranks would sum a row in different orders. In the mode the vocabulary
+# is cut instead into B blocks of V / B columns, the same at every degree: each block is reduced on its own (a row
+# of its own for the row-statistics op, whose bits depend on the row alone) and the blocks' sums are added as one
+# binary tree over the B blocks, which no rank boundary changes. B is the largest power of two (at most 64) that
+# leaves blocks of a multiple of 8 columns, 16 bytes of bf16 (a CUDA row pass reads rows that start elsewhere from
+# an aligned copy): 32 for V = 128256, 16 for 151936. It applies where each rank's shard is whole blocks: even shards
+# and a degree dividing B.
+def vocab_blocks(vocab_size: int, world: int) -> int:
+    """How many vocabulary blocks each of ``world`` ranks with even shards reduces in the mode; 0 where the shards
+    are not whole blocks (or outside the mode), and the ranks' sums are merged in rank order (group_sum)."""
+    blocks = math.gcd(vocab_size // 8, 64) if vocab_size % 8 == 0 else math.gcd(vocab_size, 64)
+    return blocks // world if mode_on() and blocks % world == 0 else 0
+
+
+def block_sum(sums: torch.Tensor, group) -> torch.Tensor:
+    """(rows, k) from each rank's (rows, B / world, k) block sums, gathered in rank order (that of the shards):
+    block b added to block b + B/2, then the same on the first half, down to one: a fixed tree over the blocks."""
+    blocks = torch.cat(_gather(sums, group), dim=1)
+    while blocks.shape[1] > 1:
+        half = blocks.shape[1] // 2
+        blocks = blocks[:, :half] + blocks[:, half:]
+    return blocks[:, 0]
 
 
 def is_batch_invariant() -> bool:

@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 
 from rl_losses import _schema
-from rl_losses.batch_invariance import group_sum
+from rl_losses.batch_invariance import block_sum, group_sum, vocab_blocks
 from rl_losses._inputs import _check_inputs_enabled, _check_labels, _options, policy_output
 from rl_losses._schema import GSPO_SUMS, ROW_STATS, column
 from rl_losses.outputs import PolicyLossOutput
@@ -136,16 +136,26 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
     shards assumed even that are not are reported on every rank — and the failure flag."""
     checked = _host_checks(logits)
     error = None
+    # The mode's vocabulary blocks (batch_invariance.vocab_blocks): each a row of its own for row_stats, the
+    # label given to the block that holds it (shifted by the block's offset; -100, ignored, in the others).
+    blocks = vocab_blocks(vocab_size, dist.get_world_size(tp_group)) if even else 0
+    block_width = logits.shape[-1] // max(blocks, 1)
     try:
         _check_labels(op, target, vocab_size)
-        stats = _ops.row_stats(logits.detach(), target, logits_scale_factor=logits_scale_factor,
-                               vocab_start=vocab_start, vocab_size=vocab_size, entropy=entropy,
-                               smoothing=smoothing).reshape(-1, _STATS)
+        rows, labels = logits.detach(), target
+        if blocks:
+            rows = rows.reshape(-1, block_width)
+            shifted = target.reshape(-1, 1) - torch.arange(blocks, device=target.device) * block_width
+            labels = torch.where(shifted >= 0, shifted, -100).reshape(-1)
+        stats = _ops.row_stats(rows, labels, logits_scale_factor=logits_scale_factor, vocab_start=vocab_start,
+                               vocab_size=vocab_size, entropy=entropy, smoothing=smoothing)
+        stats = stats.reshape(target.numel(), max(blocks, 1), _STATS)
     except (RuntimeError, ValueError) as e:
         error = _caught(e, checked)
-        stats = torch.zeros(target.numel(), _STATS, dtype=_acc(logits.dtype), device=logits.device)
+        stats = torch.zeros(target.numel(), max(blocks, 1), _STATS, dtype=_acc(logits.dtype), device=logits.device)
     n_rows = stats.shape[0]
-    local_max = stats[:, column(ROW_STATS, "max")]
+    block_max = stats[..., column(ROW_STATS, "max")]
+    local_max = block_max.amax(dim=1) if blocks else block_max[:, 0]
     if checked:
         width = float(logits.shape[-1])
         global_max = torch.cat([local_max, local_max.new_tensor([width, -width, float(error is not None)])])
@@ -161,14 +171,21 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
                              f"rl_losses.distributed.{op}")
         _raise_if_failed(op, "tp_group", failed > 0, error)
         global_max = global_max[:n_rows]
-    # A shard whose values are all -inf has sums 0; guard its factor (exp(-inf - -inf) would be NaN).
-    factor = torch.where(local_max == float("-inf"), 0.0, torch.exp(local_max - global_max))
+    # A shard (block) whose values are all -inf has sums 0; guard its factor (exp(-inf - -inf) would be NaN). The
+    # exponential in float64, rounded: on the CPU ATen's vector loop and its scalar tail may round a float32 exp
+    # differently, and which one a value meets depends on its place in the batch.
+    gap = (block_max - global_max.unsqueeze(1)).double()
+    factor = torch.where(block_max == float("-inf"), 0.0, torch.exp(gap)).to(stats.dtype)
     # The sums weighted by exp(x − max) rescale to the global max; Σx and the label's logit add as they are.
     rescaled = ("sum_exp", "sum_exp_x")
-    sums = torch.stack([stats[:, column(ROW_STATS, c)] * (factor if c in rescaled else 1) for c in ROW_STATS[1:]],
-                       dim=1)
-    if sums.numel():
-        group_sum(sums, tp_group)
+    sums = torch.stack([stats[..., column(ROW_STATS, c)] * (factor if c in rescaled else 1) for c in ROW_STATS[1:]],
+                       dim=2)
+    if not sums.numel():
+        sums = sums[:, 0]
+    elif blocks:
+        sums = block_sum(sums, tp_group)
+    else:
+        sums = group_sum(sums[:, 0], tp_group)
     return torch.cat([global_max.unsqueeze(1), sums], dim=1)
 
 

@@ -1,0 +1,148 @@
+"""The batch-invariant mode across tensor-parallel degrees (docs/consistency.md, "Tensor parallelism"): a row's
+log-prob, entropy, loss terms and gradient have the same bits whether its vocabulary is held by 1, 2 or 4 ranks
+(rl_losses.batch_invariance.vocab_blocks: blocks the same at every degree, added as one tree). Four gloo processes
+on CPU tensors, which form the groups of each degree; RL_LOSSES_DIST_BACKEND=nccl runs them on CUDA tensors, one
+GPU per rank (degrees up to the GPUs present, at most 4).
+"""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+BACKEND = os.environ.get("RL_LOSSES_DIST_BACKEND", "gloo")
+WORLD = min(4, torch.cuda.device_count()) if BACKEND == "nccl" else 4
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not (dist.is_nccl_available() and WORLD >= 2 if BACKEND == "nccl"
+                                    else dist.is_gloo_available()), reason=f"needs {BACKEND} (and 2 GPUs for nccl)")
+DEGREES = [d for d in (1, 2, 4) if d <= WORLD]
+N, V = 48, 1280  # 32 blocks of 40 columns; 4 ranks hold 8 blocks each
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(4321)
+    logits = torch.randn(N, V, generator=g, dtype=torch.float64).float() * 4
+    target = torch.randint(0, V, (N,), generator=g)
+    target[5] = -100
+    return logits, target, torch.randn(N, generator=g), -3 * torch.rand(N, generator=g)
+
+
+def _worker(rank: int, store: str, out: str) -> None:
+    import rl_losses
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    device = torch.device("cuda", rank) if BACKEND == "nccl" else torch.device("cpu")
+    if BACKEND == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(BACKEND, init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    logits, target, advantages, old = (x.to(device) for x in _inputs())
+    documents = torch.arange(N, device=device) // 8
+    results = {}
+    for degree in DEGREES:
+        # Every rank creates every group of the degree (new_group's rule), then joins its own.
+        groups = [dist.new_group(list(range(g, g + degree))) for g in range(0, WORLD, degree)]
+        group, part = groups[rank // degree], rank % degree
+        width = V // degree
+        shard = logits[:, part * width:(part + 1) * width]
+        reversed_documents = torch.arange(N, device=device).view(-1, 8).flip(0).reshape(-1)
+        for name, rows in (("all", torch.arange(N, device=device)), ("reversed", reversed_documents)):
+            x = shard[rows].contiguous().requires_grad_()
+            y = shard[rows].contiguous().requires_grad_()
+            z = shard[rows].contiguous().requires_grad_()
+            with rl_losses.batch_invariant():
+                grpo = rl_losses.grpo_loss(x, target[rows], advantages[rows], old[rows], tp_group=group, divisor=1.0,
+                                           compute_entropy=True)
+                grpo.loss.backward()
+                ce = rl_losses.cross_entropy(y, target[rows], label_smoothing=0.1, reduction="sum", tp_group=group)
+                ce.backward()
+                gspo = rl_losses.gspo_loss(z, target[rows], advantages[rows], old[rows], documents[rows],
+                                           tp_group=group, divisor=1.0)
+                gspo.loss.backward()
+                log_probs, entropy = rl_losses.token_log_probs(shard[rows].contiguous(), target[rows],
+                                                               compute_entropy=True, tp_group=group)
+            results[degree, name] = tuple(t.detach().cpu() for t in (
+                rows, grpo.log_probs, grpo.entropy, x.grad, ce, y.grad, log_probs, entropy, gspo.log_probs, z.grad))
+    torch.save(results, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_worker, args=(os.path.join(d, "store"), os.path.join(d, "out")), nprocs=WORLD,
+                           start_method="spawn")
+        return [torch.load(os.path.join(d, f"out.{r}")) for r in range(WORLD)]
+
+
+def _whole(ranks, degree, name):
+    """The first group's results at ``degree``, its gradient shards put side by side (rows in the run's order)."""
+    rows, *results = ranks[0][degree, name]
+    for i in (2, 4, 8):  # the gradients
+        results[i] = torch.cat([ranks[r][degree, name][i + 1] for r in range(degree)], dim=1)
+    return rows, results
+
+
+WHAT = ("grpo log_probs", "grpo entropy", "grpo gradient", "cross_entropy", "cross_entropy gradient",
+        "token_log_probs", "token_log_probs entropy", "gspo log_probs", "gspo gradient")
+
+
+@pytest.mark.parametrize("degree", DEGREES[1:])
+def test_rows_do_not_depend_on_the_degree(ranks, degree):
+    """Every output and gradient row at 2 and 4 ranks has the bits of one rank's (a group of one)."""
+    _, one = _whole(ranks, 1, "all")
+    _, many = _whole(ranks, degree, "all")
+    for a, b, what in zip(one, many, WHAT):
+        assert torch.equal(a, b), f"degree {degree}: {what} differs from degree 1's"
+
+
+@pytest.mark.parametrize("degree", DEGREES)
+def test_rows_do_not_depend_on_the_batch(ranks, degree):
+    """Reversing the order of the documents (of 8 rows each) leaves each row's bits; every rank of a group holds the same
+    log-probs."""
+    rows, full = _whole(ranks, degree, "all")
+    sub_rows, sub = _whole(ranks, degree, "reversed")
+    for a, b, what in zip(full, sub, WHAT):
+        if a.dim():  # (the entropy metric and the loss: sums over the rows, in the batch's order)
+            assert torch.equal(a[sub_rows], b), f"degree {degree}: {what}"
+    for r in range(degree):
+        assert torch.equal(ranks[r][degree, "all"][1], full[0])
+    assert torch.equal(full[0], full[5]), "token_log_probs differs from grpo_loss's log_probs"
+
+
+def test_matches_the_float64_reference(ranks):
+    from rl_losses import reference
+    logits, target, advantages, old = _inputs()
+    x = logits.double().requires_grad_()
+    ref = reference.grpo_loss(x, target, advantages.double(), old.double(), divisor=1.0, compute_entropy=True)
+    ref.loss.backward()
+    y = logits.double().requires_grad_()
+    ref_ce = reference.cross_entropy(y, target, label_smoothing=0.1, reduction="sum")
+    ref_ce.backward()
+    ref_lp, ref_ent = reference.token_log_probs(logits.double(), target, compute_entropy=True)
+    z = logits.double().requires_grad_()
+    ref_gspo = reference.gspo_loss(z, target, advantages.double(), old.double(), torch.arange(N) // 8, divisor=1.0)
+    ref_gspo.loss.backward()
+    for degree in DEGREES:
+        _, (lp, ent, grad, ce, ce_grad, tlp, tent, glp, ggrad) = _whole(ranks, degree, "all")
+        for got, want, what in ((lp, ref.log_probs, "log_probs"), (ent, ref.entropy, "entropy"), (grad, x.grad, "grad"),
+                                (ce, ref_ce, "cross_entropy"), (ce_grad, y.grad, "ce grad"), (tlp, ref_lp, "tlp"),
+                                (tent, ref_ent, "token entropy"), (glp, ref_gspo.log_probs, "gspo log_probs"),
+                                (ggrad, z.grad, "gspo grad")):
+            torch.testing.assert_close(got.double(), want.detach(), rtol=2e-5, atol=2e-5,
+                                       msg=lambda m: f"degree {degree}, {what}: {m}")
+
+
+def test_blocks():
+    """The blocks each rank reduces: B (the largest power of two up to 64 leaving blocks of a multiple of 8
+    columns) over the degree, 0 where a shard is not whole blocks or the mode is off (the shards' sums then merge
+    in rank order)."""
+    import rl_losses
+    from rl_losses.batch_invariance import vocab_blocks
+    assert vocab_blocks(128256, 1) == 0
+    with rl_losses.batch_invariant():
+        assert [vocab_blocks(128256, d) for d in (1, 2, 4, 8, 3, 64)] == [32, 16, 8, 4, 0, 0]
+        assert [vocab_blocks(151936, d) for d in (1, 8, 32)] == [16, 2, 0]
+        assert [vocab_blocks(152064, d) for d in (1, 64)] == [64, 1]
+        assert [vocab_blocks(50257, d) for d in (1, 2)] == [1, 0]
+        assert [vocab_blocks(96, d) for d in (1, 4, 3)] == [4, 1, 0]  # 96 = 8 * 12: blocks of 24
