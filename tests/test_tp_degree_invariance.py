@@ -13,12 +13,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BACKEND = os.environ.get("RL_LOSSES_DIST_BACKEND", "gloo")
-WORLD = min(4, torch.cuda.device_count()) if BACKEND == "nccl" else 4
+WORLD = (4 if torch.cuda.device_count() >= 4 else 2) if BACKEND == "nccl" else 4
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not (dist.is_nccl_available() and WORLD >= 2 if BACKEND == "nccl"
                                     else dist.is_gloo_available()), reason=f"needs {BACKEND} (and 2 GPUs for nccl)")
 DEGREES = [d for d in (1, 2, 4) if d <= WORLD]
-N, V = 48, 1280  # 8 blocks of 160 columns; 4 ranks hold 2 blocks each
+N, V = 48, 1344  # 8 blocks of 168 columns (not a multiple of 16: vector tails); 4 ranks hold 2 blocks each
+BLOCK = V // 8
 
 
 def _inputs():
@@ -26,6 +27,8 @@ def _inputs():
     logits = torch.randn(N, V, generator=g, dtype=torch.float64).float() * 4
     target = torch.randint(0, V, (N,), generator=g)
     target[5] = -100
+    # Labels at the blocks' and the shards' edges.
+    target[6:14] = torch.tensor([0, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK - 1, 4 * BLOCK, V // 2 - 1, V - 1])
     return logits, target, torch.randn(N, generator=g), -3 * torch.rand(N, generator=g)
 
 
@@ -54,7 +57,8 @@ def _worker(rank: int, store: str, out: str) -> None:
                 grpo = rl_losses.grpo_loss(x, target[rows], advantages[rows], old[rows], tp_group=group, divisor=1.0,
                                            compute_entropy=True)
                 grpo.loss.backward()
-                ce = rl_losses.cross_entropy(y, target[rows], label_smoothing=0.1, reduction="sum", tp_group=group)
+                ce = rl_losses.cross_entropy(y, target[rows], label_smoothing=0.1, reduction="sum", tp_group=group,
+                                             logits_scale_factor=0.75)
                 ce.backward()
                 gspo = rl_losses.gspo_loss(z, target[rows], advantages[rows], old[rows], documents[rows],
                                            tp_group=group, divisor=1.0)
@@ -63,6 +67,14 @@ def _worker(rank: int, store: str, out: str) -> None:
                                                                compute_entropy=True, tp_group=group)
             results[degree, name] = tuple(t.detach().cpu() for t in (
                 rows, grpo.log_probs, grpo.entropy, x.grad, ce, y.grad, log_probs, entropy, gspo.log_probs, z.grad))
+    if BACKEND == "gloo":  # (the host checks are the CPU's; on CUDA a bad label is a device-side assert)
+        bad = target.clone()
+        bad[3] = V  # on one rank only: the others learn it through the flag in the MAX all-reduce
+        try:
+            with rl_losses.batch_invariant():
+                rl_losses.token_log_probs(shard.contiguous(), bad if rank == 1 else target, tp_group=group)
+        except ValueError as e:
+            results["error"] = str(e)
     torch.save(results, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -98,8 +110,8 @@ def test_rows_do_not_depend_on_the_degree(ranks, degree):
 
 @pytest.mark.parametrize("degree", DEGREES)
 def test_rows_do_not_depend_on_the_batch(ranks, degree):
-    """Reversing the order of the documents (of 8 rows each) leaves each row's bits; every rank of a group holds the same
-    log-probs."""
+    """Reversing the order of the documents (of 8 rows each) leaves each row's bits; every rank of a group holds the
+    same log-probs."""
     rows, full = _whole(ranks, degree, "all")
     sub_rows, sub = _whole(ranks, degree, "reversed")
     for a, b, what in zip(full, sub, WHAT):
@@ -117,7 +129,7 @@ def test_matches_the_float64_reference(ranks):
     ref = reference.grpo_loss(x, target, advantages.double(), old.double(), divisor=1.0, compute_entropy=True)
     ref.loss.backward()
     y = logits.double().requires_grad_()
-    ref_ce = reference.cross_entropy(y, target, label_smoothing=0.1, reduction="sum")
+    ref_ce = reference.cross_entropy(y, target, label_smoothing=0.1, reduction="sum", logits_scale_factor=0.75)
     ref_ce.backward()
     ref_lp, ref_ent = reference.token_log_probs(logits.double(), target, compute_entropy=True)
     z = logits.double().requires_grad_()
@@ -131,6 +143,15 @@ def test_matches_the_float64_reference(ranks):
                                 (ggrad, z.grad, "gspo grad")):
             torch.testing.assert_close(got.double(), want.detach(), rtol=2e-5, atol=2e-5,
                                        msg=lambda m: f"degree {degree}, {what}: {m}")
+
+
+@pytest.mark.skipif(BACKEND != "gloo", reason="the host checks run on CPU tensors")
+def test_a_bad_label_fails_every_rank(ranks):
+    """In the mode's block path a label out of range is named as the caller gave it (not as a block's row), and the
+    other ranks of the group stop too (no hang)."""
+    assert ranks[1]["error"] == f"token_log_probs: target holds label {V}, out of range for vocab_size {V}"
+    for r in (0, 2, 3):
+        assert "another rank of tp_group failed" in ranks[r]["error"]
 
 
 def test_blocks():

@@ -11,7 +11,6 @@ when it runs. The switch is process-wide, like ``torch.use_deterministic_algorit
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist
@@ -80,14 +79,21 @@ def group_sum(tensor: torch.Tensor, group) -> torch.Tensor:
 # of its own for the row-statistics op, whose bits depend on the row alone) and the blocks' sums are added as one
 # binary tree over the B blocks, which no rank boundary changes. B is the largest power of two up to 8 that leaves
 # blocks of a multiple of 8 columns, 16 bytes of bf16 (a CUDA row pass reads rows that start elsewhere from an
-# aligned copy): 8 for V = 128256 or 151936. It applies where each rank's shard is whole blocks: even shards and a
-# degree dividing B (1, 2, 4, 8). Why not more blocks: shorter rows cost the statistics pass more (H200, 16384 rows
-# of a 64128-column bf16 shard: 0.51 ms whole, 0.59 in 4 blocks, 1.21 in 16).
+# aligned copy; where V is no multiple of 8, the largest dividing V): 8 for V = 128256 or 151936. It applies where
+# each rank's shard is whole blocks: even shards and a degree dividing B (1, 2, 4, 8). Why not more blocks: shorter
+# rows cost the statistics pass more (H200, 16384 rows of a 64128-column bf16 shard: 0.51 ms whole, 0.59 in 4
+# blocks, 1.21 in 16).
 def vocab_blocks(vocab_size: int, world: int) -> int:
     """How many vocabulary blocks each of ``world`` ranks with even shards reduces in the mode; 0 where the shards
     are not whole blocks (or outside the mode), and the ranks' sums are merged in rank order (group_sum)."""
-    blocks = math.gcd(vocab_size // 8, 8) if vocab_size % 8 == 0 else math.gcd(vocab_size, 8)
-    return blocks // world if mode_on() and blocks % world == 0 else 0
+    if not mode_on():
+        return 0
+    # (A loop, not math.gcd: Dynamo traces it where the vocabulary's size is a symbol.)
+    step = 8 if vocab_size % 8 == 0 else 1
+    blocks = 8
+    while blocks > 1 and vocab_size % (step * blocks):
+        blocks //= 2
+    return blocks // world if blocks % world == 0 else 0
 
 
 def block_sum(sums: torch.Tensor, group) -> torch.Tensor:

@@ -130,7 +130,10 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
                  vocab_start: int, vocab_size: int, even: bool, entropy: bool = False,
                  smoothing: bool = False) -> torch.Tensor:
     """The row statistics of the whole vocabulary, (N, 5) float32 (float64 for float64 logits), identical on
-    every rank of ``tp_group``, from this rank's shard. Two collectives: MAX, then one SUM of 4 columns.
+    every rank of ``tp_group``, from this rank's shard. Two collectives: MAX, then one SUM of 4 columns (in the
+    batch-invariant mode, an all-gather of the 4 columns of each vocabulary block: batch_invariance.vocab_blocks).
+    Shards assumed even must be: there each rank takes its width for every rank's (checked with the host checks),
+    and in the mode ranks of different widths would gather blocks of different counts.
 
     With the host checks on, the MAX carries three more numbers: the widest shard, the narrowest (negated) —
     shards assumed even that are not are reported on every rank — and the failure flag."""
@@ -144,6 +147,11 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
         _check_labels(op, target, vocab_size)
         rows, labels = logits.detach(), target
         if blocks:
+            # (The op would name a block's row in its label error: the label's own is checked here.)
+            if checked and target.numel() and int(target.max()) >= vocab_size:
+                raise ValueError(f"{op}: target holds label {int(target.max())}, out of range for vocab_size "
+                                 f"{vocab_size}")
+            # (A shard that is a column slice of wider logits is copied by the reshape.)
             rows = rows.reshape(-1, block_width)
             shifted = target.reshape(-1, 1) - torch.arange(blocks, device=target.device) * block_width
             labels = torch.where(shifted >= 0, shifted, -100).reshape(-1)
@@ -171,11 +179,8 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
                              f"rl_losses.distributed.{op}")
         _raise_if_failed(op, "tp_group", failed > 0, error)
         global_max = global_max[:n_rows]
-    # A shard (block) whose values are all -inf has sums 0; guard its factor (exp(-inf - -inf) would be NaN). The
-    # exponential in float64, rounded: on the CPU ATen's vector loop and its scalar tail may round a float32 exp
-    # differently, and which one a value meets depends on its place in the batch.
-    gap = (block_max - global_max.unsqueeze(1)).double()
-    factor = torch.where(block_max == float("-inf"), 0.0, torch.exp(gap)).to(stats.dtype)
+    # A shard (block) whose values are all -inf has sums 0; guard its factor (exp(-inf - -inf) would be NaN).
+    factor = torch.where(block_max == float("-inf"), 0.0, torch.exp(block_max - global_max.unsqueeze(1)))
     # The sums weighted by exp(x − max) rescale to the global max; Σx and the label's logit add as they are.
     rescaled = ("sum_exp", "sum_exp_x")
     sums = torch.stack([stats[..., column(ROW_STATS, c)] * (factor if c in rescaled else 1) for c in ROW_STATS[1:]],
