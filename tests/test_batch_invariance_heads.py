@@ -1,0 +1,80 @@
+"""The batch-invariant mode for the ops beyond the log-prob family (docs/consistency.md): distillation (the three
+kinds), top-K distillation and the fused head (cross-entropy, z-loss, GRPO and distillation together) give each
+row's per-token results and gradient row the same bits whatever the batch around the row. Same harness and shapes
+as test_batch_invariance.py (the CUDA shapes: a part-empty last round of the cluster grid, several CTAs a row,
+rows off 16-byte boundaries).
+"""
+import pytest
+import torch
+
+import rl_losses
+from conftest import DEVICES
+from helpers import make_logits
+from helpers_invariance import assert_rows_equal, case_id, leaf, row_inputs, sub_batches
+
+SHAPES = {"cpu": [(37, 1001), (24, 512)], "cuda": [(1000, 32000), (300, 128256), (200, 50257)]}
+CASES = [(d, n, v) for d in DEVICES for n, v in SHAPES[d]]
+K = 16  # the sparse teacher's ids per row
+
+pytestmark = pytest.mark.usefixtures("batch_invariant_mode")
+
+
+def _teacher(logits):
+    # A teacher row for each student row: a function of that row alone, so that sub-batches select the same rows.
+    return (logits.float() * 0.7 + torch.cos(logits.float())).to(logits.dtype)
+
+
+def _sparse_teacher(logits):
+    top = _teacher(logits).float().topk(K, dim=-1)
+    return top.indices, torch.log_softmax(top.values, dim=-1)
+
+
+def distillation_rows(kind):
+    def rows(logits, r):
+        x = leaf(logits)
+        out = rl_losses.distillation_loss(x, _teacher(logits), kind=kind, divisor=1.0, temperature=1.5,
+                                          loss_mask=r["target"] >= 0)
+        out.loss.backward()
+        return {"divergence": out.divergence, "grad": x.grad}
+    return rows
+
+
+def topk_rows(logits, r):
+    x = leaf(logits)
+    ids, log_probs = _sparse_teacher(logits)
+    out = rl_losses.topk_distillation_loss(x, r["target"], ids, log_probs, tail="tail", divisor=1.0)
+    out.loss.backward()
+    return {"divergence": out.divergence, "student_mass": out.student_mass, "grad": x.grad}
+
+
+def fused_head_rows(logits, r):
+    x = leaf(logits)
+    out = rl_losses.fused_head_loss(x, r["target"], label_weight=1.0, label_divisor=1.0, z_loss_weight=1e-3,
+                                    z_loss_divisor=1.0, grpo_weight=0.5, advantages=r["adv"], old_log_probs=r["old"],
+                                    grpo_divisor=1.0, distillation_weight=0.3, teacher_logits=_teacher(logits),
+                                    distillation_divisor=1.0)
+    out.loss.backward()
+    return {"log_probs": out.log_probs, "grad": x.grad}
+
+
+ROW_OPS = {"forward_kl": distillation_rows("forward_kl"), "reverse_kl": distillation_rows("reverse_kl"),
+           "jsd": distillation_rows("jsd"), "topk_distillation": topk_rows, "fused_head": fused_head_rows}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", list(ROW_OPS))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_rows_do_not_depend_on_the_batch(case, op, dtype):
+    device, n, vocab = case
+    run = ROW_OPS[op]
+    logits = make_logits((n,), vocab, dtype, device)
+    r = row_inputs(n, vocab, device)
+    whole = run(logits, r)
+    for what, rows in sub_batches(n, device):
+        consecutive = bool((rows.diff() == 1).all()) if len(rows) > 1 else True
+        part = logits[rows[0]: rows[-1] + 1] if consecutive else logits[rows]
+        assert_rows_equal(run(part, {k: v[rows] for k, v in r.items()}), whole, rows, what)
+    other = make_logits((n // 2 + 3,), vocab, dtype, device)
+    r_other = row_inputs(len(other), vocab, device)
+    packed = run(torch.cat([other, logits]), {k: torch.cat([r_other[k], v]) for k, v in r.items()})
+    assert_rows_equal({k: v[len(other):] for k, v in packed.items()}, whole, torch.arange(n, device=device), "repacked")
