@@ -78,3 +78,36 @@ def test_rows_do_not_depend_on_the_batch(case, op, dtype):
     r_other = row_inputs(len(other), vocab, device)
     packed = run(torch.cat([other, logits]), {k: torch.cat([r_other[k], v]) for k, v in r.items()})
     assert_rows_equal({k: v[len(other):] for k, v in packed.items()}, whole, torch.arange(n, device=device), "repacked")
+
+
+def _dpo_rows(logits, target, lengths, pairs, ref):
+    """DPO over documents of ``lengths`` (rows in order): per-token log-probs and gradient rows, per-document sums."""
+    x = leaf(logits)
+    document_index = torch.repeat_interleave(torch.arange(len(lengths), device=logits.device), lengths)
+    out = rl_losses.dpo_loss(x, target, document_index, pairs, ref[:, 0], ref[:, 1], beta=0.1, divisor=1.0)
+    out.loss.backward()
+    return {"log_probs": out.log_probs, "grad": x.grad}, out.document_log_probs
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_dpo_pairs_do_not_depend_on_the_batch(case):
+    """DPO's unit is the pair of documents: a pair's tokens and sums have the same bits whatever the other pairs,
+    their order and the rows before it."""
+    device, n, vocab = case
+    n_pairs = max(2, n // 16)
+    lengths = torch.randint(3, 10, (2 * n_pairs,), device=device)
+    logits = make_logits((int(lengths.sum()),), vocab, torch.bfloat16, device)
+    target = row_inputs(len(logits), vocab, device)["target"]
+    pairs = torch.arange(2 * n_pairs, device=device).view(n_pairs, 2)
+    ref = -8 * torch.rand(n_pairs, 2, device=device)
+    whole, whole_docs = _dpo_rows(logits, target, lengths, pairs, ref)
+    starts = torch.cumsum(lengths, 0) - lengths
+    for what, chosen in (("pairs permuted", torch.randperm(n_pairs, device=device)),
+                         ("first pair dropped", torch.arange(1, n_pairs, device=device)),
+                         ("one pair", torch.tensor([n_pairs // 2], device=device))):
+        docs = pairs[chosen].reshape(-1)  # the pairs' documents, each pair's two side by side
+        rows = torch.cat([torch.arange(int(starts[d]), int(starts[d] + lengths[d]), device=device) for d in docs])
+        part, part_docs = _dpo_rows(logits[rows], target[rows], lengths[docs],
+                                    torch.arange(2 * len(chosen), device=device).view(-1, 2), ref[chosen])
+        assert_rows_equal(part, whole, rows, what)
+        assert_rows_equal({"document_log_probs": part_docs}, {"document_log_probs": whole_docs}, docs, what)
