@@ -48,8 +48,20 @@ def linear_cross_entropy_rows(hidden, weight, r, **layout):
     return {"loss": loss, "grad_hidden": h.grad}, w.grad
 
 
+def linear_topk_distillation_rows(hidden, weight, r, **layout):
+    # A sparse teacher of 8 ids a row, a function of the row's label (so that sub-batches select the same rows).
+    vocab = weight.shape[0]
+    ids = (r["target"].clamp_min(0)[:, None] * 7 + torch.arange(8, device=hidden.device) * 13) % vocab
+    h, w = leaf(hidden), leaf(weight)
+    out = rl_losses.linear_topk_distillation_loss(h, w, r["target"], ids, torch.log_softmax(torch.cos(ids.float()), -1),
+                                                  tail="tail", divisor=1.0, **layout)
+    out.loss.backward()
+    return {"divergence": out.divergence, "student_mass": out.student_mass, "grad_hidden": h.grad}, w.grad
+
+
 LINEAR_OPS = {"linear_token_log_probs": linear_token_log_probs_rows, "linear_grpo": linear_grpo_rows,
-              "linear_cross_entropy": linear_cross_entropy_rows}
+              "linear_cross_entropy": linear_cross_entropy_rows,
+              "linear_topk_distillation": linear_topk_distillation_rows}
 
 
 def layout_options(chunk_size, strategy, head_dtype="weight"):
