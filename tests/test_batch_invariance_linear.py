@@ -59,9 +59,21 @@ def linear_topk_distillation_rows(hidden, weight, r, **layout):
     return {"divergence": out.divergence, "student_mass": out.student_mass, "grad_hidden": h.grad}, w.grad
 
 
+def linear_distillation_rows(hidden, weight, r, chunk_size=None, strategy=None, head_dtype="weight"):
+    # Its own chunked GEMMs (no strategy or head_dtype); the teacher's row a function of the row's label.
+    if head_dtype != "weight":
+        pytest.skip("linear_distillation_loss computes the logits in the weight's dtype")
+    columns = torch.arange(weight.shape[0], device=hidden.device)
+    teacher = torch.cos(0.01 * columns * (r["target"].clamp_min(0)[:, None] + 1)).to(hidden.dtype)
+    h, w = leaf(hidden), leaf(weight)
+    rl_losses.linear_distillation_loss(h, w, teacher, kind="jsd", divisor=1.0, loss_mask=r["target"] >= 0,
+                                       **({} if chunk_size is None else {"chunk_size": chunk_size})).backward()
+    return {"grad_hidden": h.grad}, w.grad
+
+
 LINEAR_OPS = {"linear_token_log_probs": linear_token_log_probs_rows, "linear_grpo": linear_grpo_rows,
               "linear_cross_entropy": linear_cross_entropy_rows,
-              "linear_topk_distillation": linear_topk_distillation_rows}
+              "linear_topk_distillation": linear_topk_distillation_rows, "linear_distillation": linear_distillation_rows}
 
 
 def layout_options(chunk_size, strategy, head_dtype="weight"):

@@ -2,11 +2,13 @@
 vocabulary-parallel form (docs/distillation_dpo.md gives the math and the options)."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 
 from rl_losses import _schema
-from rl_losses.batch_invariance import group_sum
+from rl_losses.batch_invariance import group_sum, mode_on
 from rl_losses._checks_heads import DISTILL_KINDS
 from rl_losses._inputs import _direct, _options
 from rl_losses._schema import DISTILL_STATS, DISTILL_STUDENT_SUMS, column
@@ -113,6 +115,18 @@ def _accumulate_grad_weight(grad_w: torch.Tensor, grad: torch.Tensor, h: torch.T
         grad_w.addmm_(grad.t().to(grad_w.dtype), h.to(grad_w.dtype))
 
 
+_INVARIANT_ROWS = 1024
+
+
+def _padded_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with a's rows padded with zeros to _INVARIANT_ROWS (a GEMM of one shape whatever a's row count)."""
+    if a.shape[0] == _INVARIANT_ROWS:
+        return a @ b
+    padded = a.new_zeros(_INVARIANT_ROWS, a.shape[1])
+    padded[: a.shape[0]] = a
+    return (padded @ b)[: a.shape[0]]
+
+
 class _LinearDistillation(torch.autograd.Function):
     """Distillation of ``hidden @ weight.T`` computed a chunk of rows at a time: each chunk's logits and their
     gradient exist only while the chunk is processed, and turn at once into grad_hidden and grad_weight (fp32
@@ -129,15 +143,22 @@ class _LinearDistillation(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32 if weight.dtype != torch.float64 else weight.dtype,
                              device=weight.device) if need_w else None
         total = None
+        # In the batch-invariant mode every GEMM over rows takes _INVARIANT_ROWS rows (the last piece padded with
+        # zeros), as the fused lm_head's do: a GEMM library picks its kernel, and a row's order of additions, by the
+        # GEMM's shape, so a row's logits and grad_hidden would depend on how many rows share its chunk.
+        invariant = mode_on()
+        if invariant:
+            chunk_size = _INVARIANT_ROWS
+        matmul = _padded_matmul if invariant else torch.matmul
         for start in range(0, n, chunk_size):
             rows = slice(start, min(n, start + chunk_size))
-            logits = h[rows] @ weight.t()
+            logits = matmul(h[rows], weight.t())
             loss, _, grad = _ops._distillation_forward(
                 logits, teacher[rows], loss_mask=None if mask is None else mask[rows], divisor=divisor, row_stats=None,
                 jsd_sums=None, compute_grad=need_h or need_w, **options)
             total = loss if total is None else total + loss
             if need_h:
-                grad_h[rows] = grad @ weight
+                grad_h[rows] = matmul(grad, weight)
             if need_w:
                 _accumulate_grad_weight(grad_w, grad, h[rows])
         ctx.save_for_backward(grad_h.view(hidden.shape) if need_h else None,
@@ -174,6 +195,9 @@ def linear_distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher
 
 # Its options are distillation's, less inplace_backward; chunk_size is its own.
 _LINEAR_DROP = _HOOKS + ("inplace_backward",)
-linear_distillation_loss.__signature__ = _schema.signature(
-    "distillation", drop=_LINEAR_DROP, rename={"logits": "hidden"}, extra={"chunk_size": 4096})
+_signature = _schema.signature("distillation", drop=_LINEAR_DROP, rename={"logits": "hidden"},
+                               extra={"chunk_size": 4096})
+_weight = inspect.Parameter("weight", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.Tensor)
+linear_distillation_loss.__signature__ = _signature.replace(
+    parameters=[*list(_signature.parameters.values())[:1], _weight, *list(_signature.parameters.values())[1:]])
 _LINEAR_KEYWORDS = _schema.keywords("distillation", drop=_LINEAR_DROP)
