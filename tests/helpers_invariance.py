@@ -1,8 +1,13 @@
-"""What the batch-invariance tests share (test_batch_invariance*.py): their cases' ids, per-row inputs, the
-sub-batches a batch's rows are run in, and the bitwise comparison of rows."""
-import torch
+"""What the batch-invariance tests share (test_batch_invariance*.py, test_*_invariance.py): their cases' ids, per-row
+inputs, the sub-batches a batch's rows are run in, the bitwise comparison of rows, and the processes of a group."""
+import os
+import tempfile
 
-from helpers import make_target
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from helpers import make_logits, make_target
 
 
 def case_id(case):
@@ -55,3 +60,36 @@ def sub_batches(n, device):
     rows = lambda a, b: torch.arange(a, b, device=device)  # noqa: E731
     return [("permuted", perm), ("first row dropped", rows(1, n)), ("first part", rows(0, n // 3)),
             ("last part", rows(n // 3, n)), ("random half", half), ("one row", rows(n // 2, n // 2 + 1))]
+
+
+def assert_rows_invariant(run, logits, r):
+    """`run(logits, r)` (per-row results and gradient rows) gives each row the same bits in every sub-batch (a slice
+    where its rows are consecutive, so also at another alignment, else a gather) and re-packed after other rows."""
+    n, vocab, device = logits.shape[0], logits.shape[-1], logits.device
+    whole = run(logits, r)
+    for what, rows in sub_batches(n, device):
+        consecutive = bool((rows.diff() == 1).all()) if len(rows) > 1 else True
+        part = logits[rows[0]: rows[-1] + 1] if consecutive else logits[rows]
+        assert_rows_equal(run(part, {k: v[rows] for k, v in r.items()}), whole, rows, what)
+    other = make_logits((n // 2 + 3,), vocab, logits.dtype, device)
+    r_other = row_inputs(len(other), vocab, device)
+    packed = run(torch.cat([other, logits]), {k: torch.cat([r_other[k], v]) for k, v in r.items()})
+    assert_rows_equal({k: v[len(other):] for k, v in packed.items()}, whole, torch.arange(n, device=device), "repacked")
+
+
+def join_group(backend: str, rank: int, store: str, world: int) -> torch.device:
+    """In a process of run_ranks: joins the group of `world` ranks (gloo on CPU tensors, or nccl, a GPU per rank)."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    return device
+
+
+def run_ranks(worker, world: int) -> list:
+    """Runs worker(rank, store, out) in `world` spawned processes; each saves its results to f"{out}.{rank}"."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(worker, args=(os.path.join(d, "store"), os.path.join(d, "out")), nprocs=world,
+                           start_method="spawn")
+        return [torch.load(os.path.join(d, f"out.{r}")) for r in range(world)]

@@ -4,12 +4,12 @@ depends on a value's place in the message. Three gloo processes on CPU tensors (
 the same sum: a + b = b + a); RL_LOSSES_DIST_BACKEND=nccl runs them on CUDA tensors, one GPU per rank.
 """
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from helpers_invariance import join_group, run_ranks
 
 BACKEND = os.environ.get("RL_LOSSES_DIST_BACKEND", "gloo")
 pytestmark = pytest.mark.skipif(
@@ -29,11 +29,7 @@ def _inputs():
 def _worker(rank: int, store: str, out: str) -> None:
     import rl_losses
     from rl_losses.batch_invariance import group_sum
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    device = torch.device("cuda", rank) if BACKEND == "nccl" else torch.device("cpu")
-    if BACKEND == "nccl":
-        torch.cuda.set_device(device)
-    dist.init_process_group(BACKEND, init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    device = join_group(BACKEND, rank, store, WORLD)
     results = {}
     # Every rotation of three values whose sum depends on the order: rank r holds VALUES[(r + j) % 3] at j.
     values = (1.0, 1e8, -1e8)
@@ -58,10 +54,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks():
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(os.path.join(d, "store"), os.path.join(d, "out")), nprocs=WORLD,
-                           start_method="spawn")
-        return [torch.load(os.path.join(d, f"out.{r}")) for r in range(WORLD)]
+    return run_ranks(_worker, WORLD)
 
 
 def test_group_sum_adds_in_rank_order(ranks):

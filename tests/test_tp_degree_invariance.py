@@ -5,12 +5,12 @@ on CPU tensors, which form the groups of each degree; RL_LOSSES_DIST_BACKEND=ncc
 GPU per rank (degrees up to the GPUs present, at most 4).
 """
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from helpers_invariance import join_group, run_ranks
 
 BACKEND = os.environ.get("RL_LOSSES_DIST_BACKEND", "gloo")
 WORLD = (4 if torch.cuda.device_count() >= 4 else 2) if BACKEND == "nccl" else 4
@@ -34,11 +34,7 @@ def _inputs():
 
 def _worker(rank: int, store: str, out: str) -> None:
     import rl_losses
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    device = torch.device("cuda", rank) if BACKEND == "nccl" else torch.device("cpu")
-    if BACKEND == "nccl":
-        torch.cuda.set_device(device)
-    dist.init_process_group(BACKEND, init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    device = join_group(BACKEND, rank, store, WORLD)
     logits, target, advantages, old = (x.to(device) for x in _inputs())
     documents = torch.arange(N, device=device) // 8
     results = {}
@@ -81,10 +77,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks():
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(os.path.join(d, "store"), os.path.join(d, "out")), nprocs=WORLD,
-                           start_method="spawn")
-        return [torch.load(os.path.join(d, f"out.{r}")) for r in range(WORLD)]
+    return run_ranks(_worker, WORLD)
 
 
 def _whole(ranks, degree, name):
