@@ -1,6 +1,7 @@
 """The batch-invariant mode for the ops beyond the log-prob family (docs/consistency.md): distillation (the three
 kinds), top-K distillation and the fused head (cross-entropy, z-loss, GRPO and distillation together) give each
-row's per-token results and gradient row the same bits whatever the batch around the row. Same harness and shapes
+row's per-token results and gradient row the same bits whatever the batch around the row, and DPO each pair's.
+(The CPU's row loops hold this in either mode; the CUDA cases are where the mode tells.) Same harness and shapes
 as test_batch_invariance.py (the CUDA shapes: a part-empty last round of the cluster grid, several CTAs a row,
 rows off 16-byte boundaries).
 """
@@ -24,9 +25,11 @@ def _teacher(logits):
     return (logits.float() * 0.7 + torch.cos(logits.float())).to(logits.dtype)
 
 
-def _sparse_teacher(logits):
-    top = _teacher(logits).float().topk(K, dim=-1)
-    return top.indices, torch.log_softmax(top.values, dim=-1)
+def _sparse_teacher(target, vocab):
+    # K distinct ids a row and their log-probs, functions of the row's label (topk over tied values could order
+    # them differently in another batch).
+    ids = (target.clamp_min(0)[:, None] * 7 + torch.arange(K, device=target.device) * 13) % vocab
+    return ids, torch.log_softmax(torch.cos(ids.float()), dim=-1)
 
 
 def distillation_rows(kind):
@@ -41,7 +44,7 @@ def distillation_rows(kind):
 
 def topk_rows(logits, r):
     x = leaf(logits)
-    ids, log_probs = _sparse_teacher(logits)
+    ids, log_probs = _sparse_teacher(r["target"], logits.shape[-1])
     out = rl_losses.topk_distillation_loss(x, r["target"], ids, log_probs, tail="tail", divisor=1.0)
     out.loss.backward()
     return {"divergence": out.divergence, "student_mass": out.student_mass, "grad": x.grad}

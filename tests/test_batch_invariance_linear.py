@@ -14,7 +14,8 @@ from helpers_invariance import assert_rows_equal, case_id, leaf, row_inputs, sam
 
 # (rows, hidden size, vocabulary): odd sizes on the CPU (rows at every alignment); on CUDA a vocabulary whose
 # rows are 16-byte aligned and one whose rows are not.
-SHAPES = {"cpu": [(37, 48, 1001)], "cuda": [(1000, 256, 32000), (300, 128, 50257)]}
+# (1100 rows: GEMMs of several 1024-row pieces, the last padded.)
+SHAPES = {"cpu": [(37, 48, 1001), (1100, 16, 72)], "cuda": [(1000, 256, 32000), (300, 128, 50257)]}
 CASES = [(d, *shape) for d in DEVICES for shape in SHAPES[d]]
 # (dtype, head_dtype): the logits in the weight's dtype, or bf16 operands with fp32 logits.
 PRECISIONS = [(torch.float32, "weight"), (torch.bfloat16, "weight"), (torch.bfloat16, "float32")]

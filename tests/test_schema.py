@@ -134,3 +134,14 @@ def test_gspo_sums_columns():
     torch.testing.assert_close(sums[:, column(GSPO_SUMS, "log_ratio")], per_doc(lp - old))
     torch.testing.assert_close(sums[:, column(GSPO_SUMS, "advantage")], per_doc(adv))
     torch.testing.assert_close(sums[:, column(GSPO_SUMS, "count")], per_doc(torch.ones(6, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("fn", [fn for fns in WRAPPERS.values() for fn in fns], ids=lambda fn: fn.__qualname__)
+def test_documented_positional_parameters_are_the_functions_own(fn):
+    """A wrapper's documented signature (set from the schema) lists the positional parameters its code takes, in
+    its order: a tensor missing there is missing from help() too."""
+    code = inspect.unwrap(fn).__code__
+    own = list(code.co_varnames[:code.co_argcount])
+    documented = [name for name, p in inspect.signature(fn).parameters.items()
+                  if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert documented == own

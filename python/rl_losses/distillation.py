@@ -119,8 +119,9 @@ _INVARIANT_ROWS = 1024
 
 
 def _padded_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with a's rows padded with zeros to _INVARIANT_ROWS (a GEMM of one shape whatever a's row count)."""
-    if a.shape[0] == _INVARIANT_ROWS:
+    """a @ b with a's rows padded with zeros to _INVARIANT_ROWS (a GEMM of one shape whatever a's row count), from
+    contiguous rows on a 16-byte boundary (a GEMM library also picks its kernel by the operands' alignment)."""
+    if a.shape[0] == _INVARIANT_ROWS and a.is_contiguous() and a.data_ptr() % 16 == 0:
         return a @ b
     padded = a.new_zeros(_INVARIANT_ROWS, a.shape[1])
     padded[: a.shape[0]] = a
@@ -177,7 +178,8 @@ def linear_distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher
     """Distillation loss of the student's ``hidden @ weight.T`` against ``teacher_logits`` (see
     distillation_loss), chunk_size rows of student logits at a time: the student's (N, V) logits and their
     gradient are never materialised whole. Differentiable w.r.t. ``hidden`` (..., H) and ``weight`` (V, H).
-    The default divisor (the tokens of ``loss_mask``) is read on the host once."""
+    The default divisor (the tokens of ``loss_mask``) is read on the host once. In the batch-invariant mode the
+    chunks are of 1024 rows whatever ``chunk_size`` (docs/consistency.md)."""
     options = _options("linear_distillation_loss", options, _LINEAR_KEYWORDS)
     loss_mask, divisor = options.pop("loss_mask", None), options.pop("divisor", None)
     if chunk_size < 1:
