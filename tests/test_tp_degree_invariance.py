@@ -1,7 +1,7 @@
 """The batch-invariant mode across tensor-parallel degrees (docs/consistency.md, "Tensor parallelism"): a row's
-log-prob, entropy, loss terms and gradient have the same bits whether its vocabulary is held by 1, 2 or 4 ranks
-(rl_losses.batch_invariance.vocab_blocks: blocks the same at every degree, added as one tree). Four gloo processes
-on CPU tensors, which form the groups of each degree; RL_LOSSES_DIST_BACKEND=nccl runs them on CUDA tensors, one
+log-prob, entropy, loss terms and gradient (token_log_probs, cross-entropy, GRPO, GSPO, DPO, the fused head) have
+the same bits whether its vocabulary is held by 1, 2 or 4 ranks (rl_losses.batch_invariance.vocab_blocks: blocks the
+same at every degree, added as one tree). Four gloo processes on CPU tensors, which form the groups of each degree; RL_LOSSES_DIST_BACKEND=nccl runs them on CUDA tensors, one
 GPU per rank (four ranks where four GPUs are present, else two).
 """
 import os
@@ -32,6 +32,10 @@ def _inputs():
     return logits, target, torch.randn(N, generator=g), -3 * torch.rand(N, generator=g)
 
 
+PAIRS = torch.arange(N // 8).view(-1, 2)
+REF_DPO = -torch.arange(1.0, 1.0 + N // 8).view(-1, 2).t()  # the reference's chosen and rejected sums
+
+
 def _worker(rank: int, store: str, out: str) -> None:
     import rl_losses
     device = join_group(BACKEND, rank, store, WORLD)
@@ -49,6 +53,8 @@ def _worker(rank: int, store: str, out: str) -> None:
             x = shard[rows].contiguous().requires_grad_()
             y = shard[rows].contiguous().requires_grad_()
             z = shard[rows].contiguous().requires_grad_()
+            u = shard[rows].contiguous().requires_grad_()
+            w = shard[rows].contiguous().requires_grad_()
             with rl_losses.batch_invariant():
                 grpo = rl_losses.grpo_loss(x, target[rows], advantages[rows], old[rows], tp_group=group, divisor=1.0,
                                            compute_entropy=True)
@@ -61,8 +67,18 @@ def _worker(rank: int, store: str, out: str) -> None:
                 gspo.loss.backward()
                 log_probs, entropy = rl_losses.token_log_probs(shard[rows].contiguous(), target[rows],
                                                                compute_entropy=True, tp_group=group)
+                # DPO: documents 2d and 2d + 1 a pair (reordering the documents keeps the pairs).
+                dpo = rl_losses.dpo_loss(u, target[rows], documents[rows], PAIRS.to(device), *REF_DPO.to(device),
+                                         beta=0.1, divisor=1.0, tp_group=group)
+                dpo.loss.backward()
+                head = rl_losses.fused_head_loss(w, target[rows], label_weight=1.0, label_divisor=1.0,
+                                                 z_loss_weight=1e-3, z_loss_divisor=1.0, grpo_weight=0.5,
+                                                 advantages=advantages[rows], old_log_probs=old[rows], grpo_divisor=1.0,
+                                                 tp_group=group)
+                head.loss.backward()
             results[degree, name] = tuple(t.detach().cpu() for t in (
-                rows, grpo.log_probs, grpo.entropy, x.grad, ce, y.grad, log_probs, entropy, gspo.log_probs, z.grad))
+                rows, grpo.log_probs, grpo.entropy, x.grad, ce, y.grad, log_probs, entropy, gspo.log_probs, z.grad,
+                dpo.log_probs, u.grad, head.log_probs, w.grad))
     if BACKEND == "gloo":  # (the host checks are the CPU's; on CUDA a bad label is a device-side assert)
         bad = target.clone()
         bad[3] = V  # on one rank only: the others learn it through the flag in the MAX all-reduce
@@ -83,13 +99,14 @@ def ranks():
 def _whole(ranks, degree, name):
     """The first group's results at ``degree``, its gradient shards put side by side (rows in the run's order)."""
     rows, *results = ranks[0][degree, name]
-    for i in (2, 4, 8):  # the gradients
+    for i in (2, 4, 8, 10, 12):  # the gradients
         results[i] = torch.cat([ranks[r][degree, name][i + 1] for r in range(degree)], dim=1)
     return rows, results
 
 
 WHAT = ("grpo log_probs", "grpo entropy", "grpo gradient", "cross_entropy", "cross_entropy gradient",
-        "token_log_probs", "token_log_probs entropy", "gspo log_probs", "gspo gradient")
+        "token_log_probs", "token_log_probs entropy", "gspo log_probs", "gspo gradient", "dpo log_probs",
+        "dpo gradient", "fused_head log_probs", "fused_head gradient")
 
 
 @pytest.mark.parametrize("degree", DEGREES[1:])
@@ -129,7 +146,7 @@ def test_matches_the_float64_reference(ranks):
     ref_gspo = reference.gspo_loss(z, target, advantages.double(), old.double(), torch.arange(N) // 8, divisor=1.0)
     ref_gspo.loss.backward()
     for degree in DEGREES:
-        _, (lp, ent, grad, ce, ce_grad, tlp, tent, glp, ggrad) = _whole(ranks, degree, "all")
+        _, (lp, ent, grad, ce, ce_grad, tlp, tent, glp, ggrad, *_) = _whole(ranks, degree, "all")
         for got, want, what in ((lp, ref.log_probs, "log_probs"), (ent, ref.entropy, "entropy"), (grad, x.grad, "grad"),
                                 (ce, ref_ce, "cross_entropy"), (ce_grad, y.grad, "ce grad"), (tlp, ref_lp, "tlp"),
                                 (tent, ref_ent, "token entropy"), (glp, ref_gspo.log_probs, "gspo log_probs"),
