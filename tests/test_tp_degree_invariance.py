@@ -1,8 +1,9 @@
 """The batch-invariant mode across tensor-parallel degrees (docs/consistency.md, "Tensor parallelism"): a row's
-log-prob, entropy, loss terms and gradient (token_log_probs, cross-entropy, GRPO, GSPO, DPO, the fused head) have
-the same bits whether its vocabulary is held by 1, 2 or 4 ranks (rl_losses.batch_invariance.vocab_blocks: blocks the
-same at every degree, added as one tree). Four gloo processes on CPU tensors, which form the groups of each degree; RL_LOSSES_DIST_BACKEND=nccl runs them on CUDA tensors, one
-GPU per rank (four ranks where four GPUs are present, else two).
+log-prob, entropy, loss terms and gradient (token_log_probs, cross-entropy, GRPO, GSPO, DPO, the fused head,
+distillation) have the same bits whether its vocabulary is held by 1, 2 or 4 ranks
+(rl_losses.batch_invariance.vocab_blocks: blocks the same at every degree, added as one tree). Four gloo processes
+on CPU tensors, which form the groups of each degree; RL_LOSSES_DIST_BACKEND=nccl runs them on CUDA tensors, one GPU
+per rank (four ranks where four GPUs are present, else two).
 """
 import os
 
@@ -48,6 +49,7 @@ def _worker(rank: int, store: str, out: str) -> None:
         group, part = groups[rank // degree], rank % degree
         width = V // degree
         shard = logits[:, part * width:(part + 1) * width]
+        teacher = (0.5 * shard + torch.cos(shard)).contiguous()  # each column's teacher a function of the column
         reversed_documents = torch.arange(N, device=device).view(-1, 8).flip(0).reshape(-1)
         for name, rows in (("all", torch.arange(N, device=device)), ("reversed", reversed_documents)):
             x = shard[rows].contiguous().requires_grad_()
@@ -55,6 +57,7 @@ def _worker(rank: int, store: str, out: str) -> None:
             z = shard[rows].contiguous().requires_grad_()
             u = shard[rows].contiguous().requires_grad_()
             w = shard[rows].contiguous().requires_grad_()
+            students = {kind: shard[rows].contiguous().requires_grad_() for kind in ("forward_kl", "jsd")}
             with rl_losses.batch_invariant():
                 grpo = rl_losses.grpo_loss(x, target[rows], advantages[rows], old[rows], tp_group=group, divisor=1.0,
                                            compute_entropy=True)
@@ -76,9 +79,16 @@ def _worker(rank: int, store: str, out: str) -> None:
                                                  advantages=advantages[rows], old_log_probs=old[rows], grpo_divisor=1.0,
                                                  tp_group=group)
                 head.loss.backward()
+                distilled = {}
+                for kind, student in students.items():
+                    out_ = rl_losses.distillation_loss(student, teacher[rows], kind=kind, divisor=1.0,
+                                                       temperature=1.5, tp_group=group)
+                    out_.loss.backward()
+                    distilled[kind] = out_.divergence
             results[degree, name] = tuple(t.detach().cpu() for t in (
                 rows, grpo.log_probs, grpo.entropy, x.grad, ce, y.grad, log_probs, entropy, gspo.log_probs, z.grad,
-                dpo.log_probs, u.grad, head.log_probs, w.grad))
+                dpo.log_probs, u.grad, head.log_probs, w.grad, distilled["forward_kl"], students["forward_kl"].grad,
+                distilled["jsd"], students["jsd"].grad))
     if BACKEND == "gloo":  # (the host checks are the CPU's; on CUDA a bad label is a device-side assert)
         bad = target.clone()
         bad[3] = V  # on one rank only: the others learn it through the flag in the MAX all-reduce
@@ -99,14 +109,15 @@ def ranks():
 def _whole(ranks, degree, name):
     """The first group's results at ``degree``, its gradient shards put side by side (rows in the run's order)."""
     rows, *results = ranks[0][degree, name]
-    for i in (2, 4, 8, 10, 12):  # the gradients
+    for i in (2, 4, 8, 10, 12, 14, 16):  # the gradients
         results[i] = torch.cat([ranks[r][degree, name][i + 1] for r in range(degree)], dim=1)
     return rows, results
 
 
 WHAT = ("grpo log_probs", "grpo entropy", "grpo gradient", "cross_entropy", "cross_entropy gradient",
         "token_log_probs", "token_log_probs entropy", "gspo log_probs", "gspo gradient", "dpo log_probs",
-        "dpo gradient", "fused_head log_probs", "fused_head gradient")
+        "dpo gradient", "fused_head log_probs", "fused_head gradient", "forward_kl divergence", "forward_kl gradient",
+        "jsd divergence", "jsd gradient")
 
 
 @pytest.mark.parametrize("degree", DEGREES[1:])

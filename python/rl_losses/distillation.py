@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from rl_losses import _schema
-from rl_losses.batch_invariance import group_sum, mode_on
+from rl_losses.batch_invariance import block_sum, group_sum, mode_on, vocab_blocks
 from rl_losses._checks_heads import DISTILL_KINDS
 from rl_losses._inputs import _direct, _options
 from rl_losses._schema import DISTILL_STATS, DISTILL_STUDENT_SUMS, column
@@ -58,26 +58,44 @@ distillation_loss.__signature__ = _schema.signature("distillation", drop=_HOOKS,
 _KEYWORDS = _schema.keywords("distillation", drop=_HOOKS)
 
 
+def _distill_blocks(logits: torch.Tensor, tp_group) -> int:
+    # The batch-invariant mode's vocabulary blocks a rank reduces (batch_invariance.vocab_blocks; shards even).
+    world = dist.get_world_size(tp_group)
+    return vocab_blocks(logits.shape[-1] * world, world)
+
+
+def _rows(t: torch.Tensor, blocks: int) -> torch.Tensor:
+    # Each block a row of its own for the statistics ops (all of the shard a row where blocks is 0).
+    return t.detach().reshape(-1, t.shape[-1] // blocks) if blocks else t.detach()
+
+
 def tp_distillation_stats(logits: torch.Tensor, teacher_logits: torch.Tensor, tp_group, **options) -> torch.Tensor:
     """The (N, 7) statistics of both softmaxes over the whole vocabulary (rl_losses._schema.DISTILL_STATS), identical
     on every rank of ``tp_group``: this shard's, then an all-reduce MAX of the two maxima and one SUM of the five
-    sums, each rescaled to the global maximum of its side first. ``options``: distillation_stats'
-    (temperature, logits_scale_factor)."""
-    stats = _ops.distillation_stats(logits.detach(), teacher_logits.detach(), **options).reshape(-1, len(DISTILL_STATS))
+    sums, each rescaled to the global maximum of its side first. In the batch-invariant mode, over the vocabulary
+    blocks (batch_invariance.vocab_blocks: the shards must be even there), gathered and added as one tree, so that
+    the degree changes no bit. ``options``: distillation_stats' (temperature, logits_scale_factor)."""
+    blocks = _distill_blocks(logits, tp_group)
+    stats = _ops.distillation_stats(_rows(logits, blocks), _rows(teacher_logits, blocks), **options)
+    stats = stats.reshape(-1, max(blocks, 1), len(DISTILL_STATS))
     maxima = [column(DISTILL_STATS, "ms"), column(DISTILL_STATS, "mt")]
-    local_max = stats[:, maxima].contiguous()
-    global_max = local_max.clone()
+    block_max = stats[..., maxima]
+    global_max = block_max.amax(dim=1) if blocks else block_max[:, 0].clone()  # (the collective writes into it)
     if global_max.numel():
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-    # A shard whose values on one side are all -inf has sums 0 there; guard its factor (-inf - -inf is NaN).
-    factor = torch.where(local_max == float("-inf"), 0.0, torch.exp(local_max - global_max))
+    # A shard (block) whose values on one side are all -inf has sums 0 there; guard its factor (-inf - -inf is NaN).
+    factor = torch.where(block_max == float("-inf"), 0.0, torch.exp(block_max - global_max.unsqueeze(1)))
     sums = [k for k in range(len(DISTILL_STATS)) if k not in maxima]
     # Each sum rescales with the max of its exponent's side: the student's or the teacher's.
     side = [0 if DISTILL_STATS[k] in DISTILL_STUDENT_SUMS else 1 for k in sums]
-    summed = stats[:, sums] * factor[:, side]
-    if summed.numel():
-        group_sum(summed, tp_group)
-    out = torch.empty_like(stats)
+    summed = stats[..., sums] * factor[..., side]
+    if not summed.numel():
+        summed = summed[:, 0]
+    elif blocks:
+        summed = block_sum(summed, tp_group)
+    else:
+        summed = group_sum(summed[:, 0], tp_group)
+    out = stats.new_empty(stats.shape[0], len(DISTILL_STATS))
     out[:, maxima] = global_max
     out[:, sums] = summed
     return out
@@ -94,10 +112,16 @@ def _distillation_tp(logits, teacher_logits, tp_group, options) -> DistillationO
     stats = tp_distillation_stats(logits, teacher_logits, tp_group, **softmax)
     jsd_sums = None
     if kind == "jsd" and 0.0 < beta < 1.0:
-        jsd_sums = _ops.distillation_jsd_sums(logits.detach(), teacher_logits.detach(), stats, beta=beta,
-                                              **softmax).reshape(-1, 2).clone()
-        if jsd_sums.numel():
-            group_sum(jsd_sums, tp_group)
+        blocks = _distill_blocks(logits, tp_group)
+        jsd_sums = _ops.distillation_jsd_sums(_rows(logits, blocks), _rows(teacher_logits, blocks),
+                                              stats.repeat_interleave(max(blocks, 1), dim=0), beta=beta, **softmax)
+        jsd_sums = jsd_sums.reshape(-1, max(blocks, 1), 2)
+        if not jsd_sums.numel():
+            jsd_sums = jsd_sums[:, 0]
+        elif blocks:
+            jsd_sums = block_sum(jsd_sums, tp_group)
+        else:
+            jsd_sums = group_sum(jsd_sums[:, 0].clone(), tp_group)
     return DistillationOutput(*_ops.distillation(logits, teacher_logits, row_stats=stats, jsd_sums=jsd_sums,
                                                  **options))
 
