@@ -110,3 +110,11 @@ def is_batch_invariant() -> bool:
     """Whether the ops now run batch-invariant: inside ``batch_invariant()`` or under
     ``torch.use_deterministic_algorithms(True)``."""
     return _ops._batch_invariant()
+
+
+def shard_sum(sums: torch.Tensor, group, blocks: int) -> torch.Tensor:
+    """(rows, k): the group's sum of each rank's (rows, max(blocks, 1), k) sums, over its vocabulary blocks in the
+    mode (block_sum; `blocks` from vocab_blocks), else of its shard's (group_sum, in place)."""
+    if not sums.numel():
+        return sums[:, 0]
+    return block_sum(sums, group) if blocks else group_sum(sums[:, 0], group)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from rl_losses import _schema
-from rl_losses.batch_invariance import block_sum, group_sum, mode_on, vocab_blocks
+from rl_losses.batch_invariance import mode_on, shard_sum, vocab_blocks
 from rl_losses._checks_heads import DISTILL_KINDS
 from rl_losses._inputs import _direct, _options
 from rl_losses._schema import DISTILL_STATS, DISTILL_STUDENT_SUMS, column
@@ -88,13 +88,7 @@ def tp_distillation_stats(logits: torch.Tensor, teacher_logits: torch.Tensor, tp
     sums = [k for k in range(len(DISTILL_STATS)) if k not in maxima]
     # Each sum rescales with the max of its exponent's side: the student's or the teacher's.
     side = [0 if DISTILL_STATS[k] in DISTILL_STUDENT_SUMS else 1 for k in sums]
-    summed = stats[..., sums] * factor[..., side]
-    if not summed.numel():
-        summed = summed[:, 0]
-    elif blocks:
-        summed = block_sum(summed, tp_group)
-    else:
-        summed = group_sum(summed[:, 0], tp_group)
+    summed = shard_sum(stats[..., sums] * factor[..., side], tp_group, blocks)
     out = stats.new_empty(stats.shape[0], len(DISTILL_STATS))
     out[:, maxima] = global_max
     out[:, sums] = summed
@@ -114,14 +108,10 @@ def _distillation_tp(logits, teacher_logits, tp_group, options) -> DistillationO
     if kind == "jsd" and 0.0 < beta < 1.0:
         blocks = _distill_blocks(logits, tp_group)
         jsd_sums = _ops.distillation_jsd_sums(_rows(logits, blocks), _rows(teacher_logits, blocks),
-                                              stats.repeat_interleave(max(blocks, 1), dim=0), beta=beta, **softmax)
-        jsd_sums = jsd_sums.reshape(-1, max(blocks, 1), 2)
-        if not jsd_sums.numel():
-            jsd_sums = jsd_sums[:, 0]
-        elif blocks:
-            jsd_sums = block_sum(jsd_sums, tp_group)
-        else:
-            jsd_sums = group_sum(jsd_sums[:, 0].clone(), tp_group)
+                                              stats.repeat_interleave(blocks, dim=0) if blocks else stats, beta=beta,
+                                              **softmax)
+        jsd_sums = jsd_sums.reshape(-1, blocks, 2) if blocks else jsd_sums.reshape(-1, 1, 2).clone()
+        jsd_sums = shard_sum(jsd_sums, tp_group, blocks)
     return DistillationOutput(*_ops.distillation(logits, teacher_logits, row_stats=stats, jsd_sums=jsd_sums,
                                                  **options))
 

@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 
 from rl_losses import _schema
-from rl_losses.batch_invariance import block_sum, group_sum, vocab_blocks
+from rl_losses.batch_invariance import group_sum, shard_sum, vocab_blocks
 from rl_losses._inputs import _check_inputs_enabled, _check_labels, _options, policy_output
 from rl_losses._schema import GSPO_SUMS, ROW_STATS, column
 from rl_losses.outputs import PolicyLossOutput
@@ -185,12 +185,7 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
     rescaled = ("sum_exp", "sum_exp_x")
     sums = torch.stack([stats[..., column(ROW_STATS, c)] * (factor if c in rescaled else 1) for c in ROW_STATS[1:]],
                        dim=2)
-    if not sums.numel():
-        sums = sums[:, 0]
-    elif blocks:
-        sums = block_sum(sums, tp_group)
-    else:
-        sums = group_sum(sums[:, 0], tp_group)
+    sums = shard_sum(sums, tp_group, blocks)
     return torch.cat([global_max.unsqueeze(1), sums], dim=1)
 
 
