@@ -50,6 +50,8 @@ def _worker(rank: int, store: str, out: str) -> None:
         width = V // degree
         shard = logits[:, part * width:(part + 1) * width]
         teacher = (0.5 * shard + torch.cos(shard)).contiguous()  # each column's teacher a function of the column
+        columns = torch.arange(part * width, (part + 1) * width, device=device)
+        sparse = torch.where((columns < BLOCK) | (columns // BLOCK == 5), teacher, float("-inf"))
         reversed_documents = torch.arange(N, device=device).view(-1, 8).flip(0).reshape(-1)
         for name, rows in (("all", torch.arange(N, device=device)), ("reversed", reversed_documents)):
             x = shard[rows].contiguous().requires_grad_()
@@ -57,7 +59,7 @@ def _worker(rank: int, store: str, out: str) -> None:
             z = shard[rows].contiguous().requires_grad_()
             u = shard[rows].contiguous().requires_grad_()
             w = shard[rows].contiguous().requires_grad_()
-            students = {kind: shard[rows].contiguous().requires_grad_() for kind in ("forward_kl", "jsd")}
+            students = {kind: shard[rows].contiguous().requires_grad_() for kind in ("forward_kl", "jsd", "sparse")}
             with rl_losses.batch_invariant():
                 grpo = rl_losses.grpo_loss(x, target[rows], advantages[rows], old[rows], tp_group=group, divisor=1.0,
                                            compute_entropy=True)
@@ -81,14 +83,16 @@ def _worker(rank: int, store: str, out: str) -> None:
                 head.loss.backward()
                 distilled = {}
                 for kind, student in students.items():
-                    out_ = rl_losses.distillation_loss(student, teacher[rows], kind=kind, divisor=1.0,
-                                                       temperature=1.5, tp_group=group)
+                    # "sparse": a teacher of -inf outside its top columns, whole blocks of it (-inf - -inf is NaN).
+                    out_ = rl_losses.distillation_loss(
+                        student, sparse[rows] if kind == "sparse" else teacher[rows],
+                        kind="forward_kl" if kind == "sparse" else kind, divisor=1.0, temperature=1.5, tp_group=group)
                     out_.loss.backward()
                     distilled[kind] = out_.divergence
             results[degree, name] = tuple(t.detach().cpu() for t in (
                 rows, grpo.log_probs, grpo.entropy, x.grad, ce, y.grad, log_probs, entropy, gspo.log_probs, z.grad,
                 dpo.log_probs, u.grad, head.log_probs, w.grad, distilled["forward_kl"], students["forward_kl"].grad,
-                distilled["jsd"], students["jsd"].grad))
+                distilled["jsd"], students["jsd"].grad, distilled["sparse"], students["sparse"].grad))
     if BACKEND == "gloo":  # (the host checks are the CPU's; on CUDA a bad label is a device-side assert)
         bad = target.clone()
         bad[3] = V  # on one rank only: the others learn it through the flag in the MAX all-reduce
@@ -97,6 +101,13 @@ def _worker(rank: int, store: str, out: str) -> None:
                 rl_losses.token_log_probs(shard.contiguous(), bad if rank == 1 else target, tp_group=group)
         except ValueError as e:
             results["error"] = str(e)
+        starts = [0, 300, 672, 1000, V]  # uneven shards, which the mode refuses on every rank
+        uneven = logits[:, starts[rank]:starts[rank + 1]].contiguous()
+        try:
+            with rl_losses.batch_invariant():
+                rl_losses.distillation_loss(uneven, uneven.cos(), tp_group=dist.group.WORLD)
+        except ValueError as e:
+            results["uneven"] = str(e)
     torch.save(results, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -109,7 +120,7 @@ def ranks():
 def _whole(ranks, degree, name):
     """The first group's results at ``degree``, its gradient shards put side by side (rows in the run's order)."""
     rows, *results = ranks[0][degree, name]
-    for i in (2, 4, 8, 10, 12, 14, 16):  # the gradients
+    for i in (2, 4, 8, 10, 12, 14, 16, 18):  # the gradients
         results[i] = torch.cat([ranks[r][degree, name][i + 1] for r in range(degree)], dim=1)
     return rows, results
 
@@ -117,7 +128,7 @@ def _whole(ranks, degree, name):
 WHAT = ("grpo log_probs", "grpo entropy", "grpo gradient", "cross_entropy", "cross_entropy gradient",
         "token_log_probs", "token_log_probs entropy", "gspo log_probs", "gspo gradient", "dpo log_probs",
         "dpo gradient", "fused_head log_probs", "fused_head gradient", "forward_kl divergence", "forward_kl gradient",
-        "jsd divergence", "jsd gradient")
+        "jsd divergence", "jsd gradient", "sparse teacher divergence", "sparse teacher gradient")
 
 
 @pytest.mark.parametrize("degree", DEGREES[1:])
@@ -173,6 +184,20 @@ def test_a_bad_label_fails_every_rank(ranks):
     assert ranks[1]["error"] == f"token_log_probs: target holds label {V}, out of range for vocab_size {V}"
     for r in (0, 2, 3):
         assert "another rank of tp_group failed" in ranks[r]["error"]
+
+
+@pytest.mark.skipif(BACKEND != "gloo", reason="the host checks run on CPU tensors")
+def test_distillation_refuses_uneven_shards_in_the_mode(ranks):
+    """Each rank would count its blocks from its own width: every rank raises, none waits in a collective."""
+    for r in range(WORLD):
+        assert ranks[r]["uneven"] == ("distillation_loss: in the batch-invariant mode the vocabulary shards of "
+                                      "tp_group must be even (from 300 to 372 columns)")
+
+
+def test_sparse_teacher_is_finite(ranks):
+    """Blocks where the teacher is -inf throughout add nothing (their own sums are NaN)."""
+    _, results = _whole(ranks, 1, "all")
+    assert torch.isfinite(results[17]).all() and torch.isfinite(results[18]).all()
 
 
 def test_blocks():
