@@ -50,6 +50,12 @@ def _check_labels(name: str, target: torch.Tensor, vocab_size: int | None) -> No
     # shape error. It reads a value on the host, so it is skipped inside a compiled graph.
     if (target.is_cuda and vocab_size is not None and target.numel() > 0 and _check_inputs_enabled()
             and not torch.compiler.is_compiling()):
+        _check_label_range(name, target, vocab_size)
+
+
+def _check_label_range(name: str, target: torch.Tensor, vocab_size: int) -> None:
+    # The range check itself, for callers that decided it runs (it reads the largest label on the host).
+    if target.numel():
         high = int(target.max())
         if high >= vocab_size:
             raise ValueError(f"{name}: target holds label {high}, out of range for vocab_size {vocab_size}")

@@ -11,7 +11,7 @@ from rl_losses import _schema
 from rl_losses.batch_invariance import mode_on, shard_sum, vocab_blocks
 from rl_losses._checks_heads import DISTILL_KINDS
 from rl_losses._inputs import _direct, _options
-from rl_losses.distributed import _host_checks
+from rl_losses.distributed import _host_checks, group_max
 from rl_losses._schema import DISTILL_STATS, DISTILL_STUDENT_SUMS, column
 from rl_losses.outputs import DistillationOutput
 
@@ -81,21 +81,16 @@ def tp_distillation_stats(logits: torch.Tensor, teacher_logits: torch.Tensor, tp
     stats = stats.reshape(-1, max(blocks, 1), len(DISTILL_STATS))
     maxima = [column(DISTILL_STATS, "ms"), column(DISTILL_STATS, "mt")]
     block_max = stats[..., maxima]
-    global_max = block_max.amax(dim=1) if blocks else block_max[:, 0].clone()  # (the collective writes into it)
     # In the mode each rank counts its blocks from its own width: shards of different widths would gather different
     # counts. With the host checks on, the MAX carries the widest and the narrowest shard, and every rank refuses
     # uneven shards (outside the mode they are taken).
     checked = mode_on() and _host_checks(logits)
     width = float(logits.shape[-1])
-    buffer = torch.cat([global_max, global_max.new_tensor([[width, -width]])]) if checked else global_max
-    if buffer.numel():
-        dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=tp_group)
-    if checked:
-        widest, narrowest = buffer[-1].tolist()
-        if widest != -narrowest:
-            raise ValueError(f"distillation_loss: in the batch-invariant mode the vocabulary shards of tp_group must "
-                             f"be even (from {int(-narrowest)} to {int(widest)} columns)")
-        global_max = buffer[:-1]
+    global_max, extras = group_max(block_max.amax(dim=1) if blocks else block_max[:, 0], tp_group,
+                                   [width, -width] if checked else None)
+    if checked and extras[0] != -extras[1]:
+        raise ValueError(f"distillation_loss: in the batch-invariant mode the vocabulary shards of tp_group must "
+                         f"be even (from {int(-extras[1])} to {int(extras[0])} columns)")
     # A shard (block) whose values on one side are all -inf has sums 0 there (its own are NaN: -inf - -inf).
     factor = torch.where(block_max == float("-inf"), 0.0, torch.exp(block_max - global_max.unsqueeze(1)))
     sums = [k for k in range(len(DISTILL_STATS)) if k not in maxima]

@@ -73,7 +73,7 @@ import torch.distributed as dist
 
 from rl_losses import _schema
 from rl_losses.batch_invariance import group_sum, shard_sum, vocab_blocks
-from rl_losses._inputs import _check_inputs_enabled, _check_labels, _options, policy_output
+from rl_losses._inputs import _check_inputs_enabled, _check_label_range, _check_labels, _options, policy_output
 from rl_losses._schema import GSPO_SUMS, ROW_STATS, column
 from rl_losses.outputs import PolicyLossOutput
 
@@ -126,6 +126,22 @@ def _vocab_shard(op: str, logits: torch.Tensor, tp_group, vocab_start, vocab_siz
     return rank * width, world * width, True
 
 
+def group_max(local_max: torch.Tensor, tp_group, extras: list[float] | None = None):
+    """The MAX over tp_group of ``local_max`` (a new tensor: the collective writes into it) and of ``extras``, host
+    numbers riding in the same all-reduce (the shard widths, a failure flag): (global max, the extras' maxima as a
+    list, or None)."""
+    if extras is None:
+        buffer = local_max.clone()
+    else:
+        buffer = torch.cat([local_max.reshape(-1), local_max.new_tensor(extras)])
+    if buffer.numel():  # (every rank of the group holds the same rows: all skip, or none)
+        dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=tp_group)
+    if extras is None:
+        return buffer, None
+    n = local_max.numel()
+    return buffer[:n].view(local_max.shape), buffer[n:].tolist()
+
+
 def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, *, logits_scale_factor: float,
                  vocab_start: int, vocab_size: int, even: bool, entropy: bool = False,
                  smoothing: bool = False) -> torch.Tensor:
@@ -147,10 +163,8 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
         _check_labels(op, target, vocab_size)
         rows, labels = logits.detach(), target
         if blocks:
-            # (The op would name a block's row in its label error: the label's own is checked here.)
-            if checked and target.numel() and int(target.max()) >= vocab_size:
-                raise ValueError(f"{op}: target holds label {int(target.max())}, out of range for vocab_size "
-                                 f"{vocab_size}")
+            if checked:  # (the op would name a block's row in its label error: the label's own is checked here)
+                _check_label_range(op, target, vocab_size)
             # (A shard that is a column slice of wider logits is copied by the reshape.)
             rows = rows.reshape(-1, block_width)
             shifted = target.reshape(-1, 1) - torch.arange(blocks, device=target.device) * block_width
@@ -161,24 +175,17 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
     except (RuntimeError, ValueError) as e:
         error = _caught(e, checked)
         stats = torch.zeros(target.numel(), max(blocks, 1), _STATS, dtype=_acc(logits.dtype), device=logits.device)
-    n_rows = stats.shape[0]
     block_max = stats[..., column(ROW_STATS, "max")]
     local_max = block_max.amax(dim=1) if blocks else block_max[:, 0]
+    width = float(logits.shape[-1])
+    global_max, extras = group_max(local_max, tp_group, [width, -width, float(error is not None)] if checked else None)
     if checked:
-        width = float(logits.shape[-1])
-        global_max = torch.cat([local_max, local_max.new_tensor([width, -width, float(error is not None)])])
-    else:
-        global_max = local_max.clone()  # contiguous, and the collective writes into it
-    if global_max.numel():  # (every rank of the group holds the same rows: all skip, or none)
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-    if checked:
-        widest, narrowest, failed = global_max[n_rows:].tolist()
+        widest, narrowest, failed = extras
         if even and widest != -narrowest:
             raise ValueError(f"{op}: the vocabulary shards of tp_group are uneven (from {int(-narrowest)} to "
                              f"{int(widest)} columns); pass this rank's vocab_start and the global vocab_size to "
                              f"rl_losses.distributed.{op}")
         _raise_if_failed(op, "tp_group", failed > 0, error)
-        global_max = global_max[:n_rows]
     # A shard (block) whose values are all -inf has sums 0; guard its factor (exp(-inf - -inf) would be NaN).
     factor = torch.where(block_max == float("-inf"), 0.0, torch.exp(block_max - global_max.unsqueeze(1)))
     # The sums weighted by exp(x − max) rescale to the global max; Σx and the label's logit add as they are.
