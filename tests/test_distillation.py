@@ -93,6 +93,17 @@ def test_jsd_betas(beta, device):
     check(logits, teacher, kind="jsd", beta=beta, loss_mask=mask)
 
 
+@pytest.mark.parametrize("vocab", [769, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
+def test_jsd_tiny_probabilities(vocab, dtype, device):
+    """Logits spread so far that P and Q are both below ~2^-126 on many tokens: log M is taken by log-add-exp there,
+    where M = β·P + (1−β)·Q is subnormal (flushed to 0 by the GPU's log: log Q − log M would be infinite)."""
+    logits, teacher, _ = make_inputs((16,), vocab, dtype, device, std=40.0)
+    # Logits up to ~200 in magnitude: fp32 rounds x − log Σ to ~2^-16 there, more than the default tolerance.
+    out, grad = check(logits, teacher, kind="jsd", beta=0.5, scale=16.0)
+    assert torch.isfinite(out.divergence).all() and torch.isfinite(grad).all()
+
+
 @pytest.mark.parametrize("teacher_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
 def test_teacher_dtypes(dtype, teacher_dtype, device):

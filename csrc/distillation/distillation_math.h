@@ -127,8 +127,11 @@ struct DistillOptions {
   T log_beta, log_one_minus_beta;
 };
 
-// JSD's per-element pieces from log Q and log P: log M by log-add-exp (no underflow of M where P and Q are
-// tiny), the element's loss term and Q·(log Q − log M), whose row sum S is the gradient's row constant.
+// JSD's per-element pieces from log Q and log P: the element's loss term and Q·(log Q − log M), whose row sum S is
+// the gradient's row constant. log M is the logarithm of M = β·P + (1−β)·Q itself where M is a normal number (three
+// special-function operations an element: P, Q, log M; the per-element math is what the CUDA passes spend their
+// time on), and by log-add-exp below that, where P and Q are both tiny (log-probabilities under about −87) and M
+// would have lost its bits.
 template <typename T>
 struct JsdTerms {
   T loss;         // β·P(log P − log M) + (1−β)·Q(log Q − log M)
@@ -138,12 +141,18 @@ struct JsdTerms {
 };
 
 template <typename T>
-C10_HOST_DEVICE inline JsdTerms<T> jsd_terms(const DistillOptions<T>& o, T log_q, T log_p) {
+C10_HOST_DEVICE inline T jsd_log_m_small(const DistillOptions<T>& o, T log_q, T log_p) {
   const T a = o.log_beta + log_p, b = o.log_one_minus_beta + log_q;
   const T hi = a > b ? a : b, lo = a > b ? b : a;
   // hi == −inf: P = Q = 0 here, the element adds nothing (and −inf − −inf would be a NaN).
-  const T log_m = hi == neg_inf<T>() ? neg_inf<T>() : hi + log1p_unit(exp_nonpos(lo - hi));
+  return hi == neg_inf<T>() ? neg_inf<T>() : hi + log1p_unit(exp_nonpos(lo - hi));
+}
+
+template <typename T>
+C10_HOST_DEVICE inline JsdTerms<T> jsd_terms(const DistillOptions<T>& o, T log_q, T log_p) {
   const T p = exp_nonpos(log_p), q = exp_nonpos(log_q);  // log-probabilities: <= 0
+  const T m = o.beta * p + (T(1) - o.beta) * q;
+  const T log_m = m >= std::numeric_limits<T>::min() ? log_normal(m) : jsd_log_m_small(o, log_q, log_p);
   const T lq = q > T(0) ? log_q - log_m : T(0), lp = p > T(0) ? log_p - log_m : T(0);
   return {o.beta * p * lp + (T(1) - o.beta) * q * lq, q * lq, lq, q};
 }
