@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import rl_losses
+from rl_losses._schema import ROW_STATS
 from conftest import DEVICES
 from helpers import make_logits
 from helpers_invariance import assert_rows_equal, assert_rows_invariant, case_id, leaf, row_inputs
@@ -103,3 +104,37 @@ def test_dpo_pairs_do_not_depend_on_the_batch(case):
                                     torch.arange(2 * len(chosen), device=device).view(-1, 2), ref[chosen])
         assert_rows_equal(part, whole, rows, what)
         assert_rows_equal({"document_log_probs": part_docs}, {"document_log_probs": whole_docs}, docs, what)
+
+
+# `row_stats` in the mode (the tensor-parallel ops' statistics, each vocabulary block a row of its own): on CUDA rows of
+# up to 32768 columns one warp each (cuda/warp_stats.cuh; 4003: the partial last vector and an aligned copy), wider
+# ones (32776) the row pass's kernel.
+STATS_SHAPES = {"cpu": [(37, 1001)], "cuda": [(700, 4000), (300, 16032), (120, 32768), (100, 4003), (80, 32776)]}
+STATS_CASES = [(d, n, v) for d in DEVICES for n, v in STATS_SHAPES[d]]
+
+
+def _row_stats(logits, target, flags):
+    stats = torch.ops.rl_losses.row_stats(logits, target, logits_scale_factor=0.8, entropy=flags, smoothing=flags)
+    return stats.reshape(len(logits), len(ROW_STATS))
+
+
+@pytest.mark.parametrize("flags", [False, True], ids=["plain", "entropy+smoothing"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", STATS_CASES, ids=case_id)
+def test_row_stats_rows_and_values(case, dtype, flags):
+    device, n, vocab = case
+    logits, r = make_logits((n,), vocab, dtype, device), row_inputs(n, vocab, device)
+    assert_rows_invariant(lambda x, rr: {"stats": _row_stats(x, rr["target"], flags)}, logits, r)
+    got, target = _row_stats(logits, r["target"], flags).double(), r["target"]
+    x = 0.8 * logits.double()
+    m = x.max(dim=-1).values
+    e = torch.exp(x - m[:, None])
+    label = torch.where(target >= 0, x.gather(1, target.clamp_min(0)[:, None])[:, 0], 0.0)
+    expected = {"max": (m, m.abs()), "sum_exp": (e.sum(-1), e.sum(-1)), "label_logit": (label, label.abs())}
+    if flags:
+        expected["sum_exp_x"] = ((e * x).sum(-1), (e * x.abs()).sum(-1))
+        expected["sum_x"] = (x.sum(-1), x.abs().sum(-1))
+    for column, (value, magnitude) in expected.items():
+        i = ROW_STATS.index(column)
+        err = (got[:, i] - value).abs().max().item()
+        assert err <= 1e-5 * magnitude.max().item() + 1e-30, (column, err)

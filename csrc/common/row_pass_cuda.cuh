@@ -136,16 +136,21 @@ void launch_row_pass(const RowPassArgs& args, const Epilogue& epi) {
 // all start on 16-byte boundaries read from an aligned copy (row_pass_kernel reads a row's unaligned head element by
 // element, so the order would follow the row's address). The gradient is written where `args` says: it is
 // element-wise, the same from either copy.
-template <typename Epi>
-RowPassArgs batch_invariant_pass(const RowPassArgs& args) {
-  RowPassArgs a = args;
-  if (!a.compute_stats()) return a;
+// `a`'s logits read from a copy whose rows start on 16-byte boundaries, where some do not.
+inline void align_rows(RowPassArgs& a) {
   const int64_t elem = a.logits.element_size(), vocab = a.logits.size(1);
   if (reinterpret_cast<uintptr_t>(a.logits.const_data_ptr()) % 16 != 0 || a.logits.stride(0) * elem % 16 != 0) {
     const int64_t per_vec = 16 / elem, cols = (vocab + per_vec - 1) / per_vec * per_vec;
     at::Tensor aligned = at::empty({a.logits.size(0), cols}, a.logits.options()).narrow(1, 0, vocab);
     a.logits = aligned.copy_(a.logits);
   }
+}
+
+template <typename Epi>
+RowPassArgs batch_invariant_pass(const RowPassArgs& args) {
+  RowPassArgs a = args;
+  if (!a.compute_stats()) return a;
+  align_rows(a);
   // The cluster kernel (a fused pass) and cluster_order_stats_kernel (a statistics-only pass) take the sums' chunk
   // from the epilogue in this mode (launch_row_cluster, launch_cluster_order_stats) and compute only the sums the
   // call asks for.

@@ -2,6 +2,7 @@
 // CUDA side of split_stats_pass_on_cuda (row_pass.h).
 #include <ATen/Dispatch.h>
 
+#include "common/cuda/warp_stats.cuh"
 #include "common/cuda_backends.h"
 #include "common/policy_cov.h"
 #include "common/rollout_statistic.h"
@@ -41,10 +42,26 @@ void sum_cuda(const at::Tensor& x, const at::Tensor& out) {
   });
 }
 
+// In the batch-invariant mode, rows of up to kWarpStatsMaxCols columns (tensor parallelism's vocabulary blocks) one
+// warp each (cuda/warp_stats.cuh); otherwise, and in the default mode, the row pass's statistics-only kernels.
 void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out) {
-  cuda::row_pass_cuda(args, "row_stats", [&](auto* tag) {
+  const auto make = [&](auto* tag) {
     using acc_t = std::remove_pointer_t<decltype(tag)>;
     return StoreStatsEpilogue<acc_t>{out.data_ptr<acc_t>()};
+  };
+  if (!args.batch_invariant || args.logits.size(1) > cuda::kWarpStatsMaxCols || args.logit_floor.defined()) {
+    return cuda::row_pass_cuda(args, "row_stats", make);
+  }
+  if (args.logits.size(0) == 0) return;
+  RowPassArgs a = args;
+  cuda::align_rows(a);
+  RL_LOSSES_DISPATCH_LOGITS(a.logits.scalar_type(), "row_stats", [&] {
+    using acc_t = typename acc_type<scalar_t>::type;
+    const auto epi = make(static_cast<acc_t*>(nullptr));
+    dispatch_stat_flags<std::decay_t<decltype(epi)>>(a, [&](auto entropy, auto smoothing) {
+      cuda::launch_warp_row_stats<scalar_t, int64_t, acc_t, decltype(entropy)::value, decltype(smoothing)::value>(
+          a, epi);
+    });
   });
 }
 
