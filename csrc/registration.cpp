@@ -101,6 +101,7 @@ TORCH_LIBRARY(rl_losses, m) {
   // mode is on (the switch or torch.use_deterministic_algorithms).
   m.def("_set_batch_invariant(bool enabled) -> bool", &set_batch_invariant);
   m.def("_batch_invariant() -> bool", &batch_invariant);
+  m.def("_invariant_gemm_rows() -> int", [] { return kInvariantGemmRows; });
   // The CPU row loops' vector widths (common/cpu_isa.h): the one they run at, and those this build compiled.
   m.def("_cpu_isa() -> str", [] { return cpu_isa_name(cpu_isa()); });
   m.def("_cpu_isas_compiled() -> str[]", [] { return cpu_isas_compiled(); });

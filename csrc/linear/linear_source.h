@@ -48,6 +48,7 @@
 #include <array>
 #include <optional>
 
+#include "common/batch_invariant.h"  // kInvariantGemmRows
 #include "common/row_source.h"
 #include "op_args.h"  // LinearOptions: the options every linear_* op takes beside its loss's
 
@@ -79,11 +80,6 @@ constexpr int64_t kGemmPieceRows = 4096;
 // this many multiply-adds (N·V·H; the three, about 40 us on an H100 in bf16): below it, the count's launches and
 // host synchronisation cost more than the unlabelled rows' GEMM work they save.
 constexpr int64_t kCountLabelledMinMacs = int64_t(1) << 32;
-// In the batch-invariant mode every GEMM over rows takes exactly this many rows (the chunk's last piece padded
-// with zero rows): a GEMM library picks its kernel, and with it the order of each row's sums (split-K or not, the
-// tiles), by the shape, so that a row's logits and grad_hidden would otherwise depend on how many rows share its
-// GEMM. A multiple of 1024 (see part_size).
-constexpr int64_t kInvariantGemmRows = 1024;
 
 class LinearSource final : public RowSource {
  public:

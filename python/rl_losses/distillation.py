@@ -76,8 +76,19 @@ def tp_distillation_stats(logits: torch.Tensor, teacher_logits: torch.Tensor, tp
     sums, each rescaled to the global maximum of its side first. In the batch-invariant mode, over the vocabulary
     blocks (batch_invariance.vocab_blocks: the shards must be even there), gathered and added as one tree, so that
     the degree changes no bit. ``options``: distillation_stats' (temperature, logits_scale_factor)."""
+    return _tp_stats(logits, _blocked(logits, teacher_logits, tp_group), tp_group, options)
+
+
+def _blocked(logits: torch.Tensor, teacher_logits: torch.Tensor, tp_group):
+    """(blocks, the student's rows, the teacher's) for the statistics ops (_distill_blocks, _rows): made once a call,
+    since a shard that is a column slice of wider logits is copied by the reshape."""
     blocks = _distill_blocks(logits, tp_group)
-    stats = _ops.distillation_stats(_rows(logits, blocks), _rows(teacher_logits, blocks), **options)
+    return blocks, _rows(logits, blocks), _rows(teacher_logits, blocks)
+
+
+def _tp_stats(logits: torch.Tensor, blocked, tp_group, options: dict) -> torch.Tensor:
+    blocks, rows, teacher_rows = blocked
+    stats = _ops.distillation_stats(rows, teacher_rows, **options)
     stats = stats.reshape(-1, max(blocks, 1), len(DISTILL_STATS))
     maxima = [column(DISTILL_STATS, "ms"), column(DISTILL_STATS, "mt")]
     block_max = stats[..., maxima]
@@ -112,11 +123,12 @@ def _distillation_tp(logits, teacher_logits, tp_group, options) -> DistillationO
     if kind not in DISTILL_KINDS:  # before any collective: the same error on every rank
         raise ValueError(f"distillation_loss: kind must be one of {DISTILL_KINDS}, got {kind!r}")
     softmax = {name: option(name) for name in _schema.keywords("distillation_stats")}
-    stats = tp_distillation_stats(logits, teacher_logits, tp_group, **softmax)
+    blocked = _blocked(logits, teacher_logits, tp_group)
+    stats = _tp_stats(logits, blocked, tp_group, softmax)
     jsd_sums = None
     if kind == "jsd" and 0.0 < beta < 1.0:
-        blocks = _distill_blocks(logits, tp_group)
-        jsd_sums = _ops.distillation_jsd_sums(_rows(logits, blocks), _rows(teacher_logits, blocks),
+        blocks, rows, teacher_rows = blocked
+        jsd_sums = _ops.distillation_jsd_sums(rows, teacher_rows,
                                               stats.repeat_interleave(blocks, dim=0) if blocks else stats, beta=beta,
                                               **softmax)
         jsd_sums = jsd_sums.reshape(-1, blocks, 2) if blocks else jsd_sums.reshape(-1, 1, 2).clone()
@@ -138,7 +150,8 @@ def _accumulate_grad_weight(grad_w: torch.Tensor, grad: torch.Tensor, h: torch.T
         grad_w.addmm_(grad.t().to(grad_w.dtype), h.to(grad_w.dtype))
 
 
-_INVARIANT_ROWS = 1024
+# The rows of every GEMM in the mode, the fused lm_head's (csrc/common/batch_invariant.h).
+_INVARIANT_ROWS = _ops._invariant_gemm_rows()
 
 
 def _padded_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
