@@ -67,7 +67,7 @@ void scale_grad_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, CUDA, m) {
-  m.impl("row_stats", on_device<&row_stats_kernel<row_stats_cuda>>());
+  m.impl("row_stats", on_device<&row_stats_kernel<row_stats_cuda, row_stats_blocks_cuda>>());
   m.impl("_scale_grad_", on_device<&scale_grad_kernel>());
   register_loss<CrossEntropyLoss<cross_entropy_rows_cuda>, OnTensorsDevice>(m);
   register_linear_loss<CrossEntropyLoss<cross_entropy_rows_cuda>, linear_backend_cuda, OnTensorsDevice>(m);

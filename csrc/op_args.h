@@ -73,9 +73,13 @@
   X(OptTensor, min_p, None)
 
 // ---- row_stats: the statistics pass alone (tensor parallelism's first step) ------------------------------------
+// tp_blocks: the rows are tensor parallelism's vocabulary blocks in the batch-invariant mode
+// (python/rl_losses/batch_invariance.py), whose bits only `row_stats` itself must repeat: on CUDA in the mode they
+// take a kernel of their own (cuda/warp_stats.cuh); elsewhere it changes nothing.
 #define RL_LOSSES_ROW_STATS_OPTIONS(X) \
   X(bool, entropy, False)              \
-  X(bool, smoothing, False)
+  X(bool, smoothing, False)            \
+  X(bool, tp_blocks, False)
 
 // ---- cross-entropy (docs/math.md); label_weight = 0 with z_loss_factor > 0 is the z-loss alone ------------------
 #define RL_LOSSES_CE_OPTIONS(X)      \

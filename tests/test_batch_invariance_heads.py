@@ -106,15 +106,16 @@ def test_dpo_pairs_do_not_depend_on_the_batch(case):
         assert_rows_equal({"document_log_probs": part_docs}, {"document_log_probs": whole_docs}, docs, what)
 
 
-# `row_stats` in the mode (the tensor-parallel ops' statistics, each vocabulary block a row of its own): on CUDA rows of
-# up to 32768 columns one warp each (cuda/warp_stats.cuh; 4003: the partial last vector and an aligned copy), wider
-# ones (32776) the row pass's kernel.
+# `row_stats` with tp_blocks in the mode (the tensor-parallel ops' statistics, each vocabulary block a row of its own):
+# on CUDA rows of up to 32768 columns one warp each (cuda/warp_stats.cuh; 4003: the partial last vector and an
+# aligned copy), wider ones (32776) the row pass's kernel.
 STATS_SHAPES = {"cpu": [(37, 1001)], "cuda": [(700, 4000), (300, 16032), (120, 32768), (100, 4003), (80, 32776)]}
 STATS_CASES = [(d, n, v) for d in DEVICES for n, v in STATS_SHAPES[d]]
 
 
 def _row_stats(logits, target, flags):
-    stats = torch.ops.rl_losses.row_stats(logits, target, logits_scale_factor=0.8, entropy=flags, smoothing=flags)
+    stats = torch.ops.rl_losses.row_stats(logits, target, logits_scale_factor=0.8, entropy=flags, smoothing=flags,
+                                          tp_blocks=True)
     return stats.reshape(len(logits), len(ROW_STATS))
 
 

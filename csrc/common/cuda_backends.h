@@ -28,6 +28,7 @@ at::Tensor sequence_rule_cuda(int estimator, bool mean, double lo, double hi, co
                               const at::Tensor& rollout_log_probs, const at::Tensor& ids, const at::Tensor& in_sequence,
                               const at::Tensor& counted, int64_t count);
 void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out);
+void row_stats_blocks_cuda(const RowPassArgs& args, const at::Tensor& out);
 void sampler_floor_cuda(const RowPassArgs& args, const at::Tensor& params, const at::Tensor& out);
 void scale_grad_cuda_rows(const at::Tensor& grad, const at::Tensor& grad_output, const float* unscale);
 void cross_entropy_rows_cuda(const RowPassArgs& args, const CrossEntropyRows& rows);

@@ -97,9 +97,9 @@ inline void stats_pass_first(RowPassArgs& args) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("rl_losses::row_stats", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, int64_t, int64_t, bool,
-                                               bool)>();
+                                               bool, bool)>();
   args.stats_in = op.call(args.logits, args.target, args.scale, args.vocab_start, args.vocab_total, args.entropy,
-                          args.smoothing);
+                          args.smoothing, /*tp_blocks=*/false);
 }
 
 #ifdef RL_LOSSES_WITH_CUDA

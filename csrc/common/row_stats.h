@@ -24,8 +24,9 @@ using StatsBackend = void (*)(const RowPassArgs&, const at::Tensor& out);
   RL_LOSSES_LOGITS_INPUT(X) RL_LOSSES_SCALE(X) RL_LOSSES_VOCAB_SHARD(X) RL_LOSSES_ROW_STATS_OPTIONS(X)
 RL_LOSSES_ARG_GROUP(RowStatsOpArgs, RL_LOSSES_ROW_STATS_OP_ARGS)
 
-// The op's kernel on one back-end (boxed, arguments by name: common/schema.h).
-template <StatsBackend kBackend>
+// The op's kernel on one back-end (boxed, arguments by name: common/schema.h); kBlocks for tp_blocks in the
+// batch-invariant mode.
+template <StatsBackend kBackend, StatsBackend kBlocks = kBackend>
 void row_stats_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   schema::Args args(op, stack);
   const auto a = args.read<RowStatsOpArgs>();
@@ -36,7 +37,7 @@ void row_stats_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
   pass.logits = f.logits2d;
   pass.entropy = a.entropy;
   pass.smoothing = a.smoothing;
-  if (f.n_rows > 0) kBackend(pass, out);
+  if (f.n_rows > 0) (a.tp_blocks && pass.batch_invariant ? kBlocks : kBackend)(pass, out);
   auto shape = a.target.sizes().vec();
   shape.push_back(5);
   StatsResult{out.view(shape)}.write(args);

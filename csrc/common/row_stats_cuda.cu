@@ -42,23 +42,24 @@ void sum_cuda(const at::Tensor& x, const at::Tensor& out) {
   });
 }
 
-// In the batch-invariant mode, rows of up to kWarpStatsMaxCols columns (tensor parallelism's vocabulary blocks) one
-// warp each (cuda/warp_stats.cuh); otherwise, and in the default mode, the row pass's statistics-only kernels.
 void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out) {
-  const auto make = [&](auto* tag) {
+  cuda::row_pass_cuda(args, "row_stats", [&](auto* tag) {
     using acc_t = std::remove_pointer_t<decltype(tag)>;
     return StoreStatsEpilogue<acc_t>{out.data_ptr<acc_t>()};
-  };
-  if (!args.batch_invariant || args.logits.size(1) > cuda::kWarpStatsMaxCols || args.logit_floor.defined()) {
-    return cuda::row_pass_cuda(args, "row_stats", make);
-  }
-  if (args.logits.size(0) == 0) return;
+  });
+}
+
+// `row_stats` with tp_blocks in the batch-invariant mode: rows of up to kWarpStatsMaxCols columns one warp each
+// (cuda/warp_stats.cuh), wider ones as row_stats_cuda. (Not the statistics-only passes of the ops, which follow the
+// fused pass's order.)
+void row_stats_blocks_cuda(const RowPassArgs& args, const at::Tensor& out) {
+  if (args.logits.size(1) > cuda::kWarpStatsMaxCols || args.logit_floor.defined()) return row_stats_cuda(args, out);
   RowPassArgs a = args;
   cuda::align_rows(a);
   RL_LOSSES_DISPATCH_LOGITS(a.logits.scalar_type(), "row_stats", [&] {
     using acc_t = typename acc_type<scalar_t>::type;
-    const auto epi = make(static_cast<acc_t*>(nullptr));
-    dispatch_stat_flags<std::decay_t<decltype(epi)>>(a, [&](auto entropy, auto smoothing) {
+    const StoreStatsEpilogue<acc_t> epi{out.data_ptr<acc_t>()};
+    dispatch_stat_flags<StoreStatsEpilogue<acc_t>>(a, [&](auto entropy, auto smoothing) {
       cuda::launch_warp_row_stats<scalar_t, int64_t, acc_t, decltype(entropy)::value, decltype(smoothing)::value>(
           a, epi);
     });

@@ -170,7 +170,7 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
             shifted = target.reshape(-1, 1) - torch.arange(blocks, device=target.device) * block_width
             labels = torch.where(shifted >= 0, shifted, -100).reshape(-1)
         stats = _ops.row_stats(rows, labels, logits_scale_factor=logits_scale_factor, vocab_start=vocab_start,
-                               vocab_size=vocab_size, entropy=entropy, smoothing=smoothing)
+                               vocab_size=vocab_size, entropy=entropy, smoothing=smoothing, tp_blocks=bool(blocks))
         stats = stats.reshape(target.numel(), max(blocks, 1), _STATS)
     except (RuntimeError, ValueError) as e:
         error = _caught(e, checked)
