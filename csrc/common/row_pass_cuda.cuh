@@ -315,7 +315,7 @@ __global__ void sum_segments_in_order_kernel(int64_t n_segments, const acc_t* va
 // arange and a search, for N·S index reads (sum_rows_by_index_in_order picks it while those stay few). The loads of
 // kScanAhead chunks (index, then the matching rows' values) are issued together before their chunks are added in
 // order: one chunk at a time, the scan was a chain of dependent loads (GSPO's 16 documents of 1024 tokens in the
-// batch-invariant mode: 124 µs on an H200, h200x2-2026-11-28-gspo-profile.txt).
+// batch-invariant mode: 124 µs on an H200, h200x2-2026-11-28-gspo-profile-7e3e046.txt).
 constexpr int kScanAhead = 8;
 template <int K, typename acc_t>
 __global__ void sum_segments_by_scan_kernel(int64_t n, int64_t n_segments, const acc_t* values, const int64_t* index,

@@ -81,8 +81,8 @@ def group_sum(tensor: torch.Tensor, group) -> torch.Tensor:
 # blocks of a multiple of 8 columns, 16 bytes of bf16 (a CUDA row pass reads rows that start elsewhere from an
 # aligned copy; where V is no multiple of 8, the largest dividing V): 8 for V = 128256 or 151936. It applies where
 # each rank's shard is whole blocks: even shards and a degree dividing B (1, 2, 4, 8). Why not more blocks: shorter
-# rows cost the statistics pass more (H200, 16384 rows of a 64128-column bf16 shard: 0.51 ms whole, 0.59 in 4
-# blocks, 1.21 in 16).
+# rows cost the statistics pass more (H200, 16384 rows of a 64128-column bf16 shard: 0.51 ms whole, 0.50 in 4 blocks
+# and 0.65 in 16 on row_stats' tp_blocks kernel, one warp a row).
 def vocab_blocks(vocab_size: int, world: int) -> int:
     """How many vocabulary blocks each of ``world`` ranks with even shards reduces in the mode; 0 where the shards
     are not whole blocks (or outside the mode), and the ranks' sums are merged in rank order (group_sum)."""
