@@ -133,6 +133,8 @@ def _distillation_tp(logits, teacher_logits, tp_group, options) -> DistillationO
                                               **softmax)
         jsd_sums = jsd_sums.reshape(-1, blocks, 2) if blocks else jsd_sums.reshape(-1, 1, 2).clone()
         jsd_sums = shard_sum(jsd_sums, tp_group, blocks)
+        del rows, teacher_rows
+    del blocked  # (a column slice's block rows are copies: freed before the op allocates its gradient)
     return DistillationOutput(*_ops.distillation(logits, teacher_logits, row_stats=stats, jsd_sums=jsd_sums,
                                                  **options))
 
