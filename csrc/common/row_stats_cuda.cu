@@ -53,7 +53,7 @@ void row_stats_cuda(const RowPassArgs& args, const at::Tensor& out) {
 // (cuda/warp_stats.cuh), wider ones as row_stats_cuda. (Not the statistics-only passes of the ops, which follow the
 // fused pass's order.)
 void row_stats_blocks_cuda(const RowPassArgs& args, const at::Tensor& out) {
-  if (args.logits.size(1) > cuda::kWarpStatsMaxCols || args.logit_floor.defined()) return row_stats_cuda(args, out);
+  if (args.logits.size(1) > cuda::kWarpStatsMaxCols) return row_stats_cuda(args, out);
   RowPassArgs a = args;
   cuda::align_rows(a);
   RL_LOSSES_DISPATCH_LOGITS(a.logits.scalar_type(), "row_stats", [&] {

@@ -59,17 +59,6 @@ distillation_loss.__signature__ = _schema.signature("distillation", drop=_HOOKS,
 _KEYWORDS = _schema.keywords("distillation", drop=_HOOKS)
 
 
-def _distill_blocks(logits: torch.Tensor, tp_group) -> int:
-    # The batch-invariant mode's vocabulary blocks a rank reduces (batch_invariance.vocab_blocks; shards even).
-    world = dist.get_world_size(tp_group)
-    return vocab_blocks(logits.shape[-1] * world, world)
-
-
-def _rows(t: torch.Tensor, blocks: int) -> torch.Tensor:
-    # Each block a row of its own for the statistics ops (all of the shard a row where blocks is 0).
-    return t.detach().reshape(-1, t.shape[-1] // blocks) if blocks else t.detach()
-
-
 def tp_distillation_stats(logits: torch.Tensor, teacher_logits: torch.Tensor, tp_group, **options) -> torch.Tensor:
     """The (N, 7) statistics of both softmaxes over the whole vocabulary (rl_losses._schema.DISTILL_STATS), identical
     on every rank of ``tp_group``: this shard's, then an all-reduce MAX of the two maxima and one SUM of the five
@@ -80,10 +69,14 @@ def tp_distillation_stats(logits: torch.Tensor, teacher_logits: torch.Tensor, tp
 
 
 def _blocked(logits: torch.Tensor, teacher_logits: torch.Tensor, tp_group):
-    """(blocks, the student's rows, the teacher's) for the statistics ops (_distill_blocks, _rows): made once a call,
-    since a shard that is a column slice of wider logits is copied by the reshape."""
-    blocks = _distill_blocks(logits, tp_group)
-    return blocks, _rows(logits, blocks), _rows(teacher_logits, blocks)
+    """(blocks, the student's rows, the teacher's) for the statistics ops: the batch-invariant mode's vocabulary blocks
+    a rank reduces (batch_invariance.vocab_blocks; shards even), each a row of its own (all of the shard a row where
+    blocks is 0). Made once a call, since a shard that is a column slice of wider logits is copied by the reshape."""
+    world = dist.get_world_size(tp_group)
+    blocks = vocab_blocks(logits.shape[-1] * world, world)
+    def rows(t):
+        return t.detach().reshape(-1, t.shape[-1] // blocks) if blocks else t.detach()
+    return blocks, rows(logits), rows(teacher_logits)
 
 
 def _tp_stats(logits: torch.Tensor, blocked, tp_group, options: dict) -> torch.Tensor:

@@ -160,11 +160,12 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
     blocks = vocab_blocks(vocab_size, dist.get_world_size(tp_group)) if even else 0
     block_width = logits.shape[-1] // max(blocks, 1)
     try:
-        _check_labels(op, target, vocab_size)
+        if blocks and checked:  # on the CPU too: the op would name a block's row in its label error
+            _check_label_range(op, target, vocab_size)
+        else:
+            _check_labels(op, target, vocab_size)
         rows, labels = logits.detach(), target
         if blocks:
-            if checked:  # (the op would name a block's row in its label error: the label's own is checked here)
-                _check_label_range(op, target, vocab_size)
             # (A shard that is a column slice of wider logits is copied by the reshape.)
             rows = rows.reshape(-1, block_width)
             shifted = target.reshape(-1, 1) - torch.arange(blocks, device=target.device) * block_width

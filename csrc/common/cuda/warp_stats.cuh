@@ -32,6 +32,7 @@ constexpr int kWarpStatsChunk = 4;  // vectors per online-softmax chunk
 template <typename scalar_t, typename label_t, typename acc_t, bool kEntropy, bool kSmoothing, typename Epilogue>
 __global__ void __launch_bounds__(kWarpStatsThreads)
     warp_row_stats_kernel(RowPassView<scalar_t, label_t, acc_t> v, Epilogue epi) {
+  static_assert(!Epilogue::kSkipsUnlabelled, "row_stats' blocks without the label still need their statistics");
   constexpr int kVec = 16 / sizeof(scalar_t), kC = kWarpStatsChunk;
   using VecT = Pack<scalar_t, kVec>;
   wait_previous_grid();
@@ -41,13 +42,6 @@ __global__ void __launch_bounds__(kWarpStatsThreads)
   const int rem = static_cast<int>(v.vocab % kVec);
   for (int64_t row = blockIdx.x * int64_t(kWarpStatsThreads / 32) + threadIdx.x / 32; row < v.n_rows; row += warps) {
     const int64_t label = static_cast<int64_t>(v.target[row]);
-    if (Epilogue::kSkipsUnlabelled && label < 0) {
-      if (lane == 0) {
-        epi(v.epilogue_row(row), label, RowStats<acc_t>::empty());
-        if (v.stats_out != nullptr) store_stats(v.stats_out, row, RowStats<acc_t>::empty());
-      }
-      continue;
-    }
     const scalar_t* x = v.logits + row * v.row_stride;
     const VecT* xv = reinterpret_cast<const VecT*>(x);
     RowStats<acc_t> st = RowStats<acc_t>::empty();
@@ -82,8 +76,7 @@ __global__ void __launch_bounds__(kWarpStatsThreads)
       CUDA_KERNEL_ASSERT(label < v.vocab_total && "rl_losses: a target label is >= the vocabulary size");
       const int64_t local = label - v.vocab_start;
       st.label = label >= 0 && local >= 0 && local < v.vocab ? static_cast<acc_t>(x[local]) * v.scale : acc_t(0);
-      epi(v.epilogue_row(row), label, st);
-      if (v.stats_out != nullptr) store_stats(v.stats_out, row, st);
+      epi(v.epilogue_row(row), label, st);  // (row_stats' epilogue stores the statistics)
     }
   }
 }
