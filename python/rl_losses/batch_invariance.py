@@ -53,10 +53,14 @@ def mode_on() -> bool:
     return _entered or torch.are_deterministic_algorithms_enabled()
 
 
-def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return parts
+def _gather(tensor: torch.Tensor, group) -> torch.Tensor:
+    # (world, *tensor.shape): the ranks' tensors in rank order. One collective into one buffer: the list form's
+    # buffers and copies cost the host more than its sums (a TP step of the mode: ~0.5 ms of host time against ~1.6 ms
+    # of device time on an H200 host).
+    world = dist.get_world_size(group)
+    out = tensor.new_empty(world * tensor.numel())  # (flat: gloo takes no other layout)
+    dist.all_gather_into_tensor(out, tensor.contiguous().view(-1), group=group)
+    return out.view(world, *tensor.shape)
 
 
 def group_sum(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -68,8 +72,8 @@ def group_sum(tensor: torch.Tensor, group) -> torch.Tensor:
         return tensor
     parts = _gather(tensor, group)
     total = parts[0]
-    for part in parts[1:]:
-        total = total + part
+    for rank in range(1, parts.shape[0]):
+        total = total + parts[rank]
     return tensor.copy_(total)
 
 
@@ -99,7 +103,13 @@ def vocab_blocks(vocab_size: int, world: int) -> int:
 def block_sum(sums: torch.Tensor, group) -> torch.Tensor:
     """(rows, k) from each rank's (rows, B / world, k) block sums, gathered in rank order (that of the shards):
     block b added to block b + B/2, then the same on the first half, down to one: a fixed tree over the blocks."""
-    blocks = torch.cat(_gather(sums, group), dim=1)
+    # (world, rows, B / world, k): block r·B/world + j at [r, :, j]; so while more than one rank's remain, the tree's
+    # pairs (b, b + half) are the first half of the ranks' blocks and the second's, added without a copy.
+    blocks = _gather(sums, group)
+    while blocks.shape[0] > 1:
+        half = blocks.shape[0] // 2
+        blocks = blocks[:half] + blocks[half:]
+    blocks = blocks[0]
     while blocks.shape[1] > 1:
         half = blocks.shape[1] // 2
         blocks = blocks[:, :half] + blocks[:, half:]

@@ -79,6 +79,9 @@ from rl_losses.outputs import PolicyLossOutput
 
 _ops = torch.ops.rl_losses
 _STATS = len(ROW_STATS)
+# The sums weighted by exp(x − max), adjacent columns of ROW_STATS[1:] (tp_row_stats rescales them in place).
+_RESCALED = slice(column(ROW_STATS, "sum_exp") - 1, column(ROW_STATS, "sum_exp_x"))
+assert _RESCALED.stop - _RESCALED.start == 2
 
 
 # ---- shared ------------------------------------------------------------------------------------------------
@@ -156,7 +159,7 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
     checked = _host_checks(logits)
     error = None
     # The mode's vocabulary blocks (batch_invariance.vocab_blocks): each a row of its own for row_stats, the
-    # label given to the block that holds it (shifted by the block's offset; -100, ignored, in the others).
+    # label given to each block shifted by the block's offset (outside the block in all but the one that holds it).
     blocks = vocab_blocks(vocab_size, dist.get_world_size(tp_group)) if even else 0
     block_width = logits.shape[-1] // max(blocks, 1)
     try:
@@ -168,8 +171,9 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
         if blocks:
             # (A shard that is a column slice of wider logits is copied by the reshape.)
             rows = rows.reshape(-1, block_width)
-            shifted = target.reshape(-1, 1) - torch.arange(blocks, device=target.device) * block_width
-            labels = torch.where(shifted >= 0, shifted, -100).reshape(-1)
+            # (A label left negative, or beyond its block, is no label of the block: no masking needed.)
+            offsets = torch.arange(0, blocks * block_width, block_width, device=target.device)
+            labels = (target.reshape(-1, 1) - offsets).reshape(-1)
         stats = _ops.row_stats(rows, labels, logits_scale_factor=logits_scale_factor, vocab_start=vocab_start,
                                vocab_size=vocab_size, entropy=entropy, smoothing=smoothing, tp_blocks=bool(blocks))
         stats = stats.reshape(target.numel(), max(blocks, 1), _STATS)
@@ -190,9 +194,8 @@ def tp_row_stats(op: str, logits: torch.Tensor, target: torch.Tensor, tp_group, 
     # A shard (block) whose values are all -inf has sums 0; guard its factor (exp(-inf - -inf) would be NaN).
     factor = torch.where(block_max == float("-inf"), 0.0, torch.exp(block_max - global_max.unsqueeze(1)))
     # The sums weighted by exp(x − max) rescale to the global max; Σx and the label's logit add as they are.
-    rescaled = ("sum_exp", "sum_exp_x")
-    sums = torch.stack([stats[..., column(ROW_STATS, c)] * (factor if c in rescaled else 1) for c in ROW_STATS[1:]],
-                       dim=2)
+    sums = stats[..., 1:].clone()
+    sums[..., _RESCALED].mul_(factor.unsqueeze(-1))
     sums = shard_sum(sums, tp_group, blocks)
     return torch.cat([global_max.unsqueeze(1), sums], dim=1)
 
