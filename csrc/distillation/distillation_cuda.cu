@@ -10,7 +10,7 @@
 #include "common/row_pass_cuda.cuh"
 #include "distillation/distillation.h"
 #include "distillation/distillation_block.cuh"
-#include "distillation/distillation_cluster.cuh"
+#include "distillation/distillation_cluster_launch.cuh"
 
 #include <ATen/Dispatch.h>
 

@@ -5,7 +5,7 @@
 #include "fused_head/fused_head_distill.h"
 #include "common/cuda_backends.h"
 #include "common/row_pass_cuda.cuh"
-#include "distillation/distillation_cluster.cuh"
+#include "distillation/distillation_cluster_launch.cuh"
 
 namespace rl_losses {
 namespace {
