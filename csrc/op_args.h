@@ -276,6 +276,10 @@
 // over those buckets, as distillation's.
 #define RL_LOSSES_TOPK_OPTIONS(X) X(std::string, tail, "none") RL_LOSSES_DISTILL_KIND(X) RL_LOSSES_DISTILL_BETA(X)
 #define RL_LOSSES_TOPK_DISTILLATION_KEYWORDS(X) RL_LOSSES_TOPK_OPTIONS(X) RL_LOSSES_SCALE(X) RL_LOSSES_DIVISOR(X)
+// Its hooks of a vocabulary shard (beside vocab_start/vocab_size): the whole vocabulary's row statistics, and
+// student_at_ids, (..., K) s·z at the teacher's ids over the whole vocabulary (each id's value from the shard that
+// holds it, the others' 0, summed over the ranks: python/rl_losses/topk_distillation.py); both given or neither.
+#define RL_LOSSES_TOPK_HOOKS(X) RL_LOSSES_ROW_STATS(X) X(OptTensor, student_at_ids, None)
 // divergence: the per-token divergence of `kind` (0 where unlabelled); student_mass Q and teacher_mass P: the K ids' probabilities.
 #define RL_LOSSES_TOPK_RESULTS(X)  \
   X(at::Tensor, loss, )            \

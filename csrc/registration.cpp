@@ -199,12 +199,12 @@ TORCH_LIBRARY(rl_losses, m) {
 
   // ---- distillation from a sparse teacher (topk_distillation/, docs/distillation_dpo.md) ----------------------------
   // The forward KL over the teacher's K ids per token; target marks the tokens that count (negative: ignored, not
-  // read). A vocabulary shard is refused (the K-wide sums would need their own all-reduce).
+  // read). A vocabulary shard takes its hooks: the all-reduced row statistics and the logits at the teacher's ids.
   const Entries topk_input = RL_LOSSES_ENTRIES(RL_LOSSES_TOPK_INPUT);
   const Entries topk_options = RL_LOSSES_ENTRIES(RL_LOSSES_TOPK_DISTILLATION_KEYWORDS);
   const Entries topk_results = RL_LOSSES_ENTRIES(RL_LOSSES_TOPK_RESULTS);
-  def_loss(m, "topk_distillation", cat({logits, topk_input}), topk_options, RL_LOSSES_ENTRIES(RL_LOSSES_VOCAB_SHARD),
-           topk_results);
+  def_loss(m, "topk_distillation", cat({logits, topk_input}), topk_options,
+           cat({RL_LOSSES_ENTRIES(RL_LOSSES_TOPK_HOOKS), RL_LOSSES_ENTRIES(RL_LOSSES_VOCAB_SHARD)}), topk_results);
   def_linear(m, "topk_distillation", topk_input, topk_options, topk_results);
 
   // ---- DPO over packed documents (dpo/, docs/distillation_dpo.md) ------------------------------------------------

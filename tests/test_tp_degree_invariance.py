@@ -1,6 +1,6 @@
 """The batch-invariant mode across tensor-parallel degrees (docs/consistency.md, "Tensor parallelism"): a row's
 log-prob, entropy, loss terms and gradient (token_log_probs, cross-entropy, GRPO, GSPO, DPO, the fused head,
-distillation) have the same bits whether its vocabulary is held by 1, 2 or 4 ranks
+distillation, from the teacher's logits and from its top-K ids) have the same bits whether its vocabulary is held by 1, 2 or 4 ranks
 (rl_losses.batch_invariance.vocab_blocks: blocks the same at every degree, added as one tree). Four gloo processes
 on CPU tensors, which form the groups of each degree; RL_LOSSES_DIST_BACKEND=nccl runs them on CUDA tensors, one GPU
 per rank (four ranks where four GPUs are present, else two).
@@ -34,6 +34,12 @@ def _inputs():
 
 
 PAIRS = torch.arange(N // 8).view(-1, 2)
+TOPK = 6  # the sparse teacher's ids per row: spread over the whole vocabulary, the blocks' edges included
+_g = torch.Generator().manual_seed(99)
+_EDGES = torch.tensor([0, BLOCK - 1, BLOCK, V // 2 - 1, V // 2, V - 1]).repeat(N // 6)  # one per row, first
+_r = torch.rand(N, V, generator=_g).scatter_(1, _EDGES[:, None], 2.0)  # the edge sorts last: not drawn again
+TOPK_IDS = torch.cat([_EDGES[:, None], _r.argsort(-1)[:, :TOPK - 1]], dim=1)
+TOPK_LOG_PROBS = torch.log_softmax(torch.randn(N, TOPK + 1, generator=_g, dtype=torch.float64), -1)[:, :TOPK].float()
 REF_DPO = -torch.arange(1.0, 1.0 + N // 8).view(-1, 2).t()  # the reference's chosen and rejected sums
 
 
@@ -60,6 +66,7 @@ def _worker(rank: int, store: str, out: str) -> None:
             u = shard[rows].contiguous().requires_grad_()
             w = shard[rows].contiguous().requires_grad_()
             students = {kind: shard[rows].contiguous().requires_grad_() for kind in ("forward_kl", "jsd", "sparse")}
+            v = shard[rows].contiguous().requires_grad_()
             with rl_losses.batch_invariant():
                 grpo = rl_losses.grpo_loss(x, target[rows], advantages[rows], old[rows], tp_group=group, divisor=1.0,
                                            compute_entropy=True)
@@ -89,10 +96,15 @@ def _worker(rank: int, store: str, out: str) -> None:
                         kind="forward_kl" if kind == "sparse" else kind, divisor=1.0, temperature=1.5, tp_group=group)
                     out_.loss.backward()
                     distilled[kind] = out_.divergence
+                topk = rl_losses.topk_distillation_loss(v, target[rows], TOPK_IDS.to(device)[rows],
+                                                        TOPK_LOG_PROBS.to(device)[rows], kind="jsd", beta=0.3,
+                                                        tail="tail", divisor=1.0, tp_group=group)
+                topk.loss.backward()
             results[degree, name] = tuple(t.detach().cpu() for t in (
                 rows, grpo.log_probs, grpo.entropy, x.grad, ce, y.grad, log_probs, entropy, gspo.log_probs, z.grad,
                 dpo.log_probs, u.grad, head.log_probs, w.grad, distilled["forward_kl"], students["forward_kl"].grad,
-                distilled["jsd"], students["jsd"].grad, distilled["sparse"], students["sparse"].grad))
+                distilled["jsd"], students["jsd"].grad, distilled["sparse"], students["sparse"].grad, topk.divergence,
+                v.grad))
     if BACKEND == "gloo":  # (the host checks are the CPU's; on CUDA a bad label is a device-side assert)
         bad = target.clone()
         bad[3] = V  # on one rank only: the others learn it through the flag in the MAX all-reduce
@@ -120,7 +132,7 @@ def ranks():
 def _whole(ranks, degree, name):
     """The first group's results at ``degree``, its gradient shards put side by side (rows in the run's order)."""
     rows, *results = ranks[0][degree, name]
-    for i in (2, 4, 8, 10, 12, 14, 16, 18):  # the gradients
+    for i in (2, 4, 8, 10, 12, 14, 16, 18, 20):  # the gradients
         results[i] = torch.cat([ranks[r][degree, name][i + 1] for r in range(degree)], dim=1)
     return rows, results
 
@@ -128,7 +140,8 @@ def _whole(ranks, degree, name):
 WHAT = ("grpo log_probs", "grpo entropy", "grpo gradient", "cross_entropy", "cross_entropy gradient",
         "token_log_probs", "token_log_probs entropy", "gspo log_probs", "gspo gradient", "dpo log_probs",
         "dpo gradient", "fused_head log_probs", "fused_head gradient", "forward_kl divergence", "forward_kl gradient",
-        "jsd divergence", "jsd gradient", "sparse teacher divergence", "sparse teacher gradient")
+        "jsd divergence", "jsd gradient", "sparse teacher divergence", "sparse teacher gradient",
+        "top-K teacher divergence", "top-K teacher gradient")
 
 
 @pytest.mark.parametrize("degree", DEGREES[1:])

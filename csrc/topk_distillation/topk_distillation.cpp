@@ -112,27 +112,43 @@ at::Tensor rows_of_k(const at::Tensor& t, int64_t n, int64_t k, at::ScalarType d
 }  // namespace
 
 TopkDistillationResults topk_distillation_forward(RowSource& src, const at::Tensor& target,
-                                                  const TopkDistillationArgs& a, TopkBackend backend) {
+                                                  const TopkDistillationArgs& a, const TopkHooks& hooks,
+                                                  TopkBackend backend) {
   const char* op = src.op();
   const FlatLogits& f = src.flat();
-  // Vocabulary parallelism would need the K-wide sums all-reduced too: not supported.
-  TORCH_CHECK(f.vocab_start == 0 && f.vocab == f.vocab_total, op,
+  // A vocabulary shard holds neither the whole row's statistics nor every id's logit: both come as hooks.
+  TORCH_CHECK(hooks.row_stats.has_value() == hooks.student_at_ids.has_value(), op,
+              ": row_stats and student_at_ids are a vocabulary shard's hooks: give both or neither");
+  TORCH_CHECK((f.vocab_start == 0 && f.vocab == f.vocab_total) || hooks.row_stats, op,
               ": a vocabulary shard (vocab_start=", f.vocab_start, ", vocab_size=", f.vocab_total,
-              ") is not supported; pass the whole vocabulary");
+              ") needs row_stats and student_at_ids (the whole vocabulary's; rl_losses.topk_distillation_loss(..., "
+              "tp_group=) makes them)");
   const TopkTail tail = parse_tail(op, a.tail);
   const DistillOptions<double> opt = parse_options(op, a.kind, a.beta);
   check_scale(op, a.logits_scale_factor);
   check_divisor(op, a.divisor);
   check_teacher_shapes(op, a.teacher_ids, a.teacher_log_probs, target, f);
+  check_row_stats(op, hooks.row_stats, f);
   const int64_t n = f.n_rows, k = a.teacher_ids.size(-1);
   const auto opts = src.acc_options();
+  if (hooks.student_at_ids) {
+    const at::Tensor& x = *hooks.student_at_ids;
+    TORCH_CHECK(x.sizes() == a.teacher_ids.sizes(), op, ": student_at_ids has shape ", x.sizes(),
+                " but teacher_ids has ", a.teacher_ids.sizes());
+    TORCH_CHECK(x.scalar_type() == opts.dtype().toScalarType(), op,
+                ": student_at_ids must be float32 (float64 for float64 logits), got ", x.scalar_type());
+    TORCH_CHECK(x.device() == f.options.device(), op, ": student_at_ids is on ", x.device(), " but logits is on ",
+                f.options.device());
+  }
   // The buffers between the passes: one allocation (new_scratch).
   const std::vector<at::Tensor> scratch = new_scratch(opts, {{n, k}, {n, kTopkPrepFields}, {n, kTopkGradFields}});
   TopkRows rows{.opt = opt,
                 .tail = tail,
                 .ids = rows_of_k(a.teacher_ids, n, k, a.teacher_ids.scalar_type()),
                 .log_probs = rows_of_k(a.teacher_log_probs, n, k, opts.dtype().toScalarType()),
-                .x = scratch[0],
+                .x = hooks.student_at_ids ? rows_of_k(*hooks.student_at_ids, n, k, opts.dtype().toScalarType())
+                                          : scratch[0],
+                .x_given = hooks.student_at_ids.has_value(),
                 .prep = scratch[1],
                 .grad_rows = scratch[2],
                 .divisor = a.divisor ? at::Tensor() : labelled_count(f.target1d, opts.dtype().toScalarType()),
@@ -144,9 +160,11 @@ TopkDistillationResults topk_distillation_forward(RowSource& src, const at::Tens
   if (n > 0) {
     if (check_values(rows.ids)) check_teacher_values(op, rows.ids, rows.log_probs, f.target1d, f.vocab_total);
     RowPassArgs args = make_row_pass_args(f, a.logits_scale_factor);
+    if (hooks.row_stats) args.stats_in = *hooks.row_stats;
     src.run(args, src.wants_grad(), [&](RowPassArgs& p) {
-      const bool gather = p.compute_stats();
-      if (gather && topk_needs_jsd_step(opt)) {
+      // The first pass over these rows: it computes their statistics, or they were given (the logits op's one pass).
+      const bool gather = p.compute_stats() || hooks.row_stats.has_value();
+      if (p.compute_stats() && topk_needs_jsd_step(opt)) {
         stats_pass_first(p);
       } else {
         split_stats_pass_on_cuda(p);

@@ -1,7 +1,8 @@
 // Distillation from a sparse teacher (docs/distillation_dpo.md): a divergence (`kind`: forward KL, reverse KL, JSD)
 // over the teacher's top-K ids, its remaining mass treated by `tail` (topk_distillation_math.h). Per pass over a
 // chunk of rows, three steps (four for JSD):
-//   1. gather: s·z at the K ids (kept: the gradient may overwrite the logits) and their K-wide sums (TopkPartial);
+//   1. gather: s·z at the K ids (kept: the gradient may overwrite the logits; under tensor parallelism given,
+//      student_at_ids) and their K-wide sums (TopkPartial);
 //   1b. JSD only, after the row statistics (computed first as a pass of their own): its lse-dependent K-wide sums
 //      (TopkJsdPartial);
 //   2. the row pass with TopkEpilogue: lse, the loss, and the gradient a·q_j written once over the whole row;
@@ -72,7 +73,8 @@ struct TopkRows {
   TopkTail tail;
   at::Tensor ids;        // (N, K) int64
   at::Tensor log_probs;  // (N, K) log p
-  at::Tensor x;          // (N, K) s·z at the ids (step 1)
+  at::Tensor x;          // (N, K) s·z at the ids (step 1), or given (x_given: a vocabulary shard's hook)
+  bool x_given = false;
   at::Tensor prep;       // (N, kTopkPrepFields) (step 1)
   at::Tensor grad_rows;  // (N, kTopkGradFields) (step 2)
   at::Tensor divisor;    // 0-dim D, or undefined: divisor_value
@@ -80,8 +82,8 @@ struct TopkRows {
   at::Tensor row_loss, divergence, student_mass, teacher_mass;  // (N,)
 };
 
-// A back-end's steps over one pass's rows; `gather`: the pass computes its statistics (the first pass over
-// these rows), so step 1 runs.
+// A back-end's steps over one pass's rows; `gather`: the first pass over these rows (it computes their statistics,
+// or they were given), so step 1 runs.
 using TopkBackend = void (*)(const RowPassArgs&, const TopkRows&, bool gather);
 
 // Whether the epilogue needs the K-wide sums of step 1b, which need the row statistics first.
@@ -89,17 +91,20 @@ inline bool topk_needs_jsd_step(const DistillOptions<double>& o) { return o.kind
 
 #define RL_LOSSES_TOPK_DISTILLATION_ARGS(X) RL_LOSSES_TOPK_INPUT(X) RL_LOSSES_TOPK_DISTILLATION_KEYWORDS(X)
 RL_LOSSES_ARG_GROUP(TopkDistillationArgs, RL_LOSSES_TOPK_DISTILLATION_ARGS)
+RL_LOSSES_ARG_GROUP(TopkHooks, RL_LOSSES_TOPK_HOOKS)
 RL_LOSSES_RESULT_GROUP(TopkDistillationResults, RL_LOSSES_TOPK_RESULTS)
 
 TopkDistillationResults topk_distillation_forward(RowSource& src, const at::Tensor& target,
-                                                  const TopkDistillationArgs& a, TopkBackend backend);
+                                                  const TopkDistillationArgs& a, const TopkHooks& hooks,
+                                                  TopkBackend backend);
 
 template <TopkBackend kBackend>
 struct TopkDistillationLoss {
   static constexpr const char* kName = "topk_distillation";
   static constexpr const char* kLinearName = "linear_topk_distillation";
-  static TopkDistillationResults run(RowSource& src, const at::Tensor& target, schema::Args& args, bool) {
-    return topk_distillation_forward(src, target, args.read<TopkDistillationArgs>(), kBackend);
+  static TopkDistillationResults run(RowSource& src, const at::Tensor& target, schema::Args& args, bool logits_op) {
+    return topk_distillation_forward(src, target, args.read<TopkDistillationArgs>(),
+                                     logits_op ? args.read<TopkHooks>() : TopkHooks{}, kBackend);
   }
 };
 
@@ -113,21 +118,24 @@ struct TopkEntries {
   acc_t* x;
 };
 
-// Step 1 for chunk row r (epilogue row e): x and the K-wide sums; an unlabelled row is not read. `part` takes the
-// entries first, first + stride, ... (a CUDA warp's lanes: cuda gathers with a warp per row), `store` the combined
-// sums; operator() is the whole row in one thread (the CPU).
+// Step 1 for chunk row r (epilogue row e): x (unless x_given) and the K-wide sums; an unlabelled row is not read.
+// `part` takes the entries first, first + stride, ... (a CUDA warp's lanes: cuda gathers with a warp per row),
+// `store` the combined sums; operator() is the whole row in one thread (the CPU).
 template <typename scalar_t, typename acc_t>
 struct TopkGather {
   TopkEntries<scalar_t, acc_t> t;
   acc_t* prep;
+  bool x_given;
   C10_HOST_DEVICE TopkPartial<acc_t> part(int64_t r, int64_t first, int64_t stride) const {
     TopkPartial<acc_t> s = TopkPartial<acc_t>::empty();
     if (t.v.target[r] < 0) return s;
     const int64_t row = t.v.epilogue_row(r) * t.k;
     const scalar_t* z = t.v.logits + r * t.v.row_stride;
     for (int64_t i = row + first; i < row + t.k; i += stride) {
-      CUDA_KERNEL_ASSERT(t.ids[i] >= 0 && t.ids[i] < t.v.vocab && "rl_losses: a teacher id is out of the vocabulary");
-      t.x[i] = static_cast<acc_t>(z[t.ids[i]]) * t.v.scale;
+      // (Given, x of an id out of range would be a silent 0: no shard holds it.)
+      CUDA_KERNEL_ASSERT(t.ids[i] >= 0 && t.ids[i] < (x_given ? t.v.vocab_total : t.v.vocab) &&
+                         "rl_losses: a teacher id is out of the vocabulary");
+      if (!x_given) t.x[i] = static_cast<acc_t>(z[t.ids[i]]) * t.v.scale;
       s.add(t.x[i], t.lp[i]);
     }
     return s;
@@ -195,7 +203,7 @@ void topk_distillation_rows(const RowPassArgs& p, const TopkRows& rows, bool gat
                                          rows.ids.const_data_ptr<int64_t>(), rows.log_probs.const_data_ptr<acc_t>(),
                                          rows.x.data_ptr<acc_t>()};
     const DistillOptions<acc_t> opt = distill_options_as<acc_t>(rows.opt);
-    if (gather) gather_rows(TopkGather<scalar_t, acc_t>{t, rows.prep.data_ptr<acc_t>()}, n);
+    if (gather) gather_rows(TopkGather<scalar_t, acc_t>{t, rows.prep.data_ptr<acc_t>(), rows.x_given}, n);
     if (gather && topk_needs_jsd_step(rows.opt)) {
       gather_rows(TopkJsdStep<scalar_t, acc_t>{t, opt, rows.tail, p.stats_in.const_data_ptr<acc_t>(),
                                                rows.prep.data_ptr<acc_t>()},

@@ -288,8 +288,11 @@ def topk_distillation(op, a, x):
         v = a["logits"].shape[-1]
         start = a["vocab_start"]
         total = a["vocab_size"] if a["vocab_size"] >= 0 else start + v
-        _check(start == 0 and v == total, op, "a vocabulary shard (vocab_start=", start, ", vocab_size=", total,
-               ") is not supported; pass the whole vocabulary")
+        _check((a["row_stats"] is None) == (a["student_at_ids"] is None), op,
+               "row_stats and student_at_ids are a vocabulary shard's hooks: give both or neither")
+        _check((start == 0 and v == total) or a["row_stats"] is not None, op, "a vocabulary shard (vocab_start=",
+               start, ", vocab_size=", total, ") needs row_stats and student_at_ids (the whole vocabulary's; "
+               "rl_losses.topk_distillation_loss(..., tp_group=) makes them)")
     _check(a["tail"] in TOPK_TAILS, op, "tail must be 'none', 'renormalize' or 'tail', got '", a["tail"], "'")
     _distill_beta(a["beta"], op)
     _check(a["kind"] in TOPK_KINDS, op, "kind must be 'forward_kl', 'reverse_kl' or 'jsd', got '", a["kind"], "'")
@@ -309,6 +312,16 @@ def topk_distillation(op, a, x):
     k = ids.shape[-1]
     _check(1 <= k <= total, op, "teacher_ids must hold 1 <= K <= vocab_size ids per row, got K = ", k,
            " with vocab_size ", total)
+    if "hidden" in a:
+        return
+    check_row_stats(op, a["row_stats"], x, target.numel())
+    at_ids = a["student_at_ids"]
+    if at_ids is not None:
+        _check(at_ids.shape == ids.shape, op, "student_at_ids has shape ", _shape(at_ids.shape),
+               " but teacher_ids has ", _shape(ids.shape))
+        _check(at_ids.dtype == acc_dtype(x.dtype), op,
+               "student_at_ids must be float32 (float64 for float64 logits), got ", _dt(at_ids.dtype))
+        _check(at_ids.device == x.device, op, "student_at_ids is on ", at_ids.device, " but logits is on ", x.device)
 
 
 # ---- policy_token/policy_token.cpp -------------------------------------------------------------------------------

@@ -455,14 +455,12 @@ class LanguageModelTopkDistillationLoss(LanguageModelLoss):
 
     def _forward(self, logits, batch, bound):
         cfg = self.config
-        if self.tp_group is not None:
-            raise ValueError(f"{self.name}: vocabulary parallelism (tp_group) is not supported by topk_distillation")
         labels = _require(batch, LanguageModelLossKwargs.labels, self.name)
         ids, log_probs = (_of_reference_model(batch, key, cfg.reference_model, self.name)
                           for key in ("reference_topk_ids", "reference_topk_log_probs"))
         fn = topk_distillation.topk_distillation_loss if bound.kernel else reference_topk.topk_distillation_loss
         out = fn(logits, labels, ids, log_probs, divisor=batch.get(LanguageModelLossKwargs.num_labels_in_batch),
-                 **self._config_options("topk_distillation"))
+                 **self._config_options("topk_distillation"), **bound.options)
         count = (labels >= 0).sum().clamp_min(1)
         n = self.name
         return out.loss, {f"{n}_student_mass": out.student_mass.sum() / count,

@@ -5,6 +5,7 @@ log-probs."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from rl_losses import _schema
 from rl_losses._inputs import _direct, _divisor, _options
@@ -41,17 +42,43 @@ _TOPK_DOC = """
 
 
 def topk_distillation_loss(logits: torch.Tensor, target: torch.Tensor, teacher_ids: torch.Tensor,
-                           teacher_log_probs: torch.Tensor, **options) -> TopkDistillationOutput:
+                           teacher_log_probs: torch.Tensor, *, tp_group=None, **options) -> TopkDistillationOutput:
     options = _options("topk_distillation_loss", options, _TOPK)
+    if tp_group is not None:
+        return _topk_tp(logits, target, teacher_ids, teacher_log_probs, tp_group, options)
     return TopkDistillationOutput(*_direct(_ops.topk_distillation)(logits, target, teacher_ids, teacher_log_probs,
                                                                   **options))
 
 
+def _topk_tp(logits, target, teacher_ids, teacher_log_probs, tp_group, options) -> TopkDistillationOutput:
+    # A vocabulary shard (even shards, as distillation_loss's): the whole vocabulary's row statistics
+    # (distributed.tp_row_stats: in the batch-invariant mode its blocks, the same at every degree), and s·z at the
+    # teacher's ids, each from the shard that holds the id and 0 from the others, so that their SUM over the group is
+    # that value exactly, in any order. Every rank then computes the same K-wide sums, loss and outputs, and the
+    # gradient of its own columns.
+    from rl_losses import distributed
+    op = "topk_distillation_loss"
+    scale = _schema.option("topk_distillation", options, "logits_scale_factor")
+    stats, start, total = distributed._tp_setup(op, logits, target, tp_group, scale, None, None)
+    width = logits.shape[-1]
+    local = teacher_ids - start
+    held = (local >= 0) & (local < width)
+    values = logits.detach().gather(-1, local.clamp(0, width - 1)).to(stats.dtype) * scale
+    student_at_ids = torch.where(held, values, 0.0)
+    if student_at_ids.numel():
+        dist.all_reduce(student_at_ids, op=dist.ReduceOp.SUM, group=tp_group)
+    return TopkDistillationOutput(*_ops.topk_distillation(logits, target, teacher_ids, teacher_log_probs,
+                                                         row_stats=stats, student_at_ids=student_at_ids,
+                                                         vocab_start=start, vocab_size=total, **options))
+
+
 topk_distillation_loss.__doc__ = """Fused divergence from a teacher's top-K log-probs (logits (..., V)
-    float32/bfloat16/float16/float64; inplace_backward writes the gradient into them).""" + _TOPK_DOC
-_TOPK_DROP = ("vocab_start", "vocab_size")
+    float32/bfloat16/float16/float64; inplace_backward writes the gradient into them). Under ``tp_group``
+    (vocabulary parallelism, even shards) logits is this rank's column shard, teacher_ids global ids, and every
+    rank returns the same results and its shard's gradient.""" + _TOPK_DOC
+_TOPK_DROP = ("row_stats", "student_at_ids", "vocab_start", "vocab_size")
 topk_distillation_loss.__signature__ = _schema.signature("topk_distillation", drop=_TOPK_DROP,
-                                                         returns=TopkDistillationOutput)
+                                                         extra={"tp_group": None}, returns=TopkDistillationOutput)
 _TOPK = _schema.keywords("topk_distillation", drop=_TOPK_DROP)
 
 
