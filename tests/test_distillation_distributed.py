@@ -83,6 +83,12 @@ def _rank_results(rank):
         cols = slice(0, cut) if rank == 0 else slice(cut, vocab)
         results[name] = _run_topk(logits[..., cols].contiguous(), target, ids, lp, options, tp_group=dist.group.WORLD)
     results["topk_config"] = _topk_config(rank, tp_group=dist.group.WORLD)
+    name = "topk_jsd_renormalize"  # under torch.compile(fullgraph=True): the collective and the hooks traced
+    _, _, vocab, cut, _ = TOPK_CASES[name]
+    logits, target, ids, lp, options = _topk_inputs(name)
+    fn = torch.compile(rl_losses.topk_distillation_loss, fullgraph=True, backend="aot_eager")
+    results["topk_compiled"] = _run_topk(logits[..., slice(0, cut) if rank == 0 else slice(cut, vocab)].contiguous(),
+                                         target, ids, lp, options, fn=fn, tp_group=dist.group.WORLD)
     return results
 
 
@@ -150,3 +156,10 @@ def test_topk_config_under_tp_group(world_results):
                 assert_close(got[key], expected[key], dtype, scale=2.0, msg=f"{key}, rank {rank}")
         assert_grad_close(got["grad"], expected["grad"][..., slice(0, cut) if rank == 0 else slice(cut, vocab)], dtype,
                           scale=2.0)
+
+
+def test_topk_compiled_under_tp_group(world_results):
+    """torch.compile(fullgraph=True) of the sparse teacher under tp_group gives the eager call's bits."""
+    for rank, results in enumerate(world_results):
+        for key, value in results["topk_compiled"].items():
+            assert torch.equal(value, results["topk_jsd_renormalize"][key]), f"{key}, rank {rank}"

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from rl_losses import _schema
 from rl_losses._inputs import _direct, _divisor, _options
+from rl_losses.distributed import _tp_setup
 from rl_losses.functional import _plain_lm_head, linear_token_log_probs, token_log_probs
 from rl_losses.outputs import SampledKlOutput, TopkDistillationOutput
 
@@ -56,10 +57,9 @@ def _topk_tp(logits, target, teacher_ids, teacher_log_probs, tp_group, options) 
     # teacher's ids, each from the shard that holds the id and 0 from the others, so that their SUM over the group is
     # that value exactly, in any order. Every rank then computes the same K-wide sums, loss and outputs, and the
     # gradient of its own columns.
-    from rl_losses import distributed
     op = "topk_distillation_loss"
     scale = _schema.option("topk_distillation", options, "logits_scale_factor")
-    stats, start, total = distributed._tp_setup(op, logits, target, tp_group, scale, None, None)
+    stats, start, total = _tp_setup(op, logits, target, tp_group, scale, None, None)
     width = logits.shape[-1]
     local = teacher_ids - start
     held = (local >= 0) & (local < width)
