@@ -83,6 +83,11 @@ def _rank_results(rank):
         cols = slice(0, cut) if rank == 0 else slice(cut, vocab)
         results[name] = _run_topk(logits[..., cols].contiguous(), target, ids, lp, options, tp_group=dist.group.WORLD)
     results["topk_config"] = _topk_config(rank, tp_group=dist.group.WORLD)
+    try:  # int32 ids: the op's message on every rank (each holds the same ids: none waits in a collective)
+        rl_losses.topk_distillation_loss(logits[..., :cut].contiguous(), target, ids.int(), lp,
+                                         tp_group=dist.group.WORLD)
+    except RuntimeError as e:
+        results["topk_int32_ids"] = str(e)
     name = "topk_jsd_renormalize"  # under torch.compile(fullgraph=True): the collective and the hooks traced
     _, _, vocab, cut, _ = TOPK_CASES[name]
     logits, target, ids, lp, options = _topk_inputs(name)
@@ -163,3 +168,8 @@ def test_topk_compiled_under_tp_group(world_results):
     for rank, results in enumerate(world_results):
         for key, value in results["topk_compiled"].items():
             assert torch.equal(value, results["topk_jsd_renormalize"][key]), f"{key}, rank {rank}"
+
+
+def test_topk_bad_ids_under_tp_group(world_results):
+    for rank, results in enumerate(world_results):
+        assert "topk_distillation: teacher_ids must be int64, got Int" in results["topk_int32_ids"], rank

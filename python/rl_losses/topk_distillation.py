@@ -61,7 +61,8 @@ def _topk_tp(logits, target, teacher_ids, teacher_log_probs, tp_group, options) 
     scale = _schema.option("topk_distillation", options, "logits_scale_factor")
     stats, start, total = _tp_setup(op, logits, target, tp_group, scale, None, None)
     width = logits.shape[-1]
-    local = teacher_ids - start
+    # (ids of another dtype or device gathered anyway: the op, called with the caller's, then refuses them by name)
+    local = teacher_ids.to(device=logits.device, dtype=torch.int64) - start
     held = (local >= 0) & (local < width)
     values = logits.detach().gather(-1, local.clamp(0, width - 1)).to(stats.dtype) * scale
     student_at_ids = torch.where(held, values, 0.0)
