@@ -88,6 +88,7 @@ def _rank_results(rank):
                                          tp_group=dist.group.WORLD)
     except RuntimeError as e:
         results["topk_int32_ids"] = str(e)
+    results["sampled_kl"] = _sampled_kl(rank, tp_group=dist.group.WORLD)
     name = "topk_jsd_renormalize"  # under torch.compile(fullgraph=True): the collective and the hooks traced
     _, _, vocab, cut, _ = TOPK_CASES[name]
     logits, target, ids, lp, options = _topk_inputs(name)
@@ -95,6 +96,20 @@ def _rank_results(rank):
     results["topk_compiled"] = _run_topk(logits[..., slice(0, cut) if rank == 0 else slice(cut, vocab)].contiguous(),
                                          target, ids, lp, options, fn=fn, tp_group=dist.group.WORLD)
     return results
+
+
+def _sampled_kl(rank=None, fn=rl_losses.sampled_kl_loss, dtype=None, **group):
+    """sampled_kl_loss (k3, T = 1.3) on the first TOPK case's inputs: this rank's shard under tp_group."""
+    name = "topk_forward_kl_none"
+    _, _, vocab, cut, _ = TOPK_CASES[name]
+    logits, target, _, _, _ = _topk_inputs(name)
+    teacher = torch.linspace(-3.0, -0.5, target.numel(), dtype=torch.float64).view(target.shape)
+    if group:
+        logits = logits[..., slice(0, cut) if rank == 0 else slice(cut, vocab)].contiguous()
+    x = logits.to(dtype or logits.dtype).clone().requires_grad_()
+    out = fn(x, target, teacher.to(x.dtype), estimator="k3", temperature=1.3, **group)
+    out.loss.backward()
+    return {"loss": out.loss.detach(), "kl": out.kl.detach(), "advantages": out.advantages, "grad": x.grad}
 
 
 def _topk_config(rank=None, **group):
@@ -173,3 +188,24 @@ def test_topk_compiled_under_tp_group(world_results):
 def test_topk_bad_ids_under_tp_group(world_results):
     for rank, results in enumerate(world_results):
         assert "topk_distillation: teacher_ids must be int64, got Int" in results["topk_int32_ids"], rank
+
+
+def test_sampled_kl_under_tp_group(world_results):
+    """The sampled-token KL under tp_group: every rank's loss, estimates and advantages are the whole vocabulary's
+    (the single-process op's, and a float64 composition of the reference log-probs), its gradient the column block."""
+    from rl_losses import reference
+    from rl_losses.topk_distillation import sampled_kl
+
+    _, dtype, vocab, cut, _ = TOPK_CASES["topk_forward_kl_none"]
+    expected = _sampled_kl()
+    logits, target, _, _, _ = _topk_inputs("topk_forward_kl_none")
+    teacher = torch.linspace(-3.0, -0.5, target.numel(), dtype=torch.float64).view(target.shape)
+    log_q, _ = reference.token_log_probs(logits.double() / 1.3, target)
+    ref_kl = torch.where(target >= 0, sampled_kl(log_q, teacher, "k3"), 0.0)
+    for rank, results in enumerate(world_results):
+        got = results["sampled_kl"]
+        for key in ("loss", "kl", "advantages"):
+            assert_close(got[key], expected[key], dtype, scale=2.0, msg=f"{key}, rank {rank}")
+        assert_close(got["kl"], ref_kl, dtype, scale=4.0, msg=f"kl (float64), rank {rank}")
+        assert_grad_close(got["grad"], expected["grad"][..., slice(0, cut) if rank == 0 else slice(cut, vocab)], dtype,
+                          scale=2.0)

@@ -136,7 +136,7 @@ def _sampled_kl_output(name, log_probs, labels, teacher_log_probs, estimator, di
 
 
 def sampled_kl_loss(logits: torch.Tensor, labels: torch.Tensor, teacher_log_probs: torch.Tensor, *,
-                    estimator: str = "k1", temperature: float = 1.0, divisor=None) -> SampledKlOutput:
+                    estimator: str = "k1", temperature: float = 1.0, divisor=None, tp_group=None) -> SampledKlOutput:
     """The reverse-KL estimate of on-policy distillation at the sampled tokens (verl's
     compute_distillation_loss_reverse_kl_estimator): log q(y) from token_log_probs (one fused pass, differentiable),
     then sampled_kl elementwise; L = Σ_t kl_t / D over the labelled tokens (labels >= 0; D: their number by default).
@@ -145,9 +145,11 @@ def sampled_kl_loss(logits: torch.Tensor, labels: torch.Tensor, teacher_log_prob
     Args:
         logits: (..., V); labels: (...) sampled token ids (negative: ignored); teacher_log_probs: (...) the
             teacher's log-prob of each label. estimator: k1/kl, abs, k2/mse, k3/low_var_kl. temperature: T > 0.
+        tp_group: vocabulary parallelism, as token_log_probs' (logits: this rank's shard; the results the same on
+            every rank).
     Returns: SampledKlOutput(loss, kl, advantages).
     """
-    log_probs, _ = token_log_probs(logits, labels, temperature=temperature)
+    log_probs, _ = token_log_probs(logits, labels, temperature=temperature, tp_group=tp_group)
     return _sampled_kl_output("sampled_kl_loss", log_probs, labels, teacher_log_probs, estimator,
                               None if divisor is None else _divisor(divisor))
 
