@@ -49,6 +49,8 @@ TOPK_CASES = {  # name: (options, student dtype, vocabulary, column cut, K)
                                     26, 13, 6),
     "topk_jsd_renormalize": (dict(kind="jsd", beta=0.3, tail="renormalize"), torch.float64, 24, 12, 4),
     "topk_forward_kl_tail_fp32": (dict(kind="forward_kl", tail="tail", divisor=5.0), torch.float32, 32, 16, 8),
+    "topk_reverse_kl_bf16": (dict(kind="reverse_kl", tail="renormalize"), torch.bfloat16, 32, 16, 6),
+    "topk_jsd_fp16": (dict(kind="jsd", beta=0.5, tail="tail"), torch.float16, 24, 12, 4),  # pre-scaled gradient rows
 }
 
 
@@ -83,11 +85,12 @@ def _rank_results(rank):
         cols = slice(0, cut) if rank == 0 else slice(cut, vocab)
         results[name] = _run_topk(logits[..., cols].contiguous(), target, ids, lp, options, tp_group=dist.group.WORLD)
     results["topk_config"] = _topk_config(rank, tp_group=dist.group.WORLD)
-    try:  # int32 ids: the op's message on every rank (each holds the same ids: none waits in a collective)
-        rl_losses.topk_distillation_loss(logits[..., :cut].contiguous(), target, ids.int(), lp,
-                                         tp_group=dist.group.WORLD)
-    except RuntimeError as e:
-        results["topk_int32_ids"] = str(e)
+    for bad, bad_ids in (("int32", ids.int()), ("shape", ids[:2])):  # the op's message on every rank, no hang
+        try:
+            rl_losses.topk_distillation_loss(logits[..., :cut].contiguous(), target, bad_ids, lp,
+                                             tp_group=dist.group.WORLD)
+        except RuntimeError as e:
+            results[f"topk_{bad}_ids"] = str(e)
     results["sampled_kl"] = _sampled_kl(rank, tp_group=dist.group.WORLD)
     name = "topk_jsd_renormalize"  # under torch.compile(fullgraph=True): the collective and the hooks traced
     _, _, vocab, cut, _ = TOPK_CASES[name]
@@ -188,6 +191,8 @@ def test_topk_compiled_under_tp_group(world_results):
 def test_topk_bad_ids_under_tp_group(world_results):
     for rank, results in enumerate(world_results):
         assert "topk_distillation: teacher_ids must be int64, got Int" in results["topk_int32_ids"], rank
+        assert "teacher_ids must have shape (batch..., K) with batch shape [3, 5], got [2, 5, " in \
+            results["topk_shape_ids"], rank
 
 
 def test_sampled_kl_under_tp_group(world_results):

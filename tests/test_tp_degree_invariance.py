@@ -1,9 +1,9 @@
 """The batch-invariant mode across tensor-parallel degrees (docs/consistency.md, "Tensor parallelism"): a row's
 log-prob, entropy, loss terms and gradient (token_log_probs, cross-entropy, GRPO, GSPO, DPO, the fused head,
-distillation, from the teacher's logits and from its top-K ids) have the same bits whether its vocabulary is held by 1, 2 or 4 ranks
-(rl_losses.batch_invariance.vocab_blocks: blocks the same at every degree, added as one tree). Four gloo processes
-on CPU tensors, which form the groups of each degree; RL_LOSSES_DIST_BACKEND=nccl runs them on CUDA tensors, one GPU
-per rank (four ranks where four GPUs are present, else two).
+distillation, from the teacher's logits and from its top-K ids) have the same bits whether its vocabulary is held
+by 1, 2 or 4 ranks (rl_losses.batch_invariance.vocab_blocks: blocks the same at every degree, added as one tree).
+Four gloo processes on CPU tensors, which form the groups of each degree; RL_LOSSES_DIST_BACKEND=nccl runs them on
+CUDA tensors, one GPU per rank (four ranks where four GPUs are present, else two).
 """
 import os
 
@@ -36,7 +36,8 @@ def _inputs():
 PAIRS = torch.arange(N // 8).view(-1, 2)
 TOPK = 6  # the sparse teacher's ids per row: spread over the whole vocabulary, the blocks' edges included
 _g = torch.Generator().manual_seed(99)
-_EDGES = torch.tensor([0, BLOCK - 1, BLOCK, V // 2 - 1, V // 2, V - 1]).repeat(N // 6)  # one per row, first
+# One per row, first: the blocks' edges and the shards' at degrees 2 and 4.
+_EDGES = torch.tensor([0, BLOCK - 1, BLOCK, V // 4, V // 2 - 1, V // 2, 3 * V // 4, V - 1]).repeat(N // 8)
 _r = torch.rand(N, V, generator=_g).scatter_(1, _EDGES[:, None], 2.0)  # the edge sorts last: not drawn again
 TOPK_IDS = torch.cat([_EDGES[:, None], _r.argsort(-1)[:, :TOPK - 1]], dim=1)
 TOPK_LOG_PROBS = torch.log_softmax(torch.randn(N, TOPK + 1, generator=_g, dtype=torch.float64), -1)[:, :TOPK].float()

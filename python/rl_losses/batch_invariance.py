@@ -59,8 +59,12 @@ def _gather(tensor: torch.Tensor, group) -> torch.Tensor:
     # of device time on an H200 host).
     world = dist.get_world_size(group)
     out = tensor.new_empty(world * tensor.numel())  # (flat: gloo takes no other layout)
-    dist.all_gather_into_tensor(out, tensor.contiguous().view(-1), group=group)
+    _all_gather_single(out, tensor.contiguous().view(-1), group=group)
     return out.view(world, *tensor.shape)
+
+
+# all_gather_into_tensor's newer name (the old one warns on every call where both exist).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def group_sum(tensor: torch.Tensor, group) -> torch.Tensor:

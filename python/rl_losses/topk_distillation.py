@@ -61,11 +61,15 @@ def _topk_tp(logits, target, teacher_ids, teacher_log_probs, tp_group, options) 
     scale = _schema.option("topk_distillation", options, "logits_scale_factor")
     stats, start, total = _tp_setup(op, logits, target, tp_group, scale, None, None)
     width = logits.shape[-1]
-    # (ids of another dtype or device gathered anyway: the op, called with the caller's, then refuses them by name)
+    # Ids of another dtype, device or batch shape are not gathered from: the op, called with the caller's, refuses
+    # them by name on every rank (each holds the same ids), after the collective every rank makes.
     local = teacher_ids.to(device=logits.device, dtype=torch.int64) - start
-    held = (local >= 0) & (local < width)
-    values = logits.detach().gather(-1, local.clamp(0, width - 1)).to(stats.dtype) * scale
-    student_at_ids = torch.where(held, values, 0.0)
+    if local.dim() == logits.dim() and local.shape[:-1] == logits.shape[:-1]:
+        values = logits.detach().gather(-1, local.clamp(0, width - 1)).to(stats.dtype) * scale
+        # −0.0 elsewhere: x + (−0.0) is x for every x, both zeros included.
+        student_at_ids = torch.where((local >= 0) & (local < width), values, -0.0)
+    else:
+        student_at_ids = local.new_zeros(local.shape, dtype=stats.dtype)
     if student_at_ids.numel():
         dist.all_reduce(student_at_ids, op=dist.ReduceOp.SUM, group=tp_group)
     return TopkDistillationOutput(*_ops.topk_distillation(logits, target, teacher_ids, teacher_log_probs,
