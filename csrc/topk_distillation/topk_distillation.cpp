@@ -140,15 +140,16 @@ TopkDistillationResults topk_distillation_forward(RowSource& src, const at::Tens
     TORCH_CHECK(x.device() == f.options.device(), op, ": student_at_ids is on ", x.device(), " but logits is on ",
                 f.options.device());
   }
-  // The buffers between the passes: one allocation (new_scratch).
-  const std::vector<at::Tensor> scratch = new_scratch(opts, {{n, k}, {n, kTopkPrepFields}, {n, kTopkGradFields}});
+  // The buffers between the passes: one allocation (new_scratch); x only where no shard's hook gives it.
+  const bool x_given = hooks.student_at_ids.has_value();
+  const std::vector<at::Tensor> scratch =
+      new_scratch(opts, {{x_given ? 0 : n, k}, {n, kTopkPrepFields}, {n, kTopkGradFields}});
   TopkRows rows{.opt = opt,
                 .tail = tail,
                 .ids = rows_of_k(a.teacher_ids, n, k, a.teacher_ids.scalar_type()),
                 .log_probs = rows_of_k(a.teacher_log_probs, n, k, opts.dtype().toScalarType()),
-                .x = hooks.student_at_ids ? rows_of_k(*hooks.student_at_ids, n, k, opts.dtype().toScalarType())
-                                          : scratch[0],
-                .x_given = hooks.student_at_ids.has_value(),
+                .x = x_given ? rows_of_k(*hooks.student_at_ids, n, k, opts.dtype().toScalarType()) : scratch[0],
+                .x_given = x_given,
                 .prep = scratch[1],
                 .grad_rows = scratch[2],
                 .divisor = a.divisor ? at::Tensor() : labelled_count(f.target1d, opts.dtype().toScalarType()),

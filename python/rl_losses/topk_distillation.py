@@ -65,7 +65,9 @@ def _topk_tp(logits, target, teacher_ids, teacher_log_probs, tp_group, options) 
     # them by name on every rank (each holds the same ids), after the collective every rank makes.
     local = teacher_ids.to(device=logits.device, dtype=torch.int64) - start
     if local.dim() == logits.dim() and local.shape[:-1] == logits.shape[:-1]:
-        values = logits.detach().gather(-1, local.clamp(0, width - 1)).to(stats.dtype) * scale
+        values = logits.detach().gather(-1, local.clamp(0, width - 1)).to(stats.dtype)
+        if scale != 1:  # (x · 1 is x: no launch for the default)
+            values = values * scale
         # −0.0 elsewhere: x + (−0.0) is x for every x, both zeros included.
         student_at_ids = torch.where((local >= 0) & (local < width), values, -0.0)
     else:
