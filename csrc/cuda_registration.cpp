@@ -29,14 +29,15 @@ namespace {
 // Kernel F run with its first argument's GPU as the current device: the library's own launches (its kernels, their
 // stream, memsets, the device's properties) go to the current device, which need not be the tensors' one. The one
 // place that sets it for every CUDA op. A first tensor on the CPU (another argument on a GPU brought the call here)
-// sets nothing, so that the op's own device check reports the mismatch.
+// sets nothing, so that the op's own device check reports the mismatch. Below autograd, as every back-end's
+// kernels (common/boxed_kernel.h).
 template <BoxedKernel F>
 struct OnTensorsDevice {
   static void call(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
     const c10::IValue& first = *(stack->end() - op.schema().arguments().size());
     c10::cuda::OptionalCUDAGuard guard;
     if (first.isTensor() && first.toTensor().is_cuda()) guard.set_device(first.toTensor().device());
-    F(op, ks, stack);
+    BelowAutograd<F>::call(op, ks, stack);
   }
 };
 

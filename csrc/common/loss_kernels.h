@@ -14,21 +14,12 @@
 
 #include <string>
 
+#include "common/boxed_kernel.h"
 #include "common/row_source.h"
 #include "linear/linear_source.h"
 #include "op_args.h"
 
 namespace rl_losses {
-
-using BoxedKernel = void (*)(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack*);
-
-// A back-end's wrapper around every kernel it registers (CUDA: the device guard of cuda_registration.cpp).
-template <BoxedKernel F>
-struct Unwrapped {
-  static void call(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-    F(op, ks, stack);
-  }
-};
 
 template <class Loss, bool kInplace>
 void logits_loss_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
@@ -58,13 +49,8 @@ void linear_loss_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torc
   args.push_results();
 }
 
-template <BoxedKernel F, template <BoxedKernel> class Wrap>
-torch::CppFunction boxed() {
-  return torch::CppFunction::makeFromBoxedFunction<&Wrap<F>::call>();
-}
-
 // Registers a loss's forward kernels on one back-end: `_<name>_forward` and `_<name>_forward_inplace`.
-template <class Loss, template <BoxedKernel> class Wrap = Unwrapped>
+template <class Loss, template <BoxedKernel> class Wrap = BelowAutograd>
 void register_loss(torch::Library& m) {
   const std::string name = Loss::kName;
   m.impl(("_" + name + "_forward").c_str(), boxed<&logits_loss_kernel<Loss, false>, Wrap>());
@@ -72,7 +58,7 @@ void register_loss(torch::Library& m) {
 }
 
 // And `_linear_<name>_forward`, over the back-end's GEMMs.
-template <class Loss, const LinearBackend& (*kLinear)(), template <BoxedKernel> class Wrap = Unwrapped>
+template <class Loss, const LinearBackend& (*kLinear)(), template <BoxedKernel> class Wrap = BelowAutograd>
 void register_linear_loss(torch::Library& m) {
   const std::string name = std::string("_") + Loss::kLinearName + "_forward";
   m.impl(name.c_str(), boxed<&linear_loss_kernel<Loss, kLinear>, Wrap>());

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "common/boxed_kernel.h"
 #include "common/policy_cov.h"
 #include "common/rollout_statistic.h"
 #include "common/row_pass_cpu.h"
@@ -53,6 +54,7 @@ void scale_rows_cpu(const at::Tensor& grad2d, const g_t* g, int64_t g_stride, co
 // pre-scaled fp16 rows keep, in the forward's rounding, every value the single rounding of g·gradient keeps.
 void scale_grad_cpu(const at::Tensor& grad, const at::Tensor& grad_output,
                     const std::optional<at::Tensor>& row_unscale) {
+  at::AutoDispatchBelowADInplaceOrView guard;  // as the boxed kernels (common/boxed_kernel.h)
   if (grad.numel() == 0) return;
   const bool scalar = grad_output.numel() == 1 && grad_output.dim() == 0;
   const bool prescaled = row_unscale.has_value() && row_unscale->numel() > 0;
@@ -100,7 +102,7 @@ at::Tensor sequence_rule_cpu(int estimator, bool mean, double lo, double hi, con
 }
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
-  m.impl("row_stats", torch::CppFunction::makeFromBoxedFunction<&row_stats_kernel<stats_cpu>>());
+  m.impl("row_stats", boxed<&row_stats_kernel<stats_cpu>>());
   m.impl("_scale_grad_", &scale_grad_cpu);
 }
 

@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/boxed_kernel.h"
 #include "common/row_pass_cpu.h"
 #include "distillation/distillation.h"
 
@@ -282,11 +283,10 @@ const DistillBackend& distill_backend_cpu() {
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   using K = DistillKernels<distill_backend_cpu>;
-  using torch::CppFunction;
-  m.impl("_distillation_forward", CppFunction::makeFromBoxedFunction<&K::forward<false>>());
-  m.impl("_distillation_forward_inplace", CppFunction::makeFromBoxedFunction<&K::forward<true>>());
-  m.impl("distillation_stats", CppFunction::makeFromBoxedFunction<&K::stats>());
-  m.impl("distillation_jsd_sums", CppFunction::makeFromBoxedFunction<&K::jsd_sums>());
+  m.impl("_distillation_forward", boxed<&K::forward<false>>());
+  m.impl("_distillation_forward_inplace", boxed<&K::forward<true>>());
+  m.impl("distillation_stats", boxed<&K::stats>());
+  m.impl("distillation_jsd_sums", boxed<&K::jsd_sums>());
 }
 
 }  // namespace rl_losses

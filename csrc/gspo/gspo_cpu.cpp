@@ -16,7 +16,7 @@ TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
   using Gspo = GspoLoss<gspo_backend_cpu>;
   register_loss<Gspo>(m);
   register_linear_loss<Gspo, linear_backend_cpu>(m);
-  m.impl("gspo_document_sums", torch::CppFunction::makeFromBoxedFunction<&Gspo::document_sums>());
+  m.impl("gspo_document_sums", boxed<&Gspo::document_sums>());
 }
 
 }  // namespace rl_losses

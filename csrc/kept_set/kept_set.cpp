@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/boxed_kernel.h"
 #include "common/row_pass.h"
 
 namespace rl_losses {
@@ -68,7 +69,7 @@ void scatter_rows_cpu(const ScatterRowsInputs& in) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
-  m.impl("_scatter_rows", torch::CppFunction::makeFromBoxedFunction<&scatter_rows_op<&scatter_rows_cpu>>());
+  m.impl("_scatter_rows", boxed<&scatter_rows_op<&scatter_rows_cpu>>());
 }
 
 }  // namespace rl_losses

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "common/boxed_kernel.h"
 #include "common/checks.h"
 
 namespace rl_losses {
@@ -73,7 +74,7 @@ void policy_token_cpu(const PolicyTokenInputs& in) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_losses, CPU, m) {
-  m.impl("policy_token_loss", torch::CppFunction::makeFromBoxedFunction<&policy_token_op<&policy_token_cpu>>());
+  m.impl("policy_token_loss", boxed<&policy_token_op<&policy_token_cpu>>());
 }
 
 }  // namespace rl_losses
